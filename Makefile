@@ -1,0 +1,24 @@
+# Everything runs in a virtualenv this Makefile creates: `make demo`, `make test`, `make bench`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/seed_dag.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/k_heads.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

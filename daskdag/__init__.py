@@ -1,0 +1,12 @@
+"""daskdag: values and gradients of a DAG of JAX functions, computed as one Dask graph.
+
+>>> res = daskdag.compute_grads(dag, x, ["D", "E"])
+>>> res["D"].value, res["D"].grad
+"""
+
+from .api import Result, compute_grads
+from .errors import DAGError, NodeError
+from .spec import Node
+
+__all__ = ["compute_grads", "Node", "Result", "DAGError", "NodeError"]
+__version__ = "0.1.0"

@@ -1,0 +1,28 @@
+"""The two errors a user meets: a bad DAG spec, and a node that failed while running."""
+
+from __future__ import annotations
+
+
+class DAGError(ValueError):
+    """The DAG, its inputs, outputs or options are malformed. The message names the culprit."""
+
+
+class NodeError(RuntimeError):
+    """A node's function (or its pullback) raised. ``node`` names it; the original is ``__cause__``.
+
+    Picklable, cause included, so it survives the trip back from a ``distributed`` worker.
+    """
+
+    def __init__(self, node: str, phase: str, original: BaseException):
+        hint = ""
+        if type(original).__name__ == "ConcretizationTypeError":
+            hint = (" (the node is differentiated with jax.vjp, so its inputs are tracers: "
+                    "float(), int(), np.asarray() and bool() on them fail; "
+                    "wrap the non-JAX part in jax.custom_vjp to give it its own VJP)")
+        super().__init__(f"node {node!r} failed in its {phase} pass: "
+                         f"{type(original).__name__}: {original}{hint}")
+        self.node, self.phase, self.original = node, phase, original
+        self.__cause__ = original
+
+    def __reduce__(self):
+        return NodeError, (self.node, self.phase, self.original)

@@ -1,0 +1,62 @@
+"""Wire a :class:`~daskdag.plan.Plan` into one Dask graph of forward and backward tasks.
+
+In:  a plan, the input values, the user's cotangents.
+Out: ``{output: (value, {input: grad})}`` of ``dask.delayed`` objects sharing one graph.
+
+Keys are readable and deterministic: ``fwd-B-<token>`` (plus ``val-B``/``pb-B`` splitting the
+primal from the pullback, so downstream forward tasks never fetch residuals), ``bwd-D-B-<token>``
+for node B's backward pass towards output D, ``grad-D-x-<token>``. Outputs share forward keys, so
+every node runs once per call; tokens hash functions and inputs, so repeated calls on one
+cluster share them too.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from operator import getitem
+
+from dask.base import tokenize
+from dask.delayed import Delayed, delayed
+
+from . import tasks
+from .plan import Plan
+
+
+def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+    spec = plan.spec
+    val = {i: delayed(v, name=f"input-{i}-{tokenize(v)}", traverse=False) for i, v in values.items()}
+    pb = {}
+
+    # Forward: each needed node once; under jax.vjp when it depends on a differentiated input.
+    for n in plan.needed:
+        node, deps = spec.nodes[n], spec.nodes[n].deps
+        active = tuple(d in plan.wrt or d in plan.active for d in deps)
+        tok = tokenize(n, node.fn, node.jit, active, [val[d].key for d in deps])
+        fwd = delayed(partial(tasks.forward, n, node, active), pure=True)(
+            *(val[d] for d in deps), dask_key_name=f"fwd-{n}-{tok}")
+        if n in plan.active:
+            val[n] = delayed(getitem, pure=True)(fwd, 0, dask_key_name=f"val-{n}-{tok}")
+            pb[n] = delayed(getitem, pure=True)(fwd, 1, dask_key_name=f"pb-{n}-{tok}")
+        else:
+            val[n] = fwd
+
+    # Backward, per output: a node's cotangent is the sum of its consumers' shares.
+    results = {}
+    for o in plan.outputs:
+        bwd = {}
+        for n in reversed(plan.backward[o]):
+            seed = (delayed(tasks.seed, pure=True)(o, val[o], cotangents.get(o),
+                    dask_key_name=f"seed-{o}-{tokenize(val[o].key, cotangents.get(o))}")
+                    if n == o else None)
+            shares = [(bwd[c], i) for c, i in plan.consumers(n, o)]
+            tok = tokenize(pb[n].key, seed.key if seed is not None else None, [s.key for s, _ in shares])
+            bwd[n] = delayed(partial(tasks.backward, n), pure=True)(
+                pb[n], seed, shares, dask_key_name=f"bwd-{o}-{n}-{tok}")
+        grads = {}
+        for i in plan.wrt:
+            shares = [(bwd[c], k) for c, k in plan.consumers(i, o)]
+            tok = tokenize(val[i].key, [s.key for s, _ in shares])
+            grads[i] = delayed(tasks.gradient, pure=True)(
+                shares, val[i], dask_key_name=f"grad-{o}-{i}-{tok}")
+        results[o] = (val[o], grads)
+    return results

@@ -1,0 +1,41 @@
+"""What one call needs: which nodes run, which run under ``jax.vjp``, which feed each gradient.
+
+In:  a :class:`~daskdag.spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
+Out: a :class:`Plan`. Nothing here runs a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import Spec
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    outputs: tuple[str, ...]
+    wrt: tuple[str, ...]
+    needed: tuple[str, ...]  # nodes some output needs, in topological order
+    active: frozenset[str]  # needed nodes that depend on a wrt input: these run under jax.vjp
+    backward: dict[str, tuple[str, ...]]  # output -> active nodes on a path to it, topological
+
+    def consumers(self, name: str, output: str) -> list[tuple[str, int]]:
+        """(node, position) of each use of ``name`` on a path to ``output``."""
+        return [(c, i) for c in self.backward[output]
+                for i, d in enumerate(self.spec.nodes[c].deps) if d == name]
+
+
+def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Plan:
+    needed_set = spec.ancestors(outputs)
+    needed = tuple(n for n in spec.order if n in needed_set)
+    active = set(wrt)
+    for n in needed:  # topological, so every dep is settled before its consumer
+        if any(d in active for d in spec.nodes[n].deps):
+            active.add(n)
+    active = frozenset(active - set(wrt))
+    backward = {}
+    for o in outputs:
+        on_path = spec.ancestors([o])
+        backward[o] = tuple(n for n in needed if n in active and n in on_path)
+    return Plan(spec, outputs, wrt, needed, active, backward)

@@ -1,0 +1,90 @@
+"""The user's DAG dict, validated into a :class:`Spec`.
+
+In:  ``{name: (fn, [dep, ...])}`` or ``{name: Node(fn, deps, jit=...)}``; a dep that is not a node
+     name is a free input.
+Out: a :class:`Spec`: the nodes, the free inputs, and a topological order.
+"""
+
+from __future__ import annotations
+
+import graphlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+
+from .errors import DAGError
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node: ``fn(*values of deps)``.
+
+    ``jit=True`` runs ``fn`` under ``jax.jit`` (faster for small ops; ``fn`` must then be
+    traceable). The default runs it eagerly, so Python control flow on values, prints and other
+    side effects work.
+    """
+
+    fn: Callable[..., Any]
+    deps: Sequence[str]
+    jit: bool = False
+
+    def callable(self) -> Callable[..., Any]:
+        # jax caches compilations by the wrapped function, so re-wrapping costs nothing.
+        return jax.jit(self.fn) if self.jit else self.fn
+
+
+@dataclass(frozen=True)
+class Spec:
+    nodes: dict[str, Node]
+    inputs: tuple[str, ...]  # free inputs, in order of first appearance
+    order: tuple[str, ...]  # node names, each after all its deps
+
+    def ancestors(self, names) -> set[str]:
+        """Nodes and inputs that ``names`` depend on, ``names`` included."""
+        seen, stack = set(), list(names)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(self.nodes[n].deps if n in self.nodes else ())
+        return seen
+
+
+def parse(dag: Mapping) -> Spec:
+    """Validate ``dag`` and return its :class:`Spec`; raise :class:`DAGError` naming the culprit."""
+    if not isinstance(dag, Mapping):
+        raise DAGError(f"the DAG must be a dict {{name: (fn, [deps])}}, got {type(dag).__name__}")
+    if not dag:
+        raise DAGError("the DAG is empty")
+    nodes = {name: _node(name, entry) for name, entry in dag.items()}
+    inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
+    try:
+        order = tuple(n for n in graphlib.TopologicalSorter(
+            {name: node.deps for name, node in nodes.items()}).static_order() if n in nodes)
+    except graphlib.CycleError as e:
+        cycle = e.args[1]  # [a, b, ..., a], each depending on the next one's predecessor
+        raise DAGError(f"the DAG has a cycle: {' -> '.join(reversed(cycle))}") from None
+    return Spec(nodes, inputs, order)
+
+
+def _node(name, entry) -> Node:
+    if not isinstance(name, str):
+        raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
+    if isinstance(entry, Node):
+        fn, deps, opts = entry.fn, entry.deps, {"jit": entry.jit}
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        (fn, deps), opts = entry, {}
+    else:
+        raise DAGError(f"node {name!r}: expected (fn, [deps]) or daskdag.Node(fn, deps), "
+                       f"got {entry!r}")
+    if not callable(fn):
+        raise DAGError(f"node {name!r}: fn is not callable: {fn!r}")
+    if isinstance(deps, str) or not isinstance(deps, Sequence):
+        raise DAGError(f"node {name!r}: deps must be a list of names, got {deps!r}"
+                       + (f" (did you mean [{deps!r}]?)" if isinstance(deps, str) else ""))
+    for d in deps:
+        if not isinstance(d, str):
+            raise DAGError(f"node {name!r}: dep {d!r} is not a string")
+    return Node(fn, tuple(deps), **opts)
