@@ -44,6 +44,15 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
     call and :class:`~daskdag.NodeError` when a node raises.
     """
+    spec, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
+    (computed,) = dask.compute(graph, scheduler=client)
+    single = len(spec.inputs) == 1
+    results = {o: Result(v, g[spec.inputs[0]] if single else g) for o, (v, g) in computed.items()}
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
+    """Validate a call and return ``(spec, {output: (value, {input: grad})})`` as ``dask.delayed``."""
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
@@ -52,12 +61,7 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     for o in cotangents:
         if o not in names:
             raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(names)}")
-    plan = make_plan(spec, names, wrt)
-    graph = build(plan, values, cotangents)
-    (computed,) = dask.compute(graph, scheduler=client)
-    single = len(spec.inputs) == 1
-    results = {o: Result(v, g[spec.inputs[0]] if single else g) for o, (v, g) in computed.items()}
-    return results[outputs] if isinstance(outputs, str) else results
+    return spec, build(make_plan(spec, names, wrt), values, cotangents)
 
 
 def _outputs(spec, outputs) -> tuple[str, ...]:

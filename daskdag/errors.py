@@ -17,7 +17,7 @@ class NodeError(RuntimeError):
         hint = ""
         if type(original).__name__ == "ConcretizationTypeError":
             hint = (" (the node is differentiated with jax.vjp, so its inputs are tracers: "
-                    "float(), int(), np.asarray() and bool() on them fail; "
+                    "float(), int() and np.asarray() on them fail; "
                     "wrap the non-JAX part in jax.custom_vjp to give it its own VJP)")
         super().__init__(f"node {node!r} failed in its {phase} pass: "
                          f"{type(original).__name__}: {original}{hint}")

@@ -64,8 +64,8 @@ def parse(dag: Mapping) -> Spec:
         order = tuple(n for n in graphlib.TopologicalSorter(
             {name: node.deps for name, node in nodes.items()}).static_order() if n in nodes)
     except graphlib.CycleError as e:
-        cycle = e.args[1]  # [a, b, ..., a], each depending on the next one's predecessor
-        raise DAGError(f"the DAG has a cycle: {' -> '.join(reversed(cycle))}") from None
+        cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
+        raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
     return Spec(nodes, inputs, order)
 
 

@@ -1,0 +1,104 @@
+"""Every user error names what it concerns; node failures keep the original as __cause__."""
+
+import pickle
+
+import jax.numpy as jnp
+import pytest
+
+import daskdag
+from daskdag import DAGError, Node, NodeError
+
+X = jnp.arange(3.0)
+ok = lambda a: a * 2
+
+
+@pytest.mark.parametrize("dag, match", [
+    ([("A", ok)], "must be a dict"),
+    ({}, "empty"),
+    ({1: (ok, ["x"])}, "node names must be strings, got 1"),
+    ({"A": ok}, "node 'A': expected \\(fn, \\[deps\\]\\)"),
+    ({"A": (ok, ["x"], 3)}, "node 'A': expected"),
+    ({"A": ("not callable", ["x"])}, "node 'A': fn is not callable"),
+    ({"A": (ok, "x")}, "node 'A': deps must be a list of names.*did you mean \\['x'\\]"),
+    ({"A": (ok, ["x", 2])}, "node 'A': dep 2 is not a string"),
+    ({"A": Node(ok, [None])}, "node 'A': dep None is not a string"),
+])
+def test_malformed_dag(dag, match):
+    with pytest.raises(DAGError, match=match):
+        daskdag.compute_grads(dag, X, "A")
+
+
+def test_cycle_shows_its_path():
+    dag = {"A": (ok, ["x", "C"]), "B": (ok, ["A"]), "C": (ok, ["B"]), "D": (ok, ["C"])}
+    with pytest.raises(DAGError, match="cycle") as e:
+        daskdag.compute_grads(dag, X, "D")
+    path = str(e.value).split(": ", 1)[1].split(" (")[0].split(" -> ")
+    assert path[0] == path[-1] and set(path) == {"A", "B", "C"}
+    for a, b in zip(path, path[1:]):  # each feeds the next
+        assert a in dag[b][1]
+
+
+def test_self_loop():
+    with pytest.raises(DAGError, match="cycle: A -> A"):
+        daskdag.compute_grads({"A": (ok, ["A"])}, X, "A")
+
+
+def test_unknown_output():
+    dag = {"A": (ok, ["x"])}
+    with pytest.raises(DAGError, match="output 'Z' is not a node of the DAG"):
+        daskdag.compute_grads(dag, X, ["A", "Z"])
+    with pytest.raises(DAGError, match="output 'x' is a free input, not a node"):
+        daskdag.compute_grads(dag, X, "x")
+    with pytest.raises(DAGError, match="no outputs"):
+        daskdag.compute_grads(dag, X, [])
+
+
+def test_missing_and_unknown_input_values():
+    dag = {"A": (lambda x, w: x * w, ["x", "w"]), "B": (jnp.sum, ["A"])}
+    with pytest.raises(DAGError, match="no value for input 'w' \\(used by \\['A'\\]\\)"):
+        daskdag.compute_grads(dag, {"x": X}, "B")
+    with pytest.raises(DAGError, match="'q', which is not a free input"):
+        daskdag.compute_grads(dag, {"x": X, "w": X, "q": X}, "B")
+    with pytest.raises(DAGError, match="2 free inputs \\['x', 'w'\\]: pass x as a dict"):
+        daskdag.compute_grads(dag, X, "B")
+
+
+def test_bad_wrt():
+    dag = {"A": (lambda x, i: jnp.sum(x[i]), ["x", "i"])}
+    inputs = {"x": X, "i": jnp.array([0, 1])}
+    with pytest.raises(DAGError, match="wrt names 'z', which is not a given free input"):
+        daskdag.compute_grads(dag, inputs, "A", wrt=["z"])
+    with pytest.raises(DAGError, match="wrt names input 'i', whose leaves are not all floating"):
+        daskdag.compute_grads(dag, inputs, "A", wrt=["i"])
+    with pytest.raises(DAGError, match="no input to differentiate"):
+        daskdag.compute_grads({"A": (ok, ["n"])}, jnp.arange(3), "A")
+
+
+def test_non_scalar_output_needs_a_cotangent():
+    dag = {"A": (jnp.sin, ["x"])}
+    with pytest.raises(ValueError, match="output 'A' is not a real scalar: it is an array of "
+                                         "shape \\(3,\\).*cotangents=\\{'A': ct\\}"):
+        daskdag.compute_grads(dag, X, "A")
+    with pytest.raises(ValueError, match="cotangent for output 'A' is an array of shape \\(2,\\)"):
+        daskdag.compute_grads(dag, X, "A", cotangents={"A": jnp.ones(2)})
+    with pytest.raises(DAGError, match="cotangents given for 'B', which is not a requested output"):
+        daskdag.compute_grads(dag, X, "A", cotangents={"B": 1.0})
+
+
+def test_node_exception_names_the_node_and_keeps_the_cause():
+    def bad(a):
+        raise ZeroDivisionError("boom")
+
+    dag = {"A": (ok, ["x"]), "B": (bad, ["A"]), "C": (jnp.sum, ["B"])}
+    with pytest.raises(NodeError, match="node 'B' failed in its forward pass: ZeroDivisionError: boom") as e:
+        daskdag.compute_grads(dag, X, "C")
+    assert e.value.node == "B" and isinstance(e.value.__cause__, ZeroDivisionError)
+
+    again = pickle.loads(pickle.dumps(e.value))  # travels back from distributed workers intact
+    assert again.node == "B" and isinstance(again.__cause__, ZeroDivisionError)
+
+
+def test_concretization_error_gets_a_hint():
+    dag = {"A": (lambda x: x * float(x[0]), ["x"]), "B": (jnp.sum, ["A"])}
+    with pytest.raises(NodeError, match="(?s)node 'A'.*ConcretizationTypeError.*jax.custom_vjp"):
+        daskdag.compute_grads(dag, X, "B")
