@@ -1,0 +1,86 @@
+"""compute_grads runs on the client it is given, else the active one, else Dask's threads."""
+
+import threading
+
+import distributed
+import jax
+import jax.numpy as jnp
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+
+from .conftest import assert_tree_close
+
+
+def _dag():
+    # Defined inside a function so cloudpickle ships them by value to worker processes.
+    return {"A": (lambda x: jnp.tanh(x) * 2, ["x"]), "B": (lambda a: a ** 2 + 1, ["A"]),
+            "D": (lambda b: jnp.sum(jnp.log(b)), ["B"]), "E": (lambda b: jnp.sum(b ** 0.5), ["B"])}
+
+
+def _check(res, x):
+    D = lambda x: jnp.sum(jnp.log((jnp.tanh(x) * 2) ** 2 + 1))
+    E = lambda x: jnp.sum(((jnp.tanh(x) * 2) ** 2 + 1) ** 0.5)
+    for o, f in {"D": D, "E": E}.items():
+        value, grad = jax.value_and_grad(f)(x)
+        assert_tree_close(res[o].value, value)
+        assert_tree_close(res[o].grad, grad)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # One worker process for now: pullbacks stay in the process that made them.
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
+                      dashboard_address=None) as cluster:
+        yield cluster
+
+
+X = jnp.linspace(-1.0, 1.0, 6)
+
+
+def test_default_is_threads_and_starts_no_cluster():
+    threads = set()
+    dag = _dag()
+    fn = dag["A"][0]
+    dag["A"] = (lambda x: (threads.add(threading.current_thread().name), fn(x))[1], ["x"])
+    _check(daskdag.compute_grads(dag, X, ["D", "E"]), X)
+    assert threads and threading.main_thread().name not in threads
+    with pytest.raises(ValueError):
+        distributed.default_client()  # none was created behind the user's back
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_explicit_client_runs_every_task_on_the_cluster(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        with distributed.get_task_stream(client) as ts:
+            res = daskdag.compute_grads(_dag(), X, ["D", "E"], client=client)
+        _check(res, X)
+        ran = [t["key"] for t in ts.data]
+        fwd = sorted(k.split("-")[1] for k in ran if k.startswith("fwd-"))
+        assert fwd == ["A", "B", "D", "E"]  # each node once, on the worker
+        assert {k.split("-")[1] for k in ran if k.startswith("bwd-")} == {"D", "E"}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_active_client_is_used_by_default(cluster):
+    with Client(cluster) as client:
+        with distributed.get_task_stream(client) as ts:
+            res = daskdag.compute_grads(_dag(), X, ["D", "E"])
+        _check(res, X)
+        assert any(t["key"].startswith("fwd-B-") for t in ts.data)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_node_error_travels_back_from_a_worker(cluster):
+    def bad(b):
+        raise FloatingPointError("negative pressure")
+
+    dag = {**_dag(), "E": (bad, ["B"])}
+    with Client(cluster, set_as_default=False) as client:
+        with pytest.raises(daskdag.NodeError, match="node 'E' failed in its forward pass") as e:
+            daskdag.compute_grads(dag, X, ["D", "E"], client=client)
+    assert e.value.node == "E" and isinstance(e.value.__cause__, FloatingPointError)
