@@ -1,7 +1,7 @@
 """K scalar heads over one expensive shared trunk: values and gradients three ways.
 
-    x -> t1 -> t2 -> ... -> t_mid -> ... -> t_depth
-                              \\________________\\____> head_k(t_mid, t_depth),  k = 0..K-1
+    x -> t0 -> t1 -> ... -> t_mid -> ... -> t_last
+                              \\________________\\____> head_k(t_mid, t_last),  k = 0..K-1
 
 Each trunk node is ``tanh(h @ W_i)`` on a ``width x width`` float32 matrix; each head is a cheap,
 different scalar of the middle and last trunk nodes. We want all K values and all K gradients
@@ -15,9 +15,10 @@ with respect to ``x``, computed three ways, eagerly (no ``jax.jit``):
 
 Methods 2 and 3 do the same JAX work (one trunk forward, K trunk backwards), so their ratio is
 daskdag's overhead, which should stay within 10 %; naive / compute_grads is what it saves over
-the obvious code. Every method's values and gradients are first checked against naive's (exit 1
-if they disagree); then the methods are timed round-robin, each repetition starting at a
-different method, after one warm-up run of each.
+the obvious code. Each method's first run is its warm-up, and its values and gradients are
+checked against naive's (exit 1, before any timing, if they disagree); then the methods are
+timed round-robin, each repetition starting at the next method, and compared by median. The
+trunk's plain forward pass is timed too, to show the scale of the work.
 
 Run: ``python benchmarks/k_heads.py [--quick] [--out PATH]``.
 """
@@ -60,7 +61,7 @@ class Config:
         return self.depth // 2
 
 
-FULL = Config(heads=8, width=2048, depth=10, reps=3)
+FULL = Config(heads=8, width=2048, depth=8, reps=3)
 QUICK = Config(heads=8, width=1024, depth=6, reps=3)
 
 
@@ -158,6 +159,11 @@ def check(model: Model, x) -> dict[str, float]:
     return {name: worst_difference(got, out["naive"]) for name, got in out.items()}
 
 
+def time_trunk(model: Model, x, reps: int) -> float:
+    """Median seconds of one plain (non-differentiated) trunk forward pass."""
+    return statistics.median(timed(trunk, model, x)[0] for _ in range(reps))
+
+
 def time_methods(model: Model, x, reps: int) -> dict[str, list[float]]:
     """Seconds per run, round-robin, each repetition starting at the next method."""
     times = {name: [] for name in METHODS}
@@ -204,6 +210,8 @@ def main() -> int:
         print(f"DISAGREEMENT with naive beyond {RTOL}: {failed}; not timing", file=sys.stderr)
         return 1
 
+    trunk_s = time_trunk(model, x, cfg.reps)
+    print(f"trunk forward alone: {trunk_s:.3f} s")
     times = time_methods(model, x, cfg.reps)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     overhead = medians["compute_grads"] / medians["hand_written"]
@@ -222,6 +230,7 @@ def main() -> int:
         "machine": info,
         "config": {**asdict(cfg), "mid": cfg.mid, "quick": args.quick,
                    "scheduler": "dask threaded (default)", "jit": False},
+        "trunk_forward_median_s": trunk_s,
         "methods": {name: {"times_s": times[name], "median_s": medians[name],
                            "max_rel_diff_vs_naive": diffs[name]} for name in METHODS},
         "ratios": {"compute_grads/hand_written": overhead, "naive/compute_grads": saving},

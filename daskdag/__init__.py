@@ -5,6 +5,7 @@
 """
 
 from .api import Result, compute_grads
+from . import protocol  # noqa: F401  (registers JAX tokens with Dask)
 from .errors import DAGError, NodeError
 from .spec import Node
 

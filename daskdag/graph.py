@@ -20,19 +20,20 @@ from dask.delayed import Delayed, delayed
 
 from . import tasks
 from .plan import Plan
+from .protocol import cached_token
 
 
 def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     spec = plan.spec
-    val = {i: delayed(v, name=f"input-{i}-{tokenize(v)}", traverse=False) for i, v in values.items()}
+    val = {i: delayed(v, name=f"input-{i}-{cached_token(v)}", traverse=False) for i, v in values.items()}
     pb = {}
 
     # Forward: each needed node once; under jax.vjp when it depends on a differentiated input.
     for n in plan.needed:
         node, deps = spec.nodes[n], spec.nodes[n].deps
         active = tuple(d in plan.wrt or d in plan.active for d in deps)
-        tok = tokenize(n, node.fn, node.jit, active, [val[d].key for d in deps])
-        fwd = delayed(partial(tasks.forward, n, node, active), pure=True)(
+        tok = tokenize(n, cached_token(node.fn), node.jit, active, [val[d].key for d in deps])
+        fwd = delayed(partial(tasks.forward, n, node, active), name=f"forward-{n}-{tok}")(
             *(val[d] for d in deps), dask_key_name=f"fwd-{n}-{tok}")
         if n in plan.active:
             val[n] = delayed(getitem, pure=True)(fwd, 0, dask_key_name=f"val-{n}-{tok}")
@@ -45,18 +46,26 @@ def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed
     for o in plan.outputs:
         bwd = {}
         for n in reversed(plan.backward[o]):
-            seed = (delayed(tasks.seed, pure=True)(o, val[o], cotangents.get(o),
-                    dask_key_name=f"seed-{o}-{tokenize(val[o].key, cotangents.get(o))}")
-                    if n == o else None)
-            shares = [(bwd[c], i) for c, i in plan.consumers(n, o)]
-            tok = tokenize(pb[n].key, seed.key if seed is not None else None, [s.key for s, _ in shares])
-            bwd[n] = delayed(partial(tasks.backward, n), pure=True)(
-                pb[n], seed, shares, dask_key_name=f"bwd-{o}-{n}-{tok}")
+            if n == o:
+                ct = cotangents.get(o)
+                sources = [delayed(tasks.seed, pure=True)(
+                    o, val[o], ct, dask_key_name=f"seed-{o}-{tokenize(val[o].key, ct)}")]
+                positions = (None,)
+            else:
+                sources, positions = _shares(plan.consumers(n, o), bwd)
+            tok = tokenize(pb[n].key, [s.key for s in sources], positions)
+            bwd[n] = delayed(partial(tasks.backward, n, positions), name=f"backward-{n}")(
+                pb[n], *sources, dask_key_name=f"bwd-{o}-{n}-{tok}")
         grads = {}
         for i in plan.wrt:
-            shares = [(bwd[c], k) for c, k in plan.consumers(i, o)]
-            tok = tokenize(val[i].key, [s.key for s, _ in shares])
-            grads[i] = delayed(tasks.gradient, pure=True)(
-                shares, val[i], dask_key_name=f"grad-{o}-{i}-{tok}")
+            sources, positions = _shares(plan.consumers(i, o), bwd)
+            tok = tokenize(val[i].key, [s.key for s in sources], positions)
+            grads[i] = delayed(partial(tasks.gradient, positions), name="gradient")(
+                val[i], *sources, dask_key_name=f"grad-{o}-{i}-{tok}")
         results[o] = (val[o], grads)
     return results
+
+
+def _shares(uses, bwd):
+    """The backward tasks of a node's consumers, and the node's position among each one's deps."""
+    return [bwd[c] for c, _ in uses], tuple(i for _, i in uses)

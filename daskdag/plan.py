@@ -7,6 +7,7 @@ Out: a :class:`Plan`. Nothing here runs a node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .spec import Spec
 
@@ -22,8 +23,12 @@ class Plan:
 
     def consumers(self, name: str, output: str) -> list[tuple[str, int]]:
         """(node, position) of each use of ``name`` on a path to ``output``."""
-        return [(c, i) for c in self.backward[output]
-                for i, d in enumerate(self.spec.nodes[c].deps) if d == name]
+        on_path = self._on_path[output]
+        return [(c, i) for c, i in self.spec.uses.get(name, ()) if c in on_path]
+
+    @cached_property
+    def _on_path(self) -> dict[str, frozenset[str]]:
+        return {o: frozenset(nodes) for o, nodes in self.backward.items()}
 
 
 def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Plan:

@@ -40,6 +40,7 @@ class Spec:
     nodes: dict[str, Node]
     inputs: tuple[str, ...]  # free inputs, in order of first appearance
     order: tuple[str, ...]  # node names, each after all its deps
+    uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
 
     def ancestors(self, names) -> set[str]:
         """Nodes and inputs that ``names`` depend on, ``names`` included."""
@@ -66,7 +67,11 @@ def parse(dag: Mapping) -> Spec:
     except graphlib.CycleError as e:
         cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
         raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
-    return Spec(nodes, inputs, order)
+    uses = {}
+    for name in order:
+        for i, d in enumerate(nodes[name].deps):
+            uses[d] = uses.get(d, ()) + ((name, i),)
+    return Spec(nodes, inputs, order, uses)
 
 
 def _node(name, entry) -> Node:

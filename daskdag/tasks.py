@@ -26,23 +26,23 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
         raise NodeError(name, "forward", e) from e
 
 
-def backward(name: str, pullback, seed, shares):
+def backward(name: str, positions: tuple, pullback, *sources):
     """Pull the cotangent of node ``name`` back to its deps.
 
-    ``seed``: the cotangent when ``name`` is the output itself, else ``None``.
-    ``shares``: ``[(deps_cts, i)]``, one per use of ``name`` by a consumer on the path to the
-    output, ``deps_cts`` being that consumer's pulled-back tuple and ``i`` this node's position.
+    Its cotangent is the sum of its shares ``sources[k][positions[k]]``: ``sources[k]`` is what a
+    consumer on the path to the output pulled back, ``positions[k]`` this node's place among that
+    consumer's deps. For the output itself the one source is the seed, at position ``None``.
     """
-    ct = seed if seed is not None else total(cts[i] for cts, i in shares)
+    ct = total(s if i is None else s[i] for s, i in zip(sources, positions))
     try:
         return pullback(ct)
     except Exception as e:
         raise NodeError(name, "backward", e) from e
 
 
-def gradient(shares, x):
+def gradient(positions: tuple, x, *sources):
     """An input's gradient: the sum of its shares, or zeros when the output does not use it."""
-    return total(cts[i] for cts, i in shares) if shares else jax.tree.map(jnp.zeros_like, x)
+    return total(s[i] for s, i in zip(sources, positions)) if sources else jax.tree.map(jnp.zeros_like, x)
 
 
 def seed(output: str, primal, ct):
