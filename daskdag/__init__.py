@@ -5,9 +5,8 @@
 """
 
 from .api import Result, compute_grads
-from . import protocol  # noqa: F401  (registers JAX tokens with Dask)
-from .errors import DAGError, NodeError
+from .errors import ClusterError, DAGError, NodeError
 from .spec import Node
 
-__all__ = ["compute_grads", "Node", "Result", "DAGError", "NodeError"]
+__all__ = ["compute_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
 __version__ = "0.1.0"

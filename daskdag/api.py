@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask
+import distributed
 import jax
 import jax.numpy as jnp
 
+from . import cluster
 from .errors import DAGError
 from .graph import build
 from .plan import make_plan
@@ -44,7 +46,10 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
     call and :class:`~daskdag.NodeError` when a node raises.
     """
-    spec, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
+    spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
+    client = client if client is not None else _active_client()
+    if client is not None:
+        cluster.check(client, plan)
     (computed,) = dask.compute(graph, scheduler=client)
     single = len(spec.inputs) == 1
     results = {o: Result(v, g[spec.inputs[0]] if single else g) for o, (v, g) in computed.items()}
@@ -52,7 +57,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
 
 
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
-    """Validate a call and return ``(spec, {output: (value, {input: grad})})`` as ``dask.delayed``."""
+    """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
+    ``dask.delayed`` objects."""
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
@@ -61,7 +67,16 @@ def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
     for o in cotangents:
         if o not in names:
             raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(names)}")
-    return spec, build(make_plan(spec, names, wrt), values, cotangents)
+    plan = make_plan(spec, names, wrt)
+    return spec, plan, build(plan, values, cotangents)
+
+
+def _active_client():
+    """The ``distributed`` client in use, if any (none is ever started here)."""
+    try:
+        return distributed.default_client()
+    except ValueError:
+        return None
 
 
 def _outputs(spec, outputs) -> tuple[str, ...]:

@@ -26,3 +26,8 @@ class NodeError(RuntimeError):
 
     def __reduce__(self):
         return NodeError, (self.node, self.phase, self.original)
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot run this graph: versions that differ from the client's, or no worker
+    offering a resource a node needs. The message names the workers or the node."""

@@ -12,15 +12,17 @@ cluster share them too.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from operator import getitem
 
+import dask
 from dask.base import tokenize
 from dask.delayed import Delayed, delayed
 
 from . import tasks
 from .plan import Plan
-from .protocol import cached_token
+from .protocol import cached_token  # importing it registers daskdag's types with Dask
 
 
 def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
@@ -33,13 +35,14 @@ def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed
         node, deps = spec.nodes[n], spec.nodes[n].deps
         active = tuple(d in plan.wrt or d in plan.active for d in deps)
         tok = tokenize(n, cached_token(node.fn), node.jit, active, [val[d].key for d in deps])
-        fwd = delayed(partial(tasks.forward, n, node, active), name=f"forward-{n}-{tok}")(
-            *(val[d] for d in deps), dask_key_name=f"fwd-{n}-{tok}")
-        if n in plan.active:
-            val[n] = delayed(getitem, pure=True)(fwd, 0, dask_key_name=f"val-{n}-{tok}")
-            pb[n] = delayed(getitem, pure=True)(fwd, 1, dask_key_name=f"pb-{n}-{tok}")
-        else:
-            val[n] = fwd
+        with _placed(node):
+            fwd = delayed(partial(tasks.forward, n, node, active), name=f"forward-{n}-{tok}")(
+                *(val[d] for d in deps), dask_key_name=f"fwd-{n}-{tok}")
+            if n in plan.active:
+                val[n] = delayed(getitem, pure=True)(fwd, 0, dask_key_name=f"val-{n}-{tok}")
+                pb[n] = delayed(getitem, pure=True)(fwd, 1, dask_key_name=f"pb-{n}-{tok}")
+            else:
+                val[n] = fwd
 
     # Backward, per output: a node's cotangent is the sum of its consumers' shares.
     results = {}
@@ -54,8 +57,11 @@ def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed
             else:
                 sources, positions = _shares(plan.consumers(n, o), bwd)
             tok = tokenize(pb[n].key, [s.key for s in sources], positions)
-            bwd[n] = delayed(partial(tasks.backward, n, positions), name=f"backward-{n}")(
-                pb[n], *sources, dask_key_name=f"bwd-{o}-{n}-{tok}")
+            deps = spec.nodes[n].deps
+            with _placed(spec.nodes[n]):
+                bwd[n] = delayed(partial(tasks.backward, n, positions, len(deps)),
+                                 name=f"backward-{n}")(
+                    pb[n], *(val[d] for d in deps), *sources, dask_key_name=f"bwd-{o}-{n}-{tok}")
         grads = {}
         for i in plan.wrt:
             sources, positions = _shares(plan.consumers(i, o), bwd)
@@ -64,6 +70,11 @@ def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed
                 val[i], *sources, dask_key_name=f"grad-{o}-{i}-{tok}")
         results[o] = (val[o], grads)
     return results
+
+
+def _placed(node):
+    """Annotate the tasks made inside with the node's resources, for distributed's scheduler."""
+    return dask.annotate(resources=node.needs) if node.needs else nullcontext()
 
 
 def _shares(uses, bwd):

@@ -1,15 +1,29 @@
-"""How JAX values and daskdag's objects meet Dask: tokens for deterministic task keys.
+"""How JAX values and daskdag's objects meet Dask, registered once, with Dask's own tables.
 
-Registered once, on import, with Dask's own dispatch tables.
+- tokens: content hashes for deterministic task keys, once per array or function object;
+- sizes: the bytes a JAX array or a pullback holds, so the scheduler keeps backward tasks
+  beside their residuals and counts worker memory right;
+- frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
+  plus one zero-copy frame per residual array;
+- pickling ``jax.custom_vjp`` functions, which JAX cannot yet do, so nodes built on them
+  (typically wrapping NumPy or SciPy code) can be sent to workers.
 """
 
 from __future__ import annotations
 
+import copyreg
 import weakref
 
+import cloudpickle
 import jax
 import numpy as np
 from dask.base import normalize_token, tokenize
+from dask.sizeof import sizeof
+from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
+
+from .pullback import Pullback
+
+# -- tokens ---------------------------------------------------------------------------------------
 
 _tokens: dict[int, tuple[weakref.ref, str]] = {}  # id(obj) -> (weakref to obj, its token)
 
@@ -36,3 +50,65 @@ def cached_token(obj, compute=tokenize) -> str:
 def _normalize_jax_array(a):
     # Dask's fallback pickles a JAX array twice to hash it; its NumPy view hashes in one pass.
     return "jax.Array", cached_token(a, lambda a: tokenize(np.asarray(a)))
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+
+@sizeof.register(jax.Array)
+def _sizeof_jax_array(a) -> int:
+    return int(a.nbytes)
+
+
+@sizeof.register(Pullback)
+def _sizeof_pullback(pb) -> int:
+    return pb.residual_nbytes()
+
+
+# -- frames ---------------------------------------------------------------------------------------
+
+@dask_serialize.register(Pullback)
+def _serialize_pullback(pb: Pullback):
+    form = pb.portable()
+    consts, program = form.pop("consts", []), form.pop("program", None)
+    frames = [cloudpickle.dumps(form), program or b""]
+    headers = []
+    for a in consts:
+        if a is None:  # one of the node's inputs: the backward task has it
+            headers.append(None)
+            continue
+        h, f = serialize(a)
+        h["n_frames"] = len(f)
+        headers.append(h)
+        frames.extend(f)
+    return {"consts": headers, "has_program": program is not None}, frames
+
+
+@dask_deserialize.register(Pullback)
+def _deserialize_pullback(header, frames) -> Pullback:
+    form = cloudpickle.loads(frames[0])
+    if header["has_program"]:
+        form["program"] = frames[1]
+        consts, at = [], 2
+        for h in header["consts"]:
+            if h is None:
+                consts.append(None)
+                continue
+            consts.append(deserialize(h, frames[at:at + h["n_frames"]]))
+            at += h["n_frames"]
+        form["consts"] = consts
+    return Pullback.from_portable(form)
+
+
+# -- custom_vjp functions ---------------------------------------------------------------------------
+
+def _custom_vjp(fun, nondiff_argnums, fwd, bwd, symbolic_zeros, optimize_remat):
+    f = jax.custom_vjp(fun, nondiff_argnums=nondiff_argnums)
+    f.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, optimize_remat=optimize_remat)
+    return f
+
+
+def _reduce_custom_vjp(f):
+    return _custom_vjp, (f.fun, f.nondiff_argnums, f.fwd, f.bwd, f.symbolic_zeros, f.optimize_remat)
+
+
+copyreg.pickle(jax.custom_vjp, _reduce_custom_vjp)

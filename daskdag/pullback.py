@@ -2,39 +2,105 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
+import numpy as np
+
+from . import programs
+from .spec import Node
 
 
 class Pullback:
     """The backward half of one node's ``jax.vjp`` at one point; holds the residuals.
 
-    In:  the cotangent of the node's output (a pytree shaped like the output).
-    Out: a tuple aligned with the node's deps: each differentiated dep's cotangent, ``None`` for
-         the deps that were held constant.
+    Call: ``pullback(ct, inputs)``, with the cotangent of the node's output and the node's dep
+    values; returns a tuple aligned with the deps: each differentiated dep's cotangent, ``None``
+    for the deps held constant.
+
+    In the process that ran the forward pass it calls JAX's own vjp function. When Dask moves it
+    elsewhere (:mod:`daskdag.protocol`) it travels as :meth:`portable`: an exported program plus
+    its residual arrays, less those that are the node's own inputs, which the backward task
+    holds anyway. A program that cannot be exported (a host callback inside) travels as the
+    node's function instead, and its forward pass is redone there.
     """
 
-    __slots__ = ("vjp_fn", "active")
+    __slots__ = ("active", "_node", "_vjp", "_args", "_ct_avals", "_program", "_consts", "_slots",
+                 "_out_tree")
 
-    def __init__(self, vjp_fn: Callable, active: tuple[bool, ...]):
-        self.vjp_fn, self.active = vjp_fn, active
+    def __init__(self, node: Node, active: tuple[bool, ...], vjp_fn=None, args=None, ct_avals=None):
+        self._node, self.active, self._vjp, self._args, self._ct_avals = node, active, vjp_fn, args, ct_avals
+        self._program = self._consts = self._slots = self._out_tree = None
 
-    def __call__(self, ct):
-        cts = iter(self.vjp_fn(ct))
-        return tuple(next(cts) if on else None for on in self.active)
+    def __call__(self, ct, inputs: Sequence[Any]):
+        if self._vjp is not None:
+            cts = self._vjp(ct)
+        elif self._program is not None:
+            consts = list(self._consts)
+            for c, (d, k) in self._slots:
+                consts[c] = jax.tree.leaves(inputs[d])[k]
+            cts = jax.tree.unflatten(self._out_tree, self._program(*jax.tree.leaves(ct), *consts))
+        else:  # shipped as its function: redo this node's forward pass here
+            cts = linearize(self._node, inputs, self.active)[1]._vjp(ct)
+        it = iter(cts)
+        return tuple(next(it) if on else None for on in self.active)
+
+    def residual_nbytes(self) -> int:
+        arrays = jax.tree.leaves(self._vjp) if self._vjp is not None else self._consts or ()
+        return sum(getattr(a, "nbytes", 0) for a in arrays)
+
+    # -- travelling ------------------------------------------------------------------------------
+
+    def portable(self) -> dict:
+        """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
+        if self._vjp is None:
+            raise TypeError("only a pullback made in this process can be exported again")
+        try:
+            closed, out = jax.make_jaxpr(self._vjp, return_shape=True)(self._ct_avals)
+            key, program = programs.export(closed, jax.tree.leaves(self._ct_avals))
+        except Exception:  # e.g. "serialization of host_callbacks is not yet implemented"
+            return {"node": self._node, "active": self.active, "versions": programs.versions()}
+        where = {id(leaf): (d, k) for d, arg in enumerate(self._args)
+                 for k, leaf in enumerate(jax.tree.leaves(arg))}
+        slots = [(c, where[id(a)]) for c, a in enumerate(closed.consts) if id(a) in where]
+        taken = {c for c, _ in slots}
+        return {"node": self._node, "active": self.active, "key": key, "program": program,
+                "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)],
+                "slots": slots, "out_tree": jax.tree.structure(out), "versions": programs.versions()}
+
+    @classmethod
+    def from_portable(cls, form: dict) -> "Pullback":
+        """The inverse of :meth:`portable`, in the receiving process."""
+        programs.check_versions(form["versions"])
+        pb = cls(form["node"], form["active"])
+        if "program" in form:
+            pb._program = programs.load(form["key"], form["program"])
+            pb._consts, pb._slots, pb._out_tree = form["consts"], form["slots"], form["out_tree"]
+        return pb
+
+    def __reduce__(self):  # for pickle-based schedulers; distributed uses protocol.py's frames
+        return Pullback.from_portable, (self.portable(),)
 
 
-def linearize(fn: Callable, args: Sequence[Any], active: tuple[bool, ...]):
-    """Run ``fn(*args)`` once under ``jax.vjp``, differentiating only the ``active`` args.
+def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
+    """Run the node's function once under ``jax.vjp``, differentiating only the ``active`` args.
 
     Returns ``(primal, Pullback)``. Inactive args (integer indices, constants) are closed over,
     so they get no ``float0`` cotangents and cost no backward work.
     """
+
+    fn = node.callable()
 
     def fn_of_active(*diff):
         it = iter(diff)
         return fn(*(next(it) if on else a for a, on in zip(args, active)))
 
     primal, vjp_fn = jax.vjp(fn_of_active, *(a for a, on in zip(args, active) if on))
-    return primal, Pullback(vjp_fn, active)
+    ct_avals = jax.tree.map(_cotangent_aval, primal)
+    return primal, Pullback(node, active, vjp_fn, tuple(args), ct_avals)
+
+
+def _cotangent_aval(x) -> jax.ShapeDtypeStruct:
+    dtype = jax.numpy.result_type(x)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype if jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+                                else jax.dtypes.float0)

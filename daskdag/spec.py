@@ -24,11 +24,22 @@ class Node:
     ``jit=True`` runs ``fn`` under ``jax.jit`` (faster for small ops; ``fn`` must then be
     traceable). The default runs it eagerly, so Python control flow on values, prints and other
     side effects work.
+
+    ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
+    tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
+    ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
     """
 
     fn: Callable[..., Any]
     deps: Sequence[str]
     jit: bool = False
+    device: str | None = None
+    resources: Mapping[str, float] | None = None
+
+    @property
+    def needs(self) -> dict[str, float]:
+        """The Dask resources this node's tasks need on a worker (empty: any worker)."""
+        return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
         # jax caches compilations by the wrapped function, so re-wrapping costs nothing.
@@ -78,7 +89,8 @@ def _node(name, entry) -> Node:
     if not isinstance(name, str):
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
     if isinstance(entry, Node):
-        fn, deps, opts = entry.fn, entry.deps, {"jit": entry.jit}
+        fn, deps = entry.fn, entry.deps
+        opts = {"jit": entry.jit, "device": entry.device, "resources": entry.resources}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
         (fn, deps), opts = entry, {}
     else:
@@ -92,4 +104,12 @@ def _node(name, entry) -> Node:
     for d in deps:
         if not isinstance(d, str):
             raise DAGError(f"node {name!r}: dep {d!r} is not a string")
+    if opts.get("device") not in (None, "gpu"):
+        raise DAGError(f"node {name!r}: device must be 'gpu' or None, got {opts['device']!r}; "
+                       f"for other placements give resources={{'NAME': amount}}")
+    resources = opts.get("resources")
+    if resources is not None and not (isinstance(resources, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items())):
+        raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
+                       f"got {resources!r}")
     return Node(fn, tuple(deps), **opts)

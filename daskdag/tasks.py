@@ -20,22 +20,25 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
     """Primal of ``node`` alone when no dep is ``active``; else ``(primal, Pullback)``."""
     try:
         if any(active):
-            return linearize(node.callable(), args, active)
+            return linearize(node, args, active)
         return node.callable()(*args)
     except Exception as e:
         raise NodeError(name, "forward", e) from e
 
 
-def backward(name: str, positions: tuple, pullback, *sources):
+def backward(name: str, positions: tuple, n_deps: int, pullback, *args):
     """Pull the cotangent of node ``name`` back to its deps.
 
-    Its cotangent is the sum of its shares ``sources[k][positions[k]]``: ``sources[k]`` is what a
-    consumer on the path to the output pulled back, ``positions[k]`` this node's place among that
-    consumer's deps. For the output itself the one source is the seed, at position ``None``.
+    ``args`` are the node's ``n_deps`` dep values (a pullback that moved takes its input
+    residuals from them), then the sources of its cotangent, the sum of its shares
+    ``sources[k][positions[k]]``: ``sources[k]`` is what a consumer on the path to the output
+    pulled back, ``positions[k]`` this node's place among that consumer's deps. For the output
+    itself the one source is the seed, at position ``None``.
     """
+    inputs, sources = args[:n_deps], args[n_deps:]
     ct = total(s if i is None else s[i] for s, i in zip(sources, positions))
     try:
-        return pullback(ct)
+        return pullback(ct, inputs)
     except Exception as e:
         raise NodeError(name, "backward", e) from e
 

@@ -34,7 +34,7 @@ def test_node_without_differentiated_input_runs_plainly():
     inputs = {"c": jnp.ones(3), "x": jnp.arange(3.0)}
     r = daskdag.compute_grads(dag, inputs, "y", wrt=["x"])
     assert seen["tracer"] is False
-    _, graph = build_graph(dag, inputs, "y", wrt=["x"])
+    _, _, graph = build_graph(dag, inputs, "y", wrt=["x"])
     keys = [str(k) for k in _keys(graph)]
     assert not any(k.startswith(("pb-S-", "bwd-y-S-")) for k in keys)
     assert any(k.startswith("pb-y-") for k in keys)
@@ -57,9 +57,9 @@ def _deps(graph):
 
 def test_outputs_share_one_set_of_forward_keys(seed, x5):
     dag, _, _ = seed
-    _, both = build_graph(dag, x5, ["D", "E"])
-    _, only_d = build_graph(dag, x5, ["D"])
-    _, only_e = build_graph(dag, x5, ["E"])
+    _, _, both = build_graph(dag, x5, ["D", "E"])
+    _, _, only_d = build_graph(dag, x5, ["D"])
+    _, _, only_e = build_graph(dag, x5, ["E"])
     fwd = lambda g: {k for k in map(str, _keys(g)) if k.startswith("fwd-")}
 
     # One forward task per node, and the same keys as when each output is asked for alone.

@@ -30,8 +30,7 @@ def _check(res, x):
 
 @pytest.fixture(scope="module")
 def cluster():
-    # One worker process for now: pullbacks stay in the process that made them.
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True,
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster:
         yield cluster
 

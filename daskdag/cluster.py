@@ -1,0 +1,48 @@
+"""Checks on a ``distributed`` cluster before a graph goes to it.
+
+Both failures they catch would otherwise be silent: a task needing a resource that no worker
+offers waits forever, and a backward program exported under other JAX versions may compute
+something else.
+"""
+
+from __future__ import annotations
+
+from .errors import ClusterError
+from .plan import Plan
+from .programs import versions
+
+_versions_checked: set[tuple[str, frozenset]] = set()  # (client id, worker addresses)
+
+
+def check(client, plan: Plan) -> None:
+    """Raise :class:`~daskdag.ClusterError` naming the node or workers concerned."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    if not workers:  # an adaptive cluster may still be scaling up: nothing to check yet
+        return
+    _check_resources(plan, workers)
+    _check_versions(client, frozenset(workers))
+
+
+def _check_resources(plan: Plan, workers: dict) -> None:
+    for n in plan.needed:
+        needs = plan.spec.nodes[n].needs
+        if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())
+                             for w in workers.values()):
+            offered = {addr: w.get("resources", {}) for addr, w in workers.items()}
+            raise ClusterError(
+                f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
+                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources GPU=1`")
+
+
+def _check_versions(client, addresses: frozenset) -> None:
+    if (client.id, addresses) in _versions_checked:
+        return
+    here = versions()
+    found = client.run(versions, on_error="return")
+    wrong = {addr: v for addr, v in found.items() if v != here}
+    if wrong:
+        detail = "; ".join(f"{addr}: {v if isinstance(v, dict) else f'{type(v).__name__}: {v}'}"
+                           for addr, v in sorted(wrong.items(), key=lambda kv: kv[0]))
+        raise ClusterError(f"workers differ from this client ({here}): {detail}. Backward programs "
+                           f"only travel between identical jax, jaxlib and daskdag versions")
+    _versions_checked.add((client.id, addresses))

@@ -1,0 +1,272 @@
+"""Residuals that travel between worker processes, compile caching, placement, version safety."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dask.core import get_dependencies
+from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed.protocol import serialize
+
+import daskdag
+from daskdag import ClusterError, Node, programs
+from daskdag.api import build_graph
+from daskdag.pullback import Pullback, linearize
+
+from .conftest import assert_tree_close
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two worker processes: 'plain', and 'gpu' advertising GPU=1 (no real GPU needed)."""
+    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
+    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
+    with SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None,
+                                                              "host": "127.0.0.1"}},
+                     workers={"plain": worker, "gpu": gpu}, asynchronous=False) as cluster:
+        with Client(cluster, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=60)
+            yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+def _worker(client, name):
+    return next(addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                if w["name"] == name)
+
+
+def _compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
+    """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
+
+    The second submission finds the forward keys in memory and reuses them, so every backward
+    task must fetch its pullback from the other process.
+    """
+    _, _, graph = build_graph(dag, x, outputs, **kw)
+    dsk = dict(dask.delayed(graph).__dask_graph__())
+    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-", "pb-"))]
+    with distributed.get_task_stream(client) as ts:
+        held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
+        with client.as_current():
+            distributed.wait(held)
+        (computed,) = client.compute([graph], workers=[bwd_on], sync=True)
+    del held
+    ran = {t["key"]: t["worker"] for t in ts.data}
+    assert {w for k, w in ran.items() if k.startswith("fwd-")} == {fwd_on}
+    assert {w for k, w in ran.items() if k.startswith("bwd-")} == {bwd_on}
+    return computed, ran
+
+
+# Node functions of several kinds; each test checks against jax.vjp of the same function.
+def plain(x):
+    return jnp.sin(x) * jnp.exp(x / 3)
+
+
+def branchy(x):
+    if jnp.sum(x) > 0:
+        return jnp.tanh(x) ** 2
+    return jnp.cos(x)
+
+
+def pytrees(p):
+    return {"h": jnp.tanh(p["w"] @ p["v"]), "aux": (p["v"] * 2, jnp.sum(p["w"] ** 2))}
+
+
+def matvec(x, w):  # residuals include the large input w
+    return jnp.tanh(w @ x)
+
+
+X = jnp.linspace(-1.0, 2.0, 5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn, x", [
+    (plain, X),
+    (branchy, X),
+    (branchy, -X - 3),
+    (pytrees, {"w": jnp.arange(6.0).reshape(2, 3) / 10, "v": jnp.array([1.0, -1.0, 0.5])}),
+], ids=["plain", "control-flow-true", "control-flow-false", "pytrees"])
+def test_residuals_travel(client, fn, x):
+    ct = jax.tree.map(lambda y: jnp.full_like(y, 0.5), fn(x))
+    dag = {"N": (fn, ["x"])}
+    a, b = _worker(client, "plain"), _worker(client, "gpu")
+    res, _ = _compute_split(client, dag, x, ["N"], a, b, cotangents={"N": ct})
+    value, grads = res["N"]
+    ref_value, vjp = jax.vjp(fn, x)
+    assert_tree_close(value, ref_value)
+    assert_tree_close(grads["x"], vjp(ct)[0])
+
+
+@pytest.mark.timeout(120)
+def test_large_input_residual_travels_once(client):
+    w = jax.random.normal(jax.random.key(0), (512, 512)) / 20
+    x = jnp.linspace(-1.0, 1.0, 512)
+    dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"])}
+    a, b = _worker(client, "plain"), _worker(client, "gpu")
+    res, _ = _compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b)
+    value, grads = res["L"]
+    ref_value, ref_grads = jax.value_and_grad(lambda x, w: jnp.sum(matvec(x, w) ** 2), (0, 1))(x, w)
+    assert_tree_close(value, ref_value, rtol=1e-4)
+    assert_tree_close(grads["x"], ref_grads[0], rtol=1e-4)
+    assert_tree_close(grads["w"], ref_grads[1], rtol=1e-4)
+
+
+def test_bytes_shipped_are_the_residuals():
+    w = jax.random.normal(jax.random.key(1), (1024, 1024))  # 4 MiB, an input of the node
+    x = jnp.ones((1024, 256))
+    node = Node(lambda x, w: jnp.sum(jnp.tanh(w @ x)), ("x", "w"))
+    _, pb = linearize(node, (x, w), (True, False))
+    header, frames = serialize(pb)
+    shipped = sum(memoryview(f).nbytes for f in frames)
+    residuals = pb.residual_nbytes()  # w, and tanh's derivative (1 MiB), and scalars
+    not_inputs = residuals - w.nbytes
+    assert not_inputs >= 1024 * 256 * 4
+    # Only the residuals that are not the node's inputs, and a program of a few KB, travel.
+    assert not_inputs <= shipped <= not_inputs + 32 * 1024, (shipped, not_inputs)
+
+
+@pytest.mark.timeout(180)
+def test_one_compilation_per_worker_and_program(client):
+    dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"])}
+    w = jnp.eye(16) * 0.5
+    a, b = _worker(client, "plain"), _worker(client, "gpu")
+    before = client.run(programs.stats, workers=[b])[b]
+    items = 8
+    for i in range(items):
+        x = jnp.linspace(0.0, 1.0, 16) + i
+        res, _ = _compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b, wrt=["x"])
+        ref = jax.grad(lambda x: jnp.sum(matvec(x, w) ** 2))(x)
+        assert_tree_close(res["L"][1]["x"], ref, rtol=1e-4)
+    after = client.run(programs.stats, workers=[b])[b]
+    # Two nodes' pullbacks moved per item: two programs, each compiled once in this worker.
+    assert after["compiled"] - before["compiled"] == 2
+    assert after["cache_hits"] - before["cache_hits"] == 2 * (items - 1)
+
+
+@pytest.mark.timeout(120)
+def test_host_callback_node_recomputes_where_backward_runs(client):
+    def numpy_sin(x):
+        @jax.custom_vjp
+        def f(x):
+            return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+        def f_bwd(x, ct):
+            return (ct * jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x),)
+
+        f.defvjp(lambda x: (f(x), x), f_bwd)
+        return f(x)
+
+    dag = {"S": (numpy_sin, ["x"]), "L": (lambda s: jnp.sum(s ** 2), ["S"])}
+    a, b = _worker(client, "plain"), _worker(client, "gpu")
+    res, _ = _compute_split(client, dag, X, ["L"], a, b)
+    assert_tree_close(res["L"][1]["x"], jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(X))
+
+
+@pytest.mark.timeout(120)
+def test_gpu_nodes_run_only_on_the_gpu_worker(client):
+    dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]),
+           "B": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], device="gpu"),
+           "C": Node(lambda b: b ** 2, ["B"], resources={"GPU": 1}),
+           "D": (lambda c, a: jnp.sum(c * a), ["C", "A"]),
+           "E": (lambda b: jnp.sum(b), ["B"])}
+    gpu = _worker(client, "gpu")
+    with distributed.get_task_stream(client) as ts:
+        res = daskdag.compute_grads(dag, X, ["D", "E"], client=client)
+    placed = [t for t in ts.data if t["key"].split("-")[-2] in "BC" or
+              (t["key"].startswith("bwd-") and t["key"].split("-")[2] in "BC")]
+    assert len(placed) >= 2 * 3 + 3  # fwd/val/pb of B and C, and B, C's backward tasks
+    assert {t["worker"] for t in placed} == {gpu}
+
+    def D(x):
+        a = jnp.tanh(x) * 2
+        return jnp.sum((jnp.sin(a) @ jnp.ones((5, 5))) ** 2 * a)
+
+    assert_tree_close(res["D"].grad, jax.grad(D)(X), rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_missing_resource_is_an_error_not_a_hang(client):
+    dag = {"A": Node(jnp.sin, ["x"], resources={"TPU": 1}), "B": (jnp.sum, ["A"])}
+    with pytest.raises(ClusterError, match="node 'A' needs resources \\{'TPU': 1\\}, but no worker"):
+        daskdag.compute_grads(dag, X, "B", client=client)
+
+
+@pytest.mark.timeout(60)
+def test_version_mismatch_names_the_workers(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        b = _worker(client, "gpu")
+
+        def pretend(version):
+            daskdag.__version__ = version
+
+        client.run(pretend, "0.0.0-other", workers=[b])
+        try:
+            with pytest.raises(ClusterError, match=f"workers differ.*{b}.*0.0.0-other"):
+                daskdag.compute_grads({"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}, X, "B",
+                                      client=client)
+        finally:
+            client.run(pretend, daskdag.__version__, workers=[b])
+
+
+def test_program_from_other_versions_is_refused():
+    node = Node(plain, ("x",))
+    _, pb = linearize(node, (X,), (True,))
+    form = pb.portable()
+    form["versions"] = {**form["versions"], "jaxlib": "0.0.1"}
+    with pytest.raises(ClusterError, match="exported under .*0.0.1"):
+        Pullback.from_portable(form)
+
+
+@pytest.mark.timeout(180)
+def test_cluster_started_with_the_dask_cli(tmp_path):
+    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+    sched_file = tmp_path / "scheduler.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        for _ in range(2):
+            procs.append(subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
+                                           "--nthreads", "1", "--no-dashboard",
+                                           "--host", "127.0.0.1"], env=env))
+        import json
+        address = json.loads(sched_file.read_text())["address"]
+        assert address.startswith("tcp://127.0.0.1:")
+        with Client(address, set_as_default=False, timeout=60) as client:  # reached by address
+            client.wait_for_workers(2, timeout=60)
+            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"]),
+                   "M": (lambda h: jnp.max(h), ["h"])}
+            inputs = {"x": jnp.linspace(0, 1, 8), "w": jnp.eye(8) / 2}
+            res = daskdag.compute_grads(dag, inputs, ["L", "M"], client=client)
+            for o, f in {"L": lambda x, w: jnp.sum(matvec(x, w) ** 2),
+                         "M": lambda x, w: jnp.max(matvec(x, w))}.items():
+                ref = jax.grad(f, (0, 1))(inputs["x"], inputs["w"])
+                assert_tree_close(res[o].grad["x"], ref[0], rtol=1e-4)
+            split, _ = _compute_split(client, dag, inputs, ["L"], workers[0], workers[1])
+            assert_tree_close(split["L"][1]["w"],
+                              jax.grad(lambda w: jnp.sum(matvec(inputs["x"], w) ** 2))(inputs["w"]),
+                              rtol=1e-4)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
