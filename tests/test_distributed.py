@@ -199,6 +199,18 @@ def test_gpu_nodes_run_only_on_the_gpu_worker(client):
     assert_tree_close(res["D"].grad, jax.grad(D)(X), rtol=1e-4)
 
 
+@pytest.mark.timeout(120)
+def test_backward_beside_its_forward_serializes_nothing(client):
+    dag = {"A": Node(plain, ["x"], device="gpu"), "B": Node(branchy, ["A"], device="gpu"),
+           "L": Node(jnp.sum, ["B"], device="gpu"), "M": Node(jnp.max, ["B"], device="gpu")}
+    gpu = _worker(client, "gpu")
+    before = client.run(programs.stats)
+    res = daskdag.compute_grads(dag, X, ["L", "M"], client=client)
+    assert client.run(programs.stats) == before  # no pullback exported or loaded anywhere
+    assert_tree_close(res["M"].grad, jax.grad(lambda x: jnp.max(branchy(plain(x))))(X))
+    assert gpu in before
+
+
 @pytest.mark.timeout(60)
 def test_missing_resource_is_an_error_not_a_hang(client):
     dag = {"A": Node(jnp.sin, ["x"], resources={"TPU": 1}), "B": (jnp.sum, ["A"])}
