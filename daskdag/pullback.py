@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import programs
@@ -25,36 +26,36 @@ class Pullback:
     node's function instead, and its forward pass is redone there.
     """
 
-    __slots__ = ("active", "_node", "_vjp", "_args", "_ct_avals", "_program", "_consts", "_slots",
-                 "_out_tree")
+    __slots__ = ("active", "_node", "_vjp", "_args", "_ct_avals", "_form", "_program")
 
     def __init__(self, node: Node, active: tuple[bool, ...], vjp_fn=None, args=None, ct_avals=None):
         self._node, self.active, self._vjp, self._args, self._ct_avals = node, active, vjp_fn, args, ct_avals
-        self._program = self._consts = self._slots = self._out_tree = None
+        self._form = self._program = None  # set in a process that received this pullback
 
     def __call__(self, ct, inputs: Sequence[Any]):
         if self._vjp is not None:
             cts = self._vjp(ct)
         elif self._program is not None:
-            consts = list(self._consts)
-            for c, (d, k) in self._slots:
+            consts = list(self._form["consts"])
+            for c, (d, k) in self._form["slots"]:
                 consts[c] = jax.tree.leaves(inputs[d])[k]
-            cts = jax.tree.unflatten(self._out_tree, self._program(*jax.tree.leaves(ct), *consts))
+            flat = self._program(*jax.tree.leaves(ct), *consts)
+            cts = jax.tree.unflatten(self._form["out_tree"], flat)
         else:  # shipped as its function: redo this node's forward pass here
             cts = linearize(self._node, inputs, self.active)[1]._vjp(ct)
         it = iter(cts)
         return tuple(next(it) if on else None for on in self.active)
 
     def residual_nbytes(self) -> int:
-        arrays = jax.tree.leaves(self._vjp) if self._vjp is not None else self._consts or ()
+        arrays = jax.tree.leaves(self._vjp) if self._vjp is not None else self._form.get("consts", ())
         return sum(getattr(a, "nbytes", 0) for a in arrays)
 
     # -- travelling ------------------------------------------------------------------------------
 
     def portable(self) -> dict:
         """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
-        if self._vjp is None:
-            raise TypeError("only a pullback made in this process can be exported again")
+        if self._form is not None:  # received from elsewhere: passes on as it came
+            return dict(self._form)
         try:
             closed, out = jax.make_jaxpr(self._vjp, return_shape=True)(self._ct_avals)
             key, program = programs.export(closed, jax.tree.leaves(self._ct_avals))
@@ -73,9 +74,9 @@ class Pullback:
         """The inverse of :meth:`portable`, in the receiving process."""
         programs.check_versions(form["versions"])
         pb = cls(form["node"], form["active"])
+        pb._form = form
         if "program" in form:
             pb._program = programs.load(form["key"], form["program"])
-            pb._consts, pb._slots, pb._out_tree = form["consts"], form["slots"], form["out_tree"]
         return pb
 
     def __reduce__(self):  # for pickle-based schedulers; distributed uses protocol.py's frames
@@ -96,11 +97,12 @@ def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
         return fn(*(next(it) if on else a for a, on in zip(args, active)))
 
     primal, vjp_fn = jax.vjp(fn_of_active, *(a for a, on in zip(args, active) if on))
-    ct_avals = jax.tree.map(_cotangent_aval, primal)
+    ct_avals = jax.tree.map(cotangent_aval, primal)
     return primal, Pullback(node, active, vjp_fn, tuple(args), ct_avals)
 
 
-def _cotangent_aval(x) -> jax.ShapeDtypeStruct:
-    dtype = jax.numpy.result_type(x)
-    return jax.ShapeDtypeStruct(np.shape(x), dtype if jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+def cotangent_aval(x) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of a cotangent for primal leaf ``x``: ``float0`` for integer leaves."""
+    dtype = jnp.result_type(x)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(dtype, jnp.inexact)
                                 else jax.dtypes.float0)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import NodeError
-from .pullback import linearize
+from .pullback import cotangent_aval, linearize
 from .spec import Node
 
 
@@ -73,10 +73,10 @@ def _add(a, b):
 
 
 def _cotangent_like(ct, primal):
-    dtype = jnp.result_type(primal)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.asarray(ct, dtype)
-    return np.zeros(jnp.shape(primal), jax.dtypes.float0)  # integer leaves carry no cotangent
+    aval = cotangent_aval(primal)
+    if aval.dtype == jax.dtypes.float0:  # integer leaves carry no cotangent
+        return np.zeros(aval.shape, aval.dtype)
+    return jnp.asarray(ct, aval.dtype)
 
 
 def _describe(tree) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from dask.core import get_dependencies
 from distributed import Client, Nanny, Scheduler, SpecCluster
-from distributed.protocol import serialize
+from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import ClusterError, Node, programs
@@ -282,3 +282,14 @@ def test_cluster_started_with_the_dask_cli(tmp_path):
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+def test_received_pullback_can_travel_on():
+    w = jnp.eye(4) * 2
+    _, pb = linearize(Node(matvec, ("x", "w")), (X[:4], w), (True, False))
+    ct = jnp.arange(4.0)
+    once = deserialize(*serialize(pb))
+    twice = deserialize(*serialize(once))  # a worker passing on a replica it fetched
+    for p in (once, twice):
+        assert_tree_close(p(ct, (X[:4], w))[0], pb(ct, (X[:4], w))[0])
+    assert twice.residual_nbytes() == once.residual_nbytes() < pb.residual_nbytes()

@@ -2,6 +2,7 @@
 
 import threading
 
+import dask
 import distributed
 import jax
 import jax.numpy as jnp
@@ -83,3 +84,11 @@ def test_node_error_travels_back_from_a_worker(cluster):
         with pytest.raises(daskdag.NodeError, match="node 'E' failed in its forward pass") as e:
             daskdag.compute_grads(dag, X, ["D", "E"], client=client)
     assert e.value.node == "E" and isinstance(e.value.__cause__, FloatingPointError)
+
+
+@pytest.mark.timeout(180)
+def test_dask_multiprocessing_scheduler_pickles_pullbacks():
+    # Every task result travels back to the parent process by pickle: pullbacks included.
+    with dask.config.set(scheduler="processes", num_workers=2):
+        res = daskdag.compute_grads(_dag(), X, ["D", "E"])
+    _check(res, X)
