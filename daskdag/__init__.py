@@ -4,9 +4,9 @@
 >>> res["D"].value, res["D"].grad
 """
 
-from .api import Result, compute_grads
+from .api import Result, compute_grads, sweep_grads
 from .errors import ClusterError, DAGError, NodeError
 from .spec import Node
 
-__all__ = ["compute_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
+__all__ = ["compute_grads", "sweep_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
 __version__ = "0.1.0"

@@ -1,9 +1,10 @@
-"""The public entry point: :func:`compute_grads`."""
+"""The public entry points, :func:`compute_grads` and :func:`sweep_grads`, and the checks on
+their arguments."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
@@ -11,8 +12,8 @@ import distributed
 import jax
 import jax.numpy as jnp
 
-from . import cluster
-from .errors import DAGError
+from . import cluster, sweep
+from .errors import DAGError, NodeError
 from .graph import build
 from .plan import make_plan
 from .spec import parse
@@ -23,11 +24,14 @@ class Result:
     """One output's ``value`` and ``grad``.
 
     ``grad`` is shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
-    over the differentiated inputs.
+    over the differentiated inputs. From :func:`sweep_grads` both are stacked over the items,
+    and ``failed`` maps each item that failed (``errors='collect'``) to its
+    :class:`~daskdag.NodeError`; its rows hold NaN.
     """
 
     value: Any
     grad: Any
+    failed: Mapping[int, NodeError] = field(default_factory=dict)
 
 
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
@@ -62,13 +66,57 @@ def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
-    wrt = _wrt(spec, values, wrt)
-    cotangents = dict(cotangents or {})
-    for o in cotangents:
-        if o not in names:
-            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(names)}")
+    wrt = _wrt(spec, values, wrt, candidates=values)
     plan = make_plan(spec, names, wrt)
-    return spec, plan, build(plan, values, cotangents)
+    return spec, plan, build(plan, values, _cotangents(names, cotangents))
+
+
+def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
+                batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+                cotangents: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+                client=None, progress: bool = False, errors: str = "raise"):
+    """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
+
+    xs:         like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
+                item axis of one common length N.
+    batched:    the inputs that carry it (default: all given); the others are shared by every
+                item and sent to each worker once.
+    wrt:        default every batched input with floating leaves. A shared input named here gets
+                a gradient per item.
+    cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
+                output; the same for every item.
+    chunk_size: items per chunk (default: about four chunks per worker thread, at most 256).
+                Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
+    progress:   show a progress bar over items.
+    errors:     ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
+                item and node. ``'collect'``: every item that succeeded, and in
+                ``Result.failed`` the ones that did not.
+
+    Returns ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
+    stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``).
+    """
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, xs, names)
+    batched = _batched(values, batched)
+    size = _batch_size(values, batched)
+    wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
+    if errors not in ("raise", "collect"):
+        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    client = client if client is not None else _active_client()
+    planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size)
+    if client is not None:
+        cluster.check(client, planned.plan)
+    slots = sweep.parallelism(client)
+    chunk_size = chunk_size or sweep.default_chunk_size(size, slots)
+    stacked, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
+                                progress=progress, errors=errors)
+    single = len(spec.inputs) == 1
+    results = {o: Result(v.tree, g[spec.inputs[0]].tree if single else {i: s.tree for i, s in g.items()},
+                         failed) for o, (v, g) in stacked.items()}
+    return results[outputs] if isinstance(outputs, str) else results
 
 
 def _active_client():
@@ -109,11 +157,12 @@ def _input_values(spec, x, outputs) -> dict[str, Any]:
     return dict(x)
 
 
-def _wrt(spec, values, wrt) -> tuple[str, ...]:
+def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
+    """The inputs to differentiate: ``wrt`` checked, or the floating ones among ``candidates``."""
     if wrt is None:
-        wrt = tuple(i for i, v in values.items() if _floating(v))
+        wrt = tuple(i for i, v in candidates.items() if _floating(v))
         if not wrt:
-            raise DAGError(f"no input to differentiate: none of {list(values)} has only "
+            raise DAGError(f"no input to differentiate: none of {list(candidates)} has only "
                            f"floating-point leaves")
         return wrt
     wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
@@ -125,6 +174,42 @@ def _wrt(spec, values, wrt) -> tuple[str, ...]:
     if len(spec.inputs) == 1 and not wrt:
         raise DAGError(f"wrt is empty: nothing to differentiate")
     return tuple(dict.fromkeys(wrt))
+
+
+def _cotangents(outputs, cotangents) -> dict:
+    cotangents = dict(cotangents or {})
+    for o in cotangents:
+        if o not in outputs:
+            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(outputs)}")
+    return cotangents
+
+
+def _batched(values, batched) -> tuple[str, ...]:
+    if batched is None:
+        return tuple(values)
+    batched = (batched,) if isinstance(batched, str) else tuple(batched)
+    for i in batched:
+        if i not in values:
+            raise DAGError(f"batched names {i!r}, which is not a given free input {list(values)}")
+    if not batched:
+        raise DAGError("batched is empty: no input carries the items to sweep over")
+    return batched
+
+
+def _batch_size(values, batched) -> int:
+    """N, the leading axis length that every leaf of every batched input shares."""
+    sizes = {}
+    for i in batched:
+        for leaf in jax.tree.leaves(values[i]):
+            if jnp.ndim(leaf) == 0:
+                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
+            sizes.setdefault(jnp.shape(leaf)[0], i)
+    if len(sizes) != 1:
+        raise DAGError("batched inputs disagree on the number of items: "
+                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
+                       f"batched inputs {list(batched)} hold no arrays")
+    (size,) = sizes
+    return size
 
 
 def _floating(value) -> bool:

@@ -8,24 +8,26 @@ class DAGError(ValueError):
 
 
 class NodeError(RuntimeError):
-    """A node's function (or its pullback) raised. ``node`` names it; the original is ``__cause__``.
+    """A node's function (or its pullback) raised. ``node`` names it, ``item`` the sweep item
+    (else ``None``); the original exception is ``__cause__``.
 
     Picklable, cause included, so it survives the trip back from a ``distributed`` worker.
     """
 
-    def __init__(self, node: str, phase: str, original: BaseException):
+    def __init__(self, node: str, phase: str, original: BaseException, item: int | None = None):
         hint = ""
         if type(original).__name__ == "ConcretizationTypeError":
             hint = (" (the node is differentiated with jax.vjp, so its inputs are tracers: "
                     "float(), int() and np.asarray() on them fail; "
                     "wrap the non-JAX part in jax.custom_vjp to give it its own VJP)")
-        super().__init__(f"node {node!r} failed in its {phase} pass: "
+        where = f"item {item}: " if item is not None else ""
+        super().__init__(f"{where}node {node!r} failed in its {phase} pass: "
                          f"{type(original).__name__}: {original}{hint}")
-        self.node, self.phase, self.original = node, phase, original
+        self.node, self.phase, self.original, self.item = node, phase, original, item
         self.__cause__ = original
 
     def __reduce__(self):
-        return NodeError, (self.node, self.phase, self.original)
+        return NodeError, (self.node, self.phase, self.original, self.item)
 
 
 class ClusterError(RuntimeError):

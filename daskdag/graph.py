@@ -25,7 +25,9 @@ from .plan import Plan
 from .protocol import cached_token  # importing it registers daskdag's types with Dask
 
 
-def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False
+          ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+    """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk)."""
     spec = plan.spec
     val = {i: delayed(v, name=f"input-{i}-{cached_token(v)}", traverse=False) for i, v in values.items()}
     pb = {}
@@ -52,7 +54,7 @@ def build(plan: Plan, values: dict, cotangents: dict) -> dict[str, tuple[Delayed
             if n == o:
                 ct = cotangents.get(o)
                 sources = [delayed(tasks.seed, pure=True)(
-                    o, val[o], ct, dask_key_name=f"seed-{o}-{tokenize(val[o].key, ct)}")]
+                    o, val[o], ct, batched, dask_key_name=f"seed-{o}-{tokenize(val[o].key, ct)}")]
                 positions = (None,)
             else:
                 sources, positions = _shares(plan.consumers(n, o), bwd)

@@ -102,7 +102,8 @@ def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
 
 
 def cotangent_aval(x) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of a cotangent for primal leaf ``x``: ``float0`` for integer leaves."""
+    """Shape and dtype of a cotangent for primal leaf ``x`` (an array or its ShapeDtypeStruct):
+    ``float0`` for integer leaves."""
     dtype = jnp.result_type(x)
-    return jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(dtype, jnp.inexact)
-                                else jax.dtypes.float0)
+    return jax.ShapeDtypeStruct(jnp.shape(x) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape,
+                                dtype if jnp.issubdtype(dtype, jnp.inexact) else jax.dtypes.float0)

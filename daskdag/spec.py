@@ -25,6 +25,9 @@ class Node:
     traceable). The default runs it eagerly, so Python control flow on values, prints and other
     side effects work.
 
+    ``vmap=True`` (in sweeps) runs the node once per chunk of items under ``jax.vmap``, instead
+    of item by item; ``fn`` must then be traceable.
+
     ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
     tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
     ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
@@ -33,6 +36,7 @@ class Node:
     fn: Callable[..., Any]
     deps: Sequence[str]
     jit: bool = False
+    vmap: bool = False
     device: str | None = None
     resources: Mapping[str, float] | None = None
 
@@ -90,7 +94,8 @@ def _node(name, entry) -> Node:
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
     if isinstance(entry, Node):
         fn, deps = entry.fn, entry.deps
-        opts = {"jit": entry.jit, "device": entry.device, "resources": entry.resources}
+        opts = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
+                "resources": entry.resources}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
         (fn, deps), opts = entry, {}
     else:

@@ -48,19 +48,27 @@ def gradient(positions: tuple, x, *sources):
     return total(s[i] for s, i in zip(sources, positions)) if sources else jax.tree.map(jnp.zeros_like, x)
 
 
-def seed(output: str, primal, ct):
-    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``."""
+def seed(output: str, primal, ct, batched: bool = False):
+    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``.
+
+    ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
+    are for one item, and the seed is broadcast over the items.
+    """
+    item = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p),
+                                                       jnp.result_type(p)), primal)
     if ct is None:
-        if not (jax.tree_util.treedef_is_leaf(jax.tree.structure(primal)) and jnp.ndim(primal) == 0
-                and jnp.issubdtype(jnp.result_type(primal), jnp.floating)):
-            raise ValueError(f"output {output!r} is not a real scalar: it is {_describe(primal)}; "
+        if not (jax.tree_util.treedef_is_leaf(jax.tree.structure(item)) and item.shape == ()
+                and jnp.issubdtype(item.dtype, jnp.floating)):
+            raise ValueError(f"output {output!r} is not a real scalar: it is {_describe(item)}; "
                              f"pass cotangents={{{output!r}: ct}} with ct shaped like it")
         return jnp.ones_like(primal)
-    if jax.tree.structure(ct) != jax.tree.structure(primal) or any(
-            jnp.shape(c) != jnp.shape(p) for c, p in zip(jax.tree.leaves(ct), jax.tree.leaves(primal))):
-        raise ValueError(f"cotangent for output {output!r} is {_describe(ct)}, "
-                         f"but the output is {_describe(primal)}")
-    return jax.tree.map(_cotangent_like, ct, primal)
+    if jax.tree.structure(ct) != jax.tree.structure(item) or any(
+            jnp.shape(c) != i.shape for c, i in zip(jax.tree.leaves(ct), jax.tree.leaves(item))):
+        ct_avals = jax.tree.map(lambda c: jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)), ct)
+        raise ValueError(f"cotangent for output {output!r} is {_describe(ct_avals)}, "
+                         f"but the output is {_describe(item)}")
+    ct = jax.tree.map(_cotangent_like, ct, item)
+    return jax.tree.map(lambda c, p: np.broadcast_to(c, jnp.shape(p)), ct, primal) if batched else ct
 
 
 def total(cts):
@@ -72,14 +80,14 @@ def _add(a, b):
     return a if getattr(a, "dtype", None) == jax.dtypes.float0 else a + b
 
 
-def _cotangent_like(ct, primal):
-    aval = cotangent_aval(primal)
+def _cotangent_like(ct, item: jax.ShapeDtypeStruct):
+    aval = cotangent_aval(item)
     if aval.dtype == jax.dtypes.float0:  # integer leaves carry no cotangent
         return np.zeros(aval.shape, aval.dtype)
     return jnp.asarray(ct, aval.dtype)
 
 
-def _describe(tree) -> str:
-    shapes = jax.tree.map(lambda l: f"{jnp.result_type(l)}{list(jnp.shape(l))}", tree)
-    return str(shapes) if not jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)) else \
-        f"an array of shape {jnp.shape(tree)} and dtype {jnp.result_type(tree)}"
+def _describe(avals) -> str:
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(avals)):
+        return f"an array of shape {avals.shape} and dtype {avals.dtype}"
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", avals))

@@ -1,0 +1,201 @@
+"""Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
+
+Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
+whose node functions take a whole chunk (:class:`Chunked`): vectorized with ``jax.vmap`` for
+``Node(vmap=True)``, else item by item. Shared inputs keep one key in every chunk, so each
+reaches a worker once. A few chunks are in flight at a time; their results are written into the
+stacked outputs as they finish and their intermediates released, so memory stays bounded however
+many items there are. A chunk that fails is rerun item by item, to name the item and keep the rest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import dask
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from .errors import NodeError
+from .graph import build
+from .plan import Plan, make_plan
+from .protocol import cached_token
+from .spec import Node, Spec
+
+
+class Chunked:
+    """A node's function over a chunk; args whose ``in_axes`` is 0 carry a leading item axis."""
+
+    def __init__(self, node: Node, in_axes: tuple[int | None, ...]):
+        self.node, self.in_axes = node, in_axes
+
+    def __call__(self, *args):
+        fn = self.node.callable()
+        if self.node.vmap:
+            return jax.vmap(fn, in_axes=self.in_axes)(*args)
+        size = next(jax.tree.leaves(a)[0].shape[0] for a, ax in zip(args, self.in_axes) if ax == 0)
+        items = [fn(*(a if ax is None else jax.tree.map(lambda leaf: leaf[i], a)
+                      for a, ax in zip(args, self.in_axes))) for i in range(size)]
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *items)
+
+    def __dask_tokenize__(self):
+        return "Chunked", cached_token(self.node.fn), self.node.jit, self.node.vmap, self.in_axes
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What every chunk shares: the plan over the chunked spec, and which names carry items."""
+
+    plan: Plan
+    values: dict[str, Any]  # inputs as given
+    batched: frozenset[str]  # inputs that carry the item axis
+    broadcast: frozenset[str]  # shared inputs differentiated per item: broadcast in each chunk
+    carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
+    cotangents: dict[str, Any]
+    size: int
+
+    def shared(self, name: str) -> bool:
+        return name not in self.batched and name not in self.broadcast
+
+    def chunk(self, start: int, stop: int):
+        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``."""
+        values = {}
+        for i, v in self.values.items():
+            if i in self.batched:
+                v = jax.tree.map(lambda a: a[start:stop], v)
+            elif i in self.broadcast:
+                v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a))), v)
+            values[i] = v
+        return build(self.plan, values, self.cotangents, batched=True)
+
+
+def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size) -> Sweep:
+    broadcast = frozenset(wrt) - frozenset(batched)
+    carrying = set(batched) | broadcast
+    nodes = {}
+    for n in spec.order:
+        node = spec.nodes[n]
+        in_axes = tuple(0 if d in carrying else None for d in node.deps)
+        if 0 in in_axes:  # nodes of shared inputs alone stay as they are: one key, run once
+            carrying.add(n)
+            node = replace(node, fn=Chunked(node, in_axes), jit=False, vmap=False)
+        nodes[n] = node
+    plan = make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt))
+    return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size)
+
+
+def default_chunk_size(size: int, parallelism: int) -> int:
+    """About four chunks per parallel slot, for balance, and at most 256 items per chunk."""
+    return max(1, min(256, math.ceil(size / (4 * parallelism))))
+
+
+class Stacked:
+    """One output's values, or one gradient, stacked over all items as chunks arrive."""
+
+    def __init__(self, size: int):
+        self.size, self.tree = size, None
+
+    def put(self, start: int, stop: int, tree, carries_items: bool):
+        if not carries_items:  # the same for every item
+            tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
+        if self.tree is None:
+            self.tree = jax.tree.map(lambda a: _empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
+                                     tree)
+        for dst, src in zip(jax.tree.leaves(self.tree), jax.tree.leaves(tree)):
+            dst[start:stop] = np.asarray(src)
+
+
+def _empty(shape, dtype):
+    # NaN marks the rows of items that failed, where the dtype has one.
+    return np.full(shape, np.nan, dtype) if np.issubdtype(dtype, np.inexact) else np.zeros(shape, dtype)
+
+
+def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):
+    """Compute every chunk, ``in_flight`` at a time. Returns ``(stacked, failed)``.
+
+    ``stacked``: ``{output: (Stacked value, {input: Stacked grad})}``; ``failed``: ``{item:
+    NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first failure raises.
+    """
+    submit, wait_any, close = _engine(client, in_flight)
+    if client is not None:  # shared inputs go to the cluster once, not once per chunk
+        sweep = replace(sweep, values={i: client.scatter([v], hash=True)[0] if sweep.shared(i) else v
+                                       for i, v in sweep.values.items()})
+    stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
+               for o in sweep.plan.outputs}
+    failed: dict[int, NodeError] = {}
+    chunks = iter([(s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size)])
+    pending, broken = {}, []  # broken: chunks that failed, with errors='raise'
+    bar = tqdm(total=sweep.size, unit="item", disable=not progress)
+    try:
+        while True:
+            while not broken and len(pending) < in_flight and (c := next(chunks, None)) is not None:
+                pending[submit(sweep.chunk(*c))] = c
+            if not pending:
+                break
+            for fut in wait_any(list(pending)):
+                start, stop = pending.pop(fut)
+                try:
+                    _store(stacked, sweep, start, stop, fut.result())
+                except NodeError:
+                    if errors == "raise":  # finish what is in flight, then name the first item
+                        broken.append((start, stop))
+                        continue
+                    _rerun_items(sweep, start, stop, submit, stacked, failed, errors)
+                bar.update(stop - start)
+        if broken:  # chunks went in in order, so the first failing item is in the lowest one
+            _rerun_items(sweep, *min(broken), submit, stacked, failed, errors)
+    finally:
+        bar.close()
+        for fut in pending:
+            fut.cancel()
+        close()
+    return stacked, failed
+
+
+def _rerun_items(sweep, start, stop, submit, stacked, failed, errors):
+    """Each item of a failed chunk alone, in order: keep the good ones, name the bad ones."""
+    futures = [submit(sweep.chunk(i, i + 1)) for i in range(start, stop)]
+    for i, fut in zip(range(start, stop), futures):
+        try:
+            _store(stacked, sweep, i, i + 1, fut.result())
+        except NodeError as e:
+            err = NodeError(e.node, e.phase, e.original, item=i)
+            if errors == "raise":
+                raise err from e.original
+            failed[i] = err
+
+
+def _store(stacked, sweep, start, stop, computed):
+    for o, (value, grads) in computed.items():
+        stacked[o][0].put(start, stop, value, o in sweep.carrying)
+        for i, g in grads.items():
+            stacked[o][1][i].put(start, stop, g, True)
+
+
+def _engine(client, in_flight):
+    """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``."""
+    if client is None:  # Dask's local scheduler: each chunk synchronously, in_flight threads
+        pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
+        return (lambda graph: pool.submit(lambda: dask.compute(graph, scheduler="sync")[0]),
+                lambda fs: concurrent.futures.wait(fs, return_when="FIRST_COMPLETED").done,
+                lambda: pool.shutdown(cancel_futures=True))
+
+    def wait_any(fs):
+        with client.as_current():
+            return distributed.wait(fs, return_when="FIRST_COMPLETED").done
+
+    return client.compute, wait_any, lambda: None
+
+
+def parallelism(client) -> int:
+    if client is None:
+        return os.cpu_count() or 1
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    return max(1, sum(w.get("nthreads", 1) for w in workers))
