@@ -1,0 +1,380 @@
+"""Per-node cost of portable pullbacks: a backward pass run in another process than its forward.
+
+A node's :class:`~daskdag.pullback.Pullback` is normally called in the worker that ran the node's
+forward pass. When Dask runs the backward task elsewhere, the pullback travels: daskdag exports
+its backward program (``jax.export``), ships it with the residual arrays that are not the node's
+own inputs, and the receiver compiles the program, once per program and process. This measures
+what that costs per node, for a few node kinds:
+
+  elementwise_1k   ``sin(x) * exp(x / 3)``, x float32[1024]: small residuals, little work.
+  matvec_1k        ``tanh(w @ x)``, w float32[1024, 1024] a non-differentiated input: its
+                   largest residual is w itself, which stays behind.
+  matmul_sum       ``sum(tanh(w @ X))``, X float32[1024, 256], w as above: residuals are large
+                   intermediates (1 MiB each), besides w.
+  closure_matvec   ``tanh(w @ x)`` with w closed over by the node function, not an input.
+
+In this process, medians over the repetitions (after one warm-up repetition):
+
+  local_call            ``pb(ct, inputs)`` where the forward ran: the baseline (its second call,
+                        as the first compiles JAX's eager operations for new shapes).
+  serialize_first       ``distributed.protocol.serialize(pb)``, exporting a program new to this
+                        process; serialize_cached: the same pullback again (export cache hit).
+  deserialize_first     ``deserialize`` compiling the program; call_after_first: the call after.
+  deserialize_cached    ``deserialize`` hitting the compile cache; call_cached: the call after.
+  bytes                 shipped (sum of the frames), the residuals, the residuals that are not
+                        the node's inputs (found with plain ``jax.vjp``), the exported program,
+                        and the node function pickled.
+
+``daskdag.programs`` caches exports and compilations per program key in-process, and keeps no
+public way to clear them. The key hashes the backward program's structure and shapes, not its
+constants (a Python float in the function becomes a residual), so repetition ``k`` (from 1)
+grows one dimension of the node's arrays by ``k`` (at most 2.1 % of 1024 in the full run), which
+makes a new key; each repetition checks, with ``programs.stats()``, that its first serialize
+exported, its first deserialize compiled and its second one hit the cache.
+
+Deserializing here skips the copy a transfer between processes makes, so the node is also run
+on a real two-worker process ``LocalCluster`` (one XLA thread per worker; see ``common.py``) as
+a one-node DAG, three ways per repetition, timed from submission to results in this process:
+
+  one_step     ``client.compute(graph, workers=[a])``: no move.
+  same_2step   forward keys computed on worker a first, then the rest on a: no move, but the two
+               submissions a forced move needs.
+  moved        forward keys on a, then the rest on b, so the backward task on b fetches the
+               pullback from a (``tests/test_distributed.py::_compute_split``).
+
+Each repetition perturbs the differentiated input, so its keys are new and nothing is reused
+from the previous one; the node function and shapes stay the same, so b compiles its backward
+program in the first (warm-up) moved call only, which is reported apart. Before it, each worker
+runs the graph once unmoved, untimed, so the warm-up moved call adds only that compilation.
+The warm-up calls check placement and gradients.
+
+Run: ``python benchmarks/portable.py [--quick] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import cloudpickle
+import dask
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+from distributed.protocol import deserialize, serialize
+
+import common
+from daskdag import Node, programs
+from daskdag.api import build_graph
+from daskdag.pullback import linearize
+
+N = 1024  # the arrays' base size
+GROWTH = 32  # the most rows or columns a repetition adds (see make_base)
+RTOL = 1e-4  # moved pullbacks' results against the local ones
+MODES = {"one_step": (None, 0), "same_2step": (0, 0), "moved": (0, 1)}  # (forward on, rest on)
+
+
+@dataclass(frozen=True)
+class Config:
+    reps: int  # timed repetitions in this process, after one warm-up
+    cluster_reps: int  # timed repetitions of each cluster mode, after one warm-up
+
+
+FULL = Config(reps=20, cluster_reps=15)
+QUICK = Config(reps=5, cluster_reps=5)
+
+
+# --- Node kinds --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    what: str
+    wrt: str  # the one differentiated dep
+    make: Callable[[int, dict], tuple[Callable, dict]]  # (k, base) -> (node fn, {dep: value})
+
+    def node(self, k: int, base: dict) -> tuple[Node, dict]:
+        """The node of repetition ``k >= 1`` and its input values: a program new to this kind."""
+        if not 1 <= k <= GROWTH:
+            raise ValueError(f"repetition {k} outside 1..{GROWTH}")
+        fn, values = self.make(k, base)
+        return Node(fn, tuple(values)), values
+
+
+def _elementwise(k, base):
+    return (lambda x: jnp.sin(x) * jnp.exp(x / 3)), {"x": base["x"][:N + k]}
+
+
+def _matvec(k, base):  # grows w's rows: w is taller than wide
+    return (lambda x, w: jnp.tanh(w @ x)), {"x": base["x"][:N], "w": base["w"][:N + k, :N]}
+
+
+def _matmul_sum(k, base):
+    return (lambda X, w: jnp.sum(jnp.tanh(w @ X))), {"X": base["X"], "w": base["w"][:N + k, :N]}
+
+
+def _closure_matvec(k, base):  # grows w's columns, so no program is _matvec's
+    w = base["w"][:N, :N + k]
+    return (lambda x: jnp.tanh(w @ x)), {"x": base["x"][:N + k]}
+
+
+KINDS = (
+    Kind("elementwise_1k", "sin(x) * exp(x / 3), x f32[1024]", "x", _elementwise),
+    Kind("matvec_1k", "tanh(w @ x), w f32[1024,1024] a non-differentiated input", "x", _matvec),
+    Kind("matmul_sum", "sum(tanh(w @ X)), X f32[1024,256], w f32[1024,1024] a "
+         "non-differentiated input", "X", _matmul_sum),
+    Kind("closure_matvec", "tanh(w @ x), w f32[1024,1024] closed over by the function",
+         "x", _closure_matvec),
+)
+
+
+def make_base(seed: int = 0) -> dict:
+    """Arrays ``GROWTH`` larger than ``N`` where a kind grows them; kinds take slices."""
+    rng = np.random.default_rng(seed)
+    m = N + GROWTH
+    return {"x": jnp.asarray(rng.standard_normal(m, np.float32)),
+            "w": jnp.asarray(rng.standard_normal((m, m), np.float32) / np.sqrt(N)),
+            "X": jnp.asarray(rng.standard_normal((N, 256), np.float32))}
+
+
+def active(kind: Kind, values: dict) -> tuple[bool, ...]:
+    return tuple(d == kind.wrt for d in values)
+
+
+def cotangent(primal):
+    return jnp.ones_like(primal)
+
+
+# --- In this process ---------------------------------------------------------------------------
+
+def timed(f, *args) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(f(*args))  # eager JAX dispatches asynchronously
+    return time.perf_counter() - start, out
+
+
+def one_rep(kind: Kind, k: int, base: dict) -> dict[str, float]:
+    """Repetition ``k``'s pullback: called here, serialized twice, deserialized twice, each copy
+    called."""
+    node, values = kind.node(k, base)
+    inputs = tuple(values.values())
+    primal, pb = linearize(node, inputs, active(kind, values))
+    ct = cotangent(primal)
+    t = {}
+    before = programs.stats()
+    pb(ct, inputs)  # compiles JAX's eager ops for this repetition's new shapes
+    t["local_call"], expected = timed(pb, ct, inputs)
+    t["serialize_first"], (header, frames) = timed(serialize, pb)
+    t["serialize_cached"], _ = timed(serialize, pb)
+    t["deserialize_first"], first = timed(deserialize, header, frames)
+    t["call_after_first"], _ = timed(first, ct, inputs)
+    t["deserialize_cached"], cached = timed(deserialize, header, frames)
+    t["call_cached"], got = timed(cached, ct, inputs)
+    counts = {key: programs.stats()[key] - before[key] for key in before}
+    if counts != {"exported": 1, "compiled": 1, "cache_hits": 1}:
+        raise RuntimeError(f"{kind.name}, repetition {k}: expected one export, one compilation and "
+                           f"one cache hit, got {counts}")
+    assert_close(kind.name, got, expected)
+    return t
+
+
+def assert_close(name: str, got, expected) -> None:
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=RTOL, atol=1e-6, err_msg=name)
+
+
+def plain_vjp(node: Node, kind: Kind, values: dict):
+    """``(primal, vjp_fn)`` of plain ``jax.vjp`` with respect to ``kind.wrt`` alone."""
+    def of_wrt(v):
+        return node.fn(*(v if d == kind.wrt else values[d] for d in values))
+
+    return jax.vjp(of_wrt, values[kind.wrt])
+
+
+def nbytes(kind: Kind, k: int, base: dict) -> dict[str, int]:
+    """Bytes a serialized pullback ships, against its residuals (found with plain ``jax.vjp``:
+    its function's leaves) and those of them that are not the node's inputs."""
+    node, values = kind.node(k, base)
+    _, pb = linearize(node, tuple(values.values()), active(kind, values))
+    _, frames = serialize(pb)
+    residuals = jax.tree.leaves(plain_vjp(node, kind, values)[1])
+    input_ids = {id(v) for v in values.values()}
+    return {"shipped": sum(memoryview(f).nbytes for f in frames),
+            "residuals": pb.residual_nbytes(),
+            "residuals_plain_vjp": sum(r.nbytes for r in residuals),
+            "residuals_not_inputs": sum(r.nbytes for r in residuals if id(r) not in input_ids),
+            "program": len(pb.portable().get("program", b"")),
+            "node_pickled": len(cloudpickle.dumps(node))}
+
+
+def measure_in_process(kind: Kind, base: dict, reps: int) -> dict:
+    samples = [one_rep(kind, k, base) for k in range(1, reps + 2)][1:]  # the first warms up
+    times = {key: [s[key] for s in samples] for key in samples[0]}
+    return {"times_s": times, "median_s": {key: statistics.median(v) for key, v in times.items()},
+            "bytes": nbytes(kind, reps + 2, base)}
+
+
+# --- On a two-worker cluster -------------------------------------------------------------------
+
+def run_graph(client, node: Node, kind: Kind, values: dict, fwd_on, rest_on, watch=False):
+    """``(seconds, {output: (value, grads)}, {key: worker} or None)`` for the one-node DAG.
+
+    With ``fwd_on``, its forward keys are computed there first and held, then the whole graph
+    on ``rest_on``, which reuses them; else the whole graph on ``rest_on`` at once.
+    """
+    primal = node.fn(*values.values())
+    cts = {"N": cotangent(primal)} if jnp.ndim(primal) else None
+    x = next(iter(values.values())) if len(values) == 1 else values
+    _, _, graph = build_graph({"N": node}, x, ["N"], wrt=[kind.wrt], cotangents=cts)
+    dsk = dict(dask.delayed(graph).__dask_graph__())
+    fwd_keys = [key for key in dsk if str(key).startswith(("fwd-", "val-", "pb-"))]
+    with (distributed.get_task_stream(client) if watch else nullcontext()) as stream:
+        start = time.perf_counter()
+        if fwd_on is not None:
+            held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
+            with client.as_current():
+                distributed.wait(held)
+        (computed,) = client.compute([graph], workers=[rest_on], sync=True)
+        seconds = time.perf_counter() - start
+    return seconds, computed, {t["key"]: t["worker"] for t in stream.data} if watch else None
+
+
+def check_placement(mode: str, ran: dict, fwd_on, rest_on) -> None:
+    where = {phase: {w for key, w in ran.items() if key.startswith(phase)}
+             for phase in ("fwd-", "bwd-")}
+    want = {"fwd-": {fwd_on or rest_on}, "bwd-": {rest_on}}
+    if where != want:
+        raise RuntimeError(f"{mode}: tasks ran on {where}, expected {want}")
+
+
+def placed(mode: str, workers: list) -> tuple:
+    """``(forward on, rest on)`` worker addresses of a mode."""
+    f, r = MODES[mode]
+    return (None if f is None else workers[f]), workers[r]
+
+
+def warm_up(client, node: Node, kind: Kind, values: dict, workers: list) -> dict[str, float]:
+    """Each mode once, its placement and gradient checked against plain ``jax.vjp``; seconds per
+    mode. Every worker first runs the whole graph once, untimed, so that the moved call's time
+    adds to the others' only the compilation of the backward program on b."""
+    primal, vjp_fn = plain_vjp(node, kind, values)
+    (expected,) = vjp_fn(cotangent(primal))
+    for worker in workers:  # JAX's eager operations compiled for these shapes, everywhere
+        run_graph(client, node, kind, values, None, worker)
+    first = {}
+    for mode in MODES:
+        fwd_on, rest_on = placed(mode, workers)
+        first[mode], computed, ran = run_graph(client, node, kind, values, fwd_on, rest_on,
+                                               watch=True)
+        check_placement(mode, ran, fwd_on, rest_on)
+        assert_close(f"{kind.name} {mode}", computed["N"][1][kind.wrt], expected)
+    return first
+
+
+def measure_cluster(client, kind: Kind, base: dict, reps: int) -> dict:
+    workers = common.workers(client)
+    b = placed("moved", workers)[1]
+    node, values = kind.node(1, base)  # b has compiled nothing yet
+    before = client.run(programs.stats, workers=[b])[b]
+    first = warm_up(client, node, kind, values, workers)
+    times = {mode: [] for mode in MODES}
+    names = list(MODES)
+    for rep in range(1, reps + 1):
+        perturbed = {**values, kind.wrt: values[kind.wrt] + rep / 1024}  # new keys, same program
+        for mode in names[rep % len(names):] + names[:rep % len(names)]:
+            times[mode].append(run_graph(client, node, kind, perturbed, *placed(mode, workers))[0])
+    after = client.run(programs.stats, workers=[b])[b]
+    medians = {mode: statistics.median(ts) for mode, ts in times.items()}
+    return {"times_s": times, "median_s": medians, "first_s": first,
+            "programs_on_b": {key: after[key] - before[key] for key in ("compiled", "cache_hits")},
+            "ratios": {"moved/one_step": medians["moved"] / medians["one_step"],
+                       "moved/same_2step": medians["moved"] / medians["same_2step"]}}
+
+
+# --- Reporting ---------------------------------------------------------------------------------
+
+RATIOS = {  # label: (numerator, denominator), of median seconds or of bytes
+    "ser 1st/local": (("serialize_first",), ("local_call",)),
+    "ser hit/local": (("serialize_cached",), ("local_call",)),
+    "des+call 1st/local": (("deserialize_first", "call_after_first"), ("local_call",)),
+    "des+call hit/local": (("deserialize_cached", "call_cached"), ("local_call",)),
+    "call hit/local": (("call_cached",), ("local_call",)),
+    "shipped/residual": (("shipped",), ("residuals",)),
+    "shipped/not input": (("shipped",), ("residuals_not_inputs",)),
+}
+
+
+def ratios(m: dict) -> dict[str, float]:
+    values = {**m["median_s"], **m["bytes"]}
+    return {label: sum(values[k] for k in num) / sum(values[k] for k in den)
+            for label, (num, den) in RATIOS.items()}
+
+
+def table(title: str, header: list[str], rows: dict[str, list[str]], width: int = 10) -> None:
+    print(f"\n{title}\n{'kind':<16}" + "".join(f"{h:>{width}}" for h in header))
+    for name, cells in rows.items():
+        print(f"{name:<16}" + "".join(f"{c:>{width}}" for c in cells))
+
+
+def print_tables(results: dict) -> None:
+    times = ("local_call", "serialize_first", "serialize_cached", "deserialize_first",
+             "call_after_first", "deserialize_cached", "call_cached")
+    table("in this process: median ms", ["local", "ser 1st", "ser hit", "des 1st", "call",
+                                          "des hit", "call"],
+          {n: [f"{r['median_s'][k] * 1e3:.2f}" for k in times] for n, r in results.items()})
+    sizes = ("shipped", "residuals", "residuals_not_inputs", "program", "node_pickled")
+    table("bytes: KiB", ["shipped", "residual", "not input", "program", "node fn"],
+          {n: [f"{r['bytes'][k] / 1024:.1f}" for k in sizes] for n, r in results.items()})
+    table("ratios", list(RATIOS), {n: [f"{v:.2f}" for v in r["ratios"].values()]
+                                   for n, r in results.items()}, width=20)
+    clusters = {n: r["cluster"] for n, r in results.items()}
+    table("cluster: median ms from submission to results; moved 1st: its warm-up call",
+          [*MODES, "moved 1st", "mv/one", "mv/2step"],
+          {n: [*(f"{c['median_s'][m] * 1e3:.1f}" for m in MODES),
+               f"{c['first_s']['moved'] * 1e3:.1f}", f"{c['ratios']['moved/one_step']:.2f}",
+               f"{c['ratios']['moved/same_2step']:.2f}"] for n, c in clusters.items()}, width=11)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "portable.json")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    info = common.machine()
+    base = make_base()
+    results = {}
+    for kind in KINDS:
+        print(f"{kind.name}: {kind.what}: in this process", flush=True)
+        results[kind.name] = {"what": kind.what, **measure_in_process(kind, base, cfg.reps)}
+        results[kind.name]["ratios"] = ratios(results[kind.name])
+    with common.cluster() as client:
+        cluster_info = common.describe(client)
+        for kind in KINDS:
+            print(f"{kind.name}: on the cluster", flush=True)
+            results[kind.name]["cluster"] = measure_cluster(client, kind, base, cfg.cluster_reps)
+    print_tables(results)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "portable",
+        "machine": info,
+        "config": {**asdict(cfg), "quick": args.quick, "cluster": cluster_info,
+                   "cluster_modes": {m: {"forward_on": f, "rest_on": r}
+                                     for m, (f, r) in MODES.items()}},
+        "kinds": results,
+    }, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
