@@ -16,6 +16,7 @@ import weakref
 
 import cloudpickle
 import jax
+import jax.numpy as jnp
 import numpy as np
 from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
@@ -65,6 +66,17 @@ def _sizeof_pullback(pb) -> int:
 
 
 # -- frames ---------------------------------------------------------------------------------------
+
+@dask_serialize.register(jax.Array)
+def _serialize_jax_array(a):
+    # As NumPy's zero-copy frames: distributed's fallback pickles JAX arrays, 3x slower.
+    return serialize(np.asarray(a))
+
+
+@dask_deserialize.register(jax.Array)
+def _deserialize_jax_array(header, frames):
+    return jnp.asarray(deserialize(header, frames))
+
 
 @dask_serialize.register(Pullback)
 def _serialize_pullback(pb: Pullback):

@@ -47,8 +47,11 @@ class Pullback:
         return tuple(next(it) if on else None for on in self.active)
 
     def residual_nbytes(self) -> int:
-        arrays = jax.tree.leaves(self._vjp) if self._vjp is not None else self._form.get("consts", ())
-        return sum(getattr(a, "nbytes", 0) for a in arrays)
+        """Bytes of the residuals that are not the node's own inputs: what moving it ships."""
+        if self._vjp is None:
+            return sum(a.nbytes for a in self._form.get("consts", ()) if a is not None)
+        inputs = {id(leaf) for leaf in jax.tree.leaves(self._args)}
+        return sum(a.nbytes for a in jax.tree.leaves(self._vjp) if id(a) not in inputs)
 
     # -- travelling ------------------------------------------------------------------------------
 
@@ -60,12 +63,12 @@ class Pullback:
             closed, out = jax.make_jaxpr(self._vjp, return_shape=True)(self._ct_avals)
             key, program = programs.export(closed, jax.tree.leaves(self._ct_avals))
         except Exception:  # e.g. "serialization of host_callbacks is not yet implemented"
-            return {"node": self._node, "active": self.active, "versions": programs.versions()}
+            return {"active": self.active, "node": self._node, "versions": programs.versions()}
         where = {id(leaf): (d, k) for d, arg in enumerate(self._args)
                  for k, leaf in enumerate(jax.tree.leaves(arg))}
         slots = [(c, where[id(a)]) for c, a in enumerate(closed.consts) if id(a) in where]
         taken = {c for c, _ in slots}
-        return {"node": self._node, "active": self.active, "key": key, "program": program,
+        return {"active": self.active, "key": key, "program": program,
                 "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)],
                 "slots": slots, "out_tree": jax.tree.structure(out), "versions": programs.versions()}
 
@@ -73,7 +76,7 @@ class Pullback:
     def from_portable(cls, form: dict) -> "Pullback":
         """The inverse of :meth:`portable`, in the receiving process."""
         programs.check_versions(form["versions"])
-        pb = cls(form["node"], form["active"])
+        pb = cls(form.get("node"), form["active"])  # the node travels only when it is redone
         pb._form = form
         if "program" in form:
             pb._program = programs.load(form["key"], form["program"])
