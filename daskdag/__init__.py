@@ -1,7 +1,8 @@
 """daskdag: values and gradients of a DAG of JAX functions, computed as one Dask graph.
 
->>> res = daskdag.compute_grads(dag, x, ["D", "E"])
+>>> res = daskdag.compute_grads(dag, x, ["D", "E"])          # one input
 >>> res["D"].value, res["D"].grad
+>>> res = daskdag.sweep_grads(dag, xs, ["D", "E"])           # many, stacked
 """
 
 from .api import Result, compute_grads, sweep_grads
