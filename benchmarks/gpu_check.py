@@ -20,55 +20,48 @@ import os
 import sys
 import time
 
+# Worker processes are spawned, and import this file first: JAX must not be imported at its top
+# level, or it would read JAX_PLATFORMS there before each worker's own environment is applied.
+
 # Set before JAX starts, here and in the workers: the same float32 matmul precision everywhere
 # (GPUs default to TF32), and no process grabbing most of the GPU's memory up front.
 ENV = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-os.environ.update({k: os.environ.get(k, v) for k, v in ENV.items()})
-
-import distributed  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from distributed import Client, Nanny, Scheduler, SpecCluster  # noqa: E402
-
-import daskdag  # noqa: E402
-from daskdag import Node  # noqa: E402
-
 N = 4096  # the heavy node multiplies N x N matrices
 
 
-def prepare(x):
-    return jnp.tanh(x) / jnp.sqrt(x.shape[0])
+def model():
+    """The node functions, and the DAG. Defined here so they travel by value to the workers."""
+    import jax.numpy as jnp
+    from daskdag import Node
+
+    def prepare(x):
+        return jnp.tanh(x) / jnp.sqrt(x.shape[0])
+
+    def heavy(a, w):
+        h = a
+        for _ in range(8):
+            h = jnp.tanh(h @ w)
+        return h
+
+    def loss(h):
+        return jnp.mean(h ** 2)
+
+    def spread(h):
+        return jnp.std(h)
+
+    dag = {"A": (prepare, ["x"]),
+           "H": Node(heavy, ["A", "w"], device="gpu"),
+           "L": (loss, ["H"]),
+           "S": (spread, ["H"])}
+    def composed(head):
+        return lambda x, w: head(heavy(prepare(x), w))
+
+    return dag, {"L": composed(loss), "S": composed(spread)}
 
 
-def heavy(a, w):
-    h = a
-    for _ in range(8):
-        h = jnp.tanh(h @ w)
-    return h
+def start_cluster(cpu_only: bool):
+    from distributed import Nanny, Scheduler, SpecCluster
 
-
-def loss(h):
-    return jnp.mean(h ** 2)
-
-
-def spread(h):
-    return jnp.std(h)
-
-
-def make_dag():
-    return {"A": (prepare, ["x"]),
-            "H": Node(heavy, ["A", "w"], device="gpu"),
-            "L": (loss, ["H"]),
-            "S": (spread, ["H"])}
-
-
-def composed(name):
-    head = {"L": loss, "S": spread}[name]
-    return lambda x, w: head(heavy(prepare(x), w))
-
-
-def start_cluster(cpu_only: bool) -> SpecCluster:
     common = {"nthreads": 1, "host": "127.0.0.1"}
     gpu_env = {**ENV, "JAX_PLATFORMS": "cpu" if cpu_only else "cuda"}
     return SpecCluster(
@@ -78,11 +71,22 @@ def start_cluster(cpu_only: bool) -> SpecCluster:
 
 
 def worker_device() -> str:
+    import jax
+
     d = jax.devices()[0]
     return f"{d.platform}:{d.device_kind}"
 
 
 def main() -> int:
+    os.environ.update({k: os.environ.get(k, v) for k, v in ENV.items()})
+    import distributed
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from distributed import Client
+
+    import daskdag
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-only", action="store_true", help="no GPU: check the script itself")
     parser.add_argument("--n", type=int, default=N, help="matrix size of the heavy node")
@@ -95,6 +99,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     inputs = {"x": jnp.asarray(rng.standard_normal((256, args.n), np.float32)),
               "w": jnp.asarray(rng.standard_normal((args.n, args.n), np.float32) / np.sqrt(args.n))}
+    dag, composed = model()
     start = time.perf_counter()
     with start_cluster(args.cpu_only) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=120)
@@ -102,12 +107,15 @@ def main() -> int:
         names = {addr: w["name"] for addr, w in info.items()}
         devices = client.run(worker_device)
         with distributed.get_task_stream(client) as ts:
-            res = daskdag.compute_grads(make_dag(), inputs, ["L", "S"], wrt=["x"], client=client)
+            res = daskdag.compute_grads(dag, inputs, ["L", "S"], wrt=["x"], client=client)
         elapsed = time.perf_counter() - start
 
     ok = True
     print(f"{'node':<5} {'forward ran on':<28} {'backward ran on':<28}")
-    for node in make_dag():
+    if not all(devices[w].startswith("cpu:") for w, n in names.items() if n == "cpu"):
+        print("FAIL: the CPU-only worker sees a GPU (its JAX_PLATFORMS was not applied)")
+        ok = False
+    for node in dag:
         fwd = {t["worker"] for t in ts.data if t["key"].startswith(f"fwd-{node}-")}
         bwd = {t["worker"] for t in ts.data
                if t["key"].startswith("bwd-") and t["key"].split("-")[2] == node}
@@ -118,7 +126,7 @@ def main() -> int:
             ok = False
 
     for name, r in res.items():
-        value, grad = jax.value_and_grad(composed(name))(inputs["x"], inputs["w"])
+        value, grad = jax.value_and_grad(composed[name])(inputs["x"], inputs["w"])
         diff = float(jnp.max(jnp.abs(r.grad["x"] - grad)) / jnp.max(jnp.abs(grad)))
         vdiff = abs(float(r.value - value)) / max(abs(float(value)), 1e-30)
         good = diff < 1e-4 and vdiff < 1e-5
