@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean certs
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,3 +22,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# TLS certificates for the cluster recipes in deploy/ (deploy/README.md).
+certs: $(STAMP)
+	$(VENV)/bin/daskdag certs deploy/certs

@@ -1,0 +1,637 @@
+"""deploy/: the Compose, Kubernetes and Slurm recipes start, speak only TLS, and agree on versions.
+
+Docker does not run here, so the Compose services' own commands run as local processes: service
+names in addresses become 127.0.0.1, published ports free local ports, the certificates' mount
+point a directory the project's `daskdag certs` command fills, and each process binds 127.0.0.1
+(in Compose each container binds its own address). Nothing else of a command is changed, so a
+command that would not start a working TLS cluster fails here.
+
+GPU workers run JAX on the CPU while advertising GPU=1. On a machine with an NVIDIA GPU and JAX's
+CUDA build, ``DASKDAG_TEST_REAL_GPU=1`` keeps their ``JAX_PLATFORMS=cuda`` and checks that the
+GPU-marked nodes ran on a GPU (set ``JAX_DEFAULT_MATMUL_PRECISION=highest`` and
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from contextlib import closing
+from pathlib import Path
+
+import distributed
+import jax
+import jax.numpy as jnp
+import pytest
+import yaml
+from distributed import Client, Security
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+import daskdag
+from daskdag import Node
+from daskdag.cli import security
+
+from .conftest import assert_tree_close
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "kubernetes"
+DASK = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+REAL_GPU = os.environ.get("DASKDAG_TEST_REAL_GPU") == "1"
+TLS_FLAGS = ("--tls-ca-file", "--tls-cert", "--tls-key")
+CERT_FILES = ("ca.pem", "cert.pem", "key.pem")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces: certificates from the project's command, the recipes as data, a DAG to check.
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """Certificates made the documented way: ``python -m daskdag.cli certs DIR``."""
+    d = tmp_path_factory.mktemp("certs")
+    subprocess.run([sys.executable, "-m", "daskdag.cli", "certs", str(d), "--force"], check=True,
+                   env=_env(), capture_output=True, timeout=60)
+    assert sorted(p.name for p in d.iterdir()) == sorted(CERT_FILES)
+    assert (d / "key.pem").stat().st_mode & 0o077 == 0  # the key is its owner's alone
+    return d
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def _env(extra=None):
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dockerfile_stages() -> dict[str, str]:
+    """``{stage name: FROM image}`` of deploy/Dockerfile, ARG defaults substituted."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    stages = {}
+    for image, name in re.findall(r"^FROM (\S+) AS (\S+)", text, re.M):
+        stages[name] = re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], image)
+    return stages
+
+
+def _gpu_dag():
+    """A DAG whose nodes G and H must run on a GPU worker, and its gradient in plain JAX."""
+    dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]),
+           "G": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], device="gpu"),
+           "H": Node(lambda g: g ** 2, ["G"], resources={"GPU": 1}),
+           "D": (lambda h, a: jnp.sum(h * a), ["H", "A"]),
+           "E": (lambda g: jnp.sum(g), ["G"])}
+
+    def D(x):
+        a = jnp.tanh(x) * 2
+        return jnp.sum((jnp.sin(a) @ jnp.ones((5, 5))) ** 2 * a)
+
+    return dag, D
+
+
+def _run_gpu_dag(client, gpu_worker):
+    """compute_grads through ``client``; checks gradients and that G and H ran on ``gpu_worker``."""
+    dag, D = _gpu_dag()
+    x = jnp.linspace(-1.0, 2.0, 5)
+    with distributed.get_task_stream(client) as ts:
+        res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
+    assert_tree_close(res["D"].grad, jax.grad(D)(x), rtol=1e-4)
+    assert_tree_close(res["D"].value, D(x), rtol=1e-4)
+
+    def node(key):
+        parts = key.split("-")
+        return parts[2] if parts[0] == "bwd" else parts[1] if parts[0] in ("fwd", "val", "pb") else None
+
+    placed = [t for t in ts.data if node(t["key"]) in ("G", "H")]
+    assert len(placed) >= 2 * 3 + 3  # fwd/val/pb of G and H, and backward tasks of both
+    assert {t["worker"] for t in placed} == {gpu_worker}
+    platform = client.run(lambda: jax.devices()[0].platform, workers=[gpu_worker])[gpu_worker]
+    assert platform == ("gpu" if REAL_GPU else "cpu")
+
+
+def _parse_worker_args(args):
+    """Parse ``dask worker`` arguments with the installed distributed's own command line."""
+    from distributed.cli.dask_worker import main as worker_cli
+
+    return worker_cli.make_context("dask worker", list(args), resilient_parsing=False).params
+
+
+def _parse_scheduler_args(args):
+    from distributed.cli.dask_scheduler import main as scheduler_cli
+
+    return scheduler_cli.make_context("dask scheduler", list(args), resilient_parsing=False).params
+
+
+# ---------------------------------------------------------------------------------------------
+# Docker Compose
+
+def _environment(service) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+class LocalCompose:
+    """deploy/compose.yaml's services as local processes (see the module docstring)."""
+
+    def __init__(self, compose, certs: Path, logs: Path):
+        self.services = compose["services"]
+        self.certs, self.logs = certs, logs
+        self.ports = {}  # published container port -> free local port
+        for s in self.services.values():
+            for p in s.get("ports", []):
+                self.ports[int(str(p).split(":")[-1].split("/")[0])] = _free_port()
+        self.mounts = set()  # where the certificates are mounted in the containers
+        for s in self.services.values():
+            for v in s.get("volumes", []):
+                source, target, *mode = str(v).split(":")
+                if (DEPLOY / source).resolve() == (DEPLOY / "certs").resolve():
+                    self.mounts.add(target)
+        self.procs: list[subprocess.Popen] = []
+
+    def localize(self, token: str) -> str:
+        for target in self.mounts:
+            if token == target or token.startswith(target + "/"):
+                token = str(self.certs) + token[len(target):]
+        names = "|".join(map(re.escape, self.services))
+        token = re.sub(rf"(?<=://)({names})(?=:\d)", "127.0.0.1", token)
+        m = re.fullmatch(r"(|.*:)(\d+)", token)
+        if m and int(m[2]) in self.ports:
+            token = ("127.0.0.1:" if m[1] == ":" else m[1]) + str(self.ports[int(m[2])])
+        return token
+
+    def command(self, name) -> list[str]:
+        cmd = self.services[name]["command"]
+        assert isinstance(cmd, list) and cmd[0] == "dask", f"{name}: command must be a list [dask, ...]"
+        return [DASK] + [self.localize(str(t)) for t in cmd[1:]] + ["--host", "127.0.0.1"]
+
+    def environment(self, name) -> dict[str, str]:
+        env = {k: self.localize(v) for k, v in _environment(self.services[name]).items()}
+        if not REAL_GPU:
+            env["JAX_PLATFORMS"] = "cpu"  # the GPU worker too: a CPU process advertising GPU=1
+        return _env(env)
+
+    def start(self, name) -> None:
+        for i in range(self.services[name].get("deploy", {}).get("replicas", 1)):
+            log = open(self.logs / f"{name}-{i}.log", "w")
+            self.procs.append(subprocess.Popen(self.command(name), env=self.environment(name),
+                                               stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+
+    def output(self) -> str:
+        return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logs.iterdir()))
+
+    def stop(self) -> None:
+        """Workers first, so that they leave a scheduler that still answers, then the scheduler."""
+        for group in (self.procs[1:], self.procs[:1]):
+            for p in group:
+                p.terminate()
+            for p in group:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+@pytest.fixture(scope="module")
+def compose_cluster(compose, certs, tmp_path_factory):
+    """Every Compose service started locally; yields (scheduler address, LocalCompose)."""
+    local = LocalCompose(compose, certs, tmp_path_factory.mktemp("compose-logs"))
+    address = f"tls://127.0.0.1:{local.ports[8786]}"
+    try:
+        local.start("scheduler")
+        deadline = time.time() + 60
+        while True:
+            with closing(socket.socket()) as s:
+                if s.connect_ex(("127.0.0.1", local.ports[8786])) == 0:
+                    break
+            assert local.procs[0].poll() is None, f"the scheduler exited:\n{local.output()}"
+            assert time.time() < deadline, f"the scheduler did not listen:\n{local.output()}"
+            time.sleep(0.2)
+        for name in local.services:
+            if name != "scheduler":
+                local.start(name)
+        n = len(local.procs) - 1
+        with Client(address, security=security(certs), timeout=60, set_as_default=False) as client:
+            deadline = time.time() + 60
+            while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
+                exited = [p.args[1] for p in local.procs if p.poll() is not None]
+                assert not exited, f"{exited} exited:\n{local.output()}"
+                assert time.time() < deadline, f"{n} workers did not connect:\n{local.output()}"
+                time.sleep(0.3)
+        yield address, local
+    finally:
+        local.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_compose_services_start_and_compute_gradients_over_tls(compose_cluster, certs):
+    address, local = compose_cluster
+    with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        assert len(workers) == sum(s.get("deploy", {}).get("replicas", 1)
+                                   for n, s in local.services.items() if n != "scheduler")
+        assert all(a.startswith("tls://") for a in workers)  # workers listen over TLS too
+        gpu = [a for a, w in workers.items() if w.get("resources") == {"GPU": 1}]
+        assert len(gpu) == 1, {a: w.get("resources") for a, w in workers.items()}
+        assert all(not w.get("resources") for a, w in workers.items() if a not in gpu)
+        _run_gpu_dag(client, gpu[0])
+
+    # The published dashboard port serves HTTPS with the cluster's certificate.
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    url = f"https://localhost:{local.ports[8787]}/health"
+    assert urllib.request.urlopen(url, context=ctx, timeout=10).read() == b"ok"
+
+
+async def _identity(address, security=None):
+    """Connect as a Dask client does (TLS handshake, then Dask's handshake) and ask who is there."""
+    args = security.get_connection_args("client") if security else {}
+    comm = await distributed.comm.connect(address, timeout=5, **args)
+    try:
+        await comm.write({"op": "identity", "reply": True})
+        return await comm.read()
+    finally:
+        await comm.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_scheduler_refuses_clients_without_the_certificates(compose_cluster, certs):
+    address, local = compose_cluster
+    port = local.ports[8786]
+
+    # A TLS connection that trusts the cluster's CA but shows no certificate: the scheduler
+    # aborts it (TLS 1.3 reports that on the first read). With the certificate, the same
+    # connection receives the scheduler's first Dask message.
+    def first_byte(cert: bool) -> bytes:
+        ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        ctx.check_hostname = False
+        if cert:
+            ctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+                return tls.recv(1)
+
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        if not first_byte(cert=False):
+            raise ConnectionError("closed by the scheduler")
+    assert first_byte(cert=True)
+
+    # A client showing a certificate that another CA signed (and trusting ours): refused.
+    other = Security.temporary()
+    foreign = Security(tls_ca_file=str(certs / "ca.pem"), tls_client_cert=other.tls_client_cert,
+                       tls_client_key=other.tls_client_key, require_encryption=True)
+    with pytest.raises(OSError):  # SSLError, or the connection closed under the handshake
+        asyncio.run(_identity(address, foreign))
+
+    # A plain TCP client on the same port: refused.
+    with pytest.raises(OSError):
+        asyncio.run(_identity(address.replace("tls://", "tcp://")))
+
+    # A client without any TLS settings cannot even address the cluster.
+    with pytest.raises((TypeError, OSError)):
+        asyncio.run(_identity(address))
+
+    # With the certificates: the scheduler answers, and a Client gets correct gradients.
+    assert asyncio.run(_identity(address, security(certs)))["type"] == "Scheduler"
+    with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
+        gpu = next(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                   if w.get("resources") == {"GPU": 1})
+        _run_gpu_dag(client, gpu)
+
+
+def test_compose_file_is_tls_only_gpu_ready_and_matches_the_images(compose):
+    services = compose["services"]
+    stages = _dockerfile_stages()
+    assert {"scheduler", "worker-gpu"} <= set(services) and len(services) >= 3
+
+    for name, s in services.items():
+        cmd = [str(t) for t in s["command"]]
+        assert cmd[:2] in (["dask", "scheduler"], ["dask", "worker"]), name
+        for flag in TLS_FLAGS:  # each TLS option, pointing into the read-only certificates mount
+            value = cmd[cmd.index(flag) + 1]
+            assert value.startswith("/certs/") and Path(value).name in CERT_FILES, (name, flag)
+        assert "./certs:/certs:ro" in s["volumes"], name
+        assert _environment(s)["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"].lower() == "true"
+        # Images: CPU or GPU target of deploy/Dockerfile, tagged with daskdag's version.
+        build = s["build"]
+        assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+        assert build["target"] in stages, name
+        assert s["image"] == f"daskdag:{VERSION}" + ("-gpu" if build["target"] == "gpu" else "")
+        if cmd[1] == "worker":
+            assert cmd[2] == "tls://scheduler:8786", name
+
+    scheduler = [str(t) for t in services["scheduler"]["command"]]
+    assert scheduler[scheduler.index("--port") + 1] == "8786"
+    assert scheduler[scheduler.index("--protocol") + 1] == "tls"
+    dashboard = scheduler[scheduler.index("--dashboard-address") + 1]
+    ports = [str(p) for p in services["scheduler"]["ports"]]
+    assert "8786:8786" in ports
+    assert f"127.0.0.1:{dashboard.split(':')[-1]}:{dashboard.split(':')[-1]}" in ports
+    env = _environment(services["scheduler"])
+    assert env["DASK_DISTRIBUTED__SCHEDULER__DASHBOARD__TLS__CERT"] == "/certs/cert.pem"
+
+    # Exactly the GPU service advertises GPU=1 and reserves an NVIDIA GPU.
+    for name, s in services.items():
+        cmd = [str(t) for t in s["command"]]
+        gpu = "--resources" in cmd and cmd[cmd.index("--resources") + 1] == "GPU=1"
+        assert gpu == (name == "worker-gpu"), name
+        assert (s["build"]["target"] == "gpu") == gpu, name
+    devices = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert _environment(services["worker-gpu"])["JAX_PLATFORMS"] == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions and images
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[req.name.lower()] = spec.version
+    return pins
+
+
+def test_versions_are_pinned_once_and_satisfy_pyproject():
+    pins = _pins()
+    for name in ("jax", "jaxlib", "dask", "distributed", "cloudpickle"):
+        assert name in pins
+    assert pins["jax"] == pins["jaxlib"] == pins["jax-cuda13-plugin"] == pins["jax-cuda13-pjrt"]
+    assert pins["dask"] == pins["distributed"]
+
+    project = PYPROJECT["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    for req in reqs:
+        if req.name.lower() in pins:
+            assert pins[req.name.lower()] in req.specifier, (req, pins[req.name.lower()])
+    for name in ("cryptography", "dask-jobqueue", "bokeh"):  # deploy/ needs them: in an extra
+        assert any(r.name.lower() == name for r in reqs), name
+
+    # The Dockerfile pins nothing itself: every pip install goes through the constraints file.
+    text = (DEPLOY / "Dockerfile").read_text()
+    installs = [ln for ln in text.splitlines() if "pip install" in ln and not ln.startswith("#")]
+    assert len(installs) == 2 and all("-c " in i and "constraints.txt" in i for i in installs)
+    assert not re.search(r"==\d", text)
+    assert re.search(r'pip install [^\n]*"jax\[\$\{JAX_CUDA\}\]"', text)
+    assert re.search(r"^ARG JAX_CUDA=cuda13$", text, re.M)
+    stages = _dockerfile_stages()
+    assert set(stages) == {"cpu", "gpu"} and stages["gpu"] == "cpu"
+    python = re.fullmatch(r"python:(\d+\.\d+)-slim", stages["cpu"])[1]
+    assert f"{python}.0" in SpecifierSet(project["requires-python"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes (dask-kubernetes operator)
+
+def _manifests() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomizeconfig.yaml":  # kustomize's own settings, not a resource
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _secret_mounts(pod_spec) -> dict[str, str]:
+    """``{container name: mount path}`` of the TLS Secret in a pod spec."""
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = {}
+    for c in pod_spec["containers"]:
+        for m in c.get("volumeMounts", []):
+            secret = volumes[m["name"]].get("secret")
+            if secret:
+                assert secret["secretName"] == "daskdag-tls"
+                assert secret.get("defaultMode", 0o644) & 0o007 == 0  # not world-readable
+                assert m.get("readOnly") is True
+                mounts[c["name"]] = m["mountPath"]
+    return mounts
+
+
+def _localized_args(args, mount, certs):
+    """Container args with the Secret's mount path pointing at real files, so the installed
+    distributed's command line can check them."""
+    return [str(certs) + a[len(mount):] if a.startswith(mount + "/") else a for a in args]
+
+
+def test_kubernetes_manifests_give_the_operator_what_it_needs(certs):
+    docs = _manifests()
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"DaskCluster", "DaskWorkerGroup", "Kustomization"}
+    for d in docs:
+        if d["kind"].startswith("Dask"):
+            assert d["apiVersion"] == "kubernetes.dask.org/v1"
+    cluster, gpu_group = kinds["DaskCluster"], kinds["DaskWorkerGroup"]
+    name = cluster["metadata"]["name"]
+    assert gpu_group["spec"]["cluster"] == name
+
+    # Scheduler: TLS on the port the Service exposes as "tcp-comm" (the operator's name for it).
+    sched_spec = cluster["spec"]["scheduler"]["spec"]
+    (sched,) = sched_spec["containers"]
+    mount = _secret_mounts(sched_spec)[sched["name"]]
+    assert sched["args"][:2] == ["dask", "scheduler"]
+    params = _parse_scheduler_args(_localized_args(sched["args"][2:], mount, certs))
+    assert params["protocol"] == "tls"
+    assert {params["tls_ca_file"], params["tls_cert"], params["tls_key"]} == {
+        str((certs / f).resolve()) for f in CERT_FILES}
+    container_ports = {p["name"]: p["containerPort"] for p in sched["ports"]}
+    service = cluster["spec"]["scheduler"]["service"]
+    assert service["selector"] == {"dask.org/cluster-name": name, "dask.org/component": "scheduler"}
+    svc_ports = {p["name"]: p for p in service["ports"]}
+    comm = svc_ports["tcp-comm"]
+    assert container_ports[comm["targetPort"]] == int(params["port"]) == comm["port"]
+    assert container_ports[svc_ports["http-dashboard"]["targetPort"]] == int(
+        params["dashboard_address"].split(":")[-1])
+    scheduler_address = f"tls://{name}-scheduler:{comm['port']}"
+
+    # Worker groups: the DaskCluster's default one is CPU, the DaskWorkerGroup is GPU.
+    groups = {"cpu": cluster["spec"]["worker"], "gpu": gpu_group["spec"]["worker"]}
+    for kind, group in groups.items():
+        assert group["replicas"] >= 1
+        (c,) = group["spec"]["containers"]
+        mount = _secret_mounts(group["spec"])[c["name"]]
+        assert c["args"][:2] == ["dask", "worker"]
+        params = _parse_worker_args(_localized_args(c["args"][2:], mount, certs))
+        assert params["scheduler"] == scheduler_address
+        assert {params["tls_ca_file"], params["tls_cert"], params["tls_key"]} == {
+            str((certs / f).resolve()) for f in CERT_FILES}
+        assert params["name"] == "$(DASK_WORKER_NAME)"  # the pod name: the operator retires by it
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["DASK_SCHEDULER_ADDRESS"] == scheduler_address
+        assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "true"
+        resources = c["resources"]
+        gpus = {k: str(v.get("nvidia.com/gpu")) for k, v in resources.items()}
+        if kind == "gpu":
+            assert params["resources"] == "GPU=1"
+            assert gpus == {"requests": "1", "limits": "1"}
+            assert env["JAX_PLATFORMS"] == "cuda"
+            assert c["image"] == f"daskdag:{VERSION}-gpu"
+        else:
+            assert not params["resources"]
+            assert gpus == {"requests": "None", "limits": "None"}
+            assert env["JAX_PLATFORMS"] == "cpu"
+            assert c["image"] == f"daskdag:{VERSION}"
+    assert sched["image"] == f"daskdag:{VERSION}"
+
+    # The images are the Compose file's, built from deploy/Dockerfile.
+    compose_images = {s["image"] for s in yaml.safe_load(
+        (DEPLOY / "compose.yaml").read_text())["services"].values()}
+    assert {sched["image"], *(g["spec"]["containers"][0]["image"] for g in groups.values())} == compose_images
+
+    # kustomize: every manifest listed, the image name it rewrites is ours.
+    kustomization = kinds["Kustomization"]
+    assert sorted(kustomization["resources"]) == sorted(
+        p.name for p in K8S.glob("*.yaml") if p.name not in ("kustomization.yaml", "kustomizeconfig.yaml"))
+    assert [i["name"] for i in kustomization["images"]] == ["daskdag"]
+
+    # The README's Secret has the name and keys the pods mount.
+    readme = (DEPLOY / "README.md").read_text()
+    (create,) = re.findall(r"kubectl create secret generic daskdag-tls(?:\\\n|[^\n])*", readme)
+    assert sorted(re.findall(r"--from-file=([\w.]+)=", create)) == sorted(CERT_FILES)
+
+
+def test_kustomize_builds_the_manifests():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    if out.returncode and "unknown command" in out.stderr:
+        pytest.skip("this kubectl has no kustomize")
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert sorted(d["kind"] for d in docs) == ["DaskCluster", "DaskWorkerGroup"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm (dask-jobqueue)
+
+def _import_slurm():
+    spec = importlib.util.spec_from_file_location("daskdag_deploy_slurm", DEPLOY / "slurm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker_command(script: str) -> list[str]:
+    line = [ln for ln in script.splitlines() if "distributed.cli.dask_worker" in ln]
+    assert len(line) == 1, script
+    argv = shlex.split(line[0])
+    assert argv[1:3] == ["-m", "distributed.cli.dask_worker"]
+    return argv
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_slurm_job_scripts_start_workers_with_their_resources(certs, tmp_path):
+    slurm = _import_slurm()
+    cluster = slurm.make_cluster(certs, account="acct", queue="cpu", gpu_queue="gpu", interface="lo",
+                                 scheduler_options={"dashboard_address": "127.0.0.1:0"})
+    procs = []
+    try:
+        address = cluster.slurm.scheduler_address
+        assert address.startswith("tls://127.0.0.1:")
+        scripts = cluster.job_scripts()
+        cpu, gpu = scripts["cpu"], scripts["gpu"]
+        assert "#SBATCH --gres=gpu:1" in gpu and "--gres" not in cpu
+        assert "#SBATCH -p gpu" in gpu and "#SBATCH -p cpu" in cpu
+        assert "#SBATCH -A acct" in gpu and "#SBATCH -A acct" in cpu
+        assert "export JAX_PLATFORMS=cuda" in gpu and "export JAX_PLATFORMS=cpu" in cpu
+        for kind, script in scripts.items():
+            params = _parse_worker_args(_worker_command(script)[3:])
+            assert params["scheduler"] == address
+            assert (params["tls_ca_file"], params["tls_cert"], params["tls_key"]) == tuple(
+                str((certs / f).resolve()) for f in CERT_FILES)
+            assert params["resources"] == ("GPU=1" if kind == "gpu" else None)
+            assert params["nthreads"] == (1 if kind == "gpu" else slurm.CPU_JOB["cores"])
+
+        # Each script, run as Slurm would run it (here by bash, on this machine, the GPU job's
+        # JAX on the CPU), starts a worker that joins over TLS with its resources.
+        for kind, script in scripts.items():
+            script = script.replace("--name dummy-name", f"--name {kind}-job")
+            if not REAL_GPU:
+                script = script.replace("JAX_PLATFORMS=cuda", "JAX_PLATFORMS=cpu")
+            path = tmp_path / f"{kind}.sh"
+            path.write_text(script)
+            log = open(tmp_path / f"{kind}.log", "w")
+            procs.append(subprocess.Popen(["bash", str(path)], env=_env(), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        with cluster.client() as client:
+            try:
+                client.wait_for_workers(2, timeout=90)
+            except TimeoutError:
+                logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log"))
+                pytest.fail(f"the job scripts' workers did not connect:\n{logs}")
+            workers = {w["name"]: (a, w.get("resources")) for a, w in
+                       client.scheduler_info(n_workers=-1)["workers"].items()}
+            assert workers["gpu-job"][1] == {"GPU": 1}
+            assert not workers["cpu-job"][1]
+            _run_gpu_dag(client, workers["gpu-job"][0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+        cluster.close()
+
+
+def test_slurm_scale_keeps_cpu_and_gpu_jobs_apart(certs, monkeypatch):
+    """scale(cpu, gpu) sets each kind's number of jobs (submission itself is stubbed out)."""
+    slurm = _import_slurm()
+    cluster = slurm.make_cluster(certs, interface="lo",
+                                 scheduler_options={"dashboard_address": "127.0.0.1:0"})
+    try:
+        reconciled = []
+        monkeypatch.setattr(cluster.slurm, "scale", lambda jobs: reconciled.append(jobs))
+        spec = cluster.slurm.worker_spec
+
+        def kinds():
+            return sorted("gpu" if s is cluster.gpu_spec else "cpu" for s in spec.values())
+
+        cluster.scale(2, 1)
+        assert kinds() == ["cpu", "cpu", "gpu"] and reconciled[-1] == 3
+        cluster.scale(3, 2)
+        assert kinds() == ["cpu"] * 3 + ["gpu"] * 2 and reconciled[-1] == 5
+        cluster.scale(1, 0)
+        assert kinds() == ["cpu"] and reconciled[-1] == 1
+        options = cluster.gpu_spec["options"]
+        assert options["worker_extra_args"] == ["--resources", "GPU=1"]
+        assert options["security"].tls_worker_cert == str((certs / "cert.pem").resolve())
+    finally:
+        monkeypatch.undo()
+        cluster.close()
