@@ -230,20 +230,11 @@ def worker_environment(distributed_malloc_trim: bool) -> dict:
 
 
 @contextlib.contextmanager
-def clusters(worker_counts: tuple[int, ...], shared, environment: dict):
-    """``{"1w": client, ...}``: a ``common.cluster`` per worker count, all up at once.
-
-    Each holds ``shared`` (the weights) for as long as it is up. sweep_grads scatters its
-    shared inputs with ``hash=True`` and drops them when it returns; on a cluster that holds
-    no other reference, the next call's scatter of the same key races that release and some
-    calls fail with "lost dependencies" (about 8 of 20 back-to-back calls here).
-    """
+def clusters(worker_counts: tuple[int, ...], environment: dict):
+    """``{"1w": client, ...}``: a ``common.cluster`` per worker count, all up at once."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(dask.config.set(environment))
-        clients = {f"{n}w": stack.enter_context(common.cluster(n_workers=n)) for n in worker_counts}
-        held = [client.scatter([shared], hash=True) for client in clients.values()]
-        yield clients
-        del held
+        yield {f"{n}w": stack.enter_context(common.cluster(n_workers=n)) for n in worker_counts}
 
 
 # --- Measuring -----------------------------------------------------------------------------
@@ -332,7 +323,7 @@ def _worker_counters(client) -> dict[str, dict]:
 def run_phase(cfg: Config, inputs: dict, worker_counts: tuple[int, ...], environment: dict,
               label: str) -> dict:
     """Start the clusters, check every method, time them round-robin, profile the cluster sweeps."""
-    with clusters(worker_counts, inputs["w"], environment) as clients:
+    with clusters(worker_counts, environment) as clients:
         described = {k: common.describe(c) for k, c in clients.items()}
         for k, d in described.items():
             print(f"{label}cluster {k}: " + ", ".join(

@@ -4,7 +4,8 @@
 - sizes: the bytes a JAX array or a pullback holds, so the scheduler keeps backward tasks
   beside their residuals and counts worker memory right;
 - frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
-  plus one zero-copy frame per residual array;
+  plus one zero-copy frame per residual array (a sweep chunk's
+  :class:`~daskdag.chunked.ItemPullbacks` pickle as a list of them);
 - pickling ``jax.custom_vjp`` functions, which JAX cannot yet do, so nodes built on them
   (typically wrapping NumPy or SciPy code) can be sent to workers.
 """
@@ -22,6 +23,7 @@ from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
+from .chunked import ItemPullbacks
 from .pullback import Pullback
 
 # -- tokens ---------------------------------------------------------------------------------------
@@ -61,6 +63,7 @@ def _sizeof_jax_array(a) -> int:
 
 
 @sizeof.register(Pullback)
+@sizeof.register(ItemPullbacks)
 def _sizeof_pullback(pb) -> int:
     return pb.residual_nbytes()
 

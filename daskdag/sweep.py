@@ -1,8 +1,8 @@
 """Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
 
 Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
-whose node functions take a whole chunk (:class:`Chunked`): vectorized with ``jax.vmap`` for
-``Node(vmap=True)``, else item by item. Shared inputs keep one key in every chunk, so each
+whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
+``jax.vmap`` for ``Node(vmap=True)``, else item by item. Shared inputs keep one key in every chunk, so each
 reaches a worker once. A few chunks are in flight at a time; their results are written into the
 stacked outputs as they finish and their intermediates released, so memory stays bounded however
 many items there are. A chunk that fails is rerun item by item, to name the item and keep the rest.
@@ -23,30 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from .chunked import Chunked
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
-from .protocol import cached_token
 from .spec import Node, Spec
-
-
-class Chunked:
-    """A node's function over a chunk; args whose ``in_axes`` is 0 carry a leading item axis."""
-
-    def __init__(self, node: Node, in_axes: tuple[int | None, ...]):
-        self.node, self.in_axes = node, in_axes
-
-    def __call__(self, *args):
-        fn = self.node.callable()
-        if self.node.vmap:
-            return jax.vmap(fn, in_axes=self.in_axes)(*args)
-        size = next(jax.tree.leaves(a)[0].shape[0] for a, ax in zip(args, self.in_axes) if ax == 0)
-        items = [fn(*(a if ax is None else jax.tree.map(lambda leaf: leaf[i], a)
-                      for a, ax in zip(args, self.in_axes))) for i in range(size)]
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *items)
-
-    def __dask_tokenize__(self):
-        return "Chunked", cached_token(self.node.fn), self.node.jit, self.node.vmap, self.in_axes
 
 
 @dataclass(frozen=True)
@@ -123,9 +104,11 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     ``stacked``: ``{output: (Stacked value, {input: Stacked grad})}``; ``failed``: ``{item:
     NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first failure raises.
     """
-    submit, wait_any, close = _engine(client, in_flight)
+    submit, wait_any, close = _engine(client, in_flight, pin=not any(
+        sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed))
     if client is not None:  # shared inputs go to the cluster once, not once per chunk
-        sweep = replace(sweep, values={i: client.scatter([v], hash=True)[0] if sweep.shared(i) else v
+        # (hash=False: a key of this call's own, which no earlier call's release can take away)
+        sweep = replace(sweep, values={i: client.scatter([v], hash=False)[0] if sweep.shared(i) else v
                                        for i, v in sweep.values.items()})
     stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
                for o in sweep.plan.outputs}
@@ -179,19 +162,41 @@ def _store(stacked, sweep, start, stop, computed):
             stacked[o][1][i].put(start, stop, g, True)
 
 
-def _engine(client, in_flight):
-    """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``."""
+def _engine(client, in_flight, pin: bool):
+    """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``.
+
+    ``pin``: on a cluster, each chunk goes to one worker (the one with the fewest chunks in
+    flight), loosely, so the worker's death or a busy cluster can still move it. Left to
+    itself the scheduler splits chunks over workers and ships pullbacks and cotangents between
+    them: a third of the 2-worker sweep benchmark's time. Nodes that need resources are left to
+    the scheduler, which alone knows where those are.
+    """
     if client is None:  # Dask's local scheduler: each chunk synchronously, in_flight threads
         pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
         return (lambda graph: pool.submit(lambda: dask.compute(graph, scheduler="sync")[0]),
                 lambda fs: concurrent.futures.wait(fs, return_when="FIRST_COMPLETED").done,
                 lambda: pool.shutdown(cancel_futures=True))
 
+    on: dict = {}  # future -> the worker its chunk was sent to, when pinned
+
     def wait_any(fs):
         with client.as_current():
-            return distributed.wait(fs, return_when="FIRST_COMPLETED").done
+            done = distributed.wait(fs, return_when="FIRST_COMPLETED").done
+        for fut in done:
+            on.pop(fut, None)
+        return done
 
-    return client.compute, wait_any, lambda: None
+    if not pin:
+        return client.compute, wait_any, lambda: None
+
+    def submit(graph):
+        workers = list(client.scheduler_info(n_workers=-1)["workers"])
+        worker = min(workers, key=lambda w: sum(1 for v in on.values() if v == w))
+        fut = client.compute(graph, workers=[worker], allow_other_workers=True)
+        on[fut] = worker
+        return fut
+
+    return submit, wait_any, lambda: None
 
 
 def parallelism(client) -> int:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .chunked import Chunked
 from .errors import NodeError
 from .pullback import cotangent_aval, linearize
 from .spec import Node
@@ -19,9 +20,11 @@ from .spec import Node
 def forward(name: str, node: Node, active: tuple[bool, ...], *args):
     """Primal of ``node`` alone when no dep is ``active``; else ``(primal, Pullback)``."""
     try:
-        if any(active):
-            return linearize(node, args, active)
-        return node.callable()(*args)
+        if not any(active):
+            return node.callable()(*args)
+        if isinstance(node.fn, Chunked):  # a sweep's chunk: one vjp per item
+            return node.fn.linearize(args, active)
+        return linearize(node, args, active)
     except Exception as e:
         raise NodeError(name, "forward", e) from e
 

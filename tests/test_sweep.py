@@ -12,7 +12,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import Node, NodeError
+from daskdag import Node, NodeError, programs
 
 from .conftest import assert_tree_close
 
@@ -217,9 +217,36 @@ def test_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
                                       chunk_size=2, client=client)
         assert len(scattered) == 1 and scattered[0][0] is inputs["w"]  # once, for 8 chunks
         assert len({t["worker"] for t in ts.data}) == 2  # chunks spread over both workers
+        # Each chunk stays on its worker: no pullback was exported to move.
+        assert all(s["exported"] == 0 for s in client.run(programs.stats).values())
+        for _ in range(3):  # back to back: each call's shared inputs are its own
+            again = daskdag.sweep_grads(mixed_dag(), inputs, "E", batched=["x", "b"],
+                                        chunk_size=4, client=client)
+            assert_tree_close(again.grad["x"], res["E"].grad["x"])
     w = inputs["w"]
     value, (gx, gb) = jax.vmap(jax.value_and_grad(lambda x, b: energy(encode(x, w), b), (0, 1)))(
         inputs["x"], inputs["b"])
     assert_tree_close(res["E"].value, value, rtol=1e-5)
     assert_tree_close(res["E"].grad["x"], gx, rtol=1e-5)
     assert_tree_close(res["E"].grad["b"], gb, rtol=1e-5)
+
+
+def test_item_pullbacks_travel_between_processes():
+    import pickle
+
+    from distributed.protocol import deserialize, serialize
+
+    from daskdag.chunked import Chunked
+
+    node = Node(encode, ("x", "w"))
+    inputs = mixed_inputs(n=3)
+    args = (inputs["x"], inputs["w"])
+    primal, pbs = Chunked(node, (0, None)).linearize(args, (True, False))
+    ct = jnp.ones_like(primal)
+    ref = pbs(ct, args)
+    for moved in (pickle.loads(pickle.dumps(pbs)), deserialize(*serialize(pbs))):
+        got = moved(ct, args)
+        assert got[1] is None
+        assert_tree_close(got[0], ref[0])
+    expected = jax.vmap(lambda x: jax.vjp(lambda x: encode(x, inputs["w"]), x)[1](jnp.ones(4))[0])(inputs["x"])
+    assert_tree_close(ref[0], expected)
