@@ -17,8 +17,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Each benchmark prints its ratios and writes JSON to benchmarks/results/; QUICK=1 for smoke runs.
+BENCH_FLAGS := $(if $(QUICK),--quick,)
 bench: $(STAMP)
-	$(PY) benchmarks/k_heads.py
+	$(PY) benchmarks/k_heads.py $(BENCH_FLAGS)
+	$(PY) benchmarks/portable.py $(BENCH_FLAGS)
+	$(PY) benchmarks/sweeps.py $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
