@@ -249,7 +249,11 @@ def test_program_from_other_versions_is_refused():
 def test_cluster_started_with_the_dask_cli(tmp_path):
     dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
     sched_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # The node functions below are this module's: pickled by reference, so the scheduler and
+    # workers must be able to import it, as with any Dask code.
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
                                "--no-dashboard", "--scheduler-file", str(sched_file)], env=env)]
     try:
