@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import daskdag
+from daskdag.cluster import workers as live_workers
 
 N_WORKERS = 2
 
@@ -58,7 +59,7 @@ def cluster(n_workers: int = N_WORKERS, pin: bool = True) -> Iterator[distribute
 
 def workers(client) -> list[str]:
     """Worker addresses, ordered by worker name."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = live_workers(client)
     return sorted(info, key=lambda addr: int(info[addr]["name"]))
 
 

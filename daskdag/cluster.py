@@ -14,13 +14,22 @@ from .programs import versions
 _versions_checked: set[tuple[str, frozenset]] = set()  # (client id, worker addresses)
 
 
+def workers(client) -> dict[str, dict]:
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now.
+
+    (``client.scheduler_info()`` can return a cached copy without workers, which a background
+    refresh may have just written.)
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def check(client, plan: Plan) -> None:
     """Raise :class:`~daskdag.ClusterError` naming the node or workers concerned."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
-    if not workers:  # an adaptive cluster may still be scaling up: nothing to check yet
+    found = workers(client)
+    if not found:  # an adaptive cluster may still be scaling up: nothing to check yet
         return
-    _check_resources(plan, workers)
-    _check_versions(client, frozenset(workers))
+    _check_resources(plan, found)
+    _check_versions(client, frozenset(found))
 
 
 def _check_resources(plan: Plan, workers: dict) -> None:

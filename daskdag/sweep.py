@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .chunked import Chunked
+from .cluster import workers
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
@@ -190,8 +191,10 @@ def _engine(client, in_flight, pin: bool):
         return client.compute, wait_any, lambda: None
 
     def submit(graph):
-        workers = list(client.scheduler_info(n_workers=-1)["workers"])
-        worker = min(workers, key=lambda w: sum(1 for v in on.values() if v == w))
+        addresses = list(workers(client))
+        if not addresses:  # none yet (an adaptive cluster): let the scheduler place it
+            return client.compute(graph)
+        worker = min(addresses, key=lambda w: sum(1 for v in on.values() if v == w))
         fut = client.compute(graph, workers=[worker], allow_other_workers=True)
         on[fut] = worker
         return fut
@@ -202,5 +205,4 @@ def _engine(client, in_flight, pin: bool):
 def parallelism(client) -> int:
     if client is None:
         return os.cpu_count() or 1
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return max(1, sum(w.get("nthreads", 1) for w in workers))
+    return max(1, sum(w.get("nthreads", 1) for w in workers(client).values()))

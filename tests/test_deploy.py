@@ -42,6 +42,7 @@ from packaging.specifiers import SpecifierSet
 import daskdag
 from daskdag import Node
 from daskdag.cli import security
+from daskdag.cluster import workers as live_workers
 
 from .conftest import assert_tree_close
 
@@ -239,7 +240,7 @@ def compose_cluster(compose, certs, tmp_path_factory):
         n = len(local.procs) - 1
         with Client(address, security=security(certs), timeout=60, set_as_default=False) as client:
             deadline = time.time() + 60
-            while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
+            while len(live_workers(client)) < n:
                 exited = [p.args[1] for p in local.procs if p.poll() is not None]
                 assert not exited, f"{exited} exited:\n{local.output()}"
                 assert time.time() < deadline, f"{n} workers did not connect:\n{local.output()}"
@@ -254,7 +255,7 @@ def compose_cluster(compose, certs, tmp_path_factory):
 def test_compose_services_start_and_compute_gradients_over_tls(compose_cluster, certs):
     address, local = compose_cluster
     with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = live_workers(client)
         assert len(workers) == sum(s.get("deploy", {}).get("replicas", 1)
                                    for n, s in local.services.items() if n != "scheduler")
         assert all(a.startswith("tls://") for a in workers)  # workers listen over TLS too
@@ -321,7 +322,7 @@ def test_scheduler_refuses_clients_without_the_certificates(compose_cluster, cer
     # With the certificates: the scheduler answers, and a Client gets correct gradients.
     assert asyncio.run(_identity(address, security(certs)))["type"] == "Scheduler"
     with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
-        gpu = next(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        gpu = next(a for a, w in live_workers(client).items()
                    if w.get("resources") == {"GPU": 1})
         _run_gpu_dag(client, gpu)
 
@@ -594,7 +595,7 @@ def test_slurm_job_scripts_start_workers_with_their_resources(certs, tmp_path):
                 logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log"))
                 pytest.fail(f"the job scripts' workers did not connect:\n{logs}")
             workers = {w["name"]: (a, w.get("resources")) for a, w in
-                       client.scheduler_info(n_workers=-1)["workers"].items()}
+                       live_workers(client).items()}
             assert workers["gpu-job"][1] == {"GPU": 1}
             assert not workers["cpu-job"][1]
             _run_gpu_dag(client, workers["gpu-job"][0])

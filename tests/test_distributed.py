@@ -21,6 +21,7 @@ from distributed.protocol import deserialize, serialize
 import daskdag
 from daskdag import ClusterError, Node, programs
 from daskdag.api import build_graph
+from daskdag.cluster import workers as live_workers
 from daskdag.pullback import Pullback, linearize
 
 from .conftest import assert_tree_close
@@ -48,7 +49,7 @@ def client(cluster):
 
 
 def _worker(client, name):
-    return next(addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
+    return next(addr for addr, w in live_workers(client).items()
                 if w["name"] == name)
 
 
@@ -269,7 +270,7 @@ def test_cluster_started_with_the_dask_cli(tmp_path):
         assert address.startswith("tcp://127.0.0.1:")
         with Client(address, set_as_default=False, timeout=60) as client:  # reached by address
             client.wait_for_workers(2, timeout=60)
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            workers = sorted(live_workers(client))
             dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"]),
                    "M": (lambda h: jnp.max(h), ["h"])}
             inputs = {"x": jnp.linspace(0, 1, 8), "w": jnp.eye(8) / 2}
