@@ -48,7 +48,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
 
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
-    call and :class:`~daskdag.NodeError` when a node raises.
+    call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
+    the cluster cannot run the graph (a resource no worker offers, versions that differ).
     """
     spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
     client = client if client is not None else _active_client()
