@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import cloudpickle
 import dask
 import distributed
 import jax
@@ -105,12 +106,14 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     ``stacked``: ``{output: (Stacked value, {input: Stacked grad})}``; ``failed``: ``{item:
     NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first failure raises.
     """
-    submit, wait_any, close = _engine(client, in_flight, pin=not any(
-        sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed))
+    shared = {}
     if client is not None:  # shared inputs go to the cluster once, not once per chunk
         # (hash=False: a key of this call's own, which no earlier call's release can take away)
-        sweep = replace(sweep, values={i: client.scatter([v], hash=False)[0] if sweep.shared(i) else v
-                                       for i, v in sweep.values.items()})
+        shared = {i: client.scatter([v], hash=False)[0] for i, v in sweep.values.items()
+                  if sweep.shared(i)}
+        sweep = replace(sweep, values={**sweep.values, **shared})
+    submit, wait_any, close = _engine(client, in_flight, list(shared.values()), pin=not any(
+        sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed))
     stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
                for o in sweep.plan.outputs}
     failed: dict[int, NodeError] = {}
@@ -163,14 +166,15 @@ def _store(stacked, sweep, start, stop, computed):
             stacked[o][1][i].put(start, stop, g, True)
 
 
-def _engine(client, in_flight, pin: bool):
+def _engine(client, in_flight, shared: list, pin: bool):
     """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``.
 
-    ``pin``: on a cluster, each chunk goes to one worker (the one with the fewest chunks in
-    flight), loosely, so the worker's death or a busy cluster can still move it. Left to
-    itself the scheduler splits chunks over workers and ships pullbacks and cotangents between
-    them: a third of the 2-worker sweep benchmark's time. Nodes that need resources are left to
-    the scheduler, which alone knows where those are.
+    ``shared``: the futures of the scattered shared inputs. ``pin``: on a cluster, each chunk runs as one task on one worker (the one with the fewest
+    chunks in flight; loosely, so the worker's death can still move it). Left to itself the
+    scheduler split chunks over workers and shipped pullbacks and cotangents between them (a
+    third of the 2-worker sweep benchmark's time), and a chunk's ~25 tasks each cost
+    distributed's per-task overhead. Chunks whose nodes need resources stay task graphs, which
+    the scheduler places node by node.
     """
     if client is None:  # Dask's local scheduler: each chunk synchronously, in_flight threads
         pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
@@ -195,11 +199,23 @@ def _engine(client, in_flight, pin: bool):
         if not addresses:  # none yet (an adaptive cluster): let the scheduler place it
             return client.compute(graph)
         worker = min(addresses, key=lambda w: sum(1 for v in on.values() if v == w))
-        fut = client.compute(graph, workers=[worker], allow_other_workers=True)
+        whole = dask.delayed(graph)
+        tasks = cloudpickle.dumps(dict(whole.__dask_graph__()))
+        fut = client.submit(_run_chunk, tasks, whole.key, {f.key: f for f in shared}, pure=False,
+                            workers=[worker], allow_other_workers=True)
         on[fut] = worker
         return fut
 
     return submit, wait_any, lambda: None
+
+
+def _run_chunk(tasks: bytes, key, shared: dict):
+    """A whole chunk as one task, in one worker: its graph run by Dask's synchronous scheduler,
+    with the shared inputs, which distributed fetched for this task, as data."""
+    graph = cloudpickle.loads(tasks)
+    for k, value in shared.items():
+        graph.update(dask.delayed(value, name=k, traverse=False).__dask_graph__())
+    return dask.get(graph, key)
 
 
 def parallelism(client) -> int:
