@@ -2,8 +2,8 @@
 
 Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
 whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
-``jax.vmap`` for ``Node(vmap=True)``, else item by item. Shared inputs keep one key in every chunk, so each
-reaches a worker once. A few chunks are in flight at a time; their results are written into the
+``jax.vmap`` for ``Node(vmap=True)``, else item by item. On a cluster a chunk runs as one task
+on one worker. Shared inputs are scattered once and every chunk refers to them. A few chunks are in flight at a time; their results are written into the
 stacked outputs as they finish and their intermediates released, so memory stays bounded however
 many items there are. A chunk that fails is rerun item by item, to name the item and keep the rest.
 """
