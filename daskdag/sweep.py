@@ -169,7 +169,9 @@ def _store(stacked, sweep, start, stop, computed):
 def _engine(client, in_flight, shared: list, pin: bool):
     """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``.
 
-    ``shared``: the futures of the scattered shared inputs. ``pin``: on a cluster, each chunk runs as one task on one worker (the one with the fewest
+    ``shared``: the futures of the scattered shared inputs.
+
+    ``pin``: on a cluster, each chunk runs as one task on one worker (the one with the fewest
     chunks in flight; loosely, so the worker's death can still move it). Left to itself the
     scheduler split chunks over workers and shipped pullbacks and cotangents between them (a
     third of the 2-worker sweep benchmark's time), and a chunk's ~25 tasks each cost
