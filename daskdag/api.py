@@ -56,9 +56,7 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     if client is not None:
         cluster.check(client, plan)
     (computed,) = dask.compute(graph, scheduler=client)
-    single = len(spec.inputs) == 1
-    results = {o: Result(v, g[spec.inputs[0]] if single else g) for o, (v, g) in computed.items()}
-    return results[outputs] if isinstance(outputs, str) else results
+    return _results(spec, outputs, computed)
 
 
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
@@ -114,9 +112,16 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     chunk_size = chunk_size or sweep.default_chunk_size(size, slots)
     stacked, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
                                 progress=progress, errors=errors)
+    computed = {o: (v.tree, {i: s.tree for i, s in g.items()}) for o, (v, g) in stacked.items()}
+    return _results(spec, outputs, computed, failed)
+
+
+def _results(spec, outputs, computed, failed=None):
+    """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
+    grad})}``; with one free input, its gradient alone."""
     single = len(spec.inputs) == 1
-    results = {o: Result(v.tree, g[spec.inputs[0]].tree if single else {i: s.tree for i, s in g.items()},
-                         failed) for o, (v, g) in stacked.items()}
+    results = {o: Result(v, g[spec.inputs[0]] if single else g, failed or {})
+               for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 
