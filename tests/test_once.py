@@ -75,3 +75,28 @@ def test_outputs_share_one_set_of_forward_keys(seed, x5):
     # E's backward at B takes its cotangent from E alone; D's from C.
     (bwd_e_b,) = [k for k in bwd_b if k.startswith("bwd-E-")]
     assert any(d.startswith("bwd-E-E-") for d in deps[bwd_e_b])
+
+
+def test_graph_layers_follow_placement_not_node_count():
+    """A 300-node chain is one graph layer (one ``delayed`` call per task made building
+    quadratic); a GPU node in the middle adds layers annotated with its resources, holding
+    exactly its own forward and backward tasks."""
+    def f(h):
+        return jnp.sin(h)
+
+    names = [f"n{i}" for i in range(300)]
+    dag = {n: (f, [prev]) for n, prev in zip(names, ["x"] + names)}
+    _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
+    value, grads = graph[names[-1]]
+    assert len(value.dask.layers) == 1 and value.dask is grads["x"].dask
+    assert sum(str(k).startswith("fwd-") for k in _keys(graph)) == 300
+
+    dag["n150"] = daskdag.Node(f, ["n149"], device="gpu")
+    _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
+    layers = graph[names[-1]][0].dask.layers.values()
+    placed = [str(k) for layer in layers if layer.annotations for k in layer]
+    # forward before n150, n150, after it; backward down to n150, n150, below it
+    assert [bool(layer.annotations) for layer in layers] == [False, True, False, True, False]
+    assert all(layer.annotations == {"resources": {"GPU": 1}} for layer in layers if layer.annotations)
+    assert {k.split("-")[0] for k in placed} == {"fwd", "val", "pb", "bwd"}
+    assert all("-n150-" in k for k in placed) and len(placed) == 4
