@@ -6,6 +6,9 @@
 - frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
   plus one zero-copy frame per residual array (a sweep chunk's
   :class:`~daskdag.chunked.ItemPullbacks` pickle as a list of them);
+- nodes: a :class:`~daskdag.spec.Node` received by a process is the first one it received
+  with the same token, so its function keeps its identity from call to call, and with it
+  ``jax.jit``'s compilations (a ``jit=True`` node recompiled on every call on a cluster);
 - pickling ``jax.custom_vjp`` functions, which JAX cannot yet do, so nodes built on them
   (typically wrapping NumPy or SciPy code) can be sent to workers.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import copyreg
 import weakref
+from collections import OrderedDict
 
 import cloudpickle
 import jax
@@ -25,6 +29,7 @@ from distributed.protocol import dask_deserialize, dask_serialize, deserialize, 
 
 from .chunked import ItemPullbacks
 from .pullback import Pullback
+from .spec import Node
 
 # -- tokens ---------------------------------------------------------------------------------------
 
@@ -112,6 +117,37 @@ def _deserialize_pullback(header, frames) -> Pullback:
             at += h["n_frames"]
         form["consts"] = consts
     return Pullback.from_portable(form)
+
+
+# -- nodes ------------------------------------------------------------------------------------------
+
+RECEIVED_NODES = 256  # the most nodes a process keeps for reuse, least recently received first out
+_received: OrderedDict[str, Node] = OrderedDict()
+
+
+def _reduce_node(node: Node):
+    token = tokenize(cached_token(node.fn), node.deps, node.jit, node.vmap, node.device,
+                     node.resources)
+    return _receive_node, (token, node.fn, node.deps, node.jit, node.vmap, node.device,
+                           node.resources)
+
+
+def _receive_node(token: str, *fields) -> Node:
+    """The node this process first received with ``token``, else a new one from ``fields``.
+
+    The token hashes the function's pickled bytes (closed-over weights included), so a hit is
+    the same function; the copy just unpickled is dropped.
+    """
+    node = _received.get(token)
+    if node is None:
+        node = _received[token] = Node(*fields)
+        if len(_received) > RECEIVED_NODES:
+            _received.popitem(last=False)
+    _received.move_to_end(token)
+    return node
+
+
+copyreg.pickle(Node, _reduce_node)
 
 
 # -- custom_vjp functions ---------------------------------------------------------------------------

@@ -161,6 +161,28 @@ def test_one_compilation_per_worker_and_program(client):
 
 
 @pytest.mark.timeout(120)
+def test_jit_node_traces_once_per_worker_across_calls(client, tmp_path):
+    """Each call ships the node function anew; a worker reuses the node it first received, so
+    ``jax.jit`` keeps its compilation instead of tracing (and compiling) on every call."""
+    log = tmp_path / "traces"
+    w = jnp.eye(16) * 0.5
+
+    def traced(x):  # jit=True: the Python body runs only when JAX traces it
+        with open(log, "a") as f:
+            f.write("t")
+        return jnp.tanh(w @ x)
+
+    dag = {"h": daskdag.Node(traced, ["x"], jit=True), "L": (lambda h: jnp.sum(h ** 2), ["h"])}
+    calls = 4
+    for i in range(calls):
+        x = jnp.linspace(0.0, 1.0, 16) + i
+        r = daskdag.compute_grads(dag, x, "L", client=client)
+        assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum(jnp.tanh(w @ x) ** 2))(x), rtol=1e-4)
+    # At most one trace per worker process (the first call in each), not one per call.
+    assert 1 <= len(log.read_text()) <= 2 < calls
+
+
+@pytest.mark.timeout(120)
 def test_host_callback_node_recomputes_where_backward_runs(client):
     def numpy_sin(x):
         @jax.custom_vjp
