@@ -2,8 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test bench clean certs
+.PHONY: demo test bench bench-test clean certs
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,12 +18,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Each benchmark prints its ratios and writes JSON to benchmarks/results/; QUICK=1 for smoke runs.
-BENCH_FLAGS := $(if $(QUICK),--quick,)
-bench: $(STAMP)
-	$(PY) benchmarks/k_heads.py $(BENCH_FLAGS)
-	$(PY) benchmarks/portable.py $(BENCH_FLAGS)
-	$(PY) benchmarks/sweeps.py $(BENCH_FLAGS)
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+# Every scenario in one run: benchmarks/results/latest.{json,md} and PNGs (QUICK=1: a short run,
+# under 3 minutes, into benchmarks/results/quick/). README=1 also updates README's report.
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks $(if $(QUICK),--quick,) $(if $(README),--update-readme,)
+
+# The test that runs `python -m benchmarks --quick` and checks what it writes.
+bench-test: $(BENCH_STAMP)
+	DASKDAG_BENCH=1 $(PY) -m pytest -q -m bench
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,4 +1,5 @@
-"""Per-node cost of portable pullbacks: a backward pass run in another process than its forward.
+"""Scenario 4, portable pullbacks: the cost per node of a backward pass run in another process
+than its forward.
 
 A node's :class:`~daskdag.pullback.Pullback` is normally called in the worker that ran the node's
 forward pass. When Dask runs the backward task elsewhere, the pullback travels: daskdag exports
@@ -48,19 +49,14 @@ program in the first (warm-up) moved call only, which is reported apart. Before 
 runs the graph once unmoved, untimed, so the warm-up moved call adds only that compilation.
 The warm-up calls check placement and gradients.
 
-Run: ``python benchmarks/portable.py [--quick] [--out PATH]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import cloudpickle
@@ -71,11 +67,13 @@ import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import deserialize, serialize
 
-import common
 from daskdag import Node, programs
 from daskdag.api import build_graph
 from daskdag.pullback import linearize
 
+from . import common
+
+TITLE = "Portable pullbacks"
 N = 1024  # the arrays' base size
 GROWTH = 32  # the most rows or columns a repetition adds (see make_base)
 RTOL = 1e-4  # moved pullbacks' results against the local ones
@@ -155,12 +153,6 @@ def cotangent(primal):
 
 # --- In this process ---------------------------------------------------------------------------
 
-def timed(f, *args) -> tuple[float, object]:
-    start = time.perf_counter()
-    out = jax.block_until_ready(f(*args))  # eager JAX dispatches asynchronously
-    return time.perf_counter() - start, out
-
-
 def one_rep(kind: Kind, k: int, base: dict) -> dict[str, float]:
     """Repetition ``k``'s pullback: called here, serialized twice, deserialized twice, each copy
     called."""
@@ -171,13 +163,13 @@ def one_rep(kind: Kind, k: int, base: dict) -> dict[str, float]:
     t = {}
     before = programs.stats()
     pb(ct, inputs)  # compiles JAX's eager ops for this repetition's new shapes
-    t["local_call"], expected = timed(pb, ct, inputs)
-    t["serialize_first"], (header, frames) = timed(serialize, pb)
-    t["serialize_cached"], _ = timed(serialize, pb)
-    t["deserialize_first"], first = timed(deserialize, header, frames)
-    t["call_after_first"], _ = timed(first, ct, inputs)
-    t["deserialize_cached"], cached = timed(deserialize, header, frames)
-    t["call_cached"], got = timed(cached, ct, inputs)
+    t["local_call"], expected = common.timed(pb, ct, inputs)
+    t["serialize_first"], (header, frames) = common.timed(serialize, pb)
+    t["serialize_cached"], _ = common.timed(serialize, pb)
+    t["deserialize_first"], first = common.timed(deserialize, header, frames)
+    t["call_after_first"], _ = common.timed(first, ct, inputs)
+    t["deserialize_cached"], cached = common.timed(deserialize, header, frames)
+    t["call_cached"], got = common.timed(cached, ct, inputs)
     counts = {key: programs.stats()[key] - before[key] for key in before}
     if counts != {"exported": 1, "compiled": 1, "cache_hits": 1}:
         raise RuntimeError(f"{kind.name}, repetition {k}: expected one export, one compilation and "
@@ -318,63 +310,19 @@ def ratios(m: dict) -> dict[str, float]:
             for label, (num, den) in RATIOS.items()}
 
 
-def table(title: str, header: list[str], rows: dict[str, list[str]], width: int = 10) -> None:
-    print(f"\n{title}\n{'kind':<16}" + "".join(f"{h:>{width}}" for h in header))
-    for name, cells in rows.items():
-        print(f"{name:<16}" + "".join(f"{c:>{width}}" for c in cells))
-
-
-def print_tables(results: dict) -> None:
-    times = ("local_call", "serialize_first", "serialize_cached", "deserialize_first",
-             "call_after_first", "deserialize_cached", "call_cached")
-    table("in this process: median ms", ["local", "ser 1st", "ser hit", "des 1st", "call",
-                                          "des hit", "call"],
-          {n: [f"{r['median_s'][k] * 1e3:.2f}" for k in times] for n, r in results.items()})
-    sizes = ("shipped", "residuals", "residuals_not_inputs", "program", "node_pickled")
-    table("bytes: KiB", ["shipped", "residual", "not input", "program", "node fn"],
-          {n: [f"{r['bytes'][k] / 1024:.1f}" for k in sizes] for n, r in results.items()})
-    table("ratios", list(RATIOS), {n: [f"{v:.2f}" for v in r["ratios"].values()]
-                                   for n, r in results.items()}, width=20)
-    clusters = {n: r["cluster"] for n, r in results.items()}
-    table("cluster: median ms from submission to results; moved 1st: its warm-up call",
-          [*MODES, "moved 1st", "mv/one", "mv/2step"],
-          {n: [*(f"{c['median_s'][m] * 1e3:.1f}" for m in MODES),
-               f"{c['first_s']['moved'] * 1e3:.1f}", f"{c['ratios']['moved/one_step']:.2f}",
-               f"{c['ratios']['moved/same_2step']:.2f}"] for n, c in clusters.items()}, width=11)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "portable.json")
-    args = parser.parse_args()
-    cfg = QUICK if args.quick else FULL
-    info = common.machine()
+def run(quick: bool, clients: dict) -> dict:
+    cfg = QUICK if quick else FULL
     base = make_base()
-    results = {}
+    cases = []
     for kind in KINDS:
-        print(f"{kind.name}: {kind.what}: in this process", flush=True)
-        results[kind.name] = {"what": kind.what, **measure_in_process(kind, base, cfg.reps)}
-        results[kind.name]["ratios"] = ratios(results[kind.name])
-    with common.cluster() as client:
-        cluster_info = common.describe(client)
-        for kind in KINDS:
-            print(f"{kind.name}: on the cluster", flush=True)
-            results[kind.name]["cluster"] = measure_cluster(client, kind, base, cfg.cluster_reps)
-    print_tables(results)
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "portable",
-        "machine": info,
-        "config": {**asdict(cfg), "quick": args.quick, "cluster": cluster_info,
-                   "cluster_modes": {m: {"forward_on": f, "rest_on": r}
-                                     for m, (f, r) in MODES.items()}},
-        "kinds": results,
-    }, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        print(f"{TITLE}, {kind.name}: {kind.what}", flush=True)
+        m = measure_in_process(kind, base, cfg.reps)
+        cluster = measure_cluster(clients["2w"], kind, base, cfg.cluster_reps)
+        cases.append({"case": kind.name, "params": {"what": kind.what},
+                      "methods": {k: {"times_s": t, "median_s": m["median_s"][k]}
+                                  for k, t in m["times_s"].items()},
+                      "ratios": {**ratios(m), **cluster["ratios"]},
+                      "bytes": m["bytes"], "cluster": cluster})
+    return {"title": TITLE, "config": {**asdict(cfg), "cluster_modes": {
+                m: {"forward_on": f, "rest_on": r} for m, (f, r) in MODES.items()}},
+            "cases": cases}

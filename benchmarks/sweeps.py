@@ -1,4 +1,5 @@
-"""Sweeps: one DAG's values and gradients over N items, in a Python loop and with sweep_grads.
+"""Scenario 3, sweeps: one DAG's values and gradients over N items, in a Python loop and with
+``sweep_grads``.
 
 The DAG, per item (``x`` an item's float32[rows, width], ``w`` a float32[width, width] weight
 shared by all items), two scalar outputs, gradients with respect to ``x``::
@@ -30,64 +31,45 @@ item as either branch):
 6. sweep_vmap_2w:  ``sweep_grads`` on the 2-worker cluster with every node
                    ``Node(..., vmap=True)``: each node runs once per chunk, vectorized.
 
-Every sweep uses the same explicit chunk size, N / 8 (``--chunk-size`` to change it): the
-default of ``sweep_grads`` on the 2-worker cluster (four chunks per worker), so the 1-worker and
-2-worker sweeps run the same chunk graphs and their ratio is the second worker's speedup alone.
-(The default on one worker would be chunks twice as large, whose backward pass costs more per
-item.)
+Every sweep uses the same explicit chunk size, N / 8: the default of ``sweep_grads`` on the
+2-worker cluster (four chunks per worker), so the 1-worker and 2-worker sweeps run the same chunk
+graphs and their ratio is the second worker's speedup alone. (The default on one worker would
+be chunks twice as large, whose backward pass costs more per item.)
 
 Before timing, each method runs once (its warm-up), and its values and gradients are checked
-with ``np.allclose`` against the loop over the same DAG; exit 1 if any disagree. Then the
-methods are timed round-robin, each repetition starting at the next method, and compared by
-median. Targets: sweep_1w / sweep_2w >= 1.7 (the second worker's speedup) and loop / sweep_2w
->= 1.6 (what a user gains over the loop on this 2-core machine).
+with ``np.allclose`` against the loop over the same DAG. Then the methods are timed interleaved
+and compared by median. Targets (issue #4): sweep_1w / sweep_2w >= 1.7 (the second worker's
+speedup) and loop / sweep_2w >= 1.6 (what a user gains over the loop on this 2-core machine).
 
-Workers start without ``MALLOC_TRIM_THRESHOLD_``, which distributed's nanny sets to 65536 by
-default (``distributed.nanny.pre-spawn-environ``). Setting it turns off glibc's adaptive mmap
-threshold, so large temporaries are mmapped and faulted in afresh: a 32-item chunk of this DAG
-took 1.8 times as long in a worker with it as without it, and in one process 7.6 times the page
-faults (``--distributed-malloc-trim`` keeps it, to see).
+The workers start without ``MALLOC_TRIM_THRESHOLD_`` (``common.worker_environment``). Both
+clusters are up together, so two workers are pinned to core 0, one of them idle at any time: in
+an earlier measurement, sweeps on either cluster took 3-4 % longer with the other one up, while
+the loop drifted by up to 50 % between two separate phases, so the methods share one loop
+baseline.
 
-Both clusters are started once, before any timing, and are up together, so two workers are
-pinned to core 0, one of them idle at any time. ``--separate-phases`` instead runs the 1-worker
-and the 2-worker cluster's methods in two phases, each with only its cluster up and its own loop
-baseline, to check that the idle cluster costs nothing. It did not, beyond the noise: sweeps
-on either cluster took 3-4 % longer with the other one up, while the loop drifted by up to 50 %
-between two phases of one run, so together, sharing the loop baseline, is the default.
-
-Where the time goes is recorded too: each method's CPU seconds in this process (the client, and
-the clusters' schedulers, which LocalCluster runs here), and for the cluster sweeps one more run
-under ``distributed``'s task stream: the workers' busy time per task kind, and what moved
-between workers.
-
-Run: ``python benchmarks/sweeps.py [--quick] [--chunk-size K] [--separate-phases]
-[--distributed-malloc-trim] [--out PATH]``.
+Where the time goes is recorded too: for the cluster sweeps, one more run under
+``distributed``'s task stream: the workers' busy time per task kind, and what moved between
+them.
 """
-
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import statistics
-import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
-import dask
 import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import common
 import daskdag
 from daskdag import programs
 
+from . import common
+
+TITLE = "Sweeps"
 TARGETS = {"sweep_1w/sweep_2w": 1.7, "loop/sweep_2w": 1.6}
 RTOL = 1e-4  # np.allclose(rtol=RTOL, atol=RTOL * largest |entry| of the loop's result)
 OUTPUTS = ("energy", "overlap")
@@ -220,31 +202,7 @@ def methods(clients: dict, chunk_size: int) -> dict[str, Method]:
     return runs
 
 
-# --- Clusters --------------------------------------------------------------------------------
-
-def worker_environment(distributed_malloc_trim: bool) -> dict:
-    """Dask config for the workers' environment: distributed's default, or without
-    ``MALLOC_TRIM_THRESHOLD_`` (None unsets a variable there)."""
-    return {} if distributed_malloc_trim else {
-        "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
-
-
-@contextlib.contextmanager
-def clusters(worker_counts: tuple[int, ...], environment: dict):
-    """``{"1w": client, ...}``: a ``common.cluster`` per worker count, all up at once."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(dask.config.set(environment))
-        yield {f"{n}w": stack.enter_context(common.cluster(n_workers=n)) for n in worker_counts}
-
-
 # --- Measuring -----------------------------------------------------------------------------
-
-def timed(fn, inputs) -> tuple[float, float, dict]:
-    """Wall seconds, CPU seconds of this process, and the result."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = fn(inputs)
-    return time.perf_counter() - wall, time.process_time() - cpu, out
-
 
 def check(runs: dict[str, Method], inputs: dict) -> dict[str, dict]:
     """Warm up every method; compare its values and gradients with its reference loop's."""
@@ -260,20 +218,6 @@ def check(runs: dict[str, Method], inputs: dict) -> dict[str, dict]:
             "max_rel_diff": max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in pairs),
         }
     return report
-
-
-def time_methods(runs: dict[str, Method], inputs: dict, reps: int, label: str) -> dict[str, dict]:
-    """Wall and CPU seconds per run, round-robin, each repetition starting at the next method."""
-    times = {name: {"wall_s": [], "client_cpu_s": []} for name in runs}
-    names = list(runs)
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            wall, cpu, _ = timed(runs[name].run, inputs)
-            times[name]["wall_s"].append(wall)
-            times[name]["client_cpu_s"].append(cpu)
-            print(f"  {label}rep {rep + 1}/{reps}  {name:<14} {wall:7.3f} s  "
-                  f"(this process: {cpu:6.3f} CPU s)", flush=True)
-    return times
 
 
 def task_stream_profile(method: Method, inputs: dict) -> dict:
@@ -320,127 +264,34 @@ def _worker_counters(client) -> dict[str, dict]:
     return client.run(counters)
 
 
-def run_phase(cfg: Config, inputs: dict, worker_counts: tuple[int, ...], environment: dict,
-              label: str) -> dict:
-    """Start the clusters, check every method, time them round-robin, profile the cluster sweeps."""
-    with clusters(worker_counts, environment) as clients:
-        described = {k: common.describe(c) for k, c in clients.items()}
-        for k, d in described.items():
-            print(f"{label}cluster {k}: " + ", ".join(
-                f"cpus {w['cpus']} matmul CPU/wall {w['matmul_cpu_per_wall']}" for w in d["workers"].values()))
-        runs = methods(clients, cfg.chunk_size)
-        checks = check(runs, inputs)
-        print(f"{label}agreement (allclose, max |diff| / max |ref|): " + ", ".join(
-            f"{n} {'ok' if c['allclose'] else 'FAIL'} {c['max_rel_diff']:.1e}" for n, c in checks.items()))
-        if not all(c["allclose"] for c in checks.values()):
-            return {"checks": checks}
-        times = time_methods(runs, inputs, cfg.reps, label)
-        profiles = {name: task_stream_profile(m, inputs) for name, m in runs.items() if m.client}
-    return {"clusters": described, "checks": checks, "times": times, "profiles": profiles}
 
 
-# --- Reporting -----------------------------------------------------------------------------
+# --- The scenario ------------------------------------------------------------------------------
 
-def medians(times: dict) -> dict[str, dict[str, float]]:
-    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-
-
-def ratios(phases: dict) -> dict[str, float]:
-    """Ratios of median wall times. With separate phases, sweep_1w / sweep_2w is also given
-    normalized by each phase's own loop median, which cancels a drift of the machine between
-    phases; the loop ratios use the loop of the sweep's own phase."""
-    wall = {p: {n: m["wall_s"] for n, m in medians(ph["times"]).items()} for p, ph in phases.items()}
-    one = next(w for w in wall.values() if "sweep_1w" in w)
-    two = next(w for w in wall.values() if "sweep_2w" in w)
-    out = {"sweep_1w/sweep_2w": one["sweep_1w"] / two["sweep_2w"],
-           "loop/sweep_2w": two["loop"] / two["sweep_2w"],
-           "loop/sweep_1w": one["loop"] / one["sweep_1w"],
-           "loop/sweep_threads": two["loop"] / two["sweep_threads"],
-           "sweep_2w/jit_vmap": two["sweep_2w"] / two["jit_vmap"],
-           "sweep_vmap_2w/jit_vmap": two["sweep_vmap_2w"] / two["jit_vmap"],
-           "loop/jit_vmap": two["loop"] / two["jit_vmap"]}
-    if one is not two:
-        out["sweep_1w/sweep_2w, loop-normalized"] = (one["sweep_1w"] / one["loop"]) / (
-            two["sweep_2w"] / two["loop"])
-    return out
+RATIOS = {"sweep_1w/sweep_2w": ("sweep_1w", "sweep_2w"),
+          "loop/sweep_2w": ("loop", "sweep_2w"),
+          "loop/sweep_1w": ("loop", "sweep_1w"),
+          "loop/sweep_threads": ("loop", "sweep_threads"),
+          "loop/sweep_vmap_2w": ("loop", "sweep_vmap_2w"),
+          "loop/jit_vmap": ("loop", "jit_vmap"),
+          "sweep_vmap_2w/jit_vmap": ("sweep_vmap_2w", "jit_vmap")}
 
 
-def print_report(phases: dict, ratio: dict) -> None:
-    print(f"\n{'phase':<10} {'method':<14} {'median s':>9} {'loop/this':>10} {'client CPU s':>13}")
-    for p, ph in phases.items():
-        meds = medians(ph["times"])
-        for name, m in meds.items():
-            print(f"{p:<10} {name:<14} {m['wall_s']:9.3f} {meds['loop']['wall_s'] / m['wall_s']:10.2f} "
-                  f"{m['client_cpu_s']:13.3f}")
-    print()
-    for name, r in ratio.items():
-        target = TARGETS.get(name)
-        met = "" if target is None else f"  (target >= {target}: {'met' if r >= target else 'NOT met'})"
-        print(f"{name:<36} = {r:6.2f}{met}")
-    for p, ph in phases.items():
-        for name, prof in ph["profiles"].items():
-            kinds = sorted(prof["compute_s_by_kind"].items(), key=lambda kv: -kv[1])[:2]
-            print(f"{p} {name}: workers busy {prof['busy_fraction']:.0%} of {prof['wall_s']:.2f} s "
-                  f"x {prof['workers']} (compute s per worker "
-                  f"{', '.join(f'{s:.2f}' for s in prof['compute_s_per_worker'])}; "
-                  + ", ".join(f"{k} {s:.2f} s in {prof['tasks_by_kind'][k]} tasks" for k, s in kinds)
-                  + f"); moved between workers: {prof['values_moved_by_kind'] or 'nothing'} "
-                  f"({prof['bytes_moved'] / 2**20:.1f} MiB), backward programs compiled "
-                  f"{prof['backward_programs_compiled']}")
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer items and repetitions")
-    parser.add_argument("--chunk-size", type=int, help="items per chunk (default: N / 8)")
-    parser.add_argument("--separate-phases", action="store_true",
-                        help="the 1-worker and 2-worker clusters in separate phases, not together")
-    parser.add_argument("--distributed-malloc-trim", action="store_true",
-                        help="keep distributed's MALLOC_TRIM_THRESHOLD_=65536 in the workers")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sweeps.json")
-    args = parser.parse_args()
-    cfg = QUICK if args.quick else FULL
-    if args.chunk_size:
-        cfg = replace(cfg, chunk_size=args.chunk_size)
-    environment = worker_environment(args.distributed_malloc_trim)
-    info = common.machine()
-    print(f"N={cfg.items} items of x float32[{cfg.rows}, {cfg.width}], shared w "
-          f"float32[{cfg.width}, {cfg.width}], outputs {list(OUTPUTS)}, chunks of {cfg.chunk_size}, "
-          f"{cfg.reps} reps, {info['cpu_count']} CPUs")
+def run(quick: bool, clients: dict) -> dict:
+    cfg = QUICK if quick else FULL
+    print(f"{TITLE}: N={cfg.items} items of x float32[{cfg.rows}, {cfg.width}], chunks of "
+          f"{cfg.chunk_size}", flush=True)
     inputs = make_inputs(cfg)
-
-    layout = {"1w": (1,), "2w": (2,)} if args.separate_phases else {"together": (1, 2)}
-    phases = {}
-    for name, counts in layout.items():
-        label = f"[{name}] " if len(layout) > 1 else ""
-        phases[name] = run_phase(cfg, inputs, counts, environment, label)
-        if "times" not in phases[name]:
-            print(f"DISAGREEMENT beyond rtol={RTOL}: {phases[name]['checks']}; not timing",
-                  file=sys.stderr)
-            return 1
-    ratio = ratios(phases)
-    print_report(phases, ratio)
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "sweeps",
-        "machine": info,
-        "config": {**asdict(cfg), "quick": args.quick, "outputs": list(OUTPUTS), "jit": False,
-                   "chunks": -(-cfg.items // cfg.chunk_size),
-                   "chunk_size_chosen": "explicit: N / 8, the sweep_grads default on 2 workers"
-                                        if not args.chunk_size else "explicit (--chunk-size)",
-                   "layout": "separate phases" if args.separate_phases else "both clusters up together",
-                   "worker_malloc_trim_threshold": "65536 (distributed's default)"
-                                                   if args.distributed_malloc_trim else "unset",
-                   "rtol": RTOL},
-        "phases": {p: {**ph, "medians": medians(ph["times"])} for p, ph in phases.items()},
-        "ratios": ratio,
-        "targets": TARGETS,
-        "targets_met": {k: ratio[k] >= t for k, t in TARGETS.items()},
-    }, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runs = methods(clients, cfg.chunk_size)
+    checks = check(runs, inputs)
+    bad = {n: c for n, c in checks.items() if not c["allclose"]}
+    if bad:
+        raise AssertionError(f"{TITLE}: disagrees with the loop beyond rtol={RTOL}: {bad}")
+    times = common.interleaved({n: partial(m.run, inputs) for n, m in runs.items()}, cfg.reps)
+    profiles = {name: task_stream_profile(m, inputs) for name, m in runs.items() if m.client}
+    c = common.case(f"N={cfg.items}", {"items": cfg.items, "chunk_size": cfg.chunk_size}, times,
+                    RATIOS, baseline="loop", checks=checks, profiles=profiles)
+    return {"title": TITLE, "config": {**asdict(cfg), "outputs": list(OUTPUTS), "rtol": RTOL},
+            "targets": TARGETS,
+            "targets_met": {k: c["ratios"][k] >= t for k, t in TARGETS.items()},
+            "cases": [c]}

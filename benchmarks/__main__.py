@@ -1,0 +1,91 @@
+"""The benchmark runner: every scenario, one run, one report.
+
+    python -m benchmarks [--quick] [--only k_heads,overhead,...] [--out DIR] [--update-readme]
+
+Scenarios (one module each): ``k_heads`` (K outputs over a shared trunk: daskdag against naive
+JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd), ``overhead`` (per-node
+cost against hand-written Dask graphs), ``sweeps`` (``sweep_grads`` against a loop and
+``jit(vmap)``), ``portable`` (pullbacks moved between processes). Each times its methods
+against baselines in the same run, interleaved, and reports medians and ratios.
+
+Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with
+``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
+measured), ``latest.md`` and one PNG per scenario. ``--update-readme`` puts the report in
+README.md between its benchmark markers. ``--quick`` takes under 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import common, report
+
+SCENARIOS = ("k_heads", "overhead", "sweeps", "portable")
+HERE = Path(__file__).parent
+README = HERE.parent / "README.md"
+MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller problems, fewer repetitions")
+    parser.add_argument("--only", type=lambda s: s.split(","), default=list(SCENARIOS),
+                        help=f"comma-separated scenarios, of {', '.join(SCENARIOS)}")
+    parser.add_argument("--out", type=Path, help="folder for latest.json, latest.md and the PNGs")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="write the report into README.md between its benchmark markers")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.only if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    out = args.out or (HERE / "results" / "quick" if args.quick else HERE / "results")
+    out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    results = {"machine": common.machine(),
+               "run": {"mode": "quick" if args.quick else "full",
+                       "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
+                       "started": datetime.datetime.now().isoformat(timespec="seconds")},
+               "scenarios": {}}
+    counts = (1, 2) if "sweeps" in args.only else (2,)
+    with common.clusters(counts) as clients:
+        results["clusters"] = {k: common.describe(c) for k, c in clients.items()}
+        for name in [s for s in SCENARIOS if s in args.only]:
+            scenario = importlib.import_module(f".{name}", __package__)
+            t = time.perf_counter()
+            results["scenarios"][name] = scenario.run(args.quick, clients)
+            results["scenarios"][name]["wall_s"] = time.perf_counter() - t
+            results["run"]["wall_s"] = time.perf_counter() - started
+            _write_json(out / "latest.json", results)
+
+    pngs = report.plots(results, out)
+    md = report.markdown(results, images=".")
+    (out / "latest.md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {out / 'latest.json'}, {out / 'latest.md'}, " + ", ".join(p.name for p in pngs))
+    if args.update_readme:
+        rel = out.resolve().relative_to(README.parent.resolve())
+        _update_readme(report.markdown(results, images=str(rel)))
+        print(f"updated {README}")
+    return 0
+
+
+def _write_json(path: Path, results: dict) -> None:
+    path.write_text(json.dumps(results, indent=1, default=float) + "\n")
+
+
+def _update_readme(md: str) -> None:
+    text = README.read_text()
+    start, end = (text.index(m) for m in MARKERS)
+    README.write_text(text[:start + len(MARKERS[0])] + "\n" + md + text[end:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

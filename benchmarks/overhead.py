@@ -1,0 +1,177 @@
+"""Scenario 2: what daskdag costs per node, on DAGs of tiny nodes where that cost is all there is.
+
+Two shapes, each of N nodes (N = 100 to 1,000; 50 and 150 in a quick run), with gradients of one scalar output:
+
+chain:    x -> n0 -> n1 -> ... -> n{N-1},  each ``step(h) = sin(h) + 0.5 * h`` on float32[8],
+          the output ``sum`` of the last.
+fan_out:  x -> n_i = step(x) for i < N -> out = the sum of all n_i; x's cotangent is the sum of
+          N shares.
+
+The same arithmetic five ways, each giving the output's value and gradient:
+
+jax_loop:         in this process, ``jax.vjp`` of each node, then the pullbacks in reverse: the
+                  floor, JAX's own eager cost per node.
+dask_threads:     a hand-written Dask graph (``dask.task_spec`` tasks) on Dask's threaded
+                  scheduler: a forward task per node, and a backward task per node that calls
+                  ``jax.vjp`` of the node on its input and pulls its cotangent back. It
+                  re-runs the node's (tiny) forward pass instead of receiving a pullback, which is
+                  what makes it runnable on any scheduler without daskdag's portable pullbacks.
+daskdag_threads:  ``daskdag.compute_grads`` on the threaded scheduler. Per node it makes a
+                  forward task, two tasks splitting the primal from the pullback, and a
+                  backward task: twice the hand-written graph's tasks.
+dask_2w:          the hand-written graph on the 2-worker process ``LocalCluster``.
+daskdag_2w:       ``compute_grads`` on it.
+
+Reported in microseconds per node (median seconds / N), with daskdag's ratio to the hand-written
+graph on the same scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import dask.threaded
+import jax
+import jax.numpy as jnp
+import numpy as np
+from dask.task_spec import DataNode, Task, TaskRef
+
+import daskdag
+
+from . import common
+
+TITLE = "Per-node overhead"
+RTOL = 1e-5
+SHAPES = ("chain", "fan_out")
+
+
+@dataclass(frozen=True)
+class Config:
+    nodes: tuple[int, ...]
+    reps: int
+
+
+FULL = Config(nodes=(100, 300, 1000), reps=5)
+QUICK = Config(nodes=(50, 150), reps=3)
+
+
+def step(h):
+    return jnp.sin(h) + 0.5 * h
+
+
+def total(*hs):
+    return sum(jnp.sum(h) for h in hs)
+
+
+def make_dag(shape: str, n: int) -> tuple[dict, str]:
+    """The daskdag DAG and its output's name."""
+    names = [f"n{i}" for i in range(n)]
+    if shape == "chain":
+        dag = {name: (step, [prev]) for name, prev in zip(names, ["x"] + names)}
+        dag["out"] = (total, [names[-1]])
+    else:
+        dag = {name: (step, ["x"]) for name in names}
+        dag["out"] = (total, names)
+    return dag, "out"
+
+
+# --- The same arithmetic without daskdag --------------------------------------------------------
+
+def _pull(fn, ct, *primals):
+    """The cotangents of ``fn``'s inputs: its ``jax.vjp`` taken here, on ``primals``."""
+    return jax.vjp(fn, *primals)[1](ct)
+
+
+def _pull_one(fn, ct, index, primal):
+    """``_pull`` of a one-input ``fn``, its cotangent the ``index``-th of ``ct`` (None: ``ct``)."""
+    return _pull(fn, ct if index is None else ct[index], primal)[0]
+
+
+def _sum(*cts):
+    return sum(cts)
+
+
+def hand_written_graph(dag: dict, output: str, x) -> tuple[dict, list]:
+    """A plain Dask graph computing ``output``'s value and its gradient with respect to ``x``."""
+    g = {"x": DataNode("x", x)}
+    for name, (fn, deps) in dag.items():  # the dict is in topological order
+        g[f"fwd-{name}"] = Task(f"fwd-{name}", fn, *(_ref(d) for d in deps))
+    out_fn, out_deps = dag[output]
+    g["seed"] = Task("seed", jnp.ones_like, TaskRef(f"fwd-{output}"))
+    g["bwd-out"] = Task("bwd-out", _pull, out_fn, TaskRef("seed"), *(_ref(d) for d in out_deps))
+    ct_of = {d: ("bwd-out", i) for i, d in enumerate(out_deps)}  # where each cotangent comes from
+    shares = []
+    for name in reversed([n for n in dag if n != output]):
+        fn, (dep,) = dag[name]
+        source, index = ct_of[name]
+        g[f"bwd-{name}"] = Task(f"bwd-{name}", _pull_one, fn, TaskRef(source), index, _ref(dep))
+        if dep == "x":
+            shares.append(TaskRef(f"bwd-{name}"))
+        else:
+            ct_of[dep] = (f"bwd-{name}", None)
+    g["grad"] = Task("grad", _sum, *shares)
+    return g, [f"fwd-{output}", "grad"]
+
+
+def _ref(dep: str) -> TaskRef:
+    return TaskRef("x" if dep == "x" else f"fwd-{dep}")
+
+
+def jax_loop(dag: dict, output: str, x):
+    """Forward with ``jax.vjp`` per node, then each pullback once, cotangents summed by hand."""
+    values, pullbacks = {"x": x}, {}
+    for name, (fn, deps) in dag.items():
+        values[name], pullbacks[name] = jax.vjp(fn, *(values[d] for d in deps))
+    cts = {output: jnp.ones_like(values[output])}
+    for name in reversed(dag):
+        for dep, ct in zip(dag[name][1], pullbacks[name](cts.pop(name))):
+            cts[dep] = cts[dep] + ct if dep in cts else ct
+    return values[output], cts["x"]
+
+
+def with_compute_grads(dag: dict, output: str, x, client=None):
+    r = daskdag.compute_grads(dag, x, output, client=client)
+    return r.value, r.grad
+
+
+def with_dask(graph: dict, keys: list, client=None):
+    return tuple(dask.threaded.get(graph, keys) if client is None else client.get(graph, keys))
+
+
+def methods(shape: str, n: int, client) -> dict:
+    dag, output = make_dag(shape, n)
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    graph, keys = hand_written_graph(dag, output, x)
+    return {"jax_loop": partial(jax_loop, dag, output, x),
+            "dask_threads": partial(with_dask, graph, keys),
+            "daskdag_threads": partial(with_compute_grads, dag, output, x),
+            "dask_2w": partial(with_dask, graph, keys, client),
+            "daskdag_2w": partial(with_compute_grads, dag, output, x, client)}
+
+
+RATIOS = {"daskdag_threads/dask_threads": ("daskdag_threads", "dask_threads"),
+          "daskdag_2w/dask_2w": ("daskdag_2w", "dask_2w"),
+          "daskdag_threads/jax_loop": ("daskdag_threads", "jax_loop"),
+          "dask_threads/jax_loop": ("dask_threads", "jax_loop")}
+
+
+def run(quick: bool, clients: dict) -> dict:
+    cfg = QUICK if quick else FULL
+    cases = []
+    for shape in SHAPES:
+        for n in cfg.nodes:
+            label = f"{shape} N={n}: "
+            print(f"{TITLE}, {label}", flush=True)
+            runs = methods(shape, n, clients["2w"])
+            out = {name: common.timed(fn)[1] for name, fn in runs.items()}  # warm-up
+            diffs = {name: common.worst_difference(got, out["jax_loop"]) for name, got in out.items()}
+            if max(diffs.values()) > RTOL:
+                raise AssertionError(f"{label}: disagrees with jax_loop beyond {RTOL}: {diffs}")
+            times = common.interleaved(runs, cfg.reps, label)
+            c = common.case(f"{shape}, N={n}", {"shape": shape, "nodes": n}, times, RATIOS,
+                            max_rel_diff_vs_jax_loop=diffs)
+            for m in c["methods"].values():
+                m["us_per_node"] = m["median_s"] / n * 1e6
+            cases.append(c)
+    return {"title": TITLE, "config": asdict(cfg), "cases": cases}
