@@ -1,6 +1,7 @@
 """The benchmark runner: every scenario, one run, one report.
 
     python -m benchmarks [--quick] [--only k_heads,overhead,...] [--out DIR] [--update-readme]
+    python -m benchmarks --from-json DIR/latest.json [--out DIR] [--update-readme]
 
 Scenarios (one module each): ``k_heads`` (K outputs over a shared trunk: daskdag against naive
 JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd), ``overhead`` (per-node
@@ -12,6 +13,7 @@ Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick
 ``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
 measured), ``latest.md`` and one PNG per scenario. ``--update-readme`` puts the report in
 README.md between its benchmark markers. ``--quick`` takes under 3 minutes on 2 cores.
+``--from-json`` measures nothing: it redraws the report of an earlier run.
 """
 
 from __future__ import annotations
@@ -41,40 +43,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for latest.json, latest.md and the PNGs")
     parser.add_argument("--update-readme", action="store_true",
                         help="write the report into README.md between its benchmark markers")
+    parser.add_argument("--from-json", type=Path, metavar="PATH",
+                        help="measure nothing: redraw the report of the run saved in PATH")
     args = parser.parse_args(argv)
     unknown = [s for s in args.only if s not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
-    out = args.out or (HERE / "results" / "quick" if args.quick else HERE / "results")
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        out = args.out or args.from_json.parent
+    else:
+        out = args.out or (HERE / "results" / "quick" if args.quick else HERE / "results")
+        results = measure(args.quick, args.only, out)
     out.mkdir(parents=True, exist_ok=True)
-
-    started = time.perf_counter()
-    results = {"machine": common.machine(),
-               "run": {"mode": "quick" if args.quick else "full",
-                       "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
-                       "started": datetime.datetime.now().isoformat(timespec="seconds")},
-               "scenarios": {}}
-    counts = (1, 2) if "sweeps" in args.only else (2,)
-    with common.clusters(counts) as clients:
-        results["clusters"] = {k: common.describe(c) for k, c in clients.items()}
-        for name in [s for s in SCENARIOS if s in args.only]:
-            scenario = importlib.import_module(f".{name}", __package__)
-            t = time.perf_counter()
-            results["scenarios"][name] = scenario.run(args.quick, clients)
-            results["scenarios"][name]["wall_s"] = time.perf_counter() - t
-            results["run"]["wall_s"] = time.perf_counter() - started
-            _write_json(out / "latest.json", results)
-
     pngs = report.plots(results, out)
     md = report.markdown(results, images=".")
     (out / "latest.md").write_text(md)
     print("\n" + md)
-    print(f"wrote {out / 'latest.json'}, {out / 'latest.md'}, " + ", ".join(p.name for p in pngs))
+    print(f"wrote {out / 'latest.md'}, " + ", ".join(p.name for p in pngs))
     if args.update_readme:
         rel = out.resolve().relative_to(README.parent.resolve())
         _update_readme(report.markdown(results, images=str(rel)))
         print(f"updated {README}")
     return 0
+
+
+def measure(quick: bool, only: list[str], out: Path) -> dict:
+    """Run the scenarios in ``only``; write ``out/latest.json`` after each."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = {"machine": common.machine(),
+               "run": {"mode": "quick" if quick else "full",
+                       "command": "python -m benchmarks" + (" --quick" if quick else "")
+                                  + ("" if set(only) == set(SCENARIOS) else f" --only {','.join(only)}"),
+                       "started": datetime.datetime.now().isoformat(timespec="seconds")},
+               "scenarios": {}}
+    counts = (1, 2) if "sweeps" in only else (2,)
+    with common.clusters(counts) as clients:
+        results["clusters"] = {k: common.describe(c) for k, c in clients.items()}
+        for name in [s for s in SCENARIOS if s in only]:
+            scenario = importlib.import_module(f".{name}", __package__)
+            t = time.perf_counter()
+            results["scenarios"][name] = scenario.run(quick, clients)
+            results["scenarios"][name]["wall_s"] = time.perf_counter() - t
+            results["run"]["wall_s"] = time.perf_counter() - started
+            _write_json(out / "latest.json", results)
+    print(f"wrote {out / 'latest.json'}")
+    return results
 
 
 def _write_json(path: Path, results: dict) -> None:
