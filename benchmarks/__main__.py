@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.only if s not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    if importlib.util.find_spec("matplotlib") is None:  # before minutes of measuring, not after
+        parser.error("the report's plots need matplotlib: pip install -e '.[bench]' (make bench "
+                     "does it), which also brings the PyTorch peer")
     if args.from_json:
         results = json.loads(args.from_json.read_text())
         out = args.out or args.from_json.parent

@@ -34,6 +34,7 @@ the methods are timed interleaved (``common.interleaved``) and compared by media
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Callable
@@ -181,15 +182,14 @@ def torch_method(model: Model) -> Callable | None:
     return run
 
 
-def methods(model: Model, mode: str, client, x) -> dict[str, Callable[[], object]]:
-    m = Jax(model, jit=mode == "jit")
+def methods(m: Jax, client, x: np.ndarray) -> dict[str, Callable[[], object]]:
     xj = jnp.asarray(x)
     runs = {"naive": partial(naive(m), xj), "hand_written": partial(hand_written, m, xj)}
     if m.jit:
         runs["jax_jit_all"] = partial(jax_jit_all(m), xj)
     runs["compute_grads"] = partial(with_compute_grads, m, xj)
     runs["cluster_2w"] = partial(with_compute_grads, m, xj, client=client)
-    torch_run = torch_method(model)
+    torch_run = torch_method(m.model)
     if torch_run is not None:
         runs["torch"] = partial(torch_run, x)
     return runs
@@ -224,17 +224,16 @@ def run(quick: bool, clients: dict) -> dict:
         for k in cfg.heads:
             label = f"K={k} {mode}: "
             print(f"{TITLE}, {label}", flush=True)
-            model = make_model(cfg, k)
-            runs = methods(model, mode, client, x)
+            m = Jax(make_model(cfg, k), jit=mode == "jit")
+            runs = methods(m, client, x)
             diffs = check(runs, label)
-            trunk = Jax(model, jit=mode == "jit").trunk
-            trunk_s = np.median([common.timed(partial(trunk, jnp.asarray(x)))[0]
-                                 for _ in range(cfg.reps)])
+            trunk_s = np.median([common.timed(m.trunk, jnp.asarray(x))[0]
+                                 for _ in range(cfg.reps + 1)][1:])  # the first one compiles
             times = common.interleaved(runs, cfg.reps, label)
             cases.append(common.case(f"K={k}, {mode}", {"K": k, "mode": mode}, times, RATIOS,
                                      baseline="hand_written", trunk_forward_s=float(trunk_s),
                                      max_rel_diff_vs_naive=diffs))
     return {"title": TITLE, "config": {**asdict(cfg), "mid": cfg.mid},
-            "torch": "installed" if torch_method(make_model(cfg, 1)) else
+            "torch": "installed" if importlib.util.find_spec("torch") else
                      "not installed: pip install -e '.[bench]'",
             "cases": cases}
