@@ -22,6 +22,10 @@ daskdag_threads:  ``daskdag.compute_grads`` on the threaded scheduler. Per node 
 dask_2w:          the hand-written graph on the 2-worker process ``LocalCluster``.
 daskdag_2w:       ``compute_grads`` on it.
 
+And the schedulers' own floor: ``noop_threads`` and ``noop_2w`` run the hand-written graph's
+shape (the same keys and dependencies) with every task a no-op on an int, so what they take is
+scheduling alone.
+
 Reported in microseconds per node (median seconds / N), with daskdag's ratio to the hand-written
 graph on the same scheduler.
 """
@@ -114,6 +118,16 @@ def hand_written_graph(dag: dict, output: str, x) -> tuple[dict, list]:
     return g, [f"fwd-{output}", "grad"]
 
 
+def noop_graph(graph: dict) -> dict:
+    """``graph``'s keys and dependencies, every task a no-op."""
+    return {k: Task(k, _noop, *(TaskRef(d) for d in t.dependencies)) if isinstance(t, Task)
+            else DataNode(k, 0) for k, t in graph.items()}
+
+
+def _noop(*_):
+    return 0
+
+
 def _ref(dep: str) -> TaskRef:
     return TaskRef("x" if dep == "x" else f"fwd-{dep}")
 
@@ -143,7 +157,10 @@ def methods(shape: str, n: int, client) -> dict:
     dag, output = make_dag(shape, n)
     x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
     graph, keys = hand_written_graph(dag, output, x)
-    return {"jax_loop": partial(jax_loop, dag, output, x),
+    noop = noop_graph(graph)
+    return {"noop_threads": partial(with_dask, noop, keys),
+            "noop_2w": partial(with_dask, noop, keys, client),
+            "jax_loop": partial(jax_loop, dag, output, x),
             "dask_threads": partial(with_dask, graph, keys),
             "daskdag_threads": partial(with_compute_grads, dag, output, x),
             "dask_2w": partial(with_dask, graph, keys, client),
@@ -165,7 +182,8 @@ def run(quick: bool, clients: dict) -> dict:
             print(f"{TITLE}, {label}", flush=True)
             runs = methods(shape, n, clients["2w"])
             out = {name: common.timed(fn)[1] for name, fn in runs.items()}  # warm-up
-            diffs = {name: common.worst_difference(got, out["jax_loop"]) for name, got in out.items()}
+            diffs = {name: common.worst_difference(got, out["jax_loop"]) for name, got in out.items()
+                     if not name.startswith("noop")}
             if max(diffs.values()) > RTOL:
                 raise AssertionError(f"{label}: disagrees with jax_loop beyond {RTOL}: {diffs}")
             times = common.interleaved(runs, cfg.reps, label)

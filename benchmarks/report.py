@@ -12,7 +12,8 @@ from pathlib import Path
 
 # Each scenario's methods in the order its table shows them; its ratios likewise.
 K_HEADS = ("naive", "hand_written", "jax_jit_all", "compute_grads", "cluster_2w", "torch")
-OVERHEAD = ("jax_loop", "dask_threads", "daskdag_threads", "dask_2w", "daskdag_2w")
+OVERHEAD = ("noop_threads", "noop_2w", "jax_loop", "dask_threads", "daskdag_threads", "dask_2w",
+            "daskdag_2w")
 SWEEPS = ("loop", "sweep_threads", "sweep_1w", "sweep_2w", "sweep_vmap_2w", "jit_vmap")
 PORTABLE_TIMES = ("local_call", "serialize_first", "serialize_cached", "deserialize_first",
                   "call_after_first", "deserialize_cached", "call_cached")
@@ -73,7 +74,8 @@ def overhead(s: dict) -> str:
             + [f"{c['ratios'][r]:.2f}" for r in ratios] for c in cases]
     head = (f"Microseconds per node (median of {s['config']['reps']} runs / N) for one scalar "
             f"output's value and gradient; `dask_*` is the same arithmetic as a hand-written "
-            f"Dask graph.")
+            f"Dask graph, `noop_*` that graph's shape with tasks that do nothing: the "
+            f"scheduler's own cost.")
     return head + "\n\n" + _table(["case", *cols, *ratios], rows)
 
 
