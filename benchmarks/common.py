@@ -116,7 +116,7 @@ def cluster(n_workers: int = N_WORKERS, pin: bool = True) -> Iterator[distribute
     """
     preload = [__file__] if pin else []
     with distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                  dashboard_address=None, preload=preload) as local, \
+                                  dashboard_address=":0", preload=preload) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.wait_for_workers(n_workers, timeout=120)
         yield client
