@@ -100,7 +100,7 @@ class Jax:
     """The model's functions in JAX; with ``jit``, each jitted as a unit."""
 
     def __init__(self, model: Model, jit: bool):
-        wrap = jax.jit if jit else (lambda f: f)
+        self.wrap = wrap = jax.jit if jit else (lambda f: f)
         self.model, self.jit = model, jit
         self.layers = tuple(wrap(partial(layer, jnp.asarray(w))) for w in model.weights)
         self.heads = tuple(wrap(partial(head, jnp.asarray(v), c)) for v, c in model.heads)
@@ -133,8 +133,7 @@ class Jax:
 
 def naive(m: Jax):
     """Each head's ``value_and_grad`` of the composed function (jitted once here, in jit mode)."""
-    wrap = jax.jit if m.jit else (lambda f: f)
-    fns = [wrap(jax.value_and_grad(m.composed(f))) for f in m.heads]
+    fns = [m.wrap(jax.value_and_grad(m.composed(f))) for f in m.heads]
     return lambda x: [f(x) for f in fns]
 
 

@@ -38,7 +38,6 @@ from functools import partial
 import dask.threaded
 import jax
 import jax.numpy as jnp
-import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
 
 import daskdag

@@ -27,6 +27,11 @@ def seconds(s: float) -> str:
     return f"{s * 1e6:.0f} µs"
 
 
+def _baseline(case: dict) -> float:
+    """The median seconds of the method the case's scenario compares the others with."""
+    return case["methods"][case["baseline"]]["median_s"]
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -51,7 +56,7 @@ def k_heads(s: dict) -> str:
     def cell(c, m):
         if m not in c["methods"]:
             return "–"
-        t, base = c["methods"][m]["median_s"], c["methods"]["hand_written"]["median_s"]
+        t, base = c["methods"][m]["median_s"], _baseline(c)
         return f"{seconds(t)} ({t / base:.2f}×)"
 
     rows = [[c["case"]] + [cell(c, m) for m in cols] for c in cases]
@@ -82,7 +87,7 @@ def overhead(s: dict) -> str:
 def sweeps(s: dict) -> str:
     (c,) = s["cases"]
     cols = _columns([c], SWEEPS)
-    loop = c["methods"]["loop"]["median_s"]
+    loop = _baseline(c)
     cfg = s["config"]
     head = (f"N = {cfg['items']} items of x float32[{cfg['rows']}, {cfg['width']}], two outputs, "
             f"chunks of {cfg['chunk_size']}; eager nodes with Python control flow, except "
@@ -148,7 +153,7 @@ def _k_heads_plot(s: dict, ax_row) -> None:
         width = 0.8 / len(cols)
         for j, m in enumerate(cols):
             xs = [i + j * width for i in range(len(mine))]
-            ys = [c["methods"][m]["median_s"] / c["methods"]["hand_written"]["median_s"]
+            ys = [c["methods"][m]["median_s"] / _baseline(c)
                   if m in c["methods"] else 0 for c in mine]
             ax.bar(xs, ys, width, label=m, color=f"C{K_HEADS.index(m)}")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))],
@@ -178,7 +183,7 @@ def _overhead_plot(s: dict, ax_row) -> None:
 def _sweeps_plot(s: dict, ax_row) -> None:
     (c,) = s["cases"]
     cols = _columns([c], SWEEPS)
-    loop = c["methods"]["loop"]["median_s"]
+    loop = _baseline(c)
     (ax,) = ax_row
     ax.barh(cols, [loop / c["methods"][m]["median_s"] for m in cols])
     ax.axvline(1, color="black", linewidth=0.8)

@@ -178,7 +178,7 @@ def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
         if not _floating(values[i]):
             raise DAGError(f"wrt names input {i!r}, whose leaves are not all floating point")
     if len(spec.inputs) == 1 and not wrt:
-        raise DAGError(f"wrt is empty: nothing to differentiate")
+        raise DAGError("wrt is empty: nothing to differentiate")
     return tuple(dict.fromkeys(wrt))
 
 

@@ -135,8 +135,8 @@ def _reduce_node(node: Node):
 def _receive_node(token: str, *fields) -> Node:
     """The node this process first received with ``token``, else a new one from ``fields``.
 
-    The token hashes the function's pickled bytes (closed-over weights included), so a hit is
-    the same function; the copy just unpickled is dropped.
+    The token is Dask's content hash of the function (closed-over or bound arrays included), so
+    a hit is the same function; the copy just unpickled is dropped.
     """
     node = _received.get(token)
     if node is None:

@@ -29,7 +29,7 @@ from .cluster import workers
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
-from .spec import Node, Spec
+from .spec import Spec
 
 
 @dataclass(frozen=True)
