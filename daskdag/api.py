@@ -11,10 +11,13 @@ import dask
 import distributed
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import cluster, sweep
 from .errors import DAGError, NodeError
 from .graph import build
+from .pullback import differentiable_leaves
+from .shipping import ship
 from .plan import make_plan
 from .spec import parse
 
@@ -43,31 +46,35 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     x:          the free input's value (any pytree of arrays) when there is one, else a mapping
                 ``{input_name: value}``.
     outputs:    node names; a single name returns a single :class:`Result`.
-    wrt:        input names to differentiate; default every given input with floating leaves.
+    wrt:        input names to differentiate; default every given input with a floating-point
+                leaf. Within an input, floating-point (and complex) array leaves are
+                differentiated, other leaves (ints, bools, functions) held constant.
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
 
-    Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
+    Returns ``{output: Result(value, grad)}``; each gradient has its input's structure, with
+    ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
     the cluster cannot run the graph (a resource no worker offers, versions that differ).
     """
-    spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
     client = client if client is not None else _active_client()
+    spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents,
+                                    remote=client is not None)
     if client is not None:
         cluster.check(client, plan)
     (computed,) = dask.compute(graph, scheduler=client)
     return _results(spec, outputs, computed)
 
 
-def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False):
     """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
-    ``dask.delayed`` objects."""
+    ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle."""
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = make_plan(spec, names, wrt)
-    return spec, plan, build(plan, values, _cotangents(names, cotangents))
+    plan = ship(make_plan(spec, names, wrt), remote)
+    return spec, plan, build(plan, values, _cotangents(names, cotangents), remote=remote)
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
@@ -105,7 +112,8 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     client = client if client is not None else _active_client()
-    planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size)
+    planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
+                               remote=client is not None)
     if client is not None:
         cluster.check(client, planned.plan)
     slots = sweep.parallelism(client)
@@ -164,19 +172,21 @@ def _input_values(spec, x, outputs) -> dict[str, Any]:
 
 
 def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
-    """The inputs to differentiate: ``wrt`` checked, or the floating ones among ``candidates``."""
+    """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
+    differentiable (floating-point) leaf."""
     if wrt is None:
-        wrt = tuple(i for i, v in candidates.items() if _floating(v))
+        wrt = tuple(i for i, v in candidates.items() if _differentiable(v))
         if not wrt:
-            raise DAGError(f"no input to differentiate: none of {list(candidates)} has only "
-                           f"floating-point leaves")
+            raise DAGError(f"no input to differentiate: none of {list(candidates)} has a "
+                           f"floating-point array leaf")
         return wrt
     wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
     for i in wrt:
         if i not in values:
             raise DAGError(f"wrt names {i!r}, which is not a given free input {list(values)}")
-        if not _floating(values[i]):
-            raise DAGError(f"wrt names input {i!r}, whose leaves are not all floating point")
+        if not _differentiable(values[i]):
+            raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
+                           f"to differentiate")
     if len(spec.inputs) == 1 and not wrt:
         raise DAGError("wrt is empty: nothing to differentiate")
     return tuple(dict.fromkeys(wrt))
@@ -205,8 +215,10 @@ def _batched(values, batched) -> tuple[str, ...]:
 def _batch_size(values, batched) -> int:
     """N, the leading axis length that every leaf of every batched input shares."""
     sizes = {}
-    for i in batched:
+    for i in batched:  # array leaves carry the items; others (functions...) are shared
         for leaf in jax.tree.leaves(values[i]):
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                continue
             if jnp.ndim(leaf) == 0:
                 raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
             sizes.setdefault(jnp.shape(leaf)[0], i)
@@ -218,5 +230,7 @@ def _batch_size(values, batched) -> int:
     return size
 
 
-def _floating(value) -> bool:
-    return all(jnp.issubdtype(jnp.result_type(leaf), jnp.floating) for leaf in jax.tree.leaves(value))
+def _differentiable(value) -> bool:
+    """A floating-point leaf to differentiate, or no leaf at all (an empty pytree's gradient is
+    itself)."""
+    return bool(differentiable_leaves(value)) or not jax.tree.leaves(value)

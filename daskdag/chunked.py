@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .pullback import linearize
 from .spec import Node
@@ -35,11 +36,6 @@ class Chunked:
         primals, pullbacks = zip(*(linearize(self.node, item, active)
                                    for item in item_args(args, self.in_axes)))
         return stack(primals), ItemPullbacks(list(pullbacks), self.in_axes)
-
-    def __dask_tokenize__(self):
-        from .protocol import cached_token
-
-        return "Chunked", cached_token(self.node.fn), self.node.jit, self.node.vmap, self.in_axes
 
 
 class ItemPullbacks:
@@ -71,10 +67,19 @@ def item_args(args, in_axes) -> list[tuple]:
 
 
 def unstack(tree) -> list:
-    """A pytree with a leading item axis, as a list of per-item pytrees."""
+    """A pytree whose array leaves carry a leading item axis, as a list of per-item pytrees;
+    other leaves (functions, static fields) are shared by every item."""
     leaves, treedef = jax.tree.flatten(tree)
-    return [jax.tree.unflatten(treedef, row) for row in zip(*(list(leaf) for leaf in leaves))]
+    size = next(len(leaf) for leaf in leaves if _is_array(leaf))
+    columns = [list(leaf) if _is_array(leaf) else [leaf] * size for leaf in leaves]
+    return [jax.tree.unflatten(treedef, row) for row in zip(*columns)]
 
 
 def stack(trees: Sequence) -> Any:
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+    """The inverse of :func:`unstack`."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves) if _is_array(leaves[0]) else leaves[0],
+                        *trees)
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray))

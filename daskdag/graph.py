@@ -22,25 +22,37 @@ import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
-from dask.task_spec import DataNode, Task, TaskRef
+from dask.task_spec import Task, TaskRef
 
 from . import tasks
 from .plan import Plan
-from .protocol import cached_token  # importing it registers daskdag's types with Dask
+from . import protocol  # noqa: F401  (importing it registers daskdag's types with Dask)
+from .shipping import pack_for, unpack
 
 
-def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False
+def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False
           ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
-    """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk)."""
+    """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
+    ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`).
+
+    The plan's node functions are packed already (:func:`daskdag.shipping.ship`); input values
+    are packed here, and unpacked by a task of their own.
+    """
     spec, g = plan.spec, _Graph()
-    val = {i: g.data(f"input-{i}-{cached_token(v)}", v) for i, v in values.items()}
+    val = {}
+    for i, v in values.items():
+        if isinstance(v, TaskRef):  # already on the cluster (a sweep's shared input)
+            val[i] = v
+            continue
+        v = pack_for(f"input {i!r}", v, remote)
+        val[i] = g.task(f"input-{i}-{tokenize(v)}", None, unpack, v)
     pb = {}
 
     # Forward: each needed node once; under jax.vjp when it depends on a differentiated input.
     for n in plan.needed:
         node, deps = spec.nodes[n], spec.nodes[n].deps
         active = tuple(d in plan.wrt or d in plan.active for d in deps)
-        tok = tokenize(n, cached_token(node.fn), node.jit, active, [val[d].key for d in deps])
+        tok = tokenize(n, node.fn, node.jit, active, [val[d].key for d in deps])
         fwd = g.task(f"fwd-{n}-{tok}", node.needs, tasks.forward, n, node, active,
                      *(val[d] for d in deps))
         if n in plan.active:
@@ -88,12 +100,6 @@ class _Graph:
     def __init__(self):
         self.layers: list[tuple[dict | None, dict]] = []  # (resources, {key: task})
         self.layer_of: dict = {}  # key -> index of its layer
-
-    def data(self, key: str, value) -> TaskRef:
-        """A value the graph holds (a scattered ``distributed.Future`` is a reference already)."""
-        if isinstance(value, TaskRef):
-            return value
-        return self._add(key, None, DataNode(key, value))
 
     def task(self, key: str, needs: dict | None, fn, *args) -> TaskRef:
         """``fn(*args)``, where any :class:`TaskRef` among ``args`` is replaced by its value."""

@@ -1,4 +1,12 @@
-"""A node's forward pass under ``jax.vjp``, and the :class:`Pullback` it leaves behind."""
+"""A node's forward pass under ``jax.vjp``, and the :class:`Pullback` it leaves behind.
+
+Differentiation is leaf by leaf, as ``equinox.filter_vjp``: in any value (an input, a node's
+output), the differentiable leaves are its floating-point (or complex) arrays and Python floats;
+every other leaf (integers, booleans, functions, static fields) is held constant. A value's
+*cotangent* is therefore a flat tuple with one array per differentiable leaf, in
+``jax.tree.leaves`` order; no pytree structure travels with it, so nothing about the user's
+pytree classes ever needs pickling on the backward path.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +20,23 @@ from . import programs
 from .spec import Node
 
 
+def is_differentiable(leaf) -> bool:
+    """A floating-point or complex array (or Python/NumPy float): differentiated, not held."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return isinstance(leaf, (float, complex))
+
+
+def differentiable_leaves(tree) -> list:
+    return [leaf for leaf in jax.tree.leaves(tree) if is_differentiable(leaf)]
+
+
 class Pullback:
     """The backward half of one node's ``jax.vjp`` at one point; holds the residuals.
 
-    Call: ``pullback(ct, inputs)``, with the cotangent of the node's output and the node's dep
-    values; returns a tuple aligned with the deps: each differentiated dep's cotangent, ``None``
-    for the deps held constant.
+    Call: ``pullback(ct, inputs)``, with the cotangent of the node's output (a flat tuple, see
+    the module's docstring) and the node's dep values; returns a tuple aligned with the deps:
+    each differentiated dep's cotangent, ``None`` for the deps held constant.
 
     In the process that ran the forward pass it calls JAX's own vjp function. When Dask moves it
     elsewhere (:mod:`daskdag.protocol`) it travels as :meth:`portable`: an exported program plus
@@ -26,25 +45,29 @@ class Pullback:
     node's function instead, and its forward pass is redone there.
     """
 
-    __slots__ = ("active", "_node", "_vjp", "_args", "_ct_avals", "_form", "_program")
+    __slots__ = ("active", "counts", "_node", "_vjp", "_args", "_ct_avals", "_form", "_program")
 
-    def __init__(self, node: Node, active: tuple[bool, ...], vjp_fn=None, args=None, ct_avals=None):
-        self._node, self.active, self._vjp, self._args, self._ct_avals = node, active, vjp_fn, args, ct_avals
+    def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn=None,
+                 args=None, ct_avals=None):
+        self._node, self.active, self.counts = node, active, counts
+        self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
         self._form = self._program = None  # set in a process that received this pullback
 
-    def __call__(self, ct, inputs: Sequence[Any]):
+    def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
         if self._vjp is not None:
-            cts = self._vjp(ct)
+            flat = self._vjp(list(ct))
         elif self._program is not None:
             consts = list(self._form["consts"])
             for c, (d, k) in self._form["slots"]:
                 consts[c] = jax.tree.leaves(inputs[d])[k]
-            flat = self._program(*jax.tree.leaves(ct), *consts)
-            cts = jax.tree.unflatten(self._form["out_tree"], flat)
+            flat = self._program(*ct, *consts)
         else:  # shipped as its function: redo this node's forward pass here
-            cts = linearize(self._node, inputs, self.active)[1]._vjp(ct)
-        it = iter(cts)
-        return tuple(next(it) if on else None for on in self.active)
+            return linearize(self._node, inputs, self.active)[1](ct, inputs)
+        out, at = [], 0
+        for on, n in zip(self.active, self.counts):
+            out.append(tuple(flat[at:at + n]) if on else None)
+            at += n
+        return tuple(out)
 
     def residual_nbytes(self) -> int:
         """Bytes of the residuals that are not the node's own inputs: what moving it ships."""
@@ -59,24 +82,24 @@ class Pullback:
         """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
         if self._form is not None:  # received from elsewhere: passes on as it came
             return dict(self._form)
+        base = {"active": self.active, "counts": self.counts, "versions": programs.versions()}
         try:
-            closed, out = jax.make_jaxpr(self._vjp, return_shape=True)(self._ct_avals)
-            key, program = programs.export(closed, jax.tree.leaves(self._ct_avals))
+            closed = jax.make_jaxpr(self._vjp)(self._ct_avals)
+            key, program = programs.export(closed, self._ct_avals)
         except Exception:  # e.g. "serialization of host_callbacks is not yet implemented"
-            return {"active": self.active, "node": self._node, "versions": programs.versions()}
+            return {**base, "node": self._node}
         where = {id(leaf): (d, k) for d, arg in enumerate(self._args)
                  for k, leaf in enumerate(jax.tree.leaves(arg))}
         slots = [(c, where[id(a)]) for c, a in enumerate(closed.consts) if id(a) in where]
         taken = {c for c, _ in slots}
-        return {"active": self.active, "key": key, "program": program,
-                "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)],
-                "slots": slots, "out_tree": jax.tree.structure(out), "versions": programs.versions()}
+        return {**base, "key": key, "program": program, "slots": slots,
+                "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)]}
 
     @classmethod
     def from_portable(cls, form: dict) -> "Pullback":
         """The inverse of :meth:`portable`, in the receiving process."""
         programs.check_versions(form["versions"])
-        pb = cls(form.get("node"), form["active"])  # the node travels only when it is redone
+        pb = cls(form.get("node"), form["active"], form["counts"])  # node: only when redone
         pb._form = form
         if "program" in form:
             pb._program = programs.load(form["key"], form["program"])
@@ -87,26 +110,39 @@ class Pullback:
 
 
 def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
-    """Run the node's function once under ``jax.vjp``, differentiating only the ``active`` args.
+    """Run the node's function once under ``jax.vjp``, differentiating the differentiable leaves
+    of the ``active`` args; everything else (inactive args, other leaves) is held constant, so
+    it gets no cotangent and costs no backward work.
 
-    Returns ``(primal, Pullback)``. Inactive args (integer indices, constants) are closed over,
-    so they get no ``float0`` cotangents and cost no backward work.
+    Returns ``(primal, Pullback)``; the primal is the function's output as it returned it.
     """
-
     fn = node.callable()
+    flat_args = [jax.tree.flatten(a) for a in args]
+    masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
+             zip(active, flat_args)]
+    diff = [leaf for (leaves, _), mask in zip(flat_args, masks) for leaf, m in zip(leaves, mask) if m]
+    out: dict = {}
 
-    def fn_of_active(*diff):
-        it = iter(diff)
-        return fn(*(next(it) if on else a for a, on in zip(args, active)))
+    def fn_of_diff(*diff_leaves):
+        it = iter(diff_leaves)
+        rebuilt = [treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
+                   if on else a for a, on, (leaves, treedef), mask in zip(args, active, flat_args, masks)]
+        leaves, out["treedef"] = jax.tree.flatten(fn(*rebuilt))
+        out["mask"] = tuple(map(is_differentiable, leaves))
+        # Arrays held constant go through vjp's aux (they may depend on traced inputs); other
+        # leaves (functions, strings) cannot be traced and are kept as they are.
+        out["static"] = [None if _traceable(leaf) else leaf for leaf in leaves]
+        return ([leaf for leaf, m in zip(leaves, out["mask"]) if m],
+                [leaf for leaf, m in zip(leaves, out["mask"]) if not m and _traceable(leaf)])
 
-    primal, vjp_fn = jax.vjp(fn_of_active, *(a for a, on in zip(args, active) if on))
-    ct_avals = jax.tree.map(cotangent_aval, primal)
-    return primal, Pullback(node, active, vjp_fn, tuple(args), ct_avals)
+    primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
+    d, h = iter(primal_diff), iter(held)
+    leaves = [next(d) if m else (next(h) if s is None else s) for m, s in zip(out["mask"], out["static"])]
+    primal = out["treedef"].unflatten(leaves)
+    ct_avals = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
+    counts = tuple(sum(mask) for mask in masks)
+    return primal, Pullback(node, active, counts, vjp_fn, tuple(args), ct_avals)
 
 
-def cotangent_aval(x) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of a cotangent for primal leaf ``x`` (an array or its ShapeDtypeStruct):
-    ``float0`` for integer leaves."""
-    dtype = jnp.result_type(x)
-    return jax.ShapeDtypeStruct(jnp.shape(x) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape,
-                                dtype if jnp.issubdtype(dtype, jnp.inexact) else jax.dtypes.float0)
+def _traceable(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 
 from .errors import DAGError
+from .shipping import Function, pack, unwrap
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,15 @@ class Node:
         return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        # jax caches compilations by the wrapped function, so re-wrapping costs nothing.
-        return jax.jit(self.fn) if self.jit else self.fn
+        # jax caches compilations by the wrapped function, so re-wrapping costs nothing; a
+        # packed function is unwrapped to the one function its process keeps for its token.
+        fn = unwrap(self.fn)
+        return jax.jit(fn) if self.jit else fn
+
+    def __reduce__(self):
+        # The function travels packed (by value where it is the user's code), whoever pickles it.
+        fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
+        return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from .cluster import workers
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
+from .shipping import ship
 from .spec import Spec
 
 
@@ -43,6 +44,7 @@ class Sweep:
     carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
     cotangents: dict[str, Any]
     size: int
+    remote: bool  # chunks go to a cluster
 
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
@@ -53,13 +55,14 @@ class Sweep:
         for i, v in self.values.items():
             if i in self.batched:
                 v = jax.tree.map(lambda a: a[start:stop], v)
-            elif i in self.broadcast:
-                v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a))), v)
+            elif i in self.broadcast:  # its array leaves; others stay shared
+                v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
+                                 if isinstance(a, (jax.Array, np.ndarray)) else a, v)
             values[i] = v
-        return build(self.plan, values, self.cotangents, batched=True)
+        return build(self.plan, values, self.cotangents, batched=True, remote=self.remote)
 
 
-def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size) -> Sweep:
+def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool) -> Sweep:
     broadcast = frozenset(wrt) - frozenset(batched)
     carrying = set(batched) | broadcast
     nodes = {}
@@ -70,8 +73,9 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size) -> S
             carrying.add(n)
             node = replace(node, fn=Chunked(node, in_axes), jit=False, vmap=False)
         nodes[n] = node
-    plan = make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt))
-    return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size)
+    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote)
+    return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
+                 remote)
 
 
 def default_chunk_size(size: int, parallelism: int) -> int:

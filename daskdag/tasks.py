@@ -10,10 +10,12 @@ from functools import reduce
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import treedef_is_leaf
 
 from .chunked import Chunked
 from .errors import NodeError
-from .pullback import cotangent_aval, linearize
+from .pullback import is_differentiable, linearize
+from .shipping import unwrap
 from .spec import Node
 
 
@@ -22,8 +24,9 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
     try:
         if not any(active):
             return node.callable()(*args)
-        if isinstance(node.fn, Chunked):  # a sweep's chunk: one vjp per item
-            return node.fn.linearize(args, active)
+        fn = unwrap(node.fn)
+        if isinstance(fn, Chunked):  # a sweep's chunk: one vjp per item
+            return fn.linearize(args, active)
         return linearize(node, args, active)
     except Exception as e:
         raise NodeError(name, "forward", e) from e
@@ -47,50 +50,65 @@ def backward(name: str, positions: tuple, n_deps: int, pullback, *args):
 
 
 def gradient(positions: tuple, x, *sources):
-    """An input's gradient: the sum of its shares, or zeros when the output does not use it."""
-    return total(s[i] for s, i in zip(sources, positions)) if sources else jax.tree.map(jnp.zeros_like, x)
+    """An input's gradient, shaped like ``x``: the sum of its shares on its differentiable leaves
+    (zeros when the output does not use it), ``None`` on the leaves held constant."""
+    leaves, treedef = jax.tree.flatten(x)
+    flat = iter(total(s[i] for s, i in zip(sources, positions)) if sources else
+                [jnp.zeros_like(leaf) for leaf in leaves if is_differentiable(leaf)])
+    return treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
 
 
-def seed(output: str, primal, ct, batched: bool = False):
-    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``.
+def seed(output: str, primal, ct, batched: bool = False) -> tuple:
+    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``, as a
+    flat tuple over the output's differentiable leaves (see :mod:`daskdag.pullback`).
 
+    ``ct`` has the output's structure (``None`` allowed where a leaf is held constant).
     ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
     are for one item, and the seed is broadcast over the items.
     """
-    item = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p),
-                                                       jnp.result_type(p)), primal)
+    leaves, treedef = jax.tree.flatten(primal)
+    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
+            if is_differentiable(p) else None for p in leaves]
     if ct is None:
-        if not (jax.tree_util.treedef_is_leaf(jax.tree.structure(item)) and item.shape == ()
-                and jnp.issubdtype(item.dtype, jnp.floating)):
-            raise ValueError(f"output {output!r} is not a real scalar: it is {_describe(item)}; "
-                             f"pass cotangents={{{output!r}: ct}} with ct shaped like it")
-        return jnp.ones_like(primal)
-    if jax.tree.structure(ct) != jax.tree.structure(item) or any(
-            jnp.shape(c) != i.shape for c, i in zip(jax.tree.leaves(ct), jax.tree.leaves(item))):
-        ct_avals = jax.tree.map(lambda c: jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)), ct)
-        raise ValueError(f"cotangent for output {output!r} is {_describe(ct_avals)}, "
-                         f"but the output is {_describe(item)}")
-    ct = jax.tree.map(_cotangent_like, ct, item)
-    return jax.tree.map(lambda c, p: np.broadcast_to(c, jnp.shape(p)), ct, primal) if batched else ct
+        if not (treedef.num_leaves == 1 and treedef_is_leaf(treedef) and item[0] is not None
+                and item[0].shape == () and jnp.issubdtype(item[0].dtype, jnp.floating)):
+            raise ValueError(f"output {output!r} is not a real scalar: it is "
+                             f"{_describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
+                             f"with ct shaped like it")
+        return (jnp.ones_like(leaves[0]),)
+    ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
+    if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
+            i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
+        raise ValueError(f"cotangent for output {output!r} is {_describe(ct)}, "
+                         f"but the output is {_describe(primal, batched)}")
+    seeds = []
+    for c, i, p in zip(ct_leaves, item, leaves):
+        if i is None:  # a leaf held constant carries no cotangent
+            continue
+        if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
+            raise ValueError(f"cotangent for output {output!r} is complex, but the output is real "
+                             f"({i.dtype}): its imaginary part would be dropped")
+        c = jnp.asarray(c, i.dtype)
+        seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
+    return tuple(seeds)
 
 
 def total(cts):
-    """Sum cotangent pytrees. ``float0`` leaves (of integer primals) are zeros: keep one."""
-    return reduce(lambda a, b: jax.tree.map(_add, a, b), cts)
+    """Sum cotangents (flat tuples, one array per differentiable leaf)."""
+    return reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), cts)
 
 
-def _add(a, b):
-    return a if getattr(a, "dtype", None) == jax.dtypes.float0 else a + b
+def _describe(tree, batched: bool = False) -> str:
+    def shape(leaf):
+        return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
+
+    def one(leaf):
+        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if _is_array(leaf) else type(leaf).__name__
+
+    if _is_array(tree):
+        return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
+    return str(jax.tree.map(one, tree))
 
 
-def _cotangent_like(ct, item: jax.ShapeDtypeStruct):
-    aval = cotangent_aval(item)
-    if aval.dtype == jax.dtypes.float0:  # integer leaves carry no cotangent
-        return np.zeros(aval.shape, aval.dtype)
-    return jnp.asarray(ct, aval.dtype)
-
-
-def _describe(avals) -> str:
-    if jax.tree_util.treedef_is_leaf(jax.tree.structure(avals)):
-        return f"an array of shape {avals.shape} and dtype {avals.dtype}"
-    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", avals))
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))

@@ -47,3 +47,69 @@ def seed():
 @pytest.fixture
 def x5():
     return jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=jnp.float32)
+
+
+def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
+    """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
+
+    The second submission finds the forward keys in memory and reuses them, so every backward
+    task must fetch its pullback from the other process. Returns ``({output: (value, {input:
+    grad})}, {key: worker it ran on})``.
+    """
+    import dask
+    import distributed
+
+    from daskdag.api import build_graph
+
+    _, _, graph = build_graph(dag, x, outputs, remote=True, **kw)
+    dsk = dict(dask.delayed(graph).__dask_graph__())
+    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-", "pb-"))]
+    with distributed.get_task_stream(client) as ts:
+        held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
+        with client.as_current():
+            distributed.wait(held)
+        (computed,) = client.compute([graph], workers=[bwd_on], sync=True)
+    del held
+    ran = {t["key"]: t["worker"] for t in ts.data}
+    assert {w for k, w in ran.items() if k.startswith("fwd-")} == {fwd_on}
+    assert {w for k, w in ran.items() if k.startswith("bwd-")} == {bwd_on}
+    return computed, ran
+
+
+@pytest.fixture(scope="session")
+def cli_cluster(tmp_path_factory):
+    """A scheduler and two single-threaded workers started with the ``dask`` command, as on a
+    remote cluster: in a directory of their own, with nothing of this repository on their path
+    (daskdag itself is installed). Yields the scheduler's address."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    here = tmp_path_factory.mktemp("cli-cluster")
+    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    sched_file = here / "scheduler.json"
+    log = open(here / "cluster.log", "wb")  # their logs, kept out of the test output
+    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", str(sched_file)],
+                              cwd=here, env=env, stdout=log, stderr=log)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        for _ in range(2):
+            procs.append(subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
+                                           "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
+                                          cwd=here, env=env, stdout=log, stderr=log))
+        yield json.loads(sched_file.read_text())["address"]
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        log.close()

@@ -1,30 +1,21 @@
 """Residuals that travel between worker processes, compile caching, placement, version safety."""
 
-import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import dask
 import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dask.core import get_dependencies
 from distributed import Client, Nanny, Scheduler, SpecCluster
 from dask.sizeof import sizeof
 from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import ClusterError, Node, programs
-from daskdag.api import build_graph
 from daskdag.cluster import workers as live_workers
 from daskdag.pullback import Pullback, linearize
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, compute_split
 
 pytestmark = pytest.mark.cluster
 
@@ -51,27 +42,6 @@ def client(cluster):
 def _worker(client, name):
     return next(addr for addr, w in live_workers(client).items()
                 if w["name"] == name)
-
-
-def _compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
-    """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
-
-    The second submission finds the forward keys in memory and reuses them, so every backward
-    task must fetch its pullback from the other process.
-    """
-    _, _, graph = build_graph(dag, x, outputs, **kw)
-    dsk = dict(dask.delayed(graph).__dask_graph__())
-    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-", "pb-"))]
-    with distributed.get_task_stream(client) as ts:
-        held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
-        with client.as_current():
-            distributed.wait(held)
-        (computed,) = client.compute([graph], workers=[bwd_on], sync=True)
-    del held
-    ran = {t["key"]: t["worker"] for t in ts.data}
-    assert {w for k, w in ran.items() if k.startswith("fwd-")} == {fwd_on}
-    assert {w for k, w in ran.items() if k.startswith("bwd-")} == {bwd_on}
-    return computed, ran
 
 
 # Node functions of several kinds; each test checks against jax.vjp of the same function.
@@ -107,7 +77,7 @@ def test_residuals_travel(client, fn, x):
     ct = jax.tree.map(lambda y: jnp.full_like(y, 0.5), fn(x))
     dag = {"N": (fn, ["x"])}
     a, b = _worker(client, "plain"), _worker(client, "gpu")
-    res, _ = _compute_split(client, dag, x, ["N"], a, b, cotangents={"N": ct})
+    res, _ = compute_split(client, dag, x, ["N"], a, b, cotangents={"N": ct})
     value, grads = res["N"]
     ref_value, vjp = jax.vjp(fn, x)
     assert_tree_close(value, ref_value)
@@ -120,7 +90,7 @@ def test_large_input_residual_travels_once(client):
     x = jnp.linspace(-1.0, 1.0, 512)
     dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"])}
     a, b = _worker(client, "plain"), _worker(client, "gpu")
-    res, _ = _compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b)
+    res, _ = compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b)
     value, grads = res["L"]
     ref_value, ref_grads = jax.value_and_grad(lambda x, w: jnp.sum(matvec(x, w) ** 2), (0, 1))(x, w)
     assert_tree_close(value, ref_value, rtol=1e-4)
@@ -151,7 +121,7 @@ def test_one_compilation_per_worker_and_program(client):
     items = 8
     for i in range(items):
         x = jnp.linspace(0.0, 1.0, 16) + i
-        res, _ = _compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b, wrt=["x"])
+        res, _ = compute_split(client, dag, {"x": x, "w": w}, ["L"], a, b, wrt=["x"])
         ref = jax.grad(lambda x: jnp.sum(matvec(x, w) ** 2))(x)
         assert_tree_close(res["L"][1]["x"], ref, rtol=1e-4)
     after = client.run(programs.stats, workers=[b])[b]
@@ -197,7 +167,7 @@ def test_host_callback_node_recomputes_where_backward_runs(client):
 
     dag = {"S": (numpy_sin, ["x"]), "L": (lambda s: jnp.sum(s ** 2), ["S"])}
     a, b = _worker(client, "plain"), _worker(client, "gpu")
-    res, _ = _compute_split(client, dag, X, ["L"], a, b)
+    res, _ = compute_split(client, dag, X, ["L"], a, b)
     assert_tree_close(res["L"][1]["x"], jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(X))
 
 
@@ -269,53 +239,32 @@ def test_program_from_other_versions_is_refused():
 
 
 @pytest.mark.timeout(180)
-def test_cluster_started_with_the_dask_cli(tmp_path):
-    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
-    sched_file = tmp_path / "scheduler.json"
-    # The node functions below are this module's: pickled by reference, so the scheduler and
-    # workers must be able to import it, as with any Dask code.
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env)]
-    try:
-        deadline = time.time() + 60
-        while not sched_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        for _ in range(2):
-            procs.append(subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
-                                           "--nthreads", "1", "--no-dashboard",
-                                           "--host", "127.0.0.1"], env=env))
-        import json
-        address = json.loads(sched_file.read_text())["address"]
-        assert address.startswith("tcp://127.0.0.1:")
-        with Client(address, set_as_default=False, timeout=60) as client:  # reached by address
-            client.wait_for_workers(2, timeout=60)
-            workers = sorted(live_workers(client))
-            dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"]),
-                   "M": (lambda h: jnp.max(h), ["h"])}
-            inputs = {"x": jnp.linspace(0, 1, 8), "w": jnp.eye(8) / 2}
-            res = daskdag.compute_grads(dag, inputs, ["L", "M"], client=client)
-            for o, f in {"L": lambda x, w: jnp.sum(matvec(x, w) ** 2),
-                         "M": lambda x, w: jnp.max(matvec(x, w))}.items():
-                ref = jax.grad(f, (0, 1))(inputs["x"], inputs["w"])
-                assert_tree_close(res[o].grad["x"], ref[0], rtol=1e-4)
-            split, _ = _compute_split(client, dag, inputs, ["L"], workers[0], workers[1])
-            assert_tree_close(split["L"][1]["w"],
-                              jax.grad(lambda w: jnp.sum(matvec(inputs["x"], w) ** 2))(inputs["w"]),
-                              rtol=1e-4)
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+def test_cluster_started_with_the_dask_cli(cli_cluster):
+    """The node functions are this test module's, which the workers cannot import: they travel
+    by value (daskdag.shipping)."""
+    assert cli_cluster.startswith("tcp://127.0.0.1:")
+    with Client(cli_cluster, set_as_default=False, timeout=60) as client:  # reached by address
+        client.wait_for_workers(2, timeout=60)
+        assert all(client.run(lambda: __import__("importlib").util.find_spec("tests") is None).values())
+        workers = sorted(live_workers(client))
+        dag = {"h": (matvec, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["h"]),
+               "M": (lambda h: jnp.max(h), ["h"])}
+        inputs = {"x": jnp.linspace(0, 1, 8), "w": jnp.eye(8) / 2}
+        res = daskdag.compute_grads(dag, inputs, ["L", "M"], client=client)
+        for o, f in {"L": lambda x, w: jnp.sum(matvec(x, w) ** 2),
+                     "M": lambda x, w: jnp.max(matvec(x, w))}.items():
+            ref = jax.grad(f, (0, 1))(inputs["x"], inputs["w"])
+            assert_tree_close(res[o].grad["x"], ref[0], rtol=1e-4)
+        split, _ = compute_split(client, dag, inputs, ["L"], workers[0], workers[1])
+        assert_tree_close(split["L"][1]["w"],
+                          jax.grad(lambda w: jnp.sum(matvec(inputs["x"], w) ** 2))(inputs["w"]),
+                          rtol=1e-4)
 
 
 def test_received_pullback_can_travel_on():
     w = jnp.eye(4) * 2
     _, pb = linearize(Node(matvec, ("x", "w")), (X[:4], w), (True, False))
-    ct = jnp.arange(4.0)
+    ct = (jnp.arange(4.0),)  # a cotangent: one array per differentiable leaf of the output
     once = deserialize(*serialize(pb))
     twice = deserialize(*serialize(once))  # a worker passing on a replica it fetched
     for p in (once, twice):

@@ -68,9 +68,9 @@ def test_bad_wrt():
     inputs = {"x": X, "i": jnp.array([0, 1])}
     with pytest.raises(DAGError, match="wrt names 'z', which is not a given free input"):
         daskdag.compute_grads(dag, inputs, "A", wrt=["z"])
-    with pytest.raises(DAGError, match="wrt names input 'i', whose leaves are not all floating"):
+    with pytest.raises(DAGError, match="wrt names input 'i', which has no floating-point array leaf"):
         daskdag.compute_grads(dag, inputs, "A", wrt=["i"])
-    with pytest.raises(DAGError, match="no input to differentiate"):
+    with pytest.raises(DAGError, match="no input to differentiate: none of .* has a floating-point"):
         daskdag.compute_grads({"A": (ok, ["n"])}, jnp.arange(3), "A")
 
 

@@ -242,11 +242,11 @@ def test_item_pullbacks_travel_between_processes():
     inputs = mixed_inputs(n=3)
     args = (inputs["x"], inputs["w"])
     primal, pbs = Chunked(node, (0, None)).linearize(args, (True, False))
-    ct = jnp.ones_like(primal)
+    ct = (jnp.ones_like(primal),)  # a cotangent: one array per differentiable leaf
     ref = pbs(ct, args)
     for moved in (pickle.loads(pickle.dumps(pbs)), deserialize(*serialize(pbs))):
         got = moved(ct, args)
         assert got[1] is None
         assert_tree_close(got[0], ref[0])
     expected = jax.vmap(lambda x: jax.vjp(lambda x: encode(x, inputs["w"]), x)[1](jnp.ones(4))[0])(inputs["x"])
-    assert_tree_close(ref[0], expected)
+    assert_tree_close(ref[0], (expected,))

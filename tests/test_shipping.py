@@ -1,0 +1,261 @@
+"""What travels to a cluster: the user's own module, fresh values after in-place changes,
+custom pytrees, jax.custom_vjp; on a cluster started with the ``dask`` command that cannot
+import the user's code."""
+
+import copyreg
+import importlib
+import pickle
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client
+
+import daskdag
+from daskdag import shipping
+from daskdag.cluster import workers as live_workers
+
+from .conftest import assert_tree_close, compute_split
+
+USER_MODULE = '''
+import jax
+import jax.numpy as jnp
+import numpy as np
+import equinox as eqx
+
+SCALE = np.ones(3, dtype=np.float32)  # a module global the test changes in place
+
+
+def encode(x):
+    return jnp.tanh(x) * SCALE
+
+
+def energy(h):
+    if jnp.sum(h) > 0:  # Python control flow on a value
+        return jnp.sum(h ** 2)
+    return jnp.sum(jnp.cos(h))
+
+
+_MISSING = object()
+
+
+@jax.tree_util.register_pytree_node_class
+class Params:
+    """A pytree whose unflatten checks a sentinel by identity, as equinox's does."""
+
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+    def tree_flatten(self):
+        return (self.w, self.b), _MISSING
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        if aux is not _MISSING:
+            raise TypeError("a foreign sentinel: this treedef was unpickled")
+        return cls(*children)
+
+
+def affine(p, x):
+    return Params(jnp.tanh(p.w * x), p.b * 2.0)
+
+
+def readout(q):
+    return jnp.sum(q.w ** 2) + jnp.sum(q.b ** 3)
+
+
+class Scaled(eqx.Module):
+    w: jax.Array
+    activation: object = jnp.tanh
+
+    def __call__(self, x):
+        return self.activation(self.w * x)
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of the user's, importable here only."""
+    name = f"usermod_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    yield module
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def cli_client(cli_cluster):
+    with Client(cli_cluster, set_as_default=False, timeout=60) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
+def _cannot_import(client, name):
+    return all(client.run(lambda: importlib.util.find_spec(name) is None).values())
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_user_module_on_a_cluster_that_cannot_import_it(cli_client, user_module):
+    m = user_module
+    assert _cannot_import(cli_client, m.__name__)
+    dag = {"H": (m.encode, ["x"]), "E": (m.energy, ["H"])}
+    x = jnp.linspace(-1.0, 1.0, 3)
+    res = daskdag.compute_grads(dag, x, "E", client=cli_client)
+    value, grad = jax.value_and_grad(lambda x: m.energy(m.encode(x)))(x)
+    assert_tree_close(res.value, value)
+    assert_tree_close(res.grad, grad)
+
+    xs = jnp.linspace(-1.0, 1.0, 24).reshape(8, 3)
+    swept = daskdag.sweep_grads(dag, xs, "E", chunk_size=3, client=cli_client)
+    values, grads = zip(*(jax.value_and_grad(lambda x: m.energy(m.encode(x)))(x) for x in xs))
+    assert_tree_close(swept.value, jnp.stack(values))
+    assert_tree_close(swept.grad, jnp.stack(grads))
+
+    m.SCALE[:] = 3.0  # the module's global, changed in place: the next call must see it
+    again = daskdag.compute_grads(dag, x, "E", client=cli_client)
+    value3, grad3 = jax.value_and_grad(lambda x: m.energy(m.encode(x)))(x)
+    assert not np.allclose(value3, value)
+    assert_tree_close(again.value, value3)
+    assert_tree_close(again.grad, grad3)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_sentinel_pytree_through_a_pullback_moved_to_another_worker(cli_client, user_module):
+    m = user_module
+    p = m.Params(jnp.array([0.5, -1.0, 2.0]), jnp.array([1.0, 2.0, -0.5]))
+    x = jnp.array([1.0, 0.3, -0.2])
+    dag = {"Q": (m.affine, ["p", "x"]), "L": (m.readout, ["Q"])}
+    a, b = sorted(live_workers(cli_client))
+    res, _ = compute_split(cli_client, dag, {"p": p, "x": x}, ["L"], a, b)
+    value, grads = res["L"]
+    ref_value, (gp, gx) = jax.value_and_grad(lambda p, x: m.readout(m.affine(p, x)), (0, 1))(p, x)
+    assert_tree_close(value, ref_value)
+    assert isinstance(grads["p"], m.Params)  # the gradient has the input's own class
+    assert_tree_close(jax.tree.leaves(grads["p"]), jax.tree.leaves(gp))
+    assert_tree_close(grads["x"], gx)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_equinox_module_of_the_users_own_as_input(cli_client, user_module):
+    """equinox's own classes (eqx.nn.MLP...) are installed code; a Module subclass of the
+    user's cannot be rebuilt by value, so its module must reach the cluster: the error says
+    how, and after ``client.upload_file`` it works."""
+    import equinox as eqx
+
+    m = user_module
+    model, x = m.Scaled(jnp.array([0.5, -1.0, 2.0])), jnp.array([1.0, 0.3, -0.2])
+    dag = {"Y": (lambda model, x: model(x), ["model", "x"]), "L": (jnp.sum, ["Y"])}
+    with pytest.raises(Exception, match=f"{m.__name__}.Scaled is an equinox Module of your own"
+                                        f".*client.upload_file"):
+        daskdag.compute_grads(dag, {"model": model, "x": x}, "L", client=cli_client)
+    cli_client.upload_file(m.__file__)
+    res = daskdag.compute_grads(dag, {"model": model, "x": x}, "L", client=cli_client)
+
+    ref = eqx.filter_grad(lambda model: jnp.sum(model(x)))(model)
+    assert res.grad["model"].activation is None  # a function leaf: held constant
+    assert_tree_close(res.grad["model"].w, ref.w)
+
+
+def _mutation_cases():
+    W = np.ones(3, dtype=np.float32)
+    coeffs = [1.0]
+
+    class Config:
+        scale = 1.0
+
+    cfg = Config()
+    dag = {"y": (lambda x: jnp.sum(W * x) * coeffs[0] * cfg.scale, ["x"])}
+    jitted = {"y": daskdag.Node(lambda x: jnp.sum(W * x), ["x"], jit=True)}
+
+    def change_array():
+        W[:] = 2.0
+
+    def change_list():
+        coeffs[0] = 2.0
+
+    def change_object():
+        cfg.scale = 2.0
+
+    return [(dag, change_array, W), (dag, change_list, W), (dag, change_object, W),
+            (jitted, change_array, W)]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", range(4), ids=["numpy-array", "list", "object", "jit-numpy-array"])
+def test_in_place_change_to_a_closure_is_seen_by_the_next_call(cli_client, case):
+    dag, change, _ = _mutation_cases()[case]
+    x = jnp.ones(3)
+    first = daskdag.compute_grads(dag, x, "y", client=cli_client)
+    assert float(first.value) == 3.0
+    np.testing.assert_allclose(first.grad, np.ones(3))
+    change()
+    for scheduler in (cli_client, None):  # a cluster, and Dask's threads
+        second = daskdag.compute_grads(dag, x, "y", client=scheduler)
+        assert float(second.value) == 6.0
+        np.testing.assert_allclose(second.grad, np.full(3, 2.0))
+
+
+def test_tokens_follow_content_not_identity():
+    W = np.ones((256, 256), dtype=np.float32)
+    J = jnp.ones((256, 256))
+    f, g = (lambda x: W @ x), (lambda x: J @ x)
+    first = shipping.pack(f, as_function=True)
+    assert shipping.pack(f, as_function=True).token == first.token  # same content, same token
+    assert len(first.skeleton) < 4096 < W.nbytes  # arrays travel out of band, not in the bytes
+    W[0, 0] = 5.0
+    assert shipping.pack(f, as_function=True).token != first.token
+    assert shipping.pack(g, as_function=True).token == shipping.pack(g, as_function=True).token
+
+
+def test_a_packed_function_travels_and_is_reused_by_token():
+    W = np.arange(3.0)
+    f = shipping.pack(lambda x: W * x, as_function=True)
+    a = pickle.loads(pickle.dumps(f))
+    np.testing.assert_allclose(a(2.0), W * 2.0)
+    b = pickle.loads(pickle.dumps(f))
+    assert b is a  # the process keeps the function it received for that token (jit caches)
+    W[:] = 7.0
+    c = pickle.loads(pickle.dumps(shipping.pack(f.load(), as_function=True)))
+    assert c is not a
+    np.testing.assert_allclose(c(1.0), np.full(3, 7.0))
+
+
+def test_custom_vjp_travels_without_a_process_wide_copyreg_entry():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    clip_grad.defvjp(lambda x: (x, None), lambda _, ct: (jnp.clip(ct, -1.0, 1.0),))
+    assert jax.custom_vjp not in copyreg.dispatch_table
+    with pytest.raises(Exception):
+        pickle.dumps(clip_grad)  # JAX alone cannot pickle it
+    moved = pickle.loads(pickle.dumps(shipping.pack(clip_grad, as_function=True))).load()
+    assert isinstance(moved, jax.custom_vjp) and moved is not clip_grad
+    np.testing.assert_allclose(jax.grad(lambda x: 5.0 * moved(x))(1.0), 1.0)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_unpicklable_node_function_is_named_on_a_cluster(cli_client):
+    lock = threading.Lock()
+
+    def guarded(x):
+        with lock:
+            return jnp.sum(x ** 2)
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (guarded, ["A"])}
+    with pytest.raises(daskdag.DAGError, match="node 'B': its function cannot be sent to the "
+                                               "cluster: pickling it failed .*lock"):
+        daskdag.compute_grads(dag, jnp.ones(3), "B", client=cli_client)
+    # Locally nothing travels, so it runs.
+    r = daskdag.compute_grads(dag, jnp.ones(3), "B")
+    assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(jnp.ones(3)))
