@@ -1,0 +1,120 @@
+"""Leaf-level differentiation of any pytree input (equinox's filter_vjp rule): floating-point
+array leaves are differentiated, every other leaf is held constant and gets ``None``; real
+libraries' pytrees (equinox modules, flax variable dicts, optax losses), on threads and on a
+cluster, with pullbacks moved between workers."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from distributed import Client
+
+import daskdag
+from daskdag.cluster import workers as live_workers
+
+from .conftest import assert_tree_close, compute_split
+
+
+@pytest.fixture(scope="module")
+def cli_client(cli_cluster):
+    with Client(cli_cluster, set_as_default=False, timeout=60) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
+def test_float_leaves_differentiated_int_leaves_held():
+    params = {"w": jnp.array([1.0, -2.0, 0.5]), "i": jnp.array(2), "scale": 3.0, "on": True}
+    dag = {"y": (lambda p: jnp.where(p["on"], p["w"][p["i"]] * p["scale"] + jnp.sum(p["w"] ** 2), 0.0),
+                 ["p"])}
+    r = daskdag.compute_grads(dag, params, "y")
+    ref = jax.grad(lambda w, s: dag["y"][0]({**params, "w": w, "scale": s}), (0, 1))(
+        params["w"], params["scale"])
+    assert r.grad["i"] is None and r.grad["on"] is None  # held constant
+    assert_tree_close(r.grad["w"], ref[0])
+    assert_tree_close(r.grad["scale"], ref[1])
+
+
+def test_node_outputs_with_non_float_leaves():
+    """A node may return ints and functions beside its arrays; only its float leaves carry a
+    cotangent, and downstream nodes get the whole value."""
+    dag = {"A": (lambda x: {"h": jnp.tanh(x), "n": jnp.argmax(x), "act": jnp.sin}, ["x"]),
+           "B": (lambda a: jnp.sum(a["act"](a["h"])) * a["n"], ["A"])}
+    x = jnp.array([0.1, 0.7, -0.3])
+    r = daskdag.compute_grads(dag, x, "B")
+    f = lambda x: jnp.sum(jnp.sin(jnp.tanh(x))) * jnp.argmax(x)
+    assert_tree_close(r.value, f(x))
+    assert_tree_close(r.grad, jax.grad(f)(x))
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jax.random.key(0))
+
+
+def _mlp_dag():
+    return {"Y": (lambda model, x: jax.vmap(model)(x), ["model", "x"]),
+            "L": (lambda y: jnp.mean(y ** 2), ["Y"])}
+
+
+@pytest.mark.parametrize("where", ["threads", "cluster"])
+@pytest.mark.timeout(180)
+def test_equinox_mlp_as_input(where, request):
+    client = request.getfixturevalue("cli_client") if where == "cluster" else None
+    model, x = _mlp(), jax.random.normal(jax.random.key(1), (5, 3))
+    r = daskdag.compute_grads(_mlp_dag(), {"model": model, "x": x}, "L", client=client)
+    loss = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
+    ref = eqx.filter_grad(loss)(model, x)
+    assert r.grad["model"].activation is None  # a function leaf, held constant
+    assert_tree_close(jax.tree.leaves(r.grad["model"]), jax.tree.leaves(ref), rtol=1e-4)
+    assert_tree_close(r.grad["x"], jax.grad(loss, 1)(model, x), rtol=1e-4)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_equinox_mlp_with_its_pullback_moved_to_another_worker(cli_client):
+    model, x = _mlp(), jax.random.normal(jax.random.key(1), (5, 3))
+    a, b = sorted(live_workers(cli_client))
+    res, _ = compute_split(cli_client, _mlp_dag(), {"model": model, "x": x}, ["L"], a, b)
+    value, grads = res["L"]
+    ref_value, ref = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    assert_tree_close(value, ref_value, rtol=1e-5)
+    assert_tree_close(jax.tree.leaves(grads["model"]), jax.tree.leaves(ref), rtol=1e-4)
+
+
+class _Flax(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.tanh(nn.Dense(8)(x)))
+
+
+@pytest.mark.parametrize("where", ["threads", "cluster"])
+@pytest.mark.timeout(180)
+def test_flax_variables_and_an_optax_loss(where, request):
+    client = request.getfixturevalue("cli_client") if where == "cluster" else None
+    module = _Flax()
+    x = jax.random.normal(jax.random.key(2), (6, 4))
+    labels = jnp.array([0, 1, 1, 0, 1, 0])
+    variables = module.init(jax.random.key(3), x)
+    dag = {"logits": (lambda v, x: module.apply(v, x), ["variables", "x"]),
+           "loss": (lambda z, y: optax.softmax_cross_entropy_with_integer_labels(z, y).mean(),
+                    ["logits", "labels"])}
+    r = daskdag.compute_grads(dag, {"variables": variables, "x": x, "labels": labels}, "loss",
+                              wrt=["variables"], client=client)
+    loss = lambda v: optax.softmax_cross_entropy_with_integer_labels(module.apply(v, x), labels).mean()
+    value, ref = jax.value_and_grad(loss)(variables)
+    assert_tree_close(r.value, value, rtol=1e-5)
+    assert_tree_close(r.grad["variables"], ref, rtol=1e-4)
+
+
+def test_sweep_with_shared_equinox_model_differentiated_per_item():
+    model, xs = _mlp(), jax.random.normal(jax.random.key(4), (6, 3))
+    dag = {"Y": (lambda m, x: m(x), ["model", "x"]), "L": (lambda y: jnp.sum(y ** 2), ["Y"])}
+    res = daskdag.sweep_grads(dag, {"model": model, "x": xs}, "L", batched=["x"],
+                              wrt=["model", "x"], chunk_size=4)
+    per_item = jax.vmap(eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2)), in_axes=(None, 0))
+    ref = per_item(model, xs)
+    assert res.grad["model"].activation is None
+    assert_tree_close(jax.tree.leaves(res.grad["model"]), jax.tree.leaves(ref), rtol=1e-4)
+    assert np.shape(res.grad["model"].layers[0].weight) == (6, 8, 3)
