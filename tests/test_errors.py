@@ -2,11 +2,15 @@
 
 import pickle
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
+
+from .conftest import assert_tree_close
 
 X = jnp.arange(3.0)
 ok = lambda a: a * 2
@@ -102,3 +106,24 @@ def test_concretization_error_gets_a_hint():
     dag = {"A": (lambda x: x * float(x[0]), ["x"]), "B": (jnp.sum, ["A"])}
     with pytest.raises(NodeError, match="(?s)node 'A'.*ConcretizationTypeError.*jax.custom_vjp"):
         daskdag.compute_grads(dag, X, "B")
+    dag = {"A": (lambda x: jnp.asarray(np.asarray(x)), ["x"]), "B": (jnp.sum, ["A"])}
+    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerArrayConversionError.*jax.custom_vjp"):
+        daskdag.compute_grads(dag, X, "B")
+
+
+def branchy(x):
+    if x[0] > 0:  # Python control flow on a value: fine eagerly, not when traced by jax.jit
+        return jnp.sin(x)
+    return jnp.cos(x)
+
+
+def test_control_flow_under_jit_hints_to_drop_jit():
+    dag = {"A": Node(branchy, ["x"], jit=True), "B": (jnp.sum, ["A"])}
+    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerBoolConversionError.*Hint: .*drop jit=True") as e:
+        daskdag.compute_grads(dag, X, "B")
+    assert isinstance(e.value.__cause__, jax.errors.TracerBoolConversionError)
+    # as the hint says: the same node without jit=True works
+    dag["A"] = Node(branchy, ["x"])
+    assert_tree_close(daskdag.compute_grads(dag, X, "B").grad, jax.grad(lambda x: jnp.sum(branchy(x)))(X))
+
+
