@@ -21,12 +21,17 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
     """Primal of ``node`` alone when no dep is ``active``; else ``(primal, Pullback)``."""
     try:
         if not any(active):
-            return node.callable()(*args)
-        if isinstance(node.fn, Chunked):  # a sweep's chunk: one vjp per item
-            return node.fn.linearize(args, active)
-        return linearize(node, args, active)
+            out = primal = node.callable()(*args)
+        else:  # (a sweep's chunk: one vjp per item)
+            out = node.fn.linearize(args, active) if isinstance(node.fn, Chunked) else linearize(node, args, active)
+            primal = out[0]
     except Exception as e:
         raise NodeError(name, "forward", e) from e
+    if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
+        raise NodeError(name, "forward", TypeError(
+            "its function returned None; a node must return its value, a JAX array or a pytree "
+            "of arrays (is a `return` missing?)"))
+    return out
 
 
 def backward(name: str, positions: tuple, n_deps: int, pullback, *args):

@@ -10,7 +10,7 @@ import pytest
 import daskdag
 from daskdag import DAGError, Node, NodeError
 
-from .conftest import assert_tree_close
+from .conftest import Counted, assert_tree_close
 
 X = jnp.arange(3.0)
 ok = lambda a: a * 2
@@ -125,5 +125,18 @@ def test_control_flow_under_jit_hints_to_drop_jit():
     # as the hint says: the same node without jit=True works
     dag["A"] = Node(branchy, ["x"])
     assert_tree_close(daskdag.compute_grads(dag, X, "B").grad, jax.grad(lambda x: jnp.sum(branchy(x)))(X))
+
+
+@pytest.mark.parametrize("deps", [["x"], ["i"]], ids=["differentiated", "constant"])
+def test_node_returning_none_is_named(deps):
+    forgot_return = Counted(lambda a: None)
+    after = Counted(lambda x, i, a: jnp.sum(x))
+    dag = {"A": (forgot_return, deps), "B": (after, ["x", "i", "A"])}
+    with pytest.raises(NodeError, match="node 'A' failed in its forward pass: TypeError: its "
+                                        "function returned None; a node must return its value") as e:
+        daskdag.compute_grads(dag, {"x": X, "i": jnp.arange(2)}, "B", wrt=["x"])
+    assert e.value.node == "A" and forgot_return.calls == 1 and after.calls == 0
+    with pytest.raises(NodeError, match="node 'A'.*returned None"):  # as an output too
+        daskdag.compute_grads(dag, {"x": X, "i": jnp.arange(2)}, "A", wrt=["x"])
 
 
