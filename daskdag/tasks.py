@@ -75,6 +75,11 @@ def seed(output: str, primal, ct, batched: bool = False):
         ct_avals = jax.tree.map(lambda c: jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)), ct)
         raise ValueError(f"cotangent for output {output!r} is {_describe(ct_avals)}, "
                          f"but the output is {_describe(item)}")
+    for c, i in zip(jax.tree.leaves(ct), jax.tree.leaves(item)):
+        if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
+            raise ValueError(f"cotangent for output {output!r} is complex ({jnp.result_type(c)}), "
+                             f"but the output is real ({_describe(item)}): its imaginary part "
+                             f"would be dropped; pass a real cotangent")
     ct = jax.tree.map(_cotangent_like, ct, item)
     return jax.tree.map(lambda c, p: np.broadcast_to(c, jnp.shape(p)), ct, primal) if batched else ct
 

@@ -140,3 +140,15 @@ def test_node_returning_none_is_named(deps):
         daskdag.compute_grads(dag, {"x": X, "i": jnp.arange(2)}, "A", wrt=["x"])
 
 
+def test_complex_cotangent_for_a_real_output_is_refused():
+    dag = {"A": (jnp.sin, ["x"])}
+    with pytest.raises(ValueError, match="cotangent for output 'A' is complex.*but the output is "
+                                         "real.*imaginary part would be dropped"):
+        daskdag.compute_grads(dag, X, "A", cotangents={"A": jnp.ones(3) * (1 + 2j)})
+    # a complex output takes it: the gradient is jax.vjp's
+    dag = {"A": (lambda x: jnp.exp(1j * x), ["x"])}
+    ct = jnp.ones(3) * (1 + 2j)
+    got = daskdag.compute_grads(dag, X, "A", cotangents={"A": ct}).grad
+    assert_tree_close(got, jax.vjp(lambda x: jnp.exp(1j * x), X)[1](ct)[0])
+
+
