@@ -2,6 +2,7 @@
 
 import pickle
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,5 +151,23 @@ def test_complex_cotangent_for_a_real_output_is_refused():
     ct = jnp.ones(3) * (1 + 2j)
     got = daskdag.compute_grads(dag, X, "A", cotangents={"A": ct}).grad
     assert_tree_close(got, jax.vjp(lambda x: jnp.exp(1j * x), X)[1](ct)[0])
+
+
+def raises(kind):
+    def node(a):
+        raise kind("from the node")
+    return node
+
+
+# Not KeyboardInterrupt on "sync": nodes run in the user's main thread there, where it may be a
+# real Ctrl-C, and stays one (test_ctrl_c_stops_at_the_next_node).
+@pytest.mark.parametrize("kind, scheduler", [(KeyboardInterrupt, "threads"), (SystemExit, "threads"),
+                                             (SystemExit, "sync"), (KeyboardInterrupt, "processes")])
+def test_node_raising_keyboard_interrupt_or_system_exit_is_a_node_error(kind, scheduler):
+    dag = {"A": (raises(kind), ["x"]), "B": (jnp.sum, ["A"])}
+    with dask.config.set(scheduler=scheduler, num_workers=1):
+        with pytest.raises(NodeError, match=f"node 'A' failed in its forward pass: {kind.__name__}") as e:
+            daskdag.compute_grads(dag, X, "B")
+    assert isinstance(e.value.__cause__, kind)
 
 

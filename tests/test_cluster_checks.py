@@ -1,0 +1,71 @@
+"""Real clusters as users run them: closed clients, no workers, nodes that raise
+KeyboardInterrupt, missing resources, replaced workers, progress and Ctrl-C."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+import jax
+import jax.numpy as jnp
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import ClusterError, Node, NodeError
+from daskdag.cluster import workers as live_workers
+
+from .conftest import assert_tree_close
+
+pytestmark = pytest.mark.cluster
+
+X = jnp.linspace(-1.0, 1.0, 5)
+
+
+def _dag():
+    # Made inside a function so cloudpickle ships them by value to worker processes.
+    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+def _grad(x):
+    return jax.grad(lambda x: jnp.sum((jnp.sin(x) * 2) ** 2))(x)
+
+
+def _tasks(client) -> dict:
+    """``{key: state}`` of every task the scheduler holds."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {str(k): ts.state for k, ts in dask_scheduler.tasks.items()})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client, kind):
+    def node(a):
+        raise kind("from the node")
+
+    pid = client.run(os.getpid)
+    with pytest.raises(NodeError, match=f"node 'A' failed in its forward pass: {kind.__name__}") as e:
+        daskdag.compute_grads({"A": (node, ["x"]), "B": (jnp.sum, ["A"])}, X, "B", client=client)
+    assert isinstance(e.value.__cause__, kind)
+    assert client.run(os.getpid) == pid  # the same worker process, alive
+    assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+
+
