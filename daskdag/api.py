@@ -49,25 +49,31 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
 
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
-    the cluster cannot run the graph (a resource no worker offers, versions that differ).
+    the cluster cannot run the graph (a client that is not running, a resource no worker
+    offers, versions that differ).
     """
-    spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents)
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents)
     client = client if client is not None else _active_client()
-    if client is not None:
+    if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
-    (computed,) = dask.compute(graph, scheduler=client)
+    (computed,) = dask.compute(build(plan, values, cts), scheduler=client)
     return _results(spec, outputs, computed)
 
 
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
     """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
     ``dask.delayed`` objects."""
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents)
+    return spec, plan, build(plan, values, cts)
+
+
+def _prepare(dag, x, outputs, wrt, cotangents):
+    """A call validated: its spec, plan, input values and cotangents."""
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = make_plan(spec, names, wrt)
-    return spec, plan, build(plan, values, _cotangents(names, cotangents))
+    return spec, make_plan(spec, names, wrt), values, _cotangents(names, cotangents)
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,

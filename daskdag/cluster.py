@@ -1,7 +1,8 @@
 """Checks on a ``distributed`` cluster before a graph goes to it.
 
-Both failures they catch would otherwise be silent: a task needing a resource that no worker
-offers waits forever, and a backward program exported under other JAX versions may compute
+Each failure they catch would otherwise be cryptic or silent: a closed client fails deep inside
+distributed; a scheduler without workers, or without a worker offering a resource a node needs,
+leaves tasks waiting forever; a backward program exported under other JAX versions may compute
 something else.
 """
 
@@ -24,12 +25,28 @@ def workers(client) -> dict[str, dict]:
 
 
 def check(client, plan: Plan) -> None:
-    """Raise :class:`~daskdag.ClusterError` naming the node or workers concerned."""
+    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned."""
+    check_client(client)
     found = workers(client)
     if not found:  # an adaptive cluster may still be scaling up: nothing to check yet
         return
     _check_resources(plan, found)
     _check_versions(client, frozenset(found))
+
+
+def check_client(client) -> None:
+    """A client that is not running (closed, still connecting) cannot take a graph."""
+    if client.status != "running":
+        raise ClusterError(f"{describe(client)} is {client.status}: pass a running "
+                           f"distributed.Client (or none, for Dask's local threads)")
+
+
+def describe(client) -> str:
+    """``client <id> (scheduler <address>)``; a closed client no longer knows its scheduler's
+    address unless it was made from a cluster object."""
+    address = (client.scheduler.address if client.scheduler is not None else
+               getattr(client.cluster, "scheduler_address", None))
+    return f"client {client.id}" + (f" (scheduler {address})" if address else "")
 
 
 def _check_resources(plan: Plan, workers: dict) -> None:

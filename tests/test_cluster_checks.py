@@ -55,6 +55,17 @@ def client(cluster):
         yield client
 
 
+@pytest.mark.timeout(60)
+def test_closed_client_is_named(cluster):
+    client = Client(cluster, set_as_default=False)
+    client.close()
+    with pytest.raises(ClusterError, match=f"client {client.id} \\(scheduler {cluster.scheduler_address}\\) "
+                                           f"is closed: pass a running distributed.Client"):
+        daskdag.compute_grads(_dag(), X, "B", client=client)
+    with pytest.raises(ClusterError, match=f"client {client.id} .*is closed"):
+        daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
 def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client, kind):
