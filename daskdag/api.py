@@ -49,8 +49,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
 
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
-    the cluster cannot run the graph (a client that is not running, a resource no worker
-    offers, versions that differ).
+    the cluster cannot run the graph (a client that is not running, no worker within
+    ``daskdag.worker-wait``, a resource no worker offers, versions that differ).
     """
     spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents)
     client = client if client is not None else _active_client()

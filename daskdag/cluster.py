@@ -8,11 +8,17 @@ something else.
 
 from __future__ import annotations
 
+import dask
+from dask.utils import parse_timedelta
+
 from .errors import ClusterError
 from .plan import Plan
 from .programs import versions
 
 _versions_checked: set[tuple[str, frozenset]] = set()  # (client id, worker addresses)
+
+WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
+WORKER_WAIT_DEFAULT = "30s"
 
 
 def workers(client) -> dict[str, dict]:
@@ -25,11 +31,13 @@ def workers(client) -> dict[str, dict]:
 
 
 def check(client, plan: Plan) -> None:
-    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned."""
+    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned.
+
+    With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
+    one to join, asking for it the way a task would, so adaptive clusters scale up.
+    """
     check_client(client)
-    found = workers(client)
-    if not found:  # an adaptive cluster may still be scaling up: nothing to check yet
-        return
+    found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
     _check_versions(client, frozenset(found))
 
@@ -47,6 +55,29 @@ def describe(client) -> str:
     address = (client.scheduler.address if client.scheduler is not None else
                getattr(client.cluster, "scheduler_address", None))
     return f"client {client.id}" + (f" (scheduler {address})" if address else "")
+
+
+def _probe() -> None:
+    """A task that any worker can run: its only use is to be waiting for one."""
+
+
+def _wait_for_a_worker(client) -> dict[str, dict]:
+    # A task waiting for a worker is what makes an adaptive cluster scale up from zero
+    # (Scheduler.adaptive_target), so wait on one rather than on the worker count alone.
+    wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+    probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{client.id}")
+    try:
+        probe.result(timeout=wait)
+    except Exception:  # timed out, or its worker left again: the count below decides
+        pass
+    finally:
+        probe.release()
+    found = workers(client)
+    if not found:
+        raise ClusterError(f"{describe(client)}: the scheduler has no workers, and none joined "
+                           f"within {wait:g} s: start some (`dask worker ADDRESS`), or wait longer "
+                           f"with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+    return found
 
 
 def _check_resources(plan: Plan, workers: dict) -> None:

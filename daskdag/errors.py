@@ -49,5 +49,6 @@ class NodeError(RuntimeError):
 
 
 class ClusterError(RuntimeError):
-    """The cluster cannot run this graph: versions that differ from the client's, or no worker
-    offering a resource a node needs. The message names the workers or the node."""
+    """The cluster cannot run this graph: a client that is not running, no worker at all, no
+    worker offering a resource a node needs, or versions that differ from the client's. The
+    message names the client, the node or the workers."""

@@ -80,3 +80,23 @@ def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client,
     assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
 
 
+@pytest.mark.timeout(120)
+def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds():
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        with dask.config.set({"daskdag.worker-wait": "2s"}):
+            start = time.monotonic()
+            with pytest.raises(ClusterError, match="the scheduler has no workers, and none joined "
+                                                   "within 2 s.*'daskdag.worker-wait'"):
+                daskdag.compute_grads(_dag(), X, "B", client=client)
+            assert 2 <= time.monotonic() - start < 30  # waited, then gave up
+            assert _tasks(client) == {}  # nothing left waiting for a worker
+            with pytest.raises(ClusterError, match="no workers"):
+                daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
+
+        cluster.adapt(minimum=0, maximum=1)  # starts a worker only when a task waits for one
+        with dask.config.set({"daskdag.worker-wait": "60s"}):
+            res = daskdag.compute_grads(_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, _grad(X))
+
+
