@@ -86,9 +86,11 @@ def _check_resources(plan: Plan, workers: dict) -> None:
         if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())
                              for w in workers.values()):
             offered = {addr: w.get("resources", {}) for addr, w in workers.items()}
+            flag = " ".join(f"{r}={amount:g}" for r, amount in needs.items())
+            flag = f'"{flag}"' if len(needs) > 1 else flag
             raise ClusterError(
                 f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
-                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources GPU=1`")
+                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources {flag}`")
 
 
 def _check_versions(client, addresses: frozenset) -> None:

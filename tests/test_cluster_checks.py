@@ -80,6 +80,15 @@ def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client,
     assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("needs, flag", [({"TPU": 2}, "--resources TPU=2"),
+                                         ({"GPU": 1, "MEM": 1e9}, '--resources "GPU=1 MEM=1e\\+09"')])
+def test_missing_resource_suggests_the_resources_needed(client, needs, flag):
+    dag = {"A": Node(jnp.sin, ["x"], resources=needs), "B": (jnp.sum, ["A"])}
+    with pytest.raises(ClusterError, match=f"node 'A' needs resources .*`dask worker ADDRESS {flag}`"):
+        daskdag.compute_grads(dag, X, "B", client=client)
+
+
 @pytest.mark.timeout(120)
 def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds():
     with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
