@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dask
 import distributed
 import jax
 import jax.numpy as jnp
 
 from . import cluster, sweep
+from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
 from .plan import make_plan
@@ -35,7 +35,7 @@ class Result:
 
 
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                  cotangents: Mapping[str, Any] | None = None, client=None):
+                  cotangents: Mapping[str, Any] | None = None, client=None, progress: bool = False):
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
     dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
@@ -46,6 +46,7 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     wrt:        input names to differentiate; default every given input with floating leaves.
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
+    progress:   show Dask's progress bar over the call's tasks.
 
     Returns ``{output: Result(value, grad)}``. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
@@ -56,7 +57,7 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     client = client if client is not None else _active_client()
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
-    (computed,) = dask.compute(build(plan, values, cts), scheduler=client)
+    computed = compute(build(plan, values, cts), client, progress)
     return _results(spec, outputs, computed)
 
 

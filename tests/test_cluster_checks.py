@@ -20,7 +20,7 @@ import daskdag
 from daskdag import ClusterError, Node, NodeError
 from daskdag.cluster import workers as live_workers
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, interrupt
 
 pytestmark = pytest.mark.cluster
 
@@ -87,6 +87,29 @@ def test_missing_resource_suggests_the_resources_needed(client, needs, flag):
     dag = {"A": Node(jnp.sin, ["x"], resources=needs), "B": (jnp.sum, ["A"])}
     with pytest.raises(ClusterError, match=f"node 'A' needs resources .*`dask worker ADDRESS {flag}`"):
         daskdag.compute_grads(dag, X, "B", client=client)
+
+
+@pytest.mark.timeout(60)
+def test_progress_bar_on_a_cluster(client, capsys):
+    res = daskdag.compute_grads(_dag(), X, "B", client=client, progress=True)
+    assert "100% Completed" in capsys.readouterr().out  # distributed.progress's text bar
+    assert_tree_close(res.grad, _grad(X))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
+def test_ctrl_c_cancels_the_call_on_the_cluster(client, tmp_path, progress):
+    took, started, later, proc = interrupt(client.scheduler.address, tmp_path, progress)
+    try:
+        assert took < 2  # KeyboardInterrupt reached the user
+        # ... and the scheduler holds none of the call's tasks, though its client is still there
+        left = {k: s for k, s in _tasks(client).items() if s in ("processing", "waiting", "queued",
+                                                                 "no-worker")}
+        assert not left
+        assert later == started < 8  # no node started after it
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.timeout(120)

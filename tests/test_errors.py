@@ -11,7 +11,7 @@ import pytest
 import daskdag
 from daskdag import DAGError, Node, NodeError
 
-from .conftest import Counted, assert_tree_close
+from .conftest import Counted, assert_tree_close, interrupt
 
 X = jnp.arange(3.0)
 ok = lambda a: a * 2
@@ -171,3 +171,21 @@ def test_node_raising_keyboard_interrupt_or_system_exit_is_a_node_error(kind, sc
     assert isinstance(e.value.__cause__, kind)
 
 
+def test_progress_bar_on_threads(capsys):
+    dag = {"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}
+    daskdag.compute_grads(dag, X, "B")
+    assert capsys.readouterr().out == ""
+    res = daskdag.compute_grads(dag, X, "B", progress=True)
+    assert "100% Completed" in capsys.readouterr().out  # dask.diagnostics.ProgressBar's
+    assert_tree_close(res.grad, jnp.cos(X))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
+def test_ctrl_c_stops_at_the_next_node(tmp_path, scheduler, progress):
+    took, started, later, proc = interrupt(scheduler, tmp_path, progress)
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    assert took < 2  # KeyboardInterrupt reached the user
+    assert later == started < 8  # no node of the chain started after it
