@@ -7,13 +7,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dask
 import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import cluster, sweep
+from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
 from .pullback import differentiable_leaves
@@ -38,7 +38,7 @@ class Result:
 
 
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                  cotangents: Mapping[str, Any] | None = None, client=None):
+                  cotangents: Mapping[str, Any] | None = None, client=None, progress: bool = False):
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
     dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
@@ -51,30 +51,37 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
                 differentiated, other leaves (ints, bools, functions) held constant.
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
+    progress:   show Dask's progress bar over the call's tasks.
 
     Returns ``{output: Result(value, grad)}``; each gradient has its input's structure, with
     ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
-    the cluster cannot run the graph (a resource no worker offers, versions that differ).
+    the cluster cannot run the graph (a client that is not running, no worker within
+    ``daskdag.worker-wait``, a resource no worker offers, versions that differ).
     """
     client = client if client is not None else _active_client()
-    spec, plan, graph = build_graph(dag, x, outputs, wrt=wrt, cotangents=cotangents,
-                                    remote=client is not None)
-    if client is not None:
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote=client is not None)
+    if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
-    (computed,) = dask.compute(graph, scheduler=client)
+    computed = compute(build(plan, values, cts, remote=client is not None), client, progress)
     return _results(spec, outputs, computed)
 
 
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False):
     """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
     ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle."""
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
+    return spec, plan, build(plan, values, cts, remote=remote)
+
+
+def _prepare(dag, x, outputs, wrt, cotangents, remote):
+    """A call validated: its spec, plan (node functions packed to travel), input values and
+    cotangents."""
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = ship(make_plan(spec, names, wrt), remote)
-    return spec, plan, build(plan, values, _cotangents(names, cotangents), remote=remote)
+    return spec, ship(make_plan(spec, names, wrt), remote), values, _cotangents(names, cotangents)
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,

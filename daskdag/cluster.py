@@ -1,17 +1,22 @@
 """Checks on a ``distributed`` cluster before a graph goes to it.
 
-Both failures they catch would otherwise be silent: a task needing a resource that no worker
-offers waits forever, and a backward program exported under other JAX versions may compute
+Each failure they catch would otherwise be cryptic or silent: a closed client fails deep inside
+distributed; a scheduler without workers, or without a worker offering a resource a node needs,
+leaves tasks waiting forever; a backward program exported under other JAX versions may compute
 something else.
 """
 
 from __future__ import annotations
 
+import dask
+from dask.utils import parse_timedelta
+
 from .errors import ClusterError
 from .plan import Plan
 from .programs import versions
 
-_versions_checked: set[tuple[str, frozenset]] = set()  # (client id, worker addresses)
+WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
+WORKER_WAIT_DEFAULT = "30s"
 
 
 def workers(client) -> dict[str, dict]:
@@ -24,12 +29,53 @@ def workers(client) -> dict[str, dict]:
 
 
 def check(client, plan: Plan) -> None:
-    """Raise :class:`~daskdag.ClusterError` naming the node or workers concerned."""
-    found = workers(client)
-    if not found:  # an adaptive cluster may still be scaling up: nothing to check yet
-        return
+    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned.
+
+    With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
+    one to join, asking for it the way a task would, so adaptive clusters scale up.
+    """
+    check_client(client)
+    found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
-    _check_versions(client, frozenset(found))
+    _check_versions(client)
+
+
+def check_client(client) -> None:
+    """A client that is not running (closed, still connecting) cannot take a graph."""
+    if client.status != "running":
+        raise ClusterError(f"{describe(client)} is {client.status}: pass a running "
+                           f"distributed.Client (or none, for Dask's local threads)")
+
+
+def describe(client) -> str:
+    """``client <id> (scheduler <address>)``; a closed client no longer knows its scheduler's
+    address unless it was made from a cluster object."""
+    address = (client.scheduler.address if client.scheduler is not None else
+               getattr(client.cluster, "scheduler_address", None))
+    return f"client {client.id}" + (f" (scheduler {address})" if address else "")
+
+
+def _probe() -> None:
+    """A task that any worker can run: its only use is to be waiting for one."""
+
+
+def _wait_for_a_worker(client) -> dict[str, dict]:
+    # A task waiting for a worker is what makes an adaptive cluster scale up from zero
+    # (Scheduler.adaptive_target), so wait on one rather than on the worker count alone.
+    wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+    probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{client.id}")
+    try:
+        probe.result(timeout=wait)
+    except Exception:  # timed out, or its worker left again: the count below decides
+        pass
+    finally:
+        probe.release()
+    found = workers(client)
+    if not found:
+        raise ClusterError(f"{describe(client)}: the scheduler has no workers, and none joined "
+                           f"within {wait:g} s: start some (`dask worker ADDRESS`), or wait longer "
+                           f"with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+    return found
 
 
 def _check_resources(plan: Plan, workers: dict) -> None:
@@ -38,14 +84,17 @@ def _check_resources(plan: Plan, workers: dict) -> None:
         if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())
                              for w in workers.values()):
             offered = {addr: w.get("resources", {}) for addr, w in workers.items()}
+            flag = " ".join(f"{r}={amount:g}" for r, amount in needs.items())
+            flag = f'"{flag}"' if len(needs) > 1 else flag
             raise ClusterError(
                 f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
-                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources GPU=1`")
+                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources {flag}`")
 
 
-def _check_versions(client, addresses: frozenset) -> None:
-    if (client.id, addresses) in _versions_checked:
-        return
+def _check_versions(client) -> None:
+    # On every call: a worker replaced at the same address may run other versions, and the
+    # scheduler tells no worker process from its successor. It costs one round trip to the
+    # workers, about 3 ms on a local 2-worker cluster.
     here = versions()
     found = client.run(versions, on_error="return")
     wrong = {addr: v for addr, v in found.items() if v != here}
@@ -54,4 +103,3 @@ def _check_versions(client, addresses: frozenset) -> None:
                            for addr, v in sorted(wrong.items(), key=lambda kv: kv[0]))
         raise ClusterError(f"workers differ from this client ({here}): {detail}. Backward programs "
                            f"only travel between identical jax, jaxlib and daskdag versions")
-    _versions_checked.add((client.id, addresses))

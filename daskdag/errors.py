@@ -1,6 +1,27 @@
-"""The two errors a user meets: a bad DAG spec, and a node that failed while running."""
+"""The errors a user meets: a bad DAG spec, a node that failed while running, a cluster that
+cannot run the graph."""
 
 from __future__ import annotations
+
+import jax
+
+_VJP = ("a node differentiated with jax.vjp gets tracers for inputs: float(), int() and "
+        "np.asarray() on them fail, and so does non-JAX code; wrap that part in jax.custom_vjp to "
+        "give it its own VJP")
+_TRACED = ("a node marked jit=True (or vmap=True in a sweep) is traced without values, so Python "
+           "control flow on its values fails: drop jit=True (vmap=True) for this node, or use "
+           "jax.lax.cond / jnp.where")
+
+# What to do about an exception a node raised, by type, most specific first.
+HINTS: tuple[tuple[type[BaseException], str], ...] = (
+    (jax.errors.TracerBoolConversionError, _TRACED),
+    (jax.errors.ConcretizationTypeError, f"{_VJP}; {_TRACED}"),
+    (jax.errors.TracerArrayConversionError, _VJP),
+)
+
+
+def hint(original: BaseException) -> str:
+    return next((h for kind, h in HINTS if isinstance(original, kind)), "")
 
 
 class DAGError(ValueError):
@@ -9,20 +30,17 @@ class DAGError(ValueError):
 
 class NodeError(RuntimeError):
     """A node's function (or its pullback) raised. ``node`` names it, ``item`` the sweep item
-    (else ``None``); the original exception is ``__cause__``.
+    (else ``None``); the original exception is ``__cause__``. For JAX's tracer errors the
+    message ends with a hint (:data:`HINTS`).
 
     Picklable, cause included, so it survives the trip back from a ``distributed`` worker.
     """
 
     def __init__(self, node: str, phase: str, original: BaseException, item: int | None = None):
-        hint = ""
-        if type(original).__name__ == "ConcretizationTypeError":
-            hint = (" (the node is differentiated with jax.vjp, so its inputs are tracers: "
-                    "float(), int() and np.asarray() on them fail; "
-                    "wrap the non-JAX part in jax.custom_vjp to give it its own VJP)")
         where = f"item {item}: " if item is not None else ""
+        advice = hint(original)
         super().__init__(f"{where}node {node!r} failed in its {phase} pass: "
-                         f"{type(original).__name__}: {original}{hint}")
+                         f"{type(original).__name__}: {original}" + (f"\nHint: {advice}" if advice else ""))
         self.node, self.phase, self.original, self.item = node, phase, original, item
         self.__cause__ = original
 
@@ -31,5 +49,6 @@ class NodeError(RuntimeError):
 
 
 class ClusterError(RuntimeError):
-    """The cluster cannot run this graph: versions that differ from the client's, or no worker
-    offering a resource a node needs. The message names the workers or the node."""
+    """The cluster cannot run this graph: a client that is not running, no worker at all, no
+    worker offering a resource a node needs, or versions that differ from the client's. The
+    message names the client, the node or the workers."""

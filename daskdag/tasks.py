@@ -5,6 +5,8 @@ Each wraps a failure in :class:`~daskdag.errors.NodeError` naming the node.
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 from functools import reduce
 
 import jax
@@ -23,13 +25,20 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
     """Primal of ``node`` alone when no dep is ``active``; else ``(primal, Pullback)``."""
     try:
         if not any(active):
-            return node.callable()(*args)
-        fn = unwrap(node.fn)
-        if isinstance(fn, Chunked):  # a sweep's chunk: one vjp per item
-            return fn.linearize(args, active)
-        return linearize(node, args, active)
-    except Exception as e:
+            out = primal = node.callable()(*args)
+        else:
+            fn = unwrap(node.fn)  # (a sweep's chunk: one vjp per item)
+            out = fn.linearize(args, active) if isinstance(fn, Chunked) else linearize(node, args, active)
+            primal = out[0]
+    except _RAISED as e:
+        if _may_be_ctrl_c(e):  # it must interrupt as one
+            raise
         raise NodeError(name, "forward", e) from e
+    if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
+        raise NodeError(name, "forward", TypeError(
+            "its function returned None; a node must return its value, a JAX array or a pytree "
+            "of arrays (is a `return` missing?)"))
+    return out
 
 
 def backward(name: str, positions: tuple, n_deps: int, pullback, *args):
@@ -45,8 +54,22 @@ def backward(name: str, positions: tuple, n_deps: int, pullback, *args):
     ct = total(s if i is None else s[i] for s, i in zip(sources, positions))
     try:
         return pullback(ct, inputs)
-    except Exception as e:
+    except _RAISED as e:
+        if _may_be_ctrl_c(e):  # it must interrupt as one
+            raise
         raise NodeError(name, "backward", e) from e
+
+
+# A node raising KeyboardInterrupt or SystemExit is a failing node, not a reason to stop the
+# process that runs it: a distributed worker dies of it, and Dask retries on the next worker.
+_RAISED = (Exception, KeyboardInterrupt, SystemExit)
+
+
+def _may_be_ctrl_c(e: BaseException) -> bool:
+    """Python raises Ctrl-C's KeyboardInterrupt in the main thread of the user's process, where
+    nodes run only on Dask's synchronous scheduler; elsewhere a KeyboardInterrupt is the node's."""
+    return (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+            and multiprocessing.parent_process() is None)
 
 
 def gradient(positions: tuple, x, *sources):

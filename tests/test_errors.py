@@ -2,11 +2,16 @@
 
 import pickle
 
+import dask
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
+
+from .conftest import Counted, assert_tree_close, interrupt
 
 X = jnp.arange(3.0)
 ok = lambda a: a * 2
@@ -102,3 +107,85 @@ def test_concretization_error_gets_a_hint():
     dag = {"A": (lambda x: x * float(x[0]), ["x"]), "B": (jnp.sum, ["A"])}
     with pytest.raises(NodeError, match="(?s)node 'A'.*ConcretizationTypeError.*jax.custom_vjp"):
         daskdag.compute_grads(dag, X, "B")
+    dag = {"A": (lambda x: jnp.asarray(np.asarray(x)), ["x"]), "B": (jnp.sum, ["A"])}
+    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerArrayConversionError.*jax.custom_vjp"):
+        daskdag.compute_grads(dag, X, "B")
+
+
+def branchy(x):
+    if x[0] > 0:  # Python control flow on a value: fine eagerly, not when traced by jax.jit
+        return jnp.sin(x)
+    return jnp.cos(x)
+
+
+def test_control_flow_under_jit_hints_to_drop_jit():
+    dag = {"A": Node(branchy, ["x"], jit=True), "B": (jnp.sum, ["A"])}
+    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerBoolConversionError.*Hint: .*drop jit=True") as e:
+        daskdag.compute_grads(dag, X, "B")
+    assert isinstance(e.value.__cause__, jax.errors.TracerBoolConversionError)
+    # as the hint says: the same node without jit=True works
+    dag["A"] = Node(branchy, ["x"])
+    assert_tree_close(daskdag.compute_grads(dag, X, "B").grad, jax.grad(lambda x: jnp.sum(branchy(x)))(X))
+
+
+@pytest.mark.parametrize("deps", [["x"], ["i"]], ids=["differentiated", "constant"])
+def test_node_returning_none_is_named(deps):
+    forgot_return = Counted(lambda a: None)
+    after = Counted(lambda x, i, a: jnp.sum(x))
+    dag = {"A": (forgot_return, deps), "B": (after, ["x", "i", "A"])}
+    with pytest.raises(NodeError, match="node 'A' failed in its forward pass: TypeError: its "
+                                        "function returned None; a node must return its value") as e:
+        daskdag.compute_grads(dag, {"x": X, "i": jnp.arange(2)}, "B", wrt=["x"])
+    assert e.value.node == "A" and forgot_return.calls == 1 and after.calls == 0
+    with pytest.raises(NodeError, match="node 'A'.*returned None"):  # as an output too
+        daskdag.compute_grads(dag, {"x": X, "i": jnp.arange(2)}, "A", wrt=["x"])
+
+
+def test_complex_cotangent_for_a_real_output_is_refused():
+    dag = {"A": (jnp.sin, ["x"])}
+    with pytest.raises(ValueError, match="cotangent for output 'A' is complex.*but the output is "
+                                         "real.*imaginary part would be dropped"):
+        daskdag.compute_grads(dag, X, "A", cotangents={"A": jnp.ones(3) * (1 + 2j)})
+    # a complex output takes it: the gradient is jax.vjp's
+    dag = {"A": (lambda x: jnp.exp(1j * x), ["x"])}
+    ct = jnp.ones(3) * (1 + 2j)
+    got = daskdag.compute_grads(dag, X, "A", cotangents={"A": ct}).grad
+    assert_tree_close(got, jax.vjp(lambda x: jnp.exp(1j * x), X)[1](ct)[0])
+
+
+def raises(kind):
+    def node(a):
+        raise kind("from the node")
+    return node
+
+
+# Not KeyboardInterrupt on "sync": nodes run in the user's main thread there, where it may be a
+# real Ctrl-C, and stays one (test_ctrl_c_stops_at_the_next_node).
+@pytest.mark.parametrize("kind, scheduler", [(KeyboardInterrupt, "threads"), (SystemExit, "threads"),
+                                             (SystemExit, "sync"), (KeyboardInterrupt, "processes")])
+def test_node_raising_keyboard_interrupt_or_system_exit_is_a_node_error(kind, scheduler):
+    dag = {"A": (raises(kind), ["x"]), "B": (jnp.sum, ["A"])}
+    with dask.config.set(scheduler=scheduler, num_workers=1):
+        with pytest.raises(NodeError, match=f"node 'A' failed in its forward pass: {kind.__name__}") as e:
+            daskdag.compute_grads(dag, X, "B")
+    assert isinstance(e.value.__cause__, kind)
+
+
+def test_progress_bar_on_threads(capsys):
+    dag = {"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}
+    daskdag.compute_grads(dag, X, "B")
+    assert capsys.readouterr().out == ""
+    res = daskdag.compute_grads(dag, X, "B", progress=True)
+    assert "100% Completed" in capsys.readouterr().out  # dask.diagnostics.ProgressBar's
+    assert_tree_close(res.grad, jnp.cos(X))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheduler", ["threads", "sync"])
+@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
+def test_ctrl_c_stops_at_the_next_node(tmp_path, scheduler, progress):
+    took, started, later, proc = interrupt(scheduler, tmp_path, progress)
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    assert took < 2  # KeyboardInterrupt reached the user
+    assert later == started < 8  # no node of the chain started after it

@@ -1,0 +1,35 @@
+"""Running one call's graph: on Dask's local scheduler or a ``distributed`` client, with an
+optional progress bar over its tasks, and leaving nothing running when interrupted.
+
+Ctrl-C: Dask's local scheduler hands a task to a thread only when one is free, so once the
+interrupt leaves its loop no further node starts; the ones running finish in the background.
+On a cluster the call's futures are released, so the scheduler cancels every task of the call
+that no other call wants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import dask
+import distributed
+import jax
+from dask.diagnostics import ProgressBar
+
+
+def compute(graph: dict, client, progress: bool = False) -> dict:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure."""
+    if client is None:
+        with ProgressBar() if progress else contextlib.nullcontext():
+            (computed,) = dask.compute(graph)
+        return computed
+    delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
+    futures = client.compute(delayed)
+    try:
+        if progress:  # the text bar, which blocks until the tasks finish or one fails: in a
+            # notebook the widget would return at once and, not being displayed, show nothing
+            distributed.progress(futures, scheduler=client.scheduler.address, notebook=False)
+        return jax.tree.unflatten(structure, client.gather(futures))
+    finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
+        for f in futures:
+            f.release()

@@ -1,0 +1,188 @@
+"""Real clusters as users run them: closed clients, no workers, nodes that raise
+KeyboardInterrupt, missing resources, replaced workers, progress and Ctrl-C."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+import jax
+import jax.numpy as jnp
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import ClusterError, Node, NodeError
+from daskdag.cluster import workers as live_workers
+
+from .conftest import assert_tree_close, interrupt
+
+pytestmark = pytest.mark.cluster
+
+X = jnp.linspace(-1.0, 1.0, 5)
+
+
+def _dag():
+    # Made inside a function so cloudpickle ships them by value to worker processes.
+    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+def _grad(x):
+    return jax.grad(lambda x: jnp.sum((jnp.sin(x) * 2) ** 2))(x)
+
+
+def _tasks(client) -> dict:
+    """``{key: state}`` of every task the scheduler holds."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {str(k): ts.state for k, ts in dask_scheduler.tasks.items()})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.mark.timeout(60)
+def test_closed_client_is_named(cluster):
+    client = Client(cluster, set_as_default=False)
+    client.close()
+    with pytest.raises(ClusterError, match=f"client {client.id} \\(scheduler {cluster.scheduler_address}\\) "
+                                           f"is closed: pass a running distributed.Client"):
+        daskdag.compute_grads(_dag(), X, "B", client=client)
+    with pytest.raises(ClusterError, match=f"client {client.id} .*is closed"):
+        daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client, kind):
+    def node(a):
+        raise kind("from the node")
+
+    pid = client.run(os.getpid)
+    with pytest.raises(NodeError, match=f"node 'A' failed in its forward pass: {kind.__name__}") as e:
+        daskdag.compute_grads({"A": (node, ["x"]), "B": (jnp.sum, ["A"])}, X, "B", client=client)
+    assert isinstance(e.value.__cause__, kind)
+    assert client.run(os.getpid) == pid  # the same worker process, alive
+    assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("needs, flag", [({"TPU": 2}, "--resources TPU=2"),
+                                         ({"GPU": 1, "MEM": 1e9}, '--resources "GPU=1 MEM=1e\\+09"')])
+def test_missing_resource_suggests_the_resources_needed(client, needs, flag):
+    dag = {"A": Node(jnp.sin, ["x"], resources=needs), "B": (jnp.sum, ["A"])}
+    with pytest.raises(ClusterError, match=f"node 'A' needs resources .*`dask worker ADDRESS {flag}`"):
+        daskdag.compute_grads(dag, X, "B", client=client)
+
+
+@pytest.mark.timeout(60)
+def test_progress_bar_on_a_cluster(client, capsys):
+    res = daskdag.compute_grads(_dag(), X, "B", client=client, progress=True)
+    assert "100% Completed" in capsys.readouterr().out  # distributed.progress's text bar
+    assert_tree_close(res.grad, _grad(X))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
+def test_ctrl_c_cancels_the_call_on_the_cluster(client, tmp_path, progress):
+    took, started, later, proc = interrupt(client.scheduler.address, tmp_path, progress)
+    try:
+        assert took < 2  # KeyboardInterrupt reached the user
+        # ... and the scheduler holds none of the call's tasks, though its client is still there
+        left = {k: s for k, s in _tasks(client).items() if s in ("processing", "waiting", "queued",
+                                                                 "no-worker")}
+        assert not left
+        assert later == started < 8  # no node started after it
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds():
+    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        with dask.config.set({"daskdag.worker-wait": "2s"}):
+            start = time.monotonic()
+            with pytest.raises(ClusterError, match="the scheduler has no workers, and none joined "
+                                                   "within 2 s.*'daskdag.worker-wait'"):
+                daskdag.compute_grads(_dag(), X, "B", client=client)
+            assert 2 <= time.monotonic() - start < 30  # waited, then gave up
+            assert _tasks(client) == {}  # nothing left waiting for a worker
+            with pytest.raises(ClusterError, match="no workers"):
+                daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
+
+        cluster.adapt(minimum=0, maximum=1)  # starts a worker only when a task waits for one
+        with dask.config.set({"daskdag.worker-wait": "60s"}):
+            res = daskdag.compute_grads(_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, _grad(X))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
+    """A worker restarted at its address with another daskdag: the next call names it."""
+    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    other = tmp_path / "other_version.py"  # a --preload module, imported by the worker at start
+    other.write_text("import daskdag\ndaskdag.__version__ = '0.0.0-other'\n")
+    sched_file, port = tmp_path / "scheduler.json", _free_port()
+
+    def worker(*preload):
+        return subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
+                                 "--no-nanny", "--nthreads", "1", "--no-dashboard", "--host",
+                                 "127.0.0.1", "--worker-port", str(port), *preload], env=env)
+
+    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        procs.append(worker())
+        address = json.loads(sched_file.read_text())["address"]
+        with Client(address, set_as_default=False, timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            (first,) = live_workers(client)
+            assert first == f"tcp://127.0.0.1:{port}"
+            assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+
+            procs[-1].terminate()
+            procs[-1].wait(timeout=30)
+            deadline = time.time() + 60
+            while live_workers(client) and time.time() < deadline:
+                time.sleep(0.1)
+            procs.append(worker("--preload", str(other)))
+            client.wait_for_workers(1, timeout=60)
+            assert list(live_workers(client)) == [first]  # the same address, a new process
+            with pytest.raises(ClusterError, match=f"workers differ.*{first}.*0.0.0-other"):
+                daskdag.compute_grads(_dag(), X, "B", client=client)
+    finally:
+        for p in reversed(procs):  # workers first, while the scheduler is there to see them go
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
