@@ -351,16 +351,20 @@ class _user_modules_by_value:
     """Register the user's imported modules with cloudpickle's by-value registry for one pack,
     then restore it (the registry is process-wide; the caller holds ``_lock``)."""
 
-    _scanned: tuple[int, list] = (-1, [])  # (len(sys.modules), the user's modules) when scanned
+    _scanned: tuple = (None, [])  # (state of sys.modules, the user's modules) when scanned
 
     def __enter__(self):
-        count, found = _user_modules_by_value._scanned
-        if count != len(sys.modules):  # modules were imported since: scan again
+        # A scan costs ~5 ms: redo it only when modules came or went since (an import appends
+        # to sys.modules, so its size or its last entry changes).
+        state = (len(sys.modules), next(reversed(sys.modules)))
+        seen, found = _user_modules_by_value._scanned
+        if seen != state:
             found = [m for name, m in list(sys.modules.items())
                      if name != "__main__" and m is not None and is_user_module(name)]
-            _user_modules_by_value._scanned = (len(sys.modules), found)
+            _user_modules_by_value._scanned = (state, found)
         registered = cloudpickle.list_registry_pickle_by_value()
-        self.added = [m for m in found if m.__name__ not in registered]
+        self.added = [m for m in found if m.__name__ not in registered
+                      and sys.modules.get(m.__name__) is m]
         for m in self.added:
             cloudpickle.register_pickle_by_value(m)
 
