@@ -21,7 +21,6 @@ import dask
 import distributed
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from .chunked import Chunked
@@ -30,6 +29,7 @@ from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
 from .spec import Spec
+from .stacked import Stacked, item_shapes
 
 
 @dataclass(frozen=True)
@@ -79,32 +79,13 @@ def default_chunk_size(size: int, parallelism: int) -> int:
     return max(1, min(256, math.ceil(size / (4 * parallelism))))
 
 
-class Stacked:
-    """One output's values, or one gradient, stacked over all items as chunks arrive."""
-
-    def __init__(self, size: int):
-        self.size, self.tree = size, None
-
-    def put(self, start: int, stop: int, tree, carries_items: bool):
-        if not carries_items:  # the same for every item
-            tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
-        if self.tree is None:
-            self.tree = jax.tree.map(lambda a: _empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
-                                     tree)
-        for dst, src in zip(jax.tree.leaves(self.tree), jax.tree.leaves(tree)):
-            dst[start:stop] = np.asarray(src)
-
-
-def _empty(shape, dtype):
-    # NaN marks the rows of items that failed, where the dtype has one.
-    return np.full(shape, np.nan, dtype) if np.issubdtype(dtype, np.inexact) else np.zeros(shape, dtype)
-
-
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):
-    """Compute every chunk, ``in_flight`` at a time. Returns ``(stacked, failed)``.
+    """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
 
-    ``stacked``: ``{output: (Stacked value, {input: Stacked grad})}``; ``failed``: ``{item:
-    NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first failure raises.
+    ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
+    failed items; shaped by :func:`~daskdag.stacked.item_shapes` when no item gave any);
+    ``failed``: ``{item: NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first
+    failure raises.
     """
     shared = {}
     if client is not None:  # shared inputs go to the cluster once, not once per chunk
@@ -143,7 +124,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
         for fut in pending:
             fut.cancel()
         close()
-    return stacked, failed
+    return _finish(sweep, stacked), failed
 
 
 def _rerun_items(sweep, start, stop, submit, stacked, failed, errors):
@@ -164,6 +145,16 @@ def _store(stacked, sweep, start, stop, computed):
         stacked[o][0].put(start, stop, value, o in sweep.carrying)
         for i, g in grads.items():
             stacked[o][1][i].put(start, stop, g, True)
+
+
+def _finish(sweep, stacked) -> dict:
+    """``{output: (value, {input: grad})}``; where no item gave a result (none at all, or all
+    failed), NaN rows shaped like one item's result, when that can be known without data."""
+    values, grads = {}, {}
+    if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
+        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched)
+    return {o: (v.result(values.get(o)), {i: s.result(grads.get(i)) for i, s in g.items()})
+            for o, (v, g) in stacked.items()}
 
 
 def _engine(client, in_flight, shared: list, pin: bool):
