@@ -1,14 +1,133 @@
-"""sweep_grads as users run it: sweeps with no items or no successful item keep their shapes."""
+"""sweep_grads as users run it: failed sweeps leave nothing behind, shared inputs survive a killed
+worker, sweeps with no items or no successful item keep their shapes."""
 
+import gc
+import os
+import signal
+import time
+
+import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from distributed import Client, LocalCluster
 
 import daskdag
+from daskdag import Node, NodeError, engines
+
+from .conftest import assert_tree_close
+
+
+def local_cluster():
+    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                        dashboard_address=None)
 
 
 def encode(x, w):
     return jnp.tanh(w @ x)
+
+
+def flaky(h):
+    if jnp.sum(h) > 1.0:
+        raise FloatingPointError("diverged")
+    return jnp.sum(h ** 2)
+
+
+def eventually(check, timeout=30.0):
+    """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- 1. failed sweeps release everything ----------------------------------------------------------
+
+def scheduler_tasks(client):
+    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+
+
+def live_futures(client):
+    gc.collect()
+    return [f for f in gc.get_objects() if isinstance(f, distributed.Future) and f.client is client]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_failed_sweeps_release_everything_on_the_cluster():
+    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 24)[:, None] * jnp.ones((24, 3))  # the last items fail
+    inputs = {"x": xs, "w": jnp.eye(3)}
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        before = scheduler_tasks(client)
+
+        def released():
+            return (scheduler_tasks(client) == before and not client.futures
+                    and not any(client.refcount.values()))
+
+        res = daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, errors="collect",
+                                  client=client)
+        assert res.failed and eventually(released), (scheduler_tasks(client), len(client.futures))
+        assert live_futures(client) == []  # the kept errors hold no frame holding a future
+        for i, err in res.failed.items():
+            assert err.item == i and err.original.__traceback__ is None
+            assert "in flaky" in "".join(err.original.__notes__)  # where it raised, as text
+
+        with pytest.raises(NodeError, match="node 'L'") as raised:
+            daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, client=client)
+        # raised.value's traceback holds the sweep's frames, and still nothing is held
+        assert raised.value.item == min(res.failed)
+        assert eventually(released), (scheduler_tasks(client), len(client.futures))
+
+
+def test_kept_errors_hold_no_frames_on_threads():
+    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 12)[:, None] * jnp.ones((12, 3))
+    res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
+                              errors="collect")
+    assert res.failed
+    for err in res.failed.values():
+        chain = [err, err.original]
+        assert all(e.__traceback__ is None for e in chain)
+        assert "in flaky" in "".join(err.original.__notes__)
+
+
+# -- 2. shared inputs survive the loss of their worker --------------------------------------------
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_shared_input_survives_its_holder_being_killed(monkeypatch):
+    """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
+    so no other worker has a copy: the scheduler has to compute it again."""
+    dag = {"H": Node(encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
+    xs = jax.random.normal(jax.random.key(0), (16, 3))
+    w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
+    killed = []
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        place = engines.place_shared
+
+        def place_then_kill_holder(client_, name, value):
+            fut = place(client_, name, value)
+            fut.result()  # it is in memory on one worker
+            (holder,) = client.who_has([fut])[fut.key]
+            pid = client.run(os.getpid, workers=[holder])[holder]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(fut.key)
+            return fut
+
+        monkeypatch.setattr(engines, "place_shared", place_then_kill_holder)
+        res = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "E", batched=["x"], chunk_size=2,
+                                  client=client)
+        story = client.run_on_scheduler(lambda dask_scheduler, key=killed[0]: [
+            t[2] for t in dask_scheduler.story(key) if len(t) > 2])
+    assert len(killed) == 1
+    assert story.count("memory") >= 2, story  # computed, lost with its worker, computed again
+    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(encode(x, w) ** 2)))(xs)
+    assert_tree_close(res.value, value)
+    assert_tree_close(res.grad["x"], grad)
 
 
 # -- 3 and 4. no items, no successful item ----------------------------------------------------------
