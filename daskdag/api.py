@@ -86,7 +86,8 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
                 output; the same for every item.
     chunk_size: items per chunk (default: about four chunks per worker thread, at most 256).
                 Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
-    progress:   show a progress bar over items.
+    progress:   show a progress bar over items (tqdm); it advances as items are done inside
+                running chunks, and ends at the exact number of items computed.
     errors:     ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
                 item and node. ``'collect'``: every item that succeeded, and in
                 ``Result.failed`` the ones that did not; their rows hold NaN.
@@ -101,6 +102,9 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     NaN rows), and values too unless a node on the way cannot be traced abstractly (Python
     control flow on values, ``float(x)``, non-JAX code). Then that output's ``value`` is
     ``None``.
+
+    Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
+    running ones stop after their current item, on threads and on a cluster.
     """
     spec = parse(dag)
     names = _outputs(spec, outputs)

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from tqdm.auto import tqdm
 
 from .chunked import Chunked
 from .cluster import workers
@@ -30,6 +29,7 @@ from .engines import Cluster, Threads
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
+from .progress import Progress, chunk_steps
 from .spec import Spec
 from .stacked import Stacked, item_shapes
 
@@ -94,11 +94,12 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                for o in sweep.plan.outputs}
     failed: dict[int, NodeError] = {}
     if sweep.size:
-        bar = tqdm(total=sweep.size, unit="item", disable=not progress)
+        bar = Progress(sweep.size) if progress else None
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
         finally:
-            bar.close()
+            if bar:
+                bar.close()
     return _finish(sweep, stacked), failed
 
 
@@ -108,11 +109,11 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
     no new chunk starts after a failure; the error raised is that of the lowest failing item,
     once everything before it is known to have succeeded."""
     if client is None:
-        engine = Threads(in_flight)
+        engine = Threads(in_flight, bar)
     else:
         shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
         pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
-        engine = Cluster(client, shared, pin)
+        engine = Cluster(client, shared, pin, bar)
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
@@ -127,14 +128,16 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
             source = reruns or (() if halted else chunks)
             while source and len(pending) < in_flight:
                 c = source.popleft()
-                pending[engine.submit(sweep.chunk(*c))] = c
+                pending[engine.submit(sweep.chunk(*c), c, chunk_steps(sweep.plan, c[1] - c[0]))] = c
+                if bar:
+                    bar.open(c)
             if not pending:
                 break
             for fut in engine.wait_any(list(pending)):
                 c = pending.pop(fut)
                 err = _collect(engine, fut, sweep, c, stacked)
-                if err is None or c[1] - c[0] == 1:  # items done (failed items too)
-                    bar.update(c[1] - c[0])
+                if bar:
+                    bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
                     continue
                 if c[1] - c[0] == 1:  # an item: named
@@ -143,6 +146,8 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
                     bisect.insort(broken, c)
                 else:
                     reruns.extend(_items(c))
+            if bar:
+                bar.refresh()
     finally:
         engine.close()
 
