@@ -100,13 +100,25 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
                 output; the same for every item.
     chunk_size: items per chunk (default: about four chunks per worker thread, at most 256).
                 Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
-    progress:   show a progress bar over items.
+    progress:   show a progress bar over items (tqdm); it advances as items are done inside
+                running chunks, and ends at the exact number of items computed.
     errors:     ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
                 item and node. ``'collect'``: every item that succeeded, and in
-                ``Result.failed`` the ones that did not.
+                ``Result.failed`` the ones that did not; their rows hold NaN.
 
     Returns ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
-    stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``).
+    stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``, values
+    ``(N, *item output shape)``).
+
+    When no item gives a result (N = 0, or every item failed with ``errors='collect'``), the
+    shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (no data;
+    a node's Python code runs once on abstract values): gradients are always shaped (zero or
+    NaN rows), and values too unless a node on the way cannot be traced abstractly (Python
+    control flow on values, ``float(x)``, non-JAX code). Then that output's ``value`` is
+    ``None``.
+
+    Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
+    running ones stop after their current item, on threads and on a cluster.
     """
     spec = parse(dag)
     names = _outputs(spec, outputs)
@@ -125,9 +137,8 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
         cluster.check(client, planned.plan)
     slots = sweep.parallelism(client)
     chunk_size = chunk_size or sweep.default_chunk_size(size, slots)
-    stacked, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
-                                progress=progress, errors=errors)
-    computed = {o: (v.tree, {i: s.tree for i, s in g.items()}) for o, (v, g) in stacked.items()}
+    computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
+                                 progress=progress, errors=errors)
     return _results(spec, outputs, computed, failed)
 
 

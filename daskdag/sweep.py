@@ -2,35 +2,37 @@
 
 Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
 whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
-``jax.vmap`` for ``Node(vmap=True)``, else item by item. On a cluster a chunk runs as one task
-on one worker. Shared inputs are scattered once and every chunk refers to them. A few chunks are in flight at a time; their results are written into the
-stacked outputs as they finish and their intermediates released, so memory stays bounded however
-many items there are. A chunk that fails is rerun item by item, to name the item and keep the rest.
+``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
+(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, and shared inputs are
+placed on it once). A few chunks are in flight at a time; their results are written into the
+stacked outputs (:mod:`daskdag.stacked`) as they finish and their intermediates released, so
+memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
+name the item and keep the rest.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import bisect
 import math
 import os
+import traceback
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
-import cloudpickle
-import dask
-import distributed
 import jax
 import jax.numpy as jnp
-import numpy as np
-from tqdm.auto import tqdm
 
 from .chunked import Chunked
 from .cluster import workers
+from .engines import Cluster, Threads
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
+from .progress import Progress, chunk_steps
 from .shipping import ship
 from .spec import Spec
+from .stacked import Stacked, item_shapes
 
 
 @dataclass(frozen=True)
@@ -83,84 +85,113 @@ def default_chunk_size(size: int, parallelism: int) -> int:
     return max(1, min(256, math.ceil(size / (4 * parallelism))))
 
 
-class Stacked:
-    """One output's values, or one gradient, stacked over all items as chunks arrive."""
-
-    def __init__(self, size: int):
-        self.size, self.tree = size, None
-
-    def put(self, start: int, stop: int, tree, carries_items: bool):
-        if not carries_items:  # the same for every item
-            tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
-        if self.tree is None:
-            self.tree = jax.tree.map(lambda a: _empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
-                                     tree)
-        for dst, src in zip(jax.tree.leaves(self.tree), jax.tree.leaves(tree)):
-            dst[start:stop] = np.asarray(src)
-
-
-def _empty(shape, dtype):
-    # NaN marks the rows of items that failed, where the dtype has one.
-    return np.full(shape, np.nan, dtype) if np.issubdtype(dtype, np.inexact) else np.zeros(shape, dtype)
-
-
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):
-    """Compute every chunk, ``in_flight`` at a time. Returns ``(stacked, failed)``.
+    """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
 
-    ``stacked``: ``{output: (Stacked value, {input: Stacked grad})}``; ``failed``: ``{item:
-    NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first failure raises.
+    ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
+    failed items; shaped by :func:`~daskdag.stacked.item_shapes` when no item gave any);
+    ``failed``: ``{item: NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first
+    failing item's error raises. Whatever way it ends, nothing of the sweep stays running or
+    held, here or on the cluster.
     """
-    shared = {}
-    if client is not None:  # shared inputs go to the cluster once, not once per chunk
-        # (hash=False: a key of this call's own, which no earlier call's release can take away)
-        shared = {i: client.scatter([v], hash=False)[0] for i, v in sweep.values.items()
-                  if sweep.shared(i)}
-        sweep = replace(sweep, values={**sweep.values, **shared})
-    submit, wait_any, close = _engine(client, in_flight, list(shared.values()), pin=not any(
-        sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed))
     stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
                for o in sweep.plan.outputs}
     failed: dict[int, NodeError] = {}
-    chunks = iter([(s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size)])
-    pending, broken = {}, []  # broken: chunks that failed, with errors='raise'
-    bar = tqdm(total=sweep.size, unit="item", disable=not progress)
+    if sweep.size:
+        bar = Progress(sweep.size) if progress else None
+        try:
+            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
+        finally:
+            if bar:
+                bar.close()
+    return _finish(sweep, stacked), failed
+
+
+def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed):
+    """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
+    ahead of new chunks, to name its failing items and keep the others. With ``errors='raise'``
+    no new chunk starts after a failure; the error raised is that of the lowest failing item,
+    once everything before it is known to have succeeded."""
+    if client is None:
+        engine = Threads(in_flight, bar)
+    else:
+        shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
+        pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
+        engine = Cluster(client, shared, pin, bar)
     try:
+        sweep = replace(sweep, values={**sweep.values, **engine.shared})
+        chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
+        reruns, broken, pending = deque(), [], {}  # broken: failed chunks held back (errors='raise')
         while True:
-            while not broken and len(pending) < in_flight and (c := next(chunks, None)) is not None:
-                pending[submit(sweep.chunk(*c))] = c
+            halted = errors == "raise" and bool(failed or broken)  # no new chunks
+            if halted and not pending and not reruns:  # all before the failures is known
+                first = min(failed, default=sweep.size)
+                if not broken or first < broken[0][0]:
+                    raise failed[first] from failed[first].original
+                reruns.extend(_items(broken.pop(0)))
+            source = reruns or (() if halted else chunks)
+            while source and len(pending) < in_flight:
+                c = source.popleft()
+                pending[engine.submit(sweep.chunk(*c), c, chunk_steps(sweep.plan, c[1] - c[0]))] = c
+                if bar:
+                    bar.open(c)
             if not pending:
                 break
-            for fut in wait_any(list(pending)):
-                start, stop = pending.pop(fut)
-                try:
-                    _store(stacked, sweep, start, stop, fut.result())
-                except NodeError:
-                    if errors == "raise":  # finish what is in flight, then name the first item
-                        broken.append((start, stop))
-                        continue
-                    _rerun_items(sweep, start, stop, submit, stacked, failed, errors)
-                bar.update(stop - start)
-        if broken:  # chunks went in in order, so the first failing item is in the lowest one
-            _rerun_items(sweep, *min(broken), submit, stacked, failed, errors)
+            for fut in engine.wait_any(list(pending)):
+                c = pending.pop(fut)
+                err = _collect(engine, fut, sweep, c, stacked)
+                if bar:
+                    bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
+                if err is None:
+                    continue
+                if c[1] - c[0] == 1:  # an item: named
+                    failed[c[0]] = err
+                elif errors == "raise":
+                    bisect.insort(broken, c)
+                else:
+                    reruns.extend(_items(c))
+            if bar:
+                bar.refresh()
     finally:
-        bar.close()
-        for fut in pending:
-            fut.cancel()
-        close()
-    return stacked, failed
+        engine.close()
 
 
-def _rerun_items(sweep, start, stop, submit, stacked, failed, errors):
-    """Each item of a failed chunk alone, in order: keep the good ones, name the bad ones."""
-    futures = [submit(sweep.chunk(i, i + 1)) for i in range(start, stop)]
-    for i, fut in zip(range(start, stop), futures):
-        try:
-            _store(stacked, sweep, i, i + 1, fut.result())
-        except NodeError as e:
-            err = NodeError(e.node, e.phase, e.original, item=i)
-            if errors == "raise":
-                raise err from e.original
-            failed[i] = err
+def _items(chunk):
+    return [(i, i + 1) for i in range(*chunk)]
+
+
+def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | None:
+    """Store a finished chunk's results; return its error instead if it failed."""
+    try:
+        computed = fut.result()
+    except NodeError as e:
+        return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
+    finally:
+        engine.release(fut)
+    _store(stacked, sweep, *chunk, computed)
+    return None
+
+
+def _detached(e: NodeError, item: int | None) -> NodeError:
+    """``e`` for ``item``, holding no stack frames.
+
+    A traceback holds its frames, and they every local of the calls they came through: an error
+    from a cluster arrives with a traceback rebuilt on top of this sweep's own frames, so a kept
+    error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
+    original exception's traceback (where the node raised) stays, as text in a note.
+    """
+    seen, todo = set(), [e.original]
+    while todo:  # the original and the exceptions chained to it
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.__traceback__ is not None:
+            x.add_note("Raised at (traceback kept as text):\n"
+                       + "".join(traceback.format_tb(x.__traceback__)).rstrip())
+            x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+    return NodeError(e.node, e.phase, e.original, item=item)
 
 
 def _store(stacked, sweep, start, stop, computed):
@@ -170,58 +201,14 @@ def _store(stacked, sweep, start, stop, computed):
             stacked[o][1][i].put(start, stop, g, True)
 
 
-def _engine(client, in_flight, shared: list, pin: bool):
-    """``submit(graph) -> future``, ``wait_any(futures) -> done`` and ``close()``.
-
-    ``shared``: the futures of the scattered shared inputs.
-
-    ``pin``: on a cluster, each chunk runs as one task on one worker (the one with the fewest
-    chunks in flight; loosely, so the worker's death can still move it). Left to itself the
-    scheduler split chunks over workers and shipped pullbacks and cotangents between them (a
-    third of the 2-worker sweep benchmark's time), and a chunk's ~25 tasks each cost
-    distributed's per-task overhead. Chunks whose nodes need resources stay task graphs, which
-    the scheduler places node by node.
-    """
-    if client is None:  # Dask's local scheduler: each chunk synchronously, in_flight threads
-        pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
-        return (lambda graph: pool.submit(lambda: dask.compute(graph, scheduler="sync")[0]),
-                lambda fs: concurrent.futures.wait(fs, return_when="FIRST_COMPLETED").done,
-                lambda: pool.shutdown(cancel_futures=True))
-
-    on: dict = {}  # future -> the worker its chunk was sent to, when pinned
-
-    def wait_any(fs):
-        with client.as_current():
-            done = distributed.wait(fs, return_when="FIRST_COMPLETED").done
-        for fut in done:
-            on.pop(fut, None)
-        return done
-
-    if not pin:
-        return client.compute, wait_any, lambda: None
-
-    def submit(graph):
-        addresses = list(workers(client))
-        if not addresses:  # none yet (an adaptive cluster): let the scheduler place it
-            return client.compute(graph)
-        worker = min(addresses, key=lambda w: sum(1 for v in on.values() if v == w))
-        whole = dask.delayed(graph)
-        tasks = cloudpickle.dumps(dict(whole.__dask_graph__()))
-        fut = client.submit(_run_chunk, tasks, whole.key, {f.key: f for f in shared}, pure=False,
-                            workers=[worker], allow_other_workers=True)
-        on[fut] = worker
-        return fut
-
-    return submit, wait_any, lambda: None
-
-
-def _run_chunk(tasks: bytes, key, shared: dict):
-    """A whole chunk as one task, in one worker: its graph run by Dask's synchronous scheduler,
-    with the shared inputs, which distributed fetched for this task, as data."""
-    graph = cloudpickle.loads(tasks)
-    for k, value in shared.items():
-        graph.update(dask.delayed(value, name=k, traverse=False).__dask_graph__())
-    return dask.get(graph, key)
+def _finish(sweep, stacked) -> dict:
+    """``{output: (value, {input: grad})}``; where no item gave a result (none at all, or all
+    failed), NaN rows shaped like one item's result, when that can be known without data."""
+    values, grads = {}, {}
+    if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
+        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched)
+    return {o: (v.result(values.get(o)), {i: s.result(grads.get(i)) for i, s in g.items()})
+            for o, (v, g) in stacked.items()}
 
 
 def parallelism(client) -> int:

@@ -12,7 +12,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import Node, NodeError, programs
+from daskdag import Node, NodeError, engines, programs
 
 from .conftest import assert_tree_close
 
@@ -209,13 +209,15 @@ def test_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
     inputs = mixed_inputs(n=16)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
-        scattered = []
-        scatter = client.scatter
-        monkeypatch.setattr(client, "scatter", lambda data, **kw: scattered.append(data) or scatter(data, **kw))
+        placed = []
+        place = engines.place_shared
+        monkeypatch.setattr(engines, "place_shared",
+                            lambda c, name, value: placed.append((name, value)) or place(c, name, value))
         with distributed.get_task_stream(client) as ts:
             res = daskdag.sweep_grads(mixed_dag(), inputs, ["E", "S"], batched=["x", "b"],
                                       chunk_size=2, client=client)
-        assert len(scattered) == 1 and scattered[0][0] is inputs["w"]  # once, for 8 chunks
+        assert len(placed) == 1 and placed[0][0] == "w" and placed[0][1] is inputs["w"]  # once, for 8 chunks
+        assert sum(1 for t in ts.data if t["key"].startswith("shared-w-")) == 1
         assert len({t["worker"] for t in ts.data}) == 2  # chunks spread over both workers
         # Each chunk stays on its worker: no pullback was exported to move.
         assert all(s["exported"] == 0 for s in client.run(programs.stats).values())

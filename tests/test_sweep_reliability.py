@@ -1,0 +1,343 @@
+"""sweep_grads as users run it: failed sweeps leave nothing behind, shared inputs survive a killed
+worker, sweeps with no items or no successful item keep their shapes, the progress bar moves per
+item, and Ctrl-C stops a sweep promptly, on threads and on a cluster."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import Node, NodeError, engines, progress
+
+from .conftest import assert_tree_close
+
+
+def local_cluster():
+    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                        dashboard_address=None)
+
+
+def encode(x, w):
+    return jnp.tanh(w @ x)
+
+
+def flaky(h):
+    if jnp.sum(h) > 1.0:
+        raise FloatingPointError("diverged")
+    return jnp.sum(h ** 2)
+
+
+def eventually(check, timeout=30.0):
+    """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- 1. failed sweeps release everything ----------------------------------------------------------
+
+def scheduler_tasks(client):
+    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+
+
+def live_futures(client):
+    gc.collect()
+    return [f for f in gc.get_objects() if isinstance(f, distributed.Future) and f.client is client]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_failed_sweeps_release_everything_on_the_cluster():
+    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 24)[:, None] * jnp.ones((24, 3))  # the last items fail
+    inputs = {"x": xs, "w": jnp.eye(3)}
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        before = scheduler_tasks(client)
+
+        def released():
+            return (scheduler_tasks(client) == before and not client.futures
+                    and not any(client.refcount.values()))
+
+        res = daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, errors="collect",
+                                  client=client)
+        assert res.failed and eventually(released), (scheduler_tasks(client), len(client.futures))
+        assert live_futures(client) == []  # the kept errors hold no frame holding a future
+        for i, err in res.failed.items():
+            assert err.item == i and err.original.__traceback__ is None
+            assert "in flaky" in "".join(err.original.__notes__)  # where it raised, as text
+
+        with pytest.raises(NodeError, match="node 'L'") as raised:
+            daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, client=client)
+        # raised.value's traceback holds the sweep's frames, and still nothing is held
+        assert raised.value.item == min(res.failed)
+        assert eventually(released), (scheduler_tasks(client), len(client.futures))
+
+
+def test_kept_errors_hold_no_frames_on_threads():
+    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 12)[:, None] * jnp.ones((12, 3))
+    res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
+                              errors="collect")
+    assert res.failed
+    for err in res.failed.values():
+        chain = [err, err.original]
+        assert all(e.__traceback__ is None for e in chain)
+        assert "in flaky" in "".join(err.original.__notes__)
+
+
+# -- 2. shared inputs survive the loss of their worker --------------------------------------------
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_shared_input_survives_its_holder_being_killed(monkeypatch):
+    """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
+    so no other worker has a copy: the scheduler has to compute it again."""
+    dag = {"H": Node(encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
+    xs = jax.random.normal(jax.random.key(0), (16, 3))
+    w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
+    killed = []
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        place = engines.place_shared
+
+        def place_then_kill_holder(client_, name, value):
+            fut = place(client_, name, value)
+            fut.result()  # it is in memory on one worker
+            (holder,) = client.who_has([fut])[fut.key]
+            pid = client.run(os.getpid, workers=[holder])[holder]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(fut.key)
+            return fut
+
+        monkeypatch.setattr(engines, "place_shared", place_then_kill_holder)
+        res = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "E", batched=["x"], chunk_size=2,
+                                  client=client)
+        story = client.run_on_scheduler(lambda dask_scheduler, key=killed[0]: [
+            t[2] for t in dask_scheduler.story(key) if len(t) > 2])
+    assert len(killed) == 1
+    assert story.count("memory") >= 2, story  # computed, lost with its worker, computed again
+    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(encode(x, w) ** 2)))(xs)
+    assert_tree_close(res.value, value)
+    assert_tree_close(res.grad["x"], grad)
+
+
+# -- 3 and 4. no items, no successful item ----------------------------------------------------------
+
+def pytree_dag():
+    """A pytree input, a shared input and a pytree output that is not a scalar."""
+    def f(p, w):
+        return {"s": jnp.sin(p["a"]) @ w, "t": jnp.sum(p["c"] ** 2)}
+
+    return {"Z": (f, ["p", "w"])}, f
+
+
+def pytree_inputs(n):
+    return {"p": {"a": jnp.ones((n, 2, 3)), "c": jnp.ones((n, 4))}, "w": jnp.ones((3, 5))}
+
+
+def item_shapes(fn, inputs, batched):
+    """One item's value and gradients, shaped by jax itself on the composed function."""
+    one = {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:] if i in batched else a.shape,
+                                                          a.dtype), v) for i, v in inputs.items()}
+    return jax.eval_shape(fn, *one.values()), one
+
+
+def test_no_items_gives_shaped_empty_results():
+    dag, f = pytree_dag()
+    inputs = pytree_inputs(0)
+    ct = {"s": jnp.ones((2, 5)), "t": jnp.float32(1.0)}
+    res = daskdag.sweep_grads(dag, inputs, "Z", batched=["p"], wrt=["p", "w"], cotangents={"Z": ct})
+    value, one = item_shapes(f, inputs, batched=["p"])
+    for got, want in [(res.value, value), (res.grad["p"], one["p"]), (res.grad["w"], one["w"])]:
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.shape == (0, *w.shape) and g.dtype == w.dtype
+    assert res.failed == {}
+
+
+def test_no_items_with_a_node_that_cannot_be_traced_gives_value_none():
+    def branchy(h):
+        return jnp.sum(h) if jnp.sum(h) > 0 else -jnp.sum(h)  # Python control flow on a value
+
+    dag = {"H": (encode, ["x", "w"]), "B": (branchy, ["H"])}
+    res = daskdag.sweep_grads(dag, {"x": jnp.ones((0, 3)), "w": jnp.eye(3)}, "B", batched=["x"])
+    assert res.value is None  # the documented fallback
+    assert res.grad["x"].shape == (0, 3)
+
+
+def failing_backward():
+    @jax.custom_vjp
+    def g(h):
+        return jnp.sum(h ** 2)
+
+    def bwd(_, ct):
+        raise ArithmeticError("no gradient here")
+
+    g.defvjp(lambda h: (g(h), None), bwd)
+    return g
+
+
+def test_collect_where_every_item_fails_returns_nan_rows():
+    dag, f = pytree_dag()
+    g = failing_backward()
+    dag = {**dag, "L": (lambda z: g(z["s"]) + z["t"], ["Z"])}
+    inputs = pytree_inputs(5)
+    res = daskdag.sweep_grads(dag, inputs, ["Z", "L"], batched=["p"], errors="collect",
+                              cotangents={"Z": {"s": jnp.ones((2, 5)), "t": jnp.float32(1.0)}})
+    value, one = item_shapes(lambda p, w: (f(p, w), g(f(p, w)["s"])), inputs, batched=["p"])
+    for o, want in zip(["Z", "L"], value):
+        assert sorted(res[o].failed) == list(range(5))
+        assert all(e.phase == "backward" for e in res[o].failed.values())
+        for got, w in [(res[o].value, want), (res[o].grad["p"], one["p"])]:
+            assert jax.tree.structure(got) == jax.tree.structure(w)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(w)):
+                assert a.shape == (5, *b.shape) and a.dtype == b.dtype and np.isnan(a).all()
+
+
+# -- 5. progress per item ---------------------------------------------------------------------------
+
+class Recorded(progress.tqdm):
+    """The bar, recording its count at every update."""
+
+    counts: list = []
+
+    def update(self, n=1):
+        out = super().update(n)
+        Recorded.counts.append(self.n)
+        return out
+
+
+def slow_square(x):
+    time.sleep(0.05)
+    return jnp.sum(x ** 2)
+
+
+def check_progress_per_item(monkeypatch, client):
+    monkeypatch.setattr(progress, "tqdm", Recorded)
+    Recorded.counts = []
+    items = 16  # one chunk: any count between 0 and 16 was reported from inside it
+    res = daskdag.sweep_grads({"L": (slow_square, ["x"])}, jnp.ones((items, 3)), "L",
+                              chunk_size=items, progress=True, client=client)
+    counts = Recorded.counts
+    assert any(0 < c < items for c in counts), counts
+    assert counts == sorted(counts) and counts[-1] == items
+    assert_tree_close(res.grad, 2 * jnp.ones((items, 3)))
+
+
+def test_progress_advances_per_item_on_threads(monkeypatch):
+    check_progress_per_item(monkeypatch, None)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_progress_advances_per_item_on_a_cluster(monkeypatch):
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        check_progress_per_item(monkeypatch, client)
+
+
+def test_progress_final_count_is_exact_with_failures(monkeypatch):
+    monkeypatch.setattr(progress, "tqdm", Recorded)
+    Recorded.counts = []
+    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 10)[:, None] * jnp.ones((10, 3))
+    res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
+                              errors="collect", progress=True)
+    assert res.failed and Recorded.counts[-1] == 10 and max(Recorded.counts) == 10
+
+
+# -- 6. Ctrl-C ------------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    import jax.numpy as jnp
+    import daskdag
+
+    def hook(*exc):  # when the KeyboardInterrupt reaches the top, before the interpreter's teardown
+        print(f"uncaught at {time.time()!r}", file=sys.stderr, flush=True)
+        sys.__excepthook__(*exc)
+
+    sys.excepthook = hook
+
+    def slow(x):
+        time.sleep(0.3)
+        print("item", flush=True)
+        return jnp.sum(x ** 2)
+
+    client = None
+    if len(sys.argv) > 1:
+        from distributed import Client
+        client = Client(sys.argv[1])
+    print("started", flush=True)
+    daskdag.sweep_grads({"L": (slow, ["x"])}, jnp.ones((400, 3)), "L", client=client)
+""")
+
+
+def start_child(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def assert_stopped_by_ctrl_c(child):
+    """SIGINT the child: its sweep must stop and raise KeyboardInterrupt within 2 s, and the
+    process end with it.
+
+    Timed to the exception reaching the top of the child: the interpreter's teardown after it
+    (module finalization, 0.4 s here when idle) took up to 2 s more on this loaded 2-core box.
+    """
+    sent = time.time()
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=60)
+    ended = time.time() - sent
+    err = child.stderr.read()
+    assert "KeyboardInterrupt" in err and child.returncode == -signal.SIGINT, err[-3000:]
+    stopped = float(err.split("uncaught at ")[1].split()[0]) - sent
+    print(f"KeyboardInterrupt raised {stopped:.2f} s after Ctrl-C; process ended after {ended:.2f} s")
+    assert stopped < 2.0, f"took {stopped:.2f} s to stop"
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_a_threaded_sweep():
+    child = start_child()
+    try:
+        while child.stdout.readline().strip() != "item":  # an item done: chunks are running
+            assert child.poll() is None, child.stderr.read()
+        assert_stopped_by_ctrl_c(child)
+    finally:
+        child.kill()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_a_sweep_on_a_cluster():
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        def processing():
+            return client.run_on_scheduler(
+                lambda dask_scheduler: sum(len(ws.processing) for ws in dask_scheduler.workers.values()))
+
+        def executing():
+            return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
+
+        child = start_child(cluster.scheduler_address)
+        try:
+            assert eventually(lambda: processing() > 0 and executing() > 0, timeout=90)
+            time.sleep(1.0)  # into the chunks' items
+            assert_stopped_by_ctrl_c(child)
+            stopped = time.monotonic()
+            assert eventually(lambda: processing() == 0 and executing() == 0, timeout=10)
+            print(f"workers idle {time.monotonic() - stopped:.2f} s after the sweep's process ended")
+        finally:
+            child.kill()
