@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .chunked import Chunked
 from .cluster import workers
@@ -55,11 +56,12 @@ class Sweep:
         """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``."""
         values = {}
         for i, v in self.values.items():
+            # Array leaves carry the items; other leaves (functions...) are shared.
             if i in self.batched:
-                v = jax.tree.map(lambda a: a[start:stop], v)
-            elif i in self.broadcast:  # its array leaves; others stay shared
+                v = jax.tree.map(lambda a: a[start:stop] if _is_array(a) else a, v)
+            elif i in self.broadcast:
                 v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
-                                 if isinstance(a, (jax.Array, np.ndarray)) else a, v)
+                                 if _is_array(a) else a, v)
             values[i] = v
         return build(self.plan, values, self.cotangents, batched=True, remote=self.remote)
 
@@ -215,3 +217,7 @@ def parallelism(client) -> int:
     if client is None:
         return os.cpu_count() or 1
     return max(1, sum(w.get("nthreads", 1) for w in workers(client).values()))
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray))
