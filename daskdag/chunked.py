@@ -17,6 +17,7 @@ import numpy as np
 
 from .progress import checkpoint
 from .pullback import linearize
+from .shipping import unwrap
 from .spec import Node
 
 
@@ -39,6 +40,12 @@ class Chunked:
         primals, pullbacks = zip(*(_then_checkpoint(linearize(self.node, item, active))
                                    for item in item_args(args, self.in_axes)))
         return stack(primals), ItemPullbacks(list(pullbacks), self.in_axes)
+
+
+def chunk_of(node: Node) -> Chunked | None:
+    """The :class:`Chunked` function of a sweep's node (its function may travel packed), else None."""
+    fn = unwrap(node.fn)
+    return fn if isinstance(fn, Chunked) else None
 
 
 class ItemPullbacks:

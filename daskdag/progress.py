@@ -69,9 +69,10 @@ def chunk_steps(plan, items: int) -> int:
 
 
 def _by_item(node) -> bool:
-    from .chunked import Chunked  # (chunked imports this module)
+    from .chunked import chunk_of  # (chunked imports this module)
 
-    return isinstance(node.fn, Chunked) and not node.fn.node.vmap
+    chunk = chunk_of(node)
+    return chunk is not None and not chunk.node.vmap
 
 
 # -- in a distributed worker ---------------------------------------------------------------------

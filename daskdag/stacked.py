@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .chunked import Chunked
+from .chunked import chunk_of
 
 
 class Stacked:
@@ -59,7 +59,8 @@ def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:
     avals = {i: _abstract(v, i in batched) for i, v in values.items()}
     for n in plan.needed:
         node = plan.spec.nodes[n]
-        fn = (node.fn.node if isinstance(node.fn, Chunked) else node).callable()
+        chunk = chunk_of(node)
+        fn = (chunk.node if chunk else node).callable()
         deps = [avals[d] for d in node.deps]
         avals[n] = _UNKNOWN if any(d is _UNKNOWN for d in deps) else _eval_shape(fn, deps)
     grads = {i: jax.tree.map(_cotangent_shape, avals[i]) for i in plan.wrt}

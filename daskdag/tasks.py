@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
-from .chunked import Chunked
+from .chunked import chunk_of
 from .errors import NodeError
 from .pullback import is_differentiable, linearize
-from .shipping import unwrap
 from .spec import Node
 
 
@@ -27,8 +26,8 @@ def forward(name: str, node: Node, active: tuple[bool, ...], *args):
         if not any(active):
             out = primal = node.callable()(*args)
         else:
-            fn = unwrap(node.fn)  # (a sweep's chunk: one vjp per item)
-            out = fn.linearize(args, active) if isinstance(fn, Chunked) else linearize(node, args, active)
+            chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
+            out = chunk.linearize(args, active) if chunk else linearize(node, args, active)
             primal = out[0]
     except _RAISED as e:
         if _may_be_ctrl_c(e):  # it must interrupt as one
