@@ -82,43 +82,76 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
     return computed, ran
 
 
+class DaskCLI:
+    """Processes started with the ``dask`` command, as on a remote cluster: in ``directory``,
+    with nothing of this repository on their path (daskdag itself is installed), their logs
+    in ``directory/cluster.log``. ``stop()`` ends them, workers first."""
+
+    def __init__(self, directory):
+        import os
+
+        self.directory, self.procs = directory, []
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.env["JAX_PLATFORMS"] = "cpu"
+        self.scheduler_file = directory / "scheduler.json"
+        self.log = open(directory / "cluster.log", "ab")
+
+    def start(self, *args):
+        import shutil
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        dask = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+        proc = subprocess.Popen([dask, *args], cwd=self.directory, env=self.env, stdout=self.log,
+                                stderr=self.log)
+        self.procs.append(proc)
+        return proc
+
+    def scheduler(self) -> str:
+        """Start the scheduler; its address, once it wrote it (a cold start imports a lot)."""
+        import json
+        import time
+
+        self.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                   "--scheduler-file", str(self.scheduler_file))
+        deadline = time.time() + 180
+        while not self.scheduler_file.exists():
+            assert time.time() < deadline, "the dask scheduler did not start in 180 s"
+            time.sleep(0.2)
+        time.sleep(0.2)  # (written, not half-written)
+        return json.loads(self.scheduler_file.read_text())["address"]
+
+    def worker(self, *args):
+        return self.start("worker", "--scheduler-file", str(self.scheduler_file), "--nthreads", "1",
+                          "--no-dashboard", "--host", "127.0.0.1", *args)
+
+    def stop(self):
+        import subprocess
+
+        for p in reversed(self.procs):  # workers first, while the scheduler sees them go
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+        self.log.close()
+
+
 @pytest.fixture(scope="session")
 def cli_cluster(tmp_path_factory):
-    """A scheduler and two single-threaded workers started with the ``dask`` command, as on a
-    remote cluster: in a directory of their own, with nothing of this repository on their path
-    (daskdag itself is installed). Yields the scheduler's address."""
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    here = tmp_path_factory.mktemp("cli-cluster")
-    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JAX_PLATFORMS"] = "cpu"
-    sched_file = here / "scheduler.json"
-    log = open(here / "cluster.log", "wb")  # their logs, kept out of the test output
-    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                               "--no-dashboard", "--scheduler-file", str(sched_file)],
-                              cwd=here, env=env, stdout=log, stderr=log)]
+    """A scheduler and two single-threaded workers started with the ``dask`` command
+    (:class:`DaskCLI`), that cannot import this repository's modules. Yields its address."""
+    cli = DaskCLI(tmp_path_factory.mktemp("cli-cluster"))
     try:
-        deadline = time.time() + 60
-        while not sched_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        for _ in range(2):
-            procs.append(subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
-                                           "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-                                          cwd=here, env=env, stdout=log, stderr=log))
-        yield json.loads(sched_file.read_text())["address"]
+        address = cli.scheduler()
+        cli.worker()
+        cli.worker()
+        yield address
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
-        log.close()
+        cli.stop()
 
 
 CTRL_C_CHILD = Path(__file__).with_name("ctrl_c_child.py")

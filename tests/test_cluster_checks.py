@@ -1,14 +1,9 @@
 """Real clusters as users run them: closed clients, no workers, nodes that raise
 KeyboardInterrupt, missing resources, replaced workers, progress and Ctrl-C."""
 
-import json
 import os
-import shutil
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import dask
 import jax
@@ -20,7 +15,7 @@ import daskdag
 from daskdag import ClusterError, Node, NodeError
 from daskdag.cluster import workers as live_workers
 
-from .conftest import assert_tree_close, interrupt
+from .conftest import DaskCLI, assert_tree_close, interrupt
 
 pytestmark = pytest.mark.cluster
 
@@ -141,48 +136,28 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
     """A worker restarted at its address with another daskdag: the next call names it."""
-    dask_cli = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     other = tmp_path / "other_version.py"  # a --preload module, imported by the worker at start
     other.write_text("import daskdag\ndaskdag.__version__ = '0.0.0-other'\n")
-    sched_file, port = tmp_path / "scheduler.json", _free_port()
-
-    def worker(*preload):
-        return subprocess.Popen([dask_cli, "worker", "--scheduler-file", str(sched_file),
-                                 "--no-nanny", "--nthreads", "1", "--no-dashboard", "--host",
-                                 "127.0.0.1", "--worker-port", str(port), *preload], env=env)
-
-    procs = [subprocess.Popen([dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env)]
+    port = _free_port()
+    cli = DaskCLI(tmp_path)
     try:
-        deadline = time.time() + 60
-        while not sched_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        procs.append(worker())
-        address = json.loads(sched_file.read_text())["address"]
+        address = cli.scheduler()
+        worker = cli.worker("--no-nanny", "--worker-port", str(port))
         with Client(address, set_as_default=False, timeout=60) as client:
             client.wait_for_workers(1, timeout=60)
             (first,) = live_workers(client)
             assert first == f"tcp://127.0.0.1:{port}"
             assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
 
-            procs[-1].terminate()
-            procs[-1].wait(timeout=30)
+            worker.terminate()
+            worker.wait(timeout=30)
             deadline = time.time() + 60
             while live_workers(client) and time.time() < deadline:
                 time.sleep(0.1)
-            procs.append(worker("--preload", str(other)))
+            cli.worker("--no-nanny", "--worker-port", str(port), "--preload", str(other))
             client.wait_for_workers(1, timeout=60)
             assert list(live_workers(client)) == [first]  # the same address, a new process
             with pytest.raises(ClusterError, match=f"workers differ.*{first}.*0.0.0-other"):
                 daskdag.compute_grads(_dag(), X, "B", client=client)
     finally:
-        for p in reversed(procs):  # workers first, while the scheduler is there to see them go
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        cli.stop()
