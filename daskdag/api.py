@@ -3,6 +3,7 @@ their arguments."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, sweep
+from . import cluster, resident, sweep
 from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
@@ -63,7 +64,10 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote=client is not None)
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
-    computed = compute(build(plan, values, cts, remote=client is not None), client, progress)
+    kept = resident.of(client) if client is not None else None
+    with kept.call(client) if kept else contextlib.nullcontext() as place:
+        computed = compute(build(plan, values, cts, remote=client is not None, place=place),
+                           client, progress)
     return _results(spec, outputs, computed)
 
 

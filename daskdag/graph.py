@@ -30,13 +30,16 @@ from . import protocol  # noqa: F401  (importing it registers daskdag's types wi
 from .shipping import pack_for, unpack
 
 
-def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False
-          ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
+          place=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
     ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`).
 
     The plan's node functions are packed already (:func:`daskdag.shipping.ship`); input values
-    are packed here, and unpacked by a task of their own.
+    are packed here, and unpacked by a task of their own. ``place(key, fn, payload, needs)``,
+    when given, keeps ``fn(payload)`` on the cluster under the content ``key`` (on a worker with
+    the resources ``needs``) and returns its reference (:mod:`daskdag.resident`): inputs and
+    nodes then travel once, not in each graph.
     """
     spec, g = plan.spec, _Graph()
     val = {}
@@ -45,7 +48,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
             val[i] = v
             continue
         v = pack_for(f"input {i!r}", v, remote)
-        val[i] = g.task(f"input-{i}-{tokenize(v)}", None, unpack, v)
+        key = f"input-{i}-{tokenize(v)}"
+        val[i] = place(key, unpack, v) if place else g.task(key, None, unpack, v)
     pb = {}
 
     # Forward: each needed node once; under jax.vjp when it depends on a differentiated input.
@@ -53,7 +57,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         node, deps = spec.nodes[n], spec.nodes[n].deps
         active = tuple(d in plan.wrt or d in plan.active for d in deps)
         tok = tokenize(n, node.fn, node.jit, active, [val[d].key for d in deps])
-        fwd = g.task(f"fwd-{n}-{tok}", node.needs, tasks.forward, n, node, active,
+        sent = place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
+        fwd = g.task(f"fwd-{n}-{tok}", node.needs, tasks.forward, n, sent, active,
                      *(val[d] for d in deps))
         if n in plan.active:
             val[n] = g.task(f"val-{n}-{tok}", node.needs, getitem, fwd, 0)
@@ -85,6 +90,10 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                               *sources)
         results[o] = (val[o], grads)
     return g.delayed(results)
+
+
+def _itself(x):
+    return x
 
 
 def _shares(uses, bwd):

@@ -1,8 +1,8 @@
 """How JAX values and daskdag's objects meet Dask, registered once, with Dask's own tables.
 
 - tokens: a JAX array's content hash, computed once per array (they are immutable);
-- sizes: the bytes a JAX array or a pullback holds, so the scheduler keeps backward tasks
-  beside their residuals and counts worker memory right;
+- sizes: the bytes a JAX array, a pullback, a packed value or a node holds, so the scheduler
+  keeps backward tasks beside their residuals and counts worker memory right;
 - frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
   plus one zero-copy frame per residual array (a sweep chunk's
   :class:`~daskdag.chunked.ItemPullbacks` pickle as a list of them).
@@ -25,6 +25,8 @@ from distributed.protocol import dask_deserialize, dask_serialize, deserialize, 
 
 from .chunked import ItemPullbacks
 from .pullback import Pullback
+from .shipping import Packed
+from .spec import Node
 
 # -- tokens ---------------------------------------------------------------------------------------
 
@@ -49,6 +51,16 @@ def _normalize_jax_array(a):
 @sizeof.register(jax.Array)
 def _sizeof_jax_array(a) -> int:
     return int(a.nbytes)
+
+
+@sizeof.register(Packed)
+def _sizeof_packed(p) -> int:
+    return len(p.skeleton) + sum(int(a.nbytes) for a in p.arrays)
+
+
+@sizeof.register(Node)
+def _sizeof_node(node) -> int:
+    return sizeof(node.fn)
 
 
 @sizeof.register(Pullback)

@@ -1,0 +1,88 @@
+"""What a client keeps on its cluster between calls: the packed inputs and nodes of its last few
+``compute_grads`` calls, each under a content key, so a repeated call sends only what changed.
+
+A call's graph refers to these values instead of carrying them (:func:`daskdag.graph.build`'s
+``place``). Each goes to the cluster once, as a task whose result is the value: the scheduler
+keeps it as that task's recipe, so when the worker holding it dies it is computed again
+elsewhere (a scattered value would be lost with its only holder). Keys are content tokens
+(:mod:`daskdag.shipping`), so an in-place change to an input or a closed-over array gives a new
+key, and the old value is dropped once no recent call uses it.
+
+``dask.config`` ``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps;
+0 keeps none, and values travel inside each call's graph again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+import warnings
+import weakref
+from collections import deque
+
+import dask
+from dask.sizeof import sizeof
+
+KEEP_CALLS = "daskdag.keep-calls"
+KEEP_CALLS_DEFAULT = 8
+
+_FAILED = ("error", "cancelled", "lost")
+_lock = threading.Lock()
+_by_client: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> Resident
+
+
+class Resident:
+    """One client's kept values. ``sent`` counts the bytes placed so far (a measure, for the
+    benchmarks and the log)."""
+
+    def __init__(self):
+        # (No reference to the client: this object is the value of a weak-keyed dict.)
+        self.futures: dict = {}  # key -> the future holding it
+        self.recent: deque[set] = deque()  # keys each recent call used, oldest first
+        self.sent = 0
+
+    @contextlib.contextmanager
+    def call(self, client):
+        """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
+        ``fn(payload)`` kept under ``key``, sent now unless a recent call sent it, to a worker
+        with the resources ``needs`` (those of the node that uses it). On exit, values that none
+        of the last ``daskdag.keep-calls`` calls used are let go."""
+        used: set = set()
+
+        def place(key, fn, payload, needs=None):
+            with _lock:
+                fut = self.futures.get(key)
+                if fut is None or fut.status in _FAILED:
+                    # A key that failed (it could not be unpickled there, say) may still be
+                    # known to the scheduler as failed: try again under a key of its own.
+                    name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
+                    with warnings.catch_warnings():  # sending it, once, is the point
+                        warnings.filterwarnings("ignore", message="Sending large graph")
+                        fut = client.submit(fn, payload, key=name, pure=False, resources=needs or None)
+                    self.futures[key] = fut
+                    self.sent += sizeof(payload)
+                used.add(key)
+                return fut
+
+        try:
+            yield place
+        finally:
+            with _lock:
+                self.recent.append(used)
+                while len(self.recent) > max(1, dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT)):
+                    self.recent.popleft()
+                live = set().union(*self.recent)
+                for key in [k for k in self.futures if k not in live]:
+                    self.futures.pop(key).release()
+
+
+def of(client) -> Resident | None:
+    """The client's :class:`Resident`, or ``None`` when keeping is turned off."""
+    if dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT) <= 0:
+        return None
+    with _lock:
+        resident = _by_client.get(client)
+        if resident is None:
+            resident = _by_client[client] = Resident()
+        return resident
