@@ -60,12 +60,18 @@ class Chunked:
             hash(consts)
         except TypeError:
             return None
-        forward, backward = _programs(self)
+        forward, backward, kept = _programs(self)
         static = (treedef, consts, self.in_axes, active)
-        out = forward(static, [x for x, d in zip(leaves, dynamic) if d])
+        traced = [x for x, d in zip(leaves, dynamic) if d]
+        out = forward(static, traced)
         if active is None:
             return out
-        primal, vjp_fn = out
+        primal, computed = out
+        # The residuals that are inputs come back as the inputs themselves (jit would return
+        # copies), so a pullback that moves does not ship them (see Pullback.portable).
+        where, vjp_def = kept[static, tuple(map(jax.typeof, traced))]
+        computed = iter(computed)
+        vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
         pullback = Pullback(Node(self, ()), active, diff_counts(args, active),
                             jax.tree_util.Partial(backward, vjp_fn), tuple(args),
                             ct_avals(differentiable_leaves(primal)))
@@ -107,6 +113,8 @@ def _forget(key, ref):
 
 
 def _make_programs(fn_of) -> tuple:
+    kept = {}  # (static, input avals) -> (per residual: the input it is, else None; vjp treedef)
+
     def forward(static, dynamic):
         treedef, consts, in_axes, active = static
         it = iter(dynamic)
@@ -115,11 +123,16 @@ def _make_programs(fn_of) -> tuple:
         if active is None:
             return vmapped(*args)
         primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
-        return primal, vjp_fn  # vjp_fn is a pytree (its leaves the residuals): it can leave jit
+        # vjp_fn is a pytree whose leaves are the residuals: they leave jit, those that are not
+        # inputs. Its function is part of the treedef, the same object for every call of this
+        # program, so the backward compiles once too.
+        residuals, vjp_def = jax.tree.flatten(vjp_fn)
+        inputs = {id(x): i for i, x in enumerate(dynamic)}
+        where = tuple(inputs.get(id(r)) for r in residuals)
+        kept[static, tuple(map(jax.typeof, dynamic))] = where, vjp_def
+        return primal, [r for r, i in zip(residuals, where) if i is None]
 
-    # jax.vjp's function of the same program is the same Python object each call (it is part of
-    # the output's treedef), so the backward compiles once too.
-    return jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+    return jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept
 
 
 def chunk_of(node: Node) -> Chunked | None:
