@@ -2,10 +2,10 @@
 
 ``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``: forward and
 pullback are each one compiled program, cached per node function, so chunks of the same shapes
-(and later sweeps of the same function) compile nothing. The others run item by item, each item under its own ``jax.vjp`` (one vjp around the
-whole loop was measured 2.3 to 2.5 times slower per item), leaving an :class:`ItemPullbacks`.
-Between items they pass a :func:`~daskdag.progress.checkpoint`: progress, and where a cancelled
-chunk stops.
+(and later sweeps of the same function) compile nothing. The others run item by item, each
+item under its own ``jax.vjp`` (one vjp around the whole loop was measured 2.3 to 2.5 times
+slower per item), leaving an :class:`ItemPullbacks`. Between items they pass a
+:func:`~daskdag.progress.checkpoint`: progress, and where a cancelled chunk stops.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ class Chunked:
 
 _TRACED = object()  # in a program's constants: the place of a traced leaf
 _lock = threading.RLock()  # (re-entrant: a weakref callback may run while it is held)
-_cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, (forward, backward))
+_cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 
 
 def _programs(chunked: Chunked) -> tuple:
-    """The jitted ``(forward, backward)`` of a vmap node. jax.jit caches compilations by function
+    """The jitted ``(forward, backward, kept)`` of a vmap node. jax.jit caches compilations by function
     identity, so they are kept per node function (one a worker reuses per token, or the user's
     own locally), for as long as it lives: across chunks and sweeps. A function that cannot be
     weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
