@@ -1,14 +1,17 @@
 """A node over a chunk of sweep items: its function, and its forward pass under ``jax.vjp``.
 
-``Node(vmap=True)`` nodes run once per chunk under ``jax.vmap`` and are differentiated as one
-function. The others run item by item, each item under its own ``jax.vjp`` (one vjp around the
-whole loop was measured 2.3 to 2.5 times slower per item), leaving an :class:`ItemPullbacks`.
-Between items they pass a :func:`~daskdag.progress.checkpoint`: progress, and where a cancelled
-chunk stops.
+``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``: forward and
+pullback are each one compiled program, cached per node function, so chunks of the same shapes
+(and later sweeps of the same function) compile nothing. The others run item by item, each
+item under its own ``jax.vjp`` (one vjp around the whole loop was measured 2.3 to 2.5 times
+slower per item), leaving an :class:`ItemPullbacks`. Between items they pass a
+:func:`~daskdag.progress.checkpoint`: progress, and where a cancelled chunk stops.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -16,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .progress import checkpoint
-from .pullback import linearize
+from .pullback import (Pullback, ct_avals, diff_counts, differentiable_leaves, is_differentiable,
+                       linearize, vjp_leaves)
 from .shipping import unwrap
 from .spec import Node
 
@@ -30,16 +34,105 @@ class Chunked:
     def __call__(self, *args):
         fn = self.node.callable()
         if self.node.vmap:
-            return jax.vmap(fn, in_axes=self.in_axes)(*args)
+            compiled = self._compiled(args, None)
+            return compiled if compiled is not None else jax.vmap(fn, in_axes=self.in_axes)(*args)
         return stack([_then_checkpoint(fn(*item)) for item in item_args(args, self.in_axes)])
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
         """``(stacked primal, pullback)``: one ``jax.vjp`` per item unless ``vmap``."""
         if self.node.vmap:
-            return linearize(Node(self, ()), args, active)
+            compiled = self._compiled(args, active)
+            return compiled if compiled is not None else linearize(Node(self, ()), args, active)
         primals, pullbacks = zip(*(_then_checkpoint(linearize(self.node, item, active))
                                    for item in item_args(args, self.in_axes)))
         return stack(primals), ItemPullbacks(list(pullbacks), self.in_axes)
+
+    def _compiled(self, args, active):
+        """``jit(vmap(fn))(*args)``, or with ``active`` its ``(primal, Pullback)``; None where an
+        arg holds a leaf that jit can take neither as an array nor as a hashable constant."""
+        leaves, treedef = jax.tree.flatten(tuple(args))
+        on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
+        # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
+        # functions) stay constants, concrete in fn as under plain vmap.
+        dynamic = [_is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
+        consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
+        try:
+            hash(consts)
+        except TypeError:
+            return None
+        forward, backward, kept = _programs(self)
+        static = (treedef, consts, self.in_axes, active)
+        traced = [x for x, d in zip(leaves, dynamic) if d]
+        out = forward(static, traced)
+        if active is None:
+            return out
+        primal, computed = out
+        # The residuals that are inputs come back as the inputs themselves (jit would return
+        # copies), so a pullback that moves does not ship them (see Pullback.portable).
+        where, vjp_def = kept[static, tuple(map(jax.typeof, traced))]
+        computed = iter(computed)
+        vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
+        pullback = Pullback(Node(self, ()), active, diff_counts(args, active),
+                            jax.tree_util.Partial(backward, vjp_fn), tuple(args),
+                            ct_avals(differentiable_leaves(primal)))
+        return primal, pullback
+
+
+_TRACED = object()  # in a program's constants: the place of a traced leaf
+_lock = threading.RLock()  # (re-entrant: a weakref callback may run while it is held)
+_cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
+
+
+def _programs(chunked: Chunked) -> tuple:
+    """The jitted ``(forward, backward, kept)`` of a vmap node. jax.jit caches compilations by function
+    identity, so they are kept per node function (one a worker reuses per token, or the user's
+    own locally), for as long as it lives: across chunks and sweeps. A function that cannot be
+    weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
+    fn = unwrap(chunked.node.fn)
+    with _lock:
+        for owner in (fn, chunked):
+            hit = _cache.get(id(owner))
+            if hit is not None and hit[0]() is owner:
+                return hit[1]
+        key = id(fn)
+        try:
+            ref = weakref.ref(fn, lambda r: _forget(key, r))
+            programs = _make_programs(ref)
+        except TypeError:  # not weakly referenceable
+            key = id(chunked)
+            ref = weakref.ref(chunked, lambda r: _forget(key, r))
+            programs = _make_programs(lambda: unwrap(ref().node.fn))
+        _cache[key] = (ref, programs)
+        return programs
+
+
+def _forget(key, ref):
+    with _lock:
+        if _cache.get(key, (None,))[0] is ref:
+            del _cache[key]
+
+
+def _make_programs(fn_of) -> tuple:
+    kept = {}  # (static, input avals) -> (per residual: the input it is, else None; vjp treedef)
+
+    def forward(static, dynamic):
+        treedef, consts, in_axes, active = static
+        it = iter(dynamic)
+        args = treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
+        vmapped = jax.vmap(fn_of(), in_axes=in_axes)
+        if active is None:
+            return vmapped(*args)
+        primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
+        # vjp_fn is a pytree whose leaves are the residuals: they leave jit, those that are not
+        # inputs. Its function is part of the treedef, the same object for every call of this
+        # program, so the backward compiles once too.
+        residuals, vjp_def = jax.tree.flatten(vjp_fn)
+        inputs = {id(x): i for i, x in enumerate(dynamic)}
+        where = tuple(inputs.get(id(r)) for r in residuals)
+        kept[static, tuple(map(jax.typeof, dynamic))] = where, vjp_def
+        return primal, [r for r, i in zip(residuals, where) if i is None]
+
+    return jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept
 
 
 def chunk_of(node: Node) -> Chunked | None:

@@ -116,7 +116,15 @@ def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
 
     Returns ``(primal, Pullback)``; the primal is the function's output as it returned it.
     """
-    fn = node.callable()
+    primal, primal_diff, vjp_fn = vjp_leaves(node.callable(), args, active)
+    return primal, Pullback(node, active, diff_counts(args, active), vjp_fn, tuple(args),
+                            ct_avals(primal_diff))
+
+
+def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
+    """``(primal, its differentiable leaves, vjp_fn)``: ``jax.vjp`` of ``fn`` at ``args``, leaf
+    by leaf as :func:`linearize` does. ``vjp_fn`` takes and returns lists of leaves. It runs
+    under ``jax.jit`` too, where ``fn``'s output must then be arrays only."""
     flat_args = [jax.tree.flatten(a) for a in args]
     masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
              zip(active, flat_args)]
@@ -138,10 +146,16 @@ def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
     primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
     d, h = iter(primal_diff), iter(held)
     leaves = [next(d) if m else (next(h) if s is None else s) for m, s in zip(out["mask"], out["static"])]
-    primal = out["treedef"].unflatten(leaves)
-    ct_avals = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
-    counts = tuple(sum(mask) for mask in masks)
-    return primal, Pullback(node, active, counts, vjp_fn, tuple(args), ct_avals)
+    return out["treedef"].unflatten(leaves), primal_diff, vjp_fn
+
+
+def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...]:
+    """Per arg, how many leaves :func:`vjp_leaves` differentiates."""
+    return tuple(len(differentiable_leaves(a)) if on else 0 for a, on in zip(args, active))
+
+
+def ct_avals(primal_diff) -> list:
+    return [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
 
 
 def _traceable(leaf) -> bool:

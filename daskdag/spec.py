@@ -26,8 +26,9 @@ class Node:
     traceable). The default runs it eagerly, so Python control flow on values, prints and other
     side effects work.
 
-    ``vmap=True`` (in sweeps) runs the node once per chunk of items under ``jax.vmap``, instead
-    of item by item; ``fn`` must then be traceable.
+    ``vmap=True`` (in sweeps) runs the node once per chunk of items as
+    ``jax.jit(jax.vmap(fn))``, forward and backward, instead of item by item; ``fn`` must then
+    be traceable, and its Python side effects run only when it is traced (once per shapes).
 
     ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
     tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
