@@ -14,6 +14,7 @@ from dask.utils import parse_timedelta
 from .errors import ClusterError
 from .plan import Plan
 from .programs import versions
+from .workers import ensure as tune_workers
 
 WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
 WORKER_WAIT_DEFAULT = "30s"
@@ -33,11 +34,15 @@ def check(client, plan: Plan) -> None:
 
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
+
+    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.workers`), unless
+    ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
     """
     check_client(client)
     found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
     _check_versions(client)
+    tune_workers(client)
 
 
 def check_client(client) -> None:
