@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import warnings
 import weakref
 
+import cloudpickle
 import dask
 from distributed import WorkerPlugin
 
@@ -40,6 +42,12 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2 ** 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the adaptive rule's limit
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the mmap threshold
+
+# The plugin travels by value (distributed then pickles it with cloudpickle), needing only the
+# standard library and distributed on the worker: a worker joining later with another daskdag,
+# one without this module, unpickles it at start, and an error there would stop the worker from
+# starting at all. The version check then names that worker, as it should.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class TuneMalloc(WorkerPlugin):

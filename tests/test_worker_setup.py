@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster
 import daskdag
 from daskdag import workers as worker_setup
 
-from .conftest import assert_tree_close
+from .conftest import DaskCLI, assert_tree_close
 
 X = jnp.linspace(-1.0, 1.0, 5)
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -36,11 +36,15 @@ def _local_cluster(n_workers=1):
                         dashboard_address=None, host="127.0.0.1")
 
 
-def _state(dask_worker):
-    plugin = dask_worker.plugins.get(worker_setup.NAME)
-    return {"env": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
-            "applied": None if plugin is None else plugin.applied,
-            "reason": None if plugin is None else plugin.reason}
+def _states(client) -> dict:
+    """Per worker: its MALLOC_TRIM_THRESHOLD_ and what the plugin applied there, if it has it."""
+    def state(dask_worker, name=worker_setup.NAME):  # nested: travels by value to any worker
+        import os
+        plugin = dask_worker.plugins.get(name)
+        return {"env": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+                "applied": None if plugin is None else plugin.applied,
+                "reason": None if plugin is None else plugin.reason}
+    return client.run(state)
 
 
 @pytest.mark.cluster
@@ -49,7 +53,7 @@ def test_every_worker_tuned_later_ones_too_and_results_unchanged():
     with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
         res = daskdag.compute_grads(_dag(), X, "B", client=client)
         assert_tree_close(res.grad, _grad(X))
-        states = client.run(_state)
+        states = _states(client)
         assert len(states) == 1
         for state in states.values():
             assert state["env"] == "65536"  # the nanny's setting, which the plugin works around
@@ -57,7 +61,7 @@ def test_every_worker_tuned_later_ones_too_and_results_unchanged():
 
         cluster.scale(2)  # a worker that joins after the call gets it from the scheduler
         client.wait_for_workers(2, timeout=120)
-        states = client.run(_state)
+        states = _states(client)
         assert len(states) == 2
         for state in states.values():
             assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
@@ -70,6 +74,28 @@ def test_every_worker_tuned_later_ones_too_and_results_unchanged():
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
+    """The plugin travels by value: a worker joining with a daskdag that lacks daskdag.workers
+    (an older release) unpickles it at start instead of failing to start."""
+    blocker = tmp_path / "no_workers_module.py"  # a --preload module, imported at the worker's start
+    blocker.write_text("import sys\nsys.modules['daskdag.workers'] = None  # import fails\n")
+    cli = DaskCLI(tmp_path)
+    try:
+        with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+            assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+            cli.start("worker", cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
+                      "--host", "127.0.0.1", "--preload", str(blocker))
+            client.wait_for_workers(2, timeout=180)
+            states = _states(client)
+            assert len(states) == 2
+            for state in states.values():
+                assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
+    finally:
+        cli.stop()
+
+
+@pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_switched_off_nothing_is_registered():
     with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client, \
@@ -78,7 +104,7 @@ def test_switched_off_nothing_is_registered():
         assert_tree_close(res.grad, _grad(X))
         assert worker_setup.NAME not in client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.worker_plugins))
-        assert all(s["applied"] is None and s["reason"] is None for s in client.run(_state).values())
+        assert all(s["applied"] is None and s["reason"] is None for s in _states(client).values())
 
 
 @pytest.mark.timeout(30)
