@@ -17,8 +17,8 @@ rather than returned to the OS, which is also what a plain process may keep. Mea
 mmap threshold raised, 0.72 with only the trim threshold raised, 0.86 with both; see that
 script's docstring for a run with and without this plugin.
 
-:func:`ensure` registers it once per client (daskdag's cluster check calls it before every
-call on a cluster); the scheduler then also gives it to workers that join later. Dask config
+:func:`daskdag.cluster.check` registers it once per client, before every call on a cluster;
+the scheduler then also gives it to workers that join later. Dask config
 ``daskdag.tune-workers: False`` turns it off.
 """
 
@@ -27,11 +27,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import warnings
-import weakref
 
 import cloudpickle
-import dask
 from distributed import WorkerPlugin
 
 NAME = "daskdag-tune-malloc"
@@ -46,7 +43,8 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the
 # The plugin travels by value (distributed then pickles it with cloudpickle), needing only the
 # standard library and distributed on the worker: a worker joining later with another daskdag,
 # one without this module, unpickles it at start, and an error there would stop the worker from
-# starting at all. The version check then names that worker, as it should.
+# starting at all. The version check then names that worker, as it should. (So this module
+# holds nothing else: whatever its functions use travels with the plugin.)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
@@ -102,20 +100,3 @@ def _int(text: str) -> int:
         return min(int(text), 2 ** 31 - 1)  # mallopt takes a C int
     except ValueError:
         return 0
-
-
-_registered: weakref.WeakSet = weakref.WeakSet()  # clients that registered it
-
-
-def ensure(client) -> None:
-    """Register :class:`TuneMalloc` with ``client``'s scheduler, once per client object, unless
-    ``daskdag.tune-workers`` is false. A failure warns and never stops the call."""
-    if client in _registered or not dask.config.get(CONFIG, True):
-        return
-    _registered.add(client)  # before trying: a failing registration is not retried every call
-    try:
-        client.register_plugin(TuneMalloc(), name=NAME)
-    except Exception as e:
-        warnings.warn(f"daskdag could not register its worker plugin {NAME!r} (workers keep "
-                      f"distributed's malloc settings, which slow JAX down): {type(e).__name__}: {e}",
-                      RuntimeWarning, stacklevel=3)
