@@ -8,15 +8,20 @@ something else.
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import dask
 from dask.utils import parse_timedelta
 
 from .errors import ClusterError
 from .plan import Plan
 from .programs import versions
+from . import workers as worker_setup
 
 WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
 WORKER_WAIT_DEFAULT = "30s"
+_tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 
 
 def workers(client) -> dict[str, dict]:
@@ -33,11 +38,30 @@ def check(client, plan: Plan) -> None:
 
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
+
+    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.workers`), unless
+    ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
     """
     check_client(client)
     found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
     _check_versions(client)
+    tune_workers(client)
+
+
+def tune_workers(client) -> None:
+    """Register :class:`daskdag.workers.TuneMalloc` with ``client``'s scheduler, once per
+    client object, unless ``daskdag.tune-workers`` is false. A failure warns and never stops
+    the call: the workers only stay slower."""
+    if client in _tuned or not dask.config.get(worker_setup.CONFIG, True):
+        return
+    _tuned.add(client)  # before trying: a failing registration is not retried on every call
+    try:
+        client.register_plugin(worker_setup.TuneMalloc(), name=worker_setup.NAME)
+    except Exception as e:
+        warnings.warn(f"daskdag could not register its worker plugin {worker_setup.NAME!r} "
+                      f"(workers keep distributed's malloc settings, which slow JAX down): "
+                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
 
 
 def check_client(client) -> None:

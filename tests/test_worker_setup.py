@@ -1,0 +1,125 @@
+"""daskdag's worker plugin (daskdag/workers.py): glibc's malloc thresholds raised in workers
+that distributed's nanny started with MALLOC_TRIM_THRESHOLD_, on every worker, later ones too,
+and not at all when turned off."""
+
+import os
+import platform
+
+import dask
+import jax
+import jax.numpy as jnp
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import workers as worker_setup
+
+from .conftest import DaskCLI, assert_tree_close
+
+X = jnp.linspace(-1.0, 1.0, 5)
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+EXPECTED = {"M_MMAP_THRESHOLD": worker_setup.MMAP_THRESHOLD,
+            "M_TRIM_THRESHOLD": worker_setup.TRIM_THRESHOLD}
+
+
+def _dag():
+    # Made inside a function so cloudpickle ships them by value to worker processes.
+    return {"A": (lambda x: jnp.tanh(x) * 3, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+def _grad(x):
+    return jax.grad(lambda x: jnp.sum((jnp.tanh(x) * 3) ** 2))(x)
+
+
+def _local_cluster(n_workers=1):
+    return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                        dashboard_address=None, host="127.0.0.1")
+
+
+def _states(client) -> dict:
+    """Per worker: its MALLOC_TRIM_THRESHOLD_ and what the plugin applied there, if it has it."""
+    def state(dask_worker, name=worker_setup.NAME):  # nested: travels by value to any worker
+        import os
+        plugin = dask_worker.plugins.get(name)
+        return {"env": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+                "applied": None if plugin is None else plugin.applied,
+                "reason": None if plugin is None else plugin.reason}
+    return client.run(state)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_every_worker_tuned_later_ones_too_and_results_unchanged():
+    with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        res = daskdag.compute_grads(_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, _grad(X))
+        states = _states(client)
+        assert len(states) == 1
+        for state in states.values():
+            assert state["env"] == "65536"  # the nanny's setting, which the plugin works around
+            assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
+
+        cluster.scale(2)  # a worker that joins after the call gets it from the scheduler
+        client.wait_for_workers(2, timeout=120)
+        states = _states(client)
+        assert len(states) == 2
+        for state in states.values():
+            assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
+
+        # A second call and a sweep on the tuned workers: same gradients as jax.grad.
+        assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+        xs = jnp.stack([X, X * 0.5, -X])
+        swept = daskdag.sweep_grads(_dag(), xs, "B", client=client, chunk_size=1)
+        assert_tree_close(swept.grad, jax.vmap(_grad)(xs))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
+    """The plugin travels by value: a worker joining with a daskdag that lacks daskdag.workers
+    (an older release) unpickles it at start instead of failing to start."""
+    blocker = tmp_path / "no_workers_module.py"  # a --preload module, imported at the worker's start
+    blocker.write_text("import sys\nsys.modules['daskdag.workers'] = None  # import fails\n")
+    cli = DaskCLI(tmp_path)
+    try:
+        with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+            assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+            cli.start("worker", cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
+                      "--host", "127.0.0.1", "--preload", str(blocker))
+            client.wait_for_workers(2, timeout=180)
+            states = _states(client)
+            assert len(states) == 2
+            for state in states.values():
+                assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
+    finally:
+        cli.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_switched_off_nothing_is_registered():
+    with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client, \
+            dask.config.set({worker_setup.CONFIG: False}):
+        res = daskdag.compute_grads(_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, _grad(X))
+        assert worker_setup.NAME not in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+        assert all(s["applied"] is None and s["reason"] is None for s in _states(client).values())
+
+
+@pytest.mark.timeout(30)
+def test_setup_is_a_no_op_where_there_is_nothing_to_restore(monkeypatch):
+    # In this process, without touching its malloc: not glibc, or no nanny setting to undo.
+    def not_glibc(name):
+        raise ValueError("unrecognized configuration name")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "confstr", not_glibc)
+        m.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+        plugin = worker_setup.TuneMalloc()
+        plugin.setup(worker=None)
+        assert (plugin.applied, plugin.reason) == (None, "not glibc")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    plugin = worker_setup.TuneMalloc()
+    plugin.setup(worker=None)
+    assert plugin.applied is None
