@@ -11,13 +11,12 @@ from typing import Any
 import distributed
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import cluster, resident, sweep
 from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
-from .pullback import differentiable_leaves
+from .pullback import differentiable_leaves, is_numeric
 from .shipping import ship
 from .plan import make_plan
 from .spec import parse
@@ -239,7 +238,7 @@ def _batch_size(values, batched) -> int:
     sizes = {}
     for i in batched:  # array leaves carry the items; others (functions...) are shared
         for leaf in jax.tree.leaves(values[i]):
-            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+            if not is_numeric(leaf):
                 continue
             if jnp.ndim(leaf) == 0:
                 raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")

@@ -16,11 +16,10 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .progress import checkpoint
-from .pullback import (Pullback, ct_avals, diff_counts, differentiable_leaves, is_differentiable,
-                       linearize, vjp_leaves)
+from .pullback import (Pullback, ct_avals, diff_counts, differentiable_leaves, is_array,
+                       is_differentiable, linearize, vjp_leaves)
 from .shipping import unwrap
 from .spec import Node
 
@@ -54,7 +53,7 @@ class Chunked:
         on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
         # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
         # functions) stay constants, concrete in fn as under plain vmap.
-        dynamic = [_is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
+        dynamic = [is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
         consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
         try:
             hash(consts)
@@ -178,16 +177,12 @@ def unstack(tree) -> list:
     """A pytree whose array leaves carry a leading item axis, as a list of per-item pytrees;
     other leaves (functions, static fields) are shared by every item."""
     leaves, treedef = jax.tree.flatten(tree)
-    size = next(len(leaf) for leaf in leaves if _is_array(leaf))
-    columns = [list(leaf) if _is_array(leaf) else [leaf] * size for leaf in leaves]
+    size = next(len(leaf) for leaf in leaves if is_array(leaf))
+    columns = [list(leaf) if is_array(leaf) else [leaf] * size for leaf in leaves]
     return [jax.tree.unflatten(treedef, row) for row in zip(*columns)]
 
 
 def stack(trees: Sequence) -> Any:
     """The inverse of :func:`unstack`."""
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves) if _is_array(leaves[0]) else leaves[0],
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves) if is_array(leaves[0]) else leaves[0],
                         *trees)
-
-
-def _is_array(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import uuid
-import warnings
 
 import cloudpickle
 import dask
@@ -19,6 +18,7 @@ import distributed
 
 from . import progress
 from .cluster import workers
+from .resident import keep
 from .shipping import pack_for, unpack
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
@@ -122,16 +122,13 @@ class Cluster:
 def place_shared(client, name: str, value) -> distributed.Future:
     """Put the shared input ``name`` on the cluster, once per sweep, for every chunk to use.
 
-    It goes as a task whose result is ``value``, not ``client.scatter``: the scheduler keeps a
-    task's recipe (here the value itself), so when the worker holding the result dies it runs
-    the task again on another, where a scattered value is lost with its only holder and every
-    chunk needing it fails. The key is this call's own, which no other sweep's release can take.
-    The value travels packed, as every input does (:mod:`daskdag.shipping`).
+    It goes as a task whose result is the value (:func:`daskdag.resident.keep`), so it survives
+    the loss of its worker, where a scattered value would fail every chunk needing it. The key
+    is this call's own, which no other sweep's release can take. The value travels packed, as
+    every input does (:mod:`daskdag.shipping`).
     """
     packed = pack_for(f"input {name!r}", value, remote=True)
-    with warnings.catch_warnings():  # sending the value in the graph, once, is the point
-        warnings.filterwarnings("ignore", message="Sending large graph")
-        return client.submit(unpack, packed, key=f"shared-{name}-{uuid.uuid4().hex}")
+    return keep(client, f"shared-{name}-{uuid.uuid4().hex}", unpack, packed)
 
 
 def _run_chunk(tasks: bytes, key, shared: dict, steps: int, report: list | None):

@@ -27,6 +27,16 @@ def is_differentiable(leaf) -> bool:
     return isinstance(leaf, (float, complex))
 
 
+def is_array(leaf) -> bool:
+    """A JAX or NumPy array: a leaf that can carry a sweep's item axis."""
+    return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def is_numeric(leaf) -> bool:
+    """An array or a number: a leaf JAX can trace (others are functions, strings...)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
 def differentiable_leaves(tree) -> list:
     return [leaf for leaf in jax.tree.leaves(tree) if is_differentiable(leaf)]
 
@@ -139,9 +149,9 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
         out["mask"] = tuple(map(is_differentiable, leaves))
         # Arrays held constant go through vjp's aux (they may depend on traced inputs); other
         # leaves (functions, strings) cannot be traced and are kept as they are.
-        out["static"] = [None if _traceable(leaf) else leaf for leaf in leaves]
+        out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
         return ([leaf for leaf, m in zip(leaves, out["mask"]) if m],
-                [leaf for leaf, m in zip(leaves, out["mask"]) if not m and _traceable(leaf)])
+                [leaf for leaf, m in zip(leaves, out["mask"]) if not m and is_numeric(leaf)])
 
     primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
     d, h = iter(primal_diff), iter(held)
@@ -156,7 +166,3 @@ def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...
 
 def ct_avals(primal_diff) -> list:
     return [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
-
-
-def _traceable(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))

@@ -57,9 +57,7 @@ class Resident:
                     # A key that failed (it could not be unpickled there, say) may still be
                     # known to the scheduler as failed: try again under a key of its own.
                     name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
-                    with warnings.catch_warnings():  # sending it, once, is the point
-                        warnings.filterwarnings("ignore", message="Sending large graph")
-                        fut = client.submit(fn, payload, key=name, pure=False, resources=needs or None)
+                    fut = keep(client, name, fn, payload, needs)
                     self.futures[key] = fut
                     self.sent += sizeof(payload)
                 used.add(key)
@@ -75,6 +73,16 @@ class Resident:
                 live = set().union(*self.recent)
                 for key in [k for k in self.futures if k not in live]:
                     self.futures.pop(key).release()
+
+
+def keep(client, key: str, fn, payload, needs=None):
+    """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
+    scheduler keeps a task's recipe (here the payload), so when the worker holding the result
+    dies it runs the task again on another (a scattered value is lost with its only holder).
+    ``needs``: the resources of the worker it should go to."""
+    with warnings.catch_warnings():  # sending the value in the graph, once, is the point
+        warnings.filterwarnings("ignore", message="Sending large graph")
+        return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
 
 
 def of(client) -> Resident | None:

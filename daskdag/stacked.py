@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .chunked import chunk_of
+from .pullback import is_numeric
 
 
 class Stacked:
@@ -73,7 +74,7 @@ _UNKNOWN = object()  # a node that could not be traced abstractly, or one downst
 def _abstract(value, batched: bool):
     """The shapes of one item of ``value``; leaves that are not arrays stay as they are."""
     def leaf(a):
-        if not isinstance(a, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+        if not is_numeric(a):
             return a
         shape = np.shape(a)
         return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(a))

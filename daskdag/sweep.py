@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .chunked import Chunked
 from .cluster import workers
@@ -31,6 +30,7 @@ from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
 from .progress import Progress, chunk_steps
+from .pullback import is_array
 from .shipping import ship
 from .spec import Spec
 from .stacked import Stacked, item_shapes
@@ -58,10 +58,10 @@ class Sweep:
         for i, v in self.values.items():
             # Array leaves carry the items; other leaves (functions...) are shared.
             if i in self.batched:
-                v = jax.tree.map(lambda a: a[start:stop] if _is_array(a) else a, v)
+                v = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
             elif i in self.broadcast:
                 v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
-                                 if _is_array(a) else a, v)
+                                 if is_array(a) else a, v)
             values[i] = v
         return build(self.plan, values, self.cotangents, batched=True, remote=self.remote)
 
@@ -217,7 +217,3 @@ def parallelism(client) -> int:
     if client is None:
         return os.cpu_count() or 1
     return max(1, sum(w.get("nthreads", 1) for w in workers(client).values()))
-
-
-def _is_array(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray))

@@ -16,7 +16,7 @@ from jax.tree_util import treedef_is_leaf
 
 from .chunked import chunk_of
 from .errors import NodeError
-from .pullback import is_differentiable, linearize
+from .pullback import is_differentiable, is_numeric, linearize
 from .spec import Node
 
 
@@ -125,12 +125,8 @@ def _describe(tree, batched: bool = False) -> str:
         return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
 
     def one(leaf):
-        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if _is_array(leaf) else type(leaf).__name__
+        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
 
-    if _is_array(tree):
+    if is_numeric(tree):
         return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
     return str(jax.tree.map(one, tree))
-
-
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
