@@ -16,6 +16,7 @@ from . import cluster, resident, sweep
 from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
+from .progress import Stop
 from .pullback import differentiable_leaves, is_numeric
 from .shipping import ship
 from .plan import make_plan
@@ -64,9 +65,10 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
     kept = resident.of(client) if client is not None else None
+    stop = Stop() if client is None else None
     with kept.call(client) if kept else contextlib.nullcontext() as place:
-        computed = compute(build(plan, values, cts, remote=client is not None, place=place),
-                           client, progress)
+        computed = compute(build(plan, values, cts, remote=client is not None, place=place,
+                                 stop=stop), client, progress, stop)
     return _results(spec, outputs, computed)
 
 

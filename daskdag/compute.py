@@ -2,9 +2,10 @@
 optional progress bar over its tasks, and leaving nothing running when interrupted.
 
 Ctrl-C: Dask's local scheduler hands a task to a thread only when one is free, so once the
-interrupt leaves its loop no further node starts; the ones running finish in the background.
-On a cluster the call's futures are released, so the scheduler cancels every task of the call
-that no other call wants.
+interrupt leaves its loop no further task starts, and the stages running in the background stop
+at their next node (the call's ``stop`` event). On a cluster the call's futures are released, so
+the scheduler cancels every task of the call that no other call wants, and a running stage
+stops at its next node (:func:`daskdag.progress.dropped`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ import jax
 from dask.diagnostics import ProgressBar
 
 
-def compute(graph: dict, client, progress: bool = False) -> dict:
-    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure."""
+def compute(graph: dict, client, progress: bool = False, stop=None) -> dict:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure.
+    ``stop``: the ``daskdag.progress.Stop`` a local graph's stages watch; set when the call ends early."""
     if client is None:
-        with ProgressBar() if progress else contextlib.nullcontext():
-            (computed,) = dask.compute(graph)
+        try:
+            with ProgressBar() if progress else contextlib.nullcontext():
+                (computed,) = dask.compute(graph)
+        except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
+            if stop is not None:
+                stop.set()
+            raise
         return computed
     delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
     futures = client.compute(delayed)

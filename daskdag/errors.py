@@ -3,6 +3,10 @@ cannot run the graph."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import threading
+
 import jax
 
 _VJP = ("a node differentiated with jax.vjp gets tracers for inputs: float(), int() and "
@@ -52,3 +56,26 @@ class ClusterError(RuntimeError):
     """The cluster cannot run this graph: a client that is not running, no worker at all, no
     worker offering a resource a node needs, or versions that differ from the client's. The
     message names the client, the node or the workers."""
+
+
+@contextlib.contextmanager
+def node_errors(node: str, phase: str):
+    """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a
+    :class:`NodeError` naming it, but for Ctrl-C in the user's own process, which must stay one.
+
+    A node raising KeyboardInterrupt or SystemExit is a failing node, not a reason to stop the
+    process that runs it: a distributed worker dies of it, and Dask retries on the next worker.
+    """
+    try:
+        yield
+    except (Exception, KeyboardInterrupt, SystemExit) as e:
+        if _may_be_ctrl_c(e):
+            raise
+        raise NodeError(node, phase, e) from e
+
+
+def _may_be_ctrl_c(e: BaseException) -> bool:
+    """Python raises Ctrl-C's KeyboardInterrupt in the main thread of the user's process, where
+    nodes run only on Dask's synchronous scheduler; elsewhere a KeyboardInterrupt is the node's."""
+    return (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+            and multiprocessing.parent_process() is None)

@@ -3,11 +3,13 @@
 In:  a plan, the input values, the user's cotangents.
 Out: ``{output: (value, {input: grad})}`` of ``dask.delayed.Delayed`` objects sharing one graph.
 
-Keys are readable and deterministic: ``fwd-B-<token>`` (plus ``val-B``/``pb-B`` splitting the
-primal from the pullback, so downstream forward tasks never fetch residuals), ``bwd-D-B-<token>``
-for node B's backward pass towards output D, ``grad-D-x-<token>``. Outputs share forward keys, so
-every node runs once per call; tokens hash functions and inputs, so repeated calls on one
-cluster share them too.
+Tasks are per stage (:mod:`daskdag.stages`: a chain of nodes run as one task). Keys are
+readable and deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus
+``val-B+C`` taking its value apart from its pullback, so later stages never fetch residuals),
+``bwd-D-B+C-<token>`` its backward pass towards output D (the output's own stage starts from the
+seed cotangent), ``grad-D-x-<token>`` input x's gradient. Outputs share forward keys, so every
+node runs once per call; tokens hash functions and inputs, so repeated calls on one cluster
+share them too.
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
 tasks), not through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
@@ -26,12 +28,13 @@ from dask.task_spec import Task, TaskRef
 
 from . import tasks
 from .plan import Plan
+from .stages import make_stages
 from . import protocol  # noqa: F401  (importing it registers daskdag's types with Dask)
 from .shipping import pack_for, unpack
 
 
 def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
-          place=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+          place=None, stop=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
     ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`).
 
@@ -39,7 +42,9 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     are packed here, and unpacked by a task of their own. ``place(key, fn, payload, needs)``,
     when given, keeps ``fn(payload)`` on the cluster under the content ``key`` (on a worker with
     the resources ``needs``) and returns its reference (:mod:`daskdag.resident`): inputs and
-    nodes then travel once, not in each graph.
+    nodes then travel once, not in each graph. ``stop``: for a local call, a
+    ``daskdag.progress.Stop`` whose setting (by :func:`daskdag.compute.compute`, on Ctrl-C) stops
+    running stages at their next node.
     """
     spec, g = plan.spec, _Graph()
     val = {}
@@ -50,42 +55,46 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         v = pack_for(f"input {i!r}", v, remote)
         key = f"input-{i}-{tokenize(v)}"
         val[i] = place(key, unpack, v) if place else g.task(key, None, unpack, v)
-    pb = {}
+    stages = make_stages(plan)
+    stage_of = {n: s for s in stages for n in s.nodes}
 
-    # Forward: each needed node once; under jax.vjp when it depends on a differentiated input.
-    for n in plan.needed:
-        node, deps = spec.nodes[n], spec.nodes[n].deps
-        active = tuple(d in plan.wrt or d in plan.active for d in deps)
-        tok = tokenize(n, node.fn, node.jit, active, [val[d].key for d in deps])
-        sent = place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
-        fwd = g.task(f"fwd-{n}-{tok}", node.needs, tasks.forward, n, sent, active,
-                     *(val[d] for d in deps))
-        if n in plan.active:
-            val[n] = g.task(f"val-{n}-{tok}", node.needs, getitem, fwd, 0)
-            pb[n] = g.task(f"pb-{n}-{tok}", node.needs, getitem, fwd, 1)
+    # Forward: each stage once, its nodes in order, under jax.vjp those that depend on a
+    # differentiated input; a val- task takes the value apart from the pullback, so later
+    # stages never fetch residuals.
+    linearized = {}  # stage -> its forward task, (value, pullback)
+    for s in stages:
+        nodes = [spec.nodes[n] for n in s.nodes]
+        sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
+                for n, node in zip(s.nodes, nodes)]
+        tok = tokenize(s, nodes, [val[d].key for d in s.deps])
+        fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), tasks.forward, s, stop, *sent,
+                     *(val[d] for d in s.deps))
+        if s.linearized:
+            linearized[s] = fwd
+            val[s.last] = g.task(f"val-{s.name}-{tok}", dict(s.needs), getitem, fwd, 0)
         else:
-            val[n] = fwd
+            val[s.last] = fwd
 
-    # Backward, per output: a node's cotangent is the sum of its consumers' shares.
+    # Backward, per output: a stage's cotangent is the sum of its consumer stages' shares, or
+    # the output's seed.
     results = {}
     for o in plan.outputs:
-        bwd = {}
-        for n in reversed(plan.backward[o]):
-            if n == o:
-                ct = cotangents.get(o)
-                sources = [g.task(f"seed-{o}-{tokenize(val[o].key, ct)}", None,
-                                  tasks.seed, o, val[o], ct, batched)]
-                positions = (None,)
+        on_path, bwd = set(plan.backward[o]), {}
+        for s in reversed(stages):
+            if s.last not in on_path:
+                continue
+            if s.last == o:
+                seeded, sources, positions = (o, cotangents.get(o), batched), [], ()
             else:
-                sources, positions = _shares(plan.consumers(n, o), bwd)
-            tok = tokenize(pb[n].key, [s.key for s in sources], positions)
-            node = spec.nodes[n]
-            bwd[n] = g.task(f"bwd-{o}-{n}-{tok}", node.needs, tasks.backward, n, positions,
-                            len(node.deps), pb[n], *(val[d] for d in node.deps), *sources)
+                seeded = None
+                sources, positions = _shares(s.last, plan.consumers(s.last, o), stage_of, bwd)
+            tok = tokenize(linearized[s].key, seeded, [r.key for r in sources], positions)
+            bwd[s] = g.task(f"bwd-{o}-{s.name}-{tok}", dict(s.needs), tasks.backward, s, stop, positions,
+                            seeded, linearized[s], *(val[d] for d in s.deps), *sources)
         grads = {}
         for i in plan.wrt:
-            sources, positions = _shares(plan.consumers(i, o), bwd)
-            tok = tokenize(val[i].key, [s.key for s in sources], positions)
+            sources, positions = _shares(i, plan.consumers(i, o), stage_of, bwd)
+            tok = tokenize(val[i].key, [r.key for r in sources], positions)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient, positions, val[i],
                               *sources)
         results[o] = (val[o], grads)
@@ -96,9 +105,11 @@ def _itself(x):
     return x
 
 
-def _shares(uses, bwd):
-    """The backward tasks of a node's consumers, and the node's position among each one's deps."""
-    return [bwd[c] for c, _ in uses], tuple(i for _, i in uses)
+def _shares(name, uses, stage_of, bwd):
+    """The backward tasks of the stages that consume ``name`` (``uses``: its consuming nodes),
+    and its position among each stage's deps."""
+    consumers = list(dict.fromkeys(stage_of[c] for c, _ in uses))
+    return [bwd[s] for s in consumers], tuple(s.deps.index(name) for s in consumers)
 
 
 class _Graph:

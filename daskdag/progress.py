@@ -25,7 +25,7 @@ _running = threading.local()  # .chunk: the ChunkRun of the chunk this thread ru
 
 
 class Cancelled(Exception):
-    """Raised between two items of a chunk that the sweep no longer waits for."""
+    """Raised between two items of a chunk, or two nodes of a stage, that no one waits for."""
 
 
 class ChunkRun:
@@ -84,14 +84,38 @@ def worker_chunk(steps: int, report: list | None) -> ChunkRun:
     import distributed
 
     worker = distributed.get_worker()
+    send = None if report is None else (lambda f: worker.log_event(TOPIC, [*report, f]))
+    return ChunkRun(steps, dropped(), send, REPORT_EVERY)
+
+
+class Stop:
+    """A local call's stop signal (a ``threading.Event``), which its stages watch. It pickles as
+    a fresh one: in another process (Dask's ``processes`` scheduler) no one sets it."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.set, self.is_set = self.event.set, self.event.is_set
+
+    def __reduce__(self):
+        return Stop, ()
+
+
+def dropped(stop: Stop | None = None) -> Callable[[], bool]:
+    """For the task this thread runs: whether no one waits for it any more. On a ``distributed``
+    worker, once the worker dropped the task (its client cancelled or released it); elsewhere,
+    once ``stop`` is set (Ctrl-C interrupted a call on Dask's local threads)."""
+    try:
+        import distributed
+        worker = distributed.get_worker()
+    except ValueError:  # not in a worker
+        return stop.is_set if stop is not None else (lambda: False)
     key = worker.get_current_task()
 
     def cancelled() -> bool:
         task = worker.state.tasks.get(key)
         return task is None or task.state == "cancelled"
 
-    send = None if report is None else (lambda f: worker.log_event(TOPIC, [*report, f]))
-    return ChunkRun(steps, cancelled, send, REPORT_EVERY)
+    return cancelled
 
 
 # -- in the client --------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
 - sizes: the bytes a JAX array, a pullback, a packed value or a node holds, so the scheduler
   keeps backward tasks beside their residuals and counts worker memory right;
 - frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
-  plus one zero-copy frame per residual array (a sweep chunk's
-  :class:`~daskdag.chunked.ItemPullbacks` pickle as a list of them).
+  plus one zero-copy frame per residual array (a stage's
+  :class:`~daskdag.stages.StagePullback` and a sweep chunk's
+  :class:`~daskdag.chunked.ItemPullbacks` pickle as lists of them).
 
 How the user's functions and inputs travel (by value, under content tokens) is
 :mod:`daskdag.shipping`'s.
@@ -27,6 +28,7 @@ from .chunked import ItemPullbacks
 from .pullback import Pullback
 from .shipping import Packed
 from .spec import Node
+from .stages import StagePullback
 
 # -- tokens ---------------------------------------------------------------------------------------
 
@@ -65,6 +67,7 @@ def _sizeof_node(node) -> int:
 
 @sizeof.register(Pullback)
 @sizeof.register(ItemPullbacks)
+@sizeof.register(StagePullback)
 def _sizeof_pullback(pb) -> int:
     return pb.residual_nbytes()
 

@@ -1,12 +1,11 @@
-"""The functions Dask runs: one forward task per node, one backward task per (output, node).
+"""The functions Dask runs: one forward task per stage, one backward task per (output, stage),
+one gradient task per (output, input). See :mod:`daskdag.stages` for what a stage is.
 
-Each wraps a failure in :class:`~daskdag.errors.NodeError` naming the node.
+A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import threading
 from functools import reduce
 
 import jax
@@ -14,61 +13,70 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
+from . import progress
 from .chunked import chunk_of
-from .errors import NodeError
+from .errors import NodeError, node_errors
 from .pullback import is_differentiable, is_numeric, linearize
-from .spec import Node
+from .stages import Stage, StagePullback, add
 
 
-def forward(name: str, node: Node, active: tuple[bool, ...], *args):
-    """Primal of ``node`` alone when no dep is ``active``; else ``(primal, Pullback)``."""
-    try:
-        if not any(active):
-            out = primal = node.callable()(*args)
-        else:
-            chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
-            out = chunk.linearize(args, active) if chunk else linearize(node, args, active)
-            primal = out[0]
-    except _RAISED as e:
-        if _may_be_ctrl_c(e):  # it must interrupt as one
-            raise
-        raise NodeError(name, "forward", e) from e
-    if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
-        raise NodeError(name, "forward", TypeError(
-            "its function returned None; a node must return its value, a JAX array or a pytree "
-            "of arrays (is a `return` missing?)"))
-    return out
+def forward(stage: Stage, stop, *args):
+    """Run the stage's nodes in order. ``args``: the stage's ``Node`` s, then the values of its
+    ``deps``. Returns the last node's value, and with it a :class:`StagePullback` when some
+    node ran under ``jax.vjp``: ``(value, pullback)``.
 
-
-def backward(name: str, positions: tuple, n_deps: int, pullback, *args):
-    """Pull the cotangent of node ``name`` back to its deps.
-
-    ``args`` are the node's ``n_deps`` dep values (a pullback that moved takes its input
-    residuals from them), then the sources of its cotangent, the sum of its shares
-    ``sources[k][positions[k]]``: ``sources[k]`` is what a consumer on the path to the output
-    pulled back, ``positions[k]`` this node's place among that consumer's deps. For the output
-    itself the one source is the seed, at position ``None``.
+    Between two nodes it stops (:class:`~daskdag.progress.Cancelled`) once no one waits for it
+    (:func:`~daskdag.progress.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
+    stops a call at its next node, as it did when every node was a task of its own.
     """
-    inputs, sources = args[:n_deps], args[n_deps:]
-    ct = total(s if i is None else s[i] for s, i in zip(sources, positions))
-    try:
-        return pullback(ct, inputs)
-    except _RAISED as e:
-        if _may_be_ctrl_c(e):  # it must interrupt as one
-            raise
-        raise NodeError(name, "backward", e) from e
+    nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
+    values, pullbacks = [], []
+    dropped = progress.dropped(stop) if len(stage.nodes) > 1 else None
+    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
+        if values and dropped():
+            raise progress.Cancelled(f"the call no longer waits for node {name!r}")
+        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+        with node_errors(name, "forward"):
+            if any(active):
+                chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
+                primal, pullback = (chunk.linearize(inputs, active) if chunk else
+                                    linearize(node, inputs, active))
+            else:
+                primal, pullback = node.callable()(*inputs), None
+        if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
+            raise NodeError(name, "forward", TypeError(
+                "its function returned None; a node must return its value, a JAX array or a "
+                "pytree of arrays (is a `return` missing?)"))
+        values.append(primal)
+        pullbacks.append(pullback)
+    if not stage.linearized:
+        return values[-1]
+    # Keep the values that a later node's pullback may take as inputs; drop the rest now.
+    taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
+             for kind, i in sources if kind == "node"}
+    kept = [v if j in taken else None for j, v in enumerate(values[:-1])]
+    return values[-1], StagePullback(stage, pullbacks, kept)
 
 
-# A node raising KeyboardInterrupt or SystemExit is a failing node, not a reason to stop the
-# process that runs it: a distributed worker dies of it, and Dask retries on the next worker.
-_RAISED = (Exception, KeyboardInterrupt, SystemExit)
+def backward(stage: Stage, stop, positions: tuple, seeded: tuple | None, linearized, *args):
+    """Pull the cotangent of the stage's last node back to the stage's deps.
 
-
-def _may_be_ctrl_c(e: BaseException) -> bool:
-    """Python raises Ctrl-C's KeyboardInterrupt in the main thread of the user's process, where
-    nodes run only on Dask's synchronous scheduler; elsewhere a KeyboardInterrupt is the node's."""
-    return (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
-            and multiprocessing.parent_process() is None)
+    ``linearized`` is the forward task's ``(value, pullback)``. ``args`` are the values of the
+    stage's deps (a pullback that moved takes its input residuals from them), then the sources of
+    the cotangent, the sum of its shares ``sources[k][positions[k]]``: ``sources[k]`` is what a
+    consumer stage on the path to the output pulled back, ``positions[k]`` this stage's place
+    among that stage's deps. When the last node is the output itself, ``seeded`` is
+    ``(output, ct, batched)`` for :func:`seed`, and there are no sources. ``stop``: as for
+    :func:`forward`.
+    """
+    value, pullback = linearized
+    deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
+    if seeded:
+        output, ct, batched = seeded
+        ct = seed(output, value, ct, batched)
+    else:
+        ct = total(s[i] for s, i in zip(sources, positions))
+    return pullback(ct, deps, progress.dropped(stop) if len(stage.nodes) > 1 else None)
 
 
 def gradient(positions: tuple, x, *sources):
@@ -117,7 +125,7 @@ def seed(output: str, primal, ct, batched: bool = False) -> tuple:
 
 def total(cts):
     """Sum cotangents (flat tuples, one array per differentiable leaf)."""
-    return reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), cts)
+    return reduce(add, cts)
 
 
 def _describe(tree, batched: bool = False) -> str:

@@ -69,7 +69,7 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
 
     _, _, graph = build_graph(dag, x, outputs, remote=True, **kw)
     dsk = dict(dask.delayed(graph).__dask_graph__())
-    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-", "pb-"))]
+    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-"))]
     with distributed.get_task_stream(client) as ts:
         held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
         with client.as_current():

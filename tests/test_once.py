@@ -32,13 +32,17 @@ def test_node_without_differentiated_input_runs_plainly():
 
     dag = {"S": (scale, ["c"]), "y": (lambda s, x: jnp.sum(s * x), ["S", "x"])}
     inputs = {"c": jnp.ones(3), "x": jnp.arange(3.0)}
-    r = daskdag.compute_grads(dag, inputs, "y", wrt=["x"])
+    r = daskdag.compute_grads(dag, inputs, "y", wrt=["x"])  # S and y: one stage, one task
     assert seen["tracer"] is False
-    _, _, graph = build_graph(dag, inputs, "y", wrt=["x"])
-    keys = [str(k) for k in _keys(graph)]
-    assert not any(k.startswith(("pb-S-", "bwd-y-S-")) for k in keys)
-    assert any(k.startswith("pb-y-") for k in keys)
     assert jnp.allclose(r.grad["x"], 2.0)
+    with dask.config.set({"daskdag.fuse-chains": False}):  # S a stage of its own
+        r = daskdag.compute_grads(dag, inputs, "y", wrt=["x"])
+        _, _, graph = build_graph(dag, inputs, "y", wrt=["x"])
+    assert seen["tracer"] is False and jnp.allclose(r.grad["x"], 2.0)
+    keys = [str(k) for k in _keys(graph)]
+    assert any(k.startswith("fwd-S-") for k in keys)  # its value is its forward task's result
+    assert not any(k.startswith(("val-S-", "bwd-y-S-")) for k in keys)
+    assert any(k.startswith("bwd-y-y-") for k in keys)
 
 
 def _tasks(graph):
@@ -58,29 +62,55 @@ def _deps(graph):
 def test_outputs_share_one_set_of_forward_keys(seed, x5):
     dag, _, _ = seed
     _, _, both = build_graph(dag, x5, ["D", "E"])
-    _, _, only_d = build_graph(dag, x5, ["D"])
-    _, _, only_e = build_graph(dag, x5, ["E"])
     fwd = lambda g: {k for k in map(str, _keys(g)) if k.startswith("fwd-")}
 
-    # One forward task per node, and the same keys as when each output is asked for alone.
+    # One forward task per stage (chains of nodes), each node in one of them.
+    assert sorted(k.split("-")[1] for k in fwd(both)) == ["A+B", "C+D", "E"]
+
+    # Both outputs' backward passes through A+B read its single forward task; E's takes its
+    # cotangent from E's own stage, D's from C+D's.
+    deps = _deps(both)
+    (fwd_ab,) = [k for k in deps if k.startswith("fwd-A+B-")]
+    bwd_ab = [k for k in deps if k.startswith(("bwd-D-A+B-", "bwd-E-A+B-"))]
+    assert len(bwd_ab) == 2 and all(fwd_ab in deps[k] for k in bwd_ab)
+    (bwd_e_ab,) = [k for k in bwd_ab if k.startswith("bwd-E-")]
+    assert any(d.startswith("bwd-E-E-") for d in deps[bwd_e_ab])
+
+    # Node by node (fusion off), the outputs' keys are those each gets when asked for alone.
+    with dask.config.set({"daskdag.fuse-chains": False}):
+        _, _, both = build_graph(dag, x5, ["D", "E"])
+        _, _, only_d = build_graph(dag, x5, ["D"])
+        _, _, only_e = build_graph(dag, x5, ["E"])
     assert sorted(k.split("-")[1] for k in fwd(both)) == ["A", "B", "C", "D", "E"]
     assert fwd(both) == fwd(only_d) | fwd(only_e)
     assert fwd(only_d) & fwd(only_e) == {k for k in fwd(both) if k.split("-")[1] in "AB"}
 
-    # Both outputs' backward passes through B read the single pullback of B.
-    deps = _deps(both)
-    (pb_b,) = [k for k in deps if k.startswith("pb-B-")]
-    bwd_b = [k for k in deps if k.startswith(("bwd-D-B-", "bwd-E-B-"))]
-    assert len(bwd_b) == 2 and all(pb_b in deps[k] for k in bwd_b)
-    # E's backward at B takes its cotangent from E alone; D's from C.
-    (bwd_e_b,) = [k for k in bwd_b if k.startswith("bwd-E-")]
-    assert any(d.startswith("bwd-E-E-") for d in deps[bwd_e_b])
+
+def test_chains_fuse_but_fan_out_keeps_its_tasks():
+    """x -> A -> B -> {C, D}; C -> E: A+B and C+E fuse, D stays alone; every node once."""
+    calls = []
+
+    def node(name, f):
+        return lambda *a: (calls.append(name), f(*a))[1]
+
+    dag = {"A": (node("A", jnp.sin), ["x"]), "B": (node("B", jnp.cos), ["A"]),
+           "C": (node("C", jnp.tanh), ["B"]), "D": (node("D", jnp.sum), ["B"]),
+           "E": (node("E", jnp.sum), ["C"])}
+    x = jnp.linspace(0.0, 1.0, 4)
+    _, _, graph = build_graph(dag, x, ["D", "E"])
+    assert sorted(k.split("-")[1] for k in map(str, _keys(graph)) if k.startswith("fwd-")) == \
+        ["A+B", "C+E", "D"]
+    res = daskdag.compute_grads(dag, x, ["D", "E"])
+    assert sorted(calls) == ["A", "B", "C", "D", "E"]
+    f = lambda x: jnp.cos(jnp.sin(x))
+    assert jnp.allclose(res["D"].grad, jax.grad(lambda x: jnp.sum(f(x)))(x))
+    assert jnp.allclose(res["E"].grad, jax.grad(lambda x: jnp.sum(jnp.tanh(f(x))))(x))
 
 
 def test_graph_layers_follow_placement_not_node_count():
-    """A 300-node chain is one graph layer (one ``delayed`` call per task made building
-    quadratic); a GPU node in the middle adds layers annotated with its resources, holding
-    exactly its own forward and backward tasks."""
+    """A 300-node chain is one stage, in one graph layer (one ``delayed`` call per task made
+    building quadratic); a GPU node in the middle splits it and adds layers annotated with its
+    resources, holding exactly its own forward and backward tasks."""
     def f(h):
         return jnp.sin(h)
 
@@ -89,6 +119,11 @@ def test_graph_layers_follow_placement_not_node_count():
     _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
     value, grads = graph[names[-1]]
     assert len(value.dask.layers) == 1 and value.dask is grads["x"].dask
+    assert [k.split("-")[1] for k in map(str, _keys(graph)) if k.startswith("fwd-")] == \
+        ["n0+298more+n299"]
+    with dask.config.set({"daskdag.fuse-chains": False}):
+        _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
+    assert len(graph[names[-1]][0].dask.layers) == 1
     assert sum(str(k).startswith("fwd-") for k in _keys(graph)) == 300
 
     dag["n150"] = daskdag.Node(f, ["n149"], device="gpu")
@@ -98,5 +133,5 @@ def test_graph_layers_follow_placement_not_node_count():
     # forward before n150, n150, after it; backward down to n150, n150, below it
     assert [bool(layer.annotations) for layer in layers] == [False, True, False, True, False]
     assert all(layer.annotations == {"resources": {"GPU": 1}} for layer in layers if layer.annotations)
-    assert {k.split("-")[0] for k in placed} == {"fwd", "val", "pb", "bwd"}
-    assert all("-n150-" in k for k in placed) and len(placed) == 4
+    assert {k.split("-")[0] for k in placed} == {"fwd", "val", "bwd"}
+    assert all("-n150-" in k for k in placed) and len(placed) == 3
