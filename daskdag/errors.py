@@ -68,6 +68,8 @@ def node_errors(node: str, phase: str):
     """
     try:
         yield
+    except NodeError:  # already names its node (one of a fused stage's)
+        raise
     except (Exception, KeyboardInterrupt, SystemExit) as e:
         if _may_be_ctrl_c(e):
             raise

@@ -18,8 +18,6 @@ which made building quadratic in the number of nodes (2 s for a 1,000-node chain
 
 from __future__ import annotations
 
-from operator import getitem
-
 import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
@@ -58,10 +56,10 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     stages = make_stages(plan)
     stage_of = {n: s for s in stages for n in s.nodes}
 
-    # Forward: each stage once, its nodes in order, under jax.vjp those that depend on a
-    # differentiated input; a val- task takes the value apart from the pullback, so later
-    # stages never fetch residuals.
-    linearized = {}  # stage -> its forward task, (value, pullback)
+    # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
+    # input); val- tasks take its values apart from its pullback, so later stages never fetch
+    # residuals.
+    linearized = {}  # stage -> its forward task, (values, pullback)
     for s in stages:
         nodes = [spec.nodes[n] for n in s.nodes]
         sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
@@ -71,26 +69,32 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                      *(val[d] for d in s.deps))
         if s.linearized:
             linearized[s] = fwd
-            val[s.last] = g.task(f"val-{s.name}-{tok}", dict(s.needs), getitem, fwd, 0)
-        else:
-            val[s.last] = fwd
+        for k, n in enumerate(s.outputs):
+            val[n] = fwd if not s.linearized and len(s.outputs) == 1 else g.task(
+                f"val-{n}-{tok}", dict(s.needs), tasks.pick, fwd, s.linearized, k)
 
-    # Backward, per output: a stage's cotangent is the sum of its consumer stages' shares, or
-    # the output's seed.
+    # Backward, per output: the cotangent of a stage's exposed node is the sum of its consumer
+    # stages' shares, or the output's seed.
     results = {}
     for o in plan.outputs:
         on_path, bwd = set(plan.backward[o]), {}
         for s in reversed(stages):
-            if s.last not in on_path:
+            if not any(n in on_path for n in s.outputs):
                 continue
-            if s.last == o:
-                seeded, sources, positions = (o, cotangents.get(o), batched), [], ()
-            else:
-                seeded = None
-                sources, positions = _shares(s.last, plan.consumers(s.last, o), stage_of, bwd)
-            tok = tokenize(linearized[s].key, seeded, [r.key for r in sources], positions)
-            bwd[s] = g.task(f"bwd-{o}-{s.name}-{tok}", dict(s.needs), tasks.backward, s, stop, positions,
-                            seeded, linearized[s], *(val[d] for d in s.deps), *sources)
+            flows, sources = [], []
+            for n in s.outputs:
+                if n == o:
+                    flows.append(("seed", o, cotangents.get(o), batched))
+                elif n in on_path:
+                    refs, positions = _shares(n, plan.consumers(n, o), stage_of, bwd, s)
+                    flows.append(tuple((len(sources) + k, p) for k, p in enumerate(positions))
+                                 or None)
+                    sources.extend(refs)
+                else:
+                    flows.append(None)
+            tok = tokenize(linearized[s].key, flows, [r.key for r in sources])
+            bwd[s] = g.task(f"bwd-{o}-{s.name}-{tok}", dict(s.needs), tasks.backward, s, stop,
+                            tuple(flows), linearized[s], *(val[d] for d in s.deps), *sources)
         grads = {}
         for i in plan.wrt:
             sources, positions = _shares(i, plan.consumers(i, o), stage_of, bwd)
@@ -105,10 +109,10 @@ def _itself(x):
     return x
 
 
-def _shares(name, uses, stage_of, bwd):
+def _shares(name, uses, stage_of, bwd, within=None):
     """The backward tasks of the stages that consume ``name`` (``uses``: its consuming nodes),
-    and its position among each stage's deps."""
-    consumers = list(dict.fromkeys(stage_of[c] for c, _ in uses))
+    other than its own stage ``within``, and its position among each one's deps."""
+    consumers = [s for s in dict.fromkeys(stage_of[c] for c, _ in uses) if s is not within]
     return [bwd[s] for s in consumers], tuple(s.deps.index(name) for s in consumers)
 
 

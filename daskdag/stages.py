@@ -1,29 +1,47 @@
 """Stages: the units a call runs as Dask tasks, between the plan and the graph.
 
 In:  a :class:`~daskdag.plan.Plan`.
-Out: its needed nodes grouped into :class:`Stage` s, in topological order. Nothing here runs.
+Out: its needed nodes grouped into :class:`Stage` s, in topological order. Nothing here runs
+     a node; :func:`linearize` runs a stage's nodes, in its forward task.
 
-A stage is a chain of nodes ``n1 -> n2 -> ... -> nk`` that runs as one forward task and, per
-output, one backward task: each node but the last feeds only the next one and is no requested
-output, and all need the same resources. Within the chain every edge is a dependency Dask
-could never use (the next node needs the value at once, on the same kind of worker), while on
-a ``distributed`` cluster each task costs a scheduler round trip of a few milliseconds. Nodes
-with several consumers end their stage, so fan-out keeps its parallelism; every node is still
-called once, eagerly unless it says ``jit=True``, in the order of the chain.
+A stage runs as one forward task and, per output, one backward task. Two kinds:
 
-``dask.config`` ``daskdag.fuse-chains`` (default True): False makes every node its own stage.
+- **chains** of eager nodes ``n1 -> n2 -> ... -> nk``: each node but the last feeds only the next
+  and is no requested output. Every edge in a chain is a dependency Dask could never use (the
+  next node needs the value at once), while on a ``distributed`` cluster each task costs a
+  scheduler round trip of a few milliseconds. The nodes run one by one, each under its own
+  ``jax.vjp``, so they keep their semantics: called once, in order, eagerly unless ``jit=True``,
+  Python control flow and side effects included. A node with several consumers ends its chain,
+  so fan-out keeps its parallelism.
+- **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
+  function of the group's inputs, linearized once as one XLA program (in a sweep,
+  ``jit(vmap(vjp))`` over the chunk), so XLA sees across node boundaries. Several of its nodes
+  may be used outside it (or be requested outputs); their values are the stage's ``exposed``
+  values.
+
+All nodes of a stage need the same resources. ``dask.config`` ``daskdag.fuse-chains`` (default
+True): False makes every node its own stage.
 """
 
 from __future__ import annotations
 
+import contextlib
+import graphlib
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import dask
+import jax.numpy as jnp
 
+from .chunked import Chunked, chunk_of
 from .errors import node_errors
-from .progress import Cancelled
 from .plan import Plan
+from .progress import Cancelled
+from .pullback import ct_avals, differentiable_leaves, linearize as linearize_node
+from .shipping import unwrap
+from .spec import Node
 
 FUSE = "daskdag.fuse-chains"
 
@@ -32,15 +50,18 @@ FUSE = "daskdag.fuse-chains"
 class Stage:
     """Nodes run in one task. ``sources[j][k]`` says where node ``j``'s ``k``-th dep comes from:
     ``("dep", i)`` is ``deps[i]``, a value from outside the stage (a free input or another
-    stage's last node); ``("node", i)`` is the stage's own node ``i``. ``active[j][k]``: that
-    dep is differentiated (a ``wrt`` input or a node that depends on one). Only the last node's
-    value leaves the stage."""
+    stage's node); ``("node", i)`` is the stage's own node ``i``. ``active[j][k]``: that dep is
+    differentiated (a ``wrt`` input or a node that depends on one). ``exposed``: indices of the
+    nodes whose values leave the stage (used by other stages, or requested). ``fused``: its
+    nodes run as one jitted function (see the module's docstring)."""
 
     nodes: tuple[str, ...]
     deps: tuple[str, ...]
     sources: tuple[tuple[tuple[str, int], ...], ...]
     active: tuple[tuple[bool, ...], ...]
+    exposed: tuple[int, ...]
     needs: tuple  # the nodes' Dask resources, as sorted (name, amount) pairs
+    fused: bool = False
 
     @property
     def name(self) -> str:
@@ -50,44 +71,83 @@ class Stage:
         return f"{self.nodes[0]}+{len(self.nodes) - 2}more+{self.nodes[-1]}"
 
     @property
-    def last(self) -> str:
-        return self.nodes[-1]
+    def outputs(self) -> tuple[str, ...]:
+        """The names of the exposed nodes."""
+        return tuple(self.nodes[j] for j in self.exposed)
 
     @property
     def linearized(self) -> bool:
-        """Some node runs under ``jax.vjp``: the forward task leaves a :class:`StagePullback`."""
+        """Some node runs under ``jax.vjp``: the forward task leaves a pullback."""
         return any(any(a) for a in self.active)
+
+    def dep_active(self) -> tuple[bool, ...]:
+        """Per dep: differentiated by some node of the stage."""
+        on = [False] * len(self.deps)
+        for sources, active in zip(self.sources, self.active):
+            for (kind, i), a in zip(sources, active):
+                if kind == "dep" and a:
+                    on[i] = True
+        return tuple(on)
 
 
 def make_stages(plan: Plan) -> tuple[Stage, ...]:
-    """The plan's needed nodes as chains (see the module's docstring), in topological order."""
+    """The plan's needed nodes as stages (see the module's docstring), in topological order."""
     spec, needed = plan.spec, set(plan.needed)
     fuse = dask.config.get(FUSE, True)
-    chains: list[list[str]] = []
-    chain_of: dict[str, list[str]] = {}
+    groups: list[list[str]] = []
+    group_of: dict[str, int] = {}
+    jittable: dict[int, bool] = {}
+    takes: dict[int, set[int]] = {}  # group -> the groups it takes values from
+
+    def consumers(d):
+        return {c for c, _ in spec.uses.get(d, ()) if c in needed}
+
+    def comes_after(e, g):  # group e takes values from g, directly or not
+        seen, stack = set(), [e]
+        while stack:
+            h = stack.pop()
+            if h == g:
+                return True
+            if h not in seen:
+                seen.add(h)
+                stack.extend(takes[h])
+        return False
+
     for n in plan.needed:
-        node = spec.nodes[n]
-        chain = None
-        if fuse:
-            for d in dict.fromkeys(node.deps):
-                if (d in chain_of and chain_of[d][-1] == d and d not in plan.outputs
-                        and {c for c, _ in spec.uses[d] if c in needed} == {n}
-                        and spec.nodes[d].needs == node.needs):
-                    chain = chain_of[d]
+        node, deps = spec.nodes[n], [d for d in dict.fromkeys(spec.nodes[n].deps) if d in group_of]
+        kind = _jittable(node)
+        joined = None
+        for d in deps if fuse else ():
+            g = group_of[d]
+            if spec.nodes[d].needs != node.needs or jittable[g] != kind:
+                continue
+            if kind:  # fused: any connected group no other dep of n comes after
+                if not any(comes_after(group_of[e], g) for e in deps if group_of[e] != g):
+                    joined = g
                     break
-        if chain is None:
-            chain = []
-            chains.append(chain)
-        chain.append(n)
-        chain_of[n] = chain
-    # A chain may grow past a later chain's start (D joining B's in a diamond A->B,C->D): in
-    # the order of their last nodes, every stage comes after those it takes values from.
-    position = {n: k for k, n in enumerate(plan.needed)}
-    chains.sort(key=lambda c: position[c[-1]])
-    return tuple(_stage(plan, tuple(c)) for c in chains)
+            elif groups[g][-1] == d and d not in plan.outputs and consumers(d) == {n}:  # chain
+                joined = g
+                break
+        if joined is None:
+            joined = len(groups)
+            groups.append([])
+            jittable[joined], takes[joined] = kind, set()
+        groups[joined].append(n)
+        group_of[n] = joined
+        takes[joined] |= {group_of[e] for e in deps} - {joined}
+    # A group may grow past a later group's start (D joining B's in a diamond A->B,C->D): order
+    # the groups by what they take from each other.
+    order = graphlib.TopologicalSorter(takes).static_order()
+    return tuple(_stage(plan, tuple(groups[g]), jittable[g] and len(groups[g]) > 1, consumers)
+                 for g in order)
 
 
-def _stage(plan: Plan, nodes: tuple[str, ...]) -> Stage:
+def _jittable(node: Node) -> bool:
+    chunk = chunk_of(node)
+    return chunk.node.vmap if chunk is not None else node.jit
+
+
+def _stage(plan: Plan, nodes: tuple[str, ...], fused: bool, consumers) -> Stage:
     spec, index = plan.spec, {n: j for j, n in enumerate(nodes)}
     deps: dict[str, int] = {}
     sources, active = [], []
@@ -96,20 +156,58 @@ def _stage(plan: Plan, nodes: tuple[str, ...]) -> Stage:
         sources.append(tuple(("node", index[d]) if d in index else ("dep", deps.setdefault(d, len(deps)))
                              for d in ds))
         active.append(tuple(d in plan.wrt or d in plan.active for d in ds))
+    exposed = tuple(j for j, n in enumerate(nodes)
+                    if n in plan.outputs or any(c not in index for c in consumers(n)))
     needs = tuple(sorted(spec.nodes[nodes[0]].needs.items()))
-    return Stage(nodes, tuple(deps), tuple(sources), tuple(active), needs)
+    return Stage(nodes, tuple(deps), tuple(sources), tuple(active), exposed, needs, fused)
+
+
+# -- running a stage ------------------------------------------------------------------------------
+
+def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
+    """Run the stage's ``nodes`` on the values of its ``deps``. Returns the exposed values (a
+    tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
+    pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
+    if stage.fused:
+        return _linearize_fused(stage, nodes, deps)
+    values, pullbacks = [], []
+    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
+        if values and dropped is not None and dropped():
+            raise Cancelled(f"the call no longer waits for node {name!r}")
+        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+        with node_errors(name, "forward"):
+            if any(active):
+                chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
+                primal, pullback = (chunk.linearize(inputs, active) if chunk else
+                                    linearize_node(node, inputs, active))
+            else:
+                primal, pullback = node.callable()(*inputs), None
+        if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
+            with node_errors(name, "forward"):
+                raise TypeError("its function returned None; a node must return its value, a JAX "
+                                "array or a pytree of arrays (is a `return` missing?)")
+        values.append(primal)
+        pullbacks.append(pullback)
+    exposed = tuple(values[j] for j in stage.exposed)
+    if not stage.linearized:
+        return exposed
+    # Keep the values that a node's pullback may take as inputs; drop the rest now.
+    taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
+             for kind, i in sources if kind == "node"}
+    kept = [v if j in taken else None for j, v in enumerate(values)]
+    return exposed, StagePullback(stage, pullbacks, kept)
 
 
 class StagePullback:
-    """The backward half of a stage's forward task: its nodes' pullbacks, and the values of its
-    own nodes that later nodes took as inputs (a pullback that moved to another process takes
-    its input residuals from them, see :class:`~daskdag.pullback.Pullback`).
+    """The backward half of a chain stage: its nodes' pullbacks, and the values of its own nodes
+    that later nodes took as inputs (a pullback that moved to another process takes its input
+    residuals from them, see :class:`~daskdag.pullback.Pullback`).
 
-    Call: ``pullback(ct, deps, dropped=None)``, with the cotangent of the stage's last node (a
-    flat tuple, see :mod:`daskdag.pullback`) and the values of ``stage.deps``; returns a tuple
-    aligned with ``stage.deps``: each dep's cotangent, ``None`` where none flows. A node that
-    fails is named in a :class:`~daskdag.NodeError`. ``dropped()``, asked between two nodes,
-    stops it (:class:`~daskdag.progress.Cancelled`) when true.
+    Call: ``pullback(cts, deps, dropped=None)``, with one cotangent per exposed node (a flat
+    tuple, see :mod:`daskdag.pullback`; ``None`` where none flows) and the values of
+    ``stage.deps``; returns a tuple aligned with ``stage.deps``: each dep's cotangent, ``None``
+    where none flows. A node that fails is named in a :class:`~daskdag.NodeError`.
+    ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`) when true.
     """
 
     __slots__ = ("stage", "pullbacks", "values")
@@ -117,22 +215,25 @@ class StagePullback:
     def __init__(self, stage: Stage, pullbacks: Sequence[Any], values: Sequence[Any]):
         self.stage, self.pullbacks, self.values = stage, tuple(pullbacks), tuple(values)
 
-    def __call__(self, ct: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
         stage = self.stage
-        cts: list = [None] * len(stage.nodes)
-        cts[-1] = ct
+        flowing: list = [None] * len(stage.nodes)
+        for j, ct in zip(stage.exposed, cts):
+            flowing[j] = ct
         out: list = [None] * len(stage.deps)
+        ran = False
         for j in reversed(range(len(stage.nodes))):
-            if self.pullbacks[j] is None or cts[j] is None:  # held constant, or nothing flows
+            if self.pullbacks[j] is None or flowing[j] is None:  # held constant, or nothing flows
                 continue
-            if dropped is not None and j < len(stage.nodes) - 1 and dropped():
+            if ran and dropped is not None and dropped():
                 raise Cancelled(f"the call no longer waits for node {stage.nodes[j]!r}")
             inputs = [deps[i] if kind == "dep" else self.values[i] for kind, i in stage.sources[j]]
             with node_errors(stage.nodes[j], "backward"):
-                shares = self.pullbacks[j](cts[j], inputs)
+                shares = self.pullbacks[j](flowing[j], inputs)
+            ran = True
             for (kind, i), share in zip(stage.sources[j], shares):
                 if share is not None:
-                    into = out if kind == "dep" else cts
+                    into = out if kind == "dep" else flowing
                     into[i] = share if into[i] is None else add(into[i], share)
         return tuple(out)
 
@@ -144,6 +245,108 @@ class StagePullback:
 
     def __reduce__(self):  # node pullbacks pickle as their portable forms, arrays out of band
         return StagePullback, (self.stage, self.pullbacks, self.values)
+
+
+# -- fused stages ---------------------------------------------------------------------------------
+
+class Fused:
+    """A fused stage's nodes as one function: the values of its deps in, its exposed values (a
+    tuple) out. ``fns``: the nodes' plain functions (item by item in a sweep), held weakly
+    where they can be, so that a cached ``Fused`` (and JAX's compilations of it) keeps no user
+    function alive."""
+
+    def __init__(self, stage: Stage, fns: Sequence):
+        self.stage = stage
+        self._fns = tuple(_weak(f) for f in fns)
+
+    @property
+    def fns(self) -> tuple:
+        return tuple(f() for f in self._fns)
+
+    def __call__(self, *deps):
+        values = []
+        for name, fn, sources in zip(self.stage.nodes, self.fns, self.stage.sources):
+            with node_errors(name, "forward"):
+                values.append(fn(*[deps[i] if kind == "dep" else values[i] for kind, i in sources]))
+        return tuple(values[j] for j in self.stage.exposed)
+
+    def __reduce__(self):
+        return Fused, (self.stage, self.fns)
+
+
+def _weak(fn):
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
+
+
+_fused_lock = threading.Lock()
+_fused: dict = {}  # (stage, ids of fns) -> the stage as one Node, while its node functions live
+
+
+def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Node:
+    """The fused stage as one node, the same object while the same node functions live: JAX
+    caches compilations by function, so later calls and chunks compile nothing. In a sweep it
+    is a chunk's node (``vmap=True`` over its ``Chunked`` deps' item axes)."""
+    chunks = [chunk_of(n) for n in nodes]
+    fns = [unwrap(c.node.fn) if c else unwrap(n.fn) for c, n in zip(chunks, nodes)]
+    key = (stage, tuple(map(id, fns)))
+    with _fused_lock:
+        hit = _fused.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
+            return hit[0]
+    fused = Fused(stage, fns)
+    if chunks[0] is None:
+        node = Node(fused, stage.deps, jit=True)
+    else:
+        in_axes = [None] * len(stage.deps)
+        for c, sources in zip(chunks, stage.sources):
+            for (kind, i), axis in zip(sources, c.in_axes):
+                if kind == "dep":
+                    in_axes[i] = axis
+        node = Node(Chunked(Node(fused, stage.deps, vmap=True), tuple(in_axes)), stage.deps)
+    with _fused_lock:
+        _fused[key] = node, fused
+        for f in fns:  # the entry goes with the first of its functions to go
+            with contextlib.suppress(TypeError):
+                weakref.finalize(f, _fused.pop, key, None)
+    return node
+
+
+def _linearize_fused(stage: Stage, nodes, deps):
+    node = _fused_node(stage, nodes)
+    chunk = chunk_of(node)
+    with node_errors(stage.name, "forward"):
+        if not stage.linearized:
+            return node.callable()(*deps)
+        active = stage.dep_active()
+        values, pullback = (chunk.linearize(deps, active) if chunk else
+                            linearize_node(node, deps, active))
+    avals = [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
+    return values, FusedPullback(stage, pullback, avals)
+
+
+class FusedPullback:
+    """The backward half of a fused stage: one program. Called as :class:`StagePullback`;
+    exposed nodes no cotangent flows to get zeros (``avals``: their differentiable leaves)."""
+
+    __slots__ = ("stage", "pullback", "avals")
+
+    def __init__(self, stage: Stage, pullback, avals):
+        self.stage, self.pullback, self.avals = stage, pullback, avals
+
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        flat = [leaf for ct, avals in zip(cts, self.avals)
+                for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
+        with node_errors(self.stage.name, "backward"):
+            return self.pullback(tuple(flat), deps)
+
+    def residual_nbytes(self) -> int:
+        return self.pullback.residual_nbytes()
+
+    def __reduce__(self):
+        return FusedPullback, (self.stage, self.pullback, self.avals)
 
 
 def add(a: tuple, b: tuple) -> tuple:

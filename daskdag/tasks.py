@@ -13,70 +13,56 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
-from . import progress
-from .chunked import chunk_of
-from .errors import NodeError, node_errors
-from .pullback import is_differentiable, is_numeric, linearize
-from .stages import Stage, StagePullback, add
+from . import progress, stages
+from .pullback import is_differentiable, is_numeric
+from .stages import Stage, add
 
 
 def forward(stage: Stage, stop, *args):
-    """Run the stage's nodes in order. ``args``: the stage's ``Node`` s, then the values of its
-    ``deps``. Returns the last node's value, and with it a :class:`StagePullback` when some
-    node ran under ``jax.vjp``: ``(value, pullback)``.
+    """Run the stage (:func:`daskdag.stages.linearize`). ``args``: the stage's ``Node`` s, then
+    the values of its ``deps``. Returns ``(exposed values, pullback)`` when some node ran under
+    ``jax.vjp``, else the exposed values, or the value itself when it is one.
 
     Between two nodes it stops (:class:`~daskdag.progress.Cancelled`) once no one waits for it
     (:func:`~daskdag.progress.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
     stops a call at its next node, as it did when every node was a task of its own.
     """
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    values, pullbacks = [], []
-    dropped = progress.dropped(stop) if len(stage.nodes) > 1 else None
-    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
-        if values and dropped():
-            raise progress.Cancelled(f"the call no longer waits for node {name!r}")
-        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
-        with node_errors(name, "forward"):
-            if any(active):
-                chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
-                primal, pullback = (chunk.linearize(inputs, active) if chunk else
-                                    linearize(node, inputs, active))
-            else:
-                primal, pullback = node.callable()(*inputs), None
-        if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
-            raise NodeError(name, "forward", TypeError(
-                "its function returned None; a node must return its value, a JAX array or a "
-                "pytree of arrays (is a `return` missing?)"))
-        values.append(primal)
-        pullbacks.append(pullback)
-    if not stage.linearized:
-        return values[-1]
-    # Keep the values that a later node's pullback may take as inputs; drop the rest now.
-    taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
-             for kind, i in sources if kind == "node"}
-    kept = [v if j in taken else None for j, v in enumerate(values[:-1])]
-    return values[-1], StagePullback(stage, pullbacks, kept)
+    out = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
+    return out[0] if not stage.linearized and len(out) == 1 else out
 
 
-def backward(stage: Stage, stop, positions: tuple, seeded: tuple | None, linearized, *args):
-    """Pull the cotangent of the stage's last node back to the stage's deps.
+def pick(out, linearized: bool, k: int):
+    """The ``k``-th exposed value from a forward task's result."""
+    return (out[0] if linearized else out)[k]
 
-    ``linearized`` is the forward task's ``(value, pullback)``. ``args`` are the values of the
+
+def backward(stage: Stage, stop, flows: tuple, linearized, *args):
+    """Pull the cotangents of the stage's exposed nodes back to the stage's deps.
+
+    ``linearized`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
     stage's deps (a pullback that moved takes its input residuals from them), then the sources of
-    the cotangent, the sum of its shares ``sources[k][positions[k]]``: ``sources[k]`` is what a
-    consumer stage on the path to the output pulled back, ``positions[k]`` this stage's place
-    among that stage's deps. When the last node is the output itself, ``seeded`` is
-    ``(output, ct, batched)`` for :func:`seed`, and there are no sources. ``stop``: as for
-    :func:`forward`.
+    the cotangents. Per exposed node, ``flows`` says where its cotangent comes from: ``None``,
+    nowhere (it is on no path to the output); ``("seed", output, ct, batched)``, it is the output
+    (:func:`seed`); else ``((source, position), ...)``, the sum of its shares
+    ``sources[source][position]``: what each consumer stage on the path to the output pulled
+    back, at this node's place among that stage's deps. ``stop``: as for :func:`forward`.
     """
-    value, pullback = linearized
+    values, pullback = linearized
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
-    if seeded:
-        output, ct, batched = seeded
-        ct = seed(output, value, ct, batched)
-    else:
-        ct = total(s[i] for s, i in zip(sources, positions))
-    return pullback(ct, deps, progress.dropped(stop) if len(stage.nodes) > 1 else None)
+    cts = []
+    for value, flow in zip(values, flows):
+        if flow is None:
+            cts.append(None)
+        elif flow[0] == "seed":
+            cts.append(seed(flow[1], value, *flow[2:]))
+        else:
+            cts.append(total(sources[s][i] for s, i in flow))
+    return pullback(tuple(cts), deps, _dropped(stage, stop))
+
+
+def _dropped(stage: Stage, stop):
+    return progress.dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
 def gradient(positions: tuple, x, *sources):

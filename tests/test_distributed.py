@@ -16,6 +16,7 @@ from daskdag.cluster import workers as live_workers
 from daskdag.pullback import Pullback, linearize
 
 from .conftest import assert_tree_close, compute_split
+from .test_stages import _composed, _jit_dag
 
 pytestmark = pytest.mark.cluster
 
@@ -280,3 +281,16 @@ def test_jax_arrays_travel_as_numpy_frames(dtype):
     b = deserialize(header, frames)
     assert isinstance(b, jax.Array) and b.dtype == a.dtype
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+@pytest.mark.timeout(120)
+def test_fused_and_chain_pullbacks_move_between_workers(client):
+    a, b = sorted(client.scheduler_info()["workers"])
+    x = jnp.linspace(-1.0, 1.0, 5)
+    dag = _jit_dag([])  # (from test_stages)
+    dag.update({"P": (jnp.cos, ["E"]), "Q": (lambda p: p * 3.0, ["P"])})  # + an eager chain
+    res, ran = compute_split(client, dag, x, ["Q"], a, b)
+    assert {k.split("-")[1] for k in ran if k.startswith("fwd-")} == {"A+3more+E", "P+Q"}
+    want = jax.value_and_grad(lambda x: jnp.cos(_composed(x)[1]) * 3.0)(x)
+    assert_tree_close(res["Q"][0], want[0], rtol=1e-5)
+    assert_tree_close(res["Q"][1]["x"], want[1], rtol=1e-5)
