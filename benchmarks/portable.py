@@ -34,7 +34,7 @@ makes a new key; each repetition checks, with ``programs.stats()``, that its fir
 exported, its first deserialize compiled and its second one hit the cache.
 
 Deserializing here skips the copy a transfer between processes makes, so the node is also run
-on a real two-worker process ``LocalCluster`` (one XLA thread per worker; see ``common.py``) as
+on the default two-worker process ``LocalCluster`` (``2w`` in ``common.CLUSTERS``) as
 a one-node DAG, three ways per repetition, timed from submission to results in this process:
 
   one_step     ``client.compute(graph, workers=[a])``: no move.
