@@ -1,4 +1,4 @@
-"""Scenario 1: K scalar heads over one expensive shared trunk, values and gradients six ways.
+"""Scenario 1: K scalar heads over one expensive shared trunk, values and gradients seven ways.
 
     x -> t0 -> t1 -> ... -> t_mid -> ... -> t_last
                               \\________________\\____> head_k(t_mid, t_last),  k = 0..K-1
@@ -13,14 +13,14 @@ jit:   every daskdag node is ``Node(..., jit=True)``; the JAX baselines jit what
 
 The methods:
 
-naive:          ``jax.value_and_grad`` of each composed head (jit: each one jitted): the trunk's
-                forward and backward pass run K times.
-hand_written:   ``jax.vjp`` of the trunk once (jit: of ``jax.jit(trunk)``), ``jax.vjp`` of each
-                head on its output, then K trunk pullbacks: the VJP plumbing of the seed
-                question. The baseline: it does the same JAX work as daskdag.
-jax_jit_all:    (jit only) one ``jax.jit`` of all K ``value_and_grad``\\ s: XLA sees the whole
-                program, shares the trunk's forward pass and fuses across nodes; the limit for a
-                DAG that can be jitted whole.
+naive:              ``jax.value_and_grad`` of each composed head (jit: each one jitted): the
+                    trunk's forward and backward pass run K times.
+hand_written:       ``jax.vjp`` of the trunk once (jit: of ``jax.jit(trunk)``), ``jax.vjp`` of
+                    each head on its output, then K trunk pullbacks: the VJP plumbing of the
+                    seed question. The baseline: it does the same JAX work as daskdag.
+jax_jit_all:        (jit only) one ``jax.jit`` of all K ``value_and_grad``\\ s: XLA sees the
+                    whole program, shares the trunk's forward pass and fuses across nodes; the
+                    limit for a DAG that can be jitted whole.
 daskdag_threads:    ``daskdag.compute_grads(dag, x, heads)`` on Dask's threaded scheduler.
 daskdag_2w:         the same call on the default 2-worker process ``LocalCluster`` (``2w`` in
                     ``common.CLUSTERS``, as a user starts one). The first call sends the node
@@ -28,9 +28,10 @@ daskdag_2w:         the same call on the default 2-worker process ``LocalCluster
                     kept on the cluster (``daskdag.resident``).
 daskdag_2w_tuned:   the same on the tuned 2-worker cluster (``2w_tuned``: pinned workers,
                     ``MALLOC_TRIM_THRESHOLD_`` unset), a labelled extra, not a headline.
-torch:          the same DAG in PyTorch (CPU, eager, the same float32 weights): one forward
-                pass, then ``torch.autograd.grad(head_k, x, retain_graph=True)`` per head.
-                Skipped, and said so, when torch is not installed (``pip install -e '.[bench]'``).
+torch:              the same DAG in PyTorch (CPU, eager, the same float32 weights): one forward
+                    pass, then ``torch.autograd.grad(head_k, x, retain_graph=True)`` per head.
+                    Skipped, and said so, when torch is not installed
+                    (``pip install -e '.[bench]'``).
 
 Each method runs once first (its warm-up: compiles, starts caches), checked against naive (JAX
 methods to ``RTOL``, torch to ``RTOL_TORCH``, relative to each result's largest entry), then
