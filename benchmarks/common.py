@@ -15,6 +15,9 @@ The clusters (:func:`clusters`), as the JSON's ``clusters`` records them:
                 worker at start-up because this file is its preload module), and started without
                 ``MALLOC_TRIM_THRESHOLD_`` (:func:`worker_environment`).
 
+Starting a cluster leaves this process's ``os.environ`` as it was (:func:`_environ_kept`), so
+processes a scenario starts later are plain ones, whatever the nannies set for their workers.
+
 Why the tuned variant pins: XLA's CPU client sizes its intra-op thread pool by the CPUs its
 process may run on, so two default workers on two cores each have a pool as wide as the machine
 and fight over the cores when both compute. ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``
@@ -126,18 +129,9 @@ def worker_environment() -> dict:
 
 @contextmanager
 def clusters(names=tuple(CLUSTERS)) -> Iterator[dict[str, distributed.Client]]:
-    """``{name: client}`` for each of ``names`` (keys of :data:`CLUSTERS`), all up at once.
-
-    The tuned ones start first: a default nanny also writes ``MALLOC_TRIM_THRESHOLD_`` into this
-    process's ``os.environ`` when it spawns its worker, and every worker started later would
-    inherit it, whatever the config says."""
-    order = sorted(names, key=lambda n: not CLUSTERS[n][1])
+    """``{name: client}`` for each of ``names`` (keys of :data:`CLUSTERS`), all up at once."""
     with contextlib.ExitStack() as stack:
-        started = {}
-        for name in order:
-            n_workers, tuned = CLUSTERS[name]
-            started[name] = stack.enter_context(cluster(n_workers, tuned=tuned))
-        yield {name: started[name] for name in names}
+        yield {name: stack.enter_context(cluster(*CLUSTERS[name])) for name in names}
 
 
 @contextmanager
@@ -147,31 +141,39 @@ def cluster(n_workers: int = N_WORKERS, tuned: bool = False) -> Iterator[distrib
     ``MALLOC_TRIM_THRESHOLD_``.
 
     The client is not made the default one, so daskdag calls without ``client=`` keep using
-    Dask's threaded scheduler.
+    Dask's threaded scheduler. This process's ``os.environ`` is left as it was (see
+    :func:`_environ_kept`).
     """
     kwargs = dict(n_workers=n_workers, threads_per_worker=1, processes=True,
                   dashboard_address=":0")
     with contextlib.ExitStack() as stack:
         if tuned:
             stack.enter_context(dask.config.set(worker_environment()))
-            stack.enter_context(_without_env(TRIM))
             kwargs["preload"] = [__file__]
+        stack.enter_context(_environ_kept(drop=[TRIM] if tuned else []))
         local = distributed.LocalCluster(**kwargs)  # its workers have started by now
-        stack.close()
-        with local, distributed.Client(local, set_as_default=False) as client:
-            client.wait_for_workers(n_workers, timeout=120)
-            yield client
+    with local, distributed.Client(local, set_as_default=False) as client:
+        client.wait_for_workers(n_workers, timeout=120)
+        yield client
 
 
 @contextmanager
-def _without_env(name: str) -> Iterator[None]:
-    """``name`` taken out of ``os.environ`` for the block, then put back as it was."""
-    old = os.environ.pop(name, None)
+def _environ_kept(drop=()) -> Iterator[None]:
+    """``os.environ`` put back as it was after the block, ``drop``'s names taken out during it.
+
+    A nanny writes its pre-spawn variables (``MALLOC_TRIM_THRESHOLD_``, ``OMP_NUM_THREADS``, ...)
+    into this process's ``os.environ`` when it spawns its worker, so every process started
+    later (another cluster's workers, a scenario's plain processes) would inherit them. (A
+    nanny that restarts its worker writes them again; no scenario restarts one.)
+    """
+    saved = dict(os.environ)
+    for name in drop:
+        os.environ.pop(name, None)
     try:
         yield
     finally:
-        if old is not None:
-            os.environ[name] = old
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def workers(client) -> list[str]:

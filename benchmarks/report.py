@@ -8,7 +8,9 @@ Out: ``markdown(results)``, a string; ``plots(results, folder)``, the PNG files 
 Scenarios with a section of their own here get their own tables and plot; any other scenario
 gets the generic ones: each case's methods' medians, its ratios, a bar plot of the medians.
 Every scenario's section also says where each method ran (which cluster, default or tuned,
-from the method's suffix: ``_1w``, ``_2w``, ``_2w_tuned``) and lists its targets, met or not.
+from the method's suffix: ``_1w``, ``_2w``, ``_2w_tuned``; a method without one ran in this
+process, unless the scenario's optional ``"where": {method: text}`` says where) and lists its
+targets, met or not.
 """
 
 from __future__ import annotations
@@ -91,16 +93,22 @@ def _cluster_label(name: str, clusters: dict) -> str:
     return f"{label} (`{name}`)"
 
 
-def where_line(methods: list[str], clusters: dict) -> str:
-    """Which methods ran where: in this process, on each default cluster, on the tuned one."""
-    groups: dict[str | None, list[str]] = {}
+def where_line(methods: list[str], clusters: dict, where: dict | None = None) -> str:
+    """Which methods ran where: in this process, on each default cluster, on the tuned one.
+    ``where``: the scenario's own ``{method: where it ran}``, for methods that ran elsewhere
+    (plain processes, say), which their names cannot say."""
+    where = where or {}
+    groups: dict[tuple, list[str]] = {}
     for m in methods:
-        groups.setdefault(cluster_of(m), []).append(f"`{m}`")
-    parts = [("in this process (plain JAX, PyTorch or Dask's threaded scheduler)"
-              if k is None else _cluster_label(k, clusters)) + ": " + ", ".join(v)
-             for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is not None,
-                                                               "tuned" in (kv[0] or ""), kv[0]))]
-    return "Where each column ran: " + "; ".join(parts) + "."
+        if m in where:
+            key = (1, 0, where[m])
+        else:
+            c = cluster_of(m)
+            key = ((0, 0, "in this process (plain JAX, PyTorch or Dask's threaded scheduler)")
+                   if c is None else (2, "tuned" in c, _cluster_label(c, clusters)))
+        groups.setdefault(key, []).append(f"`{m}`")
+    return "Where each column ran: " + "; ".join(
+        f"{k[2]}: {', '.join(v)}" for k, v in sorted(groups.items())) + "."
 
 
 def target_items(s: dict) -> list[str]:
@@ -140,7 +148,7 @@ def summary(results: dict) -> str | None:
     if not rows:
         return None
     return ("Targets of this run (each a ratio of median times, see the rule above):\n\n"
-            + _table(["scenario", "case", "ratio", "target", "measured", "", "from"], rows))
+            + _table(["scenario", "case", "ratio", "target", "measured", "met?", "from"], rows))
 
 
 # --- The scenarios' sections --------------------------------------------------------------------
@@ -276,7 +284,7 @@ def clusters_paragraph(clusters: dict) -> str:
     """What each cluster was, and what daskdag's worker plugin did on it."""
     lines = []
     for name, c in clusters.items():
-        line = f"- `{name}`: {c.get('label', name)}, `{c['kind']}`"
+        line = f"- `{name}`: {c.get('label', c.get('xla_threads_per_worker'))}, `{c['kind']}`"
         plugin = c.get("daskdag_plugin")
         if plugin:
             set_on = sum(1 for p in plugin.values() if p and p.get("applied"))
@@ -303,7 +311,7 @@ def markdown(results: dict, images: str | None = None) -> str:
     for n, (name, s) in enumerate(results["scenarios"].items(), 1):
         out.append(f"### {n}. {s['title']}")
         out.append(SECTIONS.get(name, generic)(s))
-        out.append(where_line(_columns(s["cases"]), clusters))
+        out.append(where_line(_columns(s["cases"]), clusters, s.get("where")))
         block = _targets_block(s)
         if block:
             out.append(block)
