@@ -15,7 +15,7 @@ reports medians, ratios and its targets. Cluster methods run on the default clus
 Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with
 ``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
 measured), ``latest.md`` and one PNG per scenario. ``--update-readme`` puts the report in
-README.md between its benchmark markers. ``--quick`` takes under 3 minutes on 2 cores.
+README.md between its benchmark markers. ``--quick`` takes several minutes on 2 cores.
 ``--from-json`` measures nothing: it redraws the report of an earlier run.
 """
 
