@@ -159,7 +159,7 @@ def one_rep(kind: Kind, k: int, base: dict) -> dict[str, float]:
     node, values = kind.node(k, base)
     inputs = tuple(values.values())
     primal, pb = linearize(node, inputs, active(kind, values))
-    ct = cotangent(primal)
+    ct = tuple(jax.tree.leaves(cotangent(primal)))  # a pullback takes the output's leaves
     t = {}
     before = programs.stats()
     pb(ct, inputs)  # compiles JAX's eager ops for this repetition's new shapes
