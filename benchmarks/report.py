@@ -241,10 +241,10 @@ def sweeps(s: dict) -> str:
 def portable(s: dict) -> str:
     cases = s["cases"]
     head = ("A pullback serialized in one process and called in another: median times in this "
-            "process, bytes shipped against the residuals, and on the 2-worker cluster a "
-            "one-node DAG whose backward task runs on the other worker (`moved`) against the "
-            "same DAG on one worker (`one_step`); the receiving worker compiles each backward "
-            "program once and then finds it in its cache.")
+            "process, bytes shipped against the residuals, and on the default 2-worker cluster "
+            "(`2w`) a one-node DAG whose backward task runs on the other worker (`moved`) "
+            "against the same DAG on one worker (`one_step`); the receiving worker compiles "
+            "each backward program once and then finds it in its cache.")
     rows = []
     for c in cases:
         t = {k: v["median_s"] for k, v in c["methods"].items()}
