@@ -23,7 +23,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 # Every scenario in one run: benchmarks/results/latest.{json,md} and PNGs (QUICK=1: a short run,
-# under 3 minutes, into benchmarks/results/quick/). README=1 also updates README's report.
+# several minutes, into benchmarks/results/quick/). README=1 also updates README's report.
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(if $(QUICK),--quick,) $(if $(README),--update-readme,)
 

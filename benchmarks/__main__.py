@@ -4,15 +4,18 @@
     python -m benchmarks --from-json DIR/latest.json [--out DIR] [--update-readme]
 
 Scenarios (one module each): ``k_heads`` (K outputs over a shared trunk: daskdag against naive
-JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd), ``overhead`` (per-node
-cost against hand-written Dask graphs), ``sweeps`` (``sweep_grads`` against a loop and
-``jit(vmap)``), ``portable`` (pullbacks moved between processes). Each times its methods
-against baselines in the same run, interleaved, and reports medians and ratios.
+JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd; bytes sent per call),
+``overhead`` (per-node cost against hand-written Dask graphs), ``sweeps`` (``sweep_grads``
+against a loop and ``jit(vmap)``), ``large_sweep`` (a sweep of large items against two plain
+processes; skipped, and said so, while its module is missing), ``portable`` (pullbacks moved
+between processes). Each times its methods against baselines in the same run, interleaved, and
+reports medians, ratios and its targets. Cluster methods run on the default clusters of
+``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart.
 
 Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with
 ``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
 measured), ``latest.md`` and one PNG per scenario. ``--update-readme`` puts the report in
-README.md between its benchmark markers. ``--quick`` takes under 3 minutes on 2 cores.
+README.md between its benchmark markers. ``--quick`` takes several minutes on 2 cores.
 ``--from-json`` measures nothing: it redraws the report of an earlier run.
 """
 
@@ -29,7 +32,8 @@ from pathlib import Path
 
 from . import common, report
 
-SCENARIOS = ("k_heads", "overhead", "sweeps", "portable")
+SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable")
+ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
@@ -82,16 +86,26 @@ def measure(quick: bool, only: list[str], out: Path) -> dict:
                                   + ("" if set(only) == set(SCENARIOS) else f" --only {','.join(only)}"),
                        "started": datetime.datetime.now().isoformat(timespec="seconds")},
                "scenarios": {}}
-    counts = (1, 2) if "sweeps" in only else (2,)
-    with common.clusters(counts) as clients:
-        results["clusters"] = {k: common.describe(c) for k, c in clients.items()}
-        for name in [s for s in SCENARIOS if s in only]:
+    names = [s for s in SCENARIOS if s in only]
+    missing = [s for s in names if importlib.util.find_spec(f".{s}", __package__) is None]
+    for name in missing:
+        print(f"skipping {name}: benchmarks/{name}.py is not there", flush=True)
+        results.setdefault("skipped", {})[name] = f"benchmarks/{name}.py is not there"
+    names = [s for s in names if s not in missing]
+    wanted = ("1w", "2w", "2w_tuned") if ONE_WORKER & set(names) else ("2w", "2w_tuned")
+    with common.clusters(wanted) as clients:
+        results["clusters"] = {k: common.describe(k, c) for k, c in clients.items()}
+        for name in names:
             scenario = importlib.import_module(f".{name}", __package__)
             t = time.perf_counter()
             results["scenarios"][name] = scenario.run(quick, clients)
             results["scenarios"][name]["wall_s"] = time.perf_counter() - t
             results["run"]["wall_s"] = time.perf_counter() - started
             _write_json(out / "latest.json", results)
+        for k, c in clients.items():  # what daskdag's worker plugin did, after every call
+            results["clusters"][k]["daskdag_plugin"] = common.plugin_state(c)
+    results["run"]["wall_s"] = time.perf_counter() - started
+    _write_json(out / "latest.json", results)
     print(f"wrote {out / 'latest.json'}")
     return results
 

@@ -1,18 +1,28 @@
-"""Shared by the scenarios: timing methods interleaved, the machine's description, and the
-``distributed`` clusters, whose worker processes use one XLA thread each.
+"""Shared by the scenarios: timing methods interleaved, the machine's description, the bytes a
+call sends to a cluster, and the ``distributed`` clusters.
 
-XLA's CPU client sizes its intra-op thread pool by the CPUs its process may run on. Two worker
-processes on two cores, each with a pool as wide as the machine, would fight over the cores, so
-each worker pins itself to one core (worker ``i`` to core ``i mod cpu_count``) before it first
-touches JAX. ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` (passed with ``LocalCluster(env=)``)
-does not do this in jaxlib 0.10: a worker's 1024x1024 matmul loop used 1.5 CPU-seconds per
-second with it as without it, and 1.0 pinned. ``intra_op_parallelism_threads`` is a TensorFlow
-option, not an XLA flag. So XLA_FLAGS is left unset.
+The clusters (:func:`clusters`), as the JSON's ``clusters`` records them:
 
-This file is also the workers' preload module: distributed imports it in each worker process
-and calls :func:`dask_setup` there at start-up, before any task runs. ``cluster(pin=False)``
-leaves the workers unpinned, each XLA as wide as the machine: faster when the scheduler keeps
-only one worker busy at a time, slower when both compute at once.
+``1w``, ``2w``  default clusters, started exactly as a user starts one:
+                ``distributed.LocalCluster(n_workers=k, threads_per_worker=1, processes=True)``
+                with distributed's defaults (its nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in
+                each worker's environment) and no pinning. daskdag registers its worker plugin
+                (``daskdag/workers.py``) on its first call there, as it does for any user. Every
+                headline cluster figure comes from these.
+``2w_tuned``    two workers tuned for this 2-core machine, reported only as separate, labelled
+                methods (``*_2w_tuned``): each worker pinned to one core (worker ``i`` to core
+                ``i mod cpu_count``, by :func:`dask_setup`, which distributed calls in each
+                worker at start-up because this file is its preload module), and started without
+                ``MALLOC_TRIM_THRESHOLD_`` (:func:`worker_environment`).
+
+Starting a cluster leaves this process's ``os.environ`` as it was (:func:`_environ_kept`), so
+processes a scenario starts later are plain ones, whatever the nannies set for their workers.
+
+Why the tuned variant pins: XLA's CPU client sizes its intra-op thread pool by the CPUs its
+process may run on, so two default workers on two cores each have a pool as wide as the machine
+and fight over the cores when both compute. ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``
+does not narrow it in jaxlib 0.10 (a worker's 1024x1024 matmul loop used 1.5 CPU-seconds per
+second with it as without it, and 1.0 pinned), so XLA_FLAGS is left unset everywhere.
 """
 
 from __future__ import annotations
@@ -80,6 +90,21 @@ def case(name: str, params: dict, times: dict[str, list[float]], ratios: dict[st
             **extra}
 
 
+def targets(cases: list[dict], wanted: list[dict]) -> list[dict]:
+    """Each target of ``wanted`` with what this run measured: in, dicts ``{"case": case name,
+    "ratio": a ratio's label in that case, "op": "<=" or ">=", "bound": float, "source": where
+    the target comes from, "was": the figure before, optional}``; out, the same dicts with
+    ``"measured"`` (None if the case or ratio is missing from this run) and ``"met"``."""
+    by_name = {c["case"]: c for c in cases}
+    out = []
+    for t in wanted:
+        measured = by_name.get(t["case"], {}).get("ratios", {}).get(t["ratio"])
+        met = None if measured is None else (
+            measured <= t["bound"] if t["op"] == "<=" else measured >= t["bound"])
+        out.append({**t, "measured": measured, "met": met})
+    return out
+
+
 def worst_difference(got, ref) -> float:
     """Largest ``|got - ref|`` over matching leaves, each relative to its reference's largest
     entry."""
@@ -89,37 +114,66 @@ def worst_difference(got, ref) -> float:
 
 # --- Clusters -----------------------------------------------------------------------------------
 
+# name -> (workers, tuned); see the module docstring. Only the "_tuned" ones are tuned.
+CLUSTERS = {"1w": (1, False), "2w": (2, False), "2w_tuned": (2, True)}
+TRIM = "MALLOC_TRIM_THRESHOLD_"
+
+
 def worker_environment() -> dict:
-    """Dask config for the workers' environment: without ``MALLOC_TRIM_THRESHOLD_``, which
+    """Dask config for the tuned workers' environment: without ``MALLOC_TRIM_THRESHOLD_``, which
     distributed's nanny sets to 65536 (None unsets a variable there). It turns off glibc's
     adaptive mmap threshold, so large temporaries are mmapped and faulted in afresh: a 32-item
     sweep chunk took 1.8 times as long in a worker with it as without it."""
-    return {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+    return {f"distributed.nanny.pre-spawn-environ.{TRIM}": None}
 
 
 @contextmanager
-def clusters(worker_counts: tuple[int, ...]) -> Iterator[dict[str, distributed.Client]]:
-    """``{"1w": client, "2w": client, ...}``: a :func:`cluster` per worker count, all up at once,
-    their workers started without ``MALLOC_TRIM_THRESHOLD_``."""
+def clusters(names=tuple(CLUSTERS)) -> Iterator[dict[str, distributed.Client]]:
+    """``{name: client}`` for each of ``names`` (keys of :data:`CLUSTERS`), all up at once."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(dask.config.set(worker_environment()))
-        yield {f"{n}w": stack.enter_context(cluster(n_workers=n)) for n in worker_counts}
+        yield {name: stack.enter_context(cluster(*CLUSTERS[name])) for name in names}
 
 
 @contextmanager
-def cluster(n_workers: int = N_WORKERS, pin: bool = True) -> Iterator[distributed.Client]:
-    """A client of a process ``LocalCluster`` of ``n_workers`` single-threaded workers, each
-    pinned to one core unless ``pin`` is false.
+def cluster(n_workers: int = N_WORKERS, tuned: bool = False) -> Iterator[distributed.Client]:
+    """A client of a process ``LocalCluster`` of ``n_workers`` single-threaded workers: as a user
+    starts one, or with ``tuned`` each worker pinned to one core and started without
+    ``MALLOC_TRIM_THRESHOLD_``.
 
     The client is not made the default one, so daskdag calls without ``client=`` keep using
-    Dask's threaded scheduler.
+    Dask's threaded scheduler. This process's ``os.environ`` is left as it was (see
+    :func:`_environ_kept`).
     """
-    preload = [__file__] if pin else []
-    with distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", preload=preload) as local, \
-            distributed.Client(local, set_as_default=False) as client:
+    kwargs = dict(n_workers=n_workers, threads_per_worker=1, processes=True,
+                  dashboard_address=":0")
+    with contextlib.ExitStack() as stack:
+        if tuned:
+            stack.enter_context(dask.config.set(worker_environment()))
+            kwargs["preload"] = [__file__]
+        stack.enter_context(_environ_kept(drop=[TRIM] if tuned else []))
+        local = distributed.LocalCluster(**kwargs)  # its workers have started by now
+    with local, distributed.Client(local, set_as_default=False) as client:
         client.wait_for_workers(n_workers, timeout=120)
         yield client
+
+
+@contextmanager
+def _environ_kept(drop=()) -> Iterator[None]:
+    """``os.environ`` put back as it was after the block, ``drop``'s names taken out during it.
+
+    A nanny writes its pre-spawn variables (``MALLOC_TRIM_THRESHOLD_``, ``OMP_NUM_THREADS``, ...)
+    into this process's ``os.environ`` when it spawns its worker, so every process started
+    later (another cluster's workers, a scenario's plain processes) would inherit them. (A
+    nanny that restarts its worker writes them again; no scenario restarts one.)
+    """
+    saved = dict(os.environ)
+    for name in drop:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def workers(client) -> list[str]:
@@ -129,29 +183,88 @@ def workers(client) -> list[str]:
 
 
 def _probe(size: int = 1024, reps: int = 5) -> dict:
-    """This process's CPU affinity and the CPU-seconds per second of a JAX matmul loop."""
+    """This process's CPU affinity, ``MALLOC_TRIM_THRESHOLD_`` and the CPU-seconds per second of
+    a JAX matmul loop."""
     a = jnp.ones((size, size), jnp.float32)
     jax.block_until_ready(a @ a)
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(reps):
         jax.block_until_ready(jnp.tanh(a @ a))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {"cpus": sorted(os.sched_getaffinity(0)), "matmul_cpu_per_wall": round(cpu / wall, 2)}
+    return {"cpus": sorted(os.sched_getaffinity(0)), TRIM: os.environ.get(TRIM),
+            "matmul_cpu_per_wall": round(cpu / wall, 2)}
 
 
-def describe(client, pin: bool = True) -> dict:
-    """What the JSON records about the cluster, including each worker's CPU affinity and the
-    CPU-seconds per second of its XLA (near 1 when pinned; probed one worker at a time, as two
-    at once would share the cores anyway)."""
+def describe(name: str, client) -> dict:
+    """What the JSON records about the cluster ``name`` (a key of :data:`CLUSTERS`): how it was
+    started, and each worker's CPU affinity, ``MALLOC_TRIM_THRESHOLD_`` and the CPU-seconds per
+    second of its XLA (near 1 when pinned; probed one worker at a time, as two at once would
+    share the cores anyway)."""
+    n_workers, tuned = CLUSTERS[name]
     probes = {addr: client.run(_probe, workers=[addr])[addr] for addr in workers(client)}
+    kind = (f"distributed.LocalCluster(n_workers={n_workers}, threads_per_worker=1, "
+            f"processes=True)")
     return {
-        "kind": f"distributed.LocalCluster(n_workers={len(probes)}, threads_per_worker=1, "
-                f"processes=True)",
-        "xla_threads_per_worker": "1: each worker process pinned to one core (os.sched_setaffinity "
-                                  "in a preload); XLA_FLAGS unset" if pin else
+        "name": name,
+        "tuned": tuned,
+        "kind": kind + (", preload pinning each worker to one core, MALLOC_TRIM_THRESHOLD_ unset"
+                        if tuned else ", distributed's defaults"),
+        "label": (f"tuned {n_workers}-worker cluster (not a default: pinned, "
+                  f"MALLOC_TRIM_THRESHOLD_ unset)" if tuned else
+                  f"default {n_workers}-worker LocalCluster"),
+        "xla_threads_per_worker": "1: each worker pinned to one core (os.sched_setaffinity in a "
+                                  "preload); XLA_FLAGS unset" if tuned else
                                   "all cores: workers unpinned; XLA_FLAGS unset",
         "workers": probes,
     }
+
+
+def plugin_state(client) -> dict:
+    """Per worker, what daskdag's worker plugin did there (``applied`` and ``reason`` of
+    :class:`daskdag.workers.TuneMalloc`), or None where it is not registered."""
+    from daskdag.workers import NAME
+
+    def state(dask_worker):
+        plugin = dask_worker.plugins.get(NAME)
+        return None if plugin is None else {"applied": plugin.applied, "reason": plugin.reason}
+    return client.run(state)
+
+
+# --- Bytes a call sends --------------------------------------------------------------------------
+
+def bytes_sent(client, fn: Callable[[], object]) -> dict:
+    """Run ``fn()`` and return what it sent to ``client``'s cluster, two ways:
+
+    ``daskdag``: ``daskdag.resident.of(client).sent`` after minus before, the bytes daskdag
+        counted as placed on the cluster (inputs and nodes sent once, kept between calls);
+    ``to_scheduler``: the bytes distributed's own client wrote to the scheduler meanwhile
+        (``client.scheduler_comm.byte_count``, distributed's counter of its batched stream,
+        which carries every graph, ``submit`` included), counted after the stream drained;
+    ``messages``: how many messages that stream carried.
+    """
+    from daskdag import resident
+
+    kept = resident.of(client)
+    comm = client.scheduler_comm
+    _drain(comm)
+    before = (kept.sent if kept else 0, comm.byte_count, comm.message_count)
+    jax.block_until_ready(fn())
+    _drain(comm)
+    after = (kept.sent if kept else 0, comm.byte_count, comm.message_count)
+    return {"daskdag": after[0] - before[0], "to_scheduler": after[1] - before[1],
+            "messages": after[2] - before[2]}
+
+
+def _drain(comm, timeout: float = 5.0) -> None:
+    """Wait until the batched stream's buffer is empty and its byte count has settled."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = (comm.byte_count, len(comm.buffer))
+        if now == last and not comm.buffer:
+            return
+        last = now
 
 
 def machine() -> dict:

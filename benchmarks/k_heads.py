@@ -1,35 +1,49 @@
-"""Scenario 1: K scalar heads over one expensive shared trunk, values and gradients six ways.
+"""Scenario 1: K scalar heads over one expensive shared trunk, values and gradients seven ways.
 
     x -> t0 -> t1 -> ... -> t_mid -> ... -> t_last
                               \\________________\\____> head_k(t_mid, t_last),  k = 0..K-1
 
 Each trunk node is ``tanh(h @ W_i)`` on a ``width x width`` float32 matrix; each head is a cheap,
 different scalar of the middle and last trunk nodes. All K values and all K gradients with
-respect to ``x``, for K = 1, 4, 16, in two modes:
+respect to ``x``, for K = 1, 8, 16 (8 alone in a quick run) on an 8-node 512-wide trunk, in two
+modes:
 
 eager: every node runs op by op (no ``jax.jit``), as a node with Python control flow must.
 jit:   every daskdag node is ``Node(..., jit=True)``; the JAX baselines jit what they can.
 
 The methods:
 
-naive:          ``jax.value_and_grad`` of each composed head (jit: each one jitted): the trunk's
-                forward and backward pass run K times.
-hand_written:   ``jax.vjp`` of the trunk once (jit: of ``jax.jit(trunk)``), ``jax.vjp`` of each
-                head on its output, then K trunk pullbacks: the VJP plumbing of the seed
-                question. The baseline: it does the same JAX work as daskdag.
-jax_jit_all:    (jit only) one ``jax.jit`` of all K ``value_and_grad``\\ s: XLA sees the whole
-                program, shares the trunk's forward pass and fuses across nodes; the limit for a
-                DAG that can be jitted whole.
-compute_grads:  ``daskdag.compute_grads(dag, x, heads)`` on Dask's threaded scheduler.
-cluster_2w:     the same call on the 2-worker process ``LocalCluster`` (``common.cluster``).
-                Each call ships the node functions, which close over the trunk's weights.
-torch:          the same DAG in PyTorch (CPU, eager, the same float32 weights): one forward
-                pass, then ``torch.autograd.grad(head_k, x, retain_graph=True)`` per head.
-                Skipped, and said so, when torch is not installed (``pip install -e '.[bench]'``).
+naive:              ``jax.value_and_grad`` of each composed head (jit: each one jitted): the
+                    trunk's forward and backward pass run K times.
+hand_written:       ``jax.vjp`` of the trunk once (jit: of ``jax.jit(trunk)``), ``jax.vjp`` of
+                    each head on its output, then K trunk pullbacks: the VJP plumbing of the
+                    seed question. The baseline: it does the same JAX work as daskdag.
+jax_jit_all:        (jit only) one ``jax.jit`` of all K ``value_and_grad``\\ s: XLA sees the
+                    whole program, shares the trunk's forward pass and fuses across nodes; the
+                    limit for a DAG that can be jitted whole.
+daskdag_threads:    ``daskdag.compute_grads(dag, x, heads)`` on Dask's threaded scheduler.
+daskdag_2w:         the same call on the default 2-worker process ``LocalCluster`` (``2w`` in
+                    ``common.CLUSTERS``, as a user starts one). The first call sends the node
+                    functions, which close over the trunk's weights; repeated calls find them
+                    kept on the cluster (``daskdag.resident``).
+daskdag_2w_tuned:   the same on the tuned 2-worker cluster (``2w_tuned``: pinned workers,
+                    ``MALLOC_TRIM_THRESHOLD_`` unset), a labelled extra, not a headline.
+torch:              the same DAG in PyTorch (CPU, eager, the same float32 weights): one forward
+                    pass, then ``torch.autograd.grad(head_k, x, retain_graph=True)`` per head.
+                    Skipped, and said so, when torch is not installed
+                    (``pip install -e '.[bench]'``).
 
 Each method runs once first (its warm-up: compiles, starts caches), checked against naive (JAX
 methods to ``RTOL``, torch to ``RTOL_TORCH``, relative to each result's largest entry), then
 the methods are timed interleaved (``common.interleaved``) and compared by median.
+
+Bytes per call (``bytes_per_call``, K=8 eager, the same trunk shape with fresh weights, on the
+default 2-worker cluster): what daskdag placed on the cluster and what distributed's client
+wrote to the scheduler (``common.bytes_sent``), for the first call, a repeated call with
+unchanged weights (goal: nothing re-sent), and a call after one weight matrix is changed in
+place (which must send that weight again, and only it).
+
+Targets (issue 11): K=8 eager, ``daskdag_2w / daskdag_threads`` <= 1.5 (it was 3.1-3.3).
 """
 
 from __future__ import annotations
@@ -65,8 +79,11 @@ class Config:
         return self.depth // 2
 
 
-FULL = Config(heads=(1, 4, 16), width=768, depth=8, reps=5)
-QUICK = Config(heads=(1, 4, 16), width=384, depth=6, reps=3)
+FULL = Config(heads=(1, 8, 16), width=512, depth=8, reps=5)
+QUICK = Config(heads=(8,), width=512, depth=8, reps=3)
+BYTES_K = 8  # the case whose bytes per call are measured, eager
+TARGETS = [{"case": "K=8, eager", "ratio": "daskdag_2w/daskdag_threads", "op": "<=", "bound": 1.5,
+            "was": "3.1-3.3", "source": "issue 11"}]
 
 
 # --- The model ---------------------------------------------------------------------------------
@@ -99,10 +116,13 @@ def make_model(cfg: Config, k: int, seed: int = 0) -> Model:
 class Jax:
     """The model's functions in JAX; with ``jit``, each jitted as a unit."""
 
-    def __init__(self, model: Model, jit: bool):
+    def __init__(self, model: Model, jit: bool, numpy_weights: bool = False):
+        """``numpy_weights``: the layers close over the model's NumPy weights themselves, so an
+        in-place change to one reaches them (else over JAX copies)."""
         self.wrap = wrap = jax.jit if jit else (lambda f: f)
         self.model, self.jit = model, jit
-        self.layers = tuple(wrap(partial(layer, jnp.asarray(w))) for w in model.weights)
+        self.layers = tuple(wrap(partial(layer, w if numpy_weights else jnp.asarray(w)))
+                            for w in model.weights)
         self.heads = tuple(wrap(partial(head, jnp.asarray(v), c)) for v, c in model.heads)
         self.trunk = wrap(self._trunk)
         self.dag, self.names = self._dag()
@@ -181,13 +201,15 @@ def torch_method(model: Model) -> Callable | None:
     return run
 
 
-def methods(m: Jax, client, x: np.ndarray) -> dict[str, Callable[[], object]]:
+def methods(m: Jax, clients: dict, x: np.ndarray) -> dict[str, Callable[[], object]]:
+    """The methods, ``daskdag_<name>`` for each cluster ``name`` of ``clients``."""
     xj = jnp.asarray(x)
     runs = {"naive": partial(naive(m), xj), "hand_written": partial(hand_written, m, xj)}
     if m.jit:
         runs["jax_jit_all"] = partial(jax_jit_all(m), xj)
-    runs["compute_grads"] = partial(with_compute_grads, m, xj)
-    runs["cluster_2w"] = partial(with_compute_grads, m, xj, client=client)
+    runs["daskdag_threads"] = partial(with_compute_grads, m, xj)
+    for name, client in clients.items():
+        runs[f"daskdag_{name}"] = partial(with_compute_grads, m, xj, client=client)
     torch_run = torch_method(m.model)
     if torch_run is not None:
         runs["torch"] = partial(torch_run, x)
@@ -196,12 +218,14 @@ def methods(m: Jax, client, x: np.ndarray) -> dict[str, Callable[[], object]]:
 
 # --- The scenario ------------------------------------------------------------------------------
 
-RATIOS = {"compute_grads/hand_written": ("compute_grads", "hand_written"),
-          "naive/compute_grads": ("naive", "compute_grads"),
-          "cluster_2w/compute_grads": ("cluster_2w", "compute_grads"),
-          "torch/compute_grads": ("torch", "compute_grads"),
+RATIOS = {"daskdag_threads/hand_written": ("daskdag_threads", "hand_written"),
+          "naive/daskdag_threads": ("naive", "daskdag_threads"),
+          "daskdag_2w/daskdag_threads": ("daskdag_2w", "daskdag_threads"),
+          "daskdag_2w_tuned/daskdag_threads": ("daskdag_2w_tuned", "daskdag_threads"),
+          "torch/daskdag_threads": ("torch", "daskdag_threads"),
           "torch/hand_written": ("torch", "hand_written"),
-          "jax_jit_all/compute_grads": ("jax_jit_all", "compute_grads")}
+          "jax_jit_all/daskdag_threads": ("jax_jit_all", "daskdag_threads")}
+CLUSTERS = ("2w", "2w_tuned")  # the clusters the methods run on
 
 
 def check(runs: dict, label: str) -> dict[str, float]:
@@ -214,9 +238,29 @@ def check(runs: dict, label: str) -> dict[str, float]:
     return diffs
 
 
+def bytes_per_call(cfg: Config, client, k: int = BYTES_K) -> dict:
+    """Bytes sent to ``client``'s cluster by ``compute_grads`` of K eager heads (``common.
+    bytes_sent``), on a model with fresh weights and ``x``: ``first`` call, ``repeat`` with
+    nothing changed, ``after_change`` once ``weights[0]`` is changed in place; and ``weight``,
+    the bytes of one weight matrix, ``weights`` of all of them."""
+    model = make_model(cfg, k, seed=2)
+    m = Jax(model, jit=False, numpy_weights=True)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((cfg.width, cfg.width), np.float32))
+    call = partial(with_compute_grads, m, x, client=client)
+    out = {"first": common.bytes_sent(client, call), "repeat": common.bytes_sent(client, call)}
+    model.weights[0][:] *= np.float32(1.01)  # in place: the t0 node's closure changes
+    out["after_change"] = common.bytes_sent(client, call)
+    out["repeat_after_change"] = common.bytes_sent(client, call)
+    got, ref = call(), naive(m)(x)
+    if common.worst_difference(got, ref) > RTOL:
+        raise AssertionError("bytes_per_call: the call after the in-place change is stale")
+    return {**out, "weight": model.weights[0].nbytes,
+            "weights": sum(w.nbytes for w in model.weights), "x": x.nbytes}
+
+
 def run(quick: bool, clients: dict) -> dict:
     cfg = QUICK if quick else FULL
-    client = clients["2w"]
+    on = {name: clients[name] for name in CLUSTERS if name in clients}
     x = np.random.default_rng(1).standard_normal((cfg.width, cfg.width)).astype(np.float32)
     cases = []
     for mode in MODES:
@@ -224,7 +268,7 @@ def run(quick: bool, clients: dict) -> dict:
             label = f"K={k} {mode}: "
             print(f"{TITLE}, {label}", flush=True)
             m = Jax(make_model(cfg, k), jit=mode == "jit")
-            runs = methods(m, client, x)
+            runs = methods(m, on, x)
             diffs = check(runs, label)
             trunk_s = np.median([common.timed(m.trunk, jnp.asarray(x))[0]
                                  for _ in range(cfg.reps + 1)][1:])  # the first one compiles
@@ -232,7 +276,10 @@ def run(quick: bool, clients: dict) -> dict:
             cases.append(common.case(f"K={k}, {mode}", {"K": k, "mode": mode}, times, RATIOS,
                                      baseline="hand_written", trunk_forward_s=float(trunk_s),
                                      max_rel_diff_vs_naive=diffs))
+    print(f"{TITLE}, bytes per call, K={BYTES_K} eager, 2w", flush=True)
+    sent = bytes_per_call(cfg, clients["2w"])
     return {"title": TITLE, "config": {**asdict(cfg), "mid": cfg.mid},
             "torch": "installed" if importlib.util.find_spec("torch") else
                      "not installed: pip install -e '.[bench]'",
-            "cases": cases}
+            "bytes_per_call": {"case": f"K={BYTES_K}, eager", "cluster": "2w", **sent},
+            "cases": cases, "targets": common.targets(cases, TARGETS)}

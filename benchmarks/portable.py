@@ -34,7 +34,7 @@ makes a new key; each repetition checks, with ``programs.stats()``, that its fir
 exported, its first deserialize compiled and its second one hit the cache.
 
 Deserializing here skips the copy a transfer between processes makes, so the node is also run
-on a real two-worker process ``LocalCluster`` (one XLA thread per worker; see ``common.py``) as
+on the default two-worker process ``LocalCluster`` (``2w`` in ``common.CLUSTERS``) as
 a one-node DAG, three ways per repetition, timed from submission to results in this process:
 
   one_step     ``client.compute(graph, workers=[a])``: no move.
@@ -159,7 +159,7 @@ def one_rep(kind: Kind, k: int, base: dict) -> dict[str, float]:
     node, values = kind.node(k, base)
     inputs = tuple(values.values())
     primal, pb = linearize(node, inputs, active(kind, values))
-    ct = cotangent(primal)
+    ct = tuple(jax.tree.leaves(cotangent(primal)))  # a pullback takes the output's leaves
     t = {}
     before = programs.stats()
     pb(ct, inputs)  # compiles JAX's eager ops for this repetition's new shapes

@@ -1,22 +1,33 @@
 """The runner's results as Markdown tables and PNG plots.
 
 In:  the dict the runner writes to ``latest.json`` (``{"machine", "run", "clusters",
-     "scenarios": {name: {"title", "config", "cases": [...]}}}``; each case as
-     ``common.case`` makes it).
+     "scenarios": {name: {"title", "config", "cases": [...], "targets": [...]}}, "skipped"}``;
+     each case as ``common.case`` makes it, each target as ``common.targets`` does).
 Out: ``markdown(results)``, a string; ``plots(results, folder)``, the PNG files written.
+
+Scenarios with a section of their own here get their own tables and plot; any other scenario
+gets the generic ones: each case's methods' medians, its ratios, a bar plot of the medians.
+Every scenario's section also says where each method ran (which cluster, default or tuned,
+from the method's suffix: ``_1w``, ``_2w``, ``_2w_tuned``; a method without one ran in this
+process, unless the scenario's optional ``"where": {method: text}`` says where) and lists its
+targets, met or not.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-# Each scenario's methods in the order its table shows them; its ratios likewise.
-K_HEADS = ("naive", "hand_written", "jax_jit_all", "compute_grads", "cluster_2w", "torch")
+# Each scenario's methods in the order its table shows them.
+K_HEADS = ("naive", "hand_written", "jax_jit_all", "daskdag_threads", "daskdag_2w",
+           "daskdag_2w_tuned", "torch")
 OVERHEAD = ("noop_threads", "noop_2w", "jax_loop", "dask_threads", "daskdag_threads", "dask_2w",
-            "daskdag_2w")
-SWEEPS = ("loop", "sweep_threads", "sweep_1w", "sweep_2w", "sweep_vmap_2w", "jit_vmap")
-PORTABLE_TIMES = ("local_call", "serialize_first", "serialize_cached", "deserialize_first",
-                  "call_after_first", "deserialize_cached", "call_cached")
+            "daskdag_2w", "daskdag_2w_tuned")
+SWEEPS = ("loop", "sweep_threads", "sweep_1w", "sweep_2w", "sweep_2w_tuned", "sweep_vmap_2w",
+          "jit_vmap")
+RATIO_RULE = ("Every ratio `a/b` is `a`'s median time over `b`'s, both timed interleaved in the "
+              "same run: below 1, `a` took less time than `b` (portable's `shipped/...` are "
+              "ratios of bytes).")
 
 
 def seconds(s: float) -> str:
@@ -25,6 +36,14 @@ def seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.1f} ms"
     return f"{s * 1e6:.0f} µs"
+
+
+def nbytes(n: float) -> str:
+    if n >= 2 ** 20:
+        return f"{n / 2 ** 20:.2f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n:.0f} B"
 
 
 def _baseline(case: dict) -> float:
@@ -37,9 +56,18 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _columns(cases: list[dict], order: tuple[str, ...]) -> list[str]:
-    present = {m for c in cases for m in c["methods"]}
-    return [m for m in order if m in present]
+def _columns(cases: list[dict], order: tuple[str, ...] = ()) -> list[str]:
+    """The methods present in ``cases``: those of ``order`` first, in its order, then any
+    others in the order they first appear."""
+    present = list(dict.fromkeys(m for c in cases for m in c["methods"]))
+    return [m for m in order if m in present] + [m for m in present if m not in order]
+
+
+def _ratio_table(cases: list[dict], labels: list[str] | None = None) -> str:
+    labels = labels or list(dict.fromkeys(r for c in cases for r in c["ratios"]))
+    rows = [[c["case"]] + [f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–" for r in labels]
+            for c in cases]
+    return _table(["case", *labels], rows)
 
 
 def machine_line(results: dict) -> str:
@@ -50,9 +78,85 @@ def machine_line(results: dict) -> str:
     return ", ".join(parts)
 
 
+# --- Where each method ran, and the targets -------------------------------------------------------
+
+def cluster_of(method: str) -> str | None:
+    """The cluster a method ran on, from its name's suffix (``daskdag_2w_tuned`` ->
+    ``2w_tuned``, ``sweep_1w`` -> ``1w``), or None: in this process."""
+    found = re.search(r"_(\d+w(?:_tuned)?)$", method)
+    return found.group(1) if found else None
+
+
+def _cluster_label(name: str, clusters: dict) -> str:
+    c = clusters.get(name, {})
+    label = c.get("label") or f"{name} cluster"
+    return f"{label} (`{name}`)"
+
+
+def where_line(methods: list[str], clusters: dict, where: dict | None = None) -> str:
+    """Which methods ran where: in this process, on each default cluster, on the tuned one.
+    ``where``: the scenario's own ``{method: where it ran}``, for methods that ran elsewhere
+    (plain processes, say), which their names cannot say."""
+    where = where or {}
+    groups: dict[tuple, list[str]] = {}
+    for m in methods:
+        if m in where:
+            key = (1, 0, where[m])
+        else:
+            c = cluster_of(m)
+            key = ((0, 0, "in this process (plain JAX, PyTorch or Dask's threaded scheduler)")
+                   if c is None else (2, "tuned" in c, _cluster_label(c, clusters)))
+        groups.setdefault(key, []).append(f"`{m}`")
+    return "Where each column ran: " + "; ".join(
+        f"{k[2]}: {', '.join(v)}" for k, v in sorted(groups.items())) + "."
+
+
+def target_items(s: dict) -> list[str]:
+    """One line per target of the scenario: the measured ratio, the bound, met or not."""
+    ts = s.get("targets")
+    if not isinstance(ts, list):
+        return []
+    lines = []
+    for t in ts:
+        better = "lower is better" if t["op"] == "<=" else "higher is better"
+        measured = "–" if t["measured"] is None else f"{t['measured']:.2f}"
+        verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
+        was = f", was {t['was']}" if t.get("was") else ""
+        op = "≤" if t["op"] == "<=" else "≥"
+        lines.append(f"{t['case']}: `{t['ratio']}` = {measured} (target {op} {t['bound']:g}, "
+                     f"{better}; {t['source']}{was}): **{verdict}**")
+    return lines
+
+
+def _targets_block(s: dict) -> str | None:
+    lines = target_items(s)
+    return "Targets:\n\n" + "\n".join(f"- {line}" for line in lines) if lines else None
+
+
+def summary(results: dict) -> str | None:
+    """Every scenario's targets in one table: the run's headline figures."""
+    rows = []
+    for s in results["scenarios"].values():
+        for t in s.get("targets") or []:
+            if not isinstance(t, dict):
+                continue
+            rows.append([s["title"], t["case"], f"`{t['ratio']}`",
+                         f"{'≤' if t['op'] == '<=' else '≥'} {t['bound']:g}",
+                         "–" if t["measured"] is None else f"{t['measured']:.2f}",
+                         {True: "met", False: "not met", None: "not measured"}[t["met"]],
+                         t["source"] + (f" (was {t['was']})" if t.get("was") else "")])
+    if not rows:
+        return None
+    return ("Targets of this run (each a ratio of median times, see the rule above):\n\n"
+            + _table(["scenario", "case", "ratio", "target", "measured", "met?", "from"], rows))
+
+
+# --- The scenarios' sections --------------------------------------------------------------------
+
 def k_heads(s: dict) -> str:
     cases = s["cases"]
     cols = _columns(cases, K_HEADS)
+
     def cell(c, m):
         if m not in c["methods"]:
             return "–"
@@ -64,23 +168,57 @@ def k_heads(s: dict) -> str:
     head = (f"Trunk of {cfg['depth']} nodes `tanh(h @ W)` on {cfg['width']}×{cfg['width']} float32, "
             f"K cheap heads; median of {cfg['reps']} runs, in parentheses relative to "
             f"`hand_written` (the seed question's VJP plumbing). PyTorch: {s['torch']}.")
-    ratios = ["compute_grads/hand_written", "naive/compute_grads", "torch/compute_grads",
-              "cluster_2w/compute_grads", "jax_jit_all/compute_grads"]
-    ratio_rows = [[c["case"]] + [f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–"
-                                 for r in ratios] for c in cases]
-    return "\n\n".join([head, _table(["case", *cols], rows), _table(["case", *ratios], ratio_rows)])
+    ratios = [r for r in ("daskdag_threads/hand_written", "naive/daskdag_threads",
+                          "daskdag_2w/daskdag_threads", "daskdag_2w_tuned/daskdag_threads",
+                          "torch/daskdag_threads", "jax_jit_all/daskdag_threads")
+              if any(r in c["ratios"] for c in cases)]
+    parts = [head, _table(["case", *cols], rows), _ratio_table(cases, ratios)]
+    if "bytes_per_call" in s:
+        parts.append(bytes_section(s["bytes_per_call"]))
+    return "\n\n".join(parts)
+
+
+def bytes_section(b: dict) -> str:
+    """The bytes sent per call (``k_heads.bytes_per_call``) and whether the goal holds."""
+    calls = [("first call", "first"), ("repeated, weights unchanged", "repeat"),
+             ("after one weight changed in place", "after_change"),
+             ("repeated after that", "repeat_after_change")]
+    rows = [[label, nbytes(b[k]["daskdag"]), nbytes(b[k]["to_scheduler"]), str(b[k]["messages"])]
+            for label, k in calls if k in b]
+    head = (f"Bytes sent per call, {b['case']}, on the {b['cluster']} cluster (a model with "
+            f"fresh weights): `placed by daskdag` is what daskdag counted as sent to keep on the "
+            f"cluster (`daskdag.resident`), `client → scheduler` what distributed's client wrote "
+            f"to the scheduler (its batched stream's byte count: every graph, kept values "
+            f"included). One weight matrix is {nbytes(b['weight'])}, all of them "
+            f"{nbytes(b['weights'])}, x {nbytes(b['x'])}.")
+    repeat, change = b["repeat"], b["after_change"]
+    resent = repeat["daskdag"] > 0 or repeat["to_scheduler"] >= b["weight"]
+    sent_change = change["daskdag"] >= b["weight"] and change["to_scheduler"] >= b["weight"]
+    goal = (f"Goal (issue 11), no weights re-sent on a repeated call: "
+            f"**{'not met' if resent else 'met'}** ({nbytes(repeat['daskdag'])} placed, "
+            f"{nbytes(repeat['to_scheduler'])} to the scheduler). The changed weight is sent "
+            f"again after the in-place change: **{'yes' if sent_change else 'no'}**.")
+    return "\n\n".join([head, _table(["call", "placed by daskdag", "client → scheduler",
+                                      "messages"], rows), goal])
 
 
 def overhead(s: dict) -> str:
     cases = s["cases"]
     cols = _columns(cases, OVERHEAD)
-    ratios = ["daskdag_threads/dask_threads", "daskdag_2w/dask_2w"]
-    rows = [[c["case"]] + [f"{c['methods'][m]['us_per_node']:.0f}" for m in cols]
-            + [f"{c['ratios'][r]:.2f}" for r in ratios] for c in cases]
+    ratios = [r for r in ("daskdag_threads/dask_threads", "daskdag_2w/dask_2w",
+                          "daskdag_2w_tuned/dask_2w") if any(r in c["ratios"] for c in cases)]
+
+    def cell(c, m):
+        return f"{c['methods'][m]['us_per_node']:.0f}" if m in c["methods"] else "–"
+
+    rows = [[c["case"]] + [cell(c, m) for m in cols]
+            + [f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–" for r in ratios]
+            for c in cases]
     head = (f"Microseconds per node (median of {s['config']['reps']} runs / N) for one scalar "
             f"output's value and gradient; `dask_*` is the same arithmetic as a hand-written "
             f"Dask graph, `noop_*` that graph's shape with tasks that do nothing: the "
-            f"scheduler's own cost.")
+            f"scheduler's own cost. `daskdag_2w/dask_2w` is the tiny-node chain's headline on "
+            f"distributed.")
     return head + "\n\n" + _table(["case", *cols, *ratios], rows)
 
 
@@ -91,21 +229,22 @@ def sweeps(s: dict) -> str:
     cfg = s["config"]
     head = (f"N = {cfg['items']} items of x float32[{cfg['rows']}, {cfg['width']}], two outputs, "
             f"chunks of {cfg['chunk_size']}; eager nodes with Python control flow, except "
-            f"`sweep_vmap_2w` and `jit_vmap` (the jittable variant). Median of {cfg['reps']} runs.")
+            f"`sweep_vmap_2w` and `jit_vmap` (the jittable variant). Median of {cfg['reps']} "
+            f"runs. `loop / method` is the loop's time over the method's: above 1, the method "
+            f"is faster than the loop.")
     rows = [[m, seconds(c["methods"][m]["median_s"]), f"{loop / c['methods'][m]['median_s']:.2f}"]
             for m in cols]
-    targets = ", ".join(f"{k} = {c['ratios'][k]:.2f} (target ≥ {t}: "
-                        f"{'met' if s['targets_met'][k] else 'not met'})" for k, t in s["targets"].items())
-    return "\n\n".join([head, _table(["method", "median", "loop / method"], rows), targets + "."])
+    return "\n\n".join([head, _table(["method", "median", "loop / method"], rows),
+                        _ratio_table([c])])
 
 
 def portable(s: dict) -> str:
     cases = s["cases"]
     head = ("A pullback serialized in one process and called in another: median times in this "
-            "process, bytes shipped against the residuals, and on the 2-worker cluster a "
-            "one-node DAG whose backward task runs on the other worker (`moved`) against the "
-            "same DAG on one worker (`one_step`); the receiving worker compiles each backward "
-            "program once and then finds it in its cache.")
+            "process, bytes shipped against the residuals, and on the default 2-worker cluster "
+            "(`2w`) a one-node DAG whose backward task runs on the other worker (`moved`) "
+            "against the same DAG on one worker (`one_step`); the receiving worker compiles "
+            "each backward program once and then finds it in its cache.")
     rows = []
     for c in cases:
         t = {k: v["median_s"] for k, v in c["methods"].items()}
@@ -124,26 +263,68 @@ def portable(s: dict) -> str:
          "residuals KiB", "shipped/residual", "moved/one_step", "compiled / cache hits"], rows)
 
 
+def generic(s: dict) -> str:
+    """Any scenario: each case's methods' medians, then its ratios."""
+    cases = s["cases"]
+    cols = _columns(cases)
+    rows = [[c["case"]] + [seconds(c["methods"][m]["median_s"]) if m in c["methods"] else "–"
+                           for m in cols] for c in cases]
+    reps = s.get("config", {}).get("reps")
+    head = s.get("description") or f"Median seconds{f' of {reps} runs' if reps else ''}."
+    parts = [head, _table(["case", *cols], rows)]
+    if any(c.get("ratios") for c in cases):
+        parts.append(_ratio_table(cases))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {"k_heads": k_heads, "overhead": overhead, "sweeps": sweeps, "portable": portable}
+
+
+def clusters_paragraph(clusters: dict) -> str:
+    """What each cluster was, and what daskdag's worker plugin did on it."""
+    lines = []
+    for name, c in clusters.items():
+        line = f"- `{name}`: {c.get('label', c.get('xla_threads_per_worker'))}, `{c['kind']}`"
+        plugin = c.get("daskdag_plugin")
+        if plugin:
+            set_on = sum(1 for p in plugin.values() if p and p.get("applied"))
+            line += f"; daskdag's worker plugin tuned malloc on {set_on} of {len(plugin)} workers"
+        lines.append(line + ".")
+    return ("Clusters (a method's name ends with the cluster it ran on; headline cluster "
+            "figures come from the default ones, never from `_tuned`):\n\n" + "\n".join(lines))
 
 
 def markdown(results: dict, images: str | None = None) -> str:
     """The report; ``images``: the folder, relative to where the Markdown will be read, of the
     PNGs to show (none if None)."""
     run = results["run"]
+    clusters = results.get("clusters", {})
     out = [f"Measured with `{run['command']}` ({run['mode']}) on {run['started'][:10]}, in "
-           f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}. Cluster methods use a "
-           f"process `LocalCluster` of single-threaded workers, each pinned to one core.",
-           "Every ratio compares methods timed interleaved in that same run."]
+           f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}.", RATIO_RULE]
+    if clusters:
+        out.append(clusters_paragraph(clusters))
+    head = summary(results)
+    if head:
+        out.append(head)
+    for name, why in results.get("skipped", {}).items():
+        out.append(f"Scenario `{name}` skipped: {why}.")
     for n, (name, s) in enumerate(results["scenarios"].items(), 1):
         out.append(f"### {n}. {s['title']}")
-        out.append(SECTIONS[name](s))
-        if images is not None and name in PLOTS:
+        out.append(SECTIONS.get(name, generic)(s))
+        out.append(where_line(_columns(s["cases"]), clusters, s.get("where")))
+        block = _targets_block(s)
+        if block:
+            out.append(block)
+        if images is not None:
             out.append(f"![{s['title']}]({images}/{name}.png)")
     return "\n\n".join(out) + "\n"
 
 
 # --- Plots ---------------------------------------------------------------------------------------
+
+def _color(m: str, order: tuple[str, ...]) -> str:
+    return f"C{order.index(m) % 10}" if m in order else "gray"
+
 
 def _k_heads_plot(s: dict, ax_row) -> None:
     cases = s["cases"]
@@ -155,7 +336,7 @@ def _k_heads_plot(s: dict, ax_row) -> None:
             xs = [i + j * width for i in range(len(mine))]
             ys = [c["methods"][m]["median_s"] / _baseline(c)
                   if m in c["methods"] else 0 for c in mine]
-            ax.bar(xs, ys, width, label=m, color=f"C{K_HEADS.index(m)}")
+            ax.bar(xs, ys, width, label=m, color=_color(m, K_HEADS))
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))],
                       [f"K={c['params']['K']}" for c in mine])
         _log(ax.yaxis)
@@ -169,9 +350,10 @@ def _overhead_plot(s: dict, ax_row) -> None:
     for ax, shape in zip(ax_row, ("chain", "fan_out")):
         mine = [c for c in s["cases"] if c["params"]["shape"] == shape]
         for m in _columns(mine, OVERHEAD):
-            ax.plot([c["params"]["nodes"] for c in mine],
-                    [c["methods"][m]["us_per_node"] for c in mine], marker="o", label=m,
-                    color=f"C{OVERHEAD.index(m)}")
+            have = [c for c in mine if m in c["methods"]]
+            ax.plot([c["params"]["nodes"] for c in have],
+                    [c["methods"][m]["us_per_node"] for c in have], marker="o", label=m,
+                    color=_color(m, OVERHEAD))
         _log(ax.xaxis)
         _log(ax.yaxis)
         ax.set_xlabel("nodes")
@@ -209,6 +391,21 @@ def _portable_plot(s: dict, ax_row) -> None:
     ax.legend(fontsize=8)
 
 
+def _generic_plot(s: dict, ax_row) -> None:
+    """Each case's methods' medians, as grouped bars."""
+    cases = s["cases"]
+    cols = _columns(cases)
+    (ax,) = ax_row
+    width = 0.8 / max(len(cols), 1)
+    for j, m in enumerate(cols):
+        ys = [c["methods"][m]["median_s"] if m in c["methods"] else 0 for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [c["case"] for c in cases])
+    _log(ax.yaxis)
+    ax.set_ylabel("median seconds (log)")
+    ax.legend(fontsize=7)
+
+
 def _log(axis) -> None:
     """A log scale labelled in plain numbers (2, 5, 10, not 2×10⁰)."""
     from matplotlib.ticker import FuncFormatter
@@ -231,7 +428,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
 
     written = []
     for name, s in results["scenarios"].items():
-        draw, panels = PLOTS[name]
+        draw, panels = PLOTS.get(name, (_generic_plot, 1))
         fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
         draw(s, list(axes[0]))
         fig.suptitle(f"{s['title']} ({results['run']['mode']} run, "
