@@ -26,7 +26,7 @@ from dask.task_spec import Task, TaskRef
 
 from . import tasks
 from .plan import Plan
-from .stages import make_stages
+from .stages import abbreviate, make_stages
 from . import protocol  # noqa: F401  (importing it registers daskdag's types with Dask)
 from .shipping import pack_for, unpack
 
@@ -73,34 +73,40 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
             val[n] = fwd if not s.linearized and len(s.outputs) == 1 else g.task(
                 f"val-{n}-{tok}", dict(s.needs), tasks.pick, fwd, s.linearized, k)
 
-    # Backward, per output: the cotangent of a stage's exposed node is the sum of its consumer
-    # stages' shares, or the output's seed.
-    results = {}
-    for o in plan.outputs:
-        on_path, bwd = set(plan.backward[o]), {}
-        for s in reversed(stages):
-            if not any(n in on_path for n in s.outputs):
-                continue
-            flows, sources = [], []
+    # Backward: one task per stage, for every output whose gradient passes through it (their
+    # cotangents pulled back together, see tasks.backward). The cotangent of an exposed node is
+    # the sum of its consumer stages' shares, or the output's seed.
+    paths = {o: set(plan.backward[o]) for o in plan.outputs}
+    through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
+    bwd = {}
+    for s in reversed(stages):
+        if not through[s]:
+            continue
+        flows, sources = [], []
+        for o in through[s]:
+            per_output = []
             for n in s.outputs:
                 if n == o:
-                    flows.append(("seed", o, cotangents.get(o), batched))
-                elif n in on_path:
-                    refs, positions = _shares(n, plan.consumers(n, o), stage_of, bwd, s)
-                    flows.append(tuple((len(sources) + k, p) for k, p in enumerate(positions))
-                                 or None)
-                    sources.extend(refs)
+                    per_output.append(("seed", o, cotangents.get(o), batched))
+                elif n in paths[o]:
+                    per_output.append(_shares(n, plan.consumers(n, o), o, stage_of, through, bwd,
+                                              sources, within=s) or None)
                 else:
-                    flows.append(None)
-            tok = tokenize(linearized[s].key, flows, [r.key for r in sources])
-            bwd[s] = g.task(f"bwd-{o}-{s.name}-{tok}", dict(s.needs), tasks.backward, s, stop,
-                            tuple(flows), linearized[s], *(val[d] for d in s.deps), *sources)
+                    per_output.append(None)
+            flows.append(tuple(per_output))
+        tok = tokenize(linearized[s].key, flows, [r.key for r in sources])
+        bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs), tasks.backward,
+                        s, stop, tuple(flows), linearized[s], *(val[d] for d in s.deps), *sources)
+
+    results = {}
+    for o in plan.outputs:
         grads = {}
         for i in plan.wrt:
-            sources, positions = _shares(i, plan.consumers(i, o), stage_of, bwd)
-            tok = tokenize(val[i].key, [r.key for r in sources], positions)
-            grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient, positions, val[i],
-                              *sources)
+            sources = []
+            picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
+            tok = tokenize(val[i].key, [r.key for r in sources], picks)
+            grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
+                              tuple((k, p) for _, k, p in picks), val[i], *sources)
         results[o] = (val[o], grads)
     return g.delayed(results)
 
@@ -109,11 +115,21 @@ def _itself(x):
     return x
 
 
-def _shares(name, uses, stage_of, bwd, within=None):
-    """The backward tasks of the stages that consume ``name`` (``uses``: its consuming nodes),
-    other than its own stage ``within``, and its position among each one's deps."""
-    consumers = [s for s in dict.fromkeys(stage_of[c] for c, _ in uses) if s is not within]
-    return [bwd[s] for s in consumers], tuple(s.deps.index(name) for s in consumers)
+def _shares(name, uses, output, stage_of, through, bwd, sources: list, within=None) -> tuple:
+    """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
+    position)`` for each stage that consumes it (``uses``: its consuming nodes), other than its
+    own stage ``within``; ``source`` indexes ``sources``, to which the stages' backward tasks
+    are added (once each)."""
+    picks = []
+    for s in dict.fromkeys(stage_of[c] for c, _ in uses):
+        if s is within:
+            continue
+        keys = [r.key for r in sources]
+        if bwd[s].key not in keys:
+            keys.append(bwd[s].key)
+            sources.append(bwd[s])
+        picks.append((keys.index(bwd[s].key), through[s].index(output), s.deps.index(name)))
+    return tuple(picks)
 
 
 class _Graph:

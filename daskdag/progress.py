@@ -62,9 +62,9 @@ def checkpoint():
 
 def chunk_steps(plan, items: int) -> int:
     """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each item-by-item
-    node's forward pass, and its backward pass towards each output, once per item."""
+    node's forward pass, and its backward pass (for all outputs at once), once per item."""
     by_item = {n for n in plan.needed if _by_item(plan.spec.nodes[n])}
-    backward = sum(1 for o in plan.outputs for n in plan.backward[o] if n in by_item)
+    backward = sum(1 for n in by_item if any(n in plan.backward[o] for o in plan.outputs))
     return items * (len(by_item) + backward)
 
 

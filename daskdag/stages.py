@@ -66,9 +66,7 @@ class Stage:
     @property
     def name(self) -> str:
         """For task keys: ``B+C+D``, or ``n0+998more+n999`` for a long chain."""
-        if len(self.nodes) <= 4:
-            return "+".join(self.nodes)
-        return f"{self.nodes[0]}+{len(self.nodes) - 2}more+{self.nodes[-1]}"
+        return abbreviate(self.nodes)
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -347,6 +345,11 @@ class FusedPullback:
 
     def __reduce__(self):
         return FusedPullback, (self.stage, self.pullback, self.avals)
+
+
+def abbreviate(names: Sequence[str]) -> str:
+    """Names in a task key: ``B+C+D``, or ``n0+998more+n999`` for many."""
+    return "+".join(names) if len(names) <= 4 else f"{names[0]}+{len(names) - 2}more+{names[-1]}"
 
 
 def add(a: tuple, b: tuple) -> tuple:

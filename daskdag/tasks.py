@@ -1,5 +1,5 @@
-"""The functions Dask runs: one forward task per stage, one backward task per (output, stage),
-one gradient task per (output, input). See :mod:`daskdag.stages` for what a stage is.
+"""The functions Dask runs: one forward task per stage, one backward task per stage (for every
+output whose gradient passes through it), one gradient task per (output, input). See :mod:`daskdag.stages` for what a stage is.
 
 A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 """
@@ -14,7 +14,7 @@ import numpy as np
 from jax.tree_util import treedef_is_leaf
 
 from . import progress, stages
-from .pullback import is_differentiable, is_numeric
+from .pullback import differentiable_leaves, is_differentiable, is_numeric
 from .stages import Stage, add
 
 
@@ -37,39 +37,74 @@ def pick(out, linearized: bool, k: int):
     return (out[0] if linearized else out)[k]
 
 
-def backward(stage: Stage, stop, flows: tuple, linearized, *args):
-    """Pull the cotangents of the stage's exposed nodes back to the stage's deps.
+def backward(stage: Stage, stop, flows: tuple, linearized, *args) -> list:
+    """Pull the cotangents of the stage's exposed nodes back to the stage's deps, for each
+    output whose gradient passes through the stage. Returns, per output, a tuple aligned with
+    the stage's deps: each dep's cotangent, ``None`` where none flows.
 
     ``linearized`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
     stage's deps (a pullback that moved takes its input residuals from them), then the sources of
-    the cotangents. Per exposed node, ``flows`` says where its cotangent comes from: ``None``,
-    nowhere (it is on no path to the output); ``("seed", output, ct, batched)``, it is the output
-    (:func:`seed`); else ``((source, position), ...)``, the sum of its shares
-    ``sources[source][position]``: what each consumer stage on the path to the output pulled
-    back, at this node's place among that stage's deps. ``stop``: as for :func:`forward`.
+    the cotangents: the results of consumer stages' backward tasks. ``flows[k][e]`` says where
+    output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere;
+    ``("seed", output, ct, batched)``, the node is that output (:func:`seed`); else
+    ``((source, output index, position), ...)``, the sum of its shares
+    ``sources[source][output index][position]``. ``stop``: as for :func:`forward`.
+
+    Several outputs are pulled back at once, their cotangents stacked, under ``jax.vmap``
+    (one pass through the stage's pullbacks instead of one per output), unless the pullback
+    cannot be vmapped (a program compiled elsewhere, a host callback): then one by one.
     """
     values, pullback = linearized
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
-    cts = []
-    for value, flow in zip(values, flows):
-        if flow is None:
-            cts.append(None)
-        elif flow[0] == "seed":
-            cts.append(seed(flow[1], value, *flow[2:]))
-        else:
-            cts.append(total(sources[s][i] for s, i in flow))
-    return pullback(tuple(cts), deps, _dropped(stage, stop))
+    cts = [tuple(_cotangent(value, flow, sources) for value, flow in zip(values, per_output))
+           for per_output in flows]
+    dropped = _dropped(stage, stop)
+    if len(cts) > 1:
+        try:
+            return _batched(pullback, cts, values, deps, dropped)
+        except progress.Cancelled:
+            raise
+        except Exception:  # not vmappable: one by one (a node's own error raises again there)
+            pass
+    return [pullback(c, deps, dropped) for c in cts]
+
+
+def _cotangent(value, flow, sources):
+    if flow is None:
+        return None
+    if flow[0] == "seed":
+        return seed(flow[1], value, *flow[2:])
+    return total(sources[s][k][i] for s, k, i in flow)
+
+
+def _batched(pullback, cts: list, values, deps, dropped) -> list:
+    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``; an exposed node that
+    some outputs give no cotangent gets zeros for those."""
+    stacked = []
+    for e, value in enumerate(values):
+        column = [c[e] for c in cts]
+        if all(c is None for c in column):
+            stacked.append(None)
+            continue
+        zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value))
+        stacked.append(tuple(jnp.stack(leaves) for leaves in
+                             zip(*(zeros if c is None else c for c in column))))
+    out = jax.vmap(lambda ct: pullback(ct, deps, dropped))(tuple(stacked))
+    return [tuple(None if d is None else tuple(leaf[k] for leaf in d) for d in out)
+            for k in range(len(cts))]
 
 
 def _dropped(stage: Stage, stop):
     return progress.dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(positions: tuple, x, *sources):
-    """An input's gradient, shaped like ``x``: the sum of its shares on its differentiable leaves
-    (zeros when the output does not use it), ``None`` on the leaves held constant."""
+def gradient(picks: tuple, x, *sources):
+    """An input's gradient, shaped like ``x``: the sum of its shares
+    ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) on its
+    differentiable leaves (zeros when the output does not use it), ``None`` on the leaves held
+    constant."""
     leaves, treedef = jax.tree.flatten(x)
-    flat = iter(total(s[i] for s, i in zip(sources, positions)) if sources else
+    flat = iter(total(s[k][i] for s, (k, i) in zip(sources, picks)) if sources else
                 [jnp.zeros_like(leaf) for leaf in leaves if is_differentiable(leaf)])
     return treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
 
