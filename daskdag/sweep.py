@@ -3,8 +3,9 @@
 Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
 whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
 ``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
-(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, and shared inputs are
-placed on it once). A few chunks are in flight at a time; their results are written into the
+(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, its items sent
+straight to that worker and its results straight back, and shared inputs are placed on the
+cluster once). A few chunks are in flight at a time; their results are written into the
 stacked outputs (:mod:`daskdag.stacked`) as they finish and their intermediates released, so
 memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
 name the item and keep the rest.
