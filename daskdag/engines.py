@@ -1,7 +1,9 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
-An engine submits a chunk's graph, waits for some chunk to finish, lets go of a finished one, and
-on :meth:`close` stops everything it started: queued chunks never start, running ones stop at
+An engine takes a chunk (a :class:`~daskdag.sweep.Sweep` and the chunk's ``(start, stop)``),
+waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
+grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
+:meth:`close` stops everything it started: queued chunks never start, running ones stop at
 their next item (:mod:`daskdag.progress`), and on a cluster every future it made is released,
 whatever way the sweep ended.
 """
@@ -15,9 +17,13 @@ import uuid
 import cloudpickle
 import dask
 import distributed
+import jax
+import numpy as np
+from dask.task_spec import TaskRef
 
 from . import progress
 from .cluster import workers
+from .errors import ClusterError
 from .resident import keep
 from .shipping import pack_for, unpack
 
@@ -31,7 +37,8 @@ class Threads:
         self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
         self.stop, self.bar, self.shared = threading.Event(), bar, {}
 
-    def submit(self, graph, chunk: tuple[int, int], steps: int):
+    def submit(self, sweep, chunk: tuple[int, int], steps: int):
+        graph = sweep.chunk(*chunk)
         report = None if self.bar is None else (lambda f: self.bar.report(chunk, f))
 
         def job():
@@ -42,6 +49,9 @@ class Threads:
 
     def wait_any(self, futures) -> set:
         return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
+
+    def result(self, future):
+        return future.result()
 
     def release(self, future):
         pass
@@ -60,14 +70,23 @@ class Cluster:
     2-worker sweep benchmark's time), and a chunk's ~25 tasks each cost distributed's per-task
     overhead. Chunks whose nodes need resources stay task graphs, which the scheduler places
     node by node (their bar advances per chunk, and they stop at the next task, not item).
+
+    A pinned chunk's items go from this process straight to its worker (``Client.scatter``),
+    and its results come straight back as NumPy frames (``Client.gather``): neither passes
+    through the scheduler, whose one thread would otherwise unpickle and forward every byte
+    (``Client(direct_to_workers=False)`` or distributed's ``client.direct-to-workers: False``
+    routes them through it, for clients that cannot reach the workers). Scattered items die
+    with their worker, and with them the chunk's task (distributed cancels it); such a chunk
+    is sent again, items and all, up to :data:`RESENDS` times.
     """
 
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None):
         self.client, self.pin, self.bar = client, pin, bar
-        self.futures: dict = {}  # every chunk future not released yet -> its worker when pinned
+        self.chunks: set[_Chunk] = set()  # every chunk not released yet
         self.id = uuid.uuid4().hex
         self.shared: dict = {}
         self.listening = False
+        self.direct = client.direct_to_workers is not False
         try:
             for name, value in shared.items():
                 self.shared[name] = place_shared(client, name, value)
@@ -78,35 +97,94 @@ class Cluster:
             self.close()
             raise
 
-    def submit(self, graph, chunk: tuple[int, int], steps: int):
-        addresses = list(workers(self.client)) if self.pin else []
-        if not addresses:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
-            fut = self.client.compute(graph)
-            self.futures[fut] = None
-            return fut
-        worker = min(addresses, key=lambda w: sum(1 for v in self.futures.values() if v == w))
-        whole = dask.delayed(graph)
-        tasks = cloudpickle.dumps(dict(whole.__dask_graph__()))
-        report = None if self.bar is None else [self.id, *chunk]
-        fut = self.client.submit(_run_chunk, tasks, whole.key, {f.key: f for f in self.shared.values()},
-                                 steps, report, pure=False, workers=[worker], allow_other_workers=True)
-        self.futures[fut] = worker
-        return fut
+    def submit(self, sweep, chunk: tuple[int, int], steps: int) -> _Chunk:
+        sent = _Chunk(sweep, chunk, steps)
+        self.chunks.add(sent)
+        self._send(sent)
+        return sent
 
-    def wait_any(self, futures) -> set:
+    def _send(self, sent: _Chunk):
+        found = workers(self.client) if self.pin else {}
+        if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
+            sent.future = self.client.compute(sent.sweep.chunk(*sent.chunk))
+            return
+        packed = {name: pack_for(f"input {name!r}", value, remote=True)
+                  for name, value in sent.sweep.items(*sent.chunk).items()}
+        keys = {name: f"daskdag-items-{name}-{uuid.uuid4().hex}" for name in packed}
+        failed: set = set()
+        for attempt in range(SCATTER_TRIES):
+            # Running workers (scatter waits for a paused one), the one with the fewest chunks.
+            running = [a for a, w in found.items() if w.get("status", "running") == "running"
+                       and a not in failed]
+            worker = min(running or set(found) - failed or found,
+                         key=lambda w: sum(1 for c in self.chunks if c.worker == w))
+            try:
+                sent.items = self.client.scatter({keys[n]: p for n, p in packed.items()},
+                                                 workers=[worker], direct=self.direct, hash=False,
+                                                 timeout=SCATTER_TIMEOUT)
+                break
+            except (OSError, TimeoutError):  # it left since the scheduler listed it
+                if attempt == SCATTER_TRIES - 1:
+                    raise
+                failed.add(worker)
+                found = workers(self.client) or found
+        sent.worker = worker
+        whole = dask.delayed(sent.sweep.chunk(*sent.chunk, {n: TaskRef(k) for n, k in keys.items()}))
+        tasks = cloudpickle.dumps(dict(whole.__dask_graph__()))
+        report = None if self.bar is None else [self.id, *sent.chunk]
+        sent.future = self.client.submit(
+            _run_chunk, tasks, whole.key, {f.key: f for f in self.shared.values()}, sent.items,
+            sent.steps, report, pure=False, workers=[worker], allow_other_workers=True)
+
+    def wait_any(self, chunks) -> set:
+        """The chunks among ``chunks`` that finished or failed; those lost meanwhile (their
+        task cancelled with a worker that held their items) are sent again."""
         try:
             with self.client.as_current():
-                return distributed.wait(futures, timeout=WAIT, return_when="FIRST_COMPLETED").done
+                distributed.wait([c.future for c in chunks], timeout=WAIT, return_when="FIRST_COMPLETED")
         except TimeoutError:
             return set()
+        except distributed.CancelledError:  # (wait raises it for any cancelled future)
+            pass
+        done = set()
+        for c in chunks:
+            if c.future.cancelled():
+                self._resend(c)
+            elif c.future.status in ("finished", "error"):  # ("lost": being computed again)
+                done.add(c)
+        return done
 
-    def release(self, future):
-        self.futures.pop(future, None)
-        future.release()
+    def result(self, chunk: _Chunk):
+        """The chunk's results, straight from its worker; raises what the chunk raised."""
+        while True:
+            try:
+                return self.client.gather(chunk.future, direct=self.direct)
+            except distributed.CancelledError:  # lost with its worker since it finished
+                self._resend(chunk)
+
+    def _resend(self, chunk: _Chunk):
+        chunk.resent += 1
+        if chunk.resent > RESENDS:
+            raise ClusterError(f"items {chunk.chunk[0]} to {chunk.chunk[1] - 1} of the sweep were "
+                               f"lost {chunk.resent} times, with the workers that held them, or "
+                               f"their task was cancelled by someone else")
+        self._let_go(chunk)
+        self._send(chunk)
+
+    def release(self, chunk: _Chunk):
+        self.chunks.discard(chunk)
+        self._let_go(chunk)
+
+    def _let_go(self, chunk: _Chunk):
+        for fut in (chunk.future, *chunk.items.values()):
+            if fut is not None:
+                fut.release()
+        chunk.future, chunk.items, chunk.worker = None, {}, None
 
     def close(self):
-        held = [*self.futures, *self.shared.values()]
-        self.futures.clear()
+        held = [f for c in self.chunks for f in (c.future, *c.items.values()) if f is not None]
+        held += self.shared.values()
+        self.chunks.clear()
         if self.listening:
             self.listening = False
             progress.unlisten(self.client, self.id)
@@ -117,6 +195,22 @@ class Cluster:
                 pass
         for fut in held:  # release: a frame or error still holding a future keeps nothing alive
             fut.release()
+
+
+RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
+SCATTER_TRIES = 3  # workers a chunk's items are offered to, each time the worker left meanwhile
+SCATTER_TIMEOUT = 10  # seconds scatter waits for its worker (it waits while the worker is away)
+
+
+class _Chunk:
+    """A chunk on the cluster: its items (``start, stop``), its task's future, the futures of
+    its scattered items and the worker they went to, and how often it was sent again."""
+
+    __slots__ = ("sweep", "chunk", "steps", "future", "items", "worker", "resent")
+
+    def __init__(self, sweep, chunk: tuple[int, int], steps: int):
+        self.sweep, self.chunk, self.steps = sweep, chunk, steps
+        self.future, self.items, self.worker, self.resent = None, {}, None, 0
 
 
 def place_shared(client, name: str, value) -> distributed.Future:
@@ -131,11 +225,14 @@ def place_shared(client, name: str, value) -> distributed.Future:
     return keep(client, f"shared-{name}-{uuid.uuid4().hex}", unpack, packed)
 
 
-def _run_chunk(tasks: bytes, key, shared: dict, steps: int, report: list | None):
+def _run_chunk(tasks: bytes, key, shared: dict, items: dict, steps: int, report: list | None):
     """A whole chunk as one task, in one worker: its graph run by Dask's synchronous scheduler,
-    with the shared inputs, which distributed fetched for this task, as data."""
+    with the shared inputs and the chunk's packed items, which distributed fetched for this
+    task, as data. Returns the results with NumPy leaves: distributed sends NumPy arrays as
+    zero-copy frames, and the client stacks them into NumPy arrays anyway."""
     graph = cloudpickle.loads(tasks)
-    for k, value in shared.items():
+    for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:
         graph.update(dask.delayed(value, name=k, traverse=False).__dask_graph__())
     with progress.worker_chunk(steps, report):
-        return dask.get(graph, key)
+        computed = dask.get(graph, key)
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, computed)

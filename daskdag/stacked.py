@@ -17,35 +17,43 @@ class Stacked:
     """One output's values, or one gradient, stacked over all items as chunks arrive.
 
     Leaves that are ``None`` (a gradient's non-differentiated leaves) stay ``None``:
-    ``jax.tree.map`` skips them.
+    ``jax.tree.map`` skips them. Rows of items that never arrived (failed) are NaN, or 0
+    where the dtype has no NaN.
     """
 
     def __init__(self, size: int):
-        self.size, self.tree = size, None
+        self.size, self.tree, self.arrived = size, None, np.zeros(size, bool)
 
     def put(self, start: int, stop: int, tree, carries_items: bool):
         if not carries_items:  # the same for every item
             tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
         if self.tree is None:
-            self.tree = jax.tree.map(lambda a: _empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
+            # Uninitialised: filling it first would write every row twice (for a large sweep,
+            # a pass over hundreds of MB); rows that never arrive are filled in result().
+            self.tree = jax.tree.map(lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
                                      tree)
 
         def copy(dst, src):
             dst[start:stop] = np.asarray(src)
 
         jax.tree.map(copy, self.tree, tree)
+        self.arrived[start:stop] = True
 
     def result(self, item):
         """The stacked tree; if no item arrived, NaN rows shaped by ``item`` (one item's
         ``ShapeDtypeStruct`` tree), or ``None`` when that is unknown too."""
         if self.tree is None and item is not None:
-            self.tree = jax.tree.map(lambda a: _empty((self.size, *a.shape), a.dtype), item)
+            self.tree = jax.tree.map(lambda a: np.empty((self.size, *a.shape), a.dtype), item)
+        if self.tree is not None and not self.arrived.all():
+            missing = ~self.arrived
+            jax.tree.map(lambda a: _mark_missing(a, missing), self.tree)
+            self.arrived[:] = True
         return self.tree
 
 
-def _empty(shape, dtype):
+def _mark_missing(a, rows):
     # NaN marks the rows of items that failed, where the dtype has one.
-    return np.full(shape, np.nan, dtype) if np.issubdtype(dtype, np.inexact) else np.zeros(shape, dtype)
+    a[rows] = np.nan if np.issubdtype(a.dtype, np.inexact) else 0
 
 
 def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:

@@ -3,8 +3,9 @@
 Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
 whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
 ``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
-(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, and shared inputs are
-placed on it once). A few chunks are in flight at a time; their results are written into the
+(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, its items sent
+straight to that worker and its results straight back, and shared inputs are placed on the
+cluster once). A few chunks are in flight at a time; their results are written into the
 stacked outputs (:mod:`daskdag.stacked`) as they finish and their intermediates released, so
 memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
 name the item and keep the rest.
@@ -52,18 +53,27 @@ class Sweep:
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
 
-    def chunk(self, start: int, stop: int):
-        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``."""
+    def items(self, start: int, stop: int) -> dict[str, Any]:
+        """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
+        inputs differentiated per item broadcast. Array leaves carry the items; other leaves
+        (functions...) are shared."""
         values = {}
         for i, v in self.values.items():
-            # Array leaves carry the items; other leaves (functions...) are shared.
             if i in self.batched:
-                v = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
+                values[i] = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
             elif i in self.broadcast:
-                v = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
-                                 if is_array(a) else a, v)
-            values[i] = v
-        return build(self.plan, values, self.cotangents, batched=True, remote=self.remote)
+                values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
+                                         if is_array(a) else a, v)
+        return values
+
+    def chunk(self, start: int, stop: int, items: dict | None = None):
+        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``.
+
+        ``items``: :meth:`items` of the chunk, or references to them where they are already on
+        the cluster (``dask.task_spec.TaskRef``); by default the values, inside the graph."""
+        items = self.items(start, stop) if items is None else items
+        return build(self.plan, {**self.values, **items}, self.cotangents, batched=True,
+                     remote=self.remote)
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool) -> Sweep:
@@ -134,7 +144,7 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
             source = reruns or (() if halted else chunks)
             while source and len(pending) < in_flight:
                 c = source.popleft()
-                pending[engine.submit(sweep.chunk(*c), c, chunk_steps(sweep.plan, c[1] - c[0]))] = c
+                pending[engine.submit(sweep, c, chunk_steps(sweep.plan, c[1] - c[0]))] = c
                 if bar:
                     bar.open(c)
             if not pending:
@@ -165,7 +175,7 @@ def _items(chunk):
 def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | None:
     """Store a finished chunk's results; return its error instead if it failed."""
     try:
-        computed = fut.result()
+        computed = engine.result(fut)
     except NodeError as e:
         return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
     finally:

@@ -1,0 +1,182 @@
+"""A sweep's data path on a cluster: a chunk's items go from the client straight to its worker
+(not inside the task, through the scheduler), its results come back as NumPy, a chunk whose
+items died with their worker is sent again (or the sweep fails clearly), and nothing of the
+sweep stays on the cluster."""
+
+import os
+import pickle
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+import daskdag
+from daskdag import engines
+from daskdag.errors import ClusterError
+
+from .conftest import assert_tree_close
+
+ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
+
+
+def local_cluster():
+    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                        dashboard_address=None)
+
+
+def encode(x, w):
+    return jnp.tanh(x * w)
+
+
+def energy(h):
+    if jnp.mean(h) > -2.0:  # a Python branch on a value: item by item, as eager users write it
+        return jnp.mean(h ** 2)
+    return jnp.mean(h)
+
+
+def slow_energy(h):
+    time.sleep(0.2)  # each item: long enough to kill a worker while its chunk runs
+    return jnp.mean(h ** 2)
+
+
+DAG = {"H": (encode, ["x", "w"]), "E": (energy, ["H"])}
+
+
+def inputs(n=ITEMS):
+    xs = jax.random.normal(jax.random.key(0), (n, SIZE))
+    return {"x": xs, "w": jnp.float32(0.5)}
+
+
+def expected(values):
+    def one(x):
+        return energy(encode(x, values["w"]))
+    out = [jax.value_and_grad(one)(x) for x in values["x"]]
+    return np.stack([v for v, _ in out]), np.stack([g for _, g in out])
+
+
+class Specs(SchedulerPlugin):
+    """Records the pickled size of every task the scheduler receives."""
+
+    def __init__(self):
+        self.sizes = {}
+
+    def update_graph(self, scheduler, *, keys, **kwargs):
+        for key in keys:
+            ts = scheduler.tasks.get(key)
+            if ts is not None and ts.run_spec is not None:
+                self.sizes[key] = len(pickle.dumps(ts.run_spec, protocol=5))
+
+
+def task_sizes(dask_scheduler):
+    return dict(dask_scheduler.plugins["record-specs"].sizes)
+
+
+def scheduler_tasks(client):
+    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+
+
+def eventually(check, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_items_skip_the_scheduler_and_results_come_back_as_numpy(monkeypatch):
+    values = inputs()
+    gathered = []
+    result = engines.Cluster.result
+
+    def recording(self, chunk):
+        out = result(self, chunk)
+        gathered.append(out)
+        return out
+
+    monkeypatch.setattr(engines.Cluster, "result", recording)
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        client.register_plugin(Specs(), name="record-specs")
+        before = scheduler_tasks(client)
+        res = daskdag.sweep_grads(DAG, values, "E", batched=["x"], chunk_size=4, client=client)
+        sizes = client.run_on_scheduler(task_sizes)
+        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+    value, grad = expected(values)
+    assert_tree_close(res.value, value, rtol=1e-5)
+    assert_tree_close(res.grad["x"], grad, rtol=1e-5)
+    assert isinstance(res.value, np.ndarray) and isinstance(res.grad["x"], np.ndarray)
+
+    chunk_bytes = 4 * SIZE * 4  # the items of one chunk: 256 KB
+    chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}
+    assert len(chunks) == ITEMS // 4
+    # The task refers to its items; before, it carried them (each task was over 256 KB).
+    assert max(chunks.values()) < chunk_bytes / 8, chunks
+    assert max(sizes.values()) < chunk_bytes / 8, sizes  # nor did any other task carry them
+    # What the workers sent back: NumPy arrays (zero-copy frames), not JAX arrays.
+    leaves = [leaf for out in gathered for leaf in jax.tree.leaves(out)]
+    assert leaves and all(type(leaf) is np.ndarray for leaf in leaves)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
+    """The worker holding a running chunk's items is SIGKILLed: distributed cancels the chunk
+    (its items cannot be recomputed), and the sweep sends it again, with the same results."""
+    dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
+    values = inputs(6)
+    killed, sends = [], []
+    send = engines.Cluster._send
+
+    def send_then_kill(self, sent):
+        send(self, sent)
+        sends.append(sent.chunk)
+        if not killed:
+            client = self.client
+            assert eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker))
+            time.sleep(0.3)  # it runs: its first item is done
+            pid = client.run(os.getpid, workers=[sent.worker])[sent.worker]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(sent.chunk)
+
+    monkeypatch.setattr(engines.Cluster, "_send", send_then_kill)
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        before = scheduler_tasks(client)
+        res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+    assert sends.count(killed[0]) == 2, sends  # sent again once
+    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
+    assert_tree_close(res.value, value, rtol=1e-5)
+    assert_tree_close(res.grad["x"], grad, rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_chunk_lost_too_often_fails_the_sweep_clearly(monkeypatch):
+    """With no resends allowed, the lost chunk fails the sweep with a ClusterError naming its
+    items, and the sweep leaves nothing on the cluster."""
+    monkeypatch.setattr(engines, "RESENDS", 0)
+    dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
+    values = inputs(6)
+    send = engines.Cluster._send
+    killed = []
+
+    def send_then_kill(self, sent):
+        send(self, sent)
+        if not killed:
+            pid = self.client.run(os.getpid, workers=[sent.worker])[sent.worker]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(sent.chunk)
+
+    monkeypatch.setattr(engines.Cluster, "_send", send_then_kill)
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        before = scheduler_tasks(client)
+        with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
+            daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
