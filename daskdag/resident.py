@@ -24,6 +24,8 @@ from collections import deque
 import dask
 from dask.sizeof import sizeof
 
+from .cluster import workers
+
 KEEP_CALLS = "daskdag.keep-calls"
 KEEP_CALLS_DEFAULT = 8
 
@@ -41,6 +43,17 @@ class Resident:
         self.futures: dict = {}  # key -> the future holding it
         self.recent: deque[set] = deque()  # keys each recent call used, oldest first
         self.sent = 0
+        self.home: str | None = None  # the worker its values go to (those needing no resources)
+
+    def _home(self, client) -> str | None:
+        """One worker for all of this client's values that need no resources, so that a call's
+        nodes and inputs sit together and its forward chain does not hop between workers for
+        them (Dask places tasks by their data). Chosen anew when it left."""
+        live = workers(client)
+        if self.home not in live:
+            self.home = min(live, key=lambda w: live[w].get("metrics", {}).get("memory", 0),
+                            default=None)
+        return self.home
 
     @contextlib.contextmanager
     def call(self, client):
@@ -57,7 +70,7 @@ class Resident:
                     # A key that failed (it could not be unpickled there, say) may still be
                     # known to the scheduler as failed: try again under a key of its own.
                     name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
-                    fut = keep(client, name, fn, payload, needs)
+                    fut = keep(client, name, fn, payload, needs, None if needs else self._home(client))
                     self.futures[key] = fut
                     self.sent += sizeof(payload)
                 used.add(key)
@@ -75,14 +88,16 @@ class Resident:
                     self.futures.pop(key).release()
 
 
-def keep(client, key: str, fn, payload, needs=None):
+def keep(client, key: str, fn, payload, needs=None, worker: str | None = None):
     """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
     scheduler keeps a task's recipe (here the payload), so when the worker holding the result
     dies it runs the task again on another (a scattered value is lost with its only holder).
-    ``needs``: the resources of the worker it should go to."""
+    ``needs``: the resources of the worker it should go to; ``worker``: the one it should go to
+    while that one lives."""
     with warnings.catch_warnings():  # sending the value in the graph, once, is the point
         warnings.filterwarnings("ignore", message="Sending large graph")
-        return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
+        where = {"workers": [worker], "allow_other_workers": True} if worker else {}
+        return client.submit(fn, payload, key=key, pure=False, resources=needs or None, **where)
 
 
 def of(client) -> Resident | None:

@@ -41,6 +41,9 @@ def test_repeated_calls_send_what_changed_only():
             assert_tree_close(r.grad, grad, rtol=1e-4)
         assert sent[0] >= W.nbytes and sent[1] == sent[2] == 0  # the weights went once
         placed = set(kept.futures)
+        # ... all to one worker, so the forward pass finds its nodes and input together
+        holders = client.who_has(list(kept.futures.values()))
+        assert len({w for ws in holders.values() for w in ws}) == 1
 
         W[:] *= 2  # in place: the node that closes over W is sent again, the input x is not
         before = kept.sent
