@@ -102,7 +102,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from . import common, sweeps
 
 TITLE = "Large-item sweep"
-TARGETS = {"loop/sweep_1w": 0.9, "two_processes/sweep_2w": 0.85}
+TARGETS = (("loop/sweep_1w", 0.9, "0.61"), ("two_processes/sweep_2w", 0.85, "0.44"))  # issue 11
 RTOL = 1e-4
 RATIOS = {"loop/sweep_1w": ("loop", "sweep_1w"),
           "loop/two_processes": ("loop", "two_processes"),  # the limit
@@ -299,9 +299,11 @@ def run(quick: bool, clients: dict) -> dict:
         profiles = {"sweep_1w": profile(c1, inputs, dag), "sweep_2w": profile(c2, inputs, dag)}
     c = common.case(f"N={cfg.items}", {"items": cfg.items, "item_kb": cfg.rows * cfg.width * 4 / 1000},
                     times, RATIOS, baseline="loop", checks=checks, profiles=profiles)
+    wanted = [{"case": c["case"], "ratio": r, "op": ">=", "bound": b, "was": was, "source": "issue 11"}
+              for r, b, was in TARGETS]
     return {"title": TITLE, "config": {**asdict(cfg), "outputs": list(sweeps.OUTPUTS), "rtol": RTOL},
-            "targets": TARGETS,
-            "targets_met": {k: c["ratios"][k] >= t for k, t in TARGETS.items()},
+            "targets": common.targets([c], wanted),
+            "where": {"two_processes": "two plain processes", "worker_loop": "in the 1w worker"},
             "cases": [c]}
 
 
@@ -312,7 +314,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     result = run(args.quick, {})
     c = result["cases"][0]
-    print(json.dumps({"ratios": c["ratios"], "targets_met": result["targets_met"],
+    print(json.dumps({"ratios": c["ratios"], "targets": result["targets"],
                       "median_s": {m: r["median_s"] for m, r in c["methods"].items()},
                       "profiles": c["profiles"]}, indent=1))
     if args.json:
