@@ -91,7 +91,6 @@ import collections
 import contextlib
 import json
 import multiprocessing
-import statistics
 import time
 from dataclasses import asdict, dataclass
 

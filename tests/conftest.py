@@ -55,6 +55,16 @@ def x5():
     return jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=jnp.float32)
 
 
+def eventually(check, timeout=30.0):
+    """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 

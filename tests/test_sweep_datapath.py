@@ -19,7 +19,7 @@ import daskdag
 from daskdag import engines
 from daskdag.errors import ClusterError
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, eventually
 
 ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
 
@@ -78,15 +78,6 @@ def task_sizes(dask_scheduler):
 
 def scheduler_tasks(client):
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
-
-
-def eventually(check, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.cluster

@@ -20,7 +20,7 @@ from distributed import Client, LocalCluster
 import daskdag
 from daskdag import Node, NodeError, engines, progress
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, eventually
 
 
 def local_cluster():
@@ -36,16 +36,6 @@ def flaky(h):
     if jnp.sum(h) > 1.0:
         raise FloatingPointError("diverged")
     return jnp.sum(h ** 2)
-
-
-def eventually(check, timeout=30.0):
-    """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # -- 1. failed sweeps release everything ----------------------------------------------------------
