@@ -6,6 +6,7 @@ starts. Prints 'ready' before the call, then 'interrupted' when KeyboardInterrup
 stays connected until its stdin closes), or 'finished' / the other exception's name.
 """
 
+import signal
 import sys
 import time
 
@@ -16,6 +17,9 @@ from distributed import Client
 import daskdag
 
 target, log = sys.argv[1], sys.argv[2]
+# A test run started in the background (`make test &`) ignores SIGINT, and so would this child;
+# Ctrl-C in a terminal raises KeyboardInterrupt, which is what the tests are about.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def slow(a):
