@@ -3,11 +3,11 @@
 In:  a plan, the input values, the user's cotangents.
 Out: ``{output: (value, {input: grad})}`` of ``dask.delayed.Delayed`` objects sharing one graph.
 
-Tasks are per stage (:mod:`daskdag.stages`: a chain of nodes run as one task). Keys are
-readable and deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus
-``val-B+C`` taking its value apart from its pullback, so later stages never fetch residuals),
-``bwd-D-B+C-<token>`` its backward pass towards output D (the output's own stage starts from the
-seed cotangent), ``grad-D-x-<token>`` input x's gradient. Outputs share forward keys, so every
+Tasks are per stage (:mod:`daskdag.stages`: nodes run as one task). Keys are readable and
+deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus ``val-C-<token>``
+taking C's value apart from the stage's pullback, so later stages never fetch residuals),
+``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
+its seed cotangent), ``grad-D-x-<token>`` input x's gradient for D. Outputs share forward keys, so every
 node runs once per call; tokens hash functions and inputs, so repeated calls on one cluster
 share them too.
 

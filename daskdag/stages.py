@@ -1,18 +1,19 @@
 """Stages: the units a call runs as Dask tasks, between the plan and the graph.
 
 In:  a :class:`~daskdag.plan.Plan`.
-Out: its needed nodes grouped into :class:`Stage` s, in topological order. Nothing here runs
-     a node; :func:`linearize` runs a stage's nodes, in its forward task.
+Out: its needed nodes grouped into :class:`Stage` s, in topological order. :func:`make_stages`
+     runs nothing; :func:`linearize` runs a stage's nodes, in the stage's forward task.
 
-A stage runs as one forward task and, per output, one backward task. Two kinds:
+A stage runs as one forward task and one backward task (for every output whose gradient passes
+through it: :func:`daskdag.tasks.backward` pulls their cotangents back together). Two kinds:
 
 - **chains** of eager nodes ``n1 -> n2 -> ... -> nk``: each node but the last feeds only the next
   and is no requested output. Every edge in a chain is a dependency Dask could never use (the
   next node needs the value at once), while on a ``distributed`` cluster each task costs a
   scheduler round trip of a few milliseconds. The nodes run one by one, each under its own
-  ``jax.vjp``, so they keep their semantics: called once, in order, eagerly unless ``jit=True``,
-  Python control flow and side effects included. A node with several consumers ends its chain,
-  so fan-out keeps its parallelism.
+  ``jax.vjp``, so they keep their semantics: called once, in order, op by op, Python control
+  flow and side effects included. A node with several consumers ends its chain, so fan-out
+  keeps its parallelism.
 - **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
   function of the group's inputs, linearized once as one XLA program (in a sweep,
   ``jit(vmap(vjp))`` over the chunk), so XLA sees across node boundaries. Several of its nodes
