@@ -7,9 +7,9 @@ Tasks are per stage (:mod:`daskdag.stages`: nodes run as one task). Keys are rea
 deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus ``val-C-<token>``
 taking C's value apart from the stage's pullback, so later stages never fetch residuals),
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
-its seed cotangent), ``grad-D-x-<token>`` input x's gradient for D. Outputs share forward keys, so every
-node runs once per call; tokens hash functions and inputs, so repeated calls on one cluster
-share them too.
+its seed cotangent), ``grad-D-x-<token>`` input x's gradient for D. Outputs share forward keys,
+so every node runs once per call; tokens hash functions and inputs, so repeated calls on one
+cluster share them too.
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
 tasks), not through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
@@ -70,7 +70,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         if s.linearized:
             linearized[s] = fwd
         for k, n in enumerate(s.outputs):
-            val[n] = fwd if not s.linearized and len(s.outputs) == 1 else g.task(
+            val[n] = fwd if s.bare else g.task(
                 f"val-{n}-{tok}", dict(s.needs), tasks.pick, fwd, s.linearized, k)
 
     # Backward: one task per stage, for every output whose gradient passes through it (their
@@ -82,7 +82,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     for s in reversed(stages):
         if not through[s]:
             continue
-        flows, sources = [], []
+        flows, sources = [], {}
         for o in through[s]:
             per_output = []
             for n in s.outputs:
@@ -94,19 +94,20 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                 else:
                     per_output.append(None)
             flows.append(tuple(per_output))
-        tok = tokenize(linearized[s].key, flows, [r.key for r in sources])
-        bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs), tasks.backward,
-                        s, stop, tuple(flows), linearized[s], *(val[d] for d in s.deps), *sources)
+        tok = tokenize(linearized[s].key, flows, list(sources))
+        bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs),
+                        tasks.backward, s, stop, tuple(flows), linearized[s],
+                        *(val[d] for d in s.deps), *map(TaskRef, sources))
 
     results = {}
     for o in plan.outputs:
         grads = {}
         for i in plan.wrt:
-            sources = []
+            sources = {}
             picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            tok = tokenize(val[i].key, [r.key for r in sources], picks)
+            tok = tokenize(val[i].key, list(sources), picks)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
-                              tuple((k, p) for _, k, p in picks), val[i], *sources)
+                              tuple((k, p) for _, k, p in picks), val[i], *map(TaskRef, sources))
         results[o] = (val[o], grads)
     return g.delayed(results)
 
@@ -115,20 +116,16 @@ def _itself(x):
     return x
 
 
-def _shares(name, uses, output, stage_of, through, bwd, sources: list, within=None) -> tuple:
+def _shares(name, uses, output, stage_of, through, bwd, sources: dict, within=None) -> tuple:
     """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
     position)`` for each stage that consumes it (``uses``: its consuming nodes), other than its
-    own stage ``within``; ``source`` indexes ``sources``, to which the stages' backward tasks
-    are added (once each)."""
+    own stage ``within``. ``sources`` maps the keys of those stages' backward tasks, in the
+    order they are the task's arguments, to ``source``, their index; new ones are added."""
     picks = []
     for s in dict.fromkeys(stage_of[c] for c, _ in uses):
-        if s is within:
-            continue
-        keys = [r.key for r in sources]
-        if bwd[s].key not in keys:
-            keys.append(bwd[s].key)
-            sources.append(bwd[s])
-        picks.append((keys.index(bwd[s].key), through[s].index(output), s.deps.index(name)))
+        if s is not within:
+            source = sources.setdefault(bwd[s].key, len(sources))
+            picks.append((source, through[s].index(output), s.deps.index(name)))
     return tuple(picks)
 
 

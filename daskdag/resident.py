@@ -62,6 +62,7 @@ class Resident:
         with the resources ``needs`` (those of the node that uses it). On exit, values that none
         of the last ``daskdag.keep-calls`` calls used are let go."""
         used: set = set()
+        home: list = []  # this call's home worker, asked of the scheduler once, when needed
 
         def place(key, fn, payload, needs=None):
             with _lock:
@@ -70,7 +71,9 @@ class Resident:
                     # A key that failed (it could not be unpickled there, say) may still be
                     # known to the scheduler as failed: try again under a key of its own.
                     name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
-                    fut = keep(client, name, fn, payload, needs, None if needs else self._home(client))
+                    if not needs and not home:
+                        home.append(self._home(client))
+                    fut = keep(client, name, fn, payload, needs, None if needs else home[0])
                     self.futures[key] = fut
                     self.sent += sizeof(payload)
                 used.add(key)

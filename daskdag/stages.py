@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import dask
+from dask.sizeof import sizeof
 import jax.numpy as jnp
 
 from .chunked import Chunked, chunk_of
@@ -78,6 +79,12 @@ class Stage:
     def linearized(self) -> bool:
         """Some node runs under ``jax.vjp``: the forward task leaves a pullback."""
         return any(any(a) for a in self.active)
+
+    @property
+    def bare(self) -> bool:
+        """The forward task's result is its one exposed value itself (no pullback, no tuple), so
+        later stages read it directly."""
+        return not self.linearized and len(self.exposed) == 1
 
     def dep_active(self) -> tuple[bool, ...]:
         """Per dep: differentiated by some node of the stage."""
@@ -238,7 +245,6 @@ class StagePullback:
 
     def residual_nbytes(self) -> int:
         """Bytes that moving it ships: the pullbacks' residuals and the kept values."""
-        from dask.sizeof import sizeof
         return (sum(pb.residual_nbytes() for pb in self.pullbacks if pb is not None)
                 + sum(sizeof(v) for v in self.values if v is not None))
 

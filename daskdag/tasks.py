@@ -1,5 +1,6 @@
 """The functions Dask runs: one forward task per stage, one backward task per stage (for every
-output whose gradient passes through it), one gradient task per (output, input). See :mod:`daskdag.stages` for what a stage is.
+output whose gradient passes through it), one gradient task per (output, input). See
+:mod:`daskdag.stages` for what a stage is.
 
 A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 """
@@ -29,7 +30,7 @@ def forward(stage: Stage, stop, *args):
     """
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     out = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
-    return out[0] if not stage.linearized and len(out) == 1 else out
+    return out[0] if stage.bare else out
 
 
 def pick(out, linearized: bool, k: int):
