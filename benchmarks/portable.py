@@ -227,7 +227,7 @@ def run_graph(client, node: Node, kind: Kind, values: dict, fwd_on, rest_on, wat
     x = next(iter(values.values())) if len(values) == 1 else values
     _, _, graph = build_graph({"N": node}, x, ["N"], wrt=[kind.wrt], cotangents=cts)
     dsk = dict(dask.delayed(graph).__dask_graph__())
-    fwd_keys = [key for key in dsk if str(key).startswith(("fwd-", "val-", "pb-"))]
+    fwd_keys = [key for key in dsk if str(key).startswith(("fwd-", "val-"))]
     with (distributed.get_task_stream(client) if watch else nullcontext()) as stream:
         start = time.perf_counter()
         if fwd_on is not None:
