@@ -6,6 +6,11 @@ pullback are each one compiled program, cached per node function, so chunks of t
 item under its own ``jax.vjp`` (one vjp around the whole loop was measured 2.3 to 2.5 times
 slower per item), leaving an :class:`ItemPullbacks`. Between items they pass a
 :func:`~daskdag.progress.checkpoint`: progress, and where a cancelled chunk stops.
+
+A ``Chunked`` whose ``in_axes`` carry no item axis is a fused stage outside a sweep
+(:mod:`daskdag.stages`): the same compiled programs, without ``vmap``. A third program,
+:meth:`Chunked.gradients`, runs forward and backward as one, as ``jax.jit(jax.value_and_grad)``
+does, for a stage whose cotangents are all its own outputs' seeds.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .progress import checkpoint
-from .pullback import (Pullback, ct_avals, diff_counts, differentiable_leaves, is_array,
+from .pullback import (Pullback, by_arg, ct_avals, diff_counts, differentiable_leaves, is_array,
                        is_differentiable, linearize, vjp_leaves)
 from .shipping import unwrap
 from .spec import Node
@@ -34,7 +39,7 @@ class Chunked:
         fn = self.node.callable()
         if self.node.vmap:
             compiled = self._compiled(args, None)
-            return compiled if compiled is not None else jax.vmap(fn, in_axes=self.in_axes)(*args)
+            return compiled if compiled is not None else _mapped(fn, self.in_axes)(*args)
         return stack([_then_checkpoint(fn(*item)) for item in item_args(args, self.in_axes)])
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
@@ -46,22 +51,28 @@ class Chunked:
                                    for item in item_args(args, self.in_axes)))
         return stack(primals), ItemPullbacks(list(pullbacks), self.in_axes)
 
+    def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
+        """Forward and backward as one program: ``(primal, cts)``, or None where it cannot be
+        compiled (see :meth:`_compiled`). The function returns a tuple of values;
+        ``seeded[k][e]``: the ``k``-th backward pass starts from ones at value ``e`` (its
+        differentiable leaves), from zeros elsewhere. ``cts[k]``: that pass's cotangents, a tuple
+        aligned with ``args`` as a :class:`~daskdag.pullback.Pullback` returns them."""
+        split = _split(args, active)
+        if split is None:
+            return None
+        static, traced = split
+        primal, flat = _programs(self)[3]((*static, self.in_axes, active, seeded), traced)
+        counts = diff_counts(args, active)
+        return primal, [by_arg(f, active, counts) for f in flat]
+
     def _compiled(self, args, active):
         """``jit(vmap(fn))(*args)``, or with ``active`` its ``(primal, Pullback)``; None where an
         arg holds a leaf that jit can take neither as an array nor as a hashable constant."""
-        leaves, treedef = jax.tree.flatten(tuple(args))
-        on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
-        # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
-        # functions) stay constants, concrete in fn as under plain vmap.
-        dynamic = [is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
-        consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
-        try:
-            hash(consts)
-        except TypeError:
+        split = _split(args, active)
+        if split is None:
             return None
-        forward, backward, kept = _programs(self)
-        static = (treedef, consts, self.in_axes, active)
-        traced = [x for x, d in zip(leaves, dynamic) if d]
+        forward, backward, kept, _ = _programs(self)
+        static, traced = (*split[0], self.in_axes, active), split[1]
         out = forward(static, traced)
         if active is None:
             return out
@@ -73,8 +84,29 @@ class Chunked:
         vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
         pullback = Pullback(Node(self, ()), active, diff_counts(args, active),
                             jax.tree_util.Partial(backward, vjp_fn), tuple(args),
-                            ct_avals(differentiable_leaves(primal)))
+                            ct_avals(differentiable_leaves(primal)), batching="compiled")
         return primal, pullback
+
+
+def _split(args, active):
+    """``((treedef, consts), traced)``: the args' leaves that the programs trace, and the rest
+    as hashable constants; None where a constant is not hashable."""
+    leaves, treedef = jax.tree.flatten(tuple(args))
+    on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
+    # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
+    # functions) stay constants, concrete in fn as under plain vmap.
+    dynamic = [is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
+    consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
+    try:
+        hash(consts)
+    except TypeError:
+        return None
+    return (treedef, consts), [x for x, d in zip(leaves, dynamic) if d]
+
+
+def _mapped(fn, in_axes):
+    """``fn`` vectorized over the args whose axis is 0; ``fn`` itself where none is."""
+    return jax.vmap(fn, in_axes=in_axes) if any(a is not None for a in in_axes) else fn
 
 
 _TRACED = object()  # in a program's constants: the place of a traced leaf
@@ -83,7 +115,7 @@ _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 
 
 def _programs(chunked: Chunked) -> tuple:
-    """The jitted ``(forward, backward, kept)`` of a vmap node. jax.jit caches compilations by function
+    """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches compilations by function
     identity, so they are kept per node function (one a worker reuses per token, or the user's
     own locally), for as long as it lives: across chunks and sweeps. A function that cannot be
     weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
@@ -114,11 +146,14 @@ def _forget(key, ref):
 def _make_programs(fn_of) -> tuple:
     kept = {}  # (static, input avals) -> (per residual: the input it is, else None; vjp treedef)
 
+    def rebuild(treedef, consts, dynamic):
+        it = iter(dynamic)
+        return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
+
     def forward(static, dynamic):
         treedef, consts, in_axes, active = static
-        it = iter(dynamic)
-        args = treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
-        vmapped = jax.vmap(fn_of(), in_axes=in_axes)
+        args = rebuild(treedef, consts, dynamic)
+        vmapped = _mapped(fn_of(), in_axes)
         if active is None:
             return vmapped(*args)
         primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
@@ -131,7 +166,23 @@ def _make_programs(fn_of) -> tuple:
         kept[static, tuple(map(jax.typeof, dynamic))] = where, vjp_def
         return primal, [r for r, i in zip(residuals, where) if i is None]
 
-    return jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept
+    def gradients(static, dynamic):
+        treedef, consts, in_axes, active, seeded = static
+        fn, args = _mapped(fn_of(), in_axes), rebuild(treedef, consts, dynamic)
+        # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
+        # between them, as in jit(value_and_grad) of each. (One vjp of all the values, its
+        # passes vmapped with zeros where they do not start, took 1.2x as long: XLA cannot
+        # drop the products with those zeros.)
+        out = []
+        for ones in seeded:
+            picked = [e for e, on in enumerate(ones) if on]
+            primal, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args,
+                                              active)
+            out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
+        return fn(*args), out
+
+    return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,
+            jax.jit(gradients, static_argnums=0))
 
 
 def chunk_of(node: Node) -> Chunked | None:
@@ -153,6 +204,11 @@ class ItemPullbacks:
         # Differentiated deps all carry items (shared ones are broadcast), so their cts stack.
         return tuple(None if c is None else stack(list(column))
                      for c, column in zip(cts[0], zip(*cts)))
+
+    @property
+    def batching(self):
+        """As its items' pullbacks (see :attr:`~daskdag.pullback.Pullback.batching`)."""
+        return self.pullbacks[0].batching if self.pullbacks else None
 
     def residual_nbytes(self) -> int:
         return sum(pb.residual_nbytes() for pb in self.pullbacks)

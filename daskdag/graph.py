@@ -18,6 +18,8 @@ which made building quadratic in the number of nodes (2 s for a 1,000-node chain
 
 from __future__ import annotations
 
+import operator
+
 import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
@@ -56,18 +58,32 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     stages = make_stages(plan)
     stage_of = {n: s for s in stages for n in s.nodes}
 
+    # Which outputs' gradients pass through each stage. A stage where they all start (its
+    # cotangents are all its own outputs' seeds) is closed: its forward task runs the backward
+    # pass too (tasks.forward_backward), a fused one as one program.
+    paths = {o: set(plan.backward[o]) for o in plan.outputs}
+    through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
+    closed = {s: tuple(tuple(("seed", o, cotangents.get(o), batched) if n == o else None
+                             for n in s.outputs) for o in through[s])
+              for s in stages if through[s] and all(n == o or n not in paths[o]
+                                                    for o in through[s] for n in s.outputs)}
+
     # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
     # input); val- tasks take its values apart from its pullback, so later stages never fetch
     # residuals.
-    linearized = {}  # stage -> its forward task, (values, pullback)
+    linearized, bwd = {}, {}  # stage -> its forward task, (values, pullback); its backward task
     for s in stages:
         nodes = [spec.nodes[n] for n in s.nodes]
         sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
                 for n, node in zip(s.nodes, nodes)]
         tok = tokenize(s, nodes, [val[d].key for d in s.deps])
-        fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), tasks.forward, s, stop, *sent,
+        run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s])
+        fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), run[0], s, stop, *run[1:], *sent,
                      *(val[d] for d in s.deps))
-        if s.linearized:
+        if s in closed:
+            bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs),
+                            operator.itemgetter(1), fwd)
+        elif s.linearized:
             linearized[s] = fwd
         for k, n in enumerate(s.outputs):
             val[n] = fwd if s.bare else g.task(
@@ -76,11 +92,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     # Backward: one task per stage, for every output whose gradient passes through it (their
     # cotangents pulled back together, see tasks.backward). The cotangent of an exposed node is
     # the sum of its consumer stages' shares, or the output's seed.
-    paths = {o: set(plan.backward[o]) for o in plan.outputs}
-    through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
-    bwd = {}
     for s in reversed(stages):
-        if not through[s]:
+        if not through[s] or s in closed:
             continue
         flows, sources = [], {}
         for o in through[s]:

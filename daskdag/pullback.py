@@ -53,14 +53,24 @@ class Pullback:
     its residual arrays, less those that are the node's own inputs, which the backward task
     holds anyway. A program that cannot be exported (a host callback inside) travels as the
     node's function instead, and its forward pass is redone there.
+
+    ``batching``: how several cotangents are best pulled back (:func:`daskdag.tasks.backward`):
+    ``"compiled"``, a program of a stable identity, which ``jax.vmap`` batches once and reuses;
+    ``"eager"``, JAX's vjp of plain code, whose ops ``vmap`` traces anew on every call (it pays
+    only for many cotangents); None, never (the vjp of a jitted function, which ``vmap``
+    recompiles on every call, and pullbacks received from elsewhere).
     """
 
-    __slots__ = ("active", "counts", "_node", "_vjp", "_args", "_ct_avals", "_form", "_program")
+    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_form",
+                 "_program")
 
     def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn=None,
-                 args=None, ct_avals=None):
+                 args=None, ct_avals=None, batching: str | None = None):
         self._node, self.active, self.counts = node, active, counts
         self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
+        if batching is None and vjp_fn is not None and not node.jit:
+            batching = "eager"
+        self.batching = batching
         self._form = self._program = None  # set in a process that received this pullback
 
     def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
@@ -73,11 +83,7 @@ class Pullback:
             flat = self._program(*ct, *consts)
         else:  # shipped as its function: redo this node's forward pass here
             return linearize(self._node, inputs, self.active)[1](ct, inputs)
-        out, at = [], 0
-        for on, n in zip(self.active, self.counts):
-            out.append(tuple(flat[at:at + n]) if on else None)
-            at += n
-        return tuple(out)
+        return by_arg(flat, self.active, self.counts)
 
     def residual_nbytes(self) -> int:
         """Bytes of the residuals that are not the node's own inputs: what moving it ships."""
@@ -157,6 +163,16 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     d, h = iter(primal_diff), iter(held)
     leaves = [next(d) if m else (next(h) if s is None else s) for m, s in zip(out["mask"], out["static"])]
     return out["treedef"].unflatten(leaves), primal_diff, vjp_fn
+
+
+def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
+    """Cotangent leaves in :func:`vjp_leaves` order as a tuple aligned with the args: each
+    active arg's leaves (``counts`` of them), ``None`` for the others."""
+    out, at = [], 0
+    for on, n in zip(active, counts):
+        out.append(tuple(flat[at:at + n]) if on else None)
+        at += n
+    return tuple(out)
 
 
 def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...]:

@@ -243,6 +243,12 @@ class StagePullback:
                     into[i] = share if into[i] is None else add(into[i], share)
         return tuple(out)
 
+    @property
+    def batching(self):
+        """Its nodes' common :attr:`~daskdag.pullback.Pullback.batching`, else None."""
+        kinds = {pb.batching for pb in self.pullbacks if pb is not None}
+        return kinds.pop() if len(kinds) == 1 else None
+
     def residual_nbytes(self) -> int:
         """Bytes that moving it ships: the pullbacks' residuals and the kept values."""
         return (sum(pb.residual_nbytes() for pb in self.pullbacks if pb is not None)
@@ -290,10 +296,11 @@ _fused_lock = threading.Lock()
 _fused: dict = {}  # (stage, ids of fns) -> the stage as one Node, while its node functions live
 
 
-def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Node:
-    """The fused stage as one node, the same object while the same node functions live: JAX
-    caches compilations by function, so later calls and chunks compile nothing. In a sweep it
-    is a chunk's node (``vmap=True`` over its ``Chunked`` deps' item axes)."""
+def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Chunked:
+    """The fused stage as one :class:`~daskdag.chunked.Chunked` function, the same object while
+    the same node functions live: its compiled programs are cached by function, so later calls
+    and chunks compile nothing. In a sweep it is ``vmap`` ped over its deps' item axes;
+    elsewhere it has none, and is only jitted."""
     chunks = [chunk_of(n) for n in nodes]
     fns = [unwrap(c.node.fn) if c else unwrap(n.fn) for c, n in zip(chunks, nodes)]
     key = (stage, tuple(map(id, fns)))
@@ -302,34 +309,39 @@ def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Node:
         if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
             return hit[0]
     fused = Fused(stage, fns)
-    if chunks[0] is None:
-        node = Node(fused, stage.deps, jit=True)
-    else:
-        in_axes = [None] * len(stage.deps)
-        for c, sources in zip(chunks, stage.sources):
-            for (kind, i), axis in zip(sources, c.in_axes):
-                if kind == "dep":
-                    in_axes[i] = axis
-        node = Node(Chunked(Node(fused, stage.deps, vmap=True), tuple(in_axes)), stage.deps)
+    in_axes = [None] * len(stage.deps)
+    for c, sources in zip(chunks, stage.sources):
+        for (kind, i), axis in zip(sources, c.in_axes if c else ()):
+            if kind == "dep":
+                in_axes[i] = axis
+    chunk = Chunked(Node(fused, stage.deps, vmap=True), tuple(in_axes))
     with _fused_lock:
-        _fused[key] = node, fused
+        _fused[key] = chunk, fused
         for f in fns:  # the entry goes with the first of its functions to go
             with contextlib.suppress(TypeError):
                 weakref.finalize(f, _fused.pop, key, None)
-    return node
+    return chunk
 
 
 def _linearize_fused(stage: Stage, nodes, deps):
-    node = _fused_node(stage, nodes)
-    chunk = chunk_of(node)
+    chunk = _fused_node(stage, nodes)
     with node_errors(stage.name, "forward"):
         if not stage.linearized:
-            return node.callable()(*deps)
-        active = stage.dep_active()
-        values, pullback = (chunk.linearize(deps, active) if chunk else
-                            linearize_node(node, deps, active))
+            return chunk(*deps)
+        values, pullback = chunk.linearize(deps, stage.dep_active())
     avals = [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
     return values, FusedPullback(stage, pullback, avals)
+
+
+def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: tuple):
+    """A fused stage's forward and backward passes as one program, for a stage whose cotangents
+    are all seeds of its own outputs (nothing flows into it from later stages). ``seeded[k]``:
+    per exposed node, whether the ``k``-th backward pass starts there. Returns ``(values, cts)``,
+    ``cts[k]`` aligned with ``stage.deps`` as :class:`StagePullback` returns them; None where
+    the stage cannot run so (see :meth:`~daskdag.chunked.Chunked.gradients`)."""
+    chunk = _fused_node(stage, nodes)
+    with node_errors(stage.name, "forward"):
+        return chunk.gradients(deps, stage.dep_active(), seeded)
 
 
 class FusedPullback:
@@ -346,6 +358,10 @@ class FusedPullback:
                 for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
         with node_errors(self.stage.name, "backward"):
             return self.pullback(tuple(flat), deps)
+
+    @property
+    def batching(self):
+        return self.pullback.batching
 
     def residual_nbytes(self) -> int:
         return self.pullback.residual_nbytes()
