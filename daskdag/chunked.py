@@ -20,11 +20,12 @@ import weakref
 from typing import Any, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from .progress import checkpoint
 from .pullback import (Pullback, by_arg, ct_avals, diff_counts, differentiable_leaves, is_array,
-                       is_differentiable, linearize, vjp_leaves)
+                       is_differentiable, is_numeric, linearize, vjp_leaves)
 from .shipping import unwrap
 from .spec import Node
 
@@ -168,7 +169,8 @@ def _make_programs(fn_of) -> tuple:
 
     def gradients(static, dynamic):
         treedef, consts, in_axes, active, seeded = static
-        fn, args = _mapped(fn_of(), in_axes), rebuild(treedef, consts, dynamic)
+        args = rebuild(treedef, consts, dynamic)
+        fn = _replay(_mapped(fn_of(), in_axes), args, consts, dynamic)
         # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
         # between them, as in jit(value_and_grad) of each. (One vjp of all the values, its
         # passes vmapped with zeros where they do not start, took 1.2x as long: XLA cannot
@@ -176,13 +178,39 @@ def _make_programs(fn_of) -> tuple:
         out = []
         for ones in seeded:
             picked = [e for e, on in enumerate(ones) if on]
-            primal, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args,
-                                              active)
+            _, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args, active)
             out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
         return fn(*args), out
 
     return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,
             jax.jit(gradients, static_argnums=0))
+
+
+def _replay(fn, args, consts, dynamic):
+    """``fn``, traced once (at ``args``, whose traced leaves are ``dynamic``) and replayed from its
+    jaxpr: calling it again does not run the user's Python code again."""
+    out: dict = {}
+
+    def numeric(*leaves):
+        it = iter(leaves)
+        leaves, out["tree"] = jax.tree.flatten(fn(*_rebuilt(args, consts, it)))
+        out["static"] = [None if is_numeric(x) else x for x in leaves]
+        return [x for x in leaves if is_numeric(x)]
+
+    traced = jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(numeric)(*dynamic))
+
+    def replayed(*a):
+        leaves = [x for x, c in zip(jax.tree.leaves(tuple(a)), consts) if c is _TRACED]
+        it = iter(traced(*leaves))
+        return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
+
+    return replayed
+
+
+def _rebuilt(args, consts, it):
+    """``args`` with their traced leaves taken from ``it``."""
+    leaves, treedef = jax.tree.flatten(tuple(args))
+    return treedef.unflatten([next(it) if c is _TRACED else x for x, c in zip(leaves, consts)])
 
 
 def chunk_of(node: Node) -> Chunked | None:

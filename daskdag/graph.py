@@ -18,8 +18,6 @@ which made building quadratic in the number of nodes (2 s for a 1,000-node chain
 
 from __future__ import annotations
 
-import operator
-
 import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
@@ -29,8 +27,9 @@ from dask.task_spec import Task, TaskRef
 from . import tasks
 from .plan import Plan
 from .stages import abbreviate, make_stages
-from . import protocol  # noqa: F401  (importing it registers daskdag's types with Dask)
 from .shipping import pack_for, unpack
+
+CLOSE = "daskdag.close-stages"
 
 
 def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
@@ -60,12 +59,14 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
 
     # Which outputs' gradients pass through each stage. A stage where they all start (its
     # cotangents are all its own outputs' seeds) is closed: its forward task runs the backward
-    # pass too (tasks.forward_backward), a fused one as one program.
+    # pass too (tasks.forward_backward), a fused one as one program; its residuals never leave
+    # it. (dask.config daskdag.close-stages: False keeps them apart.)
+    close = dask.config.get(CLOSE, True)
     paths = {o: set(plan.backward[o]) for o in plan.outputs}
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
     closed = {s: tuple(tuple(("seed", o, cotangents.get(o), batched) if n == o else None
                              for n in s.outputs) for o in through[s])
-              for s in stages if through[s] and all(n == o or n not in paths[o]
+              for s in stages if close and through[s] and all(n == o or n not in paths[o]
                                                     for o in through[s] for n in s.outputs)}
 
     # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
@@ -82,7 +83,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                      *(val[d] for d in s.deps))
         if s in closed:
             bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs),
-                            operator.itemgetter(1), fwd)
+                            tasks.pulled, fwd)
         elif s.linearized:
             linearized[s] = fwd
         for k, n in enumerate(s.outputs):

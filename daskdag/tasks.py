@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
-from . import progress, stages
+from . import progress, protocol, stages  # noqa: F401  (protocol: see pulled)
 from .pullback import differentiable_leaves, is_differentiable, is_numeric
 from .stages import Stage, add
 
@@ -51,6 +51,13 @@ def forward_backward(stage: Stage, stop, flows: tuple, *args):
             return values, cts
     linearized = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
     return linearized[0], backward(stage, stop, flows, linearized, *deps)
+
+
+def pulled(out) -> list:
+    """The cotangents from :func:`forward_backward`'s result. (A task of daskdag's own: a worker
+    that unpickles it imports daskdag, so Dask knows how to receive JAX arrays
+    (:mod:`daskdag.protocol`) before the result arrives from another worker.)"""
+    return out[1]
 
 
 def pick(out, linearized: bool, k: int):

@@ -69,7 +69,8 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 
     The second submission finds the forward keys in memory and reuses them, so every backward
-    task must fetch its pullback from the other process. Returns ``({output: (value, {input:
+    task must fetch its pullback from the other process (an output's stage keeps its backward
+    task apart: ``daskdag.close-stages`` off). Returns ``({output: (value, {input:
     grad})}, {key: worker it ran on})``.
     """
     import dask
@@ -77,7 +78,8 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
 
     from daskdag.api import build_graph
 
-    _, _, graph = build_graph(dag, x, outputs, remote=True, **kw)
+    with dask.config.set({"daskdag.close-stages": False}):
+        _, _, graph = build_graph(dag, x, outputs, remote=True, **kw)
     dsk = dict(dask.delayed(graph).__dask_graph__())
     fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-"))]
     with distributed.get_task_stream(client) as ts:
