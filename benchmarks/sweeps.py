@@ -31,11 +31,14 @@ item as either branch):
 5. jit_vmap:       ``jax.jit(jax.vmap(jax.value_and_grad(composed)))`` for both outputs in one
                    jitted function, all items at once, in this process: the single-process limit.
 6. sweep_vmap_2w:  ``sweep_grads`` on the default 2-worker cluster with every node
-                   ``Node(..., vmap=True)``: each node runs once per chunk, vectorized.
+                   ``Node(..., vmap=True)``: the nodes run as one program per chunk (a fused
+                   stage, forward and backward together, ``jit(vmap)`` over its items), with
+                   ``sweep_grads``' default chunk size, as a user calls it: for a vectorized
+                   sweep, one chunk per worker.
 
-Every sweep uses the same explicit chunk size, N / 8: the default of ``sweep_grads`` on the
-2-worker cluster (four chunks per worker), so the 1-worker and 2-worker sweeps run the same chunk
-graphs and their ratio is the second worker's speedup alone. (The default on one worker would
+The item-by-item sweeps use the same explicit chunk size, N / 8: the default of
+``sweep_grads`` on the 2-worker cluster (four chunks per worker), so the 1-worker and 2-worker
+sweeps run the same chunk graphs and their ratio is the second worker's speedup alone. (The default on one worker would
 be chunks twice as large, whose backward pass costs more per item.)
 
 Before timing, each method runs once (its warm-up), and its values and gradients are checked
@@ -203,8 +206,8 @@ def methods(clients: dict, chunk_size: int) -> dict[str, Method]:
     runs["sweep_threads"] = Method(partial(sweep, dag=branching), "loop")
     runs["jit_vmap"] = Method(jit_vmap, "loop_jittable")
     if "2w" in clients:
-        runs["sweep_vmap_2w"] = Method(partial(sweep, dag=vectorized, client=clients["2w"]),
-                                       "loop_jittable", clients["2w"])
+        runs["sweep_vmap_2w"] = Method(partial(with_sweep, dag=vectorized, chunk_size=None,
+                                               client=clients["2w"]), "loop_jittable", clients["2w"])
     return runs
 
 

@@ -103,7 +103,9 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
                 a gradient per item.
     cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
                 output; the same for every item.
-    chunk_size: items per chunk (default: about four chunks per worker thread, at most 256).
+    chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
+                when every node that carries items is ``vmap=True``, one chunk per worker
+                thread, at most 64 MiB of items each).
                 Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
     progress:   show a progress bar over items (tqdm); it advances as items are done inside
                 running chunks, and ends at the exact number of items computed.
@@ -141,7 +143,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     if client is not None:
         cluster.check(client, planned.plan)
     slots = sweep.parallelism(client)
-    chunk_size = chunk_size or sweep.default_chunk_size(size, slots)
+    chunk_size = chunk_size or sweep.default_chunk_size(planned, slots)
     computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
                                  progress=progress, errors=errors)
     return _results(spec, outputs, computed, failed)

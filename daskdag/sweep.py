@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .chunked import Chunked
+from .chunked import Chunked, chunk_of
 from .cluster import workers
 from .engines import Cluster, Threads
 from .errors import NodeError
@@ -49,6 +49,12 @@ class Sweep:
     cotangents: dict[str, Any]
     size: int
     remote: bool  # chunks go to a cluster
+
+    @property
+    def vectorized(self) -> bool:
+        """Every node that carries items runs as ``jit(vmap)`` over a chunk."""
+        return all(chunk.node.vmap for n in self.plan.needed
+                   if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
 
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
@@ -92,9 +98,21 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
                  remote)
 
 
-def default_chunk_size(size: int, parallelism: int) -> int:
-    """About four chunks per parallel slot, for balance, and at most 256 items per chunk."""
-    return max(1, min(256, math.ceil(size / (4 * parallelism))))
+def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
+    """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
+    per chunk. Vectorized (every node that carries items is ``vmap=True``): one chunk per slot,
+    each one program over many items, whose fixed cost per chunk (tens of milliseconds on a
+    cluster: items sent, a task, results gathered) outweighs balance; at most
+    :data:`VECTOR_CHUNK_BYTES` of items per chunk, to bound memory."""
+    size = sweep.size
+    if not sweep.vectorized:
+        return max(1, min(256, math.ceil(size / (4 * parallelism))))
+    item_bytes = sum(leaf.nbytes for i in sweep.batched for leaf in jax.tree.leaves(sweep.values[i])
+                     if is_array(leaf)) / max(size, 1)
+    return max(1, min(math.ceil(size / parallelism), int(VECTOR_CHUNK_BYTES // max(item_bytes, 1))))
+
+
+VECTOR_CHUNK_BYTES = 64 * 2 ** 20
 
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):

@@ -135,3 +135,22 @@ def test_vmap_chunk_pullbacks_travel_between_processes():
                                            xs["w"])[1](jnp.ones(4)))(xs["p"]["x"], xs["p"]["k"])
     assert_tree_close(ref[0], (gx,), rtol=1e-5)  # p's one differentiable leaf
     assert_tree_close(ref[1], (np.sum(gw, 0),), rtol=1e-5)  # w is shared: summed over items
+
+
+def test_default_chunks_of_a_vectorized_sweep_are_one_per_slot_within_a_memory_bound():
+    """(Internals.) A ``vmap=True`` sweep runs one program per chunk, whose fixed cost outweighs
+    balance: one chunk per parallel slot; an item-by-item sweep keeps about four per slot."""
+    from daskdag import sweep
+    from daskdag.spec import parse
+
+    def planned(vmap, n, width=4):
+        dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),
+               "L": Node(lambda h: jnp.sum(h ** 2), ["H"], vmap=vmap)}
+        xs = jnp.ones((n, width), jnp.float32)
+        return sweep.plan_sweep(parse(dag), ("L",), {"x": xs}, ["x"], ["x"], {}, n, remote=False)
+
+    assert sweep.default_chunk_size(planned(True, 1000), 2) == 500
+    assert sweep.default_chunk_size(planned(False, 1000), 2) == 125
+    big = 2 ** 20  # 4 MiB items: 64 MiB of items per chunk at most
+    assert sweep.default_chunk_size(planned(True, 40, width=big), 2) == 16
+    assert sweep.default_chunk_size(planned(True, 1), 2) == 1
