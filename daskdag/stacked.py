@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .chunked import chunk_of
+from .chunked import Items, chunk_of
 from .pullback import is_numeric
 
 
@@ -25,6 +25,11 @@ class Stacked:
         self.size, self.tree, self.arrived = size, None, np.zeros(size, bool)
 
     def put(self, start: int, stop: int, tree, carries_items: bool):
+        if isinstance(tree, Items):  # one item at a time, straight into its row
+            for i, item in enumerate(tree):
+                self.put(start + i, start + i + 1, jax.tree.map(lambda a: np.asarray(a)[None], item),
+                         True)
+            return
         if not carries_items:  # the same for every item
             tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
         if self.tree is None:

@@ -16,6 +16,7 @@ from jax.tree_util import treedef_is_leaf
 
 from . import progress, protocol, stages  # noqa: F401  (protocol: see pulled)
 from .pullback import differentiable_leaves, is_differentiable, is_numeric
+from .chunked import Items
 from .stages import Stage, add
 
 
@@ -154,6 +155,8 @@ def seed(output: str, primal, ct, batched: bool = False) -> tuple:
     ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
     are for one item, and the seed is broadcast over the items.
     """
+    if isinstance(primal, Items):  # (a chunk's item-by-item values: each item's seed in turn)
+        return tuple(leaf for one in primal for leaf in seed(output, one, ct))
     leaves, treedef = jax.tree.flatten(primal)
     item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
             if is_differentiable(p) else None for p in leaves]
