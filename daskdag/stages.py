@@ -20,6 +20,11 @@ through it: :func:`daskdag.tasks.backward` pulls their cotangents back together)
   may be used outside it (or be requested outputs); their values are the stage's ``exposed``
   values.
 
+A stage whose cotangents all start at its own outputs is *closed* (:mod:`daskdag.graph`): its
+forward task runs its backward pass too (:func:`daskdag.tasks.forward_backward`); a fused one
+then runs as one program (:func:`gradients`), as ``jax.jit`` of each output's
+``value_and_grad`` would.
+
 All nodes of a stage need the same resources. ``dask.config`` ``daskdag.fuse-chains`` (default
 True): False makes every node its own stage.
 """
