@@ -58,13 +58,20 @@ class Packed:
     """A value as it travels: pickled bytes plus out-of-band arrays, and their content token.
 
     ``load()`` gives the value: the original object in the process that packed it, an
-    unpickled copy elsewhere.
+    unpickled copy elsewhere. ``token`` may be given as ``None`` (``pack(hashed=False)``):
+    it is then computed where it is first asked for, if ever.
     """
 
-    __slots__ = ("token", "skeleton", "arrays", "_value")
+    __slots__ = ("_token", "skeleton", "arrays", "_value")
 
-    def __init__(self, token: str, skeleton: bytes, arrays: list, value=_UNSET):
-        self.token, self.skeleton, self.arrays, self._value = token, skeleton, arrays, value
+    def __init__(self, token: str | None, skeleton: bytes, arrays: list, value=_UNSET):
+        self._token, self.skeleton, self.arrays, self._value = token, skeleton, arrays, value
+
+    @property
+    def token(self) -> str:
+        if self._token is None:
+            self._token = _content_token(self.skeleton, self.arrays)
+        return self._token
 
     def load(self):
         if self._value is _UNSET:
@@ -72,7 +79,7 @@ class Packed:
         return self._value
 
     def __reduce__(self):
-        return type(self), (self.token, self.skeleton, _travelling(self.arrays))
+        return type(self), (self._token, self.skeleton, _travelling(self.arrays))
 
     def __dask_tokenize__(self):
         return type(self).__name__, self.token
@@ -110,15 +117,23 @@ def _receive_function(token, skeleton, arrays) -> Function:
     return Function(token, skeleton, arrays)
 
 
-def pack(obj, as_function: bool = False) -> Packed:
-    """``obj`` packed for travel (see the module's docstring); raises what pickling raised."""
+def pack(obj, as_function: bool = False, hashed: bool = True) -> Packed:
+    """``obj`` packed for travel (see the module's docstring); raises what pickling raised.
+
+    ``hashed=False`` leaves the content token to be computed when first asked for: for values
+    that travel under keys of their own (a sweep's scattered items), which are never asked, so
+    their arrays are not hashed (most of the cost of packing them)."""
     arrays: list = []
     buffer = io.BytesIO()
     with _lock, _user_modules_by_value():
         _Pickler(buffer, arrays).dump(obj)
     skeleton = buffer.getvalue()
-    token = tokenize(skeleton, [_array_token(a) for a in arrays])
+    token = _content_token(skeleton, arrays) if hashed else None
     return (Function if as_function else Packed)(token, skeleton, arrays, obj)
+
+
+def _content_token(skeleton: bytes, arrays: list) -> str:
+    return tokenize(skeleton, [_array_token(a) for a in arrays])
 
 
 def unpack(value):
@@ -127,11 +142,11 @@ def unpack(value):
     return value.load() if isinstance(value, Packed) else value
 
 
-def pack_for(what: str, obj, remote: bool, as_function: bool = False):
+def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bool = True):
     """:func:`pack` of ``obj``. Where pickling fails: on a cluster (``remote``) a
     :class:`~daskdag.DAGError` naming ``what``; locally, where nothing travels, ``obj`` itself."""
     try:
-        return pack(obj, as_function)
+        return pack(obj, as_function, hashed)
     except Exception as e:
         if remote:
             raise DAGError(f"{what} cannot be sent to the cluster: pickling it failed with "

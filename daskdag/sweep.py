@@ -59,26 +59,37 @@ class Sweep:
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
 
+    def carried(self) -> list[str]:
+        """The inputs that carry items (the keys of :meth:`items`): batched ones, and shared ones
+        differentiated per item."""
+        return [i for i in self.values if not self.shared(i)]
+
     def items(self, start: int, stop: int) -> dict[str, Any]:
         """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
         inputs differentiated per item broadcast. Array leaves carry the items; other leaves
         (functions...) are shared."""
         values = {}
-        for i, v in self.values.items():
+        for i in self.carried():
+            v = self.values[i]
             if i in self.batched:
                 values[i] = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
-            elif i in self.broadcast:
+            else:
                 values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
                                          if is_array(a) else a, v)
         return values
 
-    def chunk(self, start: int, stop: int, items: dict | None = None):
-        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``.
+    def chunk(self, start: int, stop: int):
+        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``, the
+        items' values inside it."""
+        return self.graph(self.items(start, stop))
 
-        ``items``: :meth:`items` of the chunk, or references to them where they are already on
-        the cluster (``dask.task_spec.TaskRef``); by default the values, inside the graph."""
-        items = self.items(start, stop) if items is None else items
-        return build(self.plan, {**self.values, **items}, self.cotangents, batched=True,
+    def graph(self, values: dict):
+        """The Dask graph of a chunk whose :meth:`carried` inputs (and any others given) are
+        ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
+        Nothing else in it depends on which items, or how many, the chunk holds: items enter
+        only as these inputs, and the seeds of the outputs' cotangents take the item count
+        from the outputs when they run (:func:`daskdag.tasks.seed`)."""
+        return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
                      remote=self.remote)
 
 

@@ -171,3 +171,100 @@ def test_a_chunk_lost_too_often_fails_the_sweep_clearly(monkeypatch):
         with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
             daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
         assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+
+
+# -- one chunk graph per sweep --------------------------------------------------------------------
+
+def mean_square(h):
+    return jnp.mean(h ** 2)
+
+
+def expected_with_w(values, fn):
+    """Per item: the value, and the gradients with respect to x and the shared w."""
+    one = jax.value_and_grad(lambda x, w: fn(encode(x, w)), argnums=(0, 1))
+    out = [one(x, values["w"]) for x in values["x"]]
+    return (np.stack([v for v, _ in out]), np.stack([g[0] for _, g in out]),
+            np.stack([g[1] for _, g in out]))
+
+
+def counting_chunk_graphs(monkeypatch) -> list:
+    """Record the sweep of each chunk graph built from now on."""
+    made, chunk_graph = [], engines.chunk_graph
+
+    def counting(sweep, shared):
+        made.append(sweep)
+        return chunk_graph(sweep, shared)
+
+    monkeypatch.setattr(engines, "chunk_graph", counting)
+    return made
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_shorter(monkeypatch):
+    """10 items in chunks of 4 (4, 4 and 2 items), with w differentiated per item (broadcast
+    into each chunk's items): every chunk, the shorter last one too, runs its sweep's one graph;
+    a second sweep of another DAG right after, on the same client, gets a graph of its own;
+    nothing stays on the cluster."""
+    made = counting_chunk_graphs(monkeypatch)
+    values = inputs(10)
+    vmapped = {"H": daskdag.Node(encode, ["x", "w"], vmap=True),
+               "E": daskdag.Node(mean_square, ["H"], vmap=True)}
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        client.register_plugin(Specs(), name="record-specs")
+        before = scheduler_tasks(client)
+        eager = daskdag.sweep_grads(DAG, values, "E", batched=["x"], wrt=["x", "w"], chunk_size=4,
+                                    client=client)
+        vector = daskdag.sweep_grads(vmapped, values, "E", batched=["x"], wrt=["x", "w"],
+                                     chunk_size=4, client=client)
+        sizes = client.run_on_scheduler(task_sizes)
+        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+    assert len(made) == 2 and made[0] is not made[1]
+    graphs = [k for k in sizes if str(k).startswith("daskdag-chunk-graph-")]
+    chunks = [k for k in sizes if str(k).startswith("_run_chunk")]
+    assert len(graphs) == 2 and len(chunks) == 6, sizes
+    for res, fn in ((eager, energy), (vector, mean_square)):
+        value, grad_x, grad_w = expected_with_w(values, fn)
+        assert_tree_close(res.value, value, rtol=1e-5)
+        assert_tree_close(res.grad["x"], grad_x, rtol=1e-5)
+        assert_tree_close(res.grad["w"], grad_w, rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_chunks_carry_no_graph_even_through_the_scheduler(monkeypatch):
+    """With ``direct_to_workers=False`` (items pass through the scheduler): the graph goes to
+    the cluster once, and each chunk's task is a fraction of its size; a failing chunk's items
+    rerun one by one on the same graph, and the error names the item."""
+    made = counting_chunk_graphs(monkeypatch)
+    values = inputs(12)
+    values["x"] = values["x"].at[FAILING].set(40.0)
+    dag = {"H": (encode, ["x", "w"]), "E": (flaky, ["H"])}
+    with local_cluster() as cluster, \
+            Client(cluster, set_as_default=False, direct_to_workers=False) as client:
+        client.register_plugin(Specs(), name="record-specs")
+        before = scheduler_tasks(client)
+        res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=4, errors="collect",
+                                  client=client)
+        sizes = client.run_on_scheduler(task_sizes)
+        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+    assert len(made) == 1
+    (graph,) = [n for k, n in sizes.items() if str(k).startswith("daskdag-chunk-graph-")]
+    chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}
+    assert len(chunks) == 3 + 4, sizes  # three chunks, and the items of the failing one
+    assert max(chunks.values()) < graph / 4, (graph, chunks)
+    assert sorted(res.failed) == [FAILING] and res.failed[FAILING].item == FAILING
+    value, grad = expected(values)
+    ok = [i for i in range(12) if i != FAILING]
+    assert_tree_close(res.value[ok], value[ok], rtol=1e-5)
+    assert_tree_close(res.grad["x"][ok], grad[ok], rtol=1e-5)
+    assert np.isnan(res.value[FAILING])
+
+
+FAILING = 9  # the item flaky fails on (in the last chunk, items 8 to 11): its x is all 40
+
+
+def flaky(h):
+    if h[0] == 1.0:  # tanh(0.5 * 40) in float32; no normal item comes near
+        raise FloatingPointError("diverged")
+    return energy(h)
