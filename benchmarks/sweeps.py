@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -302,6 +302,28 @@ def run(quick: bool, clients: dict) -> dict:
     profiles = {name: task_stream_profile(m, inputs) for name, m in runs.items() if m.client}
     c = common.case(f"N={cfg.items}", {"items": cfg.items, "chunk_size": cfg.chunk_size}, times,
                     RATIOS, baseline="loop", checks=checks, profiles=profiles)
+    cases = [c] + ([vectorized_at_scale(quick, clients["2w"], cfg.reps)] if "2w" in clients else [])
     return {"title": TITLE, "config": {**asdict(cfg), "outputs": list(OUTPUTS), "rtol": RTOL},
             "targets": common.targets([c], [{"case": c["case"], **t} for t in TARGETS]),
-            "cases": [c]}
+            "cases": cases}
+
+
+def vectorized_at_scale(quick: bool, client, reps: int) -> dict:
+    """``sweep_vmap_2w`` against ``jit_vmap`` over 8 times as many items (N = 2048; 512 with
+    ``--quick``): what a vectorized sweep costs on a cluster beyond the program itself is mostly
+    a fixed cost per sweep (the items scattered, two tasks placed, the results gathered; its
+    timeline is in this module's docstring), which more items amortize."""
+    cfg = replace(QUICK if quick else FULL, items=512 if quick else 2048)
+    inputs = make_inputs(cfg, seed=1)
+    runs = {"jit_vmap": partial(jit_vmap, inputs),
+            "sweep_vmap_2w": partial(with_sweep, inputs, make_dag(jittable=True, vmap=True),
+                                     None, client)}
+    want, got = runs["jit_vmap"](), runs["sweep_vmap_2w"]()
+    worst = max(float(np.max(np.abs(g - w) / (np.abs(w) + 1e-3))) for o in OUTPUTS
+                for g, w in zip(got[o], want[o]))
+    if worst > RTOL:
+        raise AssertionError(f"{TITLE}: sweep_vmap_2w disagrees with jit_vmap at N={cfg.items}: {worst}")
+    times = common.interleaved(runs, reps)
+    return common.case(f"N={cfg.items}, vectorized", {"items": cfg.items}, times,
+                       {"sweep_vmap_2w/jit_vmap": ("sweep_vmap_2w", "jit_vmap")},
+                       baseline="jit_vmap", checks={"sweep_vmap_2w": {"worst_relative": worst}})
