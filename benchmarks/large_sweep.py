@@ -62,15 +62,22 @@ task holds their keys; results returned as NumPy and gathered straight from the 
 - CPU seconds, 1w / 2w: this process 0.78 / 0.68, the workers 5.26 / 5.33, the loop 4.64 / 4.89
   (the same run's loop, under more load); workers busy 0.98 / 0.92 of the wall time.
 
-What is left is in the workers' task, not the data path: a chunk run with Dask's synchronous
-scheduler in one process takes 1.10 to 1.17 times the loop's CPU time over the same 12 items,
-about half of it in ``daskdag.chunked``'s ``stack``/``unstack`` (each item-by-item node stacks
-its items' results into one array, and the next node splits it again: two copies of every
-intermediate and cotangent, 8 % of the task's time under cProfile); a worker process's own loop
-(``worker_loop``) runs at 0.96 to 1.07 of this process's loop. The client's share (slicing,
-packing, scattering, building and pickling each chunk's graph, gathering, storing) is 0.2 s of
-main-thread CPU per 96-item sweep, plus 0.3 s in the event-loop thread that the client shares
-with the LocalCluster's scheduler.
+What was left was in the workers' task, not the data path: a chunk run with Dask's synchronous
+scheduler in one process took 1.10 to 1.17 times the loop's CPU time over the same 12 items,
+about half of it in ``daskdag.chunked``'s ``stack``/``unstack`` (each item-by-item node stacked
+its items' results into one array, and the next node split it again: two copies of every
+intermediate and cotangent, 8 % of the task's time under cProfile), and the two outputs'
+cotangents pulled back together under ``jax.vmap``, which traces eager pullbacks anew on
+every call; a worker process's own loop (``worker_loop``) runs at 0.96 to 1.07 of this
+process's loop. The client's share (slicing, packing, scattering, building and pickling each
+chunk's graph, gathering, storing) was 0.2 s of main-thread CPU per 96-item sweep, plus 0.3 s
+in the event-loop thread that the client shares with the LocalCluster's scheduler.
+
+Since then: item-by-item nodes pass their values on unstacked (``chunked.Items``); two
+outputs' cotangents are pulled back one by one (``tasks.BATCH_FROM``); a sweep's chunk graph is
+built and pickled once, not per chunk, and scattered items are not hashed. A 24-item chunk in
+one process went from 1.20 to 1.02 to 1.09 times the loop's time; on the cluster, see the
+report.
 
 The figures of one run (the last, full mode; load average 0.6 at its start, 6 at its end:
 reps 4 and 5 ran 1.5x slower), medians: loop 2.91 s, two_processes 2.88 s, sweep_1w 3.32 s,

@@ -236,8 +236,8 @@ def sweeps(s: dict) -> str:
             for m in cols]
     parts = [head, _table(["method", "median", "loop / method"], rows), _ratio_table([c])]
     if more:  # the vectorized sweep over more items (sweeps.vectorized_at_scale)
-        parts.append("The vectorized sweep over more items, with its default chunks: its cost "
-                     "beyond the program is mostly fixed per sweep, which more items amortize.")
+        parts.append("The vectorized sweep over more items, with its default chunks: part of "
+                     "what the cluster adds to the program is a fixed cost per sweep.")
         parts.append(_table(["case", "jit_vmap", "sweep_vmap_2w", "sweep_vmap_2w / jit_vmap"], [
             [m["case"], seconds(m["methods"]["jit_vmap"]["median_s"]),
              seconds(m["methods"]["sweep_vmap_2w"]["median_s"]),

@@ -33,8 +33,9 @@ item as either branch):
 6. sweep_vmap_2w:  ``sweep_grads`` on the default 2-worker cluster with every node
                    ``Node(..., vmap=True)``: the nodes run as one program per chunk (a fused
                    stage, forward and backward together, ``jit(vmap)`` over its items), with
-                   ``sweep_grads``' default chunk size, as a user calls it: for a vectorized
-                   sweep, one chunk per worker.
+                   ``sweep_grads``' default chunk size, as a user calls it (here 2 chunks of
+                   128 items: a vectorized chunk holds at least 16 MiB unless a worker would
+                   get none).
 
 The item-by-item sweeps use the same explicit chunk size, N / 8: the default of
 ``sweep_grads`` on the 2-worker cluster (four chunks per worker), so the 1-worker and 2-worker
@@ -309,10 +310,12 @@ def run(quick: bool, clients: dict) -> dict:
 
 
 def vectorized_at_scale(quick: bool, client, reps: int) -> dict:
-    """``sweep_vmap_2w`` against ``jit_vmap`` over 8 times as many items (N = 2048; 512 with
-    ``--quick``): what a vectorized sweep costs on a cluster beyond the program itself is mostly
-    a fixed cost per sweep (the items scattered, two tasks placed, the results gathered; its
-    timeline is in this module's docstring), which more items amortize."""
+    """``sweep_vmap_2w`` against ``jit_vmap`` over 8 times as many items (N = 2048, 4 chunks of
+    512 by default; 512 items with ``--quick``). At N = 256 most of what the cluster adds to
+    the program is a fixed cost per sweep, about 60 ms before the first chunk computes
+    (planning, the shared input and the chunk graph placed, the items scattered) and 20 ms
+    after the last (results gathered, stored); with more items, the items and results moving
+    (64 MiB each way here) weigh too, partly overlapped with the chunks computing."""
     cfg = replace(QUICK if quick else FULL, items=512 if quick else 2048)
     inputs = make_inputs(cfg, seed=1)
     runs = {"jit_vmap": partial(jit_vmap, inputs),

@@ -124,8 +124,8 @@ _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 
 
 def _programs(chunked: Chunked) -> tuple:
-    """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches compilations by function
-    identity, so they are kept per node function (one a worker reuses per token, or the user's
+    """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches
+    compilations by function identity, so they are kept per node function (one a worker reuses per token, or the user's
     own locally), for as long as it lives: across chunks and sweeps. A function that cannot be
     weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
     fn = unwrap(chunked.node.fn)
@@ -155,13 +155,9 @@ def _forget(key, ref):
 def _make_programs(fn_of) -> tuple:
     kept = {}  # (static, input avals) -> (per residual: the input it is, else None; vjp treedef)
 
-    def rebuild(treedef, consts, dynamic):
-        it = iter(dynamic)
-        return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
-
     def forward(static, dynamic):
         treedef, consts, in_axes, active = static
-        args = rebuild(treedef, consts, dynamic)
+        args = _rebuild(treedef, consts, dynamic)
         vmapped = _mapped(fn_of(), in_axes)
         if active is None:
             return vmapped(*args)
@@ -177,8 +173,8 @@ def _make_programs(fn_of) -> tuple:
 
     def gradients(static, dynamic):
         treedef, consts, in_axes, active, seeded = static
-        args = rebuild(treedef, consts, dynamic)
-        fn = _replay(_mapped(fn_of(), in_axes), args, consts, dynamic)
+        args = _rebuild(treedef, consts, dynamic)
+        fn = _replay(_mapped(fn_of(), in_axes), treedef, consts, dynamic)
         # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
         # between them, as in jit(value_and_grad) of each. (One vjp of all the values, its
         # passes vmapped with zeros where they do not start, took 1.2x as long: XLA cannot
@@ -194,31 +190,30 @@ def _make_programs(fn_of) -> tuple:
             jax.jit(gradients, static_argnums=0))
 
 
-def _replay(fn, args, consts, dynamic):
-    """``fn``, traced once (at ``args``, whose traced leaves are ``dynamic``) and replayed from its
-    jaxpr: calling it again does not run the user's Python code again."""
+def _rebuild(treedef, consts, dynamic):
+    """The args of a program: its constants with the ``dynamic`` (traced) leaves in place."""
+    it = iter(dynamic)
+    return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
+
+
+def _replay(fn, treedef, consts, dynamic):
+    """``fn`` of the args ``_rebuild(treedef, consts, dynamic)``, traced once and replayed from
+    its jaxpr: calling it again does not run the user's Python code again."""
     out: dict = {}
 
     def numeric(*leaves):
-        it = iter(leaves)
-        leaves, out["tree"] = jax.tree.flatten(fn(*_rebuilt(args, consts, it)))
+        leaves, out["tree"] = jax.tree.flatten(fn(*_rebuild(treedef, consts, leaves)))
         out["static"] = [None if is_numeric(x) else x for x in leaves]
         return [x for x in leaves if is_numeric(x)]
 
     traced = jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(numeric)(*dynamic))
 
-    def replayed(*a):
-        leaves = [x for x, c in zip(jax.tree.leaves(tuple(a)), consts) if c is _TRACED]
+    def replayed(*args):
+        leaves = [x for x, c in zip(jax.tree.leaves(tuple(args)), consts) if c is _TRACED]
         it = iter(traced(*leaves))
         return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
 
     return replayed
-
-
-def _rebuilt(args, consts, it):
-    """``args`` with their traced leaves taken from ``it``."""
-    leaves, treedef = jax.tree.flatten(tuple(args))
-    return treedef.unflatten([next(it) if c is _TRACED else x for x, c in zip(leaves, consts)])
 
 
 def chunk_of(node: Node) -> Chunked | None:

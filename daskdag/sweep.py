@@ -111,19 +111,23 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
 
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
     """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
-    per chunk. Vectorized (every node that carries items is ``vmap=True``): one chunk per slot,
-    each one program over many items, whose fixed cost per chunk (tens of milliseconds on a
-    cluster: items sent, a task, results gathered) outweighs balance; at most
-    :data:`VECTOR_CHUNK_BYTES` of items per chunk, to bound memory."""
+    per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
+    program over its items): also about four per slot, so that items and results travel while
+    other chunks compute, but none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's
+    fixed cost, tens of milliseconds on a cluster, would outweigh it) unless that leaves a slot
+    without a chunk, and none over ``[1]``, to bound memory. (2-worker cluster, 2 cores,
+    items of 32 KiB: 256 items ran fastest in 2 chunks, 2048 items in 4 to 8.)"""
     size = sweep.size
     if not sweep.vectorized:
         return max(1, min(256, math.ceil(size / (4 * parallelism))))
-    item_bytes = sum(leaf.nbytes for i in sweep.batched for leaf in jax.tree.leaves(sweep.values[i])
-                     if is_array(leaf)) / max(size, 1)
-    return max(1, min(math.ceil(size / parallelism), int(VECTOR_CHUNK_BYTES // max(item_bytes, 1))))
+    item_bytes = max(1.0, sum(leaf.nbytes for i in sweep.batched
+                              for leaf in jax.tree.leaves(sweep.values[i]) if is_array(leaf)) / max(size, 1))
+    least, most = (int(b // item_bytes) for b in VECTOR_CHUNK_BYTES)
+    chunk = min(max(math.ceil(size / (4 * parallelism)), least), math.ceil(size / parallelism))
+    return max(1, min(chunk, most))
 
 
-VECTOR_CHUNK_BYTES = 64 * 2 ** 20
+VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk, at least / at most
 
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):
