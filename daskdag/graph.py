@@ -7,9 +7,10 @@ Tasks are per stage (:mod:`daskdag.stages`: nodes run as one task). Keys are rea
 deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus ``val-C-<token>``
 taking C's value apart from the stage's pullback, so later stages never fetch residuals),
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
-its seed cotangent), ``grad-D-x-<token>`` input x's gradient for D. Outputs share forward keys,
-so every node runs once per call; tokens hash functions and inputs, so repeated calls on one
-cluster share them too.
+its seed cotangent; for a stage where every cotangent starts, a closed one, the forward task
+runs the backward pass too and ``bwd-`` just takes its cotangents), ``grad-D-x-<token>`` input
+x's gradient for D. Outputs share forward keys, so every node runs once per call; tokens hash
+functions and inputs, so repeated calls on one cluster share them too.
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
 tasks), not through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
@@ -58,7 +59,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     stage_of = {n: s for s in stages for n in s.nodes}
 
     # Which outputs' gradients pass through each stage. A stage where they all start (its
-    # cotangents are all its own outputs' seeds) is closed: its forward task runs the backward
+    # cotangents are its own outputs' seeds, none comes from a later stage) is closed: its forward task runs the backward
     # pass too (tasks.forward_backward), a fused one as one program; its residuals never leave
     # it. (dask.config daskdag.close-stages: False keeps them apart.)
     close = dask.config.get(CLOSE, True)
@@ -66,8 +67,9 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
     closed = {s: tuple(tuple(("seed", o, cotangents.get(o), batched) if n == o else None
                              for n in s.outputs) for o in through[s])
-              for s in stages if close and through[s] and all(n == o or n not in paths[o]
-                                                    for o in through[s] for n in s.outputs)}
+              for s in stages if close and through[s]
+              and not any(n != o and n in paths[o] and stage_of[c] is not s
+                          for o in through[s] for n in s.outputs for c, _ in plan.consumers(n, o))}
 
     # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
     # input); val- tasks take its values apart from its pullback, so later stages never fetch

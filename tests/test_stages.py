@@ -160,3 +160,30 @@ def test_outputs_pulled_back_together_equal_one_at_a_time():
     finally:
         tasks._batched = real
     assert calls
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, monkeypatch):
+    """Every cotangent of the fused stage starts at its own outputs (E and D, scalars): its
+    forward task pulls them back too, in one program (stages.gradients) that traces each node
+    once; with daskdag.close-stages off, forward and backward are apart. Same results."""
+    from daskdag import stages
+
+    ran = []
+    real = stages.gradients
+    monkeypatch.setattr(stages, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
+    traces = []
+    dag = _jit_dag(traces)
+    x = jnp.linspace(-1.0, 1.0, 5)
+    d = lambda x: jnp.sum((jnp.sin(x) * x) ** 2)
+    with dask.config.set({"daskdag.close-stages": close}):
+        for _ in range(2):
+            res = daskdag.compute_grads(dag, x, ["E", "D"])
+            assert_tree_close(res["E"].value, _composed(x)[1])
+            assert_tree_close(res["E"].grad, jax.grad(lambda x: _composed(x)[1])(x))
+            assert_tree_close(res["D"].value, d(x))
+            assert_tree_close(res["D"].grad, jax.grad(d)(x))
+        assert sorted(traces) == ["A", "B", "C", "D", "E"]  # once, in one program
+        with pytest.raises(ValueError, match="output 'C' is not a real scalar"):
+            daskdag.compute_grads(dag, x, ["E", "C"])
+    assert ran == (["A+3more+E"] * 3 if close else [])
