@@ -125,9 +125,9 @@ _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 
 def _programs(chunked: Chunked) -> tuple:
     """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches
-    compilations by function identity, so they are kept per node function (one a worker reuses per token, or the user's
-    own locally), for as long as it lives: across chunks and sweeps. A function that cannot be
-    weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
+    compilations by function identity, so they are kept per node function (one a worker reuses
+    per token, or the user's own locally), for as long as it lives: across chunks and sweeps. A
+    function that cannot be weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
     fn = unwrap(chunked.node.fn)
     with _lock:
         for owner in (fn, chunked):

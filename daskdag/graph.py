@@ -59,17 +59,18 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     stage_of = {n: s for s in stages for n in s.nodes}
 
     # Which outputs' gradients pass through each stage. A stage where they all start (its
-    # cotangents are its own outputs' seeds, none comes from a later stage) is closed: its forward task runs the backward
-    # pass too (tasks.forward_backward), a fused one as one program; its residuals never leave
-    # it. (dask.config daskdag.close-stages: False keeps them apart.)
+    # cotangents are its own outputs' seeds, none comes from a later stage) is closed: its
+    # forward task runs the backward pass too (tasks.forward_backward), a fused one as one
+    # program; its residuals never leave it. (dask.config daskdag.close-stages: False keeps
+    # them apart.)
     close = dask.config.get(CLOSE, True)
     paths = {o: set(plan.backward[o]) for o in plan.outputs}
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
     closed = {s: tuple(tuple(("seed", o, cotangents.get(o), batched) if n == o else None
                              for n in s.outputs) for o in through[s])
-              for s in stages if close and through[s]
-              and not any(n != o and n in paths[o] and stage_of[c] is not s
-                          for o in through[s] for n in s.outputs for c, _ in plan.consumers(n, o))}
+              for s in stages if close and through[s] and all(
+                  n == o or n not in paths[o] or not _feeding(plan.consumers(n, o), stage_of, s)
+                  for o in through[s] for n in s.outputs)}
 
     # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
     # input); val- tasks take its values apart from its pullback, so later stages never fetch
@@ -138,11 +139,16 @@ def _shares(name, uses, output, stage_of, through, bwd, sources: dict, within=No
     own stage ``within``. ``sources`` maps the keys of those stages' backward tasks, in the
     order they are the task's arguments, to ``source``, their index; new ones are added."""
     picks = []
-    for s in dict.fromkeys(stage_of[c] for c, _ in uses):
-        if s is not within:
-            source = sources.setdefault(bwd[s].key, len(sources))
-            picks.append((source, through[s].index(output), s.deps.index(name)))
+    for s in _feeding(uses, stage_of, within):
+        source = sources.setdefault(bwd[s].key, len(sources))
+        picks.append((source, through[s].index(output), s.deps.index(name)))
     return tuple(picks)
+
+
+def _feeding(uses, stage_of, within=None) -> list:
+    """The stages of the consuming nodes in ``uses``, each once, other than ``within``: those
+    that pull a share of the cotangent back."""
+    return [s for s in dict.fromkeys(stage_of[c] for c, _ in uses) if s is not within]
 
 
 class _Graph:

@@ -27,8 +27,8 @@ class Stacked:
     def put(self, start: int, stop: int, tree, carries_items: bool):
         if isinstance(tree, Items):  # one item at a time, straight into its row
             for i, item in enumerate(tree):
-                self.put(start + i, start + i + 1, jax.tree.map(lambda a: np.asarray(a)[None], item),
-                         True)
+                row = jax.tree.map(lambda a: np.asarray(a)[None], item)
+                self.put(start + i, start + i + 1, row, True)
             return
         if not carries_items:  # the same for every item
             tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)

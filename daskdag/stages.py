@@ -164,8 +164,8 @@ def _stage(plan: Plan, nodes: tuple[str, ...], fused: bool, consumers) -> Stage:
     sources, active = [], []
     for n in nodes:
         ds = spec.nodes[n].deps
-        sources.append(tuple(("node", index[d]) if d in index else ("dep", deps.setdefault(d, len(deps)))
-                             for d in ds))
+        sources.append(tuple(("node", index[d]) if d in index else
+                             ("dep", deps.setdefault(d, len(deps))) for d in ds))
         active.append(tuple(d in plan.wrt or d in plan.active for d in ds))
     exposed = tuple(j for j, n in enumerate(nodes)
                     if n in plan.outputs or any(c not in index for c in consumers(n)))
@@ -298,10 +298,10 @@ def _weak(fn):
 
 
 _fused_lock = threading.Lock()
-_fused: dict = {}  # (stage, ids of fns) -> the stage as one Node, while its node functions live
+_fused: dict = {}  # (stage, ids of fns) -> (its Chunked function, Fused), while its functions live
 
 
-def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Chunked:
+def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
     """The fused stage as one :class:`~daskdag.chunked.Chunked` function, the same object while
     the same node functions live: its compiled programs are cached by function, so later calls
     and chunks compile nothing. In a sweep it is ``vmap`` ped over its deps' item axes;
@@ -329,7 +329,7 @@ def _fused_node(stage: Stage, nodes: Sequence[Node]) -> Chunked:
 
 
 def _linearize_fused(stage: Stage, nodes, deps):
-    chunk = _fused_node(stage, nodes)
+    chunk = _fused_function(stage, nodes)
     with node_errors(stage.name, "forward"):
         if not stage.linearized:
             return chunk(*deps)
@@ -344,7 +344,7 @@ def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: 
     per exposed node, whether the ``k``-th backward pass starts there. Returns ``(values, cts)``,
     ``cts[k]`` aligned with ``stage.deps`` as :class:`StagePullback` returns them; None where
     the stage cannot run so (see :meth:`~daskdag.chunked.Chunked.gradients`)."""
-    chunk = _fused_node(stage, nodes)
+    chunk = _fused_function(stage, nodes)
     with node_errors(stage.name, "forward"):
         return chunk.gradients(deps, stage.dep_active(), seeded)
 

@@ -120,8 +120,9 @@ def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
     size = sweep.size
     if not sweep.vectorized:
         return max(1, min(256, math.ceil(size / (4 * parallelism))))
-    item_bytes = max(1.0, sum(leaf.nbytes for i in sweep.batched
-                              for leaf in jax.tree.leaves(sweep.values[i]) if is_array(leaf)) / max(size, 1))
+    batch_bytes = sum(leaf.nbytes for i in sweep.batched
+                      for leaf in jax.tree.leaves(sweep.values[i]) if is_array(leaf))
+    item_bytes = max(1.0, batch_bytes / max(size, 1))
     least, most = (int(b // item_bytes) for b in VECTOR_CHUNK_BYTES)
     chunk = min(max(math.ceil(size / (4 * parallelism)), least), math.ceil(size / parallelism))
     return max(1, min(chunk, most))
