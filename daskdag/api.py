@@ -140,12 +140,11 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     client = client if client is not None else _active_client()
     planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
                                remote=client is not None)
-    if client is not None:
-        cluster.check(client, planned.plan)
-    slots = sweep.parallelism(client)
+    found = cluster.check(client, planned.plan) if client is not None else None
+    slots = sweep.parallelism(found)
     chunk_size = chunk_size or sweep.default_chunk_size(planned, slots)
     computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
-                                 progress=progress, errors=errors)
+                                 progress=progress, errors=errors, workers=found)
     return _results(spec, outputs, computed, failed)
 
 

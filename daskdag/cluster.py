@@ -8,6 +8,7 @@ something else.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -22,6 +23,9 @@ from . import workers as worker_setup
 WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
 WORKER_WAIT_DEFAULT = "30s"
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
+_same_versions: set[tuple[str, str]] = set()  # (address, local directory) of workers checked
+KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
+_lock = threading.Lock()
 
 
 def workers(client) -> dict[str, dict]:
@@ -33,8 +37,9 @@ def workers(client) -> dict[str, dict]:
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
 
-def check(client, plan: Plan) -> None:
-    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned.
+def check(client, plan: Plan) -> dict[str, dict]:
+    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
+    return the workers found (:func:`workers`).
 
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
@@ -45,8 +50,9 @@ def check(client, plan: Plan) -> None:
     check_client(client)
     found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
-    _check_versions(client)
+    _check_versions(client, found)
     tune_workers(client)
+    return found
 
 
 def tune_workers(client) -> None:
@@ -115,12 +121,21 @@ def _check_resources(plan: Plan, workers: dict) -> None:
                 f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources {flag}`")
 
 
-def _check_versions(client) -> None:
-    # On every call: a worker replaced at the same address may run other versions, and the
-    # scheduler tells no worker process from its successor. It costs one round trip to the
-    # workers, about 3 ms on a local 2-worker cluster.
+def _check_versions(client, listed: dict[str, dict]) -> None:
+    # Each worker process once: it cannot change its versions, but a worker replaced at the same
+    # address may run others, so a worker is known by its address and its local directory,
+    # which distributed makes anew for each worker process. Asking costs one round trip to the
+    # workers, about 4 ms on a local 2-worker cluster.
+    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
+    ask = [a for a, k in known.items() if k not in _same_versions or k[1] is None]
+    if not ask:
+        return
     here = versions()
-    found = client.run(versions, on_error="return")
+    found = client.run(versions, workers=ask, on_error="return")
+    with _lock:
+        _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
+        while len(_same_versions) > KNOWN_WORKERS:
+            _same_versions.pop()
     wrong = {addr: v for addr, v in found.items() if v != here}
     if wrong:
         detail = "; ".join(f"{addr}: {v if isinstance(v, dict) else f'{type(v).__name__}: {v}'}"

@@ -1,6 +1,6 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
-An engine takes a chunk (a :class:`~daskdag.sweep.Sweep` and the chunk's ``(start, stop)``),
+An engine takes chunks (a :class:`~daskdag.sweep.Sweep` and each chunk's ``(start, stop)``),
 waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
 grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
 :meth:`close` stops everything it started: queued chunks never start, running ones stop at
@@ -10,6 +10,7 @@ whatever way the sweep ended.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -17,6 +18,7 @@ import uuid
 
 import cloudpickle
 import dask
+from dask.base import tokenize
 import distributed
 import jax
 import numpy as np
@@ -25,7 +27,6 @@ from dask.task_spec import DataNode, TaskRef
 from . import progress
 from .cluster import workers
 from .errors import ClusterError
-from .resident import keep
 from .shipping import pack_for, unpack
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
@@ -38,7 +39,11 @@ class Threads:
         self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
         self.stop, self.bar, self.shared = threading.Event(), bar, {}
 
-    def submit(self, sweep, chunk: tuple[int, int], steps: int):
+    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
+        """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
+        return [self._submit(sweep, chunk, steps) for chunk, steps in chunks]
+
+    def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         graph = sweep.chunk(*chunk)
         report = None if self.bar is None else (lambda f: self.bar.report(chunk, f))
 
@@ -87,64 +92,74 @@ class Cluster:
     this process ~12 ms a chunk, on a 2-core machine time taken from the workers.
     """
 
-    def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None):
+    def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
+                 found: dict | None = None):
         self.client, self.pin, self.bar = client, pin, bar
+        self.place = place  # keeps a value on the cluster (daskdag.resident.placing)
         self.chunks: set[_Chunk] = set()  # every chunk not released yet
         self.id = uuid.uuid4().hex
-        self.shared: dict = {}
         self.graph: tuple | None = None  # (sweep, future of its chunk graph on the cluster)
-        self.found: dict = {}  # the workers as last listed (_workers), and when
-        self.listed = -float("inf")
+        self.found: dict = found or {}  # the workers as last listed (_workers), and when
+        self.listed = time.monotonic() if found else -float("inf")
         self.listening = False
         self.direct = client.direct_to_workers is not False
-        try:
-            for name, value in shared.items():
-                self.shared[name] = place_shared(client, name, value)
-            if bar is not None:
-                progress.listen(client, self.id, bar.report)
-                self.listening = True
-        except BaseException:
-            self.close()
-            raise
+        self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
+        if bar is not None:
+            progress.listen(client, self.id, bar.report)
+            self.listening = True
 
-    def submit(self, sweep, chunk: tuple[int, int], steps: int) -> _Chunk:
-        sent = _Chunk(sweep, chunk, steps)
-        self.chunks.add(sent)
+    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list[_Chunk]:
+        """``chunks``: ``[((start, stop), steps)]``; returns a :class:`_Chunk` for each."""
+        sent = [_Chunk(sweep, chunk, steps) for chunk, steps in chunks]
+        self.chunks.update(sent)
         self._send(sent)
         return sent
 
-    def _send(self, sent: _Chunk):
+    def _send(self, sent: list[_Chunk]):
+        """Each chunk's items to a worker, all chunks' at once (one after the other, the later
+        chunks' workers sat idle while this process sent the earlier ones' items), then their
+        tasks, pinned to those workers."""
         found = self._workers() if self.pin else {}
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
-            sent.future = self.client.compute(sent.sweep.chunk(*sent.chunk))
+            for c in sent:
+                c.future = self.client.compute(c.sweep.chunk(*c.chunk))
             return
         # Unhashed: the items travel under keys of their own, so no one asks for their token.
-        packed = {name: pack_for(f"input {name!r}", value, remote=True, hashed=False)
-                  for name, value in sent.sweep.items(*sent.chunk).items()}
-        keys = {name: f"daskdag-items-{name}-{uuid.uuid4().hex}" for name in packed}
-        failed: set = set()
+        packed = {c: {name: pack_for(f"input {name!r}", value, remote=True, hashed=False)
+                      for name, value in c.sweep.items(*c.chunk).items()} for c in sent}
+        failed: set = set()  # workers that left since the scheduler listed them
+        todo = list(sent)
         for attempt in range(SCATTER_TRIES):
-            # Running workers (scatter waits for a paused one), the one with the fewest chunks.
-            running = [a for a, w in found.items() if w.get("status", "running") == "running"
-                       and a not in failed]
-            worker = min(running or set(found) - failed or found,
-                         key=lambda w: sum(1 for c in self.chunks if c.worker == w))
-            try:
-                scattered = self.client.scatter({keys[n]: p for n, p in packed.items()},
-                                                workers=[worker], direct=self.direct, hash=False,
-                                                timeout=SCATTER_TIMEOUT)
+            for c in todo:  # running workers (scatter waits for a paused one), the least busy
+                running = [a for a, w in found.items() if w.get("status", "running") == "running"
+                           and a not in failed]
+                c.worker = min(running or set(found) - failed or found,
+                               key=lambda w: sum(1 for other in self.chunks if other.worker == w))
+            keys = {c: {n: f"daskdag-items-{n}-{uuid.uuid4().hex}" for n in packed[c]} for c in todo}
+            scattered = self.client.sync(_gathered, [self.client.scatter(
+                {keys[c][n]: p for n, p in packed[c].items()}, workers=[c.worker],
+                direct=self.direct, hash=False, timeout=SCATTER_TIMEOUT, asynchronous=True)
+                for c in todo])
+            lost = []
+            for c, got in zip(todo, scattered):
+                if isinstance(got, (OSError, TimeoutError)):  # its worker left
+                    failed.add(c.worker)
+                    lost.append((c, got))
+                elif isinstance(got, BaseException):
+                    raise got
+                else:  # under the keys the chunk graph names them by
+                    c.items = {item_key(n): got[k] for n, k in keys[c].items()}
+            if not lost:
                 break
-            except (OSError, TimeoutError):  # it left since the scheduler listed it
-                if attempt == SCATTER_TRIES - 1:
-                    raise
-                failed.add(worker)
-                found = self._workers(fresh=True) or found
-        sent.items = {item_key(n): scattered[k] for n, k in keys.items()}  # as the graph names them
-        sent.worker = worker
-        report = None if self.bar is None else [self.id, *sent.chunk]
-        sent.future = self.client.submit(
-            _run_chunk, self._graph(sent.sweep), {f.key: f for f in self.shared.values()},
-            sent.items, sent.steps, report, pure=False, workers=[worker], allow_other_workers=True)
+            if attempt == SCATTER_TRIES - 1:
+                raise lost[0][1]
+            todo = [c for c, _ in lost]
+            found = self._workers(fresh=True) or found
+        graph, shared = self._graph(sent[0].sweep), {f.key: f for f in self.shared.values()}
+        for c in sent:
+            report = None if self.bar is None else [self.id, *c.chunk]
+            c.future = self.client.submit(_run_chunk, graph, shared, c.items, c.steps, report,
+                                          pure=False, workers=[c.worker], allow_other_workers=True)
 
     def _workers(self, fresh: bool = False) -> dict:
         """The cluster's workers (:func:`daskdag.cluster.workers`), as the scheduler listed them
@@ -159,16 +174,15 @@ class Cluster:
 
     def _graph(self, sweep) -> distributed.Future:
         """The future of ``sweep``'s chunk graph on the cluster (:func:`chunk_graph`), placed
-        when its first chunk is sent; released on :meth:`close`."""
+        when its first chunk is sent, as the shared inputs are (:func:`place_shared`): under a
+        content key, so a later sweep of the same DAG and shared inputs finds it there."""
         if self.graph is None or self.graph[0] is not sweep:
-            if self.graph is not None:  # (one engine runs one sweep; another would replace it)
-                self.graph[1].release()
             refs = {n: TaskRef(f.key) for n, f in self.shared.items()}
-            pickled = cloudpickle.dumps(chunk_graph(sweep, refs))
-            # A task whose result is the graph, as for shared inputs (place_shared): computed
-            # again if its holder dies, and fetched, already unpickled, by the other workers.
-            self.graph = (sweep, keep(self.client, f"daskdag-chunk-graph-{uuid.uuid4().hex}",
-                                      cloudpickle.loads, pickled))
+            tasks, key = chunk_graph(sweep, refs)
+            # A task whose result is the graph: computed again if its holder dies, and fetched,
+            # already unpickled, by the other workers.
+            self.graph = (sweep, self.place(f"daskdag-chunk-graph-{key}", cloudpickle.loads,
+                                            cloudpickle.dumps((tasks, key))))
         return self.graph[1]
 
     def wait_any(self, chunks) -> set:
@@ -205,7 +219,7 @@ class Cluster:
                                f"their task was cancelled by someone else")
         self._let_go(chunk)
         self.listed = -float("inf")  # a worker left, most likely: list them anew
-        self._send(chunk)
+        self._send([chunk])
 
     def release(self, chunk: _Chunk):
         self.chunks.discard(chunk)
@@ -218,11 +232,10 @@ class Cluster:
         chunk.future, chunk.items, chunk.worker = None, {}, None
 
     def close(self):
+        """Cancel and let go of every chunk. (The shared inputs and the chunk graph are
+        ``place``'s, :func:`daskdag.resident.placing`.)"""
         held = [f for c in self.chunks for f in (c.future, *c.items.values()) if f is not None]
-        held += self.shared.values()
-        if self.graph is not None:
-            held.append(self.graph[1])
-            self.graph = None
+        self.graph = None
         self.chunks.clear()
         if self.listening:
             self.listening = False
@@ -242,6 +255,12 @@ SCATTER_TIMEOUT = 10  # seconds scatter waits for its worker (it waits while the
 LIST_EVERY = WAIT  # seconds a list of the workers is used for before the scheduler is asked again
 
 
+async def _gathered(scatters: list) -> list:
+    """The results of the coroutines ``scatters``, run together; an exception in place of each
+    result that raised."""
+    return await asyncio.gather(*scatters, return_exceptions=True)
+
+
 class _Chunk:
     """A chunk on the cluster: its items (``start, stop``), its task's future, the futures of
     its scattered items and the worker they went to, and how often it was sent again."""
@@ -253,16 +272,15 @@ class _Chunk:
         self.future, self.items, self.worker, self.resent = None, {}, None, 0
 
 
-def place_shared(client, name: str, value) -> distributed.Future:
-    """Put the shared input ``name`` on the cluster, once per sweep, for every chunk to use.
-
-    It goes as a task whose result is the value (:func:`daskdag.resident.keep`), so it survives
-    the loss of its worker, where a scattered value would fail every chunk needing it. The key
-    is this call's own, which no other sweep's release can take. The value travels packed, as
-    every input does (:mod:`daskdag.shipping`).
+def place_shared(place, name: str, value) -> distributed.Future:
+    """Put the shared input ``name`` on the cluster for every chunk to use, with ``place``
+    (:func:`daskdag.resident.placing`): under its content key, which a later sweep or
+    ``compute_grads`` call with the same value finds there, and as a task whose result is the
+    value, so it survives the loss of its worker, where a scattered value would fail every
+    chunk needing it. The value travels packed, as every input does (:mod:`daskdag.shipping`).
     """
     packed = pack_for(f"input {name!r}", value, remote=True)
-    return keep(client, f"shared-{name}-{uuid.uuid4().hex}", unpack, packed)
+    return place(f"input-{name}-{tokenize(packed)}", unpack, packed)
 
 
 def item_key(name: str) -> str:
@@ -277,7 +295,7 @@ def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     is unpickled); neither has a task in it, :func:`_run_chunk` adds them as data. Nothing in it
     depends on which items a chunk holds, or how many (:meth:`daskdag.sweep.Sweep.graph`)."""
     items = {n: TaskRef(item_key(n)) for n in sweep.carried()}
-    whole = dask.delayed(sweep.graph({**shared, **items}))
+    whole = dask.delayed(sweep.graph({**shared, **items}), pure=True)  # a content key
     return dict(whole.__dask_graph__()), whole.key
 
 

@@ -1,5 +1,6 @@
 """What a client keeps on its cluster between calls: the packed inputs and nodes of its last few
-``compute_grads`` calls, each under a content key, so a repeated call sends only what changed.
+``compute_grads`` calls, and the shared inputs and chunk graphs of its last few sweeps, each
+under a content key, so a repeated call sends only what changed.
 
 A call's graph refers to these values instead of carrying them (:func:`daskdag.graph.build`'s
 ``place``). Each goes to the cluster once, as a task whose result is the value: the scheduler
@@ -101,6 +102,33 @@ def keep(client, key: str, fn, payload, needs=None, worker: str | None = None):
         warnings.filterwarnings("ignore", message="Sending large graph")
         where = {"workers": [worker], "allow_other_workers": True} if worker else {}
         return client.submit(fn, payload, key=key, pure=False, resources=needs or None, **where)
+
+
+@contextlib.contextmanager
+def placing(client):
+    """``place(key, fn, payload, needs=None) -> Future`` for one call, as
+    :meth:`Resident.call` yields it: through ``client``'s :class:`Resident`, so values stay for
+    the next calls; with keeping off (``daskdag.keep-calls`` 0), under keys of this call's own,
+    each cancelled and let go on exit."""
+    kept = of(client)
+    if kept is not None:
+        with kept.call(client) as place:
+            yield place
+        return
+    held: list = []
+
+    def place(key, fn, payload, needs=None):
+        held.append(keep(client, f"{key}-{uuid.uuid4().hex}", fn, payload, needs))
+        return held[-1]
+
+    try:
+        yield place
+    finally:
+        if held:
+            with contextlib.suppress(Exception):  # a closed client has nothing left to cancel
+                client.cancel(held)
+            for fut in held:
+                fut.release()
 
 
 def of(client) -> Resident | None:

@@ -14,6 +14,7 @@ name the item and keep the rest.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import os
 import traceback
@@ -25,14 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from .chunked import Chunked, chunk_of
-from .cluster import workers
 from .engines import Cluster, Threads
 from .errors import NodeError
 from .graph import build
 from .plan import Plan, make_plan
 from .progress import Progress, chunk_steps
+from .resident import placing
 from .pullback import is_array
-from .shipping import ship
+from .shipping import rows, ship
 from .spec import Spec
 from .stacked import Stacked, item_shapes
 
@@ -71,7 +72,9 @@ class Sweep:
         values = {}
         for i in self.carried():
             v = self.values[i]
-            if i in self.batched:
+            if i in self.batched and self.remote:  # they will be packed
+                values[i] = jax.tree.map(lambda a: rows(a, start, stop) if is_array(a) else a, v)
+            elif i in self.batched:
                 values[i] = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
             else:
                 values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
@@ -131,8 +134,10 @@ def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
 VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk, at least / at most
 
 
-def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str):
+def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
+        workers: dict | None = None):
     """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
+    ``workers``: ``client``'s workers as just listed (:func:`daskdag.cluster.workers`), if known.
 
     ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
     failed items; shaped by :func:`~daskdag.stacked.item_shapes` when no item gave any);
@@ -146,24 +151,31 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     if sweep.size:
         bar = Progress(sweep.size) if progress else None
         try:
-            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
+            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers)
         finally:
             if bar:
                 bar.close()
     return _finish(sweep, stacked), failed
 
 
-def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed):
+def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers):
+    """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
+    shared inputs and the chunk graph are kept for later calls (:func:`~daskdag.resident.placing`)."""
+    with contextlib.nullcontext() if client is None else placing(client) as place:
+        if client is None:
+            engine = Threads(in_flight, bar)
+        else:
+            shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
+            pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
+            engine = Cluster(client, shared, pin, bar, place, workers)
+        _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine)
+
+
+def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine):
     """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
     ahead of new chunks, to name its failing items and keep the others. With ``errors='raise'``
     no new chunk starts after a failure; the error raised is that of the lowest failing item,
     once everything before it is known to have succeeded."""
-    if client is None:
-        engine = Threads(in_flight, bar)
-    else:
-        shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
-        pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
-        engine = Cluster(client, shared, pin, bar)
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
@@ -176,10 +188,11 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed)
                     raise failed[first] from failed[first].original
                 reruns.extend(_items(broken.pop(0)))
             source = reruns or (() if halted else chunks)
-            while source and len(pending) < in_flight:
-                c = source.popleft()
-                pending[engine.submit(sweep, c, chunk_steps(sweep.plan, c[1] - c[0]))] = c
-                if bar:
+            batch = [source.popleft() for _ in range(min(len(source), in_flight - len(pending)))]
+            if batch:
+                sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0])) for c in batch])
+                pending.update(zip(sent, batch))
+                for c in batch if bar else ():
                     bar.open(c)
             if not pending:
                 break
@@ -257,7 +270,9 @@ def _finish(sweep, stacked) -> dict:
             for o, (v, g) in stacked.items()}
 
 
-def parallelism(client) -> int:
-    if client is None:
+def parallelism(workers: dict | None) -> int:
+    """Chunks that can run at once: threads of the cluster's ``workers``
+    (:func:`daskdag.cluster.workers`), else of this machine."""
+    if workers is None:
         return os.cpu_count() or 1
-    return max(1, sum(w.get("nthreads", 1) for w in workers(client).values()))
+    return max(1, sum(w.get("nthreads", 1) for w in workers.values()))

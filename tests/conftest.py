@@ -65,6 +65,26 @@ def eventually(check, timeout=30.0):
     return True
 
 
+def scheduler_tasks(client) -> int:
+    """How many tasks the scheduler holds."""
+    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+
+
+def kept_keys(client) -> set:
+    """The keys of the values ``client`` keeps on the cluster for later calls
+    (:mod:`daskdag.resident`)."""
+    from daskdag import resident
+    kept = resident.of(client)
+    return {f.key for f in kept.futures.values()} if kept else set()
+
+
+def only_kept_left(client, before: int) -> bool:
+    """The scheduler holds its ``before`` tasks and the values ``client`` keeps for later calls,
+    and the client holds futures of those values alone: nothing else of the calls stayed."""
+    kept = kept_keys(client)
+    return scheduler_tasks(client) == before + len(kept) and set(client.futures) == kept
+
+
 def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 

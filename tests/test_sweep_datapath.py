@@ -19,7 +19,7 @@ import daskdag
 from daskdag import engines
 from daskdag.errors import ClusterError
 
-from .conftest import assert_tree_close, eventually
+from .conftest import assert_tree_close, eventually, only_kept_left, scheduler_tasks
 
 ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
 
@@ -76,10 +76,6 @@ def task_sizes(dask_scheduler):
     return dict(dask_scheduler.plugins["record-specs"].sizes)
 
 
-def scheduler_tasks(client):
-    return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
-
-
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_items_skip_the_scheduler_and_results_come_back_as_numpy(monkeypatch):
@@ -98,7 +94,7 @@ def test_items_skip_the_scheduler_and_results_come_back_as_numpy(monkeypatch):
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(DAG, values, "E", batched=["x"], chunk_size=4, client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+        assert eventually(lambda: only_kept_left(client, before))
     value, grad = expected(values)
     assert_tree_close(res.value, value, rtol=1e-5)
     assert_tree_close(res.grad["x"], grad, rtol=1e-5)
@@ -125,11 +121,11 @@ def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
     killed, sends = [], []
     send = engines.Cluster._send
 
-    def send_then_kill(self, sent):
-        send(self, sent)
-        sends.append(sent.chunk)
+    def send_then_kill(self, chunks):
+        send(self, chunks)
+        sends.extend(c.chunk for c in chunks)
         if not killed:
-            client = self.client
+            sent, client = chunks[0], self.client
             assert eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker))
             time.sleep(0.3)  # it runs: its first item is done
             pid = client.run(os.getpid, workers=[sent.worker])[sent.worker]
@@ -140,7 +136,7 @@ def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
     with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
-        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+        assert eventually(lambda: only_kept_left(client, before))
     assert sends.count(killed[0]) == 2, sends  # sent again once
     value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
     assert_tree_close(res.value, value, rtol=1e-5)
@@ -158,9 +154,10 @@ def test_a_chunk_lost_too_often_fails_the_sweep_clearly(monkeypatch):
     send = engines.Cluster._send
     killed = []
 
-    def send_then_kill(self, sent):
-        send(self, sent)
+    def send_then_kill(self, chunks):
+        send(self, chunks)
         if not killed:
+            sent = chunks[0]
             pid = self.client.run(os.getpid, workers=[sent.worker])[sent.worker]
             os.kill(pid, signal.SIGKILL)
             killed.append(sent.chunk)
@@ -170,7 +167,7 @@ def test_a_chunk_lost_too_often_fails_the_sweep_clearly(monkeypatch):
         before = scheduler_tasks(client)
         with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
             daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
-        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+        assert eventually(lambda: only_kept_left(client, before))
 
 
 # -- one chunk graph per sweep --------------------------------------------------------------------
@@ -218,7 +215,7 @@ def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_
         vector = daskdag.sweep_grads(vmapped, values, "E", batched=["x"], wrt=["x", "w"],
                                      chunk_size=4, client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+        assert eventually(lambda: only_kept_left(client, before))
     assert len(made) == 2 and made[0] is not made[1]
     graphs = [k for k in sizes if str(k).startswith("daskdag-chunk-graph-")]
     chunks = [k for k in sizes if str(k).startswith("_run_chunk")]
@@ -247,7 +244,7 @@ def test_chunks_carry_no_graph_even_through_the_scheduler(monkeypatch):
         res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=4, errors="collect",
                                   client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: scheduler_tasks(client) == before and not client.futures)
+        assert eventually(lambda: only_kept_left(client, before))
     assert len(made) == 1
     (graph,) = [n for k, n in sizes.items() if str(k).startswith("daskdag-chunk-graph-")]
     chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}
