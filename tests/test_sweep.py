@@ -217,11 +217,11 @@ def test_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
             res = daskdag.sweep_grads(mixed_dag(), inputs, ["E", "S"], batched=["x", "b"],
                                       chunk_size=2, client=client)
         assert len(placed) == 1 and placed[0][0] == "w" and placed[0][1] is inputs["w"]  # once, for 8 chunks
-        assert sum(1 for t in ts.data if t["key"].startswith("shared-w-")) == 1
+        assert sum(1 for t in ts.data if t["key"].startswith("input-w-")) == 1
         assert len({t["worker"] for t in ts.data}) == 2  # chunks spread over both workers
         # Each chunk stays on its worker: no pullback was exported to move.
         assert all(s["exported"] == 0 for s in client.run(programs.stats).values())
-        for _ in range(3):  # back to back: each call's shared inputs are its own
+        for _ in range(3):  # back to back: the same w, kept on the cluster, serves each call
             again = daskdag.sweep_grads(mixed_dag(), inputs, "E", batched=["x", "b"],
                                         chunk_size=4, client=client)
             assert_tree_close(again.grad["x"], res["E"].grad["x"])
