@@ -116,32 +116,49 @@ class Cluster:
         return sent
 
     def _send(self, sent: list[_Chunk]):
-        """Each chunk's items to a worker, all chunks' at once (one after the other, the later
-        chunks' workers sat idle while this process sent the earlier ones' items), then their
-        tasks, pinned to those workers."""
+        """Each chunk's items to a worker, then its task, pinned there; in waves of one chunk per
+        worker, each wave's items sent at once. (One chunk after another, the later chunks'
+        workers sat idle while this process sent the earlier ones' items; all at once, every
+        worker waited for the last.)"""
         found = self._workers() if self.pin else {}
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
             return
+        waves: list[list[_Chunk]] = []
+        for c in sent:
+            c.worker = self._least_busy(found)
+            wave = sum(1 for other in sent if other.worker == c.worker) - 1
+            if wave == len(waves):
+                waves.append([])
+            waves[wave].append(c)
+        shared = {f.key: f for f in self.shared.values()}
+        for wave in waves:
+            found = self._scatter(wave, found)
+            graph = self._graph(wave[0].sweep)
+            for c in wave:
+                report = None if self.bar is None else [self.id, *c.chunk]
+                c.future = self.client.submit(_run_chunk, graph, shared, c.items, c.steps, report,
+                                              pure=False, workers=[c.worker],
+                                              allow_other_workers=True)
+
+    def _scatter(self, chunks: list[_Chunk], found: dict) -> dict:
+        """Each chunk's items straight to its worker, all chunks' at once; a chunk whose worker
+        left since the scheduler listed it goes to another, up to :data:`SCATTER_TRIES` times.
+        Returns the workers as last listed."""
         # Unhashed: the items travel under keys of their own, so no one asks for their token.
         packed = {c: {name: pack_for(f"input {name!r}", value, remote=True, hashed=False)
-                      for name, value in c.sweep.items(*c.chunk).items()} for c in sent}
-        failed: set = set()  # workers that left since the scheduler listed them
-        todo = list(sent)
+                      for name, value in c.sweep.items(*c.chunk).items()} for c in chunks}
+        failed: set = set()
         for attempt in range(SCATTER_TRIES):
-            for c in todo:  # running workers (scatter waits for a paused one), the least busy
-                running = [a for a, w in found.items() if w.get("status", "running") == "running"
-                           and a not in failed]
-                c.worker = min(running or set(found) - failed or found,
-                               key=lambda w: sum(1 for other in self.chunks if other.worker == w))
-            keys = {c: {n: f"daskdag-items-{n}-{uuid.uuid4().hex}" for n in packed[c]} for c in todo}
+            keys = {c: {n: f"daskdag-items-{n}-{uuid.uuid4().hex}" for n in packed[c]}
+                    for c in chunks}
             scattered = self.client.sync(_gathered, [self.client.scatter(
                 {keys[c][n]: p for n, p in packed[c].items()}, workers=[c.worker],
                 direct=self.direct, hash=False, timeout=SCATTER_TIMEOUT, asynchronous=True)
-                for c in todo])
+                for c in chunks])
             lost = []
-            for c, got in zip(todo, scattered):
+            for c, got in zip(chunks, scattered):
                 if isinstance(got, (OSError, TimeoutError)):  # its worker left
                     failed.add(c.worker)
                     lost.append((c, got))
@@ -150,16 +167,23 @@ class Cluster:
                 else:  # under the keys the chunk graph names them by
                     c.items = {item_key(n): got[k] for n, k in keys[c].items()}
             if not lost:
-                break
+                return found
             if attempt == SCATTER_TRIES - 1:
                 raise lost[0][1]
-            todo = [c for c, _ in lost]
             found = self._workers(fresh=True) or found
-        graph, shared = self._graph(sent[0].sweep), {f.key: f for f in self.shared.values()}
-        for c in sent:
-            report = None if self.bar is None else [self.id, *c.chunk]
-            c.future = self.client.submit(_run_chunk, graph, shared, c.items, c.steps, report,
-                                          pure=False, workers=[c.worker], allow_other_workers=True)
+            chunks = [c for c, _ in lost]
+            for c in chunks:
+                c.worker = None
+                c.worker = self._least_busy(found, failed)
+        return found
+
+    def _least_busy(self, found: dict, failed: set = frozenset()) -> str:
+        """Of the workers ``found``, running (scatter waits for a paused one) and not among
+        ``failed``, the one with the fewest chunks."""
+        running = [a for a, w in found.items()
+                   if w.get("status", "running") == "running" and a not in failed]
+        return min(running or set(found) - failed or found,
+                   key=lambda w: sum(1 for other in self.chunks if other.worker == w))
 
     def _workers(self, fresh: bool = False) -> dict:
         """The cluster's workers (:func:`daskdag.cluster.workers`), as the scheduler listed them
