@@ -3,11 +3,12 @@
 >>> res = daskdag.compute_grads(dag, x, ["D", "E"])          # one input
 >>> res["D"].value, res["D"].grad
 >>> res = daskdag.sweep_grads(dag, xs, ["D", "E"])           # many, stacked
+>>> res = daskdag.jacobian(dag, x, ["A", "B"])                # full Jacobians, as jax.jacrev
 """
 
-from .api import Result, compute_grads, sweep_grads
+from .api import Result, compute_grads, jacobian, sweep_grads
 from .errors import ClusterError, DAGError, NodeError
 from .spec import Node
 
-__all__ = ["compute_grads", "sweep_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
+__all__ = ["compute_grads", "jacobian", "sweep_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""The public entry points, :func:`compute_grads` and :func:`sweep_grads`, and the checks on
-their arguments."""
+"""The public entry points, :func:`compute_grads`, :func:`jacobian` and :func:`sweep_grads`, and
+the checks on their arguments."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from typing import Any
 import distributed
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import cluster, resident, sweep
 from .compute import compute
 from .errors import DAGError, NodeError
 from .graph import build
 from .progress import Stop
-from .pullback import differentiable_leaves, is_numeric
+from .pullback import differentiable_leaves, is_differentiable, is_numeric
 from .shipping import ship
 from .plan import make_plan
 from .spec import parse
+from .tasks import Rows
 
 
 @dataclass(frozen=True)
@@ -62,21 +64,78 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     """
     client = client if client is not None else _active_client()
     spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote=client is not None)
+    return _results(spec, outputs, _run(plan, values, cts, client, progress))
+
+
+def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+             chunk_size: int | None = None, client=None, progress: bool = False):
+    """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
+    function gives them, each node computed once.
+
+    Arguments as for :func:`compute_grads`; outputs may be any real arrays or pytrees.
+    chunk_size: rows of a Jacobian pulled back per ``jax.vmap`` call (default: all of them,
+                as ``jax.jacrev``). Each output's Jacobian is pulled back as a batch of
+                cotangents, the rows of the identity over its elements, through each node's
+                pullback under ``jax.vmap``; the batch of every output passing through a stage
+                goes in one call. A call holds about ``chunk_size`` times a stage's
+                residuals: pass fewer rows to bound memory. A pullback that cannot be vmapped
+                (a host callback) runs row by row.
+
+    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout, one per
+    differentiated input (a dict ``{input: jac}``, or alone with one free input): the output's
+    structure, each leaf holding the input's structure with leaves shaped
+    ``output_leaf.shape + input_leaf.shape``; ``None`` where a leaf of either is held constant
+    (integers, booleans...). Raises as :func:`compute_grads` does, and
+    :class:`~daskdag.NodeError` for a complex output.
+    """
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    client = client if client is not None else _active_client()
+    spec, plan, values, _ = _prepare(dag, x, outputs, wrt, None, remote=client is not None)
+    computed = _run(plan, values, {}, client, progress, Rows(chunk_size))
+    return _results(spec, outputs, {
+        o: (value, {i: _jacrev_layout(value, rows) for i, rows in grads.items()})
+        for o, (value, grads) in computed.items()})
+
+
+def _run(plan, values, cts, client, progress, rows=None) -> dict:
+    """One call's graph (:func:`daskdag.graph.build`) computed: ``{output: (value, {input:
+    grad})}``. On a cluster, checked first, and what it keeps is placed once
+    (:mod:`daskdag.resident`)."""
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     with kept.call(client) if kept else contextlib.nullcontext() as place:
-        computed = compute(build(plan, values, cts, remote=client is not None, place=place,
-                                 stop=stop), client, progress, stop)
-    return _results(spec, outputs, computed)
+        return compute(build(plan, values, cts, remote=client is not None, place=place,
+                             stop=stop, rows=rows), client, progress, stop)
 
 
-def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False):
+def _jacrev_layout(value, rows):
+    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
+    input's structure, each differentiable leaf stacked over the output's elements, ``None``
+    elsewhere; see :func:`daskdag.tasks.basis`)."""
+    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    out_leaves, out_def = jax.tree.flatten(value)
+    start, per_leaf = 0, []
+    for leaf in out_leaves:
+        if not is_differentiable(leaf):
+            per_leaf.append(None)
+            continue
+        size = int(np.size(leaf))
+        per_leaf.append(in_def.unflatten([
+            None if r is None else jnp.reshape(r[start:start + size], (*jnp.shape(leaf), *r.shape[1:]))
+            for r in in_leaves]))
+        start += size
+    return out_def.unflatten(per_leaf)
+
+
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
     """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
-    ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle."""
+    ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle; ``rows``:
+    a :class:`~daskdag.tasks.Rows` for a Jacobian's rows in place of gradients."""
     spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
-    return spec, plan, build(plan, values, cts, remote=remote)
+    return spec, plan, build(plan, values, cts, remote=remote, rows=rows)
 
 
 def _prepare(dag, x, outputs, wrt, cotangents, remote):

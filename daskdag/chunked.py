@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from .progress import checkpoint
 from .pullback import (Pullback, by_arg, ct_avals, diff_counts, differentiable_leaves, is_array,
                        is_differentiable, is_numeric, linearize, vjp_leaves)
-from .shipping import unwrap
+from .shipping import current, unwrap
 from .spec import Node
 
 
@@ -125,10 +125,11 @@ _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 
 def _programs(chunked: Chunked) -> tuple:
     """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches
-    compilations by function identity, so they are kept per node function (one a worker reuses
-    per token, or the user's own locally), for as long as it lives: across chunks and sweeps. A
+    compilations by function identity, so they are kept per node function (the one object a
+    process uses for its content, :func:`~daskdag.shipping.current`), for as long as it lives:
+    across chunks and sweeps, not past an in-place change to what it closes over. A
     function that cannot be weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
-    fn = unwrap(chunked.node.fn)
+    fn = current(chunked.node.fn)
     with _lock:
         for owner in (fn, chunked):
             hit = _cache.get(id(owner))
@@ -141,7 +142,7 @@ def _programs(chunked: Chunked) -> tuple:
         except TypeError:  # not weakly referenceable
             key = id(chunked)
             ref = weakref.ref(chunked, lambda r: _forget(key, r))
-            programs = _make_programs(lambda: unwrap(ref().node.fn))
+            programs = _make_programs(lambda: current(ref().node.fn))
         _cache[key] = (ref, programs)
         return programs
 

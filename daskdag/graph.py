@@ -9,7 +9,7 @@ taking C's value apart from the stage's pullback, so later stages never fetch re
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
 its seed cotangent; for a stage where every cotangent starts, a closed one, the forward task
 runs the backward pass too and ``bwd-`` just takes its cotangents), ``grad-D-x-<token>`` input
-x's gradient for D. Outputs share forward keys, so every node runs once per call; tokens hash
+x's gradient for D (for a Jacobian, its rows). Outputs share forward keys, so every node runs once per call; tokens hash
 functions and inputs, so repeated calls on one cluster share them too.
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
@@ -34,7 +34,7 @@ CLOSE = "daskdag.close-stages"
 
 
 def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
-          place=None, stop=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+          place=None, stop=None, rows=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
     ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`).
 
@@ -44,7 +44,9 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     the resources ``needs``) and returns its reference (:mod:`daskdag.resident`): inputs and
     nodes then travel once, not in each graph. ``stop``: for a local call, a
     ``daskdag.progress.Stop`` whose setting (by :func:`daskdag.compute.compute`, on Ctrl-C) stops
-    running stages at their next node.
+    running stages at their next node. ``rows``: a :class:`daskdag.tasks.Rows` for a Jacobian
+    (each output starts from the rows of the identity, and its "gradients" are the Jacobian's
+    rows, see :mod:`daskdag.tasks`), else ``None``.
     """
     spec, g = plan.spec, _Graph()
     val = {}
@@ -66,8 +68,9 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     close = dask.config.get(CLOSE, True)
     paths = {o: set(plan.backward[o]) for o in plan.outputs}
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
-    closed = {s: tuple(tuple(("seed", o, cotangents.get(o), batched) if n == o else None
-                             for n in s.outputs) for o in through[s])
+    seeds = {o: ("seed", o, cotangents.get(o), batched) if rows is None else ("basis", o)
+             for o in plan.outputs}
+    closed = {s: tuple(tuple(seeds[o] if n == o else None for n in s.outputs) for o in through[s])
               for s in stages if close and through[s] and all(
                   n == o or n not in paths[o] or not _feeding(plan.consumers(n, o), stage_of, s)
                   for o in through[s] for n in s.outputs)}
@@ -80,8 +83,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         nodes = [spec.nodes[n] for n in s.nodes]
         sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
                 for n, node in zip(s.nodes, nodes)]
-        tok = tokenize(s, nodes, [val[d].key for d in s.deps])
-        run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s])
+        tok = tokenize(s, nodes, [val[d].key for d in s.deps], closed.get(s), rows)
+        run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s], rows)
         fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), run[0], s, stop, *run[1:], *sent,
                      *(val[d] for d in s.deps))
         if s in closed:
@@ -104,7 +107,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
             per_output = []
             for n in s.outputs:
                 if n == o:
-                    per_output.append(("seed", o, cotangents.get(o), batched))
+                    per_output.append(seeds[o])
                 elif n in paths[o]:
                     per_output.append(_shares(n, plan.consumers(n, o), o, stage_of, through, bwd,
                                               sources, within=s) or None)
@@ -113,7 +116,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
             flows.append(tuple(per_output))
         tok = tokenize(linearized[s].key, flows, list(sources))
         bwd[s] = g.task(f"bwd-{abbreviate(through[s])}-{s.name}-{tok}", dict(s.needs),
-                        tasks.backward, s, stop, tuple(flows), linearized[s],
+                        tasks.backward, s, stop, tuple(flows), rows, linearized[s],
                         *(val[d] for d in s.deps), *map(TaskRef, sources))
 
     results = {}
@@ -122,9 +125,11 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         for i in plan.wrt:
             sources = {}
             picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            tok = tokenize(val[i].key, list(sources), picks)
+            output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
+            tok = tokenize(val[i].key, list(sources), picks, rows)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
-                              tuple((k, p) for _, k, p in picks), val[i], *map(TaskRef, sources))
+                              tuple((k, p) for _, k, p in picks), val[i], output,
+                              *map(TaskRef, sources))
         results[o] = (val[o], grads)
     return g.delayed(results)
 

@@ -52,6 +52,7 @@ RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest
 _UNSET = object()
 _lock = threading.RLock()  # cloudpickle's by-value registry is process-wide: one pack at a time
 _received: OrderedDict[str, "Function"] = OrderedDict()
+_current: OrderedDict[tuple, "_Current"] = OrderedDict()  # (token, id of the function) -> it
 
 
 class Packed:
@@ -167,8 +168,44 @@ def ship(plan, remote: bool):
 
 
 def unwrap(fn):
-    """The plain function behind a possibly packed one (``jax.jit`` caches by its identity)."""
+    """The plain function behind a possibly packed one."""
     return fn.load() if isinstance(fn, Function) else fn
+
+
+def current(fn):
+    """``fn`` (maybe packed) as the one object this process uses for its content, for the caches
+    keyed by a function's identity: ``jax.jit``'s, and the compiled programs of fused stages
+    and vmap nodes. A function this process received already is one (the function it keeps
+    for its token). In the process that packed it, it is the user's own function, whose
+    identity outlives an in-place change to an array it closes over: there it is wrapped in a
+    :class:`_Current`, one per token, so that a changed function is traced anew instead of
+    running a program compiled with its old constants."""
+    if not isinstance(fn, Function):
+        return fn
+    loaded = fn.load()
+    with _lock:
+        if _received.get(fn.token) is fn:
+            return loaded
+        key = (fn.token, id(loaded))
+        hit = _current.get(key)
+        if hit is None or hit.fn is not loaded:
+            hit = _current[key] = _Current(loaded)
+            while len(_current) > RECEIVED_FUNCTIONS:
+                _current.popitem(last=False)
+        _current.move_to_end(key)
+        return hit
+
+
+class _Current:
+    """A function of this process's user as it is for one content token (see :func:`current`)."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 # -- pickling -------------------------------------------------------------------------------------

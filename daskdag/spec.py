@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 
 from .errors import DAGError
-from .shipping import Function, pack, unwrap
+from .shipping import Function, current, pack, unwrap
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,8 @@ class Node:
 
     def callable(self) -> Callable[..., Any]:
         # jax caches compilations by the wrapped function, so re-wrapping costs nothing; a
-        # packed function is unwrapped to the one function its process keeps for its token.
-        fn = unwrap(self.fn)
-        return jax.jit(fn) if self.jit else fn
+        # packed function is jitted as the one object its process keeps for its content.
+        return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
 
     def __reduce__(self):
         # The function travels packed (by value where it is the user's code), whoever pickles it.

@@ -47,7 +47,7 @@ from .errors import node_errors
 from .plan import Plan
 from .progress import Cancelled
 from .pullback import ct_avals, differentiable_leaves, linearize as linearize_node
-from .shipping import unwrap
+from .shipping import current
 from .spec import Node
 
 FUSE = "daskdag.fuse-chains"
@@ -307,7 +307,7 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
     and chunks compile nothing. In a sweep it is ``vmap`` ped over its deps' item axes;
     elsewhere it has none, and is only jitted."""
     chunks = [chunk_of(n) for n in nodes]
-    fns = [unwrap(c.node.fn) if c else unwrap(n.fn) for c, n in zip(chunks, nodes)]
+    fns = [current(c.node.fn) if c else current(n.fn) for c, n in zip(chunks, nodes)]
     key = (stage, tuple(map(id, fns)))
     with _fused_lock:
         hit = _fused.get(key)

@@ -33,7 +33,7 @@ from .plan import Plan, make_plan
 from .progress import Progress, chunk_steps
 from .resident import placing
 from .pullback import is_array
-from .shipping import rows, ship
+from .shipping import pack_for, rows, ship
 from .spec import Spec
 from .stacked import Stacked, item_shapes
 
@@ -105,7 +105,11 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
         in_axes = tuple(0 if d in carrying else None for d in node.deps)
         if 0 in in_axes:  # nodes of shared inputs alone stay as they are: one key, run once
             carrying.add(n)
-            node = replace(node, fn=Chunked(node, in_axes), jit=False, vmap=False)
+            # Its function packed inside too: its content token keys the chunk's compiled
+            # programs (shipping.current), so a change in place compiles anew.
+            inner = replace(node, fn=pack_for(f"node {n!r}: its function", node.fn, remote,
+                                              as_function=True))
+            node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
         nodes[n] = node
     plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,

@@ -2,11 +2,16 @@
 output whose gradient passes through it), one gradient task per (output, input). See
 :mod:`daskdag.stages` for what a stage is.
 
+For a Jacobian (:func:`daskdag.jacobian`) every cotangent is a stack of rows: an output starts
+from the rows of the identity over its elements (:func:`basis`), and each pullback maps a
+stack to a stack, ``rows`` (a :class:`Rows`) at a time under ``jax.vmap``.
+
 A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import reduce
 
 import jax
@@ -34,14 +39,15 @@ def forward(stage: Stage, stop, *args):
     return out[0] if stage.bare else out
 
 
-def forward_backward(stage: Stage, stop, flows: tuple, *args):
+def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
     """Forward and backward of a stage whose cotangents are all seeds of its own outputs
-    (``flows`` as for :func:`backward`, without sources): ``(exposed values, per output the
-    deps' cotangents)``. A fused stage runs as one program, as ``jax.jit(jax.value_and_grad)``
-    does, its residuals never leaving XLA; others, and seeds given by the user, run as
-    :func:`forward` then :func:`backward`."""
+    (``flows`` and ``rows`` as for :func:`backward`, without sources): ``(exposed values, per
+    output the deps' cotangents)``. A fused stage runs as one program, as
+    ``jax.jit(jax.value_and_grad)`` does, its residuals never leaving XLA; others, seeds given
+    by the user and Jacobians' rows, run as :func:`forward` then :func:`backward`."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    if stage.fused and all(f is None or f[2] is None for per_output in flows for f in per_output):
+    if stage.fused and rows is None and all(f is None or f[2] is None
+                                            for per_output in flows for f in per_output):
         seeded = tuple(tuple(f is not None for f in per_output) for per_output in flows)
         out = stages.gradients(stage, nodes, deps, seeded)
         if out is not None:
@@ -51,7 +57,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, *args):
                     _cotangent(value, flow, ())
             return values, cts
     linearized = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
-    return linearized[0], backward(stage, stop, flows, linearized, *deps)
+    return linearized[0], backward(stage, stop, flows, rows, linearized, *deps)
 
 
 def pulled(out) -> list:
@@ -66,7 +72,7 @@ def pick(out, linearized: bool, k: int):
     return (out[0] if linearized else out)[k]
 
 
-def backward(stage: Stage, stop, flows: tuple, linearized, *args) -> list:
+def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
     """Pull the cotangents of the stage's exposed nodes back to the stage's deps, for each
     output whose gradient passes through the stage. Returns, per output, a tuple aligned with
     the stage's deps: each dep's cotangent, ``None`` where none flows.
@@ -83,12 +89,17 @@ def backward(stage: Stage, stop, flows: tuple, linearized, *args) -> list:
     (one pass through the stage's pullbacks instead of one per output), where that pays
     (:data:`BATCH_FROM`, by the pullback's ``batching``); else, and where the pullback cannot
     be vmapped (a host callback), one by one.
+
+    ``rows``: for a Jacobian, a :class:`Rows`: each cotangent is a stack of rows (a seed is
+    ``("basis", output)``, see :func:`basis`), and so is each result (:func:`_pull_rows`).
     """
     values, pullback = linearized
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
     cts = [tuple(_cotangent(value, flow, sources) for value, flow in zip(values, per_output))
            for per_output in flows]
     dropped = _dropped(stage, stop)
+    if rows is not None:
+        return _pull_rows(pullback, cts, values, deps, dropped, rows)
     if len(cts) >= BATCH_FROM.get(getattr(pullback, "batching", None), len(cts) + 1):
         try:
             return _batched(pullback, cts, values, deps, dropped)
@@ -112,6 +123,8 @@ def _cotangent(value, flow, sources):
         return None
     if flow[0] == "seed":
         return seed(flow[1], value, *flow[2:])
+    if flow[0] == "basis":
+        return basis(flow[1], value)
     return total(sources[s][k][i] for s, k, i in flow)
 
 
@@ -132,18 +145,63 @@ def _batched(pullback, cts: list, values, deps, dropped) -> list:
             for k in range(len(cts))]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Cotangents are stacks of rows (a Jacobian's), pulled back at most ``chunk`` rows per
+    ``jax.vmap`` call (``None``: all at once), to bound the memory a pass takes."""
+
+    chunk: int | None = None
+
+
+def _pull_rows(pullback, cts: list, values, deps, dropped, rows: Rows) -> list:
+    """Per output, ``pullback`` of each row of its stacked cotangents (``cts``: per output, per
+    exposed node, a tuple of stacked leaves or ``None``): every output's rows in one stack
+    (zeros where an exposed node gets none from an output), ``rows.chunk`` at a time under
+    ``jax.vmap``, or row by row where the pullback cannot be vmapped (a host callback)."""
+    counts = [next(len(leaf) for c in per_output if c is not None for leaf in c[:1])
+              for per_output in cts]
+    stacked = []
+    for e, value in enumerate(values):
+        column = [c[e] for c in cts]
+        if all(c is None for c in column):
+            stacked.append(None)
+            continue
+        zeros = [tuple(jnp.zeros((n, *jnp.shape(leaf)), jnp.result_type(leaf))
+                       for leaf in differentiable_leaves(value)) for n in counts]
+        stacked.append(tuple(jnp.concatenate(leaves) for leaves in
+                             zip(*(z if c is None else c for c, z in zip(column, zeros)))))
+    total_rows, step = sum(counts), rows.chunk or sum(counts)
+    pieces = []
+    for start in range(0, total_rows, step):
+        part = jax.tree.map(lambda a: a[start:start + step], tuple(stacked))
+        try:
+            pieces.append(jax.vmap(lambda ct: pullback(ct, deps, dropped))(part))
+        except progress.Cancelled:
+            raise
+        except Exception:  # not vmappable: row by row (a node's own error raises again there)
+            one = [pullback(jax.tree.map(lambda a: a[k], part), deps, dropped)
+                   for k in range(len(jax.tree.leaves(part)[0]))]
+            pieces.append(jax.tree.map(lambda *r: jnp.stack(r), *one))
+    out = pieces[0] if len(pieces) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *pieces)
+    bounds = np.cumsum([0, *counts])
+    return [jax.tree.map(lambda a: a[lo:hi], out) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def _dropped(stage: Stage, stop):
     return progress.dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(picks: tuple, x, *sources):
+def gradient(picks: tuple, x, output, *sources):
     """An input's gradient, shaped like ``x``: the sum of its shares
     ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) on its
     differentiable leaves (zeros when the output does not use it), ``None`` on the leaves held
-    constant."""
+    constant. For a Jacobian, ``output`` is the output's value, and each leaf is stacked over
+    its rows (:func:`basis`); else it is ``None``."""
     leaves, treedef = jax.tree.flatten(x)
+    lead = () if output is None else (basis_size(output),)
     flat = iter(total(s[k][i] for s, (k, i) in zip(sources, picks)) if sources else
-                [jnp.zeros_like(leaf) for leaf in leaves if is_differentiable(leaf)])
+                [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+                 for leaf in leaves if is_differentiable(leaf)])
     return treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
 
 
@@ -182,6 +240,30 @@ def seed(output: str, primal, ct, batched: bool = False) -> tuple:
         c = jnp.asarray(c, i.dtype)
         seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
     return tuple(seeds)
+
+
+def basis(output: str, primal) -> tuple:
+    """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
+    ``jax.tree.leaves`` order, as a cotangent: a tuple with one ``[rows, *leaf.shape]`` array per
+    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian."""
+    leaves = differentiable_leaves(primal)
+    for leaf in leaves:
+        if jnp.iscomplexobj(leaf):
+            raise ValueError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                             f"Jacobian needs real outputs, as jax.jacrev does")
+    n, start, seeds = basis_size(primal), 0, []
+    for leaf in leaves:
+        size = int(np.size(leaf))
+        eye = np.zeros((n, size), jnp.result_type(leaf))
+        eye[np.arange(start, start + size), np.arange(size)] = 1
+        seeds.append(jnp.asarray(eye.reshape(n, *jnp.shape(leaf))))
+        start += size
+    return tuple(seeds)
+
+
+def basis_size(primal) -> int:
+    """How many rows :func:`basis` has: the elements of ``primal``'s differentiable leaves."""
+    return sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
 
 
 def total(cts):

@@ -204,6 +204,34 @@ def test_in_place_change_to_a_closure_is_seen_by_the_next_call(cli_client, case)
         np.testing.assert_allclose(second.grad, np.full(3, 2.0))
 
 
+@pytest.mark.parametrize("kind", ["jit", "fused-jit", "vmap-sweep", "eager-sweep"])
+def test_in_place_change_to_a_closure_is_seen_by_the_next_local_call(kind):
+    """On Dask's threads, the compiled programs of jitted nodes, fused stages and vmap sweep
+    nodes are kept per function: after an in-place change to the weights a function closes
+    over, the next call computes with the new weights (it once silently reused the program
+    compiled with the old ones), and with the old content back, the old program serves again."""
+    W = np.ones(3, dtype=np.float32)
+    vmap = kind.endswith("sweep")
+    jit = kind in ("jit", "fused-jit")
+    h = daskdag.Node(lambda x: jnp.tanh(W * x), ["x"], jit=jit, vmap=kind == "vmap-sweep")
+    dag = {"h": h, "y": daskdag.Node(jnp.sum, ["h"], jit=kind == "fused-jit",
+                                     vmap=kind == "vmap-sweep")}
+    x = jnp.linspace(0.1, 0.5, 3)
+
+    def run():
+        if vmap or kind == "eager-sweep":
+            res = daskdag.sweep_grads(dag, jnp.stack([x, 2 * x]), "y")
+            return res.value[0], res.grad[0]
+        res = daskdag.compute_grads(dag, x, "y")
+        return res.value, res.grad
+
+    for scale in (1.0, 2.0, 1.0):
+        W[:] = scale
+        value, grad = run()
+        want = jax.value_and_grad(lambda x: jnp.sum(jnp.tanh(scale * x)))(x)
+        assert_tree_close((value, grad), want, rtol=1e-6)
+
+
 def test_tokens_follow_content_not_identity():
     W = np.ones((256, 256), dtype=np.float32)
     J = jnp.ones((256, 256))

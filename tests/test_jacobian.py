@@ -1,0 +1,110 @@
+"""daskdag.jacobian against jax.jacrev of the composed function: vector and pytree outputs and
+inputs, eager, jitted and mixed nodes, chunked rows, each node called once, clear errors, and
+on a process cluster with the pullbacks moved between workers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import Node, api, tasks
+
+from .conftest import Counted, assert_tree_close, compute_split
+
+W = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32) / 3)
+
+
+def branch(h):
+    if jnp.sum(h) > 0:  # Python control flow on a value: eager only
+        return jnp.tanh(h)
+    return jnp.sin(h)
+
+
+FUNCTIONS = {"A": lambda x: jnp.tanh(W @ x), "B": branch, "C": lambda b, a: (b * a)[:4] ** 2,
+             "D": lambda c: jnp.cumsum(c) + jnp.sum(c)}
+
+
+def chain(jit: bool, counted: dict | None = None):
+    f = counted or FUNCTIONS
+    return {"A": Node(f["A"], ["x"], jit=jit), "B": Node(f["B"], ["A"]),
+            "C": Node(f["C"], ["B", "A"], jit=jit), "D": Node(f["D"], ["C"], jit=jit)}
+
+
+def composed(x):
+    a = FUNCTIONS["A"](x)
+    c = FUNCTIONS["C"](FUNCTIONS["B"](a), a)
+    return {"A": a, "C": c, "D": FUNCTIONS["D"](c)}
+
+
+X = jnp.linspace(-1.0, 1.5, 6)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("chunk_size", [None, 3], ids=["all-rows", "chunks-of-3"])
+def test_jacobians_of_several_outputs_match_jacrev_and_each_node_runs_once(jit, chunk_size):
+    counted = {k: Counted(v) for k, v in FUNCTIONS.items()}
+    res = daskdag.jacobian(chain(jit, counted), X, ["A", "C", "D"], chunk_size=chunk_size)
+    for o in ("A", "C", "D"):
+        assert_tree_close(res[o].value, composed(X)[o], rtol=1e-5)
+        assert_tree_close(res[o].grad, jax.jacrev(lambda x: composed(x)[o])(X), rtol=1e-5)
+    assert all(f.calls == 1 for k, f in counted.items() if not jit or k == "B")  # eager: once
+
+
+def test_a_scalar_output_s_jacobian_is_its_gradient_and_an_unused_input_gets_zeros():
+    dag = {"S": (lambda x: jnp.sum(jnp.sin(x) ** 2), ["x"]), "T": (lambda y: y * 2.0, ["y"])}
+    x, y = jnp.arange(3.0), jnp.ones((2, 2))
+    res = daskdag.jacobian(dag, {"x": x, "y": y}, ["S", "T"])
+    assert_tree_close(res["S"].grad["x"], jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x))
+    assert_tree_close(res["S"].grad["y"], jnp.zeros((2, 2)))
+    assert_tree_close(res["T"].grad["y"], jax.jacrev(lambda y: y * 2.0)(y))
+    assert res["T"].grad["x"].shape == (2, 2, 3) and not np.any(res["T"].grad["x"])
+
+
+def test_pytree_inputs_and_outputs_have_jacrev_s_layout():
+    """A dict input with an integer leaf (held constant: None), a tuple output with an integer
+    leaf (None), a matrix leaf: jacrev's output-of-input structure, leaves shaped
+    output_leaf.shape + input_leaf.shape."""
+    def enc(p):
+        return {"h": jnp.tanh(p["w"] @ p["b"]), "n": p["n"] + 1}
+
+    def heads(e):
+        return (e["h"][:2] * 3.0, jnp.outer(e["h"], e["h"]), e["n"])
+
+    p = {"w": jnp.arange(12.0).reshape(3, 4) / 10, "b": jnp.linspace(0.0, 1.0, 4), "n": jnp.int32(2)}
+    res = daskdag.jacobian({"E": (enc, ["p"]), "H": (heads, ["E"])}, p, "H")
+    floats = {"w": p["w"], "b": p["b"]}
+    want = jax.jacrev(lambda f: heads(enc({**f, "n": p["n"]}))[:2])(floats)
+    got = res.grad
+    assert isinstance(got, tuple) and len(got) == 3 and got[2] is None
+    for k in (0, 1):
+        assert got[k]["n"] is None
+        assert_tree_close({n: got[k][n] for n in floats}, want[k], rtol=1e-5)
+    assert got[1]["w"].shape == (3, 3, 3, 4)
+
+
+def test_a_complex_output_is_named():
+    with pytest.raises(Exception, match="output 'C' is complex.*jax.jacrev"):
+        daskdag.jacobian({"C": (lambda x: x * (1 + 2j), ["x"])}, jnp.ones(3), "C")
+
+
+def test_bad_chunk_size_is_named():
+    with pytest.raises(daskdag.DAGError, match="chunk_size must be a positive integer, got 0"):
+        daskdag.jacobian(chain(False), X, "D", chunk_size=0)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_on_a_process_cluster_with_pullbacks_moved_between_workers():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+        res = daskdag.jacobian(chain(True), X, ["C", "D"], client=client)
+        for o in ("C", "D"):
+            assert_tree_close(res[o].grad, jax.jacrev(lambda x: composed(x)[o])(X), rtol=1e-5)
+        a, b = sorted(client.scheduler_info()["workers"])
+        moved, _ = compute_split(client, chain(False), X, ["C", "D"], a, b, rows=tasks.Rows())
+        for o in ("C", "D"):
+            value, (rows,) = moved[o][0], moved[o][1].values()
+            assert_tree_close(api._jacrev_layout(value, rows),
+                              jax.jacrev(lambda x: composed(x)[o])(X), rtol=1e-5)
