@@ -59,9 +59,10 @@ QUICK = Config(rows=32, width=128, depth=6, outputs=64, reps=3)
 
 def make_weights(cfg: Config) -> tuple[list[np.ndarray], np.ndarray]:
     rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((cfg.width, cfg.width), np.float32) / np.sqrt(cfg.width)
+    scale = np.float32(np.sqrt(cfg.width))
+    ws = [rng.standard_normal((cfg.width, cfg.width), np.float32) / scale
           for _ in range(cfg.depth)]
-    return ws, rng.standard_normal((cfg.width, cfg.outputs), np.float32) / np.sqrt(cfg.width)
+    return ws, rng.standard_normal((cfg.width, cfg.outputs), np.float32) / scale
 
 
 def make_dag(ws, w_out, jit: bool) -> dict:

@@ -227,10 +227,12 @@ def sweeps(s: dict) -> str:
     cols = _columns([c], SWEEPS)
     loop = _baseline(c)
     cfg = s["config"]
+    vector_reps = (f" ({cfg['vector_reps']} for `jit_vmap` and `sweep_vmap_2w`, timed "
+                   f"interleaved in a loop of their own)" if "vector_reps" in cfg else "")
     head = (f"N = {cfg['items']} items of x float32[{cfg['rows']}, {cfg['width']}], two outputs, "
             f"chunks of {cfg['chunk_size']}; eager nodes with Python control flow, except "
             f"`sweep_vmap_2w` and `jit_vmap` (the jittable variant). Median of {cfg['reps']} "
-            f"runs. `loop / method` is the loop's time over the method's: above 1, the method "
+            f"runs{vector_reps}. `loop / method` is the loop's time over the method's: above 1, the method "
             f"is faster than the loop.")
     rows = [[m, seconds(c["methods"][m]["median_s"]), f"{loop / c['methods'][m]['median_s']:.2f}"]
             for m in cols]

@@ -36,6 +36,7 @@ import sys
 import sysconfig
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from dataclasses import replace
 from functools import cache
@@ -52,7 +53,7 @@ RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest
 _UNSET = object()
 _lock = threading.RLock()  # cloudpickle's by-value registry is process-wide: one pack at a time
 _received: OrderedDict[str, "Function"] = OrderedDict()
-_current: OrderedDict[tuple, "_Current"] = OrderedDict()  # (token, id of the function) -> it
+_current: dict[int, "_Current"] = {}  # id of a user's function -> it, as it is now (current)
 
 
 class Packed:
@@ -178,34 +179,48 @@ def current(fn):
     and vmap nodes. A function this process received already is one (the function it keeps
     for its token). In the process that packed it, it is the user's own function, whose
     identity outlives an in-place change to an array it closes over: there it is wrapped in a
-    :class:`_Current`, one per token, so that a changed function is traced anew instead of
-    running a program compiled with its old constants."""
+    :class:`_Current` for its latest content, so that a changed function is traced anew
+    instead of running a program compiled with its old values. (Only the latest: a function
+    whose closure changes before every call is compiled for every call, and no program
+    compiled for an older content outlives the change.)"""
     if not isinstance(fn, Function):
         return fn
     loaded = fn.load()
     with _lock:
         if _received.get(fn.token) is fn:
             return loaded
-        key = (fn.token, id(loaded))
-        hit = _current.get(key)
-        if hit is None or hit.fn is not loaded:
-            hit = _current[key] = _Current(loaded)
-            while len(_current) > RECEIVED_FUNCTIONS:
-                _current.popitem(last=False)
-        _current.move_to_end(key)
+        hit = _current.get(id(loaded))
+        if hit is None or hit.fn is not loaded or hit.token != fn.token:
+            hit = _current[id(loaded)] = _Current(loaded, fn.token)
         return hit
 
 
 class _Current:
-    """A function of this process's user as it is for one content token (see :func:`current`)."""
+    """A function of this process's user, as it is for one content token (see :func:`current`);
+    held weakly where it can be, so that caching it keeps nothing alive."""
 
-    __slots__ = ("fn", "__weakref__")
+    __slots__ = ("_ref", "token", "__weakref__")
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, token: str):
+        self.token = token
+        try:
+            key = id(fn)
+            self._ref = weakref.ref(fn, lambda _: _forget_current(key, self))
+        except TypeError:  # not weakly referenceable: held (and kept alive) as it is
+            self._ref = lambda: fn
+
+    @property
+    def fn(self):
+        return self._ref()
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        return self._ref()(*args, **kwargs)
+
+
+def _forget_current(key: int, stale: _Current) -> None:
+    with _lock:
+        if _current.get(key) is stale:
+            del _current[key]
 
 
 # -- pickling -------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -15,6 +16,26 @@ def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+class TraceLog(list):
+    """A list that node functions append to as they are traced. It pickles as a reference to
+    itself in this process, so its growing does not change the content token of the functions
+    that close over it (a plain list would: daskdag would then rightly trace them anew on the
+    next call, as after any in-place change to what a function closes over)."""
+
+    def __reduce__(self):
+        _TRACE_LOGS[id(self)] = self
+        return _trace_log, (id(self),)
+
+
+_TRACE_LOGS: "weakref.WeakValueDictionary[int, TraceLog]" = weakref.WeakValueDictionary()
+
+
+def _trace_log(key: int):
+    # Looked up through the module: a global read here would travel, by value, with the log.
+    # In another process (a worker), a list of its own: traces there are not counted.
+    return getattr(sys.modules.get(__name__), "_TRACE_LOGS", {}).get(key, [])
 
 
 class Counted:

@@ -15,7 +15,7 @@ from daskdag import ClusterError, Node, programs
 from daskdag.cluster import workers as live_workers
 from daskdag.pullback import Pullback, linearize
 
-from .conftest import assert_tree_close, compute_split
+from .conftest import TraceLog, assert_tree_close, compute_split
 from .test_stages import _composed, _jit_dag
 
 pytestmark = pytest.mark.cluster
@@ -289,7 +289,7 @@ def test_jax_arrays_travel_as_numpy_frames(dtype):
 def test_fused_and_chain_pullbacks_move_between_workers(client):
     a, b = sorted(client.scheduler_info()["workers"])
     x = jnp.linspace(-1.0, 1.0, 5)
-    dag = _jit_dag([])  # (from test_stages)
+    dag = _jit_dag(TraceLog())  # (from test_stages)
     dag.update({"P": (jnp.cos, ["E"]), "Q": (lambda p: p * 3.0, ["P"])})  # + an eager chain
     res, ran = compute_split(client, dag, x, ["Q"], a, b)
     assert {k.split("-")[1] for k in ran if k.startswith("fwd-")} == {"A+3more+E", "P+Q"}

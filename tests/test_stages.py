@@ -1,16 +1,16 @@
 """Stages: chains of eager nodes run as one task, connected jittable nodes as one XLA program;
 results as jax.grad / jax.vjp of the composed function, each node's function called once."""
 
+import dask
 import jax
 import jax.numpy as jnp
-import dask
 import pytest
 
 import daskdag
 from daskdag import Node
 from daskdag.api import build_graph
 
-from .conftest import assert_tree_close
+from .conftest import TraceLog, assert_tree_close
 
 
 def _fwd_stages(graph):
@@ -18,8 +18,9 @@ def _fwd_stages(graph):
     return sorted(k.split("-")[1] for k in keys if k.startswith("fwd-"))
 
 
-def _jit_dag(traces):
-    """x -> A -> B -> {C, D}, C -> E; every node jit=True; E and C requested."""
+def _jit_dag(traces: TraceLog):
+    """x -> A -> B -> {C, D}, C -> E; every node jit=True; E and C requested. Each node appends
+    its name to ``traces`` when traced."""
     def node(name, f):
         def fn(*a):
             traces.append(name)  # runs when traced
@@ -40,7 +41,7 @@ def _composed(x):
 
 
 def test_jittable_nodes_fuse_into_one_program_with_several_exposed_values():
-    traces = []
+    traces = TraceLog()
     dag = _jit_dag(traces)
     x = jnp.linspace(-1.0, 1.0, 5)
     _, _, graph = build_graph(dag, x, ["E", "C"], cotangents={"C": jnp.ones(5)})
@@ -55,7 +56,7 @@ def test_jittable_nodes_fuse_into_one_program_with_several_exposed_values():
 
 
 def test_an_eager_node_splits_a_jittable_group():
-    dag = _jit_dag([])
+    dag = _jit_dag(TraceLog())
     dag["C"] = Node(jnp.tanh, ["B"])  # eager: runs op by op, in a stage of its own
     x = jnp.linspace(-1.0, 1.0, 5)
     _, _, graph = build_graph(dag, x, ["E"])
@@ -66,12 +67,12 @@ def test_an_eager_node_splits_a_jittable_group():
 
 def test_fusion_off_runs_node_by_node():
     with dask.config.set({"daskdag.fuse-chains": False}):
-        _, _, graph = build_graph(_jit_dag([]), jnp.ones(3), ["E"])
+        _, _, graph = build_graph(_jit_dag(TraceLog()), jnp.ones(3), ["E"])
     assert _fwd_stages(graph) == ["A", "B", "C", "D", "E"]
 
 
 def test_a_failing_node_in_a_fused_stage_is_named():
-    dag = _jit_dag([])
+    dag = _jit_dag(TraceLog())
     dag["D"] = Node(lambda b: float(jnp.sum(b)), ["B"], jit=True)  # concrete value under jit
     with pytest.raises(daskdag.NodeError, match="node 'D' failed in its forward pass"):
         daskdag.compute_grads(dag, jnp.ones(3), "E")
@@ -172,7 +173,7 @@ def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, mo
     ran = []
     real = stages.gradients
     monkeypatch.setattr(stages, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
-    traces = []
+    traces = TraceLog()
     dag = _jit_dag(traces)
     x = jnp.linspace(-1.0, 1.0, 5)
     d = lambda x: jnp.sum((jnp.sin(x) * x) ** 2)

@@ -14,7 +14,7 @@ import daskdag
 from daskdag import Node
 from daskdag.chunked import Chunked
 
-from .conftest import assert_tree_close
+from .conftest import TraceLog, assert_tree_close
 
 
 def encode(p, w):  # a pytree input: p = {"x": float[4], "k": int[]}, w shared
@@ -63,7 +63,7 @@ def test_non_array_leaves_of_a_shared_input_stay_concrete():
 
 
 def test_a_node_function_is_traced_once_per_shapes_across_chunks_and_sweeps():
-    traces = []
+    traces = TraceLog()
 
     def layer(x, w):  # the Python body runs only when JAX traces it
         traces.append(x.shape)
@@ -88,7 +88,7 @@ def test_a_node_function_is_traced_once_per_shapes_across_chunks_and_sweeps():
 
 
 def test_no_gradient_path_is_compiled_too():
-    traces = []
+    traces = TraceLog()
 
     def scale(x, b):
         traces.append(1)
