@@ -9,7 +9,8 @@ respect to ``x``, for K = 1, 8, 16 (8 alone in a quick run) on an 8-node 512-wid
 modes:
 
 eager: every node runs op by op (no ``jax.jit``), as a node with Python control flow must.
-jit:   every daskdag node is ``Node(..., jit=True)``; the JAX baselines jit what they can.
+jit:   every daskdag node is ``Node(fn, ..., jit=True)`` of the plain function (daskdag jits
+       it); the JAX baselines jit what they can.
 
 The methods:
 
@@ -121,9 +122,13 @@ class Jax:
         in-place change to one reaches them (else over JAX copies)."""
         self.wrap = wrap = jax.jit if jit else (lambda f: f)
         self.model, self.jit = model, jit
-        self.layers = tuple(wrap(partial(layer, w if numpy_weights else jnp.asarray(w)))
-                            for w in model.weights)
-        self.heads = tuple(wrap(partial(head, jnp.asarray(v), c)) for v, c in model.heads)
+        # daskdag's nodes get the plain functions: Node(jit=True) jits them itself. (A function
+        # jitted beforehand also works, but travels, and is tokenized, with jax's own closures.)
+        self.plain_layers = tuple(partial(layer, w if numpy_weights else jnp.asarray(w))
+                                  for w in model.weights)
+        self.plain_heads = tuple(partial(head, jnp.asarray(v), c) for v, c in model.heads)
+        self.layers = tuple(map(wrap, self.plain_layers))
+        self.heads = tuple(map(wrap, self.plain_heads))
         self.trunk = wrap(self._trunk)
         self.dag, self.names = self._dag()
 
@@ -142,10 +147,10 @@ class Jax:
     def _dag(self):
         names = [f"t{i}" for i in range(len(self.layers))]
         dag = {n: daskdag.Node(f, [prev], jit=self.jit)
-               for n, f, prev in zip(names, self.layers, ["x"] + names)}
+               for n, f, prev in zip(names, self.plain_layers, ["x"] + names)}
         heads = [f"head{k}" for k in range(len(self.heads))]
         dag.update({h: daskdag.Node(f, [names[self.model.mid], names[-1]], jit=self.jit)
-                    for h, f in zip(heads, self.heads)})
+                    for h, f in zip(heads, self.plain_heads)})
         return dag, heads
 
 
