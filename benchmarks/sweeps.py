@@ -95,7 +95,7 @@ class Config:
     width: int  # w is float32[width, width]
     reps: int  # timed repetitions per method, after one warm-up
     chunk_size: int  # items per chunk, in the item-by-item sweeps
-    vector_reps: int  # timed repetitions of the vectorized pair (VECTORIZED), timed apart
+    vector_reps: int = 21  # timed repetitions of the vectorized pair (VECTORIZED), timed apart
 
 
 FULL = Config(items=256, rows=32, width=256, reps=7, chunk_size=32, vector_reps=21)
