@@ -170,7 +170,7 @@ def k_heads(s: dict) -> str:
             f"`hand_written` (the seed question's VJP plumbing). PyTorch: {s['torch']}.")
     ratios = [r for r in ("daskdag_threads/hand_written", "naive/daskdag_threads",
                           "daskdag_2w/daskdag_threads", "daskdag_2w_tuned/daskdag_threads",
-                          "torch/daskdag_threads", "jax_jit_all/daskdag_threads")
+                          "daskdag_threads/torch", "daskdag_threads/jax_jit_all")
               if any(r in c["ratios"] for c in cases)]
     parts = [head, _table(["case", *cols], rows), _ratio_table(cases, ratios)]
     if "bytes_per_call" in s:
