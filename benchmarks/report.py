@@ -310,6 +310,8 @@ def markdown(results: dict, images: str | None = None) -> str:
     clusters = results.get("clusters", {})
     out = [f"Measured with `{run['command']}` ({run['mode']}) on {run['started'][:10]}, in "
            f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}.", RATIO_RULE]
+    if run.get("note"):  # how the run was made, where it was not one invocation
+        out.insert(1, run["note"])
     if clusters:
         out.append(clusters_paragraph(clusters))
     head = summary(results)
