@@ -170,7 +170,7 @@ def k_heads(s: dict) -> str:
             f"`hand_written` (the seed question's VJP plumbing). PyTorch: {s['torch']}.")
     ratios = [r for r in ("daskdag_threads/hand_written", "naive/daskdag_threads",
                           "daskdag_2w/daskdag_threads", "daskdag_2w_tuned/daskdag_threads",
-                          "torch/daskdag_threads", "jax_jit_all/daskdag_threads")
+                          "daskdag_threads/torch", "daskdag_threads/jax_jit_all")
               if any(r in c["ratios"] for c in cases)]
     parts = [head, _table(["case", *cols], rows), _ratio_table(cases, ratios)]
     if "bytes_per_call" in s:
@@ -310,6 +310,8 @@ def markdown(results: dict, images: str | None = None) -> str:
     clusters = results.get("clusters", {})
     out = [f"Measured with `{run['command']}` ({run['mode']}) on {run['started'][:10]}, in "
            f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}.", RATIO_RULE]
+    if run.get("note"):  # how the run was made, where it was not one invocation
+        out.insert(1, run["note"])
     if clusters:
         out.append(clusters_paragraph(clusters))
     head = summary(results)

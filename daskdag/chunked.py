@@ -24,8 +24,9 @@ import jax.extend
 import jax.numpy as jnp
 
 from .progress import checkpoint
-from .pullback import (Pullback, by_arg, ct_avals, diff_counts, differentiable_leaves, is_array,
-                       is_differentiable, is_numeric, linearize, vjp_leaves)
+from .pullback import (LINEARIZERS, Pullback, by_arg, ct_avals, diff_counts,
+                       differentiable_leaves, is_array, is_differentiable, is_numeric, linearize,
+                       vjp_leaves)
 from .shipping import current, unwrap
 from .spec import Node
 
@@ -215,6 +216,10 @@ def _replay(fn, treedef, consts, dynamic):
         return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
 
     return replayed
+
+
+# A chunk's node runs under vjp as a Chunked does: one vjp per item, or once, vmapped.
+LINEARIZERS[Chunked] = lambda chunked, node, args, active: chunked.linearize(args, active)
 
 
 def chunk_of(node: Node) -> Chunked | None:

@@ -10,13 +10,15 @@ pytree classes ever needs pickling on the backward path.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import programs
+from .shipping import unwrap
 from .spec import Node
 
 
@@ -123,6 +125,22 @@ class Pullback:
 
     def __reduce__(self):  # for pickle-based schedulers; distributed uses protocol.py's frames
         return Pullback.from_portable, (self.portable(),)
+
+
+# How a node runs under vjp, by the kind of its function (as autodidact looks up a primitive's
+# vjp): LINEARIZERS[kind](fn, node, args, active) -> (primal, pullback). A sweep's chunk
+# registers one (daskdag.chunked); any other function runs under jax.vjp (linearize).
+LINEARIZERS: dict[type, Callable] = {}
+
+
+def linearizer(node: Node) -> Callable:
+    """``f(args, active) -> (primal, pullback)`` for ``node``: the one registered in
+    :data:`LINEARIZERS` for the kind of its (unpacked) function, else :func:`linearize`."""
+    fn = unwrap(node.fn)
+    for kind in type(fn).__mro__:
+        if kind in LINEARIZERS:
+            return partial(LINEARIZERS[kind], fn, node)
+    return partial(linearize, node)
 
 
 def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):

@@ -46,7 +46,7 @@ from .chunked import Chunked, chunk_of
 from .errors import node_errors
 from .plan import Plan
 from .progress import Cancelled
-from .pullback import ct_avals, differentiable_leaves, linearize as linearize_node
+from .pullback import ct_avals, differentiable_leaves, linearizer
 from .shipping import current
 from .spec import Node
 
@@ -188,9 +188,7 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
         inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
         with node_errors(name, "forward"):
             if any(active):
-                chunk = chunk_of(node)  # (a sweep's chunk: one vjp per item)
-                primal, pullback = (chunk.linearize(inputs, active) if chunk else
-                                    linearize_node(node, inputs, active))
+                primal, pullback = linearizer(node)(inputs, active)
             else:
                 primal, pullback = node.callable()(*inputs), None
         if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here

@@ -99,14 +99,9 @@ def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
            for per_output in flows]
     dropped = _dropped(stage, stop)
     if rows is not None:
-        return _pull_rows(pullback, cts, values, deps, dropped, rows)
+        return _pull_rows(pullback, cts, values, deps, dropped, rows.chunk)
     if len(cts) >= BATCH_FROM.get(getattr(pullback, "batching", None), len(cts) + 1):
-        try:
-            return _batched(pullback, cts, values, deps, dropped)
-        except progress.Cancelled:
-            raise
-        except Exception:  # not vmappable: one by one (a node's own error raises again there)
-            pass
+        return _batched(pullback, cts, values, deps, dropped)
     return [pullback(c, deps, dropped) for c in cts]
 
 
@@ -129,20 +124,12 @@ def _cotangent(value, flow, sources):
 
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
-    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``; an exposed node that
-    some outputs give no cotangent gets zeros for those."""
-    stacked = []
-    for e, value in enumerate(values):
-        column = [c[e] for c in cts]
-        if all(c is None for c in column):
-            stacked.append(None)
-            continue
-        zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value))
-        stacked.append(tuple(jnp.stack(leaves) for leaves in
-                             zip(*(zeros if c is None else c for c in column))))
-    out = jax.vmap(lambda ct: pullback(ct, deps, dropped))(tuple(stacked))
-    return [tuple(None if d is None else tuple(leaf[k] for leaf in d) for d in out)
-            for k in range(len(cts))]
+    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``: each output's
+    cotangents a stack of one row (:func:`_pull_rows`)."""
+    rows = [tuple(None if c is None else tuple(leaf[None] for leaf in c) for c in per_output)
+            for per_output in cts]
+    return [tuple(None if d is None else tuple(leaf[0] for leaf in d) for d in out)
+            for out in _pull_rows(pullback, rows, values, deps, dropped)]
 
 
 @dataclass(frozen=True)
@@ -153,12 +140,13 @@ class Rows:
     chunk: int | None = None
 
 
-def _pull_rows(pullback, cts: list, values, deps, dropped, rows: Rows) -> list:
+def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
     """Per output, ``pullback`` of each row of its stacked cotangents (``cts``: per output, per
     exposed node, a tuple of stacked leaves or ``None``): every output's rows in one stack
-    (zeros where an exposed node gets none from an output), ``rows.chunk`` at a time under
-    ``jax.vmap``, or row by row where the pullback cannot be vmapped (a host callback)."""
-    counts = [next(len(leaf) for c in per_output if c is not None for leaf in c[:1])
+    (zeros where an exposed node gets none from an output), ``chunk`` rows at a time (default
+    all) under ``jax.vmap``, or row by row where the pullback cannot be vmapped (a host
+    callback)."""
+    counts = [next((len(leaf) for c in per_output if c is not None for leaf in c[:1]), 0)
               for per_output in cts]
     stacked = []
     for e, value in enumerate(values):
@@ -168,9 +156,12 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, rows: Rows) -> list:
             continue
         zeros = [tuple(jnp.zeros((n, *jnp.shape(leaf)), jnp.result_type(leaf))
                        for leaf in differentiable_leaves(value)) for n in counts]
-        stacked.append(tuple(jnp.concatenate(leaves) for leaves in
-                             zip(*(z if c is None else c for c, z in zip(column, zeros)))))
-    total_rows, step = sum(counts), rows.chunk or sum(counts)
+        stacked.append(tuple(jnp.concatenate(leaves) if len(leaves) > 1 else leaves[0]
+                             for leaves in zip(*(z if c is None else c for c, z in zip(column, zeros)))))
+    total_rows = sum(counts)
+    if not total_rows:  # no differentiable leaf flows: nothing to stack
+        return [pullback(c, deps, dropped) for c in cts]
+    step = chunk or total_rows
     pieces = []
     for start in range(0, total_rows, step):
         part = jax.tree.map(lambda a: a[start:start + step], tuple(stacked))
@@ -180,7 +171,7 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, rows: Rows) -> list:
             raise
         except Exception:  # not vmappable: row by row (a node's own error raises again there)
             one = [pullback(jax.tree.map(lambda a: a[k], part), deps, dropped)
-                   for k in range(len(jax.tree.leaves(part)[0]))]
+                   for k in range(min(step, total_rows - start))]
             pieces.append(jax.tree.map(lambda *r: jnp.stack(r), *one))
     out = pieces[0] if len(pieces) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *pieces)
     bounds = np.cumsum([0, *counts])
