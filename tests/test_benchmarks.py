@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable"}
+SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians"}
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),
@@ -62,6 +62,16 @@ def test_quick_run_writes_json_markdown_and_plots(run):
             assert record["us_per_node"] == pytest.approx(record["median_s"] / c["params"]["nodes"] * 1e6)
         assert "daskdag_2w/dask_2w" in c["ratios"]
     assert "sweep_vmap_2w/jit_vmap" in results["scenarios"]["sweeps"]["cases"][0]["ratios"]
+    jacobians = {c["case"]: c for c in results["scenarios"]["jacobians"]["cases"]}
+    assert set(jacobians) == {"jit", "eager"}
+    for c in jacobians.values():
+        med = {m: r["median_s"] for m, r in c["methods"].items()}
+        assert c["ratios"]["daskdag_threads/jacrev"] == pytest.approx(
+            med["daskdag_threads"] / med["jacrev"])
+    targets = {(t["source"], t["ratio"]) for s in results["scenarios"].values()
+               for t in s.get("targets", [])}
+    assert {("issue 12", "daskdag_threads/jacrev"),
+            ("issue 12", "daskdag_threads/jax_jit_all")} <= targets
 
     md = (out / "latest.md").read_text()
     for name, scenario in results["scenarios"].items():
