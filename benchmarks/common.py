@@ -94,11 +94,14 @@ def targets(cases: list[dict], wanted: list[dict]) -> list[dict]:
     """Each target of ``wanted`` with what this run measured: in, dicts ``{"case": case name,
     "ratio": a ratio's label in that case, "op": "<=" or ">=", "bound": float, "source": where
     the target comes from, "was": the figure before, optional}``; out, the same dicts with
-    ``"measured"`` (None if the case or ratio is missing from this run) and ``"met"``."""
+    ``"measured"`` (None if the ratio is missing from this run: torch not installed, say) and
+    ``"met"``. Targets of cases this run did not measure (a quick run has fewer) are left out."""
     by_name = {c["case"]: c for c in cases}
     out = []
     for t in wanted:
-        measured = by_name.get(t["case"], {}).get("ratios", {}).get(t["ratio"])
+        if t["case"] not in by_name:
+            continue
+        measured = by_name[t["case"]].get("ratios", {}).get(t["ratio"])
         met = None if measured is None else (
             measured <= t["bound"] if t["op"] == "<=" else measured >= t["bound"])
         out.append({**t, "measured": measured, "met": met})

@@ -70,8 +70,7 @@ def test_quick_run_writes_json_markdown_and_plots(run):
             med["daskdag_threads"] / med["jacrev"])
     targets = {(t["source"], t["ratio"]) for s in results["scenarios"].values()
                for t in s.get("targets", [])}
-    assert {("issue 12", "daskdag_threads/jacrev"),
-            ("issue 12", "daskdag_threads/jax_jit_all")} <= targets
+    assert ("issue 12", "daskdag_threads/jacrev") in targets  # (K=16's are not in a quick run)
 
     md = (out / "latest.md").read_text()
     for name, scenario in results["scenarios"].items():
