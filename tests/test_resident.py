@@ -10,7 +10,7 @@ from distributed import Client, LocalCluster
 import daskdag
 from daskdag import resident
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, eventually, scheduler_tasks
 
 pytestmark = pytest.mark.cluster
 
@@ -100,6 +100,13 @@ def test_repeated_sweeps_send_shared_inputs_and_chunk_graph_once(vmap):
         S[:] = 2.0  # in place, closed over: a new chunk graph, w stays
         sent, new = sweep()
         assert new == {"daskdag-chunk"} and sent >= W.nbytes  # (its graph holds both nodes)
+
+        with daskdag_config(**{"daskdag.keep-calls": 0}):  # kept for the sweep's duration only
+            before = scheduler_tasks(client)
+            r = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "L", batched=["x"], chunk_size=4,
+                                    client=client)
+            assert_tree_close(r.grad["x"], _sweep_ref(W, S, xs, w)[1], rtol=1e-4)
+            assert eventually(lambda: scheduler_tasks(client) == before)
 
 
 def daskdag_config(**kw):
