@@ -9,8 +9,8 @@ JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd; bytes sent 
 against a loop and ``jit(vmap)``), ``large_sweep`` (a sweep of large items against two plain
 processes; skipped, and said so, while its module is missing), ``portable`` (pullbacks moved
 between processes), ``jacobians`` (``daskdag.jacobian`` of a 64-output chain against
-``jax.jacrev`` and PyTorch). Each times its methods against baselines in the same run, interleaved, and
-reports medians, ratios and its targets. Cluster methods run on the default clusters of
+``jax.jacrev`` and PyTorch). Each times its methods against baselines in the same run,
+interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
 ``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart.
 
 Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with

@@ -232,8 +232,8 @@ def sweeps(s: dict) -> str:
     head = (f"N = {cfg['items']} items of x float32[{cfg['rows']}, {cfg['width']}], two outputs, "
             f"chunks of {cfg['chunk_size']}; eager nodes with Python control flow, except "
             f"`sweep_vmap_2w` and `jit_vmap` (the jittable variant). Median of {cfg['reps']} "
-            f"runs{vector_reps}. `loop / method` is the loop's time over the method's: above 1, the method "
-            f"is faster than the loop.")
+            f"runs{vector_reps}. `loop / method` is the loop's time over the method's: above 1, "
+            f"the method is faster than the loop.")
     rows = [[m, seconds(c["methods"][m]["median_s"]), f"{loop / c['methods'][m]['median_s']:.2f}"]
             for m in cols]
     parts = [head, _table(["method", "median", "loop / method"], rows), _ratio_table([c])]

@@ -48,10 +48,11 @@ and compared by median: the item-by-item ones in one loop, ``reps`` times; the v
 (``jit_vmap``, ``sweep_vmap_2w``, about 0.2 s a run) in a loop of its own, ``vector_reps``
 times. (Interleaved with the 5-second eager sweeps, each of their runs followed a different
 heavy method, on a different cluster: in one full run their per-run times spread from 158
-to 217 ms and from 235 to 290 ms.) Every ratio ``a/b`` is a's median time over b's. Targets: issue #4,
-sweep_1w / sweep_2w >= 1.7 (the second worker's speedup) and loop / sweep_2w >= 1.6 (what a
-user gains over the loop on this 2-core machine); issue 11, sweep_vmap_2w / jit_vmap <= 1.3 (it
-was 3.9): the vectorized sweep's time over the single-process limit's, lower is better.
+to 217 ms and from 235 to 290 ms.) Every ratio ``a/b`` is a's median time over b's.
+Targets: issue #4, sweep_1w / sweep_2w >= 1.7 (the second worker's speedup) and loop /
+sweep_2w >= 1.6 (what a user gains over the loop on this 2-core machine); issue 11,
+sweep_vmap_2w / jit_vmap <= 1.3 (it was 3.9): the vectorized sweep's time over the
+single-process limit's, lower is better.
 
 All clusters are up together, idle while another one runs: in an earlier measurement, sweeps on
 either cluster took 3-4 % longer with the other one up, while the loop drifted by up to 50 %

@@ -85,8 +85,8 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
     differentiated input (a dict ``{input: jac}``, or alone with one free input): the output's
     structure, each leaf holding the input's structure with leaves shaped
     ``output_leaf.shape + input_leaf.shape``; ``None`` where a leaf of either is held constant
-    (integers, booleans...). Raises as :func:`compute_grads` does, and
-    :class:`~daskdag.NodeError` for a complex output.
+    (integers, booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
+    a complex output.
     """
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -124,7 +124,8 @@ def _jacrev_layout(value, rows):
             continue
         size = int(np.size(leaf))
         per_leaf.append(in_def.unflatten([
-            None if r is None else jnp.reshape(r[start:start + size], (*jnp.shape(leaf), *r.shape[1:]))
+            None if r is None else
+            jnp.reshape(r[start:start + size], (*jnp.shape(leaf), *r.shape[1:]))
             for r in in_leaves]))
         start += size
     return out_def.unflatten(per_leaf)

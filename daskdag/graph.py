@@ -9,8 +9,9 @@ taking C's value apart from the stage's pullback, so later stages never fetch re
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
 its seed cotangent; for a stage where every cotangent starts, a closed one, the forward task
 runs the backward pass too and ``bwd-`` just takes its cotangents), ``grad-D-x-<token>`` input
-x's gradient for D (for a Jacobian, its rows). Outputs share forward keys, so every node runs once per call; tokens hash
-functions and inputs, so repeated calls on one cluster share them too.
+x's gradient for D (for a Jacobian, its rows). Outputs share forward keys, so every node runs
+once per call; tokens hash functions and inputs, so repeated calls on one cluster share them
+too.
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
 tasks), not through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
@@ -122,10 +123,10 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     results = {}
     for o in plan.outputs:
         grads = {}
+        output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
         for i in plan.wrt:
             sources = {}
             picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
             tok = tokenize(val[i].key, list(sources), picks, rows)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
                               tuple((k, p) for _, k, p in picks), val[i], output,

@@ -12,8 +12,8 @@ through it: :func:`daskdag.tasks.backward` pulls their cotangents back together)
   next node needs the value at once), while on a ``distributed`` cluster each task costs a
   scheduler round trip of a few milliseconds. The nodes run one by one, each under its own
   ``jax.vjp`` (or its kind's linearizer, :data:`daskdag.pullback.LINEARIZERS`: a sweep's
-  chunk runs one vjp per item), so they keep their semantics: called once, in order, op by op, Python control
-  flow and side effects included. A node with several consumers ends its chain, so fan-out
+  chunk runs one vjp per item), so they keep their semantics: called once, in order, op by
+  op, Python control flow and side effects included. A node with several consumers ends its chain, so fan-out
   keeps its parallelism.
 - **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
   function of the group's inputs, linearized once as one XLA program (in a sweep,

@@ -164,7 +164,8 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
 
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers):
     """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
-    shared inputs and the chunk graph are kept for later calls (:func:`~daskdag.resident.placing`)."""
+    shared inputs and the chunk graph are kept for later calls
+    (:func:`~daskdag.resident.placing`)."""
     with contextlib.nullcontext() if client is None else placing(client) as place:
         if client is None:
             engine = Threads(in_flight, bar)
@@ -194,7 +195,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
             source = reruns or (() if halted else chunks)
             batch = [source.popleft() for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
-                sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0])) for c in batch])
+                sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
+                                             for c in batch])
                 pending.update(zip(sent, batch))
                 for c in batch if bar else ():
                     bar.open(c)

@@ -156,8 +156,9 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
             continue
         zeros = [tuple(jnp.zeros((n, *jnp.shape(leaf)), jnp.result_type(leaf))
                        for leaf in differentiable_leaves(value)) for n in counts]
+        parts = (z if c is None else c for c, z in zip(column, zeros))
         stacked.append(tuple(jnp.concatenate(leaves) if len(leaves) > 1 else leaves[0]
-                             for leaves in zip(*(z if c is None else c for c, z in zip(column, zeros)))))
+                             for leaves in zip(*parts)))
     total_rows = sum(counts)
     if not total_rows:  # no differentiable leaf flows: nothing to stack
         return [pullback(c, deps, dropped) for c in cts]

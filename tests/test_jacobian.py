@@ -85,7 +85,7 @@ def test_pytree_inputs_and_outputs_have_jacrev_s_layout():
 
 
 def test_a_complex_output_is_named():
-    with pytest.raises(Exception, match="output 'C' is complex.*jax.jacrev"):
+    with pytest.raises(ValueError, match="output 'C' is complex.*jax.jacrev"):
         daskdag.jacobian({"C": (lambda x: x * (1 + 2j), ["x"])}, jnp.ones(3), "C")
 
 
