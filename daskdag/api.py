@@ -15,6 +15,7 @@ import numpy as np
 
 from . import cluster, resident, sweep
 from .compute import compute
+from .custom import Custom
 from .errors import DAGError, NodeError
 from .graph import build
 from .progress import Stop
@@ -146,7 +147,19 @@ def _prepare(dag, x, outputs, wrt, cotangents, remote):
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    return spec, ship(make_plan(spec, names, wrt), remote), values, _cotangents(names, cotangents)
+    plan = _reversible(make_plan(spec, names, wrt))
+    return spec, ship(plan, remote), values, _cotangents(names, cotangents)
+
+
+def _reversible(plan):
+    """``plan``, checked: every node it differentiates has a VJP (a node of the user's own code
+    may give ``jvp=`` alone, for forward mode)."""
+    for n in plan.needed:
+        fn = plan.spec.nodes[n].fn
+        if n in plan.active and isinstance(fn, Custom) and not fn.reverse:
+            raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
+                           f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
+    return plan
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
@@ -193,6 +206,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     batched = _batched(values, batched)
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
+    _reversible(make_plan(spec, names, wrt))
     if errors not in ("raise", "collect"):
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):

@@ -23,10 +23,11 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from .custom import is_custom
 from .progress import checkpoint
 from .pullback import (LINEARIZERS, Pullback, by_arg, ct_avals, diff_counts,
                        differentiable_leaves, is_array, is_differentiable, is_numeric, linearize,
-                       vjp_leaves)
+                       linearizer, vjp_leaves)
 from .shipping import current, unwrap
 from .spec import Node
 
@@ -41,6 +42,8 @@ class Chunked:
         fn = self.node.callable()
         if self.node.vmap:
             args = tuple(map(stacked, args))
+            if is_custom(self.node.fn):  # the user's own code takes the chunk
+                return fn(*args)
             compiled = self._compiled(args, None)
             return compiled if compiled is not None else _mapped(fn, self.in_axes)(*args)
         return Items(_then_checkpoint(fn(*item)) for item in item_args(args, self.in_axes))
@@ -51,11 +54,15 @@ class Chunked:
         if self.node.vmap:
             sizes = _sizes(args)
             args = tuple(map(stacked, args))
-            compiled = self._compiled(args, active)
-            primal, pullback = (compiled if compiled is not None else
-                                linearize(Node(self, ()), args, active))
+            if is_custom(self.node.fn):
+                primal, pullback = linearizer(self.node)(args, active)
+            else:
+                compiled = self._compiled(args, active)
+                primal, pullback = (compiled if compiled is not None else
+                                    linearize(Node(self, ()), args, active))
             return primal, (pullback if not any(sizes) else _ForItems(pullback, sizes))
-        primals, pullbacks = zip(*(_then_checkpoint(linearize(self.node, item, active))
+        run = linearizer(self.node)
+        primals, pullbacks = zip(*(_then_checkpoint(run(item, active))
                                    for item in item_args(args, self.in_axes)))
         return Items(primals), ItemPullbacks(list(pullbacks), self.in_axes)
 

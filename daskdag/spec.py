@@ -33,14 +33,26 @@ class Node:
     ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
     tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
     ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
+
+    Nodes outside JAX (NumPy, SciPy, a simulator) give their own derivatives
+    (:mod:`daskdag.custom`) and get NumPy values, never tracers: ``Node(fn, deps,
+    vjp=vjp)`` with ``vjp(ct, out, *args)``, or ``Node(fwd=fwd, bwd=bwd, deps=deps)`` with
+    ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, ct)``, each returning one
+    cotangent per dep; ``jvp=jvp``, ``jvp(args, tangents) -> (out, out_tangent)``, for
+    forward mode. With ``vmap=True`` in a sweep they take a whole chunk: every value with a
+    leading item axis.
     """
 
-    fn: Callable[..., Any]
-    deps: Sequence[str]
+    fn: Callable[..., Any] | None = None
+    deps: Sequence[str] = ()
     jit: bool = False
     vmap: bool = False
     device: str | None = None
     resources: Mapping[str, float] | None = None
+    vjp: Callable[..., Any] | None = None
+    fwd: Callable[..., Any] | None = None
+    bwd: Callable[..., Any] | None = None
+    jvp: Callable[..., Any] | None = None
 
     @property
     def needs(self) -> dict[str, float]:
@@ -55,7 +67,9 @@ class Node:
     def __reduce__(self):
         # The function travels packed (by value where it is the user's code), whoever pickles it.
         fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
-        return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources)
+        rules = (self.vjp, self.fwd, self.bwd, self.jvp)
+        return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
+                      *(pack(r, as_function=True) if r is not None else None for r in rules))
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,7 @@ def _node(name, entry) -> Node:
     if not isinstance(name, str):
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
     if isinstance(entry, Node):
-        fn, deps = entry.fn, entry.deps
+        fn, deps = _function(name, entry), entry.deps
         opts = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
                 "resources": entry.resources}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
@@ -126,3 +140,29 @@ def _node(name, entry) -> Node:
         raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
                        f"got {resources!r}")
     return Node(fn, tuple(deps), **opts)
+
+
+def _function(name: str, node: Node):
+    """The node's function: ``fn`` itself, or with derivatives given by the user, a
+    :class:`daskdag.custom.Custom` of them, checked."""
+    rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
+    if all(r is None for r in rules.values()):
+        return node.fn
+    from .custom import Custom  # (it registers itself with daskdag.pullback, which imports this)
+
+    for what, r in rules.items():
+        if r is not None and not callable(r):
+            raise DAGError(f"node {name!r}: {what} is not callable: {r!r}")
+    if node.fwd is not None or node.bwd is not None:
+        if node.fwd is None or node.bwd is None:
+            raise DAGError(f"node {name!r}: give fwd and bwd together (fwd(*args) -> (value, "
+                           f"residuals), bwd(residuals, ct) -> one cotangent per dep), or "
+                           f"fn with vjp=")
+        if node.fn is not None or node.vjp is not None:
+            raise DAGError(f"node {name!r}: give either fn (with vjp=) or fwd and bwd, not both")
+    elif node.fn is None:
+        raise DAGError(f"node {name!r}: vjp= and jvp= need the node's fn")
+    if node.jit:
+        raise DAGError(f"node {name!r}: jit=True does not apply to a node with its own "
+                       f"derivatives: its functions run as plain Python on NumPy values")
+    return Custom(node.fn, node.vjp, node.fwd, node.bwd, node.jvp)

@@ -44,6 +44,7 @@ from dask.sizeof import sizeof
 import jax.numpy as jnp
 
 from .chunked import Chunked, chunk_of
+from .custom import is_custom
 from .errors import node_errors
 from .plan import Plan
 from .progress import Cancelled
@@ -156,7 +157,9 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
 
 def _jittable(node: Node) -> bool:
     chunk = chunk_of(node)
-    return chunk.node.vmap if chunk is not None else node.jit
+    if chunk is not None:  # (a vmap node of the user's own code vectorizes itself)
+        return chunk.node.vmap and not is_custom(chunk.node.fn)
+    return node.jit
 
 
 def _stage(plan: Plan, nodes: tuple[str, ...], fused: bool, consumers) -> Stage:
@@ -252,6 +255,11 @@ class StagePullback:
         """Its nodes' common :attr:`~daskdag.pullback.Pullback.batching`, else None."""
         kinds = {pb.batching for pb in self.pullbacks if pb is not None}
         return kinds.pop() if len(kinds) == 1 else None
+
+    @property
+    def traceable(self) -> bool:
+        """No node's pullback is the user's own code (:mod:`daskdag.custom`): JAX can trace it."""
+        return all(getattr(pb, "traceable", True) for pb in self.pullbacks if pb is not None)
 
     def residual_nbytes(self) -> int:
         """Bytes that moving it ships: the pullbacks' residuals and the kept values."""

@@ -163,17 +163,21 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     if not total_rows:  # no differentiable leaf flows: nothing to stack
         return [pullback(c, deps, dropped) for c in cts]
     step = chunk or total_rows
+    traceable = getattr(pullback, "traceable", True)  # (user code on NumPy values is not)
     pieces = []
     for start in range(0, total_rows, step):
         part = jax.tree.map(lambda a: a[start:start + step], tuple(stacked))
-        try:
-            pieces.append(jax.vmap(lambda ct: pullback(ct, deps, dropped))(part))
-        except progress.Cancelled:
-            raise
-        except Exception:  # not vmappable: row by row (a node's own error raises again there)
-            one = [pullback(jax.tree.map(lambda a: a[k], part), deps, dropped)
-                   for k in range(min(step, total_rows - start))]
-            pieces.append(jax.tree.map(lambda *r: jnp.stack(r), *one))
+        if traceable:
+            try:
+                pieces.append(jax.vmap(lambda ct: pullback(ct, deps, dropped))(part))
+                continue
+            except progress.Cancelled:
+                raise
+            except Exception:  # not vmappable: row by row (a node's own error raises again)
+                pass
+        one = [pullback(jax.tree.map(lambda a: a[k], part), deps, dropped)
+               for k in range(min(step, total_rows - start))]
+        pieces.append(jax.tree.map(lambda *r: jnp.stack(r), *one))
     out = pieces[0] if len(pieces) == 1 else jax.tree.map(lambda *p: jnp.concatenate(p), *pieces)
     bounds = np.cumsum([0, *counts])
     return [jax.tree.map(lambda a: a[lo:hi], out) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -207,6 +207,16 @@ def cli_cluster(tmp_path_factory):
         cli.stop()
 
 
+@pytest.fixture
+def cli_client(cli_cluster):
+    """A client of :func:`cli_cluster`, once its two workers are there."""
+    from distributed import Client
+
+    with Client(cli_cluster, set_as_default=False, timeout=60) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
 CTRL_C_CHILD = Path(__file__).with_name("ctrl_c_child.py")
 
 

@@ -10,19 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from distributed import Client
 
 import daskdag
 from daskdag.cluster import workers as live_workers
 
 from .conftest import assert_tree_close, compute_split
-
-
-@pytest.fixture(scope="module")
-def cli_client(cli_cluster):
-    with Client(cli_cluster, set_as_default=False, timeout=60) as client:
-        client.wait_for_workers(2, timeout=60)
-        yield client
 
 
 def test_float_leaves_differentiated_int_leaves_held():

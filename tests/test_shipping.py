@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client
 
 import daskdag
 from daskdag import shipping
@@ -86,13 +85,6 @@ def user_module(tmp_path, monkeypatch):
     module = importlib.import_module(name)
     yield module
     sys.modules.pop(name, None)
-
-
-@pytest.fixture
-def cli_client(cli_cluster):
-    with Client(cli_cluster, set_as_default=False, timeout=60) as client:
-        client.wait_for_workers(2, timeout=60)
-        yield client
 
 
 def _cannot_import(client, name):
