@@ -9,7 +9,8 @@ JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd; bytes sent 
 against a loop and ``jit(vmap)``), ``large_sweep`` (a sweep of large items against two plain
 processes; skipped, and said so, while its module is missing), ``portable`` (pullbacks moved
 between processes), ``jacobians`` (``daskdag.jacobian`` of a 64-output chain against
-``jax.jacrev`` and PyTorch). Each times its methods against baselines in the same run,
+``jax.jacrev`` and PyTorch), ``custom_nodes`` (nodes of NumPy code with the user's own VJP
+against JAX nodes and hand-written loops). Each times its methods against baselines in the same run,
 interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
 ``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from . import common, report
 
-SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians")
+SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"

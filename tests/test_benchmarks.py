@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians"}
+SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes"}
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),
