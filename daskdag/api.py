@@ -52,13 +52,15 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     outputs:    node names; a single name returns a single :class:`Result`.
     wrt:        input names to differentiate; default every given input with a floating-point
                 leaf. Within an input, floating-point (and complex) array leaves are
-                differentiated, other leaves (ints, bools, functions) held constant.
+                differentiated, other leaves (ints, bools, functions) held constant. Node
+                names too: their gradient is d output / d the node's value (its cotangent in
+                the same backward pass; zeros where the output does not depend on it).
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
     progress:   show Dask's progress bar over the call's tasks.
 
-    Returns ``{output: Result(value, grad)}``; each gradient has its input's structure, with
-    ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
+    Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
+    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
     the cluster cannot run the graph (a client that is not running, no worker within
     ``daskdag.worker-wait``, a resource no worker offers, versions that differ).
@@ -173,7 +175,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     batched:    the inputs that carry it (default: all given); the others are shared by every
                 item and sent to each worker once.
     wrt:        default every batched input with floating leaves. A shared input named here gets
-                a gradient per item.
+                a gradient per item; a node, its gradient per item (as for compute_grads).
     cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
                 output; the same for every item.
     chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
@@ -225,9 +227,10 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
 def _results(spec, outputs, computed, failed=None):
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
-    single = len(spec.inputs) == 1
-    results = {o: Result(v, g[spec.inputs[0]] if single else g, failed or {})
-               for o, (v, g) in computed.items()}
+    def grad(g):  # alone: the one free input's, when that is all there is
+        return g[spec.inputs[0]] if list(g) == list(spec.inputs) else g
+
+    results = {o: Result(v, grad(g), failed or {}) for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 
@@ -280,8 +283,11 @@ def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
         return wrt
     wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
     for i in wrt:
+        if i in spec.nodes:  # its value's floating leaves, once it has one
+            continue
         if i not in values:
-            raise DAGError(f"wrt names {i!r}, which is not a given free input {list(values)}")
+            raise DAGError(f"wrt names {i!r}, which is neither a given free input "
+                           f"{list(values)} nor a node")
         if not _differentiable(values[i]):
             raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
                            f"to differentiate")

@@ -9,7 +9,7 @@ taking C's value apart from the stage's pullback, so later stages never fetch re
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
 its seed cotangent; for a stage where every cotangent starts, a closed one, the forward task
 runs the backward pass too and ``bwd-`` just takes its cotangents), ``grad-D-x-<token>`` input
-x's gradient for D (for a Jacobian, its rows). Outputs share forward keys, so every node runs
+x's gradient for D (for a Jacobian, its rows), or a node's, for a node named in ``wrt``. Outputs share forward keys, so every node runs
 once per call; tokens hash functions and inputs, so repeated calls on one cluster share them
 too.
 
@@ -124,12 +124,13 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     for o in plan.outputs:
         grads = {}
         output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
-        for i in plan.wrt:
+        for i in plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
             sources = {}
             picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            tok = tokenize(val[i].key, list(sources), picks, rows)
+            own = seeds[o] if i == o else None
+            tok = tokenize(val[i].key, list(sources), picks, own, rows)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
-                              tuple((k, p) for _, k, p in picks), val[i], output,
+                              tuple((k, p) for _, k, p in picks), val[i], output, own,
                               *map(TaskRef, sources))
         results[o] = (val[o], grads)
     return g.delayed(results)
