@@ -281,9 +281,12 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
                                f"constant (not floating-point); give None there, got "
                                f"{tasks._describe(t)}")
             continue
+        if t is not None and not is_numeric(t):  # a pytree where the input has an array
+            raise DAGError(f"tangent for input {name!r} is {tasks._describe(tangent)}, but the "
+                           f"input is {tasks._describe(x)}")
         if t is not None:
-            kind = jnp.result_type(t) if is_numeric(t) else None
-            if kind is None or isinstance(t, bool) or not (
+            kind = jnp.result_type(t)
+            if isinstance(t, bool) or not (
                     jnp.issubdtype(kind, jnp.inexact) or isinstance(t, int)):
                 raise DAGError(f"tangent for {where} is {tasks._describe(t)}: it must be "
                                f"floating-point, like the input ({jnp.result_type(leaf)})")
