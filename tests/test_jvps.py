@@ -282,3 +282,16 @@ def test_fused_stage_compiles_once_across_calls():
     for i in range(2):  # batched: one more program
         r = daskdag.compute_jvps(dag, jnp.arange(3.0) + i, jnp.eye(3), "B", batched=True)
     assert traces == ["A", "B"] * 2
+
+
+def test_tasks_of_nodes_with_resources_are_annotated():
+    dag = {"A": Node(jnp.sin, ["x"], resources={"FOO": 1}), "B": (jnp.cos, ["A"])}
+    spec = parse(dag)
+    flat, k = jvps.input_tangents(spec, {"x": jnp.ones(2)}, jnp.ones(2), False)
+    graph = jvps.build(ship(make_plan(spec, ("B",), ("x",)), False), {"x": jnp.ones(2)}, flat, k)
+    hlg = graph["B"][0].__dask_graph__()
+    placed = {str(key) for layer in hlg.layers.values()
+              if (layer.annotations or {}).get("resources") == {"FOO": 1} for key in layer}
+    assert any(key.startswith("jvp-A-") for key in placed), placed
+    assert any(key.startswith("tan-A-") for key in placed)
+    assert not any(key.startswith(("jvp-B-", "tangent-")) for key in placed)
