@@ -120,7 +120,8 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
                 bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
                 inputs left out are held constant.
     batched:    every tangent leaf has a leading axis of K directions, and so has every
-                output's tangent (the identity basis gives ``jax.jacfwd``). Each node's jvp runs
+                output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
+                directions' axis first: ``(K, *output shape)``). Each node's jvp runs
                 under ``jax.vmap`` over the directions (its function still runs once); a node
                 whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
                 direction.
