@@ -1,5 +1,5 @@
-"""The public entry points, :func:`compute_grads`, :func:`jacobian` and :func:`sweep_grads`, and
-the checks on their arguments."""
+"""The public entry points, :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps` and
+:func:`sweep_grads`, and the checks on their arguments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, resident, sweep
+from . import cluster, jvps, resident, sweep
 from .compute import compute
 from .custom import Custom
 from .errors import DAGError, NodeError
@@ -39,6 +39,17 @@ class Result:
     value: Any
     grad: Any
     failed: Mapping[int, NodeError] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JVPResult:
+    """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
+    :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
+    constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
+    directions."""
+
+    value: Any
+    tangent: Any
 
 
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
@@ -101,17 +112,60 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
         for o, (value, grads) in computed.items()})
 
 
+def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
+                 client=None, progress: bool = False):
+    """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
+    computed once.
+
+    dag, x, outputs, client, progress: as for :func:`compute_grads`.
+    tangents:   with one free input, a pytree shaped like ``x``: the tangent of each floating-point
+                leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
+                bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
+                inputs left out are held constant.
+    batched:    every tangent leaf has a leading axis of K directions, and so has every
+                output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
+                directions' axis first: ``(K, *output shape)``). Each node's jvp runs
+                under ``jax.vmap`` over the directions (its function still runs once); a node
+                whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
+                direction.
+
+    Returns ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
+    ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
+    no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
+    whose structure, shape or dtype does not match its input, naming it; a tangent for a name
+    that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
+    differentiated by ``jax.jvp``, such as NumPy code, raises there unless a rule for its kind
+    is registered in :data:`daskdag.jvps.JVP_RULES`), :class:`~daskdag.ClusterError` as
+    :func:`compute_grads` does.
+    """
+    client = client if client is not None else _active_client()
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, x, names)
+    flat, k = jvps.input_tangents(spec, values, tangents, bool(batched))
+    plan = ship(make_plan(spec, names, tuple(flat)), client is not None)
+    computed = _compute(plan, client, progress, lambda place, stop: jvps.build(
+        plan, values, flat, k, remote=client is not None, place=place, stop=stop))
+    results = {o: JVPResult(v, t[jvps.TANGENT]) for o, (v, t) in computed.items()}
+    return results[outputs] if isinstance(outputs, str) else results
+
+
 def _run(plan, values, cts, client, progress, rows=None) -> dict:
     """One call's graph (:func:`daskdag.graph.build`) computed: ``{output: (value, {input:
-    grad})}``. On a cluster, checked first, and what it keeps is placed once
-    (:mod:`daskdag.resident`)."""
+    grad})}``."""
+    return _compute(plan, client, progress, lambda place, stop: build(
+        plan, values, cts, remote=client is not None, place=place, stop=stop, rows=rows))
+
+
+def _compute(plan, client, progress, make) -> dict:
+    """The graph ``make(place, stop)`` computed. On a cluster, checked first, and what it keeps
+    is placed once (:mod:`daskdag.resident`)."""
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     with kept.call(client) if kept else contextlib.nullcontext() as place:
-        return compute(build(plan, values, cts, remote=client is not None, place=place,
-                             stop=stop, rows=rows), client, progress, stop)
+        return compute(make(place, stop), client, progress, stop)
 
 
 def _jacrev_layout(value, rows):
