@@ -143,7 +143,7 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     flat, k = jvps.input_tangents(spec, values, tangents, bool(batched))
-    plan = ship(make_plan(spec, names, tuple(flat)), client is not None)
+    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), client is not None)
     computed = _compute(plan, client, progress, lambda place, stop: jvps.build(
         plan, values, flat, k, remote=client is not None, place=place, stop=stop))
     results = {o: JVPResult(v, t[jvps.TANGENT]) for o, (v, t) in computed.items()}
@@ -203,16 +203,21 @@ def _prepare(dag, x, outputs, wrt, cotangents, remote):
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = _reversible(make_plan(spec, names, wrt))
+    plan = _with_rules(make_plan(spec, names, wrt))
     return spec, ship(plan, remote), values, _cotangents(names, cotangents)
 
 
-def _reversible(plan):
-    """``plan``, checked: every node it differentiates has a VJP (a node of the user's own code
-    may give ``jvp=`` alone, for forward mode)."""
+def _with_rules(plan, forward: bool = False):
+    """``plan``, checked: every node of the user's own code that it differentiates has the rule
+    it needs: a VJP, or with ``forward`` a JVP."""
     for n in plan.needed:
         fn = plan.spec.nodes[n].fn
-        if n in plan.active and isinstance(fn, Custom) and not fn.reverse:
+        if n not in plan.active or not isinstance(fn, Custom):
+            continue
+        if forward and fn.jvp is None:
+            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
+                           f"mode needs (a VJP serves reverse mode only)")
+        if not forward and not fn.reverse:
             raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
                            f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
     return plan
@@ -262,7 +267,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     batched = _batched(values, batched)
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
-    _reversible(make_plan(spec, names, wrt))
+    _with_rules(make_plan(spec, names, wrt))
     if errors not in ("raise", "collect"):
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):

@@ -44,6 +44,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from . import tasks
 from .chunked import _rebuild, _split
+from .custom import Custom
 from .errors import DAGError, node_errors
 from .graph import _Graph, _itself
 from .plan import Plan
@@ -62,6 +63,8 @@ TANGENT = "tangent"  # the one "gradient" each output of the graph carries
 # function returns it, and its tangent as a flat tuple over its differentiable leaves. Any
 # other function runs under jax.jvp (:func:`jvp`).
 JVP_RULES: dict[type, Callable] = {}
+# A node of the user's own code runs the user's jvp rule (daskdag.custom).
+JVP_RULES[Custom] = lambda custom, node, args, tangents, active: custom.push(args, tangents, active)
 
 
 def jvp_rule(node: Node) -> Callable:
