@@ -16,10 +16,10 @@ and, at that point:
   registered linearizer such as a user-supplied VJP), once;
 - per projection (:data:`PROJECTIONS`), draws a random unit cotangent ``u`` over the output's
   differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``
-  over that dep's differentiable leaves (unit norm, each leaf then scaled by its RMS
-  magnitude), and evaluates the node's function (``node.callable()``, on concrete values,
-  never traced by this module) at ``x + eps v`` and ``x - eps v``, perturbed in each leaf's own
-  dtype;
+  over that dep's differentiable leaves (a random direction, each leaf's elements then of
+  about the leaf's RMS magnitude), and evaluates the node's function (``node.callable()``, on
+  concrete values, never traced by this module) at ``x + eps v`` and ``x - eps v``, perturbed
+  in each leaf's own dtype;
 - compares ``fd = <u, J v>`` by central differences with ``ad = <VJP(u), v>``, ``<a, b> =
   real(sum(conj(a) * b))`` as ``jax.test_util.check_vjp`` (which conjugates the cotangent on
   the way in and out, so complex nodes check too). ``v`` is taken as the perturbation that
@@ -54,7 +54,7 @@ from .spec import parse
 
 PROJECTIONS = 2  # random (u, v) pairs per node and dep
 # The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
-# relative error of about ROUNDING machine epsilons (several ops' worth), see _check_dep.
+# relative error of about ROUNDING machine epsilons (several ops' worth), see check_grads.
 ROUNDING = 4.0
 
 
@@ -64,15 +64,15 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
     against central finite differences of that node alone, at the point the forward pass reached.
 
     dag, x, outputs, wrt, client: as for :func:`daskdag.compute_grads`.
-    eps:   the finite-difference step; on each leaf it is scaled by the leaf's RMS magnitude
-           (1 for an all-zero leaf). Default, by the lowest precision among the node's
-           differentiated leaves and output leaves: ``cbrt(finfo.eps)``, which balances the
-           truncation error (``eps**2``) against rounding (``finfo.eps / eps``): 4.9e-3 for
-           float32, 6.1e-6 for float64.
+    eps:   the finite-difference step, relative: each element of a leaf moves by about ``eps``
+           times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
+           Default, by the lowest precision among the node's differentiated leaves and output
+           leaves: ``cbrt(finfo.eps)``, which balances the truncation error (``eps**2``)
+           against rounding (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
     rtol:  default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a central
            difference at that step is good to about ``finfo.eps ** (2/3)`` (5e-5 in float32,
            4e-11 in float64) on a well-scaled node, so this leaves a margin of
-           ``finfo.eps ** -1/3`` (200x in float32) for curvature and rounding inside the node,
+           ``finfo.eps ** (-1/3)`` (200x in float32) for curvature and rounding inside the node,
            while a VJP off by a few percent (float64) or by a factor (float32) fails.
 
     A projection passes when ``|fd - ad| <= rtol * scale + noise``, where ``scale = max(|fd|,
@@ -120,7 +120,8 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
             sent = place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
             deps = [values_of[d] for d in node.deps]
             key = f"check-{n}-{tokenize(node, active, eps, rtol, [d.key for d in deps])}"
-            with dask.annotate(resources=dict(node.needs)) if node.needs else contextlib.nullcontext():
+            needs = dask.annotate(resources=dict(node.needs)) if node.needs else contextlib.nullcontext()
+            with needs:
                 tasks[n] = dask.delayed(check_node, pure=True)(n, sent, active, eps, rtol, *deps,
                                                                dask_key_name=key)
         found = compute(tasks, client, False, stop)
@@ -178,7 +179,11 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
         noise = ROUNDING * machine / eps * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
                                                        for a, b in zip(u, f)))
         for k, dep_leaves in leaves.items():
-            v = [t * _magnitude(leaf) for t, leaf in zip(_unit(rng, dep_leaves), dep_leaves)]
+            # A random direction, each leaf's elements then of about its RMS magnitude: the
+            # step moves every element by about eps of its size (a unit vector over N elements
+            # would move each by eps / sqrt(N), drowning a large leaf's step in rounding).
+            size = np.sqrt(sum(np.size(leaf) for leaf in dep_leaves))
+            v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, dep_leaves), dep_leaves)]
             plus, minus, v = _perturbed(inputs[k], v, eps)
             with node_errors(name, "finite-difference"):
                 up = fn(*inputs[:k], plus, *inputs[k + 1:])
@@ -192,7 +197,8 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
             scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
             tolerance = rtol * scale + noise
             error = abs(fd - ad)
-            relative = error / (tolerance / rtol) if tolerance > 0 else (0.0 if error == 0 else np.inf)
+            relative = (error / (tolerance / rtol) if tolerance > 0 else
+                        0.0 if error == 0 else np.inf)
             if not error <= tolerance:  # (NaN fails)
                 relative = np.inf if np.isnan(relative) else relative
                 seen = failures.get(k)
