@@ -46,11 +46,11 @@ from . import tasks
 from .chunked import _rebuild, _split
 from .custom import Custom
 from .errors import DAGError, node_errors
-from .graph import _Graph, _itself
+from .graph import _Graph, node_ref, value_task
 from .plan import Plan
 from .progress import Cancelled
 from .pullback import differentiable_leaves, is_differentiable, is_numeric
-from .shipping import pack_for, unpack, unwrap
+from .shipping import unwrap
 from .spec import Node
 from .stages import Stage, _fused_function, make_stages
 
@@ -319,20 +319,16 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
     for i, v in values.items():
         if i not in needed:
             continue
-        v = pack_for(f"input {i!r}", v, remote)
-        key = f"input-{i}-{tokenize(v)}"
-        val[i] = place(key, unpack, v) if place else g.task(key, None, unpack, v)
+        val[i] = value_task(f"input-{i}", f"input {i!r}", v, remote, place, g.task)
     for i in plan.wrt:
         if i not in needed:
             continue
-        t = pack_for(f"the tangent of input {i!r}", tangents[i], remote)
-        key = f"tan-{i}-{tokenize(t)}"
-        tan[i] = place(key, unpack, t) if place else g.task(key, None, unpack, t)
+        tan[i] = value_task(f"tan-{i}", f"the tangent of input {i!r}", tangents[i], remote,
+                            place, g.task)
 
     for s in make_stages(plan):
         nodes = [spec.nodes[n] for n in s.nodes]
-        sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
-                for n, node in zip(s.nodes, nodes)]
+        sent = [node_ref(n, node, place) for n, node in zip(s.nodes, nodes)]
         if not s.linearized:  # no tangent reaches it: the forward task of the gradient graph
             tok = tokenize(s, nodes, [val[d].key for d in s.deps], None, None)
             fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), tasks.forward, s, stop, *sent,

@@ -325,3 +325,21 @@ def test_forward_mode_needs_a_jvp_rule_and_checks_what_it_returns():
                                         rf"jvp returned a tangent of shape \({N + 1},\) for the "
                                         rf"output, expected \({N},\)"):
         daskdag.compute_jvps(bad, W, jnp.ones_like(W), "L")
+
+
+# -- gradient checks -----------------------------------------------------------------------------
+
+def test_check_grads_passes_on_right_rules_and_names_a_wrong_one(x64):
+    w = jnp.asarray(W, jnp.float64)
+    for form in FORMS.values():
+        errors = daskdag.check_grads(solve_dag(**form), w, ["L", "M"])
+        assert set(errors) == {"A", "b", "x", "L", "M"} and max(errors.values()) < 1e-5
+
+    def off(res, ct):  # A's cotangent 1 % off: the kind of slip a hand-written VJP makes
+        gA, gb = solve_bwd(res, ct)
+        return gA * 1.01, gb
+
+    with pytest.raises(daskdag.GradientCheckError, match=r"node 'x': its VJP disagrees with "
+                                                         r"finite differences for dep 'A'") as e:
+        daskdag.check_grads(solve_dag(fwd=solve_fwd, bwd=off), w, "L")
+    assert e.value.node == "x" and e.value.dep == "A" and e.value.others == ()
