@@ -4,11 +4,15 @@
 >>> res["D"].value, res["D"].grad
 >>> res = daskdag.sweep_grads(dag, xs, ["D", "E"])           # many, stacked
 >>> res = daskdag.jacobian(dag, x, ["A", "B"])                # full Jacobians, as jax.jacrev
+>>> res = daskdag.compute_jvps(dag, x, v, ["D", "E"])        # forward mode: res["D"].tangent
+>>> daskdag.check_grads(dag, x, ["D", "E"])                   # each node's VJP against FD
 """
 
-from .api import Result, compute_grads, jacobian, sweep_grads
-from .errors import ClusterError, DAGError, NodeError
+from .api import JVPResult, Result, compute_grads, compute_jvps, jacobian, sweep_grads
+from .checks import check_grads
+from .errors import ClusterError, DAGError, GradientCheckError, NodeError
 from .spec import Node
 
-__all__ = ["compute_grads", "jacobian", "sweep_grads", "Node", "Result", "DAGError", "NodeError", "ClusterError"]
+__all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads", "Node",
+           "Result", "JVPResult", "DAGError", "NodeError", "ClusterError", "GradientCheckError"]
 __version__ = "0.1.0"

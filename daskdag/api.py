@@ -1,5 +1,5 @@
-"""The public entry points, :func:`compute_grads`, :func:`jacobian` and :func:`sweep_grads`, and
-the checks on their arguments."""
+"""The public entry points, :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps` and
+:func:`sweep_grads`, and the checks on their arguments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, resident, sweep
+from . import cluster, jvps, resident, sweep
 from .compute import compute
 from .custom import Custom
 from .errors import DAGError, NodeError
@@ -41,6 +41,17 @@ class Result:
     failed: Mapping[int, NodeError] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class JVPResult:
+    """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
+    :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
+    constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
+    directions."""
+
+    value: Any
+    tangent: Any
+
+
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
                   cotangents: Mapping[str, Any] | None = None, client=None, progress: bool = False):
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
@@ -52,13 +63,15 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     outputs:    node names; a single name returns a single :class:`Result`.
     wrt:        input names to differentiate; default every given input with a floating-point
                 leaf. Within an input, floating-point (and complex) array leaves are
-                differentiated, other leaves (ints, bools, functions) held constant.
+                differentiated, other leaves (ints, bools, functions) held constant. Node
+                names too: their gradient is d output / d the node's value (its cotangent in
+                the same backward pass; zeros where the output does not depend on it).
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
     progress:   show Dask's progress bar over the call's tasks.
 
-    Returns ``{output: Result(value, grad)}``; each gradient has its input's structure, with
-    ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
+    Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
+    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
     call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
     the cluster cannot run the graph (a client that is not running, no worker within
     ``daskdag.worker-wait``, a resource no worker offers, versions that differ).
@@ -99,17 +112,60 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
         for o, (value, grads) in computed.items()})
 
 
+def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
+                 client=None, progress: bool = False):
+    """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
+    computed once.
+
+    dag, x, outputs, client, progress: as for :func:`compute_grads`.
+    tangents:   with one free input, a pytree shaped like ``x``: the tangent of each floating-point
+                leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
+                bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
+                inputs left out are held constant.
+    batched:    every tangent leaf has a leading axis of K directions, and so has every
+                output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
+                directions' axis first: ``(K, *output shape)``). Each node's jvp runs
+                under ``jax.vmap`` over the directions (its function still runs once); a node
+                whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
+                direction.
+
+    Returns ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
+    ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
+    no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
+    whose structure, shape or dtype does not match its input, naming it; a tangent for a name
+    that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
+    differentiated by ``jax.jvp``, such as NumPy code, raises there unless a rule for its kind
+    is registered in :data:`daskdag.jvps.JVP_RULES`), :class:`~daskdag.ClusterError` as
+    :func:`compute_grads` does.
+    """
+    client = client if client is not None else _active_client()
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, x, names)
+    flat, k = jvps.input_tangents(spec, values, tangents, bool(batched))
+    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), client is not None)
+    computed = _compute(plan, client, progress, lambda place, stop: jvps.build(
+        plan, values, flat, k, remote=client is not None, place=place, stop=stop))
+    results = {o: JVPResult(v, t[jvps.TANGENT]) for o, (v, t) in computed.items()}
+    return results[outputs] if isinstance(outputs, str) else results
+
+
 def _run(plan, values, cts, client, progress, rows=None) -> dict:
     """One call's graph (:func:`daskdag.graph.build`) computed: ``{output: (value, {input:
-    grad})}``. On a cluster, checked first, and what it keeps is placed once
-    (:mod:`daskdag.resident`)."""
+    grad})}``."""
+    return _compute(plan, client, progress, lambda place, stop: build(
+        plan, values, cts, remote=client is not None, place=place, stop=stop, rows=rows))
+
+
+def _compute(plan, client, progress, make) -> dict:
+    """The graph ``make(place, stop)`` computed. On a cluster, checked first, and what it keeps
+    is placed once (:mod:`daskdag.resident`)."""
     if client is not None:  # before anything is built or sent
         cluster.check(client, plan)
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     with kept.call(client) if kept else contextlib.nullcontext() as place:
-        return compute(build(plan, values, cts, remote=client is not None, place=place,
-                             stop=stop, rows=rows), client, progress, stop)
+        return compute(make(place, stop), client, progress, stop)
 
 
 def _jacrev_layout(value, rows):
@@ -147,16 +203,21 @@ def _prepare(dag, x, outputs, wrt, cotangents, remote):
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = _reversible(make_plan(spec, names, wrt))
+    plan = _with_rules(make_plan(spec, names, wrt))
     return spec, ship(plan, remote), values, _cotangents(names, cotangents)
 
 
-def _reversible(plan):
-    """``plan``, checked: every node it differentiates has a VJP (a node of the user's own code
-    may give ``jvp=`` alone, for forward mode)."""
+def _with_rules(plan, forward: bool = False):
+    """``plan``, checked: every node of the user's own code that it differentiates has the rule
+    it needs: a VJP, or with ``forward`` a JVP."""
     for n in plan.needed:
         fn = plan.spec.nodes[n].fn
-        if n in plan.active and isinstance(fn, Custom) and not fn.reverse:
+        if n not in plan.active or not isinstance(fn, Custom):
+            continue
+        if forward and fn.jvp is None:
+            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
+                           f"mode needs (a VJP serves reverse mode only)")
+        if not forward and not fn.reverse:
             raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
                            f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
     return plan
@@ -173,7 +234,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     batched:    the inputs that carry it (default: all given); the others are shared by every
                 item and sent to each worker once.
     wrt:        default every batched input with floating leaves. A shared input named here gets
-                a gradient per item.
+                a gradient per item; a node, its gradient per item (as for compute_grads).
     cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
                 output; the same for every item.
     chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
@@ -206,7 +267,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     batched = _batched(values, batched)
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
-    _reversible(make_plan(spec, names, wrt))
+    _with_rules(make_plan(spec, names, wrt))
     if errors not in ("raise", "collect"):
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
@@ -225,9 +286,10 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
 def _results(spec, outputs, computed, failed=None):
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
-    single = len(spec.inputs) == 1
-    results = {o: Result(v, g[spec.inputs[0]] if single else g, failed or {})
-               for o, (v, g) in computed.items()}
+    def grad(g):  # alone: the one free input's, when that is all there is
+        return g[spec.inputs[0]] if list(g) == list(spec.inputs) else g
+
+    results = {o: Result(v, grad(g), failed or {}) for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 
@@ -280,8 +342,11 @@ def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
         return wrt
     wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
     for i in wrt:
+        if i in spec.nodes:  # its value's floating leaves, once it has one
+            continue
         if i not in values:
-            raise DAGError(f"wrt names {i!r}, which is not a given free input {list(values)}")
+            raise DAGError(f"wrt names {i!r}, which is neither a given free input "
+                           f"{list(values)} nor a node")
         if not _differentiable(values[i]):
             raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
                            f"to differentiate")

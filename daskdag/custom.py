@@ -8,7 +8,8 @@ In:  from :class:`~daskdag.Node`, one of
      with either, or alone beside ``fn``, ``jvp=jvp``: ``jvp(args, tangents) -> (out,
      out_tangent)``, as :func:`jax.custom_jvp`'s rule, for :func:`daskdag.compute_jvps`.
 Out: a :class:`Custom` function (the parsed node's ``fn``), registered as its own linearizer
-     (:data:`daskdag.pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`.
+     (:data:`daskdag.pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`;
+     and in forward mode as its own JVP rule (:data:`daskdag.jvps.JVP_RULES`, :meth:`Custom.push`).
 
 The user's functions get the values as NumPy arrays (JAX arrays converted; other leaves as they
 are), never tracers, and may run any Python code. A cotangent handed to ``vjp``/``bwd`` has the
@@ -62,6 +63,20 @@ class Custom:
             out, residuals = self.fn(*args), None
         return out, CustomPullback(fn_as_given, tuple(deps), active, out, residuals)
 
+    def push(self, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+        """``(out, tangent)`` by the user's ``jvp`` rule (forward mode): ``tangents`` per dep a
+        flat tuple over its differentiable leaves (None where ``active`` is False), handed to
+        the rule in the dep's structure (``None`` at leaves held constant, and for a dep held
+        whole); the output's tangent comes back flat, checked."""
+        if self.jvp is None:
+            raise TypeError("it has no jvp= rule, which forward mode needs: give "
+                            "Node(..., jvp=lambda args, tangents: (out, out_tangent))")
+        args = as_numpy(tuple(args))
+        structured = tuple(_structured(a, t) if on else None
+                           for a, t, on in zip(args, as_numpy(tuple(tangents)), active))
+        out, tangent = _pair(self.jvp(args, structured), "jvp", "(value, tangent)")
+        return out, flat_leaves("jvp", "the output", out, tangent, kind="tangent")
+
     def __reduce__(self):
         return Custom, (self.fn, self.vjp, self.fwd, self.bwd, self.jvp)
 
@@ -98,7 +113,7 @@ class CustomPullback:
             raise ValueError(f"its {rule} returned {got}; expected a tuple of {len(self.deps)} "
                              f"cotangent(s), one per dep {list(self.deps)}" +
                              (" (for one dep, return (ct,))" if len(self.deps) == 1 else ""))
-        return tuple(_leaf_cotangents(rule, dep, value, c) if on else None
+        return tuple(flat_leaves(rule, f"dep {dep!r}", value, c) if on else None
                      for dep, value, c, on in zip(self.deps, inputs, given, self.active))
 
     def residual_nbytes(self) -> int:
@@ -122,9 +137,10 @@ def _custom(fn) -> Custom:
     return unwrap(fn)
 
 
-def _leaf_cotangents(rule: str, dep: str, value, ct) -> tuple:
-    """The cotangent ``ct`` that ``rule`` gave for ``dep`` (of value ``value``), as a flat tuple
-    over its differentiable leaves; ``None`` (whole or at a leaf) means zeros."""
+def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tuple:
+    """The ``kind`` (cotangent, tangent) ``ct`` that ``rule`` gave for ``what`` (``"dep 'A'"``,
+    ``"the output"``), whose value is ``value``, as a flat tuple over its differentiable leaves,
+    checked against them; ``None`` (whole or at a leaf) means zeros."""
     leaves, treedef = jax.tree.flatten(value)
     if ct is None:
         given = [None] * len(leaves)
@@ -132,8 +148,8 @@ def _leaf_cotangents(rule: str, dep: str, value, ct) -> tuple:
         try:
             given = treedef.flatten_up_to(ct)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"its {rule} returned a cotangent for dep {dep!r} structured "
-                             f"{jax.tree.structure(ct)}, expected {treedef} as the dep's value "
+            raise ValueError(f"its {rule} returned a {kind} for {what} structured "
+                             f"{jax.tree.structure(ct)}, expected {treedef} as its value "
                              f"({e})") from None
     out = []
     for k, (leaf, c) in enumerate(zip(leaves, given)):
@@ -143,18 +159,26 @@ def _leaf_cotangents(rule: str, dep: str, value, ct) -> tuple:
         if c is None:
             out.append(np.zeros(shape, dtype))
             continue
-        where = f"dep {dep!r}" + (f" (leaf {k})" if len(leaves) > 1 else "")
+        where = what + (f" (leaf {k})" if len(leaves) > 1 else "")
         if not is_numeric(c):
-            raise ValueError(f"its {rule} returned a {type(c).__name__} as the cotangent for "
+            raise ValueError(f"its {rule} returned a {type(c).__name__} as the {kind} for "
                              f"{where}, expected an array of shape {tuple(shape)}")
         if np.shape(c) != shape:
-            raise ValueError(f"its {rule} returned a cotangent of shape {tuple(np.shape(c))} for "
-                             f"{where}, expected {tuple(shape)} as the dep's value")
+            raise ValueError(f"its {rule} returned a {kind} of shape {tuple(np.shape(c))} for "
+                             f"{where}, expected {tuple(shape)} as its value")
         if np.iscomplexobj(c) and not np.issubdtype(dtype, np.complexfloating):
-            raise ValueError(f"its {rule} returned a complex cotangent for {where}, which is "
+            raise ValueError(f"its {rule} returned a complex {kind} for {where}, which is "
                              f"real ({dtype})")
         out.append(np.asarray(c, dtype))
     return tuple(out)
+
+
+def _structured(value, flat):
+    """A flat tuple over ``value``'s differentiable leaves in ``value``'s structure, ``None`` at
+    its other leaves."""
+    leaves, treedef = jax.tree.flatten(value)
+    it = iter(flat)
+    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
 def as_numpy(tree):

@@ -1,5 +1,5 @@
 """The errors a user meets: a bad DAG spec, a node that failed while running, a cluster that
-cannot run the graph."""
+cannot run the graph, a node whose VJP disagrees with finite differences."""
 
 from __future__ import annotations
 
@@ -50,6 +50,34 @@ class NodeError(RuntimeError):
 
     def __reduce__(self):
         return NodeError, (self.node, self.phase, self.original, self.item)
+
+
+class GradientCheckError(AssertionError):
+    """A node's VJP disagrees with central finite differences of the node alone
+    (:func:`daskdag.check_grads`). ``node`` and ``dep`` name them (``position``: the dep's index
+    among the node's deps); ``fd`` and ``ad`` are ``<u, J v>`` by finite differences and from
+    the VJP, for a random tangent ``v`` of the dep and cotangent ``u`` of the output; ``error``
+    is ``|fd - ad|``, over ``tolerance``; ``eps`` the finite-difference step (before each leaf's
+    magnitude scales it); ``others``: the names of the other nodes that failed too.
+
+    Picklable, like :class:`NodeError`.
+    """
+
+    def __init__(self, node: str, dep: str, position: int, fd: float, ad: float, error: float,
+                 tolerance: float, eps: float, others: tuple[str, ...] = ()):
+        more = (f"; {len(others)} other node{'s' if len(others) > 1 else ''} failed too: "
+                + ", ".join(map(repr, others))) if others else ""
+        super().__init__(f"node {node!r}: its VJP disagrees with finite differences for dep "
+                         f"{dep!r} (position {position}): <u, J v> = {fd:.4e} by central "
+                         f"differences (eps {eps:.1e}), {ad:.4e} from the VJP; error {error:.1e} "
+                         f"> tolerance {tolerance:.1e}{more}")
+        self.node, self.dep, self.position = node, dep, position
+        self.fd, self.ad, self.error, self.tolerance, self.eps = fd, ad, error, tolerance, eps
+        self.others = tuple(others)
+
+    def __reduce__(self):
+        return GradientCheckError, (self.node, self.dep, self.position, self.fd, self.ad,
+                                    self.error, self.tolerance, self.eps, self.others)
 
 
 class ClusterError(RuntimeError):

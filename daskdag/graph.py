@@ -9,7 +9,7 @@ taking C's value apart from the stage's pullback, so later stages never fetch re
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
 its seed cotangent; for a stage where every cotangent starts, a closed one, the forward task
 runs the backward pass too and ``bwd-`` just takes its cotangents), ``grad-D-x-<token>`` input
-x's gradient for D (for a Jacobian, its rows). Outputs share forward keys, so every node runs
+x's gradient for D (for a Jacobian, its rows), or a node's, for a node named in ``wrt``. Outputs share forward keys, so every node runs
 once per call; tokens hash functions and inputs, so repeated calls on one cluster share them
 too.
 
@@ -55,9 +55,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         if isinstance(v, TaskRef):  # already on the cluster (a sweep's shared input)
             val[i] = v
             continue
-        v = pack_for(f"input {i!r}", v, remote)
-        key = f"input-{i}-{tokenize(v)}"
-        val[i] = place(key, unpack, v) if place else g.task(key, None, unpack, v)
+        val[i] = value_task(f"input-{i}", f"input {i!r}", v, remote, place, g.task)
     stages = make_stages(plan)
     stage_of = {n: s for s in stages for n in s.nodes}
 
@@ -82,8 +80,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     linearized, bwd = {}, {}  # stage -> its forward task, (values, pullback); its backward task
     for s in stages:
         nodes = [spec.nodes[n] for n in s.nodes]
-        sent = [place(f"node-{n}-{tokenize(node)}", _itself, node, node.needs) if place else node
-                for n, node in zip(s.nodes, nodes)]
+        sent = [node_ref(n, node, place) for n, node in zip(s.nodes, nodes)]
         tok = tokenize(s, nodes, [val[d].key for d in s.deps], closed.get(s), rows)
         run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s], rows)
         fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), run[0], s, stop, *run[1:], *sent,
@@ -124,15 +121,32 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     for o in plan.outputs:
         grads = {}
         output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
-        for i in plan.wrt:
+        for i in plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
             sources = {}
             picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            tok = tokenize(val[i].key, list(sources), picks, rows)
+            own = seeds[o] if i == o else None
+            tok = tokenize(val[i].key, list(sources), picks, own, rows)
             grads[i] = g.task(f"grad-{o}-{i}-{tok}", None, tasks.gradient,
-                              tuple((k, p) for _, k, p in picks), val[i], output,
+                              tuple((k, p) for _, k, p in picks), val[i], output, own,
                               *map(TaskRef, sources))
         results[o] = (val[o], grads)
     return g.delayed(results)
+
+
+def value_task(prefix: str, what: str, value, remote: bool, place, task):
+    """A value the graph takes (an input, a tangent) as a task of its own, ``unpack`` of it
+    packed (:func:`~daskdag.shipping.pack_for`, ``what`` naming it in an error), keyed
+    ``{prefix}-<its content token>``: placed on the cluster (``place``, see :func:`build`) or,
+    without, ``task(key, None, unpack, packed)`` (:meth:`_Graph.task`, or another graph's)."""
+    packed = pack_for(what, value, remote)
+    key = f"{prefix}-{tokenize(packed)}"
+    return place(key, unpack, packed) if place else task(key, None, unpack, packed)
+
+
+def node_ref(name: str, node, place):
+    """What a task takes for ``node``: the node itself, or placed on the cluster under its
+    content key (on a worker with its resources)."""
+    return place(f"node-{name}-{tokenize(node)}", _itself, node, node.needs) if place else node
 
 
 def _itself(x):

@@ -16,7 +16,7 @@ from .spec import Spec
 class Plan:
     spec: Spec
     outputs: tuple[str, ...]
-    wrt: tuple[str, ...]
+    wrt: tuple[str, ...]  # inputs and nodes whose gradients are asked for
     needed: tuple[str, ...]  # nodes some output needs, in topological order
     active: frozenset[str]  # needed nodes that depend on a wrt input: these run under jax.vjp
     backward: dict[str, tuple[str, ...]]  # output -> active nodes on a path to it, topological
@@ -32,13 +32,15 @@ class Plan:
 
 
 def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Plan:
-    needed_set = spec.ancestors(outputs)
+    """``wrt`` may name nodes as well as inputs: a node's gradient is d output / d its value,
+    its cotangent as the backward pass leaves it. It runs even where no output needs it."""
+    needed_set = spec.ancestors((*outputs, *(w for w in wrt if w in spec.nodes)))
     needed = tuple(n for n in spec.order if n in needed_set)
-    active = set(wrt)
+    active: set[str] = set()
     for n in needed:  # topological, so every dep is settled before its consumer
-        if any(d in active for d in spec.nodes[n].deps):
+        if any(d in wrt or d in active for d in spec.nodes[n].deps):
             active.add(n)
-    active = frozenset(active - set(wrt))
+    active = frozenset(active)
     backward = {}
     for o in outputs:
         on_path = spec.ancestors([o])

@@ -134,6 +134,8 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
             g = group_of[d]
             if spec.nodes[d].needs != node.needs or jittable[g] != kind:
                 continue
+            if any(e in plan.wrt for e in deps if group_of[e] == g):
+                continue  # (a node in wrt: its cotangent must leave its stage, see _stage)
             if kind:  # fused: any connected group no other dep of n comes after
                 if not any(comes_after(group_of[e], g) for e in deps if group_of[e] != g):
                     joined = g
@@ -171,8 +173,8 @@ def _stage(plan: Plan, nodes: tuple[str, ...], fused: bool, consumers) -> Stage:
         sources.append(tuple(("node", index[d]) if d in index else
                              ("dep", deps.setdefault(d, len(deps))) for d in ds))
         active.append(tuple(d in plan.wrt or d in plan.active for d in ds))
-    exposed = tuple(j for j, n in enumerate(nodes)
-                    if n in plan.outputs or any(c not in index for c in consumers(n)))
+    exposed = tuple(j for j, n in enumerate(nodes) if n in plan.outputs or n in plan.wrt
+                    or any(c not in index for c in consumers(n)))
     needs = tuple(sorted(spec.nodes[nodes[0]].needs.items()))
     return Stage(nodes, tuple(deps), tuple(sources), tuple(active), exposed, needs, fused)
 

@@ -97,7 +97,7 @@ class Sweep:
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool) -> Sweep:
-    broadcast = frozenset(wrt) - frozenset(batched)
+    broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
     carrying = set(batched) | broadcast
     nodes = {}
     for n in spec.order:

@@ -21,7 +21,7 @@ from jax.tree_util import treedef_is_leaf
 
 from . import progress, protocol, stages  # noqa: F401  (protocol: see pulled)
 from .pullback import differentiable_leaves, is_differentiable, is_numeric
-from .chunked import Items
+from .chunked import Items, stacked
 from .stages import Stage, add
 
 
@@ -187,18 +187,22 @@ def _dropped(stage: Stage, stop):
     return progress.dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(picks: tuple, x, output, *sources):
-    """An input's gradient, shaped like ``x``: the sum of its shares
-    ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) on its
-    differentiable leaves (zeros when the output does not use it), ``None`` on the leaves held
-    constant. For a Jacobian, ``output`` is the output's value, and each leaf is stacked over
-    its rows (:func:`basis`); else it is ``None``."""
+def gradient(picks: tuple, x, output, own, *sources):
+    """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
+    its shares ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) and of
+    ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
+    itself, else None, on its differentiable leaves (zeros when the output does not use it),
+    ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
+    each leaf is stacked over its rows (:func:`basis`); else it is ``None``. A sweep's chunk of
+    item-by-item values (:class:`~daskdag.chunked.Items`) gives its gradient stacked."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis_size(output),)
-    flat = iter(total(s[k][i] for s, (k, i) in zip(sources, picks)) if sources else
+    shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([_cotangent(x, own, ())] if own else [])
+    flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
-    return treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
+    grad = treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
+    return stacked(grad) if isinstance(x, Items) else grad
 
 
 def seed(output: str, primal, ct, batched: bool = False) -> tuple:

@@ -72,6 +72,16 @@ def seed():
 
 
 @pytest.fixture
+def x64():
+    """Float64 everywhere, dask's worker threads included (jax.experimental.enable_x64 is a
+    context of the calling thread only); restored after."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture
 def x5():
     return jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=jnp.float32)
 

@@ -291,3 +291,55 @@ def test_a_node_with_jvp_alone_is_named_when_differentiated_in_reverse():
     res = daskdag.compute_grads(dag, {"c": W, "w": W}, "L", wrt=["w"])
     x = jnp.linalg.solve(make_A(W), make_b(W))
     assert_tree_close(res.grad["w"], jnp.sum(x) * 2 * W, rtol=1e-4)
+
+
+# -- forward mode ------------------------------------------------------------------------------------
+
+def solve_jvp(args, tangents):
+    (A, b), (dA, db) = args, tangents
+    assert isinstance(dA, np.ndarray) and isinstance(db, np.ndarray)
+    x = scipy.linalg.solve(A, b)
+    return x, scipy.linalg.solve(A, db - dA @ x)
+
+
+def test_jvps_through_a_user_jvp_rule_match_jax():
+    dag = solve_dag(fn=lambda A, b: scipy.linalg.solve(A, b), vjp=solve_vjp, jvp=solve_jvp)
+    v = jnp.cos(jnp.arange(W.size, dtype=jnp.float32))
+    res = daskdag.compute_jvps(dag, W, v, ["x", "L", "M"])
+    for o in ("x", "L", "M"):
+        value, tangent = jax.jvp(lambda w: solve_jax(w)[o], (W,), (v,))
+        assert_tree_close(res[o].value, value, rtol=1e-5)
+        assert_tree_close(res[o].tangent, tangent, rtol=1e-4, atol=1e-6)
+    basis = jnp.eye(W.size, dtype=jnp.float32)[:5]  # five directions: one rule call each
+    res = daskdag.compute_jvps(dag, W, basis, "x", batched=True)
+    assert_tree_close(res.tangent, jax.jacfwd(lambda w: solve_jax(w)["x"])(W)[:, :5].T,
+                      rtol=1e-4, atol=1e-6)
+
+
+def test_forward_mode_needs_a_jvp_rule_and_checks_what_it_returns():
+    with pytest.raises(DAGError, match="node 'x' carries a tangent but has no jvp= rule"):
+        daskdag.compute_jvps(solve_dag(**FORMS["vjp="]), W, jnp.ones_like(W), "L")
+    bad = solve_dag(fn=lambda A, b: scipy.linalg.solve(A, b),
+                    jvp=lambda args, t: (solve_jvp(args, t)[0], np.ones(N + 1)))
+    with pytest.raises(NodeError, match=rf"node 'x' failed in its forward pass: ValueError: its "
+                                        rf"jvp returned a tangent of shape \({N + 1},\) for the "
+                                        rf"output, expected \({N},\)"):
+        daskdag.compute_jvps(bad, W, jnp.ones_like(W), "L")
+
+
+# -- gradient checks -----------------------------------------------------------------------------
+
+def test_check_grads_passes_on_right_rules_and_names_a_wrong_one(x64):
+    w = jnp.asarray(W, jnp.float64)
+    for form in FORMS.values():
+        errors = daskdag.check_grads(solve_dag(**form), w, ["L", "M"])
+        assert set(errors) == {"A", "b", "x", "L", "M"} and max(errors.values()) < 1e-5
+
+    def off(res, ct):  # A's cotangent 1 % off: the kind of slip a hand-written VJP makes
+        gA, gb = solve_bwd(res, ct)
+        return gA * 1.01, gb
+
+    with pytest.raises(daskdag.GradientCheckError, match=r"node 'x': its VJP disagrees with "
+                                                         r"finite differences for dep 'A'") as e:
+        daskdag.check_grads(solve_dag(fwd=solve_fwd, bwd=off), w, "L")
+    assert e.value.node == "x" and e.value.dep == "A" and e.value.others == ()

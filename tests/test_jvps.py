@@ -1,0 +1,297 @@
+"""Forward mode: values and Jacobian-vector products against jax.jvp / jax.jacfwd of the composed
+function."""
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import DAGError, JVPResult, Node, NodeError, jvps
+from daskdag.api import _outputs, build_graph
+from daskdag.plan import make_plan
+from daskdag.shipping import ship
+from daskdag.spec import parse
+
+from .conftest import TraceLog, assert_tree_close
+
+V5 = jnp.array([0.3, -1.0, 0.5, 2.0, 0.1], dtype=jnp.float32)
+
+
+def _keys(dag, x, tangents, outputs, batched=False):
+    """The task keys of a call's graph (built locally)."""
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = {spec.inputs[0]: x} if len(spec.inputs) == 1 else dict(x)
+    flat, k = jvps.input_tangents(spec, values, tangents, batched)
+    graph = jvps.build(ship(make_plan(spec, names, tuple(flat)), False), values, flat, k)
+    return [str(key) for key in dask.delayed(graph).__dask_graph__() if not str(key).startswith("dict-")]
+
+
+def test_seed_dag_matches_jax_jvp_each_node_once(seed, x5):
+    dag, f, composed = seed
+    res = daskdag.compute_jvps(dag, x5, V5, ["D", "E", "B"])
+    assert set(res) == {"D", "E", "B"} and all(isinstance(r, JVPResult) for r in res.values())
+    for o in "DE":
+        value, tangent = jax.jvp(composed[o], (x5,), (V5,))
+        assert_tree_close(res[o].value, value)
+        assert_tree_close(res[o].tangent, tangent)
+    value, tangent = jax.jvp(lambda x: f["A_to_B"].fn(f["x_to_A"].fn(x)), (x5,), (V5,))
+    assert_tree_close(res["B"].tangent, tangent)
+    assert all(fn.calls == 1 for fn in f.values()), {k: fn.calls for k, fn in f.items()}
+    single = daskdag.compute_jvps(dag, x5, V5, "E")
+    assert isinstance(single, JVPResult)
+    assert_tree_close(single.tangent, jax.jvp(composed["E"], (x5,), (V5,))[1])
+
+
+def test_keys_mirror_the_forward_graph(seed, x5):
+    dag, _, _ = seed
+    keys = _keys(dag, x5, V5, ["D", "E"])
+    assert any(k.startswith("jvp-A+B-") for k in keys), keys  # a chain: one task
+    assert any(k.startswith("tan-B-") for k in keys) and any(k.startswith("val-B-") for k in keys)
+    assert any(k.startswith("tangent-D-") for k in keys) and any(k.startswith("tan-x-") for k in keys)
+    assert keys == _keys(dag, x5, V5, ["D", "E"])  # deterministic
+
+
+def test_jit_nodes_fused_and_eager_control_flow():
+    calls = []
+
+    def branchy(a):  # Python control flow on values: eager, under jax.jvp
+        calls.append(1)
+        if jnp.sum(a) > 0:
+            return jnp.tanh(a) * 2.0
+        return a ** 3
+
+    dag = {"A": Node(lambda x: jnp.sin(x) + 2.0, ["x"], jit=True),
+           "B": Node(lambda a: a * jnp.cos(a), ["A"], jit=True),
+           "C": Node(lambda a, b: jnp.sum(a * b), ["A", "B"], jit=True),
+           "D": (branchy, ["B"]),
+           "E": (lambda d, c: d * c, ["D", "C"])}
+
+    def composed(x):
+        a = jnp.sin(x) + 2.0
+        b = a * jnp.cos(a)
+        c = jnp.sum(a * b)
+        d = jnp.tanh(b) * 2.0 if jnp.sum(b) > 0 else b ** 3
+        return {"B": b, "C": c, "E": d * c}
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    v = jnp.cos(jnp.arange(6.0))
+    from daskdag.stages import make_stages
+    spec = parse(dag)
+    assert any(s.fused for s in make_stages(make_plan(spec, ("B", "C", "E"), ("x",))))
+    res = daskdag.compute_jvps(dag, x, v, ["B", "C", "E"])
+    values, tangents = jax.jvp(composed, (x,), (v,))
+    for o in "BCE":
+        assert_tree_close(res[o].value, values[o])
+        assert_tree_close(res[o].tangent, tangents[o], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+    # batched, through the fused program and the eager branch, vs jax.jacfwd
+    res = daskdag.compute_jvps(dag, x, jnp.eye(6), ["C", "E"], batched=True)
+    jac = jax.jacfwd(composed)(x)
+    assert_tree_close(res["C"].tangent, jac["C"], atol=1e-5)
+    assert_tree_close(res["E"].tangent, jnp.moveaxis(jac["E"], -1, 0), atol=1e-5)
+    assert len(calls) == 2  # vmapped over the directions: still once per call
+
+
+def test_batched_identity_basis_is_jacfwd(seed, x5):
+    dag, f, composed = seed
+    res = daskdag.compute_jvps(dag, x5, jnp.eye(5), ["D", "E", "C"], batched=True)
+    for o in "DE":
+        assert_tree_close(res[o].tangent, jax.jacfwd(composed[o])(x5), rtol=1e-5, atol=1e-5)
+    c = lambda x: f["B_to_C"].fn(f["A_to_B"].fn(f["x_to_A"].fn(x)))
+    assert res["C"].tangent.shape == (5, 5)  # (directions, *C's shape)
+    assert_tree_close(res["C"].tangent, jax.jacfwd(c)(x5).T, rtol=1e-5, atol=1e-5)
+    assert all(fn.calls == 1 for fn in f.values())
+    two = daskdag.compute_jvps(dag, x5, jnp.stack([V5, -2 * V5]), "E", batched=True)
+    one = jax.jvp(composed["E"], (x5,), (V5,))[1]
+    assert_tree_close(two.tangent, jnp.stack([one, -2 * one]), rtol=1e-5)
+
+
+def test_several_inputs_tangent_for_one():
+    dag = {"A": (lambda x, w: jnp.tanh(w @ x), ["x", "w"]),
+           "B": (lambda a, s: jnp.sum(a) * s, ["A", "s"]),
+           "C": (lambda w: jnp.sum(w ** 2), ["w"])}
+    k = jax.random.split(jax.random.key(0), 3)
+    x, w, s = jax.random.normal(k[0], (4,)), jax.random.normal(k[1], (3, 4)), jnp.float32(1.5)
+    dw = jax.random.normal(k[2], (3, 4))
+    res = daskdag.compute_jvps(dag, {"x": x, "w": w, "s": s}, {"w": dw}, ["A", "B", "C"])
+    fx = lambda w: {"A": jnp.tanh(w @ x), "B": jnp.sum(jnp.tanh(w @ x)) * s, "C": jnp.sum(w ** 2)}
+    values, tangents = jax.jvp(fx, (w,), (dw,))
+    for o in "ABC":
+        assert_tree_close(res[o].value, values[o])
+        assert_tree_close(res[o].tangent, tangents[o], rtol=1e-5, atol=1e-5)
+    # tangent for x only: C, which does not use x, gets zeros
+    dx = jnp.ones(4)
+    res = daskdag.compute_jvps(dag, {"x": x, "w": w, "s": s}, {"x": dx}, ["B", "C"])
+    assert_tree_close(res["B"].tangent, jax.jvp(lambda x: jnp.sum(jnp.tanh(w @ x)) * s, (x,), (dx,))[1])
+    assert_tree_close(res["C"].tangent, jnp.float32(0.0))
+    # C, which no tangent reaches, runs as in the gradient graph, under the same key
+    fwd = [k for k in _keys(dag, {"x": x, "w": w, "s": s}, {"x": dx}, ["B", "C"]) if k.startswith("fwd-")]
+    _, _, graph = build_graph(dag, {"x": x, "w": w, "s": s}, ["B", "C"], wrt=["x"],
+                              cotangents={"B": 1.0, "C": 1.0})
+    assert fwd and [k for k in fwd if k.startswith("fwd-C-")] == [
+        str(k) for k in dask.delayed(graph).__dask_graph__() if str(k).startswith("fwd-C-")]
+
+
+def test_pytree_input_with_int_leaf_held_constant():
+    def f(p):
+        return {"y": jnp.sin(p["a"]) * p["n"] + jnp.sum(p["b"]), "n": p["n"] + 1}
+
+    dag = {"P": (f, ["p"]), "Q": (lambda q: jnp.sum(q["y"] ** 2), ["P"])}
+    p = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2)), "n": 3}
+    t = {"a": jnp.array([1.0, 0.5, -1.0]), "b": None, "n": None}  # b: zero tangent
+    res = daskdag.compute_jvps(dag, p, t, ["P", "Q"])
+    t0 = {"a": t["a"], "b": jnp.zeros((2, 2))}
+    g = lambda ab: f({**ab, "n": 3})
+    value, tangent = jax.jvp(g, ({"a": p["a"], "b": p["b"]},), (t0,))
+    assert_tree_close(res["P"].value["y"], value["y"])
+    assert res["P"].tangent["n"] is None  # an int output leaf: held constant
+    assert_tree_close(res["P"].tangent["y"], tangent["y"])
+    q = jax.jvp(lambda ab: jnp.sum(g(ab)["y"] ** 2), ({"a": p["a"], "b": p["b"]},), (t0,))[1]
+    assert_tree_close(res["Q"].tangent, q, rtol=1e-5)
+
+
+@pytest.mark.parametrize("x, tangents, batched, match", [
+    (jnp.ones(3), jnp.ones(4), False, r"input 'x' has shape \(4,\), but the input has shape \(3,\)"),
+    (jnp.ones(3), jnp.ones(3), True, r"input 'x' has shape \(3,\), but the input has shape \(3,\) "
+                                      r"\(with batched=True"),
+    (jnp.ones(3), jnp.ones(3, jnp.int32), False, r"input 'x' .* must be floating-point"),
+    (jnp.ones(3), {"a": jnp.ones(3)}, False, r"tangent for input 'x' is .*but the input is"),
+    ({"a": jnp.ones(3), "n": 2}, {"a": jnp.ones(2), "n": None}, False,
+     r"input 'x' at \['a'\] has shape \(2,\), but the input has shape \(3,\)"),
+    ({"a": jnp.ones(3), "n": 2}, {"a": jnp.ones(3), "n": 1}, False, r"input 'x' at \['n'\].*held constant"),
+])
+def test_bad_tangents_name_the_input(x, tangents, batched, match):
+    dag = {"A": (lambda x: x, ["x"])}
+    with pytest.raises(DAGError, match=match):
+        daskdag.compute_jvps(dag, x, tangents, "A", batched=batched)
+
+
+def test_tangent_for_an_unknown_input_is_named():
+    dag = {"A": (lambda x, w: x * w, ["x", "w"])}
+    with pytest.raises(DAGError, match=r"tangent for 'y', which is not a free input"):
+        daskdag.compute_jvps(dag, {"x": 1.0, "w": 2.0}, {"y": 1.0}, "A")
+    with pytest.raises(DAGError, match=r"pass tangents as a dict"):
+        daskdag.compute_jvps(dag, {"x": 1.0, "w": 2.0}, 1.0, "A")
+
+
+def test_failing_node_is_named():
+    def boom(a):
+        raise ValueError("boom")
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (boom, ["A"]), "C": (jnp.cos, ["B"])}
+    with pytest.raises(NodeError, match=r"node 'B' failed in its forward pass: ValueError: boom") as e:
+        daskdag.compute_jvps(dag, jnp.ones(3), jnp.ones(3), "C")
+    assert e.value.node == "B"
+    dag = {"A": Node(jnp.sin, ["x"], jit=True), "B": Node(boom, ["A"], jit=True)}  # fused
+    with pytest.raises(NodeError, match=r"node 'B'"):
+        daskdag.compute_jvps(dag, jnp.ones(3), jnp.ones(3), "B", batched=False)
+
+
+class NumpyTanh:
+    """NumPy code, which jax.jvp cannot trace, with its own JVP rule (test only)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, a):
+        self.calls += 1
+        return jnp.asarray(np.tanh(np.asarray(a)))
+
+
+def _numpy_tanh_jvp(fn, node, args, tangents, active):
+    primal = fn(*args)
+    (t,) = tangents[0]
+    return primal, ((1 - primal ** 2) * t,)
+
+
+def test_registered_jvp_rule():
+    fn = NumpyTanh()
+    dag = {"A": (jnp.sin, ["x"]), "B": (fn, ["A"]), "C": (lambda b: jnp.sum(b ** 2), ["B"])}
+    x = jnp.linspace(-1, 1, 4)
+    v = jnp.arange(4.0)
+    composed = lambda x: jnp.sum(jnp.tanh(jnp.sin(x)) ** 2)
+    with pytest.raises(NodeError, match="node 'B'"):  # no rule: jax.jvp hands it tracers
+        daskdag.compute_jvps(dag, x, v, "C")
+    jvps.JVP_RULES[NumpyTanh] = _numpy_tanh_jvp
+    try:
+        fn.calls = 0
+        res = daskdag.compute_jvps(dag, x, v, ["B", "C"])
+        assert fn.calls == 1
+        assert_tree_close(res["B"].value, jnp.tanh(jnp.sin(x)))
+        assert_tree_close(res["C"].tangent, jax.jvp(composed, (x,), (v,))[1], rtol=1e-5)
+        # batched: the rule cannot be vmapped (NumPy), so it runs direction by direction
+        res = daskdag.compute_jvps(dag, x, jnp.eye(4), "C", batched=True)
+        assert_tree_close(res.tangent, jax.jacfwd(composed)(x), rtol=1e-5, atol=1e-6)
+    finally:
+        del jvps.JVP_RULES[NumpyTanh]
+
+
+def _cluster_dag():
+    return {"A": (lambda x: jnp.sin(x) * 2.0, ["x"]),
+            "B": (lambda a: a ** 2 + 1.0, ["A"]),
+            "C": Node(lambda b: jnp.cumsum(b) / 3.0, ["B"], jit=True),
+            "D": Node(lambda c: jnp.sum(jnp.log(c)), ["C"], jit=True),
+            "E": (lambda b, w: jnp.sum(jnp.sqrt(b) * w), ["B", "w"])}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_on_a_process_cluster():
+    x, w = jnp.arange(1.0, 6.0), jnp.linspace(0.0, 1.0, 5)
+
+    def composed(x):
+        b = (jnp.sin(x) * 2.0) ** 2 + 1.0
+        return {"D": jnp.sum(jnp.log(jnp.cumsum(b) / 3.0)), "E": jnp.sum(jnp.sqrt(b) * w)}
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+        res = daskdag.compute_jvps(_cluster_dag(), {"x": x, "w": w}, {"x": V5}, ["D", "E"],
+                                   client=client)
+        values, tangents = jax.jvp(composed, (x,), (V5,))
+        for o in "DE":
+            assert_tree_close(res[o].value, values[o])
+            assert_tree_close(res[o].tangent, tangents[o], rtol=1e-5)
+        res = daskdag.compute_jvps(_cluster_dag(), {"x": x, "w": w}, {"x": jnp.eye(5)}, ["D", "E"],
+                                   batched=True, client=client)
+        jac = jax.jacfwd(composed)(x)
+        for o in "DE":
+            assert_tree_close(res[o].tangent, jac[o], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_stage_compiles_once_across_calls():
+    traces = TraceLog()
+
+    def a(x):
+        traces.append("A")
+        return jnp.sin(x)
+
+    def b(y):
+        traces.append("B")
+        return y * 2.0
+
+    dag = {"A": Node(a, ["x"], jit=True), "B": Node(b, ["A"], jit=True)}
+    for i in range(3):
+        x = jnp.arange(3.0) + i
+        r = daskdag.compute_jvps(dag, x, jnp.ones(3), "B")
+        assert_tree_close(r.tangent, 2.0 * jnp.cos(x))
+    assert traces == ["A", "B"]
+    for i in range(2):  # batched: one more program
+        r = daskdag.compute_jvps(dag, jnp.arange(3.0) + i, jnp.eye(3), "B", batched=True)
+    assert traces == ["A", "B"] * 2
+
+
+def test_tasks_of_nodes_with_resources_are_annotated():
+    dag = {"A": Node(jnp.sin, ["x"], resources={"FOO": 1}), "B": (jnp.cos, ["A"])}
+    spec = parse(dag)
+    flat, k = jvps.input_tangents(spec, {"x": jnp.ones(2)}, jnp.ones(2), False)
+    graph = jvps.build(ship(make_plan(spec, ("B",), ("x",)), False), {"x": jnp.ones(2)}, flat, k)
+    hlg = graph["B"][0].__dask_graph__()
+    placed = {str(key) for layer in hlg.layers.values()
+              if (layer.annotations or {}).get("resources") == {"FOO": 1} for key in layer}
+    assert any(key.startswith("jvp-A-") for key in placed), placed
+    assert any(key.startswith("tan-A-") for key in placed)
+    assert not any(key.startswith(("jvp-B-", "tangent-")) for key in placed)

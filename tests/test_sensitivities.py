@@ -1,0 +1,106 @@
+"""Sensitivities at any node: ``wrt`` naming nodes gives d output / d node value from the same
+backward pass, against ``jax.vjp`` of the sub-function from that node to the output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import daskdag
+from daskdag import DAGError, Node
+
+from .conftest import Counted, assert_tree_close, seed_functions
+
+F = seed_functions()
+
+
+def seed_dag(jit=False, vmap=False):
+    f = {k: Counted(v) for k, v in F.items()}
+    return {"A": Node(f["x_to_A"], ["x"], jit=jit, vmap=vmap),
+            "B": Node(f["A_to_B"], ["A"], jit=jit, vmap=vmap),
+            "C": Node(f["B_to_C"], ["B"], jit=jit, vmap=vmap),
+            "D": Node(f["C_to_D"], ["C"], jit=jit, vmap=vmap),
+            "E": Node(f["B_to_E"], ["B"], jit=jit, vmap=vmap)}, f
+
+
+X = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
+A = F["x_to_A"](X)
+B = F["A_to_B"](A)
+C = F["B_to_C"](B)
+TO_D = {"x": lambda x: F["C_to_D"](F["B_to_C"](F["A_to_B"](F["x_to_A"](x)))),
+        "B": lambda B: F["C_to_D"](F["B_to_C"](B)), "C": F["C_to_D"]}
+AT = {"x": X, "B": B, "C": C}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradients_at_nodes_from_the_same_backward_pass(jit):
+    dag, f = seed_dag(jit)
+    res = daskdag.compute_grads(dag, X, ["D", "E"], wrt=["x", "B", "C"])
+    assert all(fn.calls == 1 for fn in f.values())  # no extra forward work (jit: traced once)
+    assert set(res["D"].grad) == {"x", "B", "C"}
+    for name in ("x", "B", "C"):
+        _, vjp = jax.vjp(TO_D[name], AT[name])
+        assert_tree_close(res["D"].grad[name], vjp(1.0)[0], rtol=1e-5)
+    assert_tree_close(res["E"].grad["B"], jax.grad(F["B_to_E"])(B), rtol=1e-5)
+    assert_tree_close(res["E"].grad["C"], jnp.zeros_like(C))  # E does not depend on C
+
+
+def test_the_output_itself_and_a_node_with_no_path():
+    dag, f = seed_dag()
+    res = daskdag.compute_grads(dag, X, "C", wrt=["C", "E"], cotangents={"C": jnp.arange(5.0)})
+    assert_tree_close(res.grad["C"], jnp.arange(5.0))  # d C / d C applied to the seed
+    assert_tree_close(res.grad["E"], jnp.zeros(()))  # no output needs E: it ran, once, for this
+    assert f["B_to_E"].calls == 1 and f["C_to_D"].calls == 0
+
+
+def test_nodes_alone_in_wrt_leave_the_inputs_constant():
+    dag, f = seed_dag()
+    res = daskdag.compute_grads(dag, X, "D", wrt="B")
+    assert set(res.grad) == {"B"}
+    assert_tree_close(res.grad["B"], jax.grad(TO_D["B"])(B), rtol=1e-5)
+    assert f["x_to_A"].calls == 1 and f["A_to_B"].calls == 1
+
+
+def test_jacobian_with_respect_to_a_node():
+    dag, _ = seed_dag(jit=True)
+    res = daskdag.jacobian(dag, X, ["C", "D"], wrt=["x", "B"])
+    assert_tree_close(res["C"].grad["B"], jax.jacrev(F["B_to_C"])(B), rtol=1e-5)
+    assert_tree_close(res["D"].grad["B"], jax.grad(TO_D["B"])(B), rtol=1e-5)
+    assert_tree_close(res["C"].grad["x"], jax.jacrev(lambda x: F["B_to_C"](F["A_to_B"](F["x_to_A"](x))))(X),
+                      rtol=1e-5)
+
+
+@pytest.mark.parametrize("vmap", [False, True])
+def test_per_item_gradients_at_a_node_in_a_sweep(vmap):
+    dag, _ = seed_dag(vmap=vmap)
+    xs = jnp.stack([X, X * 0.5, X + 1.0])
+    res = daskdag.sweep_grads(dag, xs, "D", wrt=["x", "B"], chunk_size=2)
+    Bs = jax.vmap(lambda x: F["A_to_B"](F["x_to_A"](x)))(xs)
+    assert_tree_close(res.grad["B"], jax.vmap(jax.grad(TO_D["B"]))(Bs), rtol=1e-5)
+    assert_tree_close(res.grad["x"], jax.vmap(jax.grad(TO_D["x"]))(xs), rtol=1e-5)
+
+
+def test_a_custom_vjp_node_in_wrt():
+    def bwd(res, ct):
+        return (np.asarray(ct) * 2.0 * res,)
+
+    dag = {"S": Node(fwd=lambda x: (np.asarray(x) ** 2, np.asarray(x)), bwd=bwd, deps=["x"]),
+           "T": (lambda s: jnp.sum(jnp.sin(s)), ["S"])}
+    res = daskdag.compute_grads(dag, X, "T", wrt=["x", "S"])
+    assert_tree_close(res.grad["S"], jnp.cos(X ** 2), rtol=1e-5)
+    assert_tree_close(res.grad["x"], jnp.cos(X ** 2) * 2 * X, rtol=1e-5)
+
+
+def test_unknown_name_in_wrt():
+    dag, _ = seed_dag()
+    with pytest.raises(DAGError, match="wrt names 'Q', which is neither a given free input "
+                                       r"\['x'\] nor a node"):
+        daskdag.compute_grads(dag, X, "D", wrt=["Q"])
+
+
+def test_gradient_at_a_node_with_integer_leaves_holds_them():
+    dag = {"P": (lambda x: {"w": x * 2.0, "n": jnp.arange(3)}, ["x"]),
+           "L": (lambda p: jnp.sum(p["w"] ** 2) * p["n"][2], ["P"])}
+    res = daskdag.compute_grads(dag, X, "L", wrt=["P"])
+    assert res.grad["P"]["n"] is None
+    np.testing.assert_allclose(res.grad["P"]["w"], 2 * (X * 2.0) * 2, rtol=1e-6)
