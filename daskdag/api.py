@@ -287,7 +287,7 @@ def _results(spec, outputs, computed, failed=None):
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
     def grad(g):  # alone: the one free input's, when that is all there is
-        return g[spec.inputs[0]] if list(g) == list(spec.inputs) else g
+        return g[spec.inputs[0]] if len(spec.inputs) == 1 and list(g) == list(spec.inputs) else g
 
     results = {o: Result(v, grad(g), failed or {}) for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results

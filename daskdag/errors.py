@@ -10,8 +10,9 @@ import threading
 import jax
 
 _VJP = ("a node differentiated with jax.vjp gets tracers for inputs: float(), int() and "
-        "np.asarray() on them fail, and so does non-JAX code; wrap that part in jax.custom_vjp to "
-        "give it its own VJP")
+        "np.asarray() on them fail, and so does non-JAX code; give such a node its own VJP, "
+        "daskdag.Node(fwd=..., bwd=..., deps=...) or Node(fn, deps, vjp=...), and it gets NumPy "
+        "values")
 _TRACED = ("a node marked jit=True (or vmap=True in a sweep) is traced without values, so Python "
            "control flow on its values fails: drop jit=True (vmap=True) for this node, or use "
            "jax.lax.cond / jnp.where")

@@ -71,7 +71,7 @@ def test_missing_and_unknown_input_values():
 def test_bad_wrt():
     dag = {"A": (lambda x, i: jnp.sum(x[i]), ["x", "i"])}
     inputs = {"x": X, "i": jnp.array([0, 1])}
-    with pytest.raises(DAGError, match="wrt names 'z', which is not a given free input"):
+    with pytest.raises(DAGError, match="wrt names 'z', which is neither a given free input .* nor a node"):
         daskdag.compute_grads(dag, inputs, "A", wrt=["z"])
     with pytest.raises(DAGError, match="wrt names input 'i', which has no floating-point array leaf"):
         daskdag.compute_grads(dag, inputs, "A", wrt=["i"])
@@ -105,10 +105,10 @@ def test_node_exception_names_the_node_and_keeps_the_cause():
 
 def test_concretization_error_gets_a_hint():
     dag = {"A": (lambda x: x * float(x[0]), ["x"]), "B": (jnp.sum, ["A"])}
-    with pytest.raises(NodeError, match="(?s)node 'A'.*ConcretizationTypeError.*jax.custom_vjp"):
+    with pytest.raises(NodeError, match="(?s)node 'A'.*ConcretizationTypeError.*its own VJP, daskdag\\.Node\\(fwd="):
         daskdag.compute_grads(dag, X, "B")
     dag = {"A": (lambda x: jnp.asarray(np.asarray(x)), ["x"]), "B": (jnp.sum, ["A"])}
-    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerArrayConversionError.*jax.custom_vjp"):
+    with pytest.raises(NodeError, match="(?s)node 'A'.*TracerArrayConversionError.*its own VJP, daskdag\\.Node\\(fwd="):
         daskdag.compute_grads(dag, X, "B")
 
 
