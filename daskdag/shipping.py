@@ -119,23 +119,28 @@ def _receive_function(token, skeleton, arrays) -> Function:
     return Function(token, skeleton, arrays)
 
 
-def pack(obj, as_function: bool = False, hashed: bool = True) -> Packed:
+def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | None = None) -> Packed:
     """``obj`` packed for travel (see the module's docstring); raises what pickling raised.
 
     ``hashed=False`` leaves the content token to be computed when first asked for: for values
     that travel under keys of their own (a sweep's scattered items), which are never asked, so
-    their arrays are not hashed (most of the cost of packing them)."""
+    their arrays are not hashed (most of the cost of packing them). ``tokens``: array tokens by
+    ``id`` already computed in this call (see :func:`ship`), added to."""
     arrays: list = []
     buffer = io.BytesIO()
     with _lock, _user_modules_by_value():
         _Pickler(buffer, arrays).dump(obj)
     skeleton = buffer.getvalue()
-    token = _content_token(skeleton, arrays) if hashed else None
+    token = _content_token(skeleton, arrays, {} if tokens is None else tokens) if hashed else None
     return (Function if as_function else Packed)(token, skeleton, arrays, obj)
 
 
-def _content_token(skeleton: bytes, arrays: list) -> str:
-    return tokenize(skeleton, [_array_token(a) for a in arrays])
+def _content_token(skeleton: bytes, arrays: list, tokens: dict | None = None) -> str:
+    tokens = {} if tokens is None else tokens
+    for a in arrays:
+        if id(a) not in tokens:
+            tokens[id(a)] = _array_token(a)
+    return tokenize(skeleton, [tokens[id(a)] for a in arrays])
 
 
 def unpack(value):
@@ -144,11 +149,12 @@ def unpack(value):
     return value.load() if isinstance(value, Packed) else value
 
 
-def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bool = True):
+def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bool = True,
+             tokens: dict | None = None):
     """:func:`pack` of ``obj``. Where pickling fails: on a cluster (``remote``) a
     :class:`~daskdag.DAGError` naming ``what``; locally, where nothing travels, ``obj`` itself."""
     try:
-        return pack(obj, as_function, hashed)
+        return pack(obj, as_function, hashed, tokens)
     except Exception as e:
         if remote:
             raise DAGError(f"{what} cannot be sent to the cluster: pickling it failed with "
@@ -157,13 +163,18 @@ def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bo
 
 
 def ship(plan, remote: bool):
-    """``plan`` with the function of every node it runs packed, each distinct function once."""
+    """``plan`` with the function of every node it runs packed, each distinct function once,
+    and each distinct array they hold hashed once (an array several functions close over: a
+    node's forward and backward rules, nodes sharing weights). The arrays live through the
+    call, so their ids name them."""
     packed: dict[int, object] = {}
+    tokens: dict[int, str] = {}
     nodes = dict(plan.spec.nodes)
     for n in plan.needed:
         fn = nodes[n].fn
         if id(fn) not in packed:
-            packed[id(fn)] = pack_for(f"node {n!r}: its function", fn, remote, as_function=True)
+            packed[id(fn)] = pack_for(f"node {n!r}: its function", fn, remote, as_function=True,
+                                      tokens=tokens)
         nodes[n] = replace(nodes[n], fn=packed[id(fn)])
     return replace(plan, spec=replace(plan.spec, nodes=nodes))
 

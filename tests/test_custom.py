@@ -343,3 +343,27 @@ def test_check_grads_passes_on_right_rules_and_names_a_wrong_one(x64):
                                                          r"finite differences for dep 'A'") as e:
         daskdag.check_grads(solve_dag(fwd=solve_fwd, bwd=off), w, "L")
     assert e.value.node == "x" and e.value.dep == "A" and e.value.others == ()
+
+
+def test_weights_changed_in_place_between_calls_are_seen_forward_and_backward():
+    w = np.array(make_A(W))  # closed over by fwd and bwd: hashed once per call, still seen
+
+    def fwd(b):
+        x = np.linalg.solve(w, b)
+        return x, x
+
+    def bwd(x, ct):
+        return (np.linalg.solve(w.T, ct),)
+
+    dag = {"b": (make_b, ["v"]), "x": Node(fwd=fwd, bwd=bwd, deps=["b"]),
+           "L": (lambda x: jnp.sum(x ** 2), ["x"])}
+
+    def expected(v):
+        return jax.value_and_grad(lambda v: jnp.sum(jnp.linalg.solve(jnp.asarray(w), make_b(v)) ** 2))(v)
+
+    for scale in (1.0, 2.0, 0.5):
+        w[:] = np.asarray(make_A(W)) * scale
+        res = daskdag.compute_grads(dag, W, "L")
+        value, grad = expected(W)
+        assert_tree_close(res.value, value, rtol=1e-5)
+        assert_tree_close(res.grad, grad, rtol=1e-4, atol=1e-6)
