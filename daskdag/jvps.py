@@ -49,7 +49,7 @@ from .errors import DAGError, node_errors
 from .graph import _Graph, node_ref, value_task
 from .plan import Plan
 from .progress import Cancelled
-from .pullback import differentiable_leaves, is_differentiable, is_numeric
+from .pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
 from .shipping import unwrap
 from .spec import Node
 from .stages import Stage, _fused_function, make_stages
@@ -87,27 +87,10 @@ def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[b
     :func:`daskdag.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
     ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
     constant. The tangent is a flat tuple over the primal's differentiable leaves."""
-    flat_args = [jax.tree.flatten(a) for a in args]
-    masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
-             zip(active, flat_args)]
-    diff = [leaf for (leaves, _), mask in zip(flat_args, masks) for leaf, m in zip(leaves, mask) if m]
+    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
     tans = [t for on, ts in zip(active, tangents) if on for t in ts]
-    out: dict = {}
-
-    def fn_of_diff(*diff_leaves):
-        it = iter(diff_leaves)
-        rebuilt = [treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
-                   if on else a for a, on, (leaves, treedef), mask in zip(args, active, flat_args, masks)]
-        leaves, out["treedef"] = jax.tree.flatten(fn(*rebuilt))
-        out["mask"] = tuple(map(is_differentiable, leaves))
-        out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return ([leaf for leaf, m in zip(leaves, out["mask"]) if m],
-                [leaf for leaf, m in zip(leaves, out["mask"]) if not m and is_numeric(leaf)])
-
     primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
-    d, h = iter(primal_diff), iter(held)
-    leaves = [next(d) if m else (next(h) if s is None else s) for m, s in zip(out["mask"], out["static"])]
-    return out["treedef"].unflatten(leaves), tuple(tangent)
+    return rebuild(primal_diff, held), tuple(tangent)
 
 
 def directions(rule: Callable, args, tangents, active, k: int):

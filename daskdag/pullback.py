@@ -159,6 +159,17 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     """``(primal, its differentiable leaves, vjp_fn)``: ``jax.vjp`` of ``fn`` at ``args``, leaf
     by leaf as :func:`linearize` does. ``vjp_fn`` takes and returns lists of leaves. It runs
     under ``jax.jit`` too, where ``fn``'s output must then be arrays only."""
+    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
+    primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
+    return rebuild(primal_diff, held), primal_diff, vjp_fn
+
+
+def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
+    """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
+    and ``jax.jvp`` (:func:`daskdag.jvps.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
+    those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
+    output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
+    output as ``fn`` returned it."""
     flat_args = [jax.tree.flatten(a) for a in args]
     masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
              zip(active, flat_args)]
@@ -171,16 +182,18 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
                    if on else a for a, on, (leaves, treedef), mask in zip(args, active, flat_args, masks)]
         leaves, out["treedef"] = jax.tree.flatten(fn(*rebuilt))
         out["mask"] = tuple(map(is_differentiable, leaves))
-        # Arrays held constant go through vjp's aux (they may depend on traced inputs); other
+        # Arrays held constant go through the aux (they may depend on traced inputs); other
         # leaves (functions, strings) cannot be traced and are kept as they are.
         out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
         return ([leaf for leaf, m in zip(leaves, out["mask"]) if m],
                 [leaf for leaf, m in zip(leaves, out["mask"]) if not m and is_numeric(leaf)])
 
-    primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
-    d, h = iter(primal_diff), iter(held)
-    leaves = [next(d) if m else (next(h) if s is None else s) for m, s in zip(out["mask"], out["static"])]
-    return out["treedef"].unflatten(leaves), primal_diff, vjp_fn
+    def rebuild(out_diff, held):
+        d, h = iter(out_diff), iter(held)
+        return out["treedef"].unflatten([next(d) if m else (next(h) if s is None else s)
+                                         for m, s in zip(out["mask"], out["static"])])
+
+    return diff, fn_of_diff, rebuild
 
 
 def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
