@@ -6,13 +6,21 @@
 >>> res = daskdag.jacobian(dag, x, ["A", "B"])                # full Jacobians, as jax.jacrev
 >>> res = daskdag.compute_jvps(dag, x, v, ["D", "E"])        # forward mode: res["D"].tangent
 >>> daskdag.check_grads(dag, x, ["D", "E"])                   # each node's VJP against FD
+>>> call = daskdag.grads(dag, x, ["D", "E"])                  # lazy: a Dask collection
+>>> dask.compute(call, other_dask_work)
 """
 
-from .api import JVPResult, Result, compute_grads, compute_jvps, jacobian, sweep_grads
+from importlib import metadata as _metadata
+
+from .api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
+                  sweep_grads)
 from .checks import check_grads
 from .errors import ClusterError, DAGError, GradientCheckError, NodeError
+from .lazy import Call
 from .spec import Node
 
-__all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads", "Node",
-           "Result", "JVPResult", "DAGError", "NodeError", "ClusterError", "GradientCheckError"]
-__version__ = "0.1.0"
+__all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
+           "grads", "jacobians", "jvps", "Call", "Node", "Result", "JVPResult",
+           "DAGError", "NodeError", "ClusterError", "GradientCheckError"]
+# One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
+__version__ = _metadata.version("daskdag")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import distributed
@@ -13,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, jvps, resident, sweep
+from . import cluster, log, resident, sweep
+from . import jvps as jvp_graph
 from .compute import compute
 from .custom import Custom
 from .errors import DAGError, NodeError
 from .graph import build
+from .lazy import Call
 from .progress import Stop
 from .pullback import differentiable_leaves, is_differentiable, is_numeric
 from .shipping import ship
@@ -53,7 +56,8 @@ class JVPResult:
 
 
 def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                  cotangents: Mapping[str, Any] | None = None, client=None, progress: bool = False):
+                  cotangents: Mapping[str, Any] | None = None, client=None, scheduler=None,
+                  progress: bool = False):
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
     dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
@@ -68,21 +72,97 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
                 the same backward pass; zeros where the output does not depend on it).
     cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
     client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
+    scheduler:  as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
+                even while a default client exists; a ``distributed.Client`` is ``client=``.
     progress:   show Dask's progress bar over the call's tasks.
 
     Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
-    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for a malformed
-    call, :class:`~daskdag.NodeError` when a node raises, :class:`~daskdag.ClusterError` when
-    the cluster cannot run the graph (a client that is not running, no worker within
-    ``daskdag.worker-wait``, a resource no worker offers, versions that differ).
+    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for
+    a malformed call, :class:`~daskdag.NodeError` when a node raises,
+    :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
+    running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
+    that differ). :func:`grads` is the same call, not computed yet.
     """
-    client = client if client is not None else _active_client()
-    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote=client is not None)
-    return _results(spec, outputs, _run(plan, values, cts, client, progress))
+    client, local = _where(client, scheduler)
+    return _computed(_grads(dag, x, outputs, wrt, cotangents, client is not None), client,
+                     local, progress)
+
+
+def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+          cotangents: Mapping[str, Any] | None = None) -> Call:
+    """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag.lazy.Call`)
+    whose ``.compute()`` returns what :func:`compute_grads` does; ``dask.compute``,
+    ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
+    forward tasks of calls computed together are shared. It runs where Dask runs it: the
+    default ``distributed`` client in effect at compute time (checked then, as
+    :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
+    (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
+    next calls; a lazy call carries them in its graph.)"""
+    return _lazy(_grads(dag, x, outputs, wrt, cotangents, _active_client() is not None))
+
+
+def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None) -> "_Call":
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
+    return _Call(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
+                                                 stop=stop, rows=rows),
+                 partial(_results, spec, outputs) if rows is None else
+                 partial(_jacobians, spec, outputs), "compute_grads" if rows is None else "jacobian")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call prepared: its plan, ``make(place, stop)`` building its graph
+    (:func:`daskdag.graph.build`), and ``finish``, the result from the graph computed."""
+
+    plan: Any
+    make: Any
+    finish: Any
+    kind: str = "compute_grads"  # (for the log)
+
+
+def _computed(call: _Call, client, local: str, progress: bool):
+    """The call computed now: on a cluster, checked first, and what it keeps placed once
+    (:mod:`daskdag.resident`); else on this process's ``local`` scheduler."""
+    if client is not None:  # before anything is built or sent
+        cluster.check(client, call.plan)
+    kept = resident.of(client) if client is not None else None
+    stop = Stop() if client is None else None
+    before = kept.sent if kept else None
+    with kept.call(client) if kept else contextlib.nullcontext() as place:
+        graph = call.make(place, stop)
+        log.submitted(call.kind, call.plan, graph, log.where(client, local),
+                      kept.sent - before if kept else None)
+        return call.finish(compute(graph, client, progress, stop, local))
+
+
+def _lazy(call: _Call) -> Call:
+    return Call.of(call.plan, call.make(None, None), call.finish)
+
+
+SCHEDULERS = {"threads": "threads", "threading": "threads", "sync": "sync",
+              "synchronous": "sync", "single-threaded": "sync"}
+
+
+def _where(client, scheduler) -> tuple[Any, str]:
+    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here."""
+    if scheduler is None:
+        client = client if client is not None else _active_client()
+        return client, None if client is not None else "threads"
+    if isinstance(scheduler, distributed.Client):
+        if client is not None and client is not scheduler:
+            raise DAGError("client= and scheduler= name two different clients: give one")
+        return scheduler, None
+    if not isinstance(scheduler, str) or scheduler not in SCHEDULERS:
+        raise DAGError(f"scheduler must be one of {sorted(SCHEDULERS)} or a distributed.Client, "
+                       f"got {scheduler!r}")
+    if client is not None:
+        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
+                       f"cluster: give one or the other")
+    return None, SCHEDULERS[scheduler]
 
 
 def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-             chunk_size: int | None = None, client=None, progress: bool = False):
+             chunk_size: int | None = None, client=None, scheduler=None, progress: bool = False):
     """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
     function gives them, each node computed once.
 
@@ -100,24 +180,38 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
     structure, each leaf holding the input's structure with leaves shaped
     ``output_leaf.shape + input_leaf.shape``; ``None`` where a leaf of either is held constant
     (integers, booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
-    a complex output.
+    a complex output. :func:`jacobians` is the same call, not computed yet.
     """
+    client, local = _where(client, scheduler)
+    return _computed(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None), client,
+                     local, progress)
+
+
+def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+              chunk_size: int | None = None) -> Call:
+    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`grads` is."""
+    return _lazy(_jacobian(dag, x, outputs, wrt, chunk_size, _active_client() is not None))
+
+
+def _jacobian(dag, x, outputs, wrt, chunk_size, remote) -> _Call:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    client = client if client is not None else _active_client()
-    spec, plan, values, _ = _prepare(dag, x, outputs, wrt, None, remote=client is not None)
-    computed = _run(plan, values, {}, client, progress, Rows(chunk_size))
+    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size))
+
+
+def _jacobians(spec, outputs, computed) -> dict:
+    """:func:`_results` of a Jacobian's rows, laid out as ``jax.jacrev`` does."""
     return _results(spec, outputs, {
         o: (value, {i: _jacrev_layout(value, rows) for i, rows in grads.items()})
         for o, (value, grads) in computed.items()})
 
 
 def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
-                 client=None, progress: bool = False):
+                 client=None, scheduler=None, progress: bool = False):
     """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
     computed once.
 
-    dag, x, outputs, client, progress: as for :func:`compute_grads`.
+    dag, x, outputs, client, scheduler, progress: as for :func:`compute_grads`.
     tangents:   with one free input, a pytree shaped like ``x``: the tangent of each floating-point
                 leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
                 bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
@@ -134,38 +228,34 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
     no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
     whose structure, shape or dtype does not match its input, naming it; a tangent for a name
     that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
-    differentiated by ``jax.jvp``, such as NumPy code, raises there unless a rule for its kind
-    is registered in :data:`daskdag.jvps.JVP_RULES`), :class:`~daskdag.ClusterError` as
-    :func:`compute_grads` does.
+    differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
+    ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
+    the same call, not computed yet.
     """
-    client = client if client is not None else _active_client()
+    client, local = _where(client, scheduler)
+    return _computed(_jvps(dag, x, tangents, outputs, batched, client is not None), client,
+                     local, progress)
+
+
+def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
+    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
+    return _lazy(_jvps(dag, x, tangents, outputs, batched, _active_client() is not None))
+
+
+def _jvps(dag, x, tangents, outputs, batched, remote) -> _Call:
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
-    flat, k = jvps.input_tangents(spec, values, tangents, bool(batched))
-    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), client is not None)
-    computed = _compute(plan, client, progress, lambda place, stop: jvps.build(
-        plan, values, flat, k, remote=client is not None, place=place, stop=stop))
-    results = {o: JVPResult(v, t[jvps.TANGENT]) for o, (v, t) in computed.items()}
+    flat, k = jvp_graph.input_tangents(spec, values, tangents, bool(batched))
+    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote)
+    return _Call(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
+                                                           place=place, stop=stop),
+                 partial(_jvp_results, outputs), "compute_jvps")
+
+
+def _jvp_results(outputs, computed) -> dict:
+    results = {o: JVPResult(v, t[jvp_graph.TANGENT]) for o, (v, t) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
-
-
-def _run(plan, values, cts, client, progress, rows=None) -> dict:
-    """One call's graph (:func:`daskdag.graph.build`) computed: ``{output: (value, {input:
-    grad})}``."""
-    return _compute(plan, client, progress, lambda place, stop: build(
-        plan, values, cts, remote=client is not None, place=place, stop=stop, rows=rows))
-
-
-def _compute(plan, client, progress, make) -> dict:
-    """The graph ``make(place, stop)`` computed. On a cluster, checked first, and what it keeps
-    is placed once (:mod:`daskdag.resident`)."""
-    if client is not None:  # before anything is built or sent
-        cluster.check(client, plan)
-    kept = resident.of(client) if client is not None else None
-    stop = Stop() if client is None else None
-    with kept.call(client) if kept else contextlib.nullcontext() as place:
-        return compute(make(place, stop), client, progress, stop)
 
 
 def _jacrev_layout(value, rows):
@@ -226,7 +316,7 @@ def _with_rules(plan, forward: bool = False):
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, Any] | None = None, chunk_size: int | None = None,
-                client=None, progress: bool = False, errors: str = "raise"):
+                client=None, scheduler=None, progress: bool = False, errors: str = "raise"):
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
     xs:         like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
@@ -237,6 +327,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
                 a gradient per item; a node, its gradient per item (as for compute_grads).
     cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
                 output; the same for every item.
+    client, scheduler: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
     chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
                 when every node that carries items is ``vmap=True``, one chunk per worker
                 thread, at most 64 MiB of items each).
@@ -272,11 +363,11 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    client = client if client is not None else _active_client()
+    client, local = _where(client, scheduler)
     planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
                                remote=client is not None)
     found = cluster.check(client, planned.plan) if client is not None else None
-    slots = sweep.parallelism(found)
+    slots = sweep.parallelism(found) if local != "sync" else 1
     chunk_size = chunk_size or sweep.default_chunk_size(planned, slots)
     computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
                                  progress=progress, errors=errors, workers=found)

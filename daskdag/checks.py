@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from dask.base import tokenize
 
-from .api import _active_client, _compute, _input_values, _outputs, _wrt
+from .api import _Call, _computed, _input_values, _outputs, _where, _wrt
 from .errors import GradientCheckError, node_errors
 from .graph import build, node_ref, value_task
 from .plan import make_plan
@@ -56,11 +56,12 @@ ROUNDING = 4.0
 
 
 def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                eps: float | None = None, rtol: float | None = None, client=None) -> dict[str, float]:
+                eps: float | None = None, rtol: float | None = None, client=None,
+                scheduler=None) -> dict[str, float]:
     """Check the VJP of every node on the way from the differentiated inputs to ``outputs``
     against central finite differences of that node alone, at the point the forward pass reached.
 
-    dag, x, outputs, wrt, client: as for :func:`daskdag.compute_grads`.
+    dag, x, outputs, wrt, client, scheduler: as for :func:`daskdag.compute_grads`.
     eps:   the finite-difference step, relative: each element of a leaf moves by about ``eps``
            times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
            Default, by the lowest precision among the node's differentiated leaves and output
@@ -87,7 +88,7 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
     :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
     raises for a malformed call or a cluster that cannot run it.
     """
-    client = client if client is not None else _active_client()
+    client, local = _where(client, scheduler)
     remote = client is not None
     spec = parse(dag)
     names = _outputs(spec, outputs)
@@ -121,7 +122,7 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
                                                                dask_key_name=key)
         return tasks
 
-    found = _compute(forward, client, False, graph)
+    found = _computed(_Call(forward, graph, lambda found: found, "check_grads"), client, local, False)
     failed = [n for n in checked if found[n][1]]
     if failed:
         first = found[failed[0]][1]

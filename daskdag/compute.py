@@ -18,13 +18,15 @@ import jax
 from dask.diagnostics import ProgressBar
 
 
-def compute(graph: dict, client, progress: bool = False, stop=None) -> dict:
-    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure.
-    ``stop``: the ``daskdag.progress.Stop`` a local graph's stages watch; set when the call ends early."""
+def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None) -> dict:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure:
+    on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
+    process, whatever default client exists. ``stop``: the ``daskdag.progress.Stop`` a local
+    graph's stages watch; set when the call ends early."""
     if client is None:
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
-                (computed,) = dask.compute(graph)
+                (computed,) = dask.compute(graph, scheduler=local or "threads")
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:
                 stop.set()

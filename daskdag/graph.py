@@ -81,7 +81,10 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     for s in stages:
         nodes = [spec.nodes[n] for n in s.nodes]
         sent = [node_ref(n, node, place) for n, node in zip(s.nodes, nodes)]
-        tok = tokenize(s, nodes, [val[d].key for d in s.deps], closed.get(s), rows)
+        # (A Jacobian's rows change only what a closed stage's task computes: the others are the
+        # same forward tasks as for gradients, shared when both are computed together.)
+        tok = tokenize(s, nodes, [val[d].key for d in s.deps], closed.get(s),
+                       rows if s in closed else None)
         run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s], rows)
         fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), run[0], s, stop, *run[1:], *sent,
                      *(val[d] for d in s.deps))

@@ -29,6 +29,7 @@ from .chunked import Chunked, chunk_of
 from .engines import Cluster, Threads
 from .errors import NodeError
 from .graph import build
+from .log import logger, where
 from .plan import Plan, make_plan
 from .progress import Progress, chunk_steps
 from .resident import placing
@@ -151,6 +152,9 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     """
     stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
                for o in sweep.plan.outputs}
+    logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
+                list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
+                where(client, None))
     failed: dict[int, NodeError] = {}
     if sweep.size:
         bar = Progress(sweep.size) if progress else None

@@ -1,0 +1,129 @@
+"""Calls as Dask collections (daskdag.grads, jacobians, jvps): nothing runs until computed, they
+compute with other Dask work and share forward tasks, persist on a cluster, are checked against
+the cluster at compute time; and scheduler= runs a call here while a default client exists."""
+
+import dask
+import dask.array as da
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskdag
+from daskdag import ClusterError, DAGError, Node
+
+from .conftest import Counted, assert_tree_close, seed_functions
+
+F = seed_functions()
+X = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def seed_dag():
+    f = {k: Counted(v) for k, v in F.items()}
+    return {"A": (f["x_to_A"], ["x"]), "B": (f["A_to_B"], ["A"]), "C": (f["B_to_C"], ["B"]),
+            "D": (f["C_to_D"], ["C"]), "E": (f["B_to_E"], ["B"])}, f
+
+
+def composed(x):
+    B = F["A_to_B"](F["x_to_A"](x))
+    return {"C": F["B_to_C"](B), "D": F["C_to_D"](F["B_to_C"](B)), "E": F["B_to_E"](B)}
+
+
+def test_nothing_runs_until_computed_and_then_as_the_eager_call():
+    dag, f = seed_dag()
+    calls = {"grads": daskdag.grads(dag, X, ["D", "E"]), "jacobians": daskdag.jacobians(dag, X, "C"),
+             "jvps": daskdag.jvps(dag, X, jnp.ones(5), ["D", "E"])}
+    assert all(fn.calls == 0 for fn in f.values())
+    assert "daskdag.Call(outputs=['D', 'E'], wrt=['x']" in repr(calls["grads"])
+    res = calls["grads"].compute()
+    for o in ("D", "E"):
+        value, grad = jax.value_and_grad(lambda x: composed(x)[o])(X)
+        assert_tree_close(res[o].value, value, rtol=1e-6)
+        assert_tree_close(res[o].grad, grad, rtol=1e-5)
+    assert_tree_close(calls["jacobians"].compute().grad, jax.jacrev(lambda x: composed(x)["C"])(X),
+                      rtol=1e-5)
+    jv = calls["jvps"].compute()
+    assert_tree_close(jv["D"].tangent, jax.jvp(lambda x: composed(x)["D"], (X,), (jnp.ones(5),))[1],
+                      rtol=1e-5)
+
+
+def test_two_calls_and_a_dask_array_in_one_compute_share_forward_tasks():
+    dag, f = seed_dag()
+    g, j = daskdag.grads(dag, X, ["D", "E"]), daskdag.jacobians(dag, X, ["D", "E"])
+    total = da.from_array(np.arange(12.0), chunks=4).sum()
+    shared = set(dict(g.__dask_graph__())) & set(dict(j.__dask_graph__()))
+    assert any(k.startswith("fwd-A+B-") for k in shared)  # the trunk's forward task
+    res_g, res_j, s = dask.compute(g, j, total)
+    assert s == 66.0
+    assert f["x_to_A"].calls == 1 and f["A_to_B"].calls == 1  # once, for both calls
+    for o in ("D", "E"):
+        grad = jax.grad(lambda x: composed(x)[o])(X)
+        assert_tree_close(res_g[o].grad, grad, rtol=1e-5)
+        assert_tree_close(res_j[o].grad, grad, rtol=1e-5)  # a scalar's Jacobian is its gradient
+
+
+def test_scheduler_names_a_local_scheduler_or_a_client():
+    dag, _ = seed_dag()
+    with pytest.raises(DAGError, match="scheduler must be one of .*'sync'.*'threads'.* or a "
+                                       "distributed.Client, got 'processes'"):
+        daskdag.compute_grads(dag, X, "D", scheduler="processes")
+    with pytest.raises(DAGError, match="scheduler='threads' runs in this process, but client= "
+                                       "names a cluster"):
+        daskdag.compute_grads(dag, X, "D", scheduler="threads", client=object())
+    assert_tree_close(daskdag.compute_grads(dag, X, "D", scheduler="sync").grad,
+                      jax.grad(lambda x: composed(x)["D"])(X), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def default_client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:  # the default
+        yield client
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_persist_on_a_cluster_then_compute_twice_without_running_forward_again(default_client):
+    dag, _ = seed_dag()
+    persisted = daskdag.grads(dag, X, ["D", "E"]).persist()
+    distributed.wait(list(dict(persisted.__dask_graph__()).values()))
+    with distributed.get_task_stream(default_client) as ts:
+        first, second = persisted.compute(), persisted.compute()
+    assert not [t["key"] for t in ts.data if str(t["key"]).startswith(("fwd-", "bwd-"))]
+    for res in (first, second):
+        assert_tree_close(res["D"].grad, jax.grad(lambda x: composed(x)["D"])(X), rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_threads_with_a_default_client_present_run_here(default_client):
+    dag, f = seed_dag()
+    with distributed.get_task_stream(default_client) as ts:
+        res = daskdag.compute_grads(dag, X, ["D", "E"], scheduler="threads")
+        sweep = daskdag.sweep_grads(dag, jnp.stack([X, X + 1.0]), "D", scheduler="threads")
+    assert ts.data == []  # nothing went to the cluster
+    assert f["x_to_A"].calls == 3  # ran in this process: once for the call, once per item
+    assert_tree_close(res["E"].grad, jax.grad(lambda x: composed(x)["E"])(X), rtol=1e-5)
+    assert_tree_close(sweep.grad[1], jax.grad(lambda x: composed(x)["D"])(X + 1.0), rtol=1e-5)
+    # without it, the default client runs the call: the counters here stay put
+    daskdag.compute_grads(dag, X, ["D", "E"])
+    assert f["x_to_A"].calls == 3
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_cluster_checks_run_at_compute_time(default_client):
+    dag = {"A": Node(F["x_to_A"], ["x"], resources={"TPU": 1}), "D": (jnp.sum, ["A"])}
+    call = daskdag.grads(dag, X, "D")  # built: no cluster asked yet
+    with pytest.raises(ClusterError, match="node 'A' needs resources {'TPU': 1}"):
+        call.compute()
+    with pytest.raises(ClusterError, match="node 'A'"):
+        dask.compute(call, da.ones(3).sum())
+
+
+def test_version_comes_from_the_package_metadata():
+    from importlib import metadata
+
+    assert daskdag.__version__ == metadata.version("daskdag")
