@@ -94,6 +94,18 @@ class Call(DaskMethodsMixin):
         keys = [rename.get(k, k) for k in self._keys] if rename else self._keys
         return Call(dsk, keys, self._finish, self._plan, self._name)
 
+    def visualize(self, filename: str | None = "daskdag", format: str | None = None, **kwargs):
+        """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
+        ``dot`` program), one shape per task, labelled by its key less its token
+        (``fwd-A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
+        ``filename``, ``format`` and other keywords as for :func:`dask.visualize`."""
+        tasks = {k: {"label": k.rsplit("-", 1)[0], "style": "filled",
+                     "fillcolor": "#f6c89f" if k.startswith(("bwd-", "grad-")) else "#b9d3ee"}
+                 for k in dict(self.__dask_graph__())}
+        kwargs.setdefault("function_attributes", tasks)
+        kwargs.setdefault("collapse_outputs", True)
+        return dask.visualize(self, filename=filename, format=format, **kwargs)
+
     def __repr__(self) -> str:
         n = len(self._dask) if not isinstance(self._dask, HighLevelGraph) else sum(
             len(layer) for layer in self._dask.layers.values())

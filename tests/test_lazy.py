@@ -127,3 +127,15 @@ def test_version_comes_from_the_package_metadata():
     from importlib import metadata
 
     assert daskdag.__version__ == metadata.version("daskdag")
+
+
+@pytest.mark.skipif(__import__("shutil").which("dot") is None,
+                    reason="graphviz's `dot` program is not installed (apt-get install graphviz)")
+def test_visualize_draws_each_task_labelled_by_its_key(tmp_path):
+    dag, _ = seed_dag()
+    call = daskdag.grads(dag, X, ["D", "E"])
+    out = tmp_path / "seed.svg"
+    call.visualize(filename=str(out))
+    svg = out.read_text().replace("&#45;", "-")
+    for label in ("input-x", "fwd-A+B", "val-B", "fwd-C+D", "bwd-D+E-A+B", "grad-D-x", "grad-E-x"):
+        assert f">{label}<" in svg
