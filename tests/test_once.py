@@ -6,7 +6,6 @@ import dask
 from dask.core import get_dependencies
 
 import daskdag
-from daskdag.api import build_graph
 
 
 def test_each_node_called_once_for_many_outputs(seed, x5):
@@ -37,7 +36,7 @@ def test_node_without_differentiated_input_runs_plainly():
     assert jnp.allclose(r.grad["x"], 2.0)
     with dask.config.set({"daskdag.fuse-chains": False}):  # S a stage of its own
         r = daskdag.compute_grads(dag, inputs, "y", wrt=["x"])
-        _, _, graph = build_graph(dag, inputs, "y", wrt=["x"])
+        graph = daskdag.grads(dag, inputs, "y", wrt=["x"])
     assert seen["tracer"] is False and jnp.allclose(r.grad["x"], 2.0)
     keys = [str(k) for k in _keys(graph)]
     assert any(k.startswith("fwd-S-") for k in keys)  # its value is its forward task's result
@@ -45,9 +44,9 @@ def test_node_without_differentiated_input_runs_plainly():
     assert any(k.startswith("bwd-y-y-") for k in keys)
 
 
-def _tasks(graph):
-    """The low-level Dask graph behind the delayed structure ``graph``."""
-    return dict(dask.delayed(graph).__dask_graph__())
+def _tasks(call):
+    """The low-level Dask graph of a lazy call (``daskdag.grads``)."""
+    return dict(call.__dask_graph__())
 
 
 def _keys(graph):
@@ -61,7 +60,7 @@ def _deps(graph):
 
 def test_outputs_share_one_set_of_forward_keys(seed, x5):
     dag, _, _ = seed
-    _, _, both = build_graph(dag, x5, ["D", "E"])
+    both = daskdag.grads(dag, x5, ["D", "E"])
     fwd = lambda g: {k for k in map(str, _keys(g)) if k.startswith("fwd-")}
 
     # One forward task per stage (chains of nodes), each node in one of them.
@@ -77,9 +76,9 @@ def test_outputs_share_one_set_of_forward_keys(seed, x5):
 
     # Node by node (fusion off), the outputs' keys are those each gets when asked for alone.
     with dask.config.set({"daskdag.fuse-chains": False}):
-        _, _, both = build_graph(dag, x5, ["D", "E"])
-        _, _, only_d = build_graph(dag, x5, ["D"])
-        _, _, only_e = build_graph(dag, x5, ["E"])
+        both = daskdag.grads(dag, x5, ["D", "E"])
+        only_d = daskdag.grads(dag, x5, ["D"])
+        only_e = daskdag.grads(dag, x5, ["E"])
     assert sorted(k.split("-")[1] for k in fwd(both)) == ["A", "B", "C", "D", "E"]
     assert fwd(both) == fwd(only_d) | fwd(only_e)
     assert fwd(only_d) & fwd(only_e) == {k for k in fwd(both) if k.split("-")[1] in "AB"}
@@ -96,7 +95,7 @@ def test_chains_fuse_but_fan_out_keeps_its_tasks():
            "C": (node("C", jnp.tanh), ["B"]), "D": (node("D", jnp.sum), ["B"]),
            "E": (node("E", jnp.sum), ["C"])}
     x = jnp.linspace(0.0, 1.0, 4)
-    _, _, graph = build_graph(dag, x, ["D", "E"])
+    graph = daskdag.grads(dag, x, ["D", "E"])
     assert sorted(k.split("-")[1] for k in map(str, _keys(graph)) if k.startswith("fwd-")) == \
         ["A+B", "C+E", "D"]
     res = daskdag.compute_grads(dag, x, ["D", "E"])
@@ -115,19 +114,18 @@ def test_graph_layers_follow_placement_not_node_count():
 
     names = [f"n{i}" for i in range(300)]
     dag = {n: (f, [prev]) for n, prev in zip(names, ["x"] + names)}
-    _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
-    value, grads = graph[names[-1]]
-    assert len(value.dask.layers) == 1 and value.dask is grads["x"].dask
+    graph = daskdag.grads(dag, jnp.float32(0.5), names[-1])
+    assert len(graph.__dask_graph__().layers) == 1
     assert [k.split("-")[1] for k in map(str, _keys(graph)) if k.startswith("fwd-")] == \
         ["n0+298more+n299"]
     with dask.config.set({"daskdag.fuse-chains": False}):
-        _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
-    assert len(graph[names[-1]][0].dask.layers) == 1
+        graph = daskdag.grads(dag, jnp.float32(0.5), names[-1])
+    assert len(graph.__dask_graph__().layers) == 1
     assert sum(str(k).startswith("fwd-") for k in _keys(graph)) == 300
 
     dag["n150"] = daskdag.Node(f, ["n149"], device="gpu")
-    _, _, graph = build_graph(dag, jnp.float32(0.5), names[-1])
-    layers = graph[names[-1]][0].dask.layers.values()
+    graph = daskdag.grads(dag, jnp.float32(0.5), names[-1])
+    layers = graph.__dask_graph__().layers.values()
     placed = [str(k) for layer in layers if layer.annotations for k in layer]
     # forward before n150, n150, after it; backward down to n150, n150, below it
     assert [bool(layer.annotations) for layer in layers] == [False, True, False, True, False]
