@@ -116,33 +116,42 @@ def only_kept_left(client, before: int) -> bool:
     return scheduler_tasks(client) == before + len(kept) and set(client.futures) == kept
 
 
-def compute_split(client, dag, x, outputs, fwd_on, bwd_on, **kw):
+def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 
     The second submission finds the forward keys in memory and reuses them, so every backward
     task must fetch its pullback from the other process (an output's stage keeps its backward
-    task apart: ``daskdag.close-stages`` off). Returns ``({output: (value, {input:
+    task apart: ``daskdag.close-stages`` off). ``lazy``: the lazy call, ``daskdag.grads``
+    (default) or ``daskdag.jacobians``, given ``kw``. Returns ``({output: (value, {input:
     grad})}, {key: worker it ran on})``.
     """
     import dask
     import distributed
 
-    from daskdag.api import build_graph
+    import daskdag
 
     with dask.config.set({"daskdag.close-stages": False}):
-        _, _, graph = build_graph(dag, x, outputs, remote=True, **kw)
-    dsk = dict(dask.delayed(graph).__dask_graph__())
+        call = (lazy or daskdag.grads)(dag, x, outputs, **kw)
+    dsk = dict(call.__dask_graph__())
     fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-"))]
     with distributed.get_task_stream(client) as ts:
         held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
         with client.as_current():
             distributed.wait(held)
-        (computed,) = client.compute([graph], workers=[bwd_on], sync=True)
+        computed = client.compute(call, workers=[bwd_on], sync=True)
     del held
     ran = {t["key"]: t["worker"] for t in ts.data}
     assert {w for k, w in ran.items() if k.startswith("fwd-")} == {fwd_on}
     assert {w for k, w in ran.items() if k.startswith("bwd-")} == {bwd_on}
-    return computed, ran
+    computed = {outputs: computed} if isinstance(outputs, str) else computed
+    inputs = [d for _, deps in map(_entry, dag.values()) for d in deps if d not in dag]
+    return {o: (r.value, r.grad if isinstance(r.grad, dict) and len(set(inputs)) > 1
+                else {inputs[0]: r.grad}) for o, r in computed.items()}, ran
+
+
+def _entry(entry):
+    """A DAG entry as ``(fn, deps)``."""
+    return (entry.fn, entry.deps) if hasattr(entry, "deps") else entry
 
 
 class DaskCLI:

@@ -1,7 +1,6 @@
 """Forward mode: values and Jacobian-vector products against jax.jvp / jax.jacfwd of the composed
 function."""
 
-import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +8,9 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import DAGError, JVPResult, Node, NodeError, jvps
-from daskdag.api import _outputs, build_graph
+from daskdag import DAGError, JVPResult, Node, NodeError
+from daskdag.jvps import JVP_RULES
 from daskdag.plan import make_plan
-from daskdag.shipping import ship
 from daskdag.spec import parse
 
 from .conftest import TraceLog, assert_tree_close
@@ -211,7 +209,7 @@ def test_registered_jvp_rule():
     composed = lambda x: jnp.sum(jnp.tanh(jnp.sin(x)) ** 2)
     with pytest.raises(NodeError, match="node 'B'"):  # no rule: jax.jvp hands it tracers
         daskdag.compute_jvps(dag, x, v, "C")
-    jvps.JVP_RULES[NumpyTanh] = _numpy_tanh_jvp
+    JVP_RULES[NumpyTanh] = _numpy_tanh_jvp
     try:
         fn.calls = 0
         res = daskdag.compute_jvps(dag, x, v, ["B", "C"])
@@ -222,7 +220,7 @@ def test_registered_jvp_rule():
         res = daskdag.compute_jvps(dag, x, jnp.eye(4), "C", batched=True)
         assert_tree_close(res.tangent, jax.jacfwd(composed)(x), rtol=1e-5, atol=1e-6)
     finally:
-        del jvps.JVP_RULES[NumpyTanh]
+        del JVP_RULES[NumpyTanh]
 
 
 def _cluster_dag():
@@ -281,10 +279,7 @@ def test_fused_stage_compiles_once_across_calls():
 
 def test_tasks_of_nodes_with_resources_are_annotated():
     dag = {"A": Node(jnp.sin, ["x"], resources={"FOO": 1}), "B": (jnp.cos, ["A"])}
-    spec = parse(dag)
-    flat, k = jvps.input_tangents(spec, {"x": jnp.ones(2)}, jnp.ones(2), False)
-    graph = jvps.build(ship(make_plan(spec, ("B",), ("x",)), False), {"x": jnp.ones(2)}, flat, k)
-    hlg = graph["B"][0].__dask_graph__()
+    hlg = daskdag.jvps(dag, jnp.ones(2), jnp.ones(2), "B").__dask_graph__()
     placed = {str(key) for layer in hlg.layers.values()
               if (layer.annotations or {}).get("resources") == {"FOO": 1} for key in layer}
     assert any(key.startswith("jvp-A-") for key in placed), placed
