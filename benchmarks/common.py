@@ -28,7 +28,9 @@ second with it as without it, and 1.0 pinned), so XLA_FLAGS is left unset everyw
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import platform
 import statistics
 import time
@@ -42,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import daskdag
-from daskdag.cluster import workers as live_workers
 
 N_WORKERS = 2
 
@@ -185,6 +186,12 @@ def workers(client) -> list[str]:
     return sorted(info, key=lambda addr: int(info[addr]["name"]))
 
 
+def live_workers(client) -> dict[str, dict]:
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now (its cached
+    ``scheduler_info()`` may not have them yet)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def _probe(size: int = 1024, reps: int = 5) -> dict:
     """This process's CPU affinity, ``MALLOC_TRIM_THRESHOLD_`` and the CPU-seconds per second of
     a JAX matmul loop."""
@@ -223,12 +230,10 @@ def describe(name: str, client) -> dict:
 
 
 def plugin_state(client) -> dict:
-    """Per worker, what daskdag's worker plugin did there (``applied`` and ``reason`` of
-    :class:`daskdag.workers.TuneMalloc`), or None where it is not registered."""
-    from daskdag.workers import NAME
-
+    """Per worker, what daskdag's worker plugin ``daskdag-tune-malloc`` did there (its
+    ``applied`` and ``reason``), or None where it is not registered."""
     def state(dask_worker):
-        plugin = dask_worker.plugins.get(NAME)
+        plugin = dask_worker.plugins.get("daskdag-tune-malloc")
         return None if plugin is None else {"applied": plugin.applied, "reason": plugin.reason}
     return client.run(state)
 
@@ -238,24 +243,42 @@ def plugin_state(client) -> dict:
 def bytes_sent(client, fn: Callable[[], object]) -> dict:
     """Run ``fn()`` and return what it sent to ``client``'s cluster, two ways:
 
-    ``daskdag``: ``daskdag.resident.of(client).sent`` after minus before, the bytes daskdag
-        counted as placed on the cluster (inputs and nodes sent once, kept between calls);
+    ``daskdag``: the bytes daskdag placed on the cluster (inputs and nodes sent once, kept
+        between calls), as its log says them (logger ``"daskdag"``, INFO: "placed N bytes");
     ``to_scheduler``: the bytes distributed's own client wrote to the scheduler meanwhile
         (``client.scheduler_comm.byte_count``, distributed's counter of its batched stream,
         which carries every graph, ``submit`` included), counted after the stream drained;
     ``messages``: how many messages that stream carried.
     """
-    from daskdag import resident
+    placed = _Placed()
+    log = logging.getLogger("daskdag")
+    level = log.level
+    log.addHandler(placed)
+    log.setLevel(logging.INFO)
+    try:
+        comm = client.scheduler_comm
+        _drain(comm)
+        before = (comm.byte_count, comm.message_count)
+        jax.block_until_ready(fn())
+        _drain(comm)
+        after = (comm.byte_count, comm.message_count)
+    finally:
+        log.removeHandler(placed)
+        log.setLevel(level)
+    return {"daskdag": placed.total, "to_scheduler": after[0] - before[0],
+            "messages": after[1] - before[1]}
 
-    kept = resident.of(client)
-    comm = client.scheduler_comm
-    _drain(comm)
-    before = (kept.sent if kept else 0, comm.byte_count, comm.message_count)
-    jax.block_until_ready(fn())
-    _drain(comm)
-    after = (kept.sent if kept else 0, comm.byte_count, comm.message_count)
-    return {"daskdag": after[0] - before[0], "to_scheduler": after[1] - before[1],
-            "messages": after[2] - before[2]}
+
+class _Placed(logging.Handler):
+    """Adds up the bytes daskdag's log says each call placed on the cluster."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.total = 0
+
+    def emit(self, record):
+        found = re.search(r"placed (\d+) bytes", record.getMessage())
+        self.total += int(found.group(1)) if found else 0
 
 
 def _drain(comm, timeout: float = 5.0) -> None:

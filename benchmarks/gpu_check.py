@@ -86,7 +86,6 @@ def main() -> int:
     from distributed import Client
 
     import daskdag
-    from daskdag.cluster import workers as live_workers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-only", action="store_true", help="no GPU: check the script itself")
@@ -104,7 +103,7 @@ def main() -> int:
     start = time.perf_counter()
     with start_cluster(args.cpu_only) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=120)
-        info = live_workers(client)
+        info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]  # (now)
         names = {addr: w["name"] for addr, w in info.items()}
         devices = client.run(worker_device)
         with distributed.get_task_stream(client) as ts:
