@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, jvps, resident, sweep
+from . import arrays, cluster, jvps, resident, sweep
 from .compute import compute
 from .custom import Custom
 from .errors import DAGError, NodeError
@@ -265,6 +265,10 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     names = _outputs(spec, outputs)
     values = _input_values(spec, xs, names)
     batched = _batched(values, batched)
+    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
+        return arrays.sweep_grads(spec, outputs, names, values, batched, wrt=wrt,
+                                  cotangents=cotangents, chunk_size=chunk_size, client=client,
+                                  progress=progress, errors=errors)
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
     _with_rules(make_plan(spec, names, wrt))
