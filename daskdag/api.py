@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cluster, log, resident, sweep
+from . import arrays, cluster, log, resident, sweep
 from . import jvps as jvp_graph
 from .compute import compute
 from .custom import Custom
@@ -356,6 +356,11 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     names = _outputs(spec, outputs)
     values = _input_values(spec, xs, names)
     batched = _batched(values, batched)
+    client, local = _where(client, scheduler)
+    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
+        return arrays.sweep_grads(spec, outputs, names, values, batched, wrt=wrt,
+                                  cotangents=cotangents, chunk_size=chunk_size, client=client,
+                                  progress=progress, errors=errors)
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
     _with_rules(make_plan(spec, names, wrt))
@@ -363,7 +368,6 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    client, local = _where(client, scheduler)
     planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
                                remote=client is not None)
     found = cluster.check(client, planned.plan) if client is not None else None
