@@ -335,13 +335,13 @@ def load_npz(path, names, what: str, needed=(), single_ok: bool = False) -> dict
             raise UsageError(f"{what} file {str(p)!r}: key {key!r} goes below a leaf")
         node[leaf] = a
     keys = ", ".join(arrays) or "none"
+    for n in needed:
+        if n not in values:
+            raise UsageError(f"{what} file {str(p)!r} has no value for {n!r}; its keys: {keys}")
     if extra:
         raise UsageError(f"{what} file {str(p)!r} has keys that name no "
                          f"{'free input' if what == 'inputs' else 'requested output'}: "
                          f"{', '.join(extra)} (expected: {', '.join(names) or 'none'})")
-    for n in needed:
-        if n not in values:
-            raise UsageError(f"{what} file {str(p)!r} has no value for {n!r}; its keys: {keys}")
     return values
 
 
