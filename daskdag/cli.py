@@ -45,8 +45,10 @@ and a client as ``Client("tls://SCHEDULER:8786", security=daskdag.cli.security(D
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
+import json
 import os
 import sys
 from pathlib import Path
@@ -159,7 +161,8 @@ EXIT_CODES = """exit codes:
   1    a node failed (daskdag.NodeError: its message, and the hint if any), or an unexpected
        error (with its traceback)
   2    bad usage, DAG module or inputs (argparse errors, daskdag.DAGError, a module, attribute,
-       file or npz key that is missing or wrong)
+       file or npz key that is missing or wrong, an output that is not a scalar given no
+       --cotangents)
   3    cluster problems: a scheduler that does not answer within --timeout, daskdag.ClusterError
   4    (sweep --errors collect) some items failed: RESULT.npz is written, with <output>.failed
   130  interrupted (Ctrl-C)"""
@@ -447,6 +450,16 @@ def connect(args):
             address = "tls://" + address
         elif not address.startswith("tls://"):
             raise UsageError(f"--tls needs a tls:// scheduler address, got {address!r}")
+    named = address
+    if is_file:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            named = json.loads(Path(address).expanduser().read_text()).get("address", "")
+    if str(named).startswith("tls://") and sec is None:
+        from distributed import Security
+
+        if Security().get_connection_args("client").get("ssl_context") is None:
+            raise UsageError(f"the scheduler at {named} speaks TLS: give --tls DIR (the files "
+                             f"`daskdag certs DIR` wrote), or set TLS in Dask's configuration")
     if is_file:
         where = f"the scheduler of file {address}"
         kwargs = {"scheduler_file": str(Path(address).expanduser())}
@@ -507,8 +520,6 @@ def _prepare(args, command):
 
 
 def cmd_run(args) -> int:
-    import contextlib
-
     import dask
 
     import daskdag
@@ -532,8 +543,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    import contextlib
-
     import numpy as np
 
     import daskdag
@@ -712,6 +721,12 @@ def main(argv=None) -> int:
                     "\n(run with --traceback for the full traceback)"), e)
     except (UsageError, DAGError) as e:
         return fail(EXIT_USAGE, str(e), e)
+    except ValueError as e:  # what a node raises is a NodeError: this is daskdag's word on the
+        # call, such as an output that is not a scalar, given no --cotangents
+        cli = (" (here: --cotangents FILE.npz, one key per output)"
+               if "cotangents=" in str(e) else "")
+        return fail(EXIT_USAGE, f"{e}{cli}" + ("" if args.traceback else
+                    " (run with --traceback for the traceback)"), e)
     except (Unreachable, ClusterError) as e:
         return fail(EXIT_CLUSTER, str(e), e)
 
