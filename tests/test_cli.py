@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -69,22 +70,32 @@ def pipeline(tmp_path):
     return write_pipeline(tmp_path / "pipeline_dir")
 
 
-def start(*args, cwd):
-    """``python -m daskdag.cli ARGS`` started in ``cwd``, with this checkout's daskdag."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-m", "daskdag.cli", *map(str, args)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Command:
+    """``python -m daskdag.cli ARGS`` started in ``cwd``, with this checkout's daskdag; a thread
+    collects its output and the moment it exits."""
 
+    def __init__(self, *args, cwd):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        self.args = [str(a) for a in args]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "daskdag.cli", *self.args], cwd=cwd,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.thread = threading.Thread(target=self._collect, daemon=True)
+        self.thread.start()
 
-def finish(proc, timeout=60):
-    """``(exit code, stdout, stderr)`` of a :func:`start`ed command."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the command did not finish in {timeout} s: {err}")
-    return proc.returncode, out, err
+    def _collect(self):
+        self.out, self.err = self.proc.communicate()
+        self.took = time.monotonic() - self.started
+
+    def finish(self, timeout=120):
+        """``(exit code, stdout, stderr)``, once it exited."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.proc.kill()
+            self.thread.join()
+            pytest.fail(f"daskdag {' '.join(self.args)} did not finish in {timeout} s: {self.err}")
+        return self.proc.returncode, self.out, self.err
 
 
 X = np.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
@@ -101,7 +112,7 @@ def _free_port() -> int:
 def launched(tmp_path_factory):
     """The commands of the tests below on threads, all started at once (each spends seconds
     importing JAX; together they take about as long as two), each in a directory of its own:
-    ``{name: (process, its directory, started at)}``."""
+    ``{name: (Command, its directory)}``."""
     base = tmp_path_factory.mktemp("cli")
     pipeline = write_pipeline(base / "pipeline_dir")
     negative = XS.copy()
@@ -124,12 +135,12 @@ def launched(tmp_path_factory):
         d = base / name
         d.mkdir()
         np.savez(d / "in.npz", **inputs)
-        procs[name] = (start(*command, cwd=d), d, time.monotonic())
+        procs[name] = (Command(*command, cwd=d), d)
     yield procs
-    for proc, _, _ in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    for command, _ in procs.values():
+        if command.proc.poll() is None:
+            command.proc.kill()
+            command.thread.join()
 
 
 def check_run(res):
@@ -147,10 +158,10 @@ def check_sweep(res, rows=slice(None)):
         np.testing.assert_allclose(res[f"{o}.grad.x"][rows], grads[rows], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_run_on_threads_agrees_with_jax(launched):
-    proc, d, _ = launched["run"]
-    code, out, err = finish(proc)
+    command, d = launched["run"]
+    code, out, err = command.finish()
     assert code == 0, err
     res = dict(np.load(d / "res.npz"))
     assert set(res) == {"D.value", "D.grad.x", "E.value", "E.grad.x"}
@@ -158,19 +169,19 @@ def test_run_on_threads_agrees_with_jax(launched):
     assert "D" in out and "float32[5]" in out  # the summary table
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_sweep_on_threads_agrees_with_vmap(launched):
-    proc, d, _ = launched["sweep"]  # its file's one key is arr_0: the DAG has one free input
-    code, out, err = finish(proc)
+    command, d = launched["sweep"]  # its file's one key is arr_0: the DAG has one free input
+    code, out, err = command.finish()
     assert code == 0, err
     check_sweep(dict(np.load(d / "res.npz")))
     assert "7/7" in err  # the progress bar, on stderr
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_sweep_collects_failed_items(launched):
-    proc, d, _ = launched["collect"]
-    code, out, err = finish(proc)
+    command, d = launched["collect"]
+    code, out, err = command.finish()
     assert code == 4, err
     assert "item 4: node 'F' failed" in err and "x must be positive" in err
     res = dict(np.load(d / "res.npz"))
@@ -181,21 +192,21 @@ def test_sweep_collects_failed_items(launched):
     assert out == ""  # --quiet
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_scheduler_that_does_not_answer_is_exit_3(launched):
-    proc, d, started = launched["unreachable"]
-    code, out, err = finish(proc)
+    command, d = launched["unreachable"]
+    code, out, err = command.finish()
     assert code == 3, err
-    address = proc.args[proc.args.index("--scheduler") + 1]
+    address = command.args[command.args.index("--scheduler") + 1]
     assert f"cannot reach the scheduler at {address} within 2 s" in err
-    assert time.monotonic() - started < 30  # (JAX's import, slowed by the others, and 2 s)
+    assert command.took < 30  # JAX's import, slowed by the others, and 2 s (not the default 30)
     assert not (d / "res.npz").exists()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_node_that_raises_is_exit_1_naming_it(launched):
-    proc, d, _ = launched["raises"]
-    code, out, err = finish(proc)
+    command, d = launched["raises"]
+    code, out, err = command.finish()
     assert code == 1, err
     assert "node 'F' failed" in err and "x must be positive" in err
     assert "Traceback" not in err and "--traceback" in err
@@ -209,14 +220,14 @@ def test_run_and_sweep_on_a_cli_started_cluster(cli_client, cli_cluster, pipelin
     np.savez(tmp_path / "items.npz", x=XS)
     # A scheduler file (as `dask scheduler --scheduler-file` writes it) names the cluster too.
     (tmp_path / "scheduler.json").write_text(json.dumps({"address": cli_cluster}))
-    run = start("run", f"{pipeline}:dag", "--inputs", "in.npz", "--outputs", "D,E",
+    run = Command("run", f"{pipeline}:dag", "--inputs", "in.npz", "--outputs", "D,E",
                 "--scheduler", cli_cluster, "--out", "res.npz", cwd=tmp_path)
-    sweep = start("sweep", f"{pipeline}:dag", "--inputs", "items.npz", "--outputs", "D,E",
+    sweep = Command("sweep", f"{pipeline}:dag", "--inputs", "items.npz", "--outputs", "D,E",
                   "--scheduler", "scheduler.json", "--out", "sweep.npz", cwd=tmp_path)
-    code, out, err = finish(run, timeout=180)
+    code, out, err = run.finish(timeout=180)
     assert code == 0, err
     check_run(dict(np.load(tmp_path / "res.npz")))
-    code, out, err = finish(sweep, timeout=180)
+    code, out, err = sweep.finish(timeout=180)
     assert code == 0, err
     check_sweep(dict(np.load(tmp_path / "sweep.npz")))
     assert "7/7" in err
