@@ -167,7 +167,7 @@ EXIT_CODES = """exit codes:
   4    (sweep --errors collect) some items failed: RESULT.npz is written, with <output>.failed
   130  interrupted (Ctrl-C)"""
 
-TARGET_HELP = ("MODULE[:DAG]: an importable module (pkg.mod, looked up from the current directory "
+TARGET_HELP = ("an importable module (pkg.mod, looked up from the current directory "
                "first, as `python -m` does) or a .py file (path/to/pipeline.py, loaded with its "
                "directory first on sys.path, as `python path/to/pipeline.py` does); DAG is the "
                "attribute holding the dict {name: (fn, [deps])} (dotted: obj.attr), or a "
@@ -182,7 +182,9 @@ NPZ_LAYOUT = """npz layout:
   RESULT.npz: <output>.value and <output>.grad.<input or node in --wrt>, pytree leaves joined
     with their key path (D.value.a, D.grad.params.w); None and non-array leaves are left out.
     sweep: every array has a leading item axis; with --errors collect, <output>.failed holds
-    the indices of the failed items (their rows are NaN)."""
+    the indices of the failed items (their rows are NaN).
+  Arrays become JAX arrays: float64 ones are computed in float32 unless JAX_ENABLE_X64=1 is set
+    (on a cluster's workers too)."""
 
 
 class UsageError(Exception):
@@ -634,6 +636,14 @@ def _common(p, sweep: bool):
     p.add_argument("--traceback", action="store_true", help="print the traceback of errors")
 
 
+def _wrap(text: str) -> str:
+    """``text``'s first paragraph wrapped to 79 columns, the rest (examples) kept as is."""
+    import textwrap
+
+    first, sep, rest = text.partition("\n\n")
+    return textwrap.fill(first, 79) + sep + rest
+
+
 def parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     top = argparse.ArgumentParser(
@@ -654,13 +664,14 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="values and gradients of a DAG's outputs (daskdag.compute_grads) into an .npz",
         formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
-        description="Load the DAG, read its inputs, compute the outputs' values and gradients "
+        description=_wrap(
+                    "Load the DAG, read its inputs, compute the outputs' values and gradients "
                     "with daskdag.compute_grads, each node once, and write them to RESULT.npz; "
                     "print a summary (output, value shape, gradient shapes) to stdout. Progress "
                     "bars and the nodes' prints go to stderr.\n\n"
                     "  daskdag run pipeline.py:dag --inputs in.npz --outputs D,E --out res.npz\n"
                     "  daskdag run mypkg.pipe:make_dag --inputs in.npz --outputs D --wrt x \\\n"
-                    "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz")
+                    "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz"))
     _common(run, sweep=False)
     run.add_argument("--progress", action="store_true",
                      help="show Dask's progress bar over the call's tasks (on stderr)")
@@ -668,13 +679,14 @@ def parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser(
         "sweep", help="the same over many items (daskdag.sweep_grads), with a progress bar",
         formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
-        description="Load the DAG, read the items' inputs (batched inputs with a leading item "
+        description=_wrap(
+                    "Load the DAG, read the items' inputs (batched inputs with a leading item "
                     "axis), compute every item's values and gradients with daskdag.sweep_grads "
                     "and write them, stacked, to RESULT.npz. A progress bar over items goes to "
                     "stderr unless --quiet.\n\n"
                     "  daskdag sweep pipeline.py --inputs items.npz --outputs D,E --out res.npz\n"
                     "  daskdag sweep pipeline.py --inputs items.npz --batched x --outputs D \\\n"
-                    "      --errors collect --scheduler scheduler.json --out res.npz")
+                    "      --errors collect --scheduler scheduler.json --out res.npz"))
     _common(sweep, sweep=True)
     sweep.add_argument("--batched", metavar="a,b",
                        help="the inputs that carry the item axis (default: all given); the others "
