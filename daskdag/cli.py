@@ -1,4 +1,24 @@
-"""daskdag's command line: ``daskdag certs DIR`` writes the TLS files a secured Dask cluster needs.
+"""daskdag's command line.
+
+    daskdag run MODULE[:DAG] --inputs IN.npz --outputs D,E [--wrt a,b] [--cotangents CT.npz]
+                [--scheduler ADDRESS [--tls DIR] [--timeout S]] [--progress] --out RESULT.npz
+    daskdag sweep MODULE[:DAG] --inputs ITEMS.npz --outputs D,E [--batched a,b] [--wrt a,b]
+                [--chunk-size N] [--errors raise|collect] [--scheduler ...] --out RESULT.npz
+    daskdag certs DIR [--host NAME ...] [--days N] [--force]
+
+``run`` and ``sweep`` load the DAG dict (``MODULE`` a module name or a ``.py`` file, ``DAG`` the
+attribute holding it, default ``dag``, or a zero-argument callable returning it), read the inputs
+from an ``.npz`` (one key per free input; ``params.w`` keys build dict inputs), call
+:func:`daskdag.compute_grads` / :func:`daskdag.sweep_grads` on Dask's local threaded scheduler,
+or on ``--scheduler`` (``tcp://``/``tls://`` address or a scheduler ``.json`` file), and write
+``<output>.value`` and ``<output>.grad.<input>`` (pytree leaves joined with their key path) to
+``RESULT.npz``; a sweep stacks them over items, and with ``--errors collect`` adds
+``<output>.failed``. Exit codes: 0 success; 1 a node failed (``NodeError``; or an unexpected
+error, with its traceback); 2 bad usage, DAG module or inputs (``DAGError``); 3 the cluster
+(an unreachable scheduler, ``ClusterError``); 4 a sweep with ``--errors collect`` in which some
+items failed (results written); 130 Ctrl-C.
+
+``daskdag certs DIR`` writes the TLS files a secured Dask cluster needs.
 
     daskdag certs deploy/certs                    # or: python -m daskdag.cli certs deploy/certs
     daskdag certs deploy/certs --host dask.example.org --host 10.0.0.5 --days 90
@@ -25,8 +45,10 @@ and a client as ``Client("tls://SCHEDULER:8786", security=daskdag.cli.security(D
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
+import json
 import os
 import sys
 from pathlib import Path
@@ -129,9 +151,505 @@ def security(directory):
                     tls_client_key=str(d / FILES["key"]), require_encryption=True)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="daskdag", description="daskdag's command line.")
-    commands = parser.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------------------------------------
+# daskdag run / daskdag sweep
+
+EXIT_OK, EXIT_NODE, EXIT_USAGE, EXIT_CLUSTER, EXIT_ITEMS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+EXIT_CODES = """exit codes:
+  0    success (RESULT.npz written)
+  1    a node failed (daskdag.NodeError: its message, and the hint if any), or an unexpected
+       error (with its traceback)
+  2    bad usage, DAG module or inputs (argparse errors, daskdag.DAGError, a module, attribute,
+       file or npz key that is missing or wrong, an output that is not a scalar given no
+       --cotangents)
+  3    cluster problems: a scheduler that does not answer within --timeout, daskdag.ClusterError
+  4    (sweep --errors collect) some items failed: RESULT.npz is written, with <output>.failed
+  130  interrupted (Ctrl-C)"""
+
+TARGET_HELP = ("an importable module (pkg.mod, looked up from the current directory "
+               "first, as `python -m` does) or a .py file (path/to/pipeline.py, loaded with its "
+               "directory first on sys.path, as `python path/to/pipeline.py` does); DAG is the "
+               "attribute holding the dict {name: (fn, [deps])} (dotted: obj.attr), or a "
+               "zero-argument callable returning it. Default attribute: dag")
+
+NPZ_LAYOUT = """npz layout:
+  --inputs: one key per free input of the DAG, named after it. A dict-shaped input is given leaf
+    by leaf, its key path joined with dots: params.w, params.b -> params = {'w': ..., 'b': ...}.
+    A DAG with a single free input also takes a file with the single key arr_0 (what
+    numpy.savez(file, x) writes). Keys that name no free input are an error (exit 2).
+  --cotangents: the same, keyed by output names (sweep: one item's cotangent, for every item).
+  RESULT.npz: <output>.value and <output>.grad.<input or node in --wrt>, pytree leaves joined
+    with their key path (D.value.a, D.grad.params.w); None and non-array leaves are left out.
+    sweep: every array has a leading item axis; with --errors collect, <output>.failed holds
+    the indices of the failed items (their rows are NaN).
+  Arrays become JAX arrays: float64 ones are computed in float32 unless JAX_ENABLE_X64=1 is set
+    (on a cluster's workers too)."""
+
+
+class UsageError(Exception):
+    """A bad command line, DAG module or input file: exit 2, its message on stderr."""
+
+
+class Unreachable(Exception):
+    """No scheduler answered: exit 3."""
+
+
+def load_dag(target: str):
+    """The DAG named by ``MODULE[:DAG]`` (see :data:`TARGET_HELP`); ``UsageError`` naming what was
+    looked for when it is not there."""
+    import importlib
+    import importlib.util
+    from collections.abc import Mapping
+
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not all(p.isidentifier() for p in attr.split(".")):  # no ':DAG' (or C:\...)
+        module_part, attr = target, "dag"
+    is_file = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+    if is_file:
+        path = Path(module_part).expanduser()
+        if not path.is_file():
+            raise UsageError(f"no DAG module file {str(path)!r}" + ("" if path.suffix == ".py" else
+                             " (a module name is written pkg.mod, a file path/to/file.py)"))
+        path = path.resolve()
+        name = path.stem if path.stem.isidentifier() else "daskdag_cli_dag"
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) != str(path):
+            name = f"daskdag_cli_{abs(hash(str(path)))}"
+        sys.path.insert(0, str(path.parent))  # and there it stays, as with `python path/file.py`
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # so that pickling (by value, to a cluster) finds it
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as e:
+            sys.modules.pop(name, None)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise UsageError(f"loading DAG module {str(path)!r} failed: {type(e).__name__}: {e}") from e
+        where = str(path)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as e:
+            if e.name and (module_part == e.name or module_part.startswith(e.name + ".")):
+                raise UsageError(f"no module named {module_part!r} (looked for {e.name!r} on "
+                                 f"sys.path, the current directory first); for a file write "
+                                 f"path/to/{module_part.rpartition('.')[2]}.py") from e
+            raise UsageError(f"importing DAG module {module_part!r} failed: {e}") from e
+        except Exception as e:
+            raise UsageError(f"importing DAG module {module_part!r} failed: "
+                             f"{type(e).__name__}: {e}") from e
+        where = module_part
+
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            have = sorted(k for k, v in vars(module).items()
+                          if not k.startswith("_") and (isinstance(v, Mapping) or callable(v))
+                          and not isinstance(v, type(sys)))
+            raise UsageError(f"DAG module {where!r} has no attribute {attr!r}"
+                             + (f"; dicts and callables there: {', '.join(have[:20])}" if have else ""))
+        obj = getattr(obj, part)
+    if not isinstance(obj, Mapping) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise UsageError(f"{where}:{attr} is callable, but calling it with no arguments "
+                             f"failed: {type(e).__name__}: {e}") from e
+    if not isinstance(obj, Mapping):
+        raise UsageError(f"{where}:{attr} is a {type(obj).__name__}, not the DAG dict "
+                         f"{{name: (fn, [deps])}} (nor a zero-argument callable returning it)")
+    return dict(obj)
+
+
+def _deps(entry):
+    """A DAG entry's deps, or ``()`` for a malformed one (the API reports it)."""
+    from . import Node
+
+    if isinstance(entry, Node):
+        return tuple(entry.deps or ())
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], (tuple, list)):
+        return tuple(d for d in entry[1] if isinstance(d, str))
+    return ()
+
+
+def free_inputs(dag) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(d for e in dag.values() for d in _deps(e) if d not in dag))
+
+
+def needed_inputs(dag, outputs) -> set[str]:
+    """The free inputs the ``outputs`` (those that are nodes) depend on."""
+    seen, todo = set(), [o for o in outputs if o in dag]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(d for d in _deps(dag[n]) if d in dag)
+    return {d for n in seen for d in _deps(dag[n]) if d not in dag}
+
+
+def _names(text: str | None, option: str) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"{option} names nothing: give comma-separated names")
+    return names
+
+
+def load_npz(path, names, what: str, needed=(), single_ok: bool = False) -> dict:
+    """``{name: value}`` from ``path``, keys matched against ``names`` (dotted keys: leaves of a
+    dict-shaped value). ``needed`` must all be there; ``single_ok``: one name and a file with
+    the single key ``arr_0`` (``numpy.savez(file, x)``) gives it."""
+    import numpy as np
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"no {what} file {str(p)!r}")
+    try:
+        with np.load(p, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise UsageError(f"cannot read {what} file {str(p)!r} as .npz: {type(e).__name__}: {e}") from e
+    if single_ok and len(names) == 1 and list(arrays) == ["arr_0"]:
+        arrays = {names[0]: arrays["arr_0"]}
+    by_length = sorted(names, key=len, reverse=True)
+    values, extra = {}, []
+    for key, a in arrays.items():
+        name = next((n for n in by_length if key == n or key.startswith(n + ".")), None)
+        if name is None:
+            extra.append(key)
+            continue
+        if key == name:
+            if name in values:
+                raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by leaf")
+            values[name] = a
+            continue
+        node = values.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by leaf")
+        *parents, leaf = key[len(name) + 1:].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"{what} file {str(p)!r}: key {key!r} goes below a leaf")
+        if leaf in node:
+            raise UsageError(f"{what} file {str(p)!r}: key {key!r} goes below a leaf")
+        node[leaf] = a
+    keys = ", ".join(arrays) or "none"
+    for n in needed:
+        if n not in values:
+            raise UsageError(f"{what} file {str(p)!r} has no value for {n!r}; its keys: {keys}")
+    if extra:
+        raise UsageError(f"{what} file {str(p)!r} has keys that name no "
+                         f"{'free input' if what == 'inputs' else 'requested output'}: "
+                         f"{', '.join(extra)} (expected: {', '.join(names) or 'none'})")
+    return values
+
+
+def _to_jax(tree):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def flatten(prefix: str, tree) -> dict:
+    """``{prefix.key.path: array}`` for the array leaves of ``tree`` (None and non-array leaves
+    are left out)."""
+    import jax
+    import numpy as np
+    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+    def part(k):
+        if isinstance(k, DictKey):
+            return str(k.key)
+        if isinstance(k, SequenceKey):
+            return str(k.idx)
+        if isinstance(k, GetAttrKey):
+            return k.name
+        if isinstance(k, FlattenedIndexKey):
+            return str(k.key)
+        return str(k).strip(".[]'\"")
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__array__"):
+            a = np.asarray(leaf)
+            if a.dtype.kind in "biufc":
+                out[".".join([prefix, *map(part, path)])] = a
+    return out
+
+
+def result_arrays(results, dag, wrt) -> dict:
+    """The RESULT.npz arrays of ``{output: Result}``."""
+    inputs = free_inputs(dag)
+    alone = len(inputs) == 1 and (wrt is None or list(wrt) == list(inputs))
+    arrays = {}
+    for o, r in results.items():
+        if r.value is not None:
+            arrays.update(flatten(f"{o}.value", r.value))
+        grads = {inputs[0]: r.grad} if alone else r.grad
+        for i, g in grads.items():
+            arrays.update(flatten(f"{o}.grad.{i}", g))
+    return arrays
+
+
+def save(path: Path, arrays: dict) -> None:
+    """``numpy.savez`` to exactly ``path`` (no .npz appended), atomically."""
+    import numpy as np
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _shape(a) -> str:
+    return f"{a.dtype}[{','.join(map(str, a.shape))}]"
+
+
+def summary(arrays: dict, outputs, failed=None) -> str:
+    """A table: output, its value's shape and dtype, its gradients' shapes (and failed items)."""
+    rows = [("output", "value", "gradients") + (("failed",) if failed is not None else ())]
+    for o in outputs:
+        vals = [(f"{k[len(o) + 7:]}: " if k != f"{o}.value" else "") + _shape(a)
+                for k, a in arrays.items() if k == f"{o}.value" or k.startswith(f"{o}.value.")]
+        grads = [f"{k[len(o) + 6:]}: {_shape(a)}" for k, a in arrays.items()
+                 if k.startswith(f"{o}.grad.")]
+        rows.append((o, ", ".join(vals) or "-", ", ".join(grads) or "-")
+                    + ((str(len(failed.get(o, ()))),) if failed is not None else ()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def connect(args):
+    """The ``distributed.Client`` that ``--scheduler`` (``--tls``, ``--timeout``) names, or
+    ``None`` for Dask's local threaded scheduler."""
+    if args.scheduler is None:
+        if args.tls is not None:
+            raise UsageError("--tls needs --scheduler (the local scheduler has no connections)")
+        return None
+    from distributed import Client
+
+    address = args.scheduler
+    sec = None
+    if args.tls is not None:
+        try:
+            sec = security(args.tls)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from e
+    is_file = address.endswith(".json")
+    if not is_file and args.tls is not None:
+        if "://" not in address:
+            address = "tls://" + address
+        elif not address.startswith("tls://"):
+            raise UsageError(f"--tls needs a tls:// scheduler address, got {address!r}")
+    named = address
+    if is_file:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            named = json.loads(Path(address).expanduser().read_text()).get("address", "")
+    if str(named).startswith("tls://") and sec is None:
+        from distributed import Security
+
+        if Security().get_connection_args("client").get("ssl_context") is None:
+            raise UsageError(f"the scheduler at {named} speaks TLS: give --tls DIR (the files "
+                             f"`daskdag certs DIR` wrote), or set TLS in Dask's configuration")
+    if is_file:
+        where = f"the scheduler of file {address}"
+        kwargs = {"scheduler_file": str(Path(address).expanduser())}
+    else:
+        where = f"the scheduler at {address}"
+        kwargs = {"address": address}
+    try:
+        return Client(**kwargs, security=sec, timeout=args.timeout, set_as_default=False)
+    except (OSError, TimeoutError) as e:
+        if is_file and not Path(address).expanduser().exists():
+            raise Unreachable(f"cannot reach {where}: the file does not exist "
+                              f"(waited {args.timeout:g} s for it)") from e
+        raise Unreachable(f"cannot reach {where} within {args.timeout:g} s "
+                          f"({type(e).__name__}: {e})") from e
+    except ValueError as e:
+        raise UsageError(f"bad --scheduler {address!r}: {e}") from e
+
+
+def _output_path(text: str) -> Path:
+    p = Path(text).expanduser()
+    if p.is_dir():
+        raise UsageError(f"--out {text!r} is a directory; name the .npz file to write")
+    if not p.parent.is_dir():
+        raise UsageError(f"--out {text!r}: no directory {str(p.parent)!r}")
+    return p
+
+
+def _prepare(args, command):
+    """What ``run`` and ``sweep`` share: the DAG, outputs, inputs, cotangents, --out, client."""
+    out = _output_path(args.out)
+    dag = load_dag(args.target)
+    outputs = _names(args.outputs, "--outputs")
+    wrt = _names(args.wrt, "--wrt")
+    inputs = free_inputs(dag)
+    for o in outputs:
+        if o not in dag:
+            raise UsageError(f"--outputs names {o!r}, which is "
+                             + ("a free input, not a node" if o in inputs else "not a node of the DAG")
+                             + f"; nodes: {', '.join(dag)}")
+    values = load_npz(args.inputs, inputs, "inputs",
+                      needed=[i for i in inputs if i in needed_inputs(dag, outputs)], single_ok=True)
+    cts = None
+    if args.cotangents:
+        cts = _to_jax(load_npz(args.cotangents, outputs, "cotangents"))
+    x = values[inputs[0]] if len(inputs) == 1 else values
+    if args.scheduler is None:
+        import distributed
+
+        try:
+            c = distributed.default_client()
+        except ValueError:
+            c = None
+        if c is not None:
+            raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
+                             f"daskdag {command} runs locally unless --scheduler is given: pass "
+                             f"its address there, or do not start a client at import")
+    return out, dag, outputs, wrt, _to_jax(x), cts
+
+
+def cmd_run(args) -> int:
+    import dask
+
+    import daskdag
+
+    out, dag, outputs, wrt, x, cts = _prepare(args, "run")
+    client = connect(args)
+    try:
+        # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
+        with contextlib.redirect_stdout(sys.stderr), dask.config.set(scheduler="threads"):
+            results = daskdag.compute_grads(dag, x, outputs, wrt=wrt, cotangents=cts,
+                                            client=client, progress=args.progress)
+    finally:
+        if client is not None:
+            client.close(timeout=10)
+    arrays = result_arrays(results, dag, wrt)
+    save(out, arrays)
+    if not args.quiet:
+        print(summary(arrays, outputs))
+        print(f"wrote {out}")
+    return EXIT_OK
+
+
+def cmd_sweep(args) -> int:
+    import numpy as np
+
+    import daskdag
+
+    out, dag, outputs, wrt, xs, cts = _prepare(args, "sweep")
+    batched = _names(args.batched, "--batched")
+    client = connect(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            results = daskdag.sweep_grads(dag, xs, outputs, batched=batched, wrt=wrt, cotangents=cts,
+                                          chunk_size=args.chunk_size, client=client,
+                                          progress=not args.quiet, errors=args.errors)
+    finally:
+        if client is not None:
+            client.close(timeout=10)
+    arrays = result_arrays(results, dag, wrt)
+    failed = {o: sorted(r.failed) for o, r in results.items()}
+    if args.errors == "collect":
+        for o in outputs:
+            arrays[f"{o}.failed"] = np.asarray(failed[o], dtype=np.int64)
+    save(out, arrays)
+    for o, r in results.items():
+        if r.value is None:
+            print(f"daskdag sweep: note: no value saved for {o!r} (no item gave one, and its "
+                  f"shape could not be traced)", file=sys.stderr)
+    if not args.quiet:
+        print(summary(arrays, outputs, failed if args.errors == "collect" else None))
+        print(f"wrote {out}")
+    errors = {}  # item -> its error (the same for every output)
+    for r in results.values():
+        errors.update(r.failed)
+    if errors:
+        print(f"daskdag sweep: {len(errors)} item{'s' if len(errors) != 1 else ''} failed "
+              f"(rows of NaN; indices in <output>.failed):", file=sys.stderr)
+        for item in sorted(errors)[:10]:
+            print(f"  {_one_line(errors[item])}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
+        return EXIT_ITEMS_FAILED
+    return EXIT_OK
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).splitlines() or [type(e).__name__]
+    return lines[0]
+
+
+def _node_message(e) -> str:
+    """A NodeError's first line, and its hint if any."""
+    lines = str(e).splitlines()
+    hint = [ln for ln in lines[1:] if ln.startswith("Hint:")]
+    return "\n".join(lines[:1] + hint[-1:])
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return v
+    return parse
+
+
+def _common(p, sweep: bool):
+    p.add_argument("target", metavar="MODULE[:DAG]", help=TARGET_HELP)
+    p.add_argument("--inputs", required=True, metavar="FILE.npz",
+                   help="input values, one key per free input of the DAG" +
+                        (" (batched ones with a leading item axis)" if sweep else ""))
+    p.add_argument("--outputs", required=True, metavar="D,E", help="node names, comma-separated")
+    p.add_argument("--wrt", metavar="a,b", help="inputs (or nodes) to differentiate, comma-separated; "
+                   "default: every " + ("batched " if sweep else "given ") + "input with a "
+                   "floating-point leaf")
+    p.add_argument("--cotangents", metavar="FILE.npz",
+                   help="seeds for outputs that are not real scalars, keyed by output name"
+                        + (" (one item's, for every item)" if sweep else ""))
+    p.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the results")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="a distributed scheduler: tcp://HOST:8786, tls://HOST:8786, or a scheduler "
+                        "file (*.json); default: Dask's local threaded scheduler, in this process")
+    p.add_argument("--tls", metavar="DIR", help="TLS files (ca.pem, cert.pem, key.pem) written by "
+                   "`daskdag certs DIR`; the address gets tls:// if it has no scheme")
+    p.add_argument("--timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+                   help="how long to try to reach the scheduler (default 30)")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print no summary" + (" and no progress bar" if sweep else ""))
+    p.add_argument("--traceback", action="store_true", help="print the traceback of errors")
+
+
+def _wrap(text: str) -> str:
+    """``text``'s first paragraph wrapped to 79 columns, the rest (examples) kept as is."""
+    import textwrap
+
+    first, sep, rest = text.partition("\n\n")
+    return textwrap.fill(first, 79) + sep + rest
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    top = argparse.ArgumentParser(
+        prog="daskdag", description="daskdag's command line.", epilog=EXIT_CODES,
+        formatter_class=fmt)
+    commands = top.add_subparsers(dest="command", required=True, metavar="{certs,run,sweep}")
     certs = commands.add_parser(
         "certs", help="write a CA and a certificate/key for a TLS-secured Dask cluster",
         description="Write ca.pem, cert.pem and key.pem (one certificate for scheduler, workers "
@@ -142,16 +660,87 @@ def main(argv=None) -> int:
                             f"always included: {', '.join(DEFAULT_HOSTS)}")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     certs.add_argument("--force", action="store_true", help="replace existing files")
-    args = parser.parse_args(argv)
+
+    run = commands.add_parser(
+        "run", help="values and gradients of a DAG's outputs (daskdag.compute_grads) into an .npz",
+        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
+        description=_wrap(
+                    "Load the DAG, read its inputs, compute the outputs' values and gradients "
+                    "with daskdag.compute_grads, each node once, and write them to RESULT.npz; "
+                    "print a summary (output, value shape, gradient shapes) to stdout. Progress "
+                    "bars and the nodes' prints go to stderr.\n\n"
+                    "  daskdag run pipeline.py:dag --inputs in.npz --outputs D,E --out res.npz\n"
+                    "  daskdag run mypkg.pipe:make_dag --inputs in.npz --outputs D --wrt x \\\n"
+                    "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz"))
+    _common(run, sweep=False)
+    run.add_argument("--progress", action="store_true",
+                     help="show Dask's progress bar over the call's tasks (on stderr)")
+
+    sweep = commands.add_parser(
+        "sweep", help="the same over many items (daskdag.sweep_grads), with a progress bar",
+        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
+        description=_wrap(
+                    "Load the DAG, read the items' inputs (batched inputs with a leading item "
+                    "axis), compute every item's values and gradients with daskdag.sweep_grads "
+                    "and write them, stacked, to RESULT.npz. A progress bar over items goes to "
+                    "stderr unless --quiet.\n\n"
+                    "  daskdag sweep pipeline.py --inputs items.npz --outputs D,E --out res.npz\n"
+                    "  daskdag sweep pipeline.py --inputs items.npz --batched x --outputs D \\\n"
+                    "      --errors collect --scheduler scheduler.json --out res.npz"))
+    _common(sweep, sweep=True)
+    sweep.add_argument("--batched", metavar="a,b",
+                       help="the inputs that carry the item axis (default: all given); the others "
+                            "are shared by every item")
+    sweep.add_argument("--chunk-size", type=_positive(int), metavar="N",
+                       help="items per chunk (default: daskdag's choice)")
+    sweep.add_argument("--errors", choices=("raise", "collect"), default="raise",
+                       help="raise: stop at the first failing item (exit 1); collect: keep going, "
+                            "save the failed items' indices as <output>.failed, exit 4")
+    return top
+
+
+def main(argv=None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
 
     if args.command == "certs":
         try:
             paths = write_certs(args.directory, args.host, days=args.days, force=args.force)
         except FileExistsError as e:
-            parser.exit(1, f"daskdag certs: {e}\n")
+            top.exit(1, f"daskdag certs: {e}\n")
         for p in paths.values():
             print(p)
-    return 0
+        return EXIT_OK
+
+    from .errors import ClusterError, DAGError, NodeError
+
+    name = f"daskdag {args.command}"
+
+    def fail(code: int, message: str, e: BaseException) -> int:
+        if args.traceback:
+            import traceback
+
+            traceback.print_exception(e)
+        sys.stderr.write(f"{name}: error: {message}\n")
+        return code
+
+    try:
+        return (cmd_run if args.command == "run" else cmd_sweep)(args)
+    except KeyboardInterrupt as e:
+        return fail(EXIT_INTERRUPTED, "interrupted", e)
+    except NodeError as e:
+        return fail(EXIT_NODE, _node_message(e) + ("" if args.traceback else
+                    "\n(run with --traceback for the full traceback)"), e)
+    except (UsageError, DAGError) as e:
+        return fail(EXIT_USAGE, str(e), e)
+    except ValueError as e:  # what a node raises is a NodeError: this is daskdag's word on the
+        # call, such as an output that is not a scalar, given no --cotangents
+        cli = (" (here: --cotangents FILE.npz, one key per output)"
+               if "cotangents=" in str(e) else "")
+        return fail(EXIT_USAGE, f"{e}{cli}" + ("" if args.traceback else
+                    " (run with --traceback for the traceback)"), e)
+    except (Unreachable, ClusterError) as e:
+        return fail(EXIT_CLUSTER, str(e), e)
 
 
 if __name__ == "__main__":
