@@ -1,7 +1,7 @@
 """Scenario 4, portable pullbacks: the cost per node of a backward pass run in another process
 than its forward.
 
-A node's :class:`~daskdag.pullback.Pullback` is normally called in the worker that ran the node's
+A node's :class:`~daskdag._pullback.Pullback` is normally called in the worker that ran the node's
 forward pass. When Dask runs the backward task elsewhere, the pullback travels: daskdag exports
 its backward program (``jax.export``), ships it with the residual arrays that are not the node's
 own inputs, and the receiver compiles the program, once per program and process. This measures
@@ -41,7 +41,7 @@ a one-node DAG, three ways per repetition, timed from submission to results in t
   same_2step   forward keys computed on worker a first, then the rest on a: no move, but the two
                submissions a forced move needs.
   moved        forward keys on a, then the rest on b, so the backward task on b fetches the
-               pullback from a (``tests/test_distributed.py::_compute_split``).
+               pullback from a (``tests/conftest.py::compute_split``).
 
 Each repetition perturbs the differentiated input, so its keys are new and nothing is reused
 from the previous one; the node function and shapes stay the same, so b compiles its backward
@@ -67,9 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import deserialize, serialize
 
-from daskdag import Node, programs
-from daskdag.api import build_graph
-from daskdag.pullback import linearize
+from daskdag import Node
+from daskdag import _programs as programs
+from daskdag._api import build_graph
+from daskdag._pullback import linearize
 
 from . import common
 

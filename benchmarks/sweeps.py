@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import daskdag
-from daskdag import programs
+from daskdag import _programs as programs
 
 from . import common
 

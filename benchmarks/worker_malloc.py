@@ -1,4 +1,4 @@
-"""daskdag's worker plugin (``daskdag/workers.py``) measured: a sweep on one default nanny
+"""daskdag's worker plugin (``daskdag/_workers.py``) measured: a sweep on one default nanny
 worker, with and without the plugin, against the same ``jax.vjp`` loop in this process.
 
     python -m benchmarks.worker_malloc [--reps 5]
@@ -31,7 +31,7 @@ import statistics
 import dask
 import distributed
 
-from daskdag import workers as worker_setup
+from daskdag import _workers as worker_setup
 
 from . import common, sweeps
 

@@ -12,12 +12,17 @@
 
 from importlib import metadata as _metadata
 
-from .api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
+from ._api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
                   sweep_grads)
-from .checks import check_grads
-from .errors import ClusterError, DAGError, GradientCheckError, NodeError
-from .lazy import Call
-from .spec import Node
+from ._checks import check_grads
+from ._errors import ClusterError, DAGError, GradientCheckError, NodeError
+from ._lazy import Call
+from ._spec import Node
+
+# The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
+for _public in (JVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError, NodeError):
+    _public.__module__ = __name__
+del _public
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
            "grads", "jacobians", "jvps", "Call", "Node", "Result", "JVPResult",

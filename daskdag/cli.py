@@ -712,7 +712,7 @@ def main(argv=None) -> int:
             print(p)
         return EXIT_OK
 
-    from .errors import ClusterError, DAGError, NodeError
+    from ._errors import ClusterError, DAGError, NodeError
 
     name = f"daskdag {args.command}"
 

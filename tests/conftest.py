@@ -96,6 +96,12 @@ def eventually(check, timeout=30.0):
     return True
 
 
+def live_workers(client) -> dict:
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now (its cached
+    ``scheduler_info()`` may not have them yet)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def scheduler_tasks(client) -> int:
     """How many tasks the scheduler holds."""
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
@@ -103,8 +109,8 @@ def scheduler_tasks(client) -> int:
 
 def kept_keys(client) -> set:
     """The keys of the values ``client`` keeps on the cluster for later calls
-    (:mod:`daskdag.resident`)."""
-    from daskdag import resident
+    (:mod:`daskdag._resident`)."""
+    from daskdag import _resident as resident
     kept = resident.of(client)
     return {f.key for f in kept.futures.values()} if kept else set()
 

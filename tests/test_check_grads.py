@@ -9,8 +9,8 @@ import pytest
 
 import daskdag
 from daskdag import GradientCheckError, Node, NodeError
-from daskdag.checks import PROJECTIONS
-from daskdag.spec import parse
+from daskdag._checks import PROJECTIONS
+from daskdag._spec import parse
 
 from .conftest import Counted
 
@@ -37,7 +37,7 @@ def cumsum3(b):
     return jnp.cumsum(b) / 3.0
 
 
-def test_seed_dag_passes_and_runs_each_node_once_forward(seed, x5):
+def test_internal_seed_dag_passes_and_runs_each_node_once_forward(seed, x5):
     dag, f, _ = seed
     checked = daskdag.check_grads(dag, x5, ["D", "E"])
     assert list(checked) == [n for n in parse(dag).order]  # every node, in topological order

@@ -13,9 +13,8 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import ClusterError, Node, NodeError
-from daskdag.cluster import workers as live_workers
 
-from .conftest import DaskCLI, assert_tree_close, interrupt
+from .conftest import DaskCLI, assert_tree_close, interrupt, live_workers
 
 pytestmark = pytest.mark.cluster
 

@@ -42,9 +42,8 @@ from packaging.specifiers import SpecifierSet
 import daskdag
 from daskdag import Node
 from daskdag.cli import security
-from daskdag.cluster import workers as live_workers
 
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, live_workers
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

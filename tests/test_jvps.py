@@ -9,9 +9,9 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import DAGError, JVPResult, Node, NodeError
-from daskdag.jvps import JVP_RULES
-from daskdag.plan import make_plan
-from daskdag.spec import parse
+from daskdag._jvps import JVP_RULES
+from daskdag._plan import make_plan
+from daskdag._spec import parse
 
 from .conftest import TraceLog, assert_tree_close
 
@@ -48,7 +48,7 @@ def test_keys_mirror_the_forward_graph(seed, x5):
     assert keys == _keys(dag, x5, V5, ["D", "E"])  # deterministic
 
 
-def test_jit_nodes_fused_and_eager_control_flow():
+def test_internal_jit_nodes_fused_and_eager_control_flow():
     calls = []
 
     def branchy(a):  # Python control flow on values: eager, under jax.jvp
@@ -72,7 +72,7 @@ def test_jit_nodes_fused_and_eager_control_flow():
 
     x = jnp.linspace(-1.0, 1.0, 6)
     v = jnp.cos(jnp.arange(6.0))
-    from daskdag.stages import make_stages
+    from daskdag._stages import make_stages
     spec = parse(dag)
     assert any(s.fused for s in make_stages(make_plan(spec, ("B", "C", "E"), ("x",))))
     res = daskdag.compute_jvps(dag, x, v, ["B", "C", "E"])
@@ -201,7 +201,7 @@ def _numpy_tanh_jvp(fn, node, args, tangents, active):
     return primal, ((1 - primal ** 2) * t,)
 
 
-def test_registered_jvp_rule():
+def test_internal_registered_jvp_rule():
     fn = NumpyTanh()
     dag = {"A": (jnp.sin, ["x"]), "B": (fn, ["A"]), "C": (lambda b: jnp.sum(b ** 2), ["B"])}
     x = jnp.linspace(-1, 1, 4)

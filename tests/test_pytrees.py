@@ -12,9 +12,8 @@ import optax
 import pytest
 
 import daskdag
-from daskdag.cluster import workers as live_workers
 
-from .conftest import assert_tree_close, compute_split
+from .conftest import assert_tree_close, compute_split, live_workers
 
 
 def test_float_leaves_differentiated_int_leaves_held():

@@ -12,7 +12,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import Node, NodeError, engines, programs
+from daskdag import Node, NodeError
+from daskdag import _engines as engines, _programs as programs
 
 from .conftest import assert_tree_close
 
@@ -205,7 +206,7 @@ def test_bounded_memory_in_the_client():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
-def test_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
+def test_internal_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
     inputs = mixed_inputs(n=16)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
@@ -233,12 +234,12 @@ def test_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
     assert_tree_close(res["E"].grad["b"], gb, rtol=1e-5)
 
 
-def test_item_pullbacks_travel_between_processes():
+def test_internal_item_pullbacks_travel_between_processes():
     import pickle
 
     from distributed.protocol import deserialize, serialize
 
-    from daskdag.chunked import Chunked
+    from daskdag._chunked import Chunked
 
     node = Node(encode, ("x", "w"))
     inputs = mixed_inputs(n=3)

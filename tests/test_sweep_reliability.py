@@ -18,7 +18,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import Node, NodeError, engines, progress
+from daskdag import Node, NodeError
+from daskdag import _engines as engines, _progress as progress
 
 from .conftest import assert_tree_close, eventually, kept_keys, only_kept_left, scheduler_tasks
 
@@ -90,7 +91,7 @@ def test_kept_errors_hold_no_frames_on_threads():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_shared_input_survives_its_holder_being_killed(monkeypatch):
+def test_internal_shared_input_survives_its_holder_being_killed(monkeypatch):
     """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
     so no other worker has a copy: the scheduler has to compute it again."""
     dag = {"H": Node(encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
@@ -235,7 +236,7 @@ def test_progress_advances_per_item_on_a_cluster(monkeypatch):
         check_progress_per_item(monkeypatch, client)
 
 
-def test_progress_final_count_is_exact_with_failures(monkeypatch):
+def test_internal_progress_final_count_is_exact_with_failures(monkeypatch):
     monkeypatch.setattr(progress, "tqdm", Recorded)
     Recorded.counts = []
     dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}

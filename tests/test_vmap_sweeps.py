@@ -12,7 +12,7 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import Node
-from daskdag.chunked import Chunked
+from daskdag._chunked import Chunked
 
 from .conftest import TraceLog, assert_tree_close
 
@@ -117,7 +117,7 @@ def test_compiled_programs_do_not_keep_the_node_function_alive():
     assert ref() is None
 
 
-def test_vmap_chunk_pullbacks_travel_between_processes():
+def test_internal_vmap_chunk_pullbacks_travel_between_processes():
     chunk = Chunked(Node(encode, ("p", "w"), vmap=True), (0, None))
     xs = inputs(n=3)
     args = (xs["p"], xs["w"])
@@ -137,12 +137,12 @@ def test_vmap_chunk_pullbacks_travel_between_processes():
     assert_tree_close(ref[1], (np.sum(gw, 0),), rtol=1e-5)  # w is shared: summed over items
 
 
-def test_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory():
+def test_internal_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory():
     """(Internals.) An item-by-item sweep has about four chunks per parallel slot; a ``vmap=True``
     one too, but each of at least 16 MiB of items (a chunk is one program, with a fixed cost)
     unless a slot would have none, and at most 64 MiB."""
-    from daskdag import sweep
-    from daskdag.spec import parse
+    from daskdag import _sweep as sweep
+    from daskdag._spec import parse
 
     def planned(vmap, n, width=4):
         dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),

@@ -8,8 +8,8 @@ In:  from :class:`~daskdag.Node`, one of
      with either, or alone beside ``fn``, ``jvp=jvp``: ``jvp(args, tangents) -> (out,
      out_tangent)``, as :func:`jax.custom_jvp`'s rule, for :func:`daskdag.compute_jvps`.
 Out: a :class:`Custom` function (the parsed node's ``fn``), registered as its own linearizer
-     (:data:`daskdag.pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`;
-     and in forward mode as its own JVP rule (:data:`daskdag.jvps.JVP_RULES`, :meth:`Custom.push`).
+     (:data:`daskdag._pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`;
+     and in forward mode as its own JVP rule (:data:`daskdag._jvps.JVP_RULES`, :meth:`Custom.push`).
 
 The user's functions get the values as NumPy arrays (JAX arrays converted; other leaves as they
 are), never tracers, and may run any Python code. A cotangent handed to ``vjp``/``bwd`` has the
@@ -18,7 +18,7 @@ checked against the deps: one cotangent per dep, each with its dep's structure a
 (``None`` for a dep, or a leaf, with no cotangent: zeros), else an error naming the node,
 the dep and what was expected. Residuals are any pytree: when Dask moves the backward task to
 another process they travel with it (NumPy arrays as zero-copy frames), the functions by value
-(:mod:`daskdag.shipping`).
+(:mod:`daskdag._shipping`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .pullback import LINEARIZERS, is_differentiable, is_numeric
-from .shipping import pack, unpack, unwrap
+from ._pullback import LINEARIZERS, is_differentiable, is_numeric
+from ._shipping import pack, unpack, unwrap
 
 
 class Custom:
@@ -84,7 +84,7 @@ class Custom:
 class CustomPullback:
     """The backward half of a :class:`Custom` node at one point: its residuals (``fwd``'s, or
     for ``vjp=`` the output; the inputs come with each call). Called as a
-    :class:`~daskdag.pullback.Pullback`: ``(ct, inputs)``, ``ct`` a flat tuple over the output's
+    :class:`~daskdag._pullback.Pullback`: ``(ct, inputs)``, ``ct`` a flat tuple over the output's
     differentiable leaves; returns per dep a flat tuple of its leaves' cotangents, ``None`` for
     the deps held constant. ``fn``: the node's function as the node holds it (packed, so that
     it travels by value)."""

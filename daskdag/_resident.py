@@ -2,11 +2,11 @@
 ``compute_grads`` calls, and the shared inputs and chunk graphs of its last few sweeps, each
 under a content key, so a repeated call sends only what changed.
 
-A call's graph refers to these values instead of carrying them (:func:`daskdag.graph.build`'s
+A call's graph refers to these values instead of carrying them (:func:`daskdag._graph.build`'s
 ``place``). Each goes to the cluster once, as a task whose result is the value: the scheduler
 keeps it as that task's recipe, so when the worker holding it dies it is computed again
 elsewhere (a scattered value would be lost with its only holder). Keys are content tokens
-(:mod:`daskdag.shipping`), so an in-place change to an input or a closed-over array gives a new
+(:mod:`daskdag._shipping`), so an in-place change to an input or a closed-over array gives a new
 key, and the old value is dropped once no recent call uses it.
 
 ``dask.config`` ``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps;
@@ -25,7 +25,7 @@ from collections import deque
 import dask
 from dask.sizeof import sizeof
 
-from .cluster import workers
+from ._cluster import workers
 
 KEEP_CALLS = "daskdag.keep-calls"
 KEEP_CALLS_DEFAULT = 8

@@ -14,7 +14,7 @@ their contents do.
 
 The token hashes the pickled bytes and every array's content: NumPy arrays are hashed on every
 pack, since they can change in place; JAX arrays, which cannot, once per array object (Dask's
-token, cached in :mod:`daskdag.protocol`). So an in-place change to anything a function
+token, cached in :mod:`daskdag._protocol`). So an in-place change to anything a function
 closes over changes its token, and no process reuses a stale copy.
 
 The receiving side unpickles a :class:`Packed` lazily, on first use: the scheduler, which
@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from dask.base import tokenize
 
-from .errors import DAGError
+from ._errors import DAGError
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
 

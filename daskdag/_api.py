@@ -14,19 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import arrays, cluster, log, resident, sweep
-from . import jvps as jvp_graph
-from .compute import compute
-from .custom import Custom
-from .errors import DAGError, NodeError
-from .graph import build
-from .lazy import Call
-from .progress import Stop
-from .pullback import differentiable_leaves, is_differentiable, is_numeric
-from .shipping import ship
-from .plan import make_plan
-from .spec import parse
-from .tasks import Rows
+from . import _arrays as arrays, _cluster as cluster, _log as log, _resident as resident, _sweep as sweep
+from . import _jvps as jvp_graph
+from ._compute import compute
+from ._custom import Custom
+from ._errors import DAGError, NodeError
+from ._graph import build
+from ._lazy import Call
+from ._progress import Stop
+from ._pullback import differentiable_leaves, is_differentiable, is_numeric
+from ._shipping import ship
+from ._plan import make_plan
+from ._spec import parse
+from ._tasks import Rows
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
 
 def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
           cotangents: Mapping[str, Any] | None = None) -> Call:
-    """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag.lazy.Call`)
+    """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag._lazy.Call`)
     whose ``.compute()`` returns what :func:`compute_grads` does; ``dask.compute``,
     ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
     forward tasks of calls computed together are shared. It runs where Dask runs it: the
@@ -112,7 +112,7 @@ def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None) -> "_Call":
 @dataclass(frozen=True)
 class _Call:
     """A call prepared: its plan, ``make(place, stop)`` building its graph
-    (:func:`daskdag.graph.build`), and ``finish``, the result from the graph computed."""
+    (:func:`daskdag._graph.build`), and ``finish``, the result from the graph computed."""
 
     plan: Any
     make: Any
@@ -122,7 +122,7 @@ class _Call:
 
 def _computed(call: _Call, client, local: str, progress: bool):
     """The call computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.resident`); else on this process's ``local`` scheduler."""
+    (:mod:`daskdag._resident`); else on this process's ``local`` scheduler."""
     if client is not None:  # before anything is built or sent
         cluster.check(client, call.plan)
     kept = resident.of(client) if client is not None else None
@@ -261,7 +261,7 @@ def _jvp_results(outputs, computed) -> dict:
 def _jacrev_layout(value, rows):
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.tasks.basis`)."""
+    elsewhere; see :func:`daskdag._tasks.basis`)."""
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
     out_leaves, out_def = jax.tree.flatten(value)
     start, per_leaf = 0, []
@@ -281,7 +281,7 @@ def _jacrev_layout(value, rows):
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
     """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
     ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle; ``rows``:
-    a :class:`~daskdag.tasks.Rows` for a Jacobian's rows in place of gradients."""
+    a :class:`~daskdag._tasks.Rows` for a Jacobian's rows in place of gradients."""
     spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
     return spec, plan, build(plan, values, cts, remote=remote, rows=rows)
 

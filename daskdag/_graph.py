@@ -1,9 +1,9 @@
-"""Wire a :class:`~daskdag.plan.Plan` into one Dask graph of forward and backward tasks.
+"""Wire a :class:`~daskdag._plan.Plan` into one Dask graph of forward and backward tasks.
 
 In:  a plan, the input values, the user's cotangents.
 Out: ``{output: (value, {input: grad})}`` of ``dask.delayed.Delayed`` objects sharing one graph.
 
-Tasks are per stage (:mod:`daskdag.stages`: nodes run as one task). Keys are readable and
+Tasks are per stage (:mod:`daskdag._stages`: nodes run as one task). Keys are readable and
 deterministic: ``fwd-B+C-<token>`` runs the stage of nodes B and C (plus ``val-C-<token>``
 taking C's value apart from the stage's pullback, so later stages never fetch residuals),
 ``bwd-D+E-B+C-<token>`` its backward pass for outputs D and E (an output's own stage starts from
@@ -26,10 +26,10 @@ from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.task_spec import Task, TaskRef
 
-from . import tasks
-from .plan import Plan
-from .stages import abbreviate, make_stages
-from .shipping import pack_for, unpack
+from . import _tasks as tasks
+from ._plan import Plan
+from ._stages import abbreviate, make_stages
+from ._shipping import pack_for, unpack
 
 CLOSE = "daskdag.close-stages"
 
@@ -39,15 +39,15 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
     ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`).
 
-    The plan's node functions are packed already (:func:`daskdag.shipping.ship`); input values
+    The plan's node functions are packed already (:func:`daskdag._shipping.ship`); input values
     are packed here, and unpacked by a task of their own. ``place(key, fn, payload, needs)``,
     when given, keeps ``fn(payload)`` on the cluster under the content ``key`` (on a worker with
-    the resources ``needs``) and returns its reference (:mod:`daskdag.resident`): inputs and
+    the resources ``needs``) and returns its reference (:mod:`daskdag._resident`): inputs and
     nodes then travel once, not in each graph. ``stop``: for a local call, a
-    ``daskdag.progress.Stop`` whose setting (by :func:`daskdag.compute.compute`, on Ctrl-C) stops
-    running stages at their next node. ``rows``: a :class:`daskdag.tasks.Rows` for a Jacobian
+    ``daskdag._progress.Stop`` whose setting (by :func:`daskdag._compute.compute`, on Ctrl-C) stops
+    running stages at their next node. ``rows``: a :class:`daskdag._tasks.Rows` for a Jacobian
     (each output starts from the rows of the identity, and its "gradients" are the Jacobian's
-    rows, see :mod:`daskdag.tasks`), else ``None``.
+    rows, see :mod:`daskdag._tasks`), else ``None``.
     """
     spec, g = plan.spec, _Graph()
     val = {}
@@ -138,7 +138,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
 
 def value_task(prefix: str, what: str, value, remote: bool, place, task):
     """A value the graph takes (an input, a tangent) as a task of its own, ``unpack`` of it
-    packed (:func:`~daskdag.shipping.pack_for`, ``what`` naming it in an error), keyed
+    packed (:func:`~daskdag._shipping.pack_for`, ``what`` naming it in an error), keyed
     ``{prefix}-<its content token>``: placed on the cluster (``place``, see :func:`build`) or,
     without, ``task(key, None, unpack, packed)`` (:meth:`_Graph.task`, or another graph's)."""
     packed = pack_for(what, value, remote)

@@ -7,12 +7,12 @@ Out: ``{node: its largest relative error}`` for every node checked, or a
      disagrees, and which of its deps; a node that raises is a :class:`~daskdag.NodeError`.
 
 The nodes checked are those a gradient passes through: the plan's active nodes on a path from
-the differentiated inputs to an output (:attr:`daskdag.plan.Plan.backward`), each once. Their
-forward values are computed as one Dask graph (:func:`daskdag.graph.build` of a plan without
+the differentiated inputs to an output (:attr:`daskdag._plan.Plan.backward`), each once. Their
+forward values are computed as one Dask graph (:func:`daskdag._graph.build` of a plan without
 gradients, so no vjp runs in it); then one check task per node takes its deps' values from it
 and, at that point:
 
-- linearizes the node as daskdag does (:func:`daskdag.pullback.linearizer`: ``jax.vjp``, or a
+- linearizes the node as daskdag does (:func:`daskdag._pullback.linearizer`: ``jax.vjp``, or a
   registered linearizer such as a user-supplied VJP), once;
 - per projection (:data:`PROJECTIONS`), draws a random unit cotangent ``u`` over the output's
   differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``
@@ -41,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from dask.base import tokenize
 
-from .api import _Call, _computed, _input_values, _outputs, _where, _wrt
-from .errors import GradientCheckError, node_errors
-from .graph import build, node_ref, value_task
-from .plan import make_plan
-from .pullback import differentiable_leaves, is_differentiable, linearizer
-from .shipping import ship
-from .spec import parse
+from ._api import _Call, _computed, _input_values, _outputs, _where, _wrt
+from ._errors import GradientCheckError, node_errors
+from ._graph import build, node_ref, value_task
+from ._plan import make_plan
+from ._pullback import differentiable_leaves, is_differentiable, linearizer
+from ._shipping import ship
+from ._spec import parse
 
 PROJECTIONS = 2  # random (u, v) pairs per node and dep
 # The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a

@@ -16,7 +16,7 @@ import jax
 import jaxlib
 from jax import export as jax_export
 
-from .errors import ClusterError
+from ._errors import ClusterError
 
 # Exported for both, so a pullback made on a GPU worker can run on a CPU one and back.
 PLATFORMS = ("cpu", "cuda")

@@ -1,12 +1,12 @@
 """Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
 
-Each chunk of items is the graph :func:`daskdag.graph.build` makes for one call, over a spec
-whose node functions take a whole chunk (:class:`~daskdag.chunked.Chunked`): vectorized with
+Each chunk of items is the graph :func:`daskdag._graph.build` makes for one call, over a spec
+whose node functions take a whole chunk (:class:`~daskdag._chunked.Chunked`): vectorized with
 ``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
-(:mod:`daskdag.engines`; on a cluster a chunk is one task on one worker, its items sent
+(:mod:`daskdag._engines`; on a cluster a chunk is one task on one worker, its items sent
 straight to that worker and its results straight back, and shared inputs are placed on the
 cluster once). A few chunks are in flight at a time; their results are written into the
-stacked outputs (:mod:`daskdag.stacked`) as they finish and their intermediates released, so
+stacked outputs (:mod:`daskdag._stacked`) as they finish and their intermediates released, so
 memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
 name the item and keep the rest.
 """
@@ -25,18 +25,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .chunked import Chunked, chunk_of
-from .engines import Cluster, Threads
-from .errors import NodeError
-from .graph import build
-from .log import logger, where
-from .plan import Plan, make_plan
-from .progress import Progress, chunk_steps
-from .resident import placing
-from .pullback import is_array
-from .shipping import pack_for, rows, ship
-from .spec import Spec
-from .stacked import Stacked, item_shapes
+from ._chunked import Chunked, chunk_of
+from ._engines import Cluster, Threads
+from ._errors import NodeError
+from ._graph import build
+from ._log import logger, where
+from ._plan import Plan, make_plan
+from ._progress import Progress, chunk_steps
+from ._resident import placing
+from ._pullback import is_array
+from ._shipping import pack_for, rows, ship
+from ._spec import Spec
+from ._stacked import Stacked, item_shapes
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Sweep:
         ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
         Nothing else in it depends on which items, or how many, the chunk holds: items enter
         only as these inputs, and the seeds of the outputs' cotangents take the item count
-        from the outputs when they run (:func:`daskdag.tasks.seed`)."""
+        from the outputs when they run (:func:`daskdag._tasks.seed`)."""
         return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
                      remote=self.remote)
 
@@ -142,10 +142,10 @@ VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk,
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
         workers: dict | None = None):
     """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
-    ``workers``: ``client``'s workers as just listed (:func:`daskdag.cluster.workers`), if known.
+    ``workers``: ``client``'s workers as just listed (:func:`daskdag._cluster.workers`), if known.
 
     ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
-    failed items; shaped by :func:`~daskdag.stacked.item_shapes` when no item gave any);
+    failed items; shaped by :func:`~daskdag._stacked.item_shapes` when no item gave any);
     ``failed``: ``{item: NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first
     failing item's error raises. Whatever way it ends, nothing of the sweep stays running or
     held, here or on the cluster.
@@ -169,7 +169,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers):
     """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
     shared inputs and the chunk graph are kept for later calls
-    (:func:`~daskdag.resident.placing`)."""
+    (:func:`~daskdag._resident.placing`)."""
     with contextlib.nullcontext() if client is None else placing(client) as place:
         if client is None:
             engine = Threads(in_flight, bar)
@@ -282,7 +282,7 @@ def _finish(sweep, stacked) -> dict:
 
 def parallelism(workers: dict | None) -> int:
     """Chunks that can run at once: threads of the cluster's ``workers``
-    (:func:`daskdag.cluster.workers`), else of this machine."""
+    (:func:`daskdag._cluster.workers`), else of this machine."""
     if workers is None:
         return os.cpu_count() or 1
     return max(1, sum(w.get("nthreads", 1) for w in workers.values()))

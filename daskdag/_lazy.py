@@ -1,6 +1,6 @@
 """A call as a Dask collection: built now, computed later, alone or with other Dask work.
 
-In:  a plan and the graph :func:`daskdag.graph.build` (or :func:`daskdag.jvps.build`) made of
+In:  a plan and the graph :func:`daskdag._graph.build` (or :func:`daskdag._jvps.build`) made of
      it, ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph, and how to turn
      the computed pieces into the eager function's result.
 Out: a :class:`Call`, a Dask collection (the ``__dask_graph__`` protocol): ``.compute()``
@@ -8,7 +8,7 @@ Out: a :class:`Call`, a Dask collection (the ``__dask_graph__`` protocol): ``.co
      ``.visualize()`` take it with any other collection. Its keys are daskdag's content keys,
      so two calls computed together share the forward tasks they have in common.
 
-The cluster checks of an eager call (:func:`daskdag.cluster.check`: a running client, a
+The cluster checks of an eager call (:func:`daskdag._cluster.check`: a running client, a
 worker, every resource a node needs, the same versions) run when Dask asks for the graph with
 a ``distributed`` client in effect: that is, at compute (or persist) time, on the client that
 will run it, before any task is sent. (Dask's ``__dask_optimize__`` hook is not called on the
@@ -24,8 +24,8 @@ import distributed
 from dask.base import DaskMethodsMixin, get_scheduler
 from dask.highlevelgraph import HighLevelGraph
 
-from . import cluster
-from .plan import Plan
+from . import _cluster as cluster
+from ._plan import Plan
 
 
 class Call(DaskMethodsMixin):
@@ -41,7 +41,7 @@ class Call(DaskMethodsMixin):
 
     @classmethod
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any]) -> "Call":
-        """From :func:`daskdag.graph.build`'s ``{output: (value, {name: grad})}`` and
+        """From :func:`daskdag._graph.build`'s ``{output: (value, {name: grad})}`` and
         ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed."""
         keys = []
         for value, grads in built.values():

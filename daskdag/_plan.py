@@ -1,6 +1,6 @@
 """What one call needs: which nodes run, which run under ``jax.vjp``, which feed each gradient.
 
-In:  a :class:`~daskdag.spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
+In:  a :class:`~daskdag._spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
 Out: a :class:`Plan`. Nothing here runs a node.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .spec import Spec
+from ._spec import Spec
 
 
 @dataclass(frozen=True)

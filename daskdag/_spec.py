@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import jax
 
-from .errors import DAGError
-from .shipping import Function, current, pack, unwrap
+from ._errors import DAGError
+from ._shipping import Function, current, pack, unwrap
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Node:
     ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
 
     Nodes outside JAX (NumPy, SciPy, a simulator) give their own derivatives
-    (:mod:`daskdag.custom`) and get NumPy values, never tracers: ``Node(fn, deps,
+    (:mod:`daskdag._custom`) and get NumPy values, never tracers: ``Node(fn, deps,
     vjp=vjp)`` with ``vjp(ct, out, *args)``, or ``Node(fwd=fwd, bwd=bwd, deps=deps)`` with
     ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, ct)``, each returning one
     cotangent per dep; ``jvp=jvp``, ``jvp(args, tangents) -> (out, out_tangent)``, for
@@ -144,11 +144,11 @@ def _node(name, entry) -> Node:
 
 def _function(name: str, node: Node):
     """The node's function: ``fn`` itself, or with derivatives given by the user, a
-    :class:`daskdag.custom.Custom` of them, checked."""
+    :class:`daskdag._custom.Custom` of them, checked."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
     if all(r is None for r in rules.values()):
         return node.fn
-    from .custom import Custom  # (it registers itself with daskdag.pullback, which imports this)
+    from ._custom import Custom  # (it registers itself with daskdag.pullback, which imports this)
 
     for what, r in rules.items():
         if r is not None and not callable(r):

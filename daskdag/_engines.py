@@ -1,10 +1,10 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
-An engine takes chunks (a :class:`~daskdag.sweep.Sweep` and each chunk's ``(start, stop)``),
+An engine takes chunks (a :class:`~daskdag._sweep.Sweep` and each chunk's ``(start, stop)``),
 waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
 grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
 :meth:`close` stops everything it started: queued chunks never start, running ones stop at
-their next item (:mod:`daskdag.progress`), and on a cluster every future it made is released,
+their next item (:mod:`daskdag._progress`), and on a cluster every future it made is released,
 whatever way the sweep ended.
 """
 
@@ -24,10 +24,10 @@ import jax
 import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
 
-from . import progress
-from .cluster import workers
-from .errors import ClusterError
-from .shipping import pack_for, unpack
+from . import _progress as progress
+from ._cluster import workers
+from ._errors import ClusterError
+from ._shipping import pack_for, unpack
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
 
@@ -95,7 +95,7 @@ class Cluster:
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
                  found: dict | None = None):
         self.client, self.pin, self.bar = client, pin, bar
-        self.place = place  # keeps a value on the cluster (daskdag.resident.placing)
+        self.place = place  # keeps a value on the cluster (daskdag._resident.placing)
         self.chunks: set[_Chunk] = set()  # every chunk not released yet
         self.id = uuid.uuid4().hex
         self.graph: tuple | None = None  # (sweep, future of its chunk graph on the cluster)
@@ -186,7 +186,7 @@ class Cluster:
                    key=lambda w: sum(1 for other in self.chunks if other.worker == w))
 
     def _workers(self, fresh: bool = False) -> dict:
-        """The cluster's workers (:func:`daskdag.cluster.workers`), as the scheduler listed them
+        """The cluster's workers (:func:`daskdag._cluster.workers`), as the scheduler listed them
         at most :data:`LIST_EVERY` seconds ago unless ``fresh``. Asking costs this thread ~3 ms,
         a tenth of what a chunk cost it; a worker that left since fails the scatter, which then
         asks again, and a chunk lost with its worker asks again before it is resent. An empty
@@ -257,7 +257,7 @@ class Cluster:
 
     def close(self):
         """Cancel and let go of every chunk. (The shared inputs and the chunk graph are
-        ``place``'s, :func:`daskdag.resident.placing`.)"""
+        ``place``'s, :func:`daskdag._resident.placing`.)"""
         held = [f for c in self.chunks for f in (c.future, *c.items.values()) if f is not None]
         self.graph = None
         self.chunks.clear()
@@ -298,10 +298,10 @@ class _Chunk:
 
 def place_shared(place, name: str, value) -> distributed.Future:
     """Put the shared input ``name`` on the cluster for every chunk to use, with ``place``
-    (:func:`daskdag.resident.placing`): under its content key, which a later sweep or
+    (:func:`daskdag._resident.placing`): under its content key, which a later sweep or
     ``compute_grads`` call with the same value finds there, and as a task whose result is the
     value, so it survives the loss of its worker, where a scattered value would fail every
-    chunk needing it. The value travels packed, as every input does (:mod:`daskdag.shipping`).
+    chunk needing it. The value travels packed, as every input does (:mod:`daskdag._shipping`).
     """
     packed = pack_for(f"input {name!r}", value, remote=True)
     return place(f"input-{name}-{tokenize(packed)}", unpack, packed)
@@ -317,7 +317,7 @@ def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     to the chunk's items under :func:`item_key`, and to the shared inputs by ``shared``,
     ``{input: TaskRef}`` (plain references: a ``Future`` in it would start a client wherever it
     is unpickled); neither has a task in it, :func:`_run_chunk` adds them as data. Nothing in it
-    depends on which items a chunk holds, or how many (:meth:`daskdag.sweep.Sweep.graph`)."""
+    depends on which items a chunk holds, or how many (:meth:`daskdag._sweep.Sweep.graph`)."""
     items = {n: TaskRef(item_key(n)) for n in sweep.carried()}
     results = sweep.graph({**shared, **items})
     flat = [d for value, grads in results.values() for d in (value, *grads.values())]

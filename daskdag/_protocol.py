@@ -3,13 +3,13 @@
 - tokens: a JAX array's content hash, computed once per array (they are immutable);
 - sizes: the bytes a JAX array, a pullback, a packed value or a node holds, so the scheduler
   keeps backward tasks beside their residuals and counts worker memory right;
-- frames: a :class:`~daskdag.pullback.Pullback` crosses processes as its exported program
+- frames: a :class:`~daskdag._pullback.Pullback` crosses processes as its exported program
   plus one zero-copy frame per residual array (a stage's
-  :class:`~daskdag.stages.StagePullback` and a sweep chunk's
-  :class:`~daskdag.chunked.ItemPullbacks` pickle as lists of them).
+  :class:`~daskdag._stages.StagePullback` and a sweep chunk's
+  :class:`~daskdag._chunked.ItemPullbacks` pickle as lists of them).
 
 How the user's functions and inputs travel (by value, under content tokens) is
-:mod:`daskdag.shipping`'s.
+:mod:`daskdag._shipping`'s.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
-from .chunked import ItemPullbacks
-from .pullback import Pullback
-from .shipping import Packed
-from .spec import Node
-from .stages import StagePullback
+from ._chunked import ItemPullbacks
+from ._pullback import Pullback
+from ._shipping import Packed
+from ._spec import Node
+from ._stages import StagePullback
 
 # -- tokens ---------------------------------------------------------------------------------------
 

@@ -1,17 +1,17 @@
 """Stages: the units a call runs as Dask tasks, between the plan and the graph.
 
-In:  a :class:`~daskdag.plan.Plan`.
+In:  a :class:`~daskdag._plan.Plan`.
 Out: its needed nodes grouped into :class:`Stage` s, in topological order. :func:`make_stages`
      runs nothing; :func:`linearize` runs a stage's nodes, in the stage's forward task.
 
 A stage runs as one forward task and one backward task (for every output whose gradient passes
-through it: :func:`daskdag.tasks.backward` pulls their cotangents back together). Two kinds:
+through it: :func:`daskdag._tasks.backward` pulls their cotangents back together). Two kinds:
 
 - **chains** of eager nodes ``n1 -> n2 -> ... -> nk``: each node but the last feeds only the next
   and is no requested output. Every edge in a chain is a dependency Dask could never use (the
   next node needs the value at once), while on a ``distributed`` cluster each task costs a
   scheduler round trip of a few milliseconds. The nodes run one by one, each under its own
-  ``jax.vjp`` (or its kind's linearizer, :data:`daskdag.pullback.LINEARIZERS`: a sweep's
+  ``jax.vjp`` (or its kind's linearizer, :data:`daskdag._pullback.LINEARIZERS`: a sweep's
   chunk runs one vjp per item), so they keep their semantics: called once, in order, op by
   op, Python control flow and side effects included. A node with several consumers ends its chain, so fan-out
   keeps its parallelism.
@@ -21,8 +21,8 @@ through it: :func:`daskdag.tasks.backward` pulls their cotangents back together)
   may be used outside it (or be requested outputs); their values are the stage's ``exposed``
   values.
 
-A stage whose cotangents all start at its own outputs is *closed* (:mod:`daskdag.graph`): its
-forward task runs its backward pass too (:func:`daskdag.tasks.forward_backward`); a fused one
+A stage whose cotangents all start at its own outputs is *closed* (:mod:`daskdag._graph`): its
+forward task runs its backward pass too (:func:`daskdag._tasks.forward_backward`); a fused one
 then runs as one program (:func:`gradients`), as ``jax.jit`` of each output's
 ``value_and_grad`` would.
 
@@ -43,14 +43,14 @@ import dask
 from dask.sizeof import sizeof
 import jax.numpy as jnp
 
-from .chunked import Chunked, chunk_of
-from .custom import is_custom
-from .errors import node_errors
-from .plan import Plan
-from .progress import Cancelled
-from .pullback import ct_avals, differentiable_leaves, linearizer
-from .shipping import current
-from .spec import Node
+from ._chunked import Chunked, chunk_of
+from ._custom import is_custom
+from ._errors import node_errors
+from ._plan import Plan
+from ._progress import Cancelled
+from ._pullback import ct_avals, differentiable_leaves, linearizer
+from ._shipping import current
+from ._spec import Node
 
 FUSE = "daskdag.fuse-chains"
 
@@ -216,10 +216,10 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
 class StagePullback:
     """The backward half of a chain stage: its nodes' pullbacks, and the values of its own nodes
     that later nodes took as inputs (a pullback that moved to another process takes its input
-    residuals from them, see :class:`~daskdag.pullback.Pullback`).
+    residuals from them, see :class:`~daskdag._pullback.Pullback`).
 
     Call: ``pullback(cts, deps, dropped=None)``, with one cotangent per exposed node (a flat
-    tuple, see :mod:`daskdag.pullback`; ``None`` where none flows) and the values of
+    tuple, see :mod:`daskdag._pullback`; ``None`` where none flows) and the values of
     ``stage.deps``; returns a tuple aligned with ``stage.deps``: each dep's cotangent, ``None``
     where none flows. A node that fails is named in a :class:`~daskdag.NodeError`.
     ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`) when true.
@@ -254,13 +254,13 @@ class StagePullback:
 
     @property
     def batching(self):
-        """Its nodes' common :attr:`~daskdag.pullback.Pullback.batching`, else None."""
+        """Its nodes' common :attr:`~daskdag._pullback.Pullback.batching`, else None."""
         kinds = {pb.batching for pb in self.pullbacks if pb is not None}
         return kinds.pop() if len(kinds) == 1 else None
 
     @property
     def traceable(self) -> bool:
-        """No node's pullback is the user's own code (:mod:`daskdag.custom`): JAX can trace it."""
+        """No node's pullback is the user's own code (:mod:`daskdag._custom`): JAX can trace it."""
         return all(getattr(pb, "traceable", True) for pb in self.pullbacks if pb is not None)
 
     def residual_nbytes(self) -> int:
@@ -311,7 +311,7 @@ _fused: dict = {}  # (stage, ids of fns) -> (its Chunked function, Fused), while
 
 
 def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
-    """The fused stage as one :class:`~daskdag.chunked.Chunked` function, the same object while
+    """The fused stage as one :class:`~daskdag._chunked.Chunked` function, the same object while
     the same node functions live: its compiled programs are cached by function, so later calls
     and chunks compile nothing. In a sweep it is ``vmap`` ped over its deps' item axes;
     elsewhere it has none, and is only jitted."""
@@ -352,7 +352,7 @@ def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: 
     are all seeds of its own outputs (nothing flows into it from later stages). ``seeded[k]``:
     per exposed node, whether the ``k``-th backward pass starts there. Returns ``(values, cts)``,
     ``cts[k]`` aligned with ``stage.deps`` as :class:`StagePullback` returns them; None where
-    the stage cannot run so (see :meth:`~daskdag.chunked.Chunked.gradients`)."""
+    the stage cannot run so (see :meth:`~daskdag._chunked.Chunked.gradients`)."""
     chunk = _fused_function(stage, nodes)
     with node_errors(stage.name, "forward"):
         return chunk.gradients(deps, stage.dep_active(), seeded)

@@ -1,7 +1,7 @@
 """What a running sweep chunk tells the sweep (how far it got) and asks it (was it cancelled?).
 
 A chunk runs as one task (a thread of this process, or one task on a ``distributed`` worker)
-and loops over its items inside each node (:mod:`daskdag.chunked`). Between two items it calls
+and loops over its items inside each node (:mod:`daskdag._chunked`). Between two items it calls
 :func:`checkpoint`, which counts the step and raises :class:`Cancelled` once the sweep stopped
 waiting for the chunk, so Ctrl-C does not wait for whole chunks to finish.
 
@@ -69,7 +69,7 @@ def chunk_steps(plan, items: int) -> int:
 
 
 def _by_item(node) -> bool:
-    from .chunked import chunk_of  # (chunked imports this module)
+    from ._chunked import chunk_of  # (chunked imports this module)
 
     chunk = chunk_of(node)
     return chunk is not None and not chunk.node.vmap

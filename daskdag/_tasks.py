@@ -1,12 +1,12 @@
 """The functions Dask runs: one forward task per stage, one backward task per stage (for every
 output whose gradient passes through it), one gradient task per (output, input). See
-:mod:`daskdag.stages` for what a stage is.
+:mod:`daskdag._stages` for what a stage is.
 
 For a Jacobian (:func:`daskdag.jacobian`) every cotangent is a stack of rows: an output starts
 from the rows of the identity over its elements (:func:`basis`), and each pullback maps a
 stack to a stack, ``rows`` (a :class:`Rows`) at a time under ``jax.vmap``.
 
-A failure is a :class:`~daskdag.errors.NodeError` naming the node.
+A failure is a :class:`~daskdag._errors.NodeError` naming the node.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
-from . import progress, protocol, stages  # noqa: F401  (protocol: see pulled)
-from .pullback import differentiable_leaves, is_differentiable, is_numeric
-from .chunked import Items, stacked
-from .stages import Stage, add
+from . import _progress as progress, _protocol as protocol, _stages as stages  # noqa: F401  (protocol: see pulled)
+from ._pullback import differentiable_leaves, is_differentiable, is_numeric
+from ._chunked import Items, stacked
+from ._stages import Stage, add
 
 
 def forward(stage: Stage, stop, *args):
-    """Run the stage (:func:`daskdag.stages.linearize`). ``args``: the stage's ``Node`` s, then
+    """Run the stage (:func:`daskdag._stages.linearize`). ``args``: the stage's ``Node`` s, then
     the values of its ``deps``. Returns ``(exposed values, pullback)`` when some node ran under
     ``jax.vjp``, else the exposed values, or the value itself when it is one.
 
-    Between two nodes it stops (:class:`~daskdag.progress.Cancelled`) once no one waits for it
-    (:func:`~daskdag.progress.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
+    Between two nodes it stops (:class:`~daskdag._progress.Cancelled`) once no one waits for it
+    (:func:`~daskdag._progress.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
     stops a call at its next node, as it did when every node was a task of its own.
     """
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
@@ -63,7 +63,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
 def pulled(out) -> list:
     """The cotangents from :func:`forward_backward`'s result. (A task of daskdag's own: a worker
     that unpickles it imports daskdag, so Dask knows how to receive JAX arrays
-    (:mod:`daskdag.protocol`) before the result arrives from another worker.)"""
+    (:mod:`daskdag._protocol`) before the result arrives from another worker.)"""
     return out[1]
 
 
@@ -194,7 +194,7 @@ def gradient(picks: tuple, x, output, own, *sources):
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
     each leaf is stacked over its rows (:func:`basis`); else it is ``None``. A sweep's chunk of
-    item-by-item values (:class:`~daskdag.chunked.Items`) gives its gradient stacked."""
+    item-by-item values (:class:`~daskdag._chunked.Items`) gives its gradient stacked."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis_size(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([_cotangent(x, own, ())] if own else [])
@@ -207,7 +207,7 @@ def gradient(picks: tuple, x, output, own, *sources):
 
 def seed(output: str, primal, ct, batched: bool = False) -> tuple:
     """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``, as a
-    flat tuple over the output's differentiable leaves (see :mod:`daskdag.pullback`).
+    flat tuple over the output's differentiable leaves (see :mod:`daskdag._pullback`).
 
     ``ct`` has the output's structure (``None`` allowed where a leaf is held constant).
     ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import programs
-from .shipping import unwrap
-from .spec import Node
+from . import _programs as programs
+from ._shipping import unwrap
+from ._spec import Node
 
 
 def is_differentiable(leaf) -> bool:
@@ -51,12 +51,12 @@ class Pullback:
     each differentiated dep's cotangent, ``None`` for the deps held constant.
 
     In the process that ran the forward pass it calls JAX's own vjp function. When Dask moves it
-    elsewhere (:mod:`daskdag.protocol`) it travels as :meth:`portable`: an exported program plus
+    elsewhere (:mod:`daskdag._protocol`) it travels as :meth:`portable`: an exported program plus
     its residual arrays, less those that are the node's own inputs, which the backward task
     holds anyway. A program that cannot be exported (a host callback inside) travels as the
     node's function instead, and its forward pass is redone there.
 
-    ``batching``: how several cotangents are best pulled back (:func:`daskdag.tasks.backward`):
+    ``batching``: how several cotangents are best pulled back (:func:`daskdag._tasks.backward`):
     ``"compiled"``, a program of a stable identity, which ``jax.vmap`` batches once and reuses;
     ``"eager"``, JAX's vjp of plain code, whose ops ``vmap`` traces anew on every call (it pays
     only for many cotangents); None, never (the vjp of a jitted function, which ``vmap``
@@ -166,7 +166,7 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
 
 def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
-    and ``jax.jvp`` (:func:`daskdag.jvps.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
+    and ``jax.jvp`` (:func:`daskdag._jvps.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
     those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
     output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
     output as ``fn`` returned it."""

@@ -5,12 +5,12 @@ same item chunks, lazily: nothing runs until the user computes them (``dask.comp
 time, whatever the number of items.
 
 Each block (item chunk) is one task, :func:`_run_block`: it runs the sweep's chunk graph
-(:func:`daskdag.engines.chunk_graph`, the one a pinned cluster chunk runs) with Dask's
+(:func:`daskdag._engines.chunk_graph`, the one a pinned cluster chunk runs) with Dask's
 synchronous scheduler inside the task, over that block's items, and returns the block's values
 and gradients as a list of NumPy arrays, one per leaf. Every output's value and gradient leaf is
 a dask array whose blocks pick their leaf out of those tasks (one small ``getitem`` task per
 block and leaf). Their shapes and dtypes come from ``jax.eval_shape`` on one item
-(:func:`daskdag.stacked.item_shapes`), so the arrays are described without computing anything.
+(:func:`daskdag._stacked.item_shapes`), so the arrays are described without computing anything.
 
 The shared inputs, and the chunk graph itself, are one task each in the graph, which every
 block depends on: computed once (on a cluster, once, then copied to the workers that need
@@ -31,14 +31,14 @@ from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import DataNode, Task, TaskRef
 
-from . import cluster, sweep
-from .chunked import Items
-from .engines import chunk_graph, item_key
-from .errors import DAGError, NodeError
-from .plan import make_plan
-from .pullback import is_array, is_numeric
-from .shipping import pack_for, unpack
-from .stacked import item_shapes
+from . import _cluster as cluster, _sweep as sweep
+from ._chunked import Items
+from ._engines import chunk_graph, item_key
+from ._errors import DAGError, NodeError
+from ._plan import make_plan
+from ._pullback import is_array, is_numeric
+from ._shipping import pack_for, unpack
+from ._stacked import item_shapes
 
 
 def holds_dask(values: dict, batched) -> bool:
@@ -52,7 +52,7 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
     ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them; returns
     ``{output: Result}`` (one ``Result`` for a single name) with dask arrays, computing
     nothing."""
-    from . import api  # (api imports this module)
+    from . import _api as api  # (api imports this module)
 
     if errors == "collect":
         raise DAGError("errors='collect' is not supported when batched inputs are dask arrays: "
@@ -327,7 +327,7 @@ def _flat(blocks: _Blocks, computed: dict, size: int) -> list:
 
 def _leaves(what: str, tree, avals: list, size: int) -> list:
     """``tree``'s leaves as NumPy arrays of ``size`` rows, checked against ``avals``, one
-    item's leaves: :class:`~daskdag.chunked.Items` stacked, a value that carries no items (the
+    item's leaves: :class:`~daskdag._chunked.Items` stacked, a value that carries no items (the
     same for every item) broadcast."""
     if isinstance(tree, Items):
         tree = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *tree)

@@ -17,7 +17,7 @@ loaded 2-core machine), loop time / sweep time: 0.65 with the nanny's setting, 0
 the mmap threshold raised, 0.72 with only the trim threshold raised, 0.86 with both; with and
 without this plugin in one run, 0.75 and 0.59 (see that script).
 
-:func:`daskdag.cluster.check` registers it once per client, before every call on a cluster;
+:func:`daskdag._cluster.check` registers it once per client, before every call on a cluster;
 the scheduler then also gives it to workers that join later. Dask config
 ``daskdag.tune-workers: False`` turns it off.
 """

@@ -5,10 +5,10 @@ pullback are each one compiled program, cached per node function, so chunks of t
 (and later sweeps of the same function) compile nothing. The others run item by item, each
 item under its own ``jax.vjp`` (one vjp around the whole loop was measured 2.3 to 2.5 times
 slower per item), leaving an :class:`ItemPullbacks`. Between items they pass a
-:func:`~daskdag.progress.checkpoint`: progress, and where a cancelled chunk stops.
+:func:`~daskdag._progress.checkpoint`: progress, and where a cancelled chunk stops.
 
 A ``Chunked`` whose ``in_axes`` carry no item axis is a fused stage outside a sweep
-(:mod:`daskdag.stages`): the same compiled programs, without ``vmap``. A third program,
+(:mod:`daskdag._stages`): the same compiled programs, without ``vmap``. A third program,
 :meth:`Chunked.gradients`, runs forward and backward as one, as ``jax.jit(jax.value_and_grad)``
 does, for a stage whose cotangents are all its own outputs' seeds.
 """
@@ -23,13 +23,13 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from .custom import is_custom
-from .progress import checkpoint
-from .pullback import (LINEARIZERS, Pullback, by_arg, ct_avals, diff_counts,
+from ._custom import is_custom
+from ._progress import checkpoint
+from ._pullback import (LINEARIZERS, Pullback, by_arg, ct_avals, diff_counts,
                        differentiable_leaves, is_array, is_differentiable, is_numeric, linearize,
                        linearizer, vjp_leaves)
-from .shipping import current, unwrap
-from .spec import Node
+from ._shipping import current, unwrap
+from ._spec import Node
 
 
 class Chunked:
@@ -71,7 +71,7 @@ class Chunked:
         compiled (see :meth:`_compiled`). The function returns a tuple of values;
         ``seeded[k][e]``: the ``k``-th backward pass starts from ones at value ``e`` (its
         differentiable leaves), from zeros elsewhere. ``cts[k]``: that pass's cotangents, a tuple
-        aligned with ``args`` as a :class:`~daskdag.pullback.Pullback` returns them."""
+        aligned with ``args`` as a :class:`~daskdag._pullback.Pullback` returns them."""
         sizes = _sizes(args)
         args = tuple(map(stacked, args))
         split = _split(args, active)
@@ -134,7 +134,7 @@ _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
 def _programs(chunked: Chunked) -> tuple:
     """The jitted ``(forward, backward, kept, gradients)`` of a vmap node. jax.jit caches
     compilations by function identity, so they are kept per node function (the one object a
-    process uses for its content, :func:`~daskdag.shipping.current`), for as long as it lives:
+    process uses for its content, :func:`~daskdag._shipping.current`), for as long as it lives:
     across chunks and sweeps, not past an in-place change to what it closes over. A
     function that cannot be weakly referenced gets them per :class:`Chunked`, i.e. per sweep."""
     fn = current(chunked.node.fn)
@@ -239,7 +239,7 @@ class Items(list):
     """A node's values over a chunk, one per item, as the item-by-item nodes made them: they
     pass them on unstacked (stacking every node's values and splitting them again in the next
     node cost about a tenth of an eager sweep's time). A pytree whose children are the items,
-    so a cotangent of ``Items`` (a flat tuple, see :mod:`daskdag.pullback`) is each item's
+    so a cotangent of ``Items`` (a flat tuple, see :mod:`daskdag._pullback`) is each item's
     cotangent in turn. :func:`stacked` makes one array per leaf, where one is needed."""
 
 
@@ -288,7 +288,7 @@ class _ForItems:
 
 class ItemPullbacks:
     """The pullbacks of a chunk's items. Call: ``(ct, inputs)`` as for a
-    :class:`~daskdag.pullback.Pullback`: ``ct`` the cotangent of the node's :class:`Items`
+    :class:`~daskdag._pullback.Pullback`: ``ct`` the cotangent of the node's :class:`Items`
     (each item's leaves in turn); it returns, for each dep that came as ``Items``, its
     cotangent likewise, for the others (stacked) one stacked array per leaf."""
 
@@ -308,7 +308,7 @@ class ItemPullbacks:
 
     @property
     def batching(self):
-        """As its items' pullbacks (see :attr:`~daskdag.pullback.Pullback.batching`)."""
+        """As its items' pullbacks (see :attr:`~daskdag._pullback.Pullback.batching`)."""
         return self.pullbacks[0].batching if self.pullbacks else None
 
     def residual_nbytes(self) -> int:

@@ -1,19 +1,19 @@
 """Forward mode: values and Jacobian-vector products of a DAG's outputs, as one Dask graph.
 
-In:  a :class:`~daskdag.plan.Plan` whose ``wrt`` are the inputs that carry tangents (so
+In:  a :class:`~daskdag._plan.Plan` whose ``wrt`` are the inputs that carry tangents (so
      ``plan.active`` are the nodes a tangent reaches), the input values and their tangents.
 Out: ``{output: (value, tangent)}`` of ``Delayed`` objects sharing one graph
-     (:func:`build`), run by :func:`daskdag.compute.compute`.
+     (:func:`build`), run by :func:`daskdag._compute.compute`.
 
-Tangents are flat, as cotangents are (:mod:`daskdag.pullback`): a value's tangent is a tuple
+Tangents are flat, as cotangents are (:mod:`daskdag._pullback`): a value's tangent is a tuple
 with one array per differentiable leaf (floating-point or complex arrays, Python floats), in
 ``jax.tree.leaves`` order; the other leaves are held constant and carry none. Only the outputs'
 tangents are given their structure back (:func:`output_tangent`).
 
-The graph mirrors the forward graph of :mod:`daskdag.graph`, stage by stage
-(:func:`daskdag.stages.make_stages`):
+The graph mirrors the forward graph of :mod:`daskdag._graph`, stage by stage
+(:func:`daskdag._stages.make_stages`):
 
-- a stage with no node that a tangent reaches runs :func:`daskdag.tasks.forward` as there:
+- a stage with no node that a tangent reaches runs :func:`daskdag._tasks.forward` as there:
   ``fwd-B+C-<token>`` (and ``val-C-<token>``);
 - every other stage runs :func:`forward` once: ``jvp-B+C-<token>`` computes its exposed
   values and their tangents in one pass; ``val-C-<token>`` and ``tan-C-<token>`` take them
@@ -42,17 +42,17 @@ import jax.numpy as jnp
 from dask.base import tokenize
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from . import tasks
-from .chunked import _rebuild, _split
-from .custom import Custom
-from .errors import DAGError, node_errors
-from .graph import _Graph, node_ref, value_task
-from .plan import Plan
-from .progress import Cancelled
-from .pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
-from .shipping import unwrap
-from .spec import Node
-from .stages import Stage, _fused_function, make_stages
+from . import _tasks as tasks
+from ._chunked import _rebuild, _split
+from ._custom import Custom
+from ._errors import DAGError, node_errors
+from ._graph import _Graph, node_ref, value_task
+from ._plan import Plan
+from ._progress import Cancelled
+from ._pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
+from ._shipping import unwrap
+from ._spec import Node
+from ._stages import Stage, _fused_function, make_stages
 
 TANGENT = "tangent"  # the one "gradient" each output of the graph carries
 
@@ -84,7 +84,7 @@ def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[
 
 def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
     """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
-    :func:`daskdag.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
+    :func:`daskdag._pullback.vjp_leaves` does for vjp: the differentiable leaves of the
     ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
     constant. The tangent is a flat tuple over the primal's differentiable leaves."""
     diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
@@ -125,7 +125,7 @@ def forward(stage: Stage, stop, k: int | None, *args):
     values of its deps, then their tangents (None where a dep carries none). Returns
     ``(exposed values, their tangents)``, a tangent None where the node carries none. ``k``:
     the number of directions, or None for one unbatched tangent. ``stop``: as for
-    :func:`daskdag.tasks.forward`."""
+    :func:`daskdag._tasks.forward`."""
     n, d = len(stage.nodes), len(stage.deps)
     nodes, deps, dep_tangents = args[:n], args[n:n + d], args[n + d:]
     if stage.fused:
@@ -160,7 +160,7 @@ _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> i
 
 
 def _fused(stage: Stage, nodes, deps, dep_tangents, k):
-    """A fused stage's jvp as one jitted program of its :class:`~daskdag.stages.Fused`
+    """A fused stage's jvp as one jitted program of its :class:`~daskdag._stages.Fused`
     function, compiled once per function (while it lives), shapes and held constants."""
     fused = _fused_function(stage, nodes).node.fn  # the same object while the functions live
     active = tuple(a and t is not None for a, t in zip(stage.dep_active(), dep_tangents))
@@ -295,7 +295,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
     ``k``: the number of directions, or None. ``remote``, ``place`` and ``stop`` as for
-    :func:`daskdag.graph.build`."""
+    :func:`daskdag._graph.build`."""
     spec, g = plan.spec, _Graph()
     needed = spec.ancestors(plan.outputs)
     val, tan = {}, {}

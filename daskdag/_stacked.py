@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .chunked import Items, chunk_of
-from .pullback import is_numeric
+from ._chunked import Items, chunk_of
+from ._pullback import is_numeric
 
 
 class Stacked:

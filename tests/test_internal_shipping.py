@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 import daskdag
-from daskdag import shipping
-from daskdag.cluster import workers as live_workers
+from daskdag import _shipping as shipping
 
-from .conftest import assert_tree_close, compute_split
+from .conftest import assert_tree_close, compute_split, live_workers
 
 USER_MODULE = '''
 import jax

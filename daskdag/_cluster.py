@@ -15,10 +15,10 @@ import weakref
 import dask
 from dask.utils import parse_timedelta
 
-from .errors import ClusterError
-from .plan import Plan
-from .programs import versions
-from . import workers as worker_setup
+from ._errors import ClusterError
+from ._plan import Plan
+from ._programs import versions
+from . import _workers as worker_setup
 
 WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
 WORKER_WAIT_DEFAULT = "30s"
@@ -44,7 +44,7 @@ def check(client, plan: Plan) -> dict[str, dict]:
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
 
-    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.workers`), unless
+    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag._workers`), unless
     ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
     """
     check_client(client)
@@ -56,7 +56,7 @@ def check(client, plan: Plan) -> dict[str, dict]:
 
 
 def tune_workers(client) -> None:
-    """Register :class:`daskdag.workers.TuneMalloc` with ``client``'s scheduler, once per
+    """Register :class:`daskdag._workers.TuneMalloc` with ``client``'s scheduler, once per
     client object, unless ``daskdag.tune-workers`` is false. A failure warns and never stops
     the call: the workers only stay slower."""
     if client in _tuned or not dask.config.get(worker_setup.CONFIG, True):

@@ -5,7 +5,7 @@ Ctrl-C: Dask's local scheduler hands a task to a thread only when one is free, s
 interrupt leaves its loop no further task starts, and the stages running in the background stop
 at their next node (the call's ``stop`` event). On a cluster the call's futures are released, so
 the scheduler cancels every task of the call that no other call wants, and a running stage
-stops at its next node (:func:`daskdag.progress.dropped`).
+stops at its next node (:func:`daskdag._progress.dropped`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dask.diagnostics import ProgressBar
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None) -> dict:
     """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure:
     on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
-    process, whatever default client exists. ``stop``: the ``daskdag.progress.Stop`` a local
+    process, whatever default client exists. ``stop``: the ``daskdag._progress.Stop`` a local
     graph's stages watch; set when the call ends early."""
     if client is None:
         try:

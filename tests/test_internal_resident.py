@@ -8,7 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import resident
+from daskdag import _resident as resident
 
 from .conftest import assert_tree_close, eventually, scheduler_tasks
 

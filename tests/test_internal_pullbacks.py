@@ -11,12 +11,12 @@ from dask.sizeof import sizeof
 from distributed.protocol import deserialize, serialize
 
 import daskdag
-from daskdag import ClusterError, Node, programs
-from daskdag.cluster import workers as live_workers
-from daskdag.pullback import Pullback, linearize
+from daskdag import ClusterError, Node
+from daskdag import _programs as programs
+from daskdag._pullback import Pullback, linearize
 
-from .conftest import TraceLog, assert_tree_close, compute_split
-from .test_stages import _composed, _jit_dag
+from .conftest import TraceLog, assert_tree_close, compute_split, live_workers
+from .test_internal_stages import _composed, _jit_dag
 
 pytestmark = pytest.mark.cluster
 
@@ -223,7 +223,7 @@ def test_version_mismatch_names_the_workers(cluster):
 
         client.run(pretend, "0.0.0-other", workers=[b])
         # Only a test changes a running worker's version: forget which workers passed the check.
-        daskdag.cluster._same_versions.clear()
+        daskdag._cluster._same_versions.clear()
         try:
             with pytest.raises(ClusterError, match=f"workers differ.*{b}.*0.0.0-other"):
                 daskdag.compute_grads({"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}, X, "B",
@@ -289,7 +289,7 @@ def test_jax_arrays_travel_as_numpy_frames(dtype):
 def test_fused_and_chain_pullbacks_move_between_workers(client):
     a, b = sorted(client.scheduler_info()["workers"])
     x = jnp.linspace(-1.0, 1.0, 5)
-    dag = _jit_dag(TraceLog())  # (from test_stages)
+    dag = _jit_dag(TraceLog())  # (from test_internal_stages)
     dag.update({"P": (jnp.cos, ["E"]), "Q": (lambda p: p * 3.0, ["P"])})  # + an eager chain
     res, ran = compute_split(client, dag, x, ["Q"], a, b)
     assert {k.split("-")[1] for k in ran if k.startswith("fwd-")} == {"A+3more+E", "P+Q"}

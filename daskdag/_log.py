@@ -20,7 +20,7 @@ logger.addHandler(logging.NullHandler())
 
 def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = None) -> None:
     """Log one call's graph (``{output: (value, {name: grad})}`` of ``Delayed``) as it goes to
-    ``where``; ``placed``: the bytes it placed on the cluster (:mod:`daskdag.resident`)."""
+    ``where``; ``placed``: the bytes it placed on the cluster (:mod:`daskdag._resident`)."""
     if not logger.isEnabledFor(logging.INFO):
         return
     tasks = _tasks(graph)
