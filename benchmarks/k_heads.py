@@ -26,7 +26,7 @@ daskdag_threads:    ``daskdag.compute_grads(dag, x, heads)`` on Dask's threaded 
 daskdag_2w:         the same call on the default 2-worker process ``LocalCluster`` (``2w`` in
                     ``common.CLUSTERS``, as a user starts one). The first call sends the node
                     functions, which close over the trunk's weights; repeated calls find them
-                    kept on the cluster (``daskdag.resident``).
+                    kept on the cluster (as daskdag's log says it).
 daskdag_2w_tuned:   the same on the tuned 2-worker cluster (``2w_tuned``: pinned workers,
                     ``MALLOC_TRIM_THRESHOLD_`` unset), a labelled extra, not a headline.
 torch:              the same DAG in PyTorch (CPU, eager, the same float32 weights): one forward

@@ -187,7 +187,7 @@ def bytes_section(b: dict) -> str:
             for label, k in calls if k in b]
     head = (f"Bytes sent per call, {b['case']}, on the {b['cluster']} cluster (a model with "
             f"fresh weights): `placed by daskdag` is what daskdag counted as sent to keep on the "
-            f"cluster (`daskdag.resident`), `client → scheduler` what distributed's client wrote "
+            f"cluster (as its log says, logger `daskdag`), `client → scheduler` what distributed's client wrote "
             f"to the scheduler (its batched stream's byte count: every graph, kept values "
             f"included). One weight matrix is {nbytes(b['weight'])}, all of them "
             f"{nbytes(b['weights'])}, x {nbytes(b['x'])}.")
