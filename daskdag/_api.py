@@ -194,9 +194,13 @@ def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[st
 
 
 def _jacobian(dag, x, outputs, wrt, chunk_size, remote) -> _Call:
+    _check_chunk_size(chunk_size)
+    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size))
+
+
+def _check_chunk_size(chunk_size) -> None:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size))
 
 
 def _jacobians(spec, outputs, computed) -> dict:
@@ -357,6 +361,9 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     values = _input_values(spec, xs, names)
     batched = _batched(values, batched)
     client, local = _where(client, scheduler)
+    if errors not in ("raise", "collect"):
+        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
+    _check_chunk_size(chunk_size)
     if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
         return arrays.sweep_grads(spec, outputs, names, values, batched, wrt=wrt,
                                   cotangents=cotangents, chunk_size=chunk_size, client=client,
@@ -364,10 +371,6 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     size = _batch_size(values, batched)
     wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
     _with_rules(make_plan(spec, names, wrt))
-    if errors not in ("raise", "collect"):
-        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
                                remote=client is not None)
     found = cluster.check(client, planned.plan) if client is not None else None

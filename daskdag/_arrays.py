@@ -49,7 +49,8 @@ def holds_dask(values: dict, batched) -> bool:
 def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cotangents,
                 chunk_size, client, progress, errors):
     """:func:`daskdag.sweep_grads` over dask arrays (see the module's docstring). ``spec``,
-    ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them; returns
+    ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them (``errors``
+    and ``chunk_size`` checked there too); returns
     ``{output: Result}`` (one ``Result`` for a single name) with dask arrays, computing
     nothing."""
     from . import _api as api  # (api imports this module)
@@ -59,14 +60,10 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
                        "the results are computed lazily, so there is no list of failed items to "
                        "return; use errors='raise' (a failing item raises its NodeError, naming "
                        "the item, when the arrays are computed)")
-    if errors != "raise":
-        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
     if progress:
         raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     inputs, chunks, size = aligned(values, batched, chunk_size)
     stand_ins = {i: _stand_in(v) if i in batched else v for i, v in values.items()}
     wrt = api._wrt(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})

@@ -97,10 +97,10 @@ class CustomPullback:
         leaves, self.out_def = jax.tree.flatten(out)
         self.mask = tuple(map(is_differentiable, leaves))
         # bwd takes its residuals; a vjp= rule the output, kept whole.
-        self.residuals = residuals if _custom(fn).fwd is not None else out
+        self.residuals = residuals if unwrap(fn).fwd is not None else out
 
     def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
-        custom, inputs = _custom(self.fn), as_numpy(tuple(inputs))
+        custom, inputs = unwrap(self.fn), as_numpy(tuple(inputs))
         it = iter(as_numpy(tuple(ct)))
         ct_tree = self.out_def.unflatten([next(it) if m else None for m in self.mask])
         if custom.fwd is not None:
@@ -131,10 +131,6 @@ def _received(fn, deps, active, packed) -> CustomPullback:
     pb.fn, pb.deps, pb.active = fn, deps, active
     pb.out_def, pb.mask, pb.residuals = unpack(packed)
     return pb
-
-
-def _custom(fn) -> Custom:
-    return unwrap(fn)
 
 
 def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tuple:

@@ -101,7 +101,7 @@ class Call(DaskMethodsMixin):
         ``filename``, ``format`` and other keywords as for :func:`dask.visualize`."""
         tasks = {k: {"label": k.rsplit("-", 1)[0], "style": "filled",
                      "fillcolor": "#f6c89f" if k.startswith(("bwd-", "grad-")) else "#b9d3ee"}
-                 for k in dict(self.__dask_graph__())}
+                 for k in dict(self._dask)}  # (its keys; dask.visualize asks for the graph)
         kwargs.setdefault("function_attributes", tasks)
         kwargs.setdefault("collapse_outputs", True)
         return dask.visualize(self, filename=filename, format=format, **kwargs)
