@@ -116,9 +116,8 @@ def main() -> int:
         print("FAIL: the CPU-only worker sees a GPU (its JAX_PLATFORMS was not applied)")
         ok = False
     for node in dag:
-        fwd = {t["worker"] for t in ts.data if t["key"].startswith(f"fwd-{node}-")}
-        bwd = {t["worker"] for t in ts.data
-               if t["key"].startswith("bwd-") and t["key"].split("-")[2] == node}
+        fwd = {t["worker"] for t in ts.data if t["key"].startswith(f"fwd:{node}-")}
+        bwd = {t["worker"] for t in ts.data if t["key"].startswith(f"bwd:{node}[")}
         show = lambda ws: ", ".join(f"{names[w]} ({devices[w]})" for w in sorted(ws)) or "-"
         print(f"{node:<5} {show(fwd):<28} {show(bwd):<28}")
         if node == "H" and {names[w] for w in fwd | bwd} != {"gpu"}:

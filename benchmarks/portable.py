@@ -70,6 +70,7 @@ from distributed.protocol import deserialize, serialize
 from daskdag import Node
 from daskdag import _programs as programs
 from daskdag._api import build_graph
+from daskdag._graph import kind_of
 from daskdag._pullback import linearize
 
 from . import common
@@ -228,7 +229,7 @@ def run_graph(client, node: Node, kind: Kind, values: dict, fwd_on, rest_on, wat
     x = next(iter(values.values())) if len(values) == 1 else values
     _, _, graph = build_graph({"N": node}, x, ["N"], wrt=[kind.wrt], cotangents=cts)
     dsk = dict(dask.delayed(graph).__dask_graph__())
-    fwd_keys = [key for key in dsk if str(key).startswith(("fwd-", "val-"))]
+    fwd_keys = [key for key in dsk if kind_of(key) in ("fwd", "val")]
     with (distributed.get_task_stream(client) if watch else nullcontext()) as stream:
         start = time.perf_counter()
         if fwd_on is not None:
@@ -241,9 +242,9 @@ def run_graph(client, node: Node, kind: Kind, values: dict, fwd_on, rest_on, wat
 
 
 def check_placement(mode: str, ran: dict, fwd_on, rest_on) -> None:
-    where = {phase: {w for key, w in ran.items() if key.startswith(phase)}
-             for phase in ("fwd-", "bwd-")}
-    want = {"fwd-": {fwd_on or rest_on}, "bwd-": {rest_on}}
+    where = {phase: {w for key, w in ran.items() if kind_of(key) == phase}
+             for phase in ("fwd", "bwd")}
+    want = {"fwd": {fwd_on or rest_on}, "bwd": {rest_on}}
     if where != want:
         raise RuntimeError(f"{mode}: tasks ran on {where}, expected {want}")
 

@@ -84,8 +84,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     that differ). :func:`grads` is the same call, not computed yet.
     """
     client, local = _where(client, scheduler)
-    return _computed(_grads(dag, x, outputs, wrt, cotangents, client is not None), client,
-                     local, progress)
+    return _computed(_grads(dag, x, outputs, wrt, cotangents, client is not None,
+                            travel=client is not None), client, local, progress)
 
 
 def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
@@ -101,10 +101,13 @@ def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] |
     return _lazy(_grads(dag, x, outputs, wrt, cotangents, _active_client() is not None))
 
 
-def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None) -> "_Call":
-    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
+def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> "_Call":
+    """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
+    ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
+    call (:class:`daskdag._graph.Carry`)."""
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote, travel)
     return _Call(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
-                                                 stop=stop, rows=rows),
+                                                 stop=stop, rows=rows, travel=travel),
                  partial(_results, spec, outputs) if rows is None else
                  partial(_jacobians, spec, outputs), "compute_grads" if rows is None else "jacobian")
 
@@ -132,7 +135,7 @@ def _computed(call: _Call, client, local: str, progress: bool):
         graph = call.make(place, stop)
         log.submitted(call.kind, call.plan, graph, log.where(client, local),
                       kept.sent - before if kept else None)
-        return call.finish(compute(graph, client, progress, stop, local))
+        return call.finish(compute(graph, client, progress, stop, local, call.plan))
 
 
 def _lazy(call: _Call) -> Call:
@@ -183,8 +186,8 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
     a complex output. :func:`jacobians` is the same call, not computed yet.
     """
     client, local = _where(client, scheduler)
-    return _computed(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None), client,
-                     local, progress)
+    return _computed(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None,
+                               travel=client is not None), client, local, progress)
 
 
 def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
@@ -193,9 +196,9 @@ def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[st
     return _lazy(_jacobian(dag, x, outputs, wrt, chunk_size, _active_client() is not None))
 
 
-def _jacobian(dag, x, outputs, wrt, chunk_size, remote) -> _Call:
+def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> _Call:
     _check_chunk_size(chunk_size)
-    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size))
+    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size), travel)
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -237,8 +240,8 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
     the same call, not computed yet.
     """
     client, local = _where(client, scheduler)
-    return _computed(_jvps(dag, x, tangents, outputs, batched, client is not None), client,
-                     local, progress)
+    return _computed(_jvps(dag, x, tangents, outputs, batched, client is not None,
+                           travel=client is not None), client, local, progress)
 
 
 def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
@@ -246,14 +249,14 @@ def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bo
     return _lazy(_jvps(dag, x, tangents, outputs, batched, _active_client() is not None))
 
 
-def _jvps(dag, x, tangents, outputs, batched, remote) -> _Call:
+def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> _Call:
     spec = parse(dag)
     names = _outputs(spec, outputs)
     values = _input_values(spec, x, names)
     flat, k = jvp_graph.input_tangents(spec, values, tangents, bool(batched))
-    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote)
+    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
     return _Call(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
-                                                           place=place, stop=stop),
+                                                           place=place, stop=stop, travel=travel),
                  partial(_jvp_results, outputs), "compute_jvps")
 
 
@@ -290,7 +293,7 @@ def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, row
     return spec, plan, build(plan, values, cts, remote=remote, rows=rows)
 
 
-def _prepare(dag, x, outputs, wrt, cotangents, remote):
+def _prepare(dag, x, outputs, wrt, cotangents, remote, travel=True):
     """A call validated: its spec, plan (node functions packed to travel), input values and
     cotangents."""
     spec = parse(dag)
@@ -298,7 +301,7 @@ def _prepare(dag, x, outputs, wrt, cotangents, remote):
     values = _input_values(spec, x, names)
     wrt = _wrt(spec, values, wrt, candidates=values)
     plan = _with_rules(make_plan(spec, names, wrt))
-    return spec, ship(plan, remote), values, _cotangents(names, cotangents)
+    return spec, ship(plan, remote, travel), values, _cotangents(names, cotangents)
 
 
 def _with_rules(plan, forward: bool = False):

@@ -32,18 +32,16 @@ checked node takes its value: once to linearize, and ``2 * PROJECTIONS`` times p
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 
-import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dask.base import tokenize
+from dask.task_spec import TaskRef
 
 from ._api import _Call, _computed, _input_values, _outputs, _where, _wrt
 from ._errors import GradientCheckError, node_errors
-from ._graph import build, node_ref, value_task
+from ._graph import Carry, _Graph, build, ident
 from ._plan import make_plan
 from ._pullback import differentiable_leaves, is_differentiable, linearizer
 from ._shipping import ship
@@ -101,38 +99,32 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
         return {}
     # The forward values, as one graph with no gradients: every needed node is an output (so
     # each is its own value), and nothing runs under jax.vjp. Values no check takes are culled.
-    forward = ship(make_plan(spec, plan.needed, ()), remote)
+    forward = ship(make_plan(spec, plan.needed, ()), remote, travel=remote)
 
     def graph(place, stop):
-        values_of = {n: value for n, (value, _) in
-                     build(forward, values, {}, remote=remote, place=place, stop=stop).items()}
+        built = build(forward, values, {}, remote=remote, place=place, stop=stop, travel=remote)
+        g = _Graph()
+        carry = Carry(g, remote, remote, place)
+        value_of = {n: TaskRef(value.key) for n, (value, _) in built.items()}
         for i in {d for n in checked for d in spec.nodes[n].deps if d not in spec.nodes}:
-            # under the key graph.build gives it: the forward graph's copy serves both
-            values_of[i] = value_task(f"input-{i}", f"input {i!r}", values[i], remote, place, _task)
-        tasks = {}
+            value_of[i] = carry.value("input", i, f"input {i!r}", values[i])
+        checks = {}
         for n in checked:
             node = forward.spec.nodes[n]
             active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
-            sent = node_ref(n, node, place)
-            deps = [values_of[d] for d in node.deps]
-            key = f"check-{n}-{tokenize(node, active, eps, rtol, [d.key for d in deps])}"
-            needs = dask.annotate(resources=dict(node.needs)) if node.needs else contextlib.nullcontext()
-            with needs:
-                tasks[n] = dask.delayed(check_node, pure=True)(n, sent, active, eps, rtol, *deps,
-                                                               dask_key_name=key)
-        return tasks
+            sent = carry.node(n, node)
+            deps = [value_of[d] for d in node.deps]
+            k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
+            checks[n] = (g.task(k, dict(node.needs), check_node, n, sent, active, eps, rtol, *deps), {})
+        return g.delayed(checks, carry.call, base=next(iter(built.values()))[0].dask)
 
     found = _computed(_Call(forward, graph, lambda found: found, "check_grads"), client, local, False)
-    failed = [n for n in checked if found[n][1]]
+    failed = [n for n in checked if found[n][0][1]]
     if failed:
-        first = found[failed[0]][1]
+        first = found[failed[0]][0][1]
         dep = spec.nodes[failed[0]].deps[first["position"]]
         raise GradientCheckError(failed[0], dep, others=tuple(failed[1:]), **first)
-    return {n: found[n][0] for n in checked}
-
-
-def _task(key, needs, fn, arg):  # (a graph.value_task of this module's delayed graph)
-    return dask.delayed(fn, pure=True)(arg, dask_key_name=key)
+    return {n: found[n][0][0] for n in checked}
 
 
 def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,

@@ -9,6 +9,7 @@ something else.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 
@@ -136,9 +137,58 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
         _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
         while len(_same_versions) > KNOWN_WORKERS:
             _same_versions.pop()
-    wrong = {addr: v for addr, v in found.items() if v != here}
+    # A worker that could not be reached (it died since it was listed, as when a whole cluster
+    # is lost and restarted) says nothing about versions: it is asked again when it is back,
+    # and the scheduler gives its work to others meanwhile.
+    wrong = {addr: v for addr, v in found.items()
+             if v != here and not isinstance(v, (OSError, TimeoutError))}
     if wrong:
         detail = "; ".join(f"{addr}: {v if isinstance(v, dict) else f'{type(v).__name__}: {v}'}"
                            for addr, v in sorted(wrong.items(), key=lambda kv: kv[0]))
-        raise ClusterError(f"workers differ from this client ({here}): {detail}. Backward programs "
-                           f"only travel between identical jax, jaxlib and daskdag versions")
+        what = ("differ from this client" if all(isinstance(v, dict) for v in wrong.values()) else
+                "cannot run daskdag as this client does")
+        raise ClusterError(f"workers {what} ({here}): {detail}. Backward programs only travel "
+                           f"between identical jax, jaxlib and daskdag versions")
+
+
+class Watch:
+    """Whether a call waiting on ``client``'s cluster can still finish there: :meth:`check`,
+    called now and then while it waits, raises :class:`~daskdag.ClusterError` once the cluster
+    has had no worker that can run the call (none at all, or none offering a resource one of
+    the ``plan``'s nodes needs) for longer than ``daskdag.worker-wait``. Workers that come back
+    within that time (a nanny restarting them) take the call up again."""
+
+    def __init__(self, client, plan: Plan | None = None):
+        self.client, self.plan = client, plan
+        self.wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+        self.since: float | None = None  # since when the cluster cannot run the call
+        self.lost = 0  # the most workers seen meanwhile gone
+
+    def check(self) -> None:
+        try:
+            found = workers(self.client)
+        except (OSError, TimeoutError) as e:  # the scheduler is unreachable
+            found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
+        else:
+            problem = self._problem(found)
+        if problem is None:
+            self.since = None
+            return
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since > self.wait:
+            raise ClusterError(
+                f"{describe(self.client)}: {problem}, and it stayed so for {self.wait:g} s "
+                f"(daskdag.worker-wait): the workers were lost (killed, out of memory, or their "
+                f"machines went away) and none came back to finish the call. Start workers, or "
+                f"wait longer with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+
+    def _problem(self, found: dict) -> str | None:
+        if not found:
+            return "the cluster has no worker left"
+        for n in self.plan.needed if self.plan is not None else ():
+            needs = self.plan.spec.nodes[n].needs
+            if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
+                                     for r, amount in needs.items()) for w in found.values()):
+                return f"no worker left offers the resources {needs} that node {n!r} needs"
+        return None

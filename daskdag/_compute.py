@@ -6,39 +6,82 @@ interrupt leaves its loop no further task starts, and the stages running in the 
 at their next node (the call's ``stop`` event). On a cluster the call's futures are released, so
 the scheduler cancels every task of the call that no other call wants, and a running stage
 stops at its next node (:func:`daskdag._progress.dropped`).
+
+Workers lost: the scheduler runs again, on the workers left or on those that replace them, what
+the lost ones held or ran (a call's inputs and nodes are tasks too, :mod:`daskdag._resident`).
+While the cluster has no worker that can run the call, a :class:`~daskdag._cluster.Watch`
+counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.ClusterError`
+saying so, instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import dask
+import dask.local
+import dask.threaded
 import distributed
 import jax
 from dask.diagnostics import ProgressBar
 
+from ._cluster import Watch
 
-def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None) -> dict:
+POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
+
+LOCAL = {"threads": dask.threaded.get, "sync": dask.local.get_sync}
+
+
+def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
+            plan=None) -> dict:
     """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure:
     on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
     process, whatever default client exists. ``stop``: the ``daskdag._progress.Stop`` a local
-    graph's stages watch; set when the call ends early."""
+    graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
+    cluster must offer (:class:`~daskdag._cluster.Watch`)."""
+    delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
     if client is None:
+        # The graph as it is, to the scheduler's own function: it is fused into stages
+        # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.
+        dsk = dict(delayed[0].dask)  # (one graph: every result is a key of it)
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
-                (computed,) = dask.compute(graph, scheduler=local or "threads")
+                computed = LOCAL[local or "threads"](dsk, [d.key for d in delayed])
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:
                 stop.set()
             raise
-        return computed
-    delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
+        return jax.tree.unflatten(structure, computed)
     futures = client.compute(delayed)
     try:
-        if progress:  # the text bar, which blocks until the tasks finish or one fails: in a
-            # notebook the widget would return at once and, not being displayed, show nothing
-            distributed.progress(futures, scheduler=client.scheduler.address, notebook=False)
+        with _bar(client, futures) if progress else contextlib.nullcontext():
+            wait(client, futures, Watch(client, plan))
         return jax.tree.unflatten(structure, client.gather(futures))
     finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
         for f in futures:
             f.release()
+
+
+def wait(client, futures: list, watch: Watch) -> None:
+    """Until every future is done (finished, failed or cancelled), looking at the cluster every
+    :data:`POLL` seconds meanwhile (``watch.check()`` raises when it can no longer run them)."""
+    with client.as_current():
+        while True:
+            try:
+                distributed.wait(futures, timeout=POLL)
+                return
+            except TimeoutError:
+                watch.check()
+
+
+@contextlib.contextmanager
+def _bar(client, futures):
+    """distributed's text progress bar over ``futures``, drawn from a thread of its own while
+    the call waits (it blocks until they finish, and in a notebook the widget would return at
+    once and, not being displayed, show nothing)."""
+    bar = threading.Thread(target=distributed.progress, args=(futures,), daemon=True,
+                           kwargs={"scheduler": client.scheduler.address, "notebook": False})
+    bar.start()
+    yield
+    bar.join(timeout=2.0)  # (a call that finished: the bar draws its last state)

@@ -39,14 +39,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from dask.base import tokenize
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from . import _tasks as tasks
 from ._chunked import _rebuild, _split
 from ._custom import Custom
 from ._errors import DAGError, node_errors
-from ._graph import _Graph, node_ref, value_task
+from ._graph import Carry, _Graph, ident, key
 from ._plan import Plan
 from ._progress import Cancelled
 from ._pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
@@ -291,46 +290,39 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
 # -- the graph -------------------------------------------------------------------------------------
 
 def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote: bool = False,
-          place=None, stop=None) -> dict:
+          place=None, stop=None, travel: bool = True) -> dict:
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
-    ``k``: the number of directions, or None. ``remote``, ``place`` and ``stop`` as for
-    :func:`daskdag._graph.build`."""
+    ``k``: the number of directions, or None. ``remote``, ``place``, ``stop`` and ``travel`` as
+    for :func:`daskdag._graph.build`."""
     spec, g = plan.spec, _Graph()
+    carry = Carry(g, travel, remote, place)
     needed = spec.ancestors(plan.outputs)
-    val, tan = {}, {}
-    for i, v in values.items():
-        if i not in needed:
-            continue
-        val[i] = value_task(f"input-{i}", f"input {i!r}", v, remote, place, g.task)
-    for i in plan.wrt:
-        if i not in needed:
-            continue
-        tan[i] = value_task(f"tan-{i}", f"the tangent of input {i!r}", tangents[i], remote,
-                            place, g.task)
+    val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
+    tan = {i: carry.value("tan", i, f"the tangent of input {i!r}", tangents[i])
+           for i in plan.wrt if i in needed}
 
     for s in make_stages(plan):
-        nodes = [spec.nodes[n] for n in s.nodes]
-        sent = [node_ref(n, node, place) for n, node in zip(s.nodes, nodes)]
+        sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
+        deps = [ident(val[d]) for d in s.deps]
         if not s.linearized:  # no tangent reaches it: the forward task of the gradient graph
-            tok = tokenize(s, nodes, [val[d].key for d in s.deps], None, None)
-            fwd = g.task(f"fwd-{s.name}-{tok}", dict(s.needs), tasks.forward, s, stop, *sent,
-                         *(val[d] for d in s.deps))
+            fwd = g.task(carry.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
+                         dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps))
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
-            tok = tokenize(s, nodes, [val[d].key for d in s.deps],
-                           [None if t is None else t.key for t in dep_tangents], k)
-            fwd = g.task(f"jvp-{s.name}-{tok}", dict(s.needs), forward, s, stop, k, *sent,
-                         *(val[d] for d in s.deps), *dep_tangents)
+            fwd = g.task(carry.key("jvp", s.name, s, [ident(n) for n in sent], deps,
+                                   [None if t is None else ident(t) for t in dep_tangents], k),
+                         dict(s.needs), forward, s, stop, k, *sent, *(val[d] for d in s.deps),
+                         *dep_tangents)
+        token = fwd.key.rpartition("-")[2]
         for e, n in enumerate(s.outputs):
-            val[n] = fwd if s.bare else g.task(
-                f"val-{n}-{tok}", dict(s.needs), tasks.pick, fwd, s.linearized, e)
+            val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
+                                               fwd, s.linearized, e)
             if n in plan.active:
-                tan[n] = g.task(f"tan-{n}-{tok}", dict(s.needs), pick_tangent, fwd, e)
+                tan[n] = g.task(key("tan", n, token), dict(s.needs), pick_tangent, fwd, e)
 
     results = {}
     for o in plan.outputs:
-        tok = tokenize(val[o].key, tan[o].key if o in tan else None, k)
-        results[o] = (val[o], {TANGENT: g.task(f"tangent-{o}-{tok}", None, output_tangent,
-                                               val[o], tan.get(o), k)})
-    return g.delayed(results)
+        name = carry.key("tangent", o, val[o].key, tan[o].key if o in tan else None, k)
+        results[o] = (val[o], {TANGENT: g.task(name, None, output_tangent, val[o], tan.get(o), k)})
+    return g.delayed(results, carry.call)

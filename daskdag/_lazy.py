@@ -25,6 +25,7 @@ from dask.base import DaskMethodsMixin, get_scheduler
 from dask.highlevelgraph import HighLevelGraph
 
 from . import _cluster as cluster
+from ._graph import kind_of
 from ._plan import Plan
 
 
@@ -97,10 +98,10 @@ class Call(DaskMethodsMixin):
     def visualize(self, filename: str | None = "daskdag", format: str | None = None, **kwargs):
         """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
         ``dot`` program), one shape per task, labelled by its key less its token
-        (``fwd-A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
+        (``fwd:A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
         ``filename``, ``format`` and other keywords as for :func:`dask.visualize`."""
         tasks = {k: {"label": k.rsplit("-", 1)[0], "style": "filled",
-                     "fillcolor": "#f6c89f" if k.startswith(("bwd-", "grad-")) else "#b9d3ee"}
+                     "fillcolor": "#f6c89f" if kind_of(k) in ("bwd", "grad") else "#b9d3ee"}
                  for k in dict(self._dask)}  # (its keys; dask.visualize asks for the graph)
         kwargs.setdefault("function_attributes", tasks)
         kwargs.setdefault("collapse_outputs", True)

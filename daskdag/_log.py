@@ -14,6 +14,8 @@ import logging
 
 import jax
 
+from ._graph import kind_of
+
 logger = logging.getLogger("daskdag")
 logger.addHandler(logging.NullHandler())
 
@@ -24,7 +26,7 @@ def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = Non
     if not logger.isEnabledFor(logging.INFO):
         return
     tasks = _tasks(graph)
-    stages = sum(1 for k in tasks if str(k).startswith(("fwd-", "jvp-")))
+    stages = sum(1 for k in tasks if kind_of(k) in ("fwd", "jvp"))
     logger.info("%s: outputs %s, wrt %s: %d stages, %d tasks, on %s%s", kind, list(plan.outputs),
                 list(plan.wrt), stages, len(tasks), where,
                 "" if placed is None else f"; placed {placed} bytes on the cluster")

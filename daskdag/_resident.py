@@ -25,7 +25,6 @@ from collections import deque
 import dask
 from dask.sizeof import sizeof
 
-from ._cluster import workers
 
 KEEP_CALLS = "daskdag.keep-calls"
 KEEP_CALLS_DEFAULT = 8
@@ -43,27 +42,16 @@ class Resident:
         # (No reference to the client: this object is the value of a weak-keyed dict.)
         self.futures: dict = {}  # key -> the future holding it
         self.recent: deque[set] = deque()  # keys each recent call used, oldest first
+        self.running: list[set] = []  # keys each call under way uses (several threads' calls)
         self.sent = 0
-        self.home: str | None = None  # the worker its values go to (those needing no resources)
-
-    def _home(self, client) -> str | None:
-        """One worker for all of this client's values that need no resources, so that a call's
-        nodes and inputs sit together and its forward chain does not hop between workers for
-        them (Dask places tasks by their data). Chosen anew when it left."""
-        live = workers(client)
-        if self.home not in live:
-            self.home = min(live, key=lambda w: live[w].get("metrics", {}).get("memory", 0),
-                            default=None)
-        return self.home
 
     @contextlib.contextmanager
     def call(self, client):
         """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
         ``fn(payload)`` kept under ``key``, sent now unless a recent call sent it, to a worker
         with the resources ``needs`` (those of the node that uses it). On exit, values that none
-        of the last ``daskdag.keep-calls`` calls used are let go."""
+        of the last ``daskdag.keep-calls`` calls, nor a call still under way, used are let go."""
         used: set = set()
-        home: list = []  # this call's home worker, asked of the scheduler once, when needed
 
         def place(key, fn, payload, needs=None):
             with _lock:
@@ -72,36 +60,37 @@ class Resident:
                     # A key that failed (it could not be unpickled there, say) may still be
                     # known to the scheduler as failed: try again under a key of its own.
                     name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
-                    if not needs and not home:
-                        home.append(self._home(client))
-                    fut = keep(client, name, fn, payload, needs, None if needs else home[0])
+                    fut = keep(client, name, fn, payload, needs)
                     self.futures[key] = fut
                     self.sent += sizeof(payload)
                 used.add(key)
                 return fut
 
+        with _lock:
+            self.running.append(used)
         try:
             yield place
         finally:
             with _lock:
+                self.running.remove(used)
                 self.recent.append(used)
                 while len(self.recent) > max(1, dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT)):
                     self.recent.popleft()
-                live = set().union(*self.recent)
+                live = set().union(*self.recent, *self.running)
                 for key in [k for k in self.futures if k not in live]:
                     self.futures.pop(key).release()
 
 
-def keep(client, key: str, fn, payload, needs=None, worker: str | None = None):
+def keep(client, key: str, fn, payload, needs=None):
     """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
     scheduler keeps a task's recipe (here the payload), so when the worker holding the result
     dies it runs the task again on another (a scattered value is lost with its only holder).
-    ``needs``: the resources of the worker it should go to; ``worker``: the one it should go to
-    while that one lives."""
+    ``needs``: the resources of the worker it must go to. No worker is named: a task restricted
+    to workers that all died waits for them forever (distributed 2026.8 gives a task whose
+    named workers are gone to a new worker only while some worker stayed)."""
     with warnings.catch_warnings():  # sending the value in the graph, once, is the point
         warnings.filterwarnings("ignore", message="Sending large graph")
-        where = {"workers": [worker], "allow_other_workers": True} if worker else {}
-        return client.submit(fn, payload, key=key, pure=False, resources=needs or None, **where)
+        return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
 
 
 @contextlib.contextmanager

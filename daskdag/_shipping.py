@@ -162,16 +162,20 @@ def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bo
         return obj
 
 
-def ship(plan, remote: bool):
+def ship(plan, remote: bool, travel: bool = True):
     """``plan`` with the function of every node it runs packed, each distinct function once,
     and each distinct array they hold hashed once (an array several functions close over: a
     node's forward and backward rules, nodes sharing weights). The arrays live through the
-    call, so their ids name them."""
+    call, so their ids name them. ``travel=False`` (an eager call in this process): only the
+    functions of ``jit=True`` nodes, whose compiled programs are cached by their content
+    (:func:`current`); the others are called as they are."""
     packed: dict[int, object] = {}
     tokens: dict[int, str] = {}
     nodes = dict(plan.spec.nodes)
     for n in plan.needed:
         fn = nodes[n].fn
+        if not (travel or nodes[n].jit):
+            continue
         if id(fn) not in packed:
             packed[id(fn)] = pack_for(f"node {n!r}: its function", fn, remote, as_function=True,
                                       tokens=tokens)

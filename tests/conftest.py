@@ -86,6 +86,25 @@ def x5():
     return jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=jnp.float32)
 
 
+def key_kind(key) -> str:
+    """The kind of a daskdag task key, ``fwd:B+C-<token>`` -> ``fwd`` (``bwd``, ``val``,
+    ``grad``, ``jvp``, ``tan``, ``input``, ``node``, ...); ``""`` for another key."""
+    head = str(key).partition("-")[0]
+    return head.partition(":")[0] if ":" in head else ""
+
+
+def key_label(key) -> str:
+    """What a daskdag task key names: ``fwd:B+C-<token>`` -> ``B+C`` (a stage's nodes);
+    ``bwd:B+C[D+E]-<token>`` -> ``B+C`` (and :func:`key_outputs` -> ``D+E``)."""
+    return str(key).rpartition("-")[0].partition(":")[2].partition("[")[0]
+
+
+def key_outputs(key) -> str:
+    """The bracketed part of a daskdag key's label: a backward task's outputs, a gradient's
+    input (``grad:D[x]-<token>`` -> ``x``)."""
+    return str(key).rpartition("-")[0].partition("[")[2].rstrip("]")
+
+
 def eventually(check, timeout=30.0):
     """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
     deadline = time.monotonic() + timeout
@@ -139,7 +158,7 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):
     with dask.config.set({"daskdag.close-stages": False}):
         call = (lazy or daskdag.grads)(dag, x, outputs, **kw)
     dsk = dict(call.__dask_graph__())
-    fwd_keys = [k for k in dsk if str(k).startswith(("fwd-", "val-"))]
+    fwd_keys = [k for k in dsk if key_kind(k) in ("fwd", "val")]
     with distributed.get_task_stream(client) as ts:
         held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
         with client.as_current():
@@ -147,8 +166,8 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):
         computed = client.compute(call, workers=[bwd_on], sync=True)
     del held
     ran = {t["key"]: t["worker"] for t in ts.data}
-    assert {w for k, w in ran.items() if k.startswith("fwd-")} == {fwd_on}
-    assert {w for k, w in ran.items() if k.startswith("bwd-")} == {bwd_on}
+    assert {w for k, w in ran.items() if key_kind(k) == "fwd"} == {fwd_on}
+    assert {w for k, w in ran.items() if key_kind(k) == "bwd"} == {bwd_on}
     computed = {outputs: computed} if isinstance(outputs, str) else computed
     inputs = [d for _, deps in map(_entry, dag.values()) for d in deps if d not in dag]
     return {o: (r.value, r.grad if isinstance(r.grad, dict) and len(set(inputs)) > 1

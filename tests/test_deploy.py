@@ -43,7 +43,7 @@ import daskdag
 from daskdag import Node
 from daskdag.cli import security
 
-from .conftest import assert_tree_close, live_workers
+from .conftest import assert_tree_close, key_kind, key_label, live_workers
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -122,8 +122,7 @@ def _run_gpu_dag(client, gpu_worker):
     assert_tree_close(res["D"].value, D(x), rtol=1e-4)
 
     def node(key):
-        parts = key.split("-")
-        return parts[2] if parts[0] == "bwd" else parts[1] if parts[0] in ("fwd", "val") else None
+        return key_label(key) if key_kind(key) in ("fwd", "val", "bwd") else None
 
     placed = [t for t in ts.data if node(t["key"]) in ("G", "H")]
     assert len(placed) >= 2 * 2 + 2  # fwd/val of G and H, and their backward tasks
