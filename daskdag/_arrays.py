@@ -34,6 +34,7 @@ from dask.task_spec import DataNode, Task, TaskRef
 from . import _cluster as cluster, _sweep as sweep
 from ._chunked import Items
 from ._engines import chunk_graph, item_key
+from ._graph import key
 from ._errors import DAGError, NodeError
 from ._plan import make_plan
 from ._pullback import is_array, is_numeric
@@ -70,7 +71,8 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
     api._with_rules(make_plan(spec, names, wrt))
     cts = api._cotangents(names, cotangents)
     remote = client is not None  # (api resolved it: the client in effect, or None here)
-    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, remote=remote)
+    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, remote=remote,
+                               travel=True)  # (computed later, wherever the arrays are)
     if client is not None:
         cluster.check(client, planned.plan)
     computed = _lazy(planned, inputs, chunks, _shapes(planned, spec), remote)
@@ -196,7 +198,7 @@ def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remot
     broadcast = [i for i in planned.carried() if i in planned.broadcast]
     for i in (*shared, *broadcast):  # one task each, the value packed as graph.build packs inputs
         packed = pack_for(f"input {i!r}", planned.values[i], remote)
-        keys[i] = f"daskdag-input-{i}-{tokenize(packed)}"
+        keys[i] = key("input", i, tokenize(packed))  # (the key compute_grads keeps it under)
         layer[keys[i]] = Task(keys[i], unpack, packed)
     arrays: list = []
 

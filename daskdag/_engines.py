@@ -10,11 +10,11 @@ whatever way the sweep ended.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
 import uuid
+import warnings
 
 import cloudpickle
 import dask
@@ -25,7 +25,8 @@ import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
 
 from . import _progress as progress
-from ._cluster import workers
+from ._cluster import Watch, workers
+from ._graph import key
 from ._errors import ClusterError
 from ._shipping import pack_for, unpack
 
@@ -70,20 +71,23 @@ class Threads:
 class Cluster:
     """Chunks as tasks of a ``distributed`` cluster; shared inputs placed on it once.
 
-    ``pin``: each chunk runs as one task on one worker (the one with the fewest chunks in
-    flight; loosely, so the worker's death can still move it). Left to itself the scheduler
-    split chunks over workers and shipped pullbacks and cotangents between them (a third of the
-    2-worker sweep benchmark's time), and a chunk's ~25 tasks each cost distributed's per-task
-    overhead. Chunks whose nodes need resources stay task graphs, which the scheduler places
-    node by node (their bar advances per chunk, and they stop at the next task, not item).
+    ``pin``: each chunk runs as one task on one worker, the one with the fewest chunks in
+    flight (loosely: the scheduler can still move it). Left to itself the scheduler would put
+    every chunk beside the data it needs, the shared inputs held by one worker, and a chunk
+    split into tasks shipped pullbacks and cotangents between workers (a third of the 2-worker
+    sweep benchmark's time), each task paying distributed's per-task overhead. Chunks whose
+    nodes need resources stay task graphs, which the scheduler places node by node (their bar
+    advances per chunk, and they stop at the next task, not item).
 
-    A pinned chunk's items go from this process straight to its worker (``Client.scatter``),
-    and its results come straight back as NumPy frames (``Client.gather``): neither passes
-    through the scheduler, whose one thread would otherwise unpickle and forward every byte
-    (``Client(direct_to_workers=False)`` or distributed's ``client.direct-to-workers: False``
-    routes them through it, for clients that cannot reach the workers). Scattered items die
-    with their worker, and with them the chunk's task (distributed cancels it); such a chunk
-    is sent again, items and all, up to :data:`RESENDS` times.
+    A pinned chunk's items travel inside its task, as Dask's own graphs carry their data, so the
+    scheduler holds the chunk's recipe whole: when its worker dies, or every worker at once, it
+    runs the chunk again elsewhere (data placed with ``Client.scatter`` would be lost with its
+    only holder). Its results come straight back from its worker as NumPy frames
+    (``Client.gather``; ``Client(direct_to_workers=False)`` routes them through the scheduler,
+    for clients that cannot reach the workers). A chunk whose worker left while it waited (a
+    loose restriction to workers that all died keeps a task waiting for them), or whose task
+    was lost (``KilledWorker``: its workers kept dying while it ran), is sent again, up to
+    :data:`RESENDS` times.
 
     A pinned chunk's task carries no graph: every chunk of a sweep has the same one but for its
     items, so the sweep's chunk graph is built and pickled once (:func:`chunk_graph`), placed
@@ -103,6 +107,7 @@ class Cluster:
         self.listed = time.monotonic() if found else -float("inf")
         self.listening = False
         self.direct = client.direct_to_workers is not False
+        self.watch = Watch(client)
         self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
         if bar is not None:
             progress.listen(client, self.id, bar.report)
@@ -116,81 +121,37 @@ class Cluster:
         return sent
 
     def _send(self, sent: list[_Chunk]):
-        """Each chunk's items to a worker, then its task, pinned there; in waves of one chunk per
-        worker, each wave's items sent at once. (One chunk after another, the later chunks'
-        workers sat idle while this process sent the earlier ones' items; all at once, every
-        worker waited for the last.)"""
+        """Each chunk's task, its items in it, pinned to the worker with the fewest chunks."""
         found = self._workers() if self.pin else {}
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
             return
-        waves: list[list[_Chunk]] = []
-        for c in sent:
-            c.worker = self._least_busy(found)
-            wave = sum(1 for other in sent if other.worker == c.worker) - 1
-            if wave == len(waves):
-                waves.append([])
-            waves[wave].append(c)
         shared = {f.key: f for f in self.shared.values()}
-        for wave in waves:
-            found = self._scatter(wave, found)
-            graph = self._graph(wave[0].sweep)
-            for c in wave:
+        with warnings.catch_warnings():  # items travel in the tasks that take them, on purpose
+            warnings.filterwarnings("ignore", message="Sending large graph")
+            for c in sent:
+                c.worker, c.cohort = self._least_busy(found), frozenset(found)
+                graph = self._graph(c.sweep)
+                # Unhashed: a chunk's items are keyed by the chunk, so no one asks for their token.
+                items = {item_key(n): pack_for(f"input {n!r}", v, remote=True, hashed=False)
+                         for n, v in c.sweep.items(*c.chunk).items()}
                 report = None if self.bar is None else [self.id, *c.chunk]
-                c.future = self.client.submit(_run_chunk, graph, shared, c.items, c.steps, report,
+                c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
                                               pure=False, workers=[c.worker],
                                               allow_other_workers=True)
 
-    def _scatter(self, chunks: list[_Chunk], found: dict) -> dict:
-        """Each chunk's items straight to its worker, all chunks' at once; a chunk whose worker
-        left since the scheduler listed it goes to another, up to :data:`SCATTER_TRIES` times.
-        Returns the workers as last listed."""
-        # Unhashed: the items travel under keys of their own, so no one asks for their token.
-        packed = {c: {name: pack_for(f"input {name!r}", value, remote=True, hashed=False)
-                      for name, value in c.sweep.items(*c.chunk).items()} for c in chunks}
-        failed: set = set()
-        for attempt in range(SCATTER_TRIES):
-            keys = {c: {n: f"daskdag-items-{n}-{uuid.uuid4().hex}" for n in packed[c]}
-                    for c in chunks}
-            scattered = self.client.sync(_gathered, [self.client.scatter(
-                {keys[c][n]: p for n, p in packed[c].items()}, workers=[c.worker],
-                direct=self.direct, hash=False, timeout=SCATTER_TIMEOUT, asynchronous=True)
-                for c in chunks])
-            lost = []
-            for c, got in zip(chunks, scattered):
-                if isinstance(got, (OSError, TimeoutError)):  # its worker left
-                    failed.add(c.worker)
-                    lost.append((c, got))
-                elif isinstance(got, BaseException):
-                    raise got
-                else:  # under the keys the chunk graph names them by
-                    c.items = {item_key(n): got[k] for n, k in keys[c].items()}
-            if not lost:
-                return found
-            if attempt == SCATTER_TRIES - 1:
-                raise lost[0][1]
-            found = self._workers(fresh=True) or found
-            chunks = [c for c, _ in lost]
-            for c in chunks:
-                c.worker = None
-                c.worker = self._least_busy(found, failed)
-        return found
-
-    def _least_busy(self, found: dict, failed: set = frozenset()) -> str:
-        """Of the workers ``found``, running (scatter waits for a paused one) and not among
-        ``failed``, the one with the fewest chunks."""
-        running = [a for a, w in found.items()
-                   if w.get("status", "running") == "running" and a not in failed]
-        return min(running or set(found) - failed or found,
-                   key=lambda w: sum(1 for other in self.chunks if other.worker == w))
+    def _least_busy(self, found: dict) -> str:
+        """Of the workers ``found`` (running ones first: a paused one takes no new work), the
+        one with the fewest chunks."""
+        running = [a for a, w in found.items() if w.get("status", "running") == "running"]
+        return min(running or found, key=lambda w: sum(1 for other in self.chunks if other.worker == w))
 
     def _workers(self, fresh: bool = False) -> dict:
         """The cluster's workers (:func:`daskdag._cluster.workers`), as the scheduler listed them
         at most :data:`LIST_EVERY` seconds ago unless ``fresh``. Asking costs this thread ~3 ms,
-        a tenth of what a chunk cost it; a worker that left since fails the scatter, which then
-        asks again, and a chunk lost with its worker asks again before it is resent. An empty
-        list is not kept: with no worker yet (an adaptive cluster) each chunk asks again."""
+        a tenth of what a chunk cost it. An empty list is not kept: with no worker yet (an
+        adaptive cluster) each chunk asks again."""
         now = time.monotonic()
         if fresh or not self.found or now - self.listed > LIST_EVERY:
             self.found, self.listed = workers(self.client), now
@@ -202,20 +163,22 @@ class Cluster:
         content key, so a later sweep of the same DAG and shared inputs finds it there."""
         if self.graph is None or self.graph[0] is not sweep:
             refs = {n: TaskRef(f.key) for n, f in self.shared.items()}
-            tasks, key = chunk_graph(sweep, refs)
+            tasks, results = chunk_graph(sweep, refs)
             # A task whose result is the graph: computed again if its holder dies, and fetched,
             # already unpickled, by the other workers.
-            self.graph = (sweep, self.place(f"daskdag-chunk-graph-{tokenize(key)}",
-                                            cloudpickle.loads, cloudpickle.dumps((tasks, key))))
+            self.graph = (sweep, self.place(key("sweep", "graph", tokenize(results)),
+                                            cloudpickle.loads, cloudpickle.dumps((tasks, results))))
         return self.graph[1]
 
     def wait_any(self, chunks) -> set:
-        """The chunks among ``chunks`` that finished or failed; those lost meanwhile (their
-        task cancelled with a worker that held their items) are sent again."""
+        """The chunks among ``chunks`` that finished or failed. Those lost meanwhile (their task
+        cancelled, or waiting for a worker that left) are sent again; a cluster that has had no
+        worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`."""
         try:
             with self.client.as_current():
                 distributed.wait([c.future for c in chunks], timeout=WAIT, return_when="FIRST_COMPLETED")
         except TimeoutError:
+            self._stranded(chunks)
             return set()
         except distributed.CancelledError:  # (wait raises it for any cancelled future)
             pass
@@ -227,21 +190,35 @@ class Cluster:
                 done.add(c)
         return done
 
+    def _stranded(self, chunks) -> None:
+        """Send again the pinned chunks stranded by the loss of every worker: a task whose
+        named worker left while no worker was running waits for that worker forever, even once
+        new workers join (distributed 2026.8 looks for another only while some worker runs).
+        A chunk is taken for stranded when none of the workers there when it was sent is left.
+        And give up once the cluster has had no worker for ``daskdag.worker-wait``."""
+        found = self._workers()
+        self.watch.check()
+        if found:
+            for c in chunks:
+                if c.worker is not None and not c.cohort & found.keys() \
+                        and c.future.status == "pending":
+                    self._resend(c)
+
     def result(self, chunk: _Chunk):
         """The chunk's results, straight from its worker; raises what the chunk raised."""
         while True:
             try:
                 return self.client.gather(chunk.future, direct=self.direct)
-            except distributed.CancelledError:  # lost with its worker since it finished
+            except (distributed.CancelledError, distributed.KilledWorker):  # lost with workers
                 self._resend(chunk)
 
     def _resend(self, chunk: _Chunk):
         chunk.resent += 1
         if chunk.resent > RESENDS:
             raise ClusterError(f"items {chunk.chunk[0]} to {chunk.chunk[1] - 1} of the sweep were "
-                               f"lost {chunk.resent} times, with the workers that held them, or "
+                               f"lost {chunk.resent} times, with the workers that ran them, or "
                                f"their task was cancelled by someone else")
-        self._let_go(chunk)
+        self._let_go(chunk, cancel=True)
         self.listed = -float("inf")  # a worker left, most likely: list them anew
         self._send([chunk])
 
@@ -249,16 +226,17 @@ class Cluster:
         self.chunks.discard(chunk)
         self._let_go(chunk)
 
-    def _let_go(self, chunk: _Chunk):
-        for fut in (chunk.future, *chunk.items.values()):
-            if fut is not None:
-                fut.release()
-        chunk.future, chunk.items, chunk.worker = None, {}, None
+    def _let_go(self, chunk: _Chunk, cancel: bool = False):
+        if chunk.future is not None:
+            if cancel:  # (it may still be queued or running on a worker that lives)
+                self.client.cancel([chunk.future])
+            chunk.future.release()
+        chunk.future, chunk.worker = None, None
 
     def close(self):
         """Cancel and let go of every chunk. (The shared inputs and the chunk graph are
         ``place``'s, :func:`daskdag._resident.placing`.)"""
-        held = [f for c in self.chunks for f in (c.future, *c.items.values()) if f is not None]
+        held = [c.future for c in self.chunks if c.future is not None]
         self.graph = None
         self.chunks.clear()
         if self.listening:
@@ -274,26 +252,19 @@ class Cluster:
 
 
 RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
-SCATTER_TRIES = 3  # workers a chunk's items are offered to, each time the worker left meanwhile
-SCATTER_TIMEOUT = 10  # seconds scatter waits for its worker (it waits while the worker is away)
 LIST_EVERY = WAIT  # seconds a list of the workers is used for before the scheduler is asked again
 
 
-async def _gathered(scatters: list) -> list:
-    """The results of the coroutines ``scatters``, run together; an exception in place of each
-    result that raised."""
-    return await asyncio.gather(*scatters, return_exceptions=True)
-
-
 class _Chunk:
-    """A chunk on the cluster: its items (``start, stop``), its task's future, the futures of
-    its scattered items and the worker they went to, and how often it was sent again."""
+    """A chunk on the cluster: its items (``start, stop``), its task's future, the worker it was
+    sent to, the workers there then, and how often it was sent again."""
 
-    __slots__ = ("sweep", "chunk", "steps", "future", "items", "worker", "resent")
+    __slots__ = ("sweep", "chunk", "steps", "future", "worker", "cohort", "resent")
 
     def __init__(self, sweep, chunk: tuple[int, int], steps: int):
         self.sweep, self.chunk, self.steps = sweep, chunk, steps
-        self.future, self.items, self.worker, self.resent = None, {}, None, 0
+        self.future, self.worker, self.resent = None, None, 0
+        self.cohort: frozenset = frozenset()  # the workers there when it was sent
 
 
 def place_shared(place, name: str, value) -> distributed.Future:
@@ -304,7 +275,7 @@ def place_shared(place, name: str, value) -> distributed.Future:
     chunk needing it. The value travels packed, as every input does (:mod:`daskdag._shipping`).
     """
     packed = pack_for(f"input {name!r}", value, remote=True)
-    return place(f"input-{name}-{tokenize(packed)}", unpack, packed)
+    return place(key("input", name, tokenize(packed)), unpack, packed)
 
 
 def item_key(name: str) -> str:
@@ -324,9 +295,9 @@ def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     tasks = dict(flat[0].__dask_graph__())  # (one graph: every result is a key of it)
     shape = [(o, list(grads)) for o, (_, grads) in results.items()]
     # A content key, as the results' keys are. (dask.delayed of the results took ~4 ms.)
-    key = f"daskdag-chunk-results-{tokenize([d.key for d in flat], shape)}"
-    tasks[key] = Task(key, _assemble, shape, *(TaskRef(d.key) for d in flat))
-    return tasks, key
+    done = key("sweep", "results", tokenize([d.key for d in flat], shape))
+    tasks[done] = Task(done, _assemble, shape, *(TaskRef(d.key) for d in flat))
+    return tasks, done
 
 
 def _assemble(shape: list, *flat):

@@ -51,6 +51,7 @@ class Sweep:
     cotangents: dict[str, Any]
     size: int
     remote: bool  # chunks go to a cluster
+    travel: bool  # the chunk graph is packed under content keys (daskdag._graph.Carry)
 
     @property
     def vectorized(self) -> bool:
@@ -94,10 +95,14 @@ class Sweep:
         only as these inputs, and the seeds of the outputs' cotangents take the item count
         from the outputs when they run (:func:`daskdag._tasks.seed`)."""
         return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
-                     remote=self.remote)
+                     remote=self.remote, travel=self.travel)
 
 
-def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool) -> Sweep:
+def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
+               travel: bool | None = None) -> Sweep:
+    """What every chunk shares. ``remote``: chunks go to a cluster; ``travel``: the chunk graph
+    is packed under content keys, as it must be for a cluster or a graph computed later,
+    anywhere (default ``remote``)."""
     broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
     carrying = set(batched) | broadcast
     nodes = {}
@@ -112,9 +117,10 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
                                               as_function=True))
             node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
         nodes[n] = node
-    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote)
+    travel = remote if travel is None else travel
+    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote, travel)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
-                 remote)
+                 remote, travel)
 
 
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:

@@ -1,13 +1,15 @@
-"""A sweep's data path on a cluster: a chunk's items go from the client straight to its worker
-(not inside the task, through the scheduler), its results come back as NumPy, a chunk whose
-items died with their worker is sent again (or the sweep fails clearly), and nothing of the
-sweep stays on the cluster."""
+"""A sweep's data path on a cluster: a chunk's items travel inside its task (so the scheduler
+can run it again wherever it likes: nothing is scattered), its results come back as NumPy, a
+chunk killed with its worker runs again (the scheduler's doing), one lost too often is sent
+again by the sweep or fails it clearly, and nothing of the sweep stays on the cluster."""
 
+import logging
 import os
 import pickle
 import signal
 import time
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,8 @@ import daskdag
 from daskdag import _engines as engines
 from daskdag._errors import ClusterError
 
-from .conftest import assert_tree_close, eventually, only_kept_left, scheduler_tasks
+from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
+                       scheduler_tasks)
 
 ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
 
@@ -76,9 +79,31 @@ def task_sizes(dask_scheduler):
     return dict(dask_scheduler.plugins["record-specs"].sizes)
 
 
+def is_graph(key) -> bool:
+    return (key_kind(key), key_label(key)) == ("sweep", "graph")
+
+
+class Logged(logging.Handler):
+    """distributed's log lines, in the test process (where a LocalCluster's scheduler runs)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("distributed").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("distributed").removeHandler(self)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
-def test_items_skip_the_scheduler_and_results_come_back_as_numpy(monkeypatch):
+def test_items_travel_in_their_chunks_task_and_results_come_back_as_numpy(monkeypatch):
     values = inputs()
     gathered = []
     result = engines.Cluster.result
@@ -103,21 +128,17 @@ def test_items_skip_the_scheduler_and_results_come_back_as_numpy(monkeypatch):
     chunk_bytes = 4 * SIZE * 4  # the items of one chunk: 256 KB
     chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}
     assert len(chunks) == ITEMS // 4
-    # The task refers to its items; before, it carried them (each task was over 256 KB).
-    assert max(chunks.values()) < chunk_bytes / 8, chunks
-    assert max(sizes.values()) < chunk_bytes / 8, sizes  # nor did any other task carry them
+    # Each task carries its own items (and not the graph, sent once, nor the others' items).
+    assert all(chunk_bytes <= n < 1.25 * chunk_bytes for n in chunks.values()), chunks
+    assert not [k for k in sizes if str(k).startswith("daskdag-items")]  # nothing scattered
     # What the workers sent back: NumPy arrays (zero-copy frames), not JAX arrays.
     leaves = [leaf for out in gathered for leaf in jax.tree.leaves(out)]
     assert leaves and all(type(leaf) is np.ndarray for leaf in leaves)
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(240)
-def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
-    """The worker holding a running chunk's items is SIGKILLed: distributed cancels the chunk
-    (its items cannot be recomputed), and the sweep sends it again, with the same results."""
-    dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
-    values = inputs(6)
+def _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it: bool) -> tuple[list, list]:
+    """Patch the engine so that its first chunk's worker is SIGKILLed once the chunk runs (or at
+    once); returns the chunks sent, in order, and the one killed."""
     killed, sends = [], []
     send = engines.Cluster._send
 
@@ -126,18 +147,32 @@ def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
         sends.extend(c.chunk for c in chunks)
         if not killed:
             sent, client = chunks[0], self.client
-            assert eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker))
-            time.sleep(0.3)  # it runs: its first item is done
+            if wait_for_it:
+                assert eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker))
+                time.sleep(0.3)  # it runs: its first item is done
             pid = client.run(os.getpid, workers=[sent.worker])[sent.worker]
             os.kill(pid, signal.SIGKILL)
             killed.append(sent.chunk)
 
     monkeypatch.setattr(engines.Cluster, "_send", send_then_kill)
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    return sends, killed
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_chunk_killed_with_its_worker_runs_again_and_nothing_is_lost(monkeypatch):
+    """The worker running a chunk is SIGKILLed: the scheduler holds the chunk's whole recipe,
+    items included, so it runs it again on the other worker; the sweep sends nothing again,
+    its results are right, and distributed loses no data it cannot recompute."""
+    dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
+    values = inputs(6)
+    sends, killed = _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it=True)
+    with Logged() as log, local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
         assert eventually(lambda: only_kept_left(client, before))
-    assert sends.count(killed[0]) == 2, sends  # sent again once
+    assert sends.count(killed[0]) == 1, sends  # the scheduler ran it again, not the sweep
+    assert not [line for line in log.lines if "lose scattered data" in line]
     value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
     assert_tree_close(res.value, value, rtol=1e-5)
     assert_tree_close(res.grad["x"], grad, rtol=1e-5)
@@ -145,28 +180,29 @@ def test_a_chunk_whose_items_died_with_their_worker_is_sent_again(monkeypatch):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_a_chunk_lost_too_often_fails_the_sweep_clearly(monkeypatch):
-    """With no resends allowed, the lost chunk fails the sweep with a ClusterError naming its
-    items, and the sweep leaves nothing on the cluster."""
-    monkeypatch.setattr(engines, "RESENDS", 0)
+@pytest.mark.parametrize("resends", [1, 0])
+def test_a_chunk_lost_too_often_is_sent_again_or_fails_the_sweep_clearly(monkeypatch, resends):
+    """With distributed allowing no failure (``allowed-failures: 0``), a chunk whose worker dies
+    under it is lost (``KilledWorker``): the sweep sends it again, with the same results, or,
+    with no resend allowed, fails with a ClusterError naming its items; either way it leaves
+    nothing on the cluster."""
+    monkeypatch.setattr(engines, "RESENDS", resends)
     dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
     values = inputs(6)
-    send = engines.Cluster._send
-    killed = []
-
-    def send_then_kill(self, chunks):
-        send(self, chunks)
-        if not killed:
-            sent = chunks[0]
-            pid = self.client.run(os.getpid, workers=[sent.worker])[sent.worker]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(sent.chunk)
-
-    monkeypatch.setattr(engines.Cluster, "_send", send_then_kill)
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    sends, killed = _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it=True)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
         before = scheduler_tasks(client)
-        with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
-            daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+        if resends:
+            res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+            assert sends.count(killed[0]) == 2, sends
+            value, grad = jax.vmap(jax.value_and_grad(
+                lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
+            assert_tree_close(res.value, value, rtol=1e-5)
+            assert_tree_close(res.grad["x"], grad, rtol=1e-5)
+        else:
+            with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
+                daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
         assert eventually(lambda: only_kept_left(client, before))
 
 
@@ -217,7 +253,7 @@ def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_
         sizes = client.run_on_scheduler(task_sizes)
         assert eventually(lambda: only_kept_left(client, before))
     assert len(made) == 2 and made[0] is not made[1]
-    graphs = [k for k in sizes if str(k).startswith("daskdag-chunk-graph-")]
+    graphs = [k for k in sizes if is_graph(k)]
     chunks = [k for k in sizes if str(k).startswith("_run_chunk")]
     assert len(graphs) == 2 and len(chunks) == 6, sizes
     for res, fn in ((eager, energy), (vector, mean_square)):
@@ -230,9 +266,9 @@ def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_chunks_carry_no_graph_even_through_the_scheduler(monkeypatch):
-    """With ``direct_to_workers=False`` (items pass through the scheduler): the graph goes to
-    the cluster once, and each chunk's task is a fraction of its size; a failing chunk's items
-    rerun one by one on the same graph, and the error names the item."""
+    """With ``direct_to_workers=False`` (results pass through the scheduler too): the graph
+    goes to the cluster once, and each chunk's task carries its items and not the graph; a
+    failing chunk's items rerun one by one on the same graph, and the error names the item."""
     made = counting_chunk_graphs(monkeypatch)
     values = inputs(12)
     values["x"] = values["x"].at[FAILING].set(40.0)
@@ -246,10 +282,11 @@ def test_chunks_carry_no_graph_even_through_the_scheduler(monkeypatch):
         sizes = client.run_on_scheduler(task_sizes)
         assert eventually(lambda: only_kept_left(client, before))
     assert len(made) == 1
-    (graph,) = [n for k, n in sizes.items() if str(k).startswith("daskdag-chunk-graph-")]
+    (graph,) = [n for k, n in sizes.items() if is_graph(k)]
     chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}
     assert len(chunks) == 3 + 4, sizes  # three chunks, and the items of the failing one
-    assert max(chunks.values()) < graph / 4, (graph, chunks)
+    item = SIZE * 4
+    assert all(item <= n < 4 * item + graph / 4 for n in chunks.values()), (graph, chunks)
     assert sorted(res.failed) == [FAILING] and res.failed[FAILING].item == FAILING
     value, grad = expected(values)
     ok = [i for i in range(12) if i != FAILING]
