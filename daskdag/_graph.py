@@ -175,7 +175,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                         closed.get(s), rows if s in closed else None)
         token = tok.rpartition("-")[2]
         run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s], rows)
-        fwd = g.task(tok, dict(s.needs), run[0], s, stop, *run[1:], *sent, *(val[d] for d in s.deps))
+        fwd = g.task(tok, dict(s.needs), run[0], s, stop, *run[1:], *sent, *(val[d] for d in s.deps),
+                     root=is_root(s, spec))
         if s in closed:
             bwd[s] = g.task(key("bwd", f"{s.name}[{abbreviate(through[s])}]", token),
                             dict(s.needs), tasks.pulled, fwd)
@@ -227,6 +228,12 @@ def _itself(x):
     return x
 
 
+def is_root(stage, spec) -> bool:
+    """A stage that takes only the call's inputs (no other stage's values) and needs no
+    resources: a root of the graph, which any worker can run as soon as the call starts."""
+    return not stage.needs and not any(d in spec.nodes for d in stage.deps)
+
+
 def _shares(name, uses, output, stage_of, through, bwd, sources: dict, within=None) -> tuple:
     """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
     position)`` for each stage that consumes it (``uses``: its consuming nodes), other than its
@@ -254,11 +261,17 @@ class _Graph:
         self.layers: list[tuple[dict | None, dict]] = []  # (resources, {key: task})
         self.layer_of: dict = {}  # key -> index of its layer
 
-    def task(self, key: str, needs: dict | None, fn, *args) -> TaskRef:
+    def task(self, key: str, needs: dict | None, fn, *args, root: bool = False) -> TaskRef:
         """``fn(*args)``, where any :class:`TaskRef` among ``args`` is replaced by its value, and
-        an :class:`Inline` by what it carries."""
+        an :class:`Inline` by what it carries. ``root``: a task that computes from the call's
+        inputs alone (:func:`is_root`)."""
         args = tuple(a.arg if isinstance(a, Inline) else a for a in args)
-        return self._add(key, needs, Task(key, fn, *args))
+        # Marked as Dask marks the tasks that read its arrays' chunks (dask.array.from_array):
+        # distributed then queues such tasks and hands each to the next worker with a free
+        # thread, whatever the estimates of their durations, so independent branches spread
+        # evenly from the first call on (it places other tasks by estimates, learned per
+        # prefix, which a first call's compilations throw off).
+        return self._add(key, needs, Task(key, fn, *args, _data_producer=root))
 
     def _add(self, key, needs, task) -> TaskRef:
         needs = needs or None  # no resources, however spelled

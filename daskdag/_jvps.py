@@ -45,7 +45,7 @@ from . import _tasks as tasks
 from ._chunked import _rebuild, _split
 from ._custom import Custom
 from ._errors import DAGError, node_errors
-from ._graph import Carry, _Graph, ident, key
+from ._graph import Carry, _Graph, ident, is_root, key
 from ._plan import Plan
 from ._progress import Cancelled
 from ._pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
@@ -307,13 +307,14 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
         deps = [ident(val[d]) for d in s.deps]
         if not s.linearized:  # no tangent reaches it: the forward task of the gradient graph
             fwd = g.task(carry.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
-                         dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps))
+                         dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps),
+                         root=is_root(s, spec))
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
             fwd = g.task(carry.key("jvp", s.name, s, [ident(n) for n in sent], deps,
                                    [None if t is None else ident(t) for t in dep_tangents], k),
                          dict(s.needs), forward, s, stop, k, *sent, *(val[d] for d in s.deps),
-                         *dep_tangents)
+                         *dep_tangents, root=is_root(s, spec))
         token = fwd.key.rpartition("-")[2]
         for e, n in enumerate(s.outputs):
             val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,

@@ -13,8 +13,9 @@ through it: :func:`daskdag._tasks.backward` pulls their cotangents back together
   scheduler round trip of a few milliseconds. The nodes run one by one, each under its own
   ``jax.vjp`` (or its kind's linearizer, :data:`daskdag._pullback.LINEARIZERS`: a sweep's
   chunk runs one vjp per item), so they keep their semantics: called once, in order, op by
-  op, Python control flow and side effects included. A node with several consumers ends its chain, so fan-out
-  keeps its parallelism.
+  op, Python control flow and side effects included. A node with several consumers ends its
+  chain, so fan-out keeps its parallelism; a node that takes values from other stages starts a
+  chain of its own, so fan-in does too (a stage starts once all its deps are there).
 - **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
   function of the group's inputs, linearized once as one XLA program (in a sweep,
   ``jit(vmap(vjp))`` over the chunk), so XLA sees across node boundaries. Several of its nodes
@@ -136,11 +137,16 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
                 continue
             if any(e in plan.wrt for e in deps if group_of[e] == g):
                 continue  # (a node in wrt: its cotangent must leave its stage, see _stage)
+            others = {group_of[e] for e in deps} - {g}
             if kind:  # fused: any connected group no other dep of n comes after
-                if not any(comes_after(group_of[e], g) for e in deps if group_of[e] != g):
+                if not any(comes_after(h, g) for h in others):
                     joined = g
                     break
-            elif groups[g][-1] == d and d not in plan.outputs and consumers(d) == {n}:  # chain
+            # chain: n follows d, its one consumer, and takes nothing g does not wait for
+            # already (a stage starts once all its deps are there: a fan-in node joining one
+            # branch's chain would hold that branch back until the others are done)
+            elif groups[g][-1] == d and d not in plan.outputs and consumers(d) == {n} \
+                    and others <= takes[g]:
                 joined = g
                 break
         if joined is None:
