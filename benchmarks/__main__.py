@@ -10,9 +10,14 @@ against a loop and ``jit(vmap)``), ``large_sweep`` (a sweep of large items again
 processes; skipped, and said so, while its module is missing), ``portable`` (pullbacks moved
 between processes), ``jacobians`` (``daskdag.jacobian`` of a 64-output chain against
 ``jax.jacrev`` and PyTorch), ``custom_nodes`` (nodes of NumPy code with the user's own VJP
-against JAX nodes and hand-written loops). Each times its methods against baselines in the same run,
+against JAX nodes and hand-written loops), ``tiny_nodes`` (the seed DAG and layered DAGs of up to
+50,000 tiny nodes on Dask's threaded scheduler against the same VJP plumbing by hand),
+``scale_out`` (nodes that wait, on default clusters of W = 4, 8, 16 workers that it starts
+itself: ``compute_grads`` of a wide DAG and ``sweep_grads`` against hand-written Dask graphs,
+as efficiency against the ideal). Each times its methods against baselines in the same run,
 interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
-``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart.
+``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart. The scenarios
+of ``OWN_CLUSTERS`` use none of those: they run after those clusters are closed.
 
 Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with
 ``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
@@ -34,8 +39,10 @@ from pathlib import Path
 
 from . import common, report
 
-SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes")
+SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
+             "tiny_nodes", "scale_out")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
+OWN_CLUSTERS = {"tiny_nodes", "scale_out"}  # use none of common.CLUSTERS (scale_out starts its own)
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
@@ -94,18 +101,27 @@ def measure(quick: bool, only: list[str], out: Path) -> dict:
         print(f"skipping {name}: benchmarks/{name}.py is not there", flush=True)
         results.setdefault("skipped", {})[name] = f"benchmarks/{name}.py is not there"
     names = [s for s in names if s not in missing]
-    wanted = ("1w", "2w", "2w_tuned") if ONE_WORKER & set(names) else ("2w", "2w_tuned")
-    with common.clusters(wanted) as clients:
-        results["clusters"] = {k: common.describe(k, c) for k, c in clients.items()}
-        for name in names:
-            scenario = importlib.import_module(f".{name}", __package__)
-            t = time.perf_counter()
-            results["scenarios"][name] = scenario.run(quick, clients)
-            results["scenarios"][name]["wall_s"] = time.perf_counter() - t
-            results["run"]["wall_s"] = time.perf_counter() - started
-            _write_json(out / "latest.json", results)
-        for k, c in clients.items():  # what daskdag's worker plugin did, after every call
-            results["clusters"][k]["daskdag_plugin"] = common.plugin_state(c)
+
+    def run(name: str, clients: dict) -> None:
+        scenario = importlib.import_module(f".{name}", __package__)
+        t = time.perf_counter()
+        results["scenarios"][name] = scenario.run(quick, clients)
+        results["scenarios"][name]["wall_s"] = time.perf_counter() - t
+        results["run"]["wall_s"] = time.perf_counter() - started
+        _write_json(out / "latest.json", results)
+
+    shared = [s for s in names if s not in OWN_CLUSTERS]
+    if shared:  # (the runner's clusters are closed before the others run)
+        wanted = ("1w", "2w", "2w_tuned") if ONE_WORKER & set(shared) else ("2w", "2w_tuned")
+        with common.clusters(wanted) as clients:
+            results["clusters"] = {k: common.describe(k, c) for k, c in clients.items()}
+            for name in shared:
+                run(name, clients)
+            for k, c in clients.items():  # what daskdag's worker plugin did, after every call
+                results["clusters"][k]["daskdag_plugin"] = common.plugin_state(c)
+    for name in names:
+        if name in OWN_CLUSTERS:
+            run(name, {})
     results["run"]["wall_s"] = time.perf_counter() - started
     _write_json(out / "latest.json", results)
     print(f"wrote {out / 'latest.json'}")

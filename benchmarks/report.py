@@ -272,6 +272,121 @@ def portable(s: dict) -> str:
          "residuals KiB", "shipped/residual", "moved/one_step", "compiled / cache hits"], rows)
 
 
+def scale_out(s: dict) -> str:
+    """Efficiency per W (ideal / median) of each method, the spread of the wide case's branch
+    tasks over the workers and its timeline, then the medians and ratios per case."""
+    cfg = s["config"]
+    by_w: dict[int, dict] = {}
+    for c in s["cases"]:
+        by_w.setdefault(c["params"]["W"], {})[c["case"].split(",")[0]] = c
+
+    def eff(c, m):
+        return f"{c['methods'][m]['efficiency']:.2f}" if c and m in c["methods"] else "–"
+
+    def spread(c, m):
+        calls = ((c or {}).get("branch_tasks") or {}).get(m, {}).get("calls") or []
+        if not calls or not any(sum(k["per_worker"]) for k in calls):
+            return "–"
+        return ", ".join(f"{max(k['per_worker'])}/{min(k['per_worker'])}" for k in calls)
+
+    def timeline(c, m):
+        calls = ((c or {}).get("branch_tasks") or {}).get(m, {}).get("calls") or []
+        calls = [k for k in calls if "branches_s" in k]
+        if not calls:
+            return "–"
+        med = sorted(calls, key=lambda k: k["before_first_s"] + k["branches_s"]
+                     + k["after_last_s"])[len(calls) // 2]
+        return " / ".join(seconds(med[p]) for p in ("before_first_s", "branches_s",
+                                                      "after_last_s"))
+
+    rows = [[f"W={w}", eff(d.get("wide"), "daskdag"), eff(d.get("wide"), "hand_written"),
+             eff(d.get("sweeps"), "daskdag"), eff(d.get("sweeps"), "delayed"),
+             spread(d.get("wide"), "daskdag"), spread(d.get("wide"), "hand_written")]
+            for w, d in sorted(by_w.items())]
+    wide_ideal = cfg["branches_per_worker"] * cfg["wide_wait_s"]
+    sweep_ideal = cfg["items_per_worker"] * cfg["item_wait_s"]
+    head = ("For each W, a default W-worker process `LocalCluster` that the scenario starts "
+            "(one at a time; start-up took "
+            + ", ".join(f"{float(t):.0f} s at W={w}" for w, t in s.get("cluster_start_s", {}).items())
+            + f"). wide: {cfg['branches_per_worker']}W branches that each wait "
+            f"{cfg['wide_wait_s']:g} s, summed by one scalar head, against the same work as a "
+            f"hand-written `dask.delayed` graph; sweeps: {cfg['items_per_worker']}W items that "
+            f"each wait {cfg['item_wait_s'] * 1e3:g} ms, `sweep_grads` against `dask.delayed` "
+            f"over the same chunks. Efficiency = ideal / median of {cfg['reps']} runs, the ideal "
+            f"being the waiting spread evenly over the W workers (wide {wide_ideal:g} s, sweeps "
+            f"{sweep_ideal:g} s): 1 is perfect. Branches per worker: for each timed call, the "
+            f"most and the fewest of the wide case's branches (daskdag: their forward tasks) "
+            f"that ran on one worker; even is {cfg['branches_per_worker']}/"
+            f"{cfg['branches_per_worker']}.")
+    table = _table(["W", "wide: daskdag", "wide: hand_written", "sweeps: daskdag",
+                    "sweeps: delayed", "wide, daskdag: branches per worker (most/fewest)",
+                    "wide, hand_written: branches per worker (most/fewest)"], rows)
+    line_rows = [[f"W={w}", timeline(d.get("wide"), "daskdag"),
+                  timeline(d.get("wide"), "hand_written")] for w, d in sorted(by_w.items())]
+    lines = ("The wide case's timeline (the median call): from the call's start to the first "
+             "branch task's start, from there to the last branch's end, and from that to the "
+             "call's end.\n\n" + _table(["W", "daskdag", "hand_written"], line_rows))
+
+    def med(c, m):
+        return seconds(c["methods"][m]["median_s"]) if m in c["methods"] else "–"
+
+    case_rows = []
+    for c in s["cases"]:
+        base = "hand_written" if "hand_written" in c["methods"] else "delayed"
+        ratio = f"daskdag/{base}"
+        floor = seconds(c["cpu_floor_s"]) if "cpu_floor_s" in c else "–"
+        case_rows.append([c["case"], med(c, "daskdag"), f"{med(c, base)} (`{base}`)",
+                          seconds(c["ideal_s"]),
+                          f"{c['ratios'][ratio]:.2f}" if ratio in c["ratios"] else "–",
+                          str(c["params"].get("chunk_size", "–")), floor])
+    cases = ("Median times per case; `CPU floor` (sweeps): the delayed method's own JAX work "
+             "per item, without the waiting, timed in this process, times N over the "
+             "machine's cores, a bound the waiting does not set.\n\n"
+             + _table(["case", "daskdag", "baseline", "ideal", "daskdag / baseline", "chunk",
+                       "CPU floor"], case_rows))
+    return "\n\n".join([head, table, lines, cases])
+
+
+def tiny_nodes(s: dict) -> str:
+    """The seed DAG per call, then the layered DAGs per node."""
+    cfg = s["config"]
+    seed = [c for c in s["cases"] if c["params"].get("dag") == "seed"]
+    layered = [c for c in s["cases"] if "nodes" in c["params"]]
+    parts = []
+    if seed:
+        parts.append(f"The seed question's DAG (A, B, C, D, E on float32[5]) on Dask's threaded "
+                     f"scheduler against the question's own `jax.vjp` plumbing; median of "
+                     f"{cfg['seed_reps']} samples of {cfg['seed_inner']} calls each, per call.")
+        parts.append(_table(["case", "daskdag_threads", "hand_written",
+                             "daskdag_threads/hand_written"],
+                            [[c["case"], seconds(c["methods"]["daskdag_threads"]["median_s"]),
+                              seconds(c["methods"]["hand_written"]["median_s"]),
+                              f"{c['ratios']['daskdag_threads/hand_written']:.2f}"]
+                             for c in seed]))
+    if layered:
+        parts.append("Layered random DAGs of N tiny nodes (`sin(a) * 0.5 + b * 0.5` on "
+                     "float32[4], layers of 50, two parents each in the layer before), one "
+                     "scalar output: microseconds per node (median / N) on Dask's threaded "
+                     "scheduler and for the same VJP plumbing in a plain loop (`jax_loop`). "
+                     "`per_node_largest/per_node_1000`: daskdag's cost per node at the largest "
+                     "N over its cost per node at N = 1,000 (flat: 1); `jax_loop`'s own, "
+                     "for comparison. Repetitions: "
+                     + ", ".join(f"{r} at N={n}" for n, r in zip(cfg["nodes"], cfg["reps"])) + ".")
+
+        def ratio(c, r):
+            return f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–"
+
+        parts.append(_table(
+            ["case", "daskdag_threads µs/node", "jax_loop µs/node", "daskdag_threads/jax_loop",
+             "per_node_largest/per_node_1000", "jax_loop's", "daskdag_threads median"],
+            [[c["case"], f"{c['methods']['daskdag_threads']['us_per_node']:.0f}",
+              f"{c['methods']['jax_loop']['us_per_node']:.0f}",
+              ratio(c, "daskdag_threads/jax_loop"), ratio(c, "per_node_largest/per_node_1000"),
+              ratio(c, "jax_loop: per_node_largest/per_node_1000"),
+              seconds(c["methods"]["daskdag_threads"]["median_s"])] for c in layered]))
+    return "\n\n".join(parts)
+
+
 def generic(s: dict) -> str:
     """Any scenario: each case's methods' medians, then its ratios."""
     cases = s["cases"]
@@ -286,7 +401,8 @@ def generic(s: dict) -> str:
     return "\n\n".join(parts)
 
 
-SECTIONS = {"k_heads": k_heads, "overhead": overhead, "sweeps": sweeps, "portable": portable}
+SECTIONS = {"k_heads": k_heads, "overhead": overhead, "sweeps": sweeps, "portable": portable,
+            "scale_out": scale_out, "tiny_nodes": tiny_nodes}
 
 
 def clusters_paragraph(clusters: dict) -> str:
@@ -417,6 +533,65 @@ def _generic_plot(s: dict, ax_row) -> None:
     ax.legend(fontsize=7)
 
 
+def _scale_out_plot(s: dict, ax_row) -> None:
+    ax, spread_ax = ax_row
+    lines = [("wide", "daskdag"), ("wide", "hand_written"), ("sweeps", "daskdag"),
+             ("sweeps", "delayed")]
+    for j, (kind, m) in enumerate(lines):
+        have = [c for c in s["cases"] if c["case"].startswith(kind) and m in c["methods"]]
+        ax.plot([c["params"]["W"] for c in have], [c["methods"][m]["efficiency"] for c in have],
+                marker="o", label=f"{kind}: {m}", color=f"C{j}",
+                linestyle="-" if m == "daskdag" else "--")
+    ax.axhline(1, color="black", linewidth=0.8)
+    ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":", label="wide target (0.85)")
+    ax.set_xscale("log", base=2)
+    ws = sorted({c["params"]["W"] for c in s["cases"]})
+    ax.set_xticks(ws, [str(w) for w in ws])
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("workers W")
+    ax.set_ylabel("efficiency (ideal / median)")
+    ax.set_title("efficiency")
+    ax.legend(fontsize=7)
+    for j, m in enumerate(("daskdag", "hand_written")):
+        pts = [(c["params"]["W"], max(k["per_worker"]))
+               for c in s["cases"] if c["case"].startswith("wide")
+               for k in (c.get("branch_tasks") or {}).get(m, {}).get("calls", [])
+               if sum(k["per_worker"])]
+        if pts:
+            spread_ax.scatter(*zip(*pts), label=m, color=f"C{j}", alpha=0.7)
+    spread_ax.axhline(s["config"]["branches_per_worker"], color="black", linewidth=0.8,
+                      label="even")
+    spread_ax.set_xscale("log", base=2)
+    spread_ax.set_xticks(ws, [str(w) for w in ws])
+    spread_ax.set_ylim(bottom=0)
+    spread_ax.set_xlabel("workers W")
+    spread_ax.set_ylabel("branches on the busiest worker")
+    spread_ax.set_title("wide: spread of the branches (each call)")
+    spread_ax.legend(fontsize=7)
+
+
+def _tiny_nodes_plot(s: dict, ax_row) -> None:
+    seed_ax, ax = ax_row
+    layered = [c for c in s["cases"] if "nodes" in c["params"]]
+    for j, m in enumerate(("daskdag_threads", "jax_loop")):
+        ax.plot([c["params"]["nodes"] for c in layered],
+                [c["methods"][m]["us_per_node"] for c in layered], marker="o", label=m,
+                color=f"C{j}")
+    _log(ax.xaxis)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("nodes N")
+    ax.set_ylabel("µs per node")
+    ax.set_title("layered random DAGs")
+    ax.legend(fontsize=8)
+    seed = [c for c in s["cases"] if c["params"].get("dag") == "seed"]
+    if seed:
+        ms = ("daskdag_threads", "hand_written")
+        seed_ax.bar(ms, [seed[0]["methods"][m]["median_s"] * 1e3 for m in ms],
+                    color=["C0", "C1"])
+        seed_ax.set_ylabel("ms per call")
+        seed_ax.set_title("seed DAG")
+
+
 def _log(axis) -> None:
     """A log scale labelled in plain numbers (2, 5, 10, not 2×10⁰)."""
     from matplotlib.ticker import FuncFormatter
@@ -428,7 +603,8 @@ def _log(axis) -> None:
 
 
 PLOTS = {"k_heads": (_k_heads_plot, 2), "overhead": (_overhead_plot, 2),
-         "sweeps": (_sweeps_plot, 1), "portable": (_portable_plot, 1)}
+         "sweeps": (_sweeps_plot, 1), "portable": (_portable_plot, 1),
+         "scale_out": (_scale_out_plot, 2), "tiny_nodes": (_tiny_nodes_plot, 2)}
 
 
 def plots(results: dict, folder: Path) -> list[Path]:

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes"}
+SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
+             "tiny_nodes", "scale_out"}
 
-pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200),  # the first test runs the runner
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),
                                  reason="minutes long: set DASKDAG_BENCH=1 (make bench-test)")]
 
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(1200),  # the first test ru
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
-                   cwd=ROOT, check=True, timeout=1080)
+                   cwd=ROOT, check=True, timeout=1680)
     return json.loads((out / "latest.json").read_text()), out
 
 
@@ -68,6 +69,26 @@ def test_quick_run_writes_json_markdown_and_plots(run):
         med = {m: r["median_s"] for m, r in c["methods"].items()}
         assert c["ratios"]["daskdag_threads/jacrev"] == pytest.approx(
             med["daskdag_threads"] / med["jacrev"])
+    scale = results["scenarios"]["scale_out"]  # a wide and a sweeps case per W, on W workers
+    assert [c["params"]["W"] for c in scale["cases"]] == [
+        w for w in scale["config"]["workers"] for _ in ("wide", "sweeps")]
+    for c in scale["cases"]:
+        for m, record in c["methods"].items():
+            assert record["efficiency"] == pytest.approx(c["ideal_s"] / record["median_s"])
+            assert c["ratios"][f"efficiency_{m}"] == pytest.approx(record["efficiency"])
+        if c["case"].startswith("wide"):  # every hand-written branch task seen, on some worker
+            spread = c["branch_tasks"]
+            for call in spread["hand_written"]["calls"]:
+                assert len(call["per_worker"]) == c["params"]["W"]
+                assert sum(call["per_worker"]) == c["params"]["branches"]
+            for call in spread["daskdag"]["calls"]:  # (unknown if daskdag's key format changed)
+                assert sum(call["per_worker"]) <= c["params"]["branches"]
+    tiny = results["scenarios"]["tiny_nodes"]["cases"]
+    assert tiny[0]["case"] == "seed DAG" and "daskdag_threads/hand_written" in tiny[0]["ratios"]
+    for c in tiny[1:]:
+        for record in c["methods"].values():
+            assert record["us_per_node"] == pytest.approx(record["median_s"] / c["params"]["nodes"] * 1e6)
+    assert "per_node_largest/per_node_1000" in tiny[-1]["ratios"]
     targets = {(t["source"], t["ratio"]) for s in results["scenarios"].values()
                for t in s.get("targets", [])}
     assert ("issue 12", "daskdag_threads/jacrev") in targets  # (K=16's are not in a quick run)
