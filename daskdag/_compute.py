@@ -19,18 +19,16 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import dask
-import dask.local
-import dask.threaded
 import distributed
 import jax
 from dask.diagnostics import ProgressBar
 
 from ._cluster import Watch
+from ._local import SCHEDULERS
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
 
-LOCAL = {"threads": dask.threaded.get, "sync": dask.local.get_sync}
+
 
 
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
@@ -47,7 +45,7 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
         dsk = dict(delayed[0].dask)  # (one graph: every result is a key of it)
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
-                computed = LOCAL[local or "threads"](dsk, [d.key for d in delayed])
+                computed = SCHEDULERS[local or "threads"](dsk, [d.key for d in delayed])
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:
                 stop.set()

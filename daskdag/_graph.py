@@ -183,8 +183,12 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
         elif s.linearized:
             linearized[s] = fwd
         for k, n in enumerate(s.outputs):
-            val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
-                                               s.linearized, k)
+            if s.bare:
+                val[n] = fwd
+            elif travel or n in plan.outputs:  # (on a cluster, consumers never fetch residuals)
+                val[n] = g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd, s.linearized, k)
+            else:  # here, nothing travels: a consumer picks the value out itself, a task less
+                val[n] = Inline(Task(None, tasks.pick, fwd, s.linearized, k), None)
 
     # Backward: one task per stage, for every output whose gradient passes through it (their
     # cotangents pulled back together, see tasks.backward). The cotangent of an exposed node is

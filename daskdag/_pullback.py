@@ -170,23 +170,33 @@ def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
     output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
     output as ``fn`` returned it."""
-    flat_args = [jax.tree.flatten(a) for a in args]
+    # (An arg that is an array is its own one leaf: no pytree walk for the common case, a cost
+    # paid per node per call.)
+    flat_args = [([a], None) if isinstance(a, ARRAYS) else jax.tree.flatten(a) for a in args]
     masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
              zip(active, flat_args)]
     diff = [leaf for (leaves, _), mask in zip(flat_args, masks) for leaf, m in zip(leaves, mask) if m]
     out: dict = {}
 
+    def arg(a, on, flat, mask, it):
+        if not on:
+            return a
+        leaves, treedef = flat
+        if treedef is None:
+            return next(it) if mask[0] else a
+        return treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
+
     def fn_of_diff(*diff_leaves):
         it = iter(diff_leaves)
-        rebuilt = [treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
-                   if on else a for a, on, (leaves, treedef), mask in zip(args, active, flat_args, masks)]
-        leaves, out["treedef"] = jax.tree.flatten(fn(*rebuilt))
-        out["mask"] = tuple(map(is_differentiable, leaves))
+        result = fn(*[arg(a, on, flat, mask, it)
+                      for a, on, flat, mask in zip(args, active, flat_args, masks)])
+        leaves, out["treedef"] = jax.tree.flatten(result)
+        out["mask"] = mask = tuple(map(is_differentiable, leaves))
         # Arrays held constant go through the aux (they may depend on traced inputs); other
         # leaves (functions, strings) cannot be traced and are kept as they are.
         out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return ([leaf for leaf, m in zip(leaves, out["mask"]) if m],
-                [leaf for leaf, m in zip(leaves, out["mask"]) if not m and is_numeric(leaf)])
+        return ([leaf for leaf, m in zip(leaves, mask) if m],
+                [leaf for leaf, m in zip(leaves, mask) if not m and is_numeric(leaf)])
 
     def rebuild(out_diff, held):
         d, h = iter(out_diff), iter(held)
@@ -194,6 +204,9 @@ def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
                                          for m, s in zip(out["mask"], out["static"])])
 
     return diff, fn_of_diff, rebuild
+
+
+ARRAYS = (jax.Array, np.ndarray)
 
 
 def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
