@@ -3,7 +3,6 @@
 import pickle
 import threading
 
-import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
