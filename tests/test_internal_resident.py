@@ -10,7 +10,8 @@ from distributed import Client, LocalCluster
 import daskdag
 from daskdag import _resident as resident
 
-from .conftest import assert_tree_close, eventually, key_kind, key_label, scheduler_tasks
+from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
+                       scheduler_tasks)
 
 pytestmark = pytest.mark.cluster
 
@@ -79,6 +80,7 @@ def test_repeated_sweeps_send_shared_inputs_and_chunk_graph_once(vmap):
     xs = jnp.asarray(rng.standard_normal((12, 64)).astype(np.float32))
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+        base = scheduler_tasks(client)
         kept = resident.of(client)
 
         def sweep():
@@ -100,6 +102,8 @@ def test_repeated_sweeps_send_shared_inputs_and_chunk_graph_once(vmap):
         sent, new = sweep()
         assert new == {"sweep:graph"} and sent >= W.nbytes  # (its graph holds both nodes)
 
+        # (the last sweep's chunks are let go asynchronously: wait until the scheduler heard)
+        assert eventually(lambda: only_kept_left(client, base))
         with daskdag_config(**{"daskdag.keep-calls": 0}):  # kept for the sweep's duration only
             before = scheduler_tasks(client)
             r = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "L", batched=["x"], chunk_size=4,
