@@ -100,17 +100,27 @@ def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
     dropped = _dropped(stage, stop)
     if rows is not None:
         return _pull_rows(pullback, cts, values, deps, dropped, rows.chunk)
-    if len(cts) >= BATCH_FROM.get(getattr(pullback, "batching", None), len(cts) + 1):
+    if _worth_batching(getattr(pullback, "batching", None), cts):
         return _batched(pullback, cts, values, deps, dropped)
     return [pullback(c, deps, dropped) for c in cts]
 
 
-# The fewest cotangents worth batching, per kind of pullback (see pullback.Pullback.batching).
-# Measured (2 cores; tanh-of-matmul nodes, 32x256 to 400x256 and 512-vectors): vmap of an
-# eager pullback costs 5 to 20 ms more per call than one plain pass, whatever the batch, so
-# batching gains from 8 cotangents on matrices, not below; a compiled program's batched
-# trace is cached, so it gains from 2.
+# The fewest cotangents worth batching, per kind of pullback (see pullback.Pullback.batching):
+# a compiled program's batched trace is cached, so it gains from 2. vmap of an eager pullback
+# traces it anew each call, 5 to 20 ms; it pays where dispatching op by op costs more than the
+# ops, that is for many small cotangents. Measured (2 cores, a stage of 4 tanh-of-matmul nodes,
+# vmap against a loop over the cotangents): 32x256 cotangents, 0.54x at 8 and 0.28x at 16;
+# 128x256, 0.83x at 8; 400x256, 1.3x at 8; 512x512, 1.36x at 8 and 1.23x at 16.
 BATCH_FROM = {"compiled": 2, "eager": 8}
+BATCH_ELEMENTS = 2 ** 15  # eager pullbacks: batched only for cotangents of at most this many
+
+
+def _worth_batching(batching, cts: list) -> bool:
+    if len(cts) < BATCH_FROM.get(batching, len(cts) + 1):
+        return False
+    return batching != "eager" or max(
+        sum(int(np.size(leaf)) for c in per_output if c is not None for leaf in c)
+        for per_output in cts) <= BATCH_ELEMENTS
 
 
 def _cotangent(value, flow, sources):
