@@ -23,8 +23,8 @@ from .conftest import (KEEP_NANNIES, assert_tree_close, bounded, eventually, not
 
 WORKERS = 6
 KILL_EVERY = 3.0  # seconds between two kills
-ITEMS = 600
-ITEM_PAUSE = 0.2  # seconds per item: 600 items on 6 workers, 20 s of sleeping per worker
+ITEMS = 1000
+ITEM_PAUSE = 0.2  # seconds per item: 1000 items on 6 workers, 33 s of sleeping per worker
 CHUNK = 5  # items per chunk: ~1 s each, so a chunk is seldom caught by several kills in a row
 SWEEP_BOUND = 150.0  # seconds the sweep may take
 LOOP_FOR = 20.0  # seconds of compute_grads calls

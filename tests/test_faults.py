@@ -35,7 +35,7 @@ CALL_BOUND = 60.0  # seconds a call may take, killed workers and their restart i
 NODE_PAUSE = 1.0  # seconds each node of an eager call sleeps: A+B, then C and E, ~3 s in all
 ITEM_PAUSE = 0.05  # seconds each node sleeps per sweep item: 0.2 s an item, ~4 s a sweep
 MOMENTS = {"early": 0.8, "later": 2.5}  # seconds into the call when every worker is killed
-ATTEMPTS = 4  # times a worker is killed just as a call starts
+ATTEMPTS = 2  # times a worker is killed just as a call starts (a race: see the test)
 
 
 def make_dag(pause):
@@ -252,12 +252,15 @@ def test_a_worker_dying_as_a_call_starts_is_no_version_mismatch(fresh_client, di
             now = client.run(os.getpid, on_error="return")
             return sigkill([p for a, p in now.items() if isinstance(p, int) and a not in pids])
 
-        # killed as soon as it answers; the call follows at once (the scheduler may not have
-        # seen it go yet: a race that today's code loses now and then)
+        # Killed as soon as it answers, and the call follows at once. When the kill lands
+        # before the worker's stream to the scheduler is up, the scheduler goes on listing the
+        # dead worker, and whatever asks it something (a version check) waits out distributed's
+        # 30-s connect timeout. A race: some attempts find it listed, others not.
         assert eventually(replacement_killed, timeout=90), "no worker replaced the killed one"
-        res, _ = bounded(lambda: not_a_mismatch(lambda: daskdag.compute_grads(
+        res, took = bounded(lambda: not_a_mismatch(lambda: daskdag.compute_grads(
             dag, {"x": X, "w": W}, ["C", "E"], client=client)), CALL_BOUND,
             "the call that found a worker dead")
+        print(f"attempt {attempt}: the call took {took:.1f} s")
         check_grads(res)
         del res
     assert eventually(lambda: only_kept_left(client, before)), (
