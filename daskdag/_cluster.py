@@ -26,6 +26,7 @@ WORKER_WAIT_DEFAULT = "30s"
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 _same_versions: set[tuple[str, str]] = set()  # (address, local directory) of workers checked
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
+VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
 
 
@@ -132,7 +133,13 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
     if not ask:
         return
     here = versions()
-    found = client.run(versions, workers=ask, on_error="return")
+    try:
+        found = client.run(versions, workers=ask, on_error="return", callback_timeout=VERSIONS_WAIT)
+    except TimeoutError:
+        # A worker that died just as it joined is still listed until the scheduler gives up
+        # on it, and reaching it waits for distributed's connect timeout (30 s): the call goes
+        # on (the scheduler moves work off dead workers), and the next call asks again.
+        return
     with _lock:
         _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
         while len(_same_versions) > KNOWN_WORKERS:

@@ -205,19 +205,27 @@ class Cluster:
                     self._resend(c)
 
     def result(self, chunk: _Chunk):
-        """The chunk's results, straight from its worker; raises what the chunk raised."""
+        """The chunk's results, straight from its worker; raises what the chunk raised, or
+        :class:`Lost` for a chunk of several items whose workers kept dying under it."""
         while True:
             try:
                 return self.client.gather(chunk.future, direct=self.direct)
-            except (distributed.CancelledError, distributed.KilledWorker):  # lost with workers
+            except distributed.CancelledError:  # lost with its worker since it finished
+                self._resend(chunk)
+            except distributed.KilledWorker as e:  # its workers died while it ran, too often
+                if chunk.chunk[1] - chunk.chunk[0] > 1:  # smaller pieces stand a better chance
+                    raise Lost(*chunk.chunk) from e
                 self._resend(chunk)
 
     def _resend(self, chunk: _Chunk):
         chunk.resent += 1
         if chunk.resent > RESENDS:
-            raise ClusterError(f"items {chunk.chunk[0]} to {chunk.chunk[1] - 1} of the sweep were "
-                               f"lost {chunk.resent} times, with the workers that ran them, or "
-                               f"their task was cancelled by someone else")
+            start, stop = chunk.chunk
+            what = f"item {start} of the sweep was" if stop - start == 1 else \
+                f"items {start} to {stop - 1} of the sweep were"
+            raise ClusterError(f"{what} lost {chunk.resent} times, with the workers that ran "
+                               f"them (killed, out of memory?), or their task was cancelled by "
+                               f"someone else")
         self._let_go(chunk, cancel=True)
         self.listed = -float("inf")  # a worker left, most likely: list them anew
         self._send([chunk])
@@ -252,6 +260,11 @@ class Cluster:
 
 
 RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
+
+
+class Lost(Exception):
+    """A chunk of several items lost with the workers that ran it (``KilledWorker``): the
+    sweep runs its items again one by one (:func:`daskdag._sweep._run_chunks`)."""
 LIST_EVERY = WAIT  # seconds a list of the workers is used for before the scheduler is asked again
 
 

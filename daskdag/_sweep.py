@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ._chunked import Chunked, chunk_of
-from ._engines import Cluster, Threads
+from ._engines import Cluster, Lost, Threads
 from ._errors import NodeError
 from ._graph import build
 from ._log import logger, where
@@ -188,7 +188,8 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
 
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine):
     """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
-    ahead of new chunks, to name its failing items and keep the others. With ``errors='raise'``
+    ahead of new chunks, to name its failing items and keep the others; so is one lost with the
+    workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
     no new chunk starts after a failure; the error raised is that of the lowest failing item,
     once everything before it is known to have succeeded."""
     try:
@@ -219,7 +220,9 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                     bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
                     continue
-                if c[1] - c[0] == 1:  # an item: named
+                if isinstance(err, Lost):  # item by item, ahead of new chunks
+                    reruns.extend(_items(c))
+                elif c[1] - c[0] == 1:  # an item: named
                     failed[c[0]] = err
                 elif errors == "raise":
                     bisect.insort(broken, c)
@@ -235,12 +238,15 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | None:
-    """Store a finished chunk's results; return its error instead if it failed."""
+def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | Lost | None:
+    """Store a finished chunk's results; return its error instead if it failed, or ``Lost`` if
+    the workers that ran it kept dying."""
     try:
         computed = engine.result(fut)
     except NodeError as e:
         return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
+    except Lost as e:
+        return e
     finally:
         engine.release(fut)
     _store(stacked, sweep, *chunk, computed)

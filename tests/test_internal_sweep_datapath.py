@@ -180,29 +180,34 @@ def test_a_chunk_killed_with_its_worker_runs_again_and_nothing_is_lost(monkeypat
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("resends", [1, 0])
-def test_a_chunk_lost_too_often_is_sent_again_or_fails_the_sweep_clearly(monkeypatch, resends):
+@pytest.mark.parametrize("chunk_size", [3, 1])
+def test_a_chunk_lost_too_often_is_rerun_item_by_item_or_fails_the_sweep_clearly(monkeypatch,
+                                                                                  chunk_size):
     """With distributed allowing no failure (``allowed-failures: 0``), a chunk whose worker dies
-    under it is lost (``KilledWorker``): the sweep sends it again, with the same results, or,
-    with no resend allowed, fails with a ClusterError naming its items; either way it leaves
-    nothing on the cluster."""
-    monkeypatch.setattr(engines, "RESENDS", resends)
+    under it is lost (``KilledWorker``): a chunk of several items is rerun item by item (smaller
+    pieces stand a better chance), with the same results; a single item is sent again, up to
+    ``RESENDS`` times (here none), then fails the sweep with a ClusterError naming it. Either
+    way the sweep leaves nothing on the cluster."""
+    monkeypatch.setattr(engines, "RESENDS", 0)
     dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
     values = inputs(6)
     sends, killed = _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it=True)
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
             local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
         before = scheduler_tasks(client)
-        if resends:
-            res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
-            assert sends.count(killed[0]) == 2, sends
+        if chunk_size > 1:
+            res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=chunk_size,
+                                      client=client)
+            assert killed == [(0, 3)] and [s for s in sends if s[0] < 3] == [(0, 3), (0, 1), (1, 2),
+                                                                            (2, 3)], sends
             value, grad = jax.vmap(jax.value_and_grad(
                 lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
             assert_tree_close(res.value, value, rtol=1e-5)
             assert_tree_close(res.grad["x"], grad, rtol=1e-5)
         else:
-            with pytest.raises(ClusterError, match="items 0 to 2 of the sweep were lost"):
-                daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+            with pytest.raises(ClusterError, match=r"item [0-9] of the sweep was lost 1 times"):
+                daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=chunk_size,
+                                    client=client)
         assert eventually(lambda: only_kept_left(client, before))
 
 
