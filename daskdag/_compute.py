@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import distributed
 import jax
@@ -63,14 +64,51 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
 
 def wait(client, futures: list, watch: Watch) -> None:
     """Until every future is done (finished, failed or cancelled), looking at the cluster every
-    :data:`POLL` seconds meanwhile (``watch.check()`` raises when it can no longer run them)."""
-    with client.as_current():
-        while True:
-            try:
-                distributed.wait(futures, timeout=POLL)
-                return
-            except TimeoutError:
-                watch.check()
+    :data:`POLL` seconds meanwhile (``watch.check()`` raises when it can no longer run them).
+
+    (Told by the futures' own callbacks: ``distributed.wait`` needs the client made current,
+    and ``Client.as_current`` sets Dask's global config, which calls from several threads at
+    once leave set to ``dask.distributed`` when they finish out of order.)"""
+    done = Arrivals(futures)
+    while not done.all(POLL):
+        watch.check()
+
+
+class Arrivals:
+    """Which of some ``distributed`` futures are done (finished, failed or cancelled), as their
+    callbacks tell: :meth:`all` and :meth:`any` wait for them, up to a timeout. More futures
+    can be added as they are made."""
+
+    def __init__(self, futures=()):
+        self.lock, self.event, self.waiting = threading.Lock(), threading.Event(), 0
+        for f in futures:
+            self.add(f)
+
+    def add(self, future) -> None:
+        with self.lock:
+            self.waiting += 1
+        future.add_done_callback(self._arrived)
+
+    def _arrived(self, future) -> None:
+        with self.lock:
+            self.waiting -= 1
+        self.event.set()
+
+    def all(self, timeout: float) -> bool:
+        """Whether all have arrived, waiting ``timeout`` seconds at most."""
+        deadline = time.monotonic() + timeout
+        while self.waiting > 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.event.wait(left):
+                return False
+            self.event.clear()
+        return True
+
+    def any(self, timeout: float) -> bool:
+        """Whether some arrived since the last call, waiting ``timeout`` seconds at most."""
+        arrived = self.event.wait(timeout)
+        self.event.clear()
+        return arrived
 
 
 @contextlib.contextmanager

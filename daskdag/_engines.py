@@ -26,6 +26,7 @@ from dask.task_spec import DataNode, Task, TaskRef
 
 from . import _progress as progress
 from ._cluster import Watch, workers
+from ._compute import Arrivals
 from ._graph import key
 from ._errors import ClusterError
 from ._shipping import pack_for, unpack
@@ -108,6 +109,7 @@ class Cluster:
         self.listening = False
         self.direct = client.direct_to_workers is not False
         self.watch = Watch(client)
+        self.arrivals = Arrivals()  # the chunks' futures tell it when they are done
         self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
         if bar is not None:
             progress.listen(client, self.id, bar.report)
@@ -126,6 +128,7 @@ class Cluster:
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
+                self.arrivals.add(c.future)
             return
         shared = {f.key: f for f in self.shared.values()}
         with warnings.catch_warnings():  # items travel in the tasks that take them, on purpose
@@ -140,6 +143,7 @@ class Cluster:
                 c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
                                               pure=False, workers=[c.worker],
                                               allow_other_workers=True)
+                self.arrivals.add(c.future)
 
     def _least_busy(self, found: dict) -> str:
         """Of the workers ``found`` (running ones first: a paused one takes no new work), the
@@ -174,14 +178,9 @@ class Cluster:
         """The chunks among ``chunks`` that finished or failed. Those lost meanwhile (their task
         cancelled, or waiting for a worker that left) are sent again; a cluster that has had no
         worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`."""
-        try:
-            with self.client.as_current():
-                distributed.wait([c.future for c in chunks], timeout=WAIT, return_when="FIRST_COMPLETED")
-        except TimeoutError:
+        if not self.arrivals.any(WAIT):
             self._stranded(chunks)
             return set()
-        except distributed.CancelledError:  # (wait raises it for any cancelled future)
-            pass
         done = set()
         for c in chunks:
             if c.future.cancelled():
