@@ -133,6 +133,12 @@ class Pullback:
 LINEARIZERS: dict[type, Callable] = {}
 
 
+def has_linearizer(node: Node) -> bool:
+    """Whether the kind of ``node``'s function has a linearizer of its own in
+    :data:`LINEARIZERS` (else it runs under ``jax.vjp``)."""
+    return any(kind in LINEARIZERS for kind in type(unwrap(node.fn)).__mro__)
+
+
 def linearizer(node: Node) -> Callable:
     """``f(args, active) -> (primal, pullback)`` for ``node``: the one registered in
     :data:`LINEARIZERS` for the kind of its (unpacked) function, else :func:`linearize`."""

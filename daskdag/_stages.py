@@ -49,7 +49,8 @@ from ._custom import is_custom
 from ._errors import node_errors
 from ._plan import Plan
 from ._progress import Cancelled
-from ._pullback import ct_avals, differentiable_leaves, linearizer
+from ._pullback import ct_avals, differentiable_leaves, has_linearizer, linearizer
+from ._pullback import linearize as vjp_linearize
 from ._shipping import current
 from ._spec import Node
 
@@ -193,6 +194,8 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
     pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
+    if len(nodes) > 1 and stage.linearized and not any(map(has_linearizer, nodes)):
+        return _linearize_chain(stage, nodes, deps, dropped)
     values, pullbacks = [], []
     for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
         if values and dropped is not None and dropped():
@@ -203,10 +206,7 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
                 primal, pullback = linearizer(node)(inputs, active)
             else:
                 primal, pullback = node.callable()(*inputs), None
-        if primal is None:  # None is an empty pytree to JAX: it would fail later, far from here
-            with node_errors(name, "forward"):
-                raise TypeError("its function returned None; a node must return its value, a JAX "
-                                "array or a pytree of arrays (is a `return` missing?)")
+        _not_none(name, primal)
         values.append(primal)
         pullbacks.append(pullback)
     exposed = tuple(values[j] for j in stage.exposed)
@@ -281,13 +281,14 @@ class StagePullback:
 # -- fused stages ---------------------------------------------------------------------------------
 
 class Fused:
-    """A fused stage's nodes as one function: the values of its deps in, its exposed values (a
-    tuple) out. ``fns``: the nodes' plain functions (item by item in a sweep), held weakly
-    where they can be, so that a cached ``Fused`` (and JAX's compilations of it) keeps no user
-    function alive."""
+    """A stage's nodes as one function: the values of its deps in, its exposed values (a
+    tuple) out, each node called once, in order. ``fns``: the nodes' plain functions (item by
+    item in a sweep), held weakly where they can be, so that a cached ``Fused`` (and JAX's
+    compilations of it) keeps no user function alive. ``dropped()``, asked between two nodes,
+    stops it (:class:`Cancelled`)."""
 
-    def __init__(self, stage: Stage, fns: Sequence):
-        self.stage = stage
+    def __init__(self, stage: Stage, fns: Sequence, dropped=None):
+        self.stage, self.dropped = stage, dropped
         self._fns = tuple(_weak(f) for f in fns)
 
     @property
@@ -297,8 +298,11 @@ class Fused:
     def __call__(self, *deps):
         values = []
         for name, fn, sources in zip(self.stage.nodes, self.fns, self.stage.sources):
+            if values and self.dropped is not None and self.dropped():
+                raise Cancelled(f"the call no longer waits for node {name!r}")
             with node_errors(name, "forward"):
                 values.append(fn(*[deps[i] if kind == "dep" else values[i] for kind, i in sources]))
+            _not_none(name, values[-1])
         return tuple(values[j] for j in self.stage.exposed)
 
     def __reduce__(self):
@@ -343,14 +347,35 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
     return chunk
 
 
+def _not_none(name: str, value) -> None:
+    if value is None:  # None is an empty pytree to JAX: it would fail later, far from here
+        with node_errors(name, "forward"):
+            raise TypeError("its function returned None; a node must return its value, a JAX "
+                            "array or a pytree of arrays (is a `return` missing?)")
+
+
+def _linearize_chain(stage: Stage, nodes, deps, dropped):
+    """A chain of eager nodes under one ``jax.vjp``, as the seed question's hand-written code
+    takes the vjp of its common pipeline: each node still called once, in order, op by op
+    (Python control flow and side effects as written), but one vjp's fixed cost for the chain
+    instead of one per node. Its pullback is one too (:class:`FusedPullback`)."""
+    fused = Fused(stage, [n.callable() for n in nodes], dropped)
+    values, pullback = vjp_linearize(Node(fused, stage.deps), deps, stage.dep_active())
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def _avals(values) -> list:
+    """Per exposed value, the shape and dtype of each of its differentiable leaves."""
+    return [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
+
+
 def _linearize_fused(stage: Stage, nodes, deps):
     chunk = _fused_function(stage, nodes)
     with node_errors(stage.name, "forward"):
         if not stage.linearized:
             return chunk(*deps)
         values, pullback = chunk.linearize(deps, stage.dep_active())
-    avals = [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
-    return values, FusedPullback(stage, pullback, avals)
+    return values, FusedPullback(stage, pullback, _avals(values))
 
 
 def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: tuple):
@@ -365,8 +390,9 @@ def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: 
 
 
 class FusedPullback:
-    """The backward half of a fused stage: one program. Called as :class:`StagePullback`;
-    exposed nodes no cotangent flows to get zeros (``avals``: their differentiable leaves)."""
+    """The backward half of a fused stage (one program), or of a chain linearized as one
+    (:func:`_linearize_chain`): one pullback. Called as :class:`StagePullback`; exposed nodes
+    no cotangent flows to get zeros (``avals``: their differentiable leaves)."""
 
     __slots__ = ("stage", "pullback", "avals")
 
