@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 
 from ._custom import is_custom
 from ._progress import checkpoint
@@ -65,6 +66,17 @@ class Chunked:
         primals, pullbacks = zip(*(_then_checkpoint(run(item, active))
                                    for item in item_args(args, self.in_axes)))
         return Items(primals), ItemPullbacks(list(pullbacks), self.in_axes)
+
+    def linearize_values(self, args: Sequence[Any], active: tuple[bool, ...], count: int):
+        """:meth:`linearize` of an item-by-item function that returns a tuple of ``count``
+        values (a chain of nodes as one function): ``(values, pullback)``, ``values`` a tuple of
+        :class:`Items`, one per value; the pullback takes the cotangent of those (each value's
+        in turn, each item's leaves in turn within it) and gives the args' as
+        :class:`ItemPullbacks` does."""
+        primals, pullback = self.linearize(args, active)
+        values = tuple(Items(p[e] for p in primals) for e in range(count))
+        leaves = [len(differentiable_leaves(v)) // max(len(primals), 1) for v in values]
+        return values, _ByValue(pullback, leaves, len(primals))
 
     def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
         """Forward and backward as one program: ``(primal, cts)``, or None where it cannot be
@@ -316,6 +328,31 @@ class ItemPullbacks:
 
     def __reduce__(self):
         return ItemPullbacks, (self.pullbacks, self.in_axes)
+
+
+class _ByValue:
+    """An :class:`ItemPullbacks` of items that are each a tuple of values, taking its cotangent
+    value by value (``ct``: value 0's leaves for every item, then value 1's...; ``leaves``: per
+    value, its differentiable leaves per item) and passing it on item by item."""
+
+    def __init__(self, pullback: ItemPullbacks, leaves: list[int], items: int):
+        self.pullback, self.leaves, self.items = pullback, leaves, items
+
+    @property
+    def batching(self):
+        return self.pullback.batching
+
+    def __call__(self, ct, inputs):
+        starts = np.cumsum([0] + [n * self.items for n in self.leaves])
+        per_item = [leaf for i in range(self.items) for start, n in zip(starts, self.leaves)
+                    for leaf in ct[start + i * n:start + (i + 1) * n]]
+        return self.pullback(tuple(per_item), inputs)
+
+    def residual_nbytes(self) -> int:
+        return self.pullback.residual_nbytes()
+
+    def __reduce__(self):
+        return _ByValue, (self.pullback, self.leaves, self.items)
 
 
 def _then_checkpoint(result):

@@ -60,21 +60,6 @@ def checkpoint():
         chunk.step()
 
 
-def chunk_steps(plan, items: int) -> int:
-    """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each item-by-item
-    node's forward pass, and its backward pass (for all outputs at once), once per item."""
-    by_item = {n for n in plan.needed if _by_item(plan.spec.nodes[n])}
-    backward = sum(1 for n in by_item if any(n in plan.backward[o] for o in plan.outputs))
-    return items * (len(by_item) + backward)
-
-
-def _by_item(node) -> bool:
-    from ._chunked import chunk_of  # (chunked imports this module)
-
-    chunk = chunk_of(node)
-    return chunk is not None and not chunk.node.vmap
-
-
 # -- in a distributed worker ---------------------------------------------------------------------
 
 def worker_chunk(steps: int, report: list | None) -> ChunkRun:

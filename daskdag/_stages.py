@@ -194,8 +194,11 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
     pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
-    if len(nodes) > 1 and stage.linearized and not any(map(has_linearizer, nodes)):
-        return _linearize_chain(stage, nodes, deps, dropped)
+    if len(nodes) > 1 and stage.linearized:
+        if not any(map(has_linearizer, nodes)):
+            return _linearize_chain(stage, nodes, deps, dropped)
+        if _items_chain(nodes):
+            return _linearize_chain_of_items(stage, [chunk_of(n) for n in nodes], deps, dropped)
     values, pullbacks = [], []
     for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
         if values and dropped is not None and dropped():
@@ -333,12 +336,7 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
         if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
             return hit[0]
     fused = Fused(stage, fns)
-    in_axes = [None] * len(stage.deps)
-    for c, sources in zip(chunks, stage.sources):
-        for (kind, i), axis in zip(sources, c.in_axes if c else ()):
-            if kind == "dep":
-                in_axes[i] = axis
-    chunk = Chunked(Node(fused, stage.deps, vmap=True), tuple(in_axes))
+    chunk = Chunked(Node(fused, stage.deps, vmap=True), _in_axes(stage, chunks))
     with _fused_lock:
         _fused[key] = chunk, fused
         for f in fns:  # the entry goes with the first of its functions to go
@@ -362,6 +360,42 @@ def _linearize_chain(stage: Stage, nodes, deps, dropped):
     fused = Fused(stage, [n.callable() for n in nodes], dropped)
     values, pullback = vjp_linearize(Node(fused, stage.deps), deps, stage.dep_active())
     return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def _linearize_chain_of_items(stage: Stage, chunks: Sequence[Chunked], deps, dropped):
+    """A sweep's chain of item-by-item nodes, each item under one ``jax.vjp`` of the chain (see
+    :func:`_linearize_chain`): :meth:`~daskdag._chunked.Chunked.linearize_values` of the chain
+    as one function over the chunk's items."""
+    fused = Fused(stage, [c.node.callable() for c in chunks], dropped)
+    chunk = Chunked(Node(fused, stage.deps), _in_axes(stage, chunks))
+    values, pullback = chunk.linearize_values(deps, stage.dep_active(), len(stage.exposed))
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def _items_chain(nodes) -> bool:
+    """A sweep's chain of item-by-item nodes of JAX code, linearized item by item as one."""
+    chunks = [chunk_of(n) for n in nodes]
+    return all(c is not None and not c.node.vmap and not has_linearizer(c.node) for c in chunks)
+
+
+def steps_per_item(stage: Stage, nodes: Sequence[Node]) -> int:
+    """How often a sweep chunk's forward pass of ``stage`` steps from one item to the next
+    (:func:`daskdag._progress.checkpoint`): once per item-by-item node, or once for a chain of
+    them linearized as one (:func:`linearize`); as often again backward."""
+    by_item = [n for n in nodes if (c := chunk_of(n)) is not None and not c.node.vmap]
+    if len(nodes) > 1 and stage.linearized and by_item and _items_chain(nodes):
+        return 1
+    return len(by_item)
+
+
+def _in_axes(stage: Stage, chunks) -> tuple:
+    """Per dep of the stage, its item axis as its nodes take it (``Chunked.in_axes``)."""
+    in_axes = [None] * len(stage.deps)
+    for c, sources in zip(chunks, stage.sources):
+        for (kind, i), axis in zip(sources, c.in_axes if c else ()):
+            if kind == "dep":
+                in_axes[i] = axis
+    return tuple(in_axes)
 
 
 def _avals(values) -> list:

@@ -31,11 +31,12 @@ from ._errors import NodeError
 from ._graph import build
 from ._log import logger, where
 from ._plan import Plan, make_plan
-from ._progress import Progress, chunk_steps
+from ._progress import Progress
 from ._resident import placing
 from ._pullback import is_array
 from ._shipping import pack_for, rows, ship
 from ._spec import Spec
+from ._stages import make_stages, steps_per_item
 from ._stacked import Stacked, item_shapes
 
 
@@ -232,6 +233,18 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 bar.refresh()
     finally:
         engine.close()
+
+
+def chunk_steps(plan: Plan, items: int) -> int:
+    """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each stage's
+    forward pass item by item (:func:`daskdag._stages.steps_per_item`), and its backward pass
+    (for all outputs at once) where a gradient passes through it."""
+    steps = 0
+    for s in make_stages(plan):
+        per_item = steps_per_item(s, [plan.spec.nodes[n] for n in s.nodes])
+        backward = any(set(s.nodes) & set(plan.backward[o]) for o in plan.outputs)
+        steps += per_item * (2 if backward else 1)
+    return items * steps
 
 
 def _items(chunk):
