@@ -70,14 +70,7 @@ def _sizeof_node(node) -> int:
 @sizeof.register(StagePullback)
 @sizeof.register(FusedPullback)
 def _sizeof_pullback(pb) -> int:
-    # Its residuals, and about what its exported program adds when it moves: the scheduler
-    # places a backward task by the bytes its inputs would cost to fetch, and without the
-    # program a pullback of tiny residuals looked as cheap to move as its cotangent (it is
-    # not: moving it exports and compiles its program), so backward tasks left their pullbacks.
-    return pb.residual_nbytes() + PROGRAM_BYTES
-
-
-PROGRAM_BYTES = 16 * 1024  # about a node's exported backward program, serialized
+    return pb.residual_nbytes()
 
 
 # -- frames ---------------------------------------------------------------------------------------

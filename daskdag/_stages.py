@@ -38,6 +38,7 @@ import graphlib
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import dask
@@ -286,13 +287,13 @@ class StagePullback:
 class Fused:
     """A stage's nodes as one function: the values of its deps in, its exposed values (a
     tuple) out, each node called once, in order. ``fns``: the nodes' plain functions (item by
-    item in a sweep), held weakly where they can be, so that a cached ``Fused`` (and JAX's
-    compilations of it) keeps no user function alive. ``dropped()``, asked between two nodes,
-    stops it (:class:`Cancelled`)."""
+    item in a sweep); ``weakly``: held weakly where they can be, so that a cached ``Fused``
+    (and JAX's compilations of it) keeps no user function alive. ``dropped()``, asked between
+    two nodes, stops it (:class:`Cancelled`)."""
 
-    def __init__(self, stage: Stage, fns: Sequence, dropped=None):
+    def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
-        self._fns = tuple(_weak(f) for f in fns)
+        self._fns = tuple(_weak(f) if weakly else partial(_itself, f) for f in fns)
 
     @property
     def fns(self) -> tuple:
@@ -316,7 +317,11 @@ def _weak(fn):
     try:
         return weakref.ref(fn)
     except TypeError:
-        return lambda: fn
+        return partial(_itself, fn)
+
+
+def _itself(x):
+    return x
 
 
 _fused_lock = threading.Lock()
@@ -335,7 +340,7 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]) -> Chunked:
         hit = _fused.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
             return hit[0]
-    fused = Fused(stage, fns)
+    fused = Fused(stage, fns, weakly=True)
     chunk = Chunked(Node(fused, stage.deps, vmap=True), _in_axes(stage, chunks))
     with _fused_lock:
         _fused[key] = chunk, fused
