@@ -350,10 +350,8 @@ class DistributedLog:
                         + "\n".join(line[:1500] for line in found[:5]), pytrace=False)
 
 
-@pytest.fixture
-def distributed_log():
-    """A :class:`DistributedLog` over the test; the test fails (at teardown) if distributed
-    logged one of :data:`DistributedLog.DEFECTS`. Tests may call ``check()`` themselves, earlier."""
+def _watching_distributed():
+    """Yield a :class:`DistributedLog` attached to distributed's logger, then check it."""
     import logging
 
     log = DistributedLog()
@@ -364,6 +362,26 @@ def distributed_log():
     finally:
         logger.removeHandler(log.handler)
     log.check()
+
+
+@pytest.fixture
+def distributed_log():
+    """A :class:`DistributedLog` over the test; the test fails (at teardown) if distributed
+    logged one of :data:`DistributedLog.DEFECTS`. Tests may call ``check()`` themselves, earlier."""
+    yield from _watching_distributed()
+
+
+@pytest.fixture(autouse=True)
+def _no_distributed_defects(request):
+    """Every cluster test (marker ``cluster``) fails on a line of
+    :data:`DistributedLog.DEFECTS` that distributed logs in this process during it: treated as
+    the defects they are, not as noise. (Tests that watch a cluster's log file too ask for
+    :func:`distributed_log` themselves.)"""
+    if request.node.get_closest_marker("cluster") is None or \
+            "distributed_log" in request.fixturenames:
+        yield
+        return
+    yield from _watching_distributed()
 
 
 class Hung(AssertionError):
