@@ -2,7 +2,7 @@
 call and per node against the same VJP plumbing written by hand in this process.
 
 seed:     the seed question's DAG (``x -> A -> B -> C -> D``, ``B -> E``; the concrete functions
-          of ``tests/conftest.py``'s ``seed_functions``, copied), x float32[5].
+          of ``examples/cli_dag.py``, loaded from it), x float32[5].
           daskdag_threads:  ``daskdag.compute_grads(dag, x, ["D", "E"], scheduler="threads")``.
           hand_written:     the question's own plumbing: one ``jax.vjp`` of the common pipeline
                             (A, B, C), ``jax.vjp`` of E and of D, then two pullbacks of the
@@ -37,8 +37,10 @@ Targets (issue 21): seed ``daskdag_threads/hand_written <= 1.5``; layered N=20,0
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -71,28 +73,19 @@ QUICK = Config(nodes=(1000, 5000), reps=(3, 3), seed_reps=5, seed_inner=20)
 
 # --- The seed question's DAG -------------------------------------------------------------------
 
-def x_to_A(x):
-    return jnp.sin(x) * 2.0
+def _seed_example():
+    """``examples/cli_dag.py``, the seed question's DAG with its concrete functions."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "cli_dag.py"
+    spec = importlib.util.spec_from_file_location("daskdag_seed_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def A_to_B(A):
-    return A ** 2 + 1.0
-
-
-def B_to_C(B):
-    return jnp.cumsum(B) / 3.0
-
-
-def C_to_D(C):
-    return jnp.sum(jnp.log(C))
-
-
-def B_to_E(B):
-    return jnp.sum(jnp.sqrt(B) * jnp.arange(B.shape[0]))
-
-
-SEED_DAG = {"A": (x_to_A, ["x"]), "B": (A_to_B, ["A"]), "C": (B_to_C, ["B"]),
-            "D": (C_to_D, ["C"]), "E": (B_to_E, ["B"])}
+SEED = _seed_example()
+x_to_A, A_to_B, B_to_C, C_to_D, B_to_E = (SEED.x_to_A, SEED.A_to_B, SEED.B_to_C, SEED.C_to_D,
+                                          SEED.B_to_E)
+SEED_DAG = SEED.dag
 
 
 def common_pipeline(x):

@@ -98,7 +98,7 @@ class Cluster:
     """
 
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
-                 found: dict | None = None):
+                 found: dict | None = None, plan=None):
         self.client, self.pin, self.bar = client, pin, bar
         self.place = place  # keeps a value on the cluster (daskdag._resident.placing)
         self.chunks: set[_Chunk] = set()  # every chunk not released yet
@@ -108,7 +108,7 @@ class Cluster:
         self.listed = time.monotonic() if found else -float("inf")
         self.listening = False
         self.direct = client.direct_to_workers is not False
-        self.watch = Watch(client)
+        self.watch = Watch(client, plan)  # (plan: for the resources its nodes need)
         self.arrivals = Arrivals()  # the chunks' futures tell it when they are done
         self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
         if bar is not None:

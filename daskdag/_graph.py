@@ -38,7 +38,7 @@ from dask.task_spec import Task, TaskRef
 
 from . import _tasks as tasks
 from ._plan import Plan
-from ._stages import abbreviate, make_stages
+from ._stages import abbreviate, itself, make_stages
 from ._shipping import pack_for, unpack
 
 CLOSE = "daskdag.close-stages"
@@ -115,7 +115,7 @@ class Carry:
         the forward task of its stage takes it."""
         if not self.travel:
             return Inline(node, None)
-        return self._carried("node", name, node, node, _itself, node, node.needs)
+        return self._carried("node", name, node, node, itself, node, node.needs)
 
     def _carried(self, kind: str, name: str, content, inline, fn, payload, needs=None):
         """``fn(payload)`` inline (as ``inline``) when small, else a task of its own, keyed by the
@@ -226,10 +226,6 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                               output, own, *map(TaskRef, sources))
         results[o] = (val[o], grads)
     return g.delayed(results, carry.call)
-
-
-def _itself(x):
-    return x
 
 
 def is_root(stage, spec) -> bool:

@@ -293,7 +293,7 @@ class Fused:
 
     def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
-        self._fns = tuple(_weak(f) if weakly else partial(_itself, f) for f in fns)
+        self._fns = tuple(_weak(f) if weakly else partial(itself, f) for f in fns)
 
     @property
     def fns(self) -> tuple:
@@ -317,10 +317,12 @@ def _weak(fn):
     try:
         return weakref.ref(fn)
     except TypeError:
-        return partial(_itself, fn)
+        return partial(itself, fn)
 
 
-def _itself(x):
+def itself(x):
+    """``x``: as a task, a value kept on the cluster; bound with ``partial``, a picklable
+    function that returns it."""
     return x
 
 

@@ -183,7 +183,7 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
         else:
             shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
-            engine = Cluster(client, shared, pin, bar, place, workers)
+            engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
         _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine)
 
 
