@@ -33,7 +33,6 @@ def model():
     """The node functions, and the DAG. Defined here so they travel by value to the workers."""
     import jax.numpy as jnp
     from daskdag import Node
-
     def prepare(x):
         return jnp.tanh(x) / jnp.sqrt(x.shape[0])
 

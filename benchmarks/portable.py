@@ -1,7 +1,7 @@
 """Scenario 4, portable pullbacks: the cost per node of a backward pass run in another process
 than its forward.
 
-A node's :class:`~daskdag._pullback.Pullback` is normally called in the worker that ran the node's
+A node's :class:`~daskdag.rules.pullback.Pullback` is normally called in the worker that ran the node's
 forward pass. When Dask runs the backward task elsewhere, the pullback travels: daskdag exports
 its backward program (``jax.export``), ships it with the residual arrays that are not the node's
 own inputs, and the receiver compiles the program, once per program and process. This measures
@@ -68,13 +68,12 @@ import numpy as np
 from distributed.protocol import deserialize, serialize
 
 from daskdag import Node
-from daskdag import _programs as programs
-from daskdag._api import build_graph
-from daskdag._graph import kind_of
-from daskdag._pullback import linearize
+from daskdag.transport import programs
+from daskdag.api import build_graph
+from daskdag.graph.build import kind_of
+from daskdag.rules.pullback import linearize
 
-from . import common
-
+from daskdag import common
 TITLE = "Portable pullbacks"
 N = 1024  # the arrays' base size
 GROWTH = 32  # the most rows or columns a repetition adds (see make_base)

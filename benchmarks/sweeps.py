@@ -76,10 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import daskdag
-from daskdag import _programs as programs
-
-from . import common
-
+from daskdag.transport import programs
+from daskdag import common
 TITLE = "Sweeps"
 TARGETS = [{"ratio": "sweep_1w/sweep_2w", "op": ">=", "bound": 1.7, "source": "issue 4"},
            {"ratio": "loop/sweep_2w", "op": ">=", "bound": 1.6, "source": "issue 4"},

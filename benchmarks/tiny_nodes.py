@@ -48,7 +48,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from daskdag import common
 from .overhead import jax_loop
 
 TITLE = "Tiny nodes on threads"

@@ -31,10 +31,8 @@ import statistics
 import dask
 import distributed
 
-from daskdag import _workers as worker_setup
-
-from . import common, sweeps
-
+from daskdag.running import workers as worker_setup
+from daskdag import common, sweeps
 CFG = sweeps.Config(items=48, rows=400, width=256, reps=5, chunk_size=0)
 
 

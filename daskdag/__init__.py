@@ -12,12 +12,12 @@
 
 from importlib import metadata as _metadata
 
-from ._api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
+from daskdag.api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
                   sweep_grads)
-from ._checks import check_grads
-from ._errors import ClusterError, DAGError, GradientCheckError, NodeError
-from ._lazy import Call
-from ._spec import Node
+from daskdag.checks import check_grads
+from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError
+from daskdag.running.lazy import Call
+from daskdag.model.spec import Node
 
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
 for _public in (JVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError, NodeError):

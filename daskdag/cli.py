@@ -266,8 +266,7 @@ def load_dag(target: str):
 
 def _deps(entry):
     """A DAG entry's deps, or ``()`` for a malformed one (the API reports it)."""
-    from . import Node
-
+    from daskdag import Node
     if isinstance(entry, Node):
         return tuple(entry.deps or ())
     if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], (tuple, list)):
@@ -712,7 +711,7 @@ def main(argv=None) -> int:
             print(p)
         return EXIT_OK
 
-    from ._errors import ClusterError, DAGError, NodeError
+    from daskdag.errors import ClusterError, DAGError, NodeError
 
     name = f"daskdag {args.command}"
 

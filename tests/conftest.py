@@ -128,8 +128,8 @@ def scheduler_tasks(client) -> int:
 
 def kept_keys(client) -> set:
     """The keys of the values ``client`` keeps on the cluster for later calls
-    (:mod:`daskdag._resident`)."""
-    from daskdag import _resident as resident
+    (:mod:`daskdag.running.resident`)."""
+    from daskdag.running import resident
     kept = resident.of(client)
     return {f.key for f in kept.futures.values()} if kept else set()
 

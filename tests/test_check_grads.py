@@ -9,8 +9,8 @@ import pytest
 
 import daskdag
 from daskdag import GradientCheckError, Node, NodeError
-from daskdag._checks import PROJECTIONS
-from daskdag._spec import parse
+from daskdag.checks import PROJECTIONS
+from daskdag.model.spec import parse
 
 from .conftest import Counted
 

@@ -13,7 +13,6 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import ClusterError, Node, NodeError
-
 from .conftest import DaskCLI, assert_tree_close, interrupt, live_workers
 
 pytestmark = pytest.mark.cluster

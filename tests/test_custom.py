@@ -13,7 +13,6 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-
 from .conftest import Counted, assert_tree_close, compute_split, key_kind, key_label, live_workers
 
 N = 4
@@ -194,8 +193,8 @@ def test_vectorized_user_node_gets_the_chunk_at_once():
 # -- travelling ------------------------------------------------------------------------------------
 
 def test_internal_pullback_residuals_travel_as_zero_copy_frames():
-    from daskdag._spec import parse
-    from daskdag._pullback import linearizer
+    from daskdag.model.spec import parse
+    from daskdag.rules.pullback import linearizer
 
     node = parse({"x": Node(fwd=solve_fwd, bwd=solve_bwd, deps=["A", "b"])}).nodes["x"]
     A, b = np.asarray(make_A(W)), np.asarray(make_b(W))

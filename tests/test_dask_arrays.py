@@ -16,7 +16,6 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import DAGError, NodeError
-
 from .conftest import assert_tree_close
 
 CHUNKS = (5, 5, 1, 5)  # uneven, N = 16

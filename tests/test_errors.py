@@ -10,7 +10,6 @@ import pytest
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-
 from .conftest import Counted, assert_tree_close, interrupt
 
 X = jnp.arange(3.0)

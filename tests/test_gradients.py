@@ -7,7 +7,6 @@ import pytest
 
 import daskdag
 from daskdag import Node
-
 from .conftest import assert_tree_close
 
 

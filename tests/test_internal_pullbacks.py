@@ -12,8 +12,8 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import ClusterError, Node
-from daskdag import _programs as programs
-from daskdag._pullback import Pullback, linearize
+from daskdag.transport import programs
+from daskdag.rules.pullback import Pullback, linearize
 
 from .conftest import TraceLog, assert_tree_close, compute_split, key_kind, key_label, live_workers
 from .test_internal_stages import _composed, _jit_dag
@@ -224,7 +224,7 @@ def test_version_mismatch_names_the_workers(cluster):
 
         client.run(pretend, "0.0.0-other", workers=[b])
         # Only a test changes a running worker's version: forget which workers passed the check.
-        daskdag._cluster._same_versions.clear()
+        daskdag.running.cluster._same_versions.clear()
         try:
             with pytest.raises(ClusterError, match=f"workers differ.*{b}.*0.0.0-other"):
                 daskdag.compute_grads({"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}, X, "B",

@@ -8,8 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import _resident as resident
-
+from daskdag.running import resident
 from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
                        scheduler_tasks)
 

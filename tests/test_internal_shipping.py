@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 import daskdag
-from daskdag import _shipping as shipping
-
+from daskdag.transport import packing as shipping
 from .conftest import assert_tree_close, compute_split, live_workers
 
 USER_MODULE = '''

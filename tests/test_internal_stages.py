@@ -8,7 +8,7 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from daskdag._api import build_graph
+from daskdag.api import build_graph
 
 from .conftest import TraceLog, assert_tree_close, key_kind, key_label
 
@@ -143,7 +143,7 @@ def test_tasks_grow_like_trunk_plus_heads_and_outputs_pull_back_together():
 def test_outputs_pulled_back_together_equal_one_at_a_time():
     """tasks.backward with several outputs (vmapped) against each output alone, for a chain
     stage (some outputs giving no cotangent to one exposed node) and a fused one."""
-    from daskdag import _tasks as tasks
+    from daskdag.graph import tasks
     x = jnp.linspace(-1.0, 1.0, 4)
     for dag in ({"A": (jnp.sin, ["x"]), "B": (jnp.cos, ["A"]), "P": (jnp.sum, ["B"]),
                  "Q": (lambda b, a: jnp.sum(b * a), ["B", "A"])},
@@ -168,8 +168,7 @@ def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, mo
     """Every cotangent of the fused stage starts at its own outputs (E and D, scalars): its
     forward task pulls them back too, in one program (stages.gradients) that traces each node
     once; with daskdag.close-stages off, forward and backward are apart. Same results."""
-    from daskdag import _stages as stages
-
+    from daskdag.graph import stages
     ran = []
     real = stages.gradients
     monkeypatch.setattr(stages, "gradients", lambda *a: ran.append(a[0].name) or real(*a))

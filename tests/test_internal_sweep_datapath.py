@@ -18,8 +18,8 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import daskdag
-from daskdag import _engines as engines
-from daskdag._errors import ClusterError
+from daskdag.sweeps import engines
+from daskdag.errors import ClusterError
 
 from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
                        scheduler_tasks)

@@ -12,8 +12,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskdag
-from daskdag import _workers as worker_setup
-
+from daskdag.running import workers as worker_setup
 from .conftest import DaskCLI, assert_tree_close
 
 X = jnp.linspace(-1.0, 1.0, 5)
@@ -76,10 +75,10 @@ def test_every_worker_tuned_later_ones_too_and_results_unchanged():
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
-    """The plugin travels by value: a worker joining with a daskdag that lacks daskdag._workers
+    """The plugin travels by value: a worker joining with a daskdag that lacks daskdag.running.workers
     (an older release) unpickles it at start instead of failing to start."""
     blocker = tmp_path / "no_workers_module.py"  # a --preload module, imported at the worker's start
-    blocker.write_text("import sys\nsys.modules['daskdag._workers'] = None  # import fails\n")
+    blocker.write_text("import sys\nsys.modules['daskdag.running.workers'] = None  # import fails\n")
     cli = DaskCLI(tmp_path)
     try:
         with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:

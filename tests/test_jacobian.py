@@ -10,7 +10,6 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node
-
 from .conftest import Counted, assert_tree_close, compute_split
 
 W = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32) / 3)

@@ -9,9 +9,9 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import DAGError, JVPResult, Node, NodeError
-from daskdag._jvps import JVP_RULES
-from daskdag._plan import make_plan
-from daskdag._spec import parse
+from daskdag.graph.forward import JVP_RULES
+from daskdag.model.plan import make_plan
+from daskdag.model.spec import parse
 
 from .conftest import TraceLog, assert_tree_close, key_kind, key_label
 
@@ -76,7 +76,7 @@ def test_internal_jit_nodes_fused_and_eager_control_flow():
 
     x = jnp.linspace(-1.0, 1.0, 6)
     v = jnp.cos(jnp.arange(6.0))
-    from daskdag._stages import make_stages
+    from daskdag.graph.stages import make_stages
     spec = parse(dag)
     assert any(s.fused for s in make_stages(make_plan(spec, ("B", "C", "E"), ("x",))))
     res = daskdag.compute_jvps(dag, x, v, ["B", "C", "E"])

@@ -13,7 +13,6 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import ClusterError, DAGError, Node
-
 from .conftest import Counted, assert_tree_close, key_kind, key_label, seed_functions
 
 F = seed_functions()

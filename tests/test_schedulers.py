@@ -46,7 +46,7 @@ def test_default_is_threads_and_starts_no_cluster():
         distributed.default_client()  # none was created behind the user's back
 
     # Threads: two nodes that wait run side by side (a task that runs alone, or is known to be
-    # short, runs in the calling thread: daskdag._local).
+    # short, runs in the calling thread: daskdag.running.local).
     threads = []
 
     def wait(x):

@@ -13,8 +13,8 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node, NodeError
-from daskdag import _engines as engines, _programs as programs
-
+from daskdag.sweeps import engines
+from daskdag.transport import programs
 from .conftest import assert_tree_close, key_kind, key_label
 
 
@@ -239,7 +239,7 @@ def test_internal_item_pullbacks_travel_between_processes():
 
     from distributed.protocol import deserialize, serialize
 
-    from daskdag._chunked import Chunked
+    from daskdag.sweeps.chunked import Chunked
 
     node = Node(encode, ("x", "w"))
     inputs = mixed_inputs(n=3)

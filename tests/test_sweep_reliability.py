@@ -19,8 +19,8 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node, NodeError
-from daskdag import _engines as engines, _progress as progress
-
+from daskdag.sweeps import engines
+from daskdag.sweeps import progress
 from .conftest import assert_tree_close, eventually, kept_keys, only_kept_left, scheduler_tasks
 
 

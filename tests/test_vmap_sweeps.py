@@ -12,7 +12,7 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import Node
-from daskdag._chunked import Chunked
+from daskdag.sweeps.chunked import Chunked
 
 from .conftest import TraceLog, assert_tree_close
 
@@ -141,8 +141,8 @@ def test_internal_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory()
     """(Internals.) An item-by-item sweep has about four chunks per parallel slot; a ``vmap=True``
     one too, but each of at least 16 MiB of items (a chunk is one program, with a fixed cost)
     unless a slot would have none, and at most 64 MiB."""
-    from daskdag import _sweep as sweep
-    from daskdag._spec import parse
+    from daskdag.sweeps import sweep
+    from daskdag.model.spec import parse
 
     def planned(vmap, n, width=4):
         dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),

@@ -1,0 +1,504 @@
+"""The public entry points, :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps` and
+:func:`sweep_grads`, and the checks on their arguments."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import distributed
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.sweeps import arrays
+from daskdag.running import cluster
+from daskdag.running import log
+from daskdag.running import resident
+from daskdag.sweeps import sweep
+from daskdag.graph import forward as jvp_graph
+from daskdag.running.compute import compute
+from daskdag.rules.custom import Custom
+from daskdag.errors import DAGError, NodeError
+from daskdag.graph.build import build
+from daskdag.running.lazy import Call
+from daskdag.cancel import Stop
+from daskdag.rules.pullback import differentiable_leaves, is_differentiable, is_numeric
+from daskdag.transport.packing import ship
+from daskdag.model.plan import make_plan
+from daskdag.model.spec import parse
+from daskdag.graph.tasks import Rows
+
+
+@dataclass(frozen=True)
+class Result:
+    """One output's ``value`` and ``grad``.
+
+    ``grad`` is shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
+    over the differentiated inputs. From :func:`sweep_grads` both are stacked over the items,
+    and ``failed`` maps each item that failed (``errors='collect'``) to its
+    :class:`~daskdag.NodeError`; its rows hold NaN.
+    """
+
+    value: Any
+    grad: Any
+    failed: Mapping[int, NodeError] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JVPResult:
+    """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
+    :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
+    constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
+    directions."""
+
+    value: Any
+    tangent: Any
+
+
+def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+                  cotangents: Mapping[str, Any] | None = None, client=None, scheduler=None,
+                  progress: bool = False):
+    """Values and gradients of ``outputs`` of ``dag``, each node computed once.
+
+    dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
+                is no node's name is a free input.
+    x:          the free input's value (any pytree of arrays) when there is one, else a mapping
+                ``{input_name: value}``.
+    outputs:    node names; a single name returns a single :class:`Result`.
+    wrt:        input names to differentiate; default every given input with a floating-point
+                leaf. Within an input, floating-point (and complex) array leaves are
+                differentiated, other leaves (ints, bools, functions) held constant. Node
+                names too: their gradient is d output / d the node's value (its cotangent in
+                the same backward pass; zeros where the output does not depend on it).
+    cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
+    client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
+    scheduler:  as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
+                even while a default client exists; a ``distributed.Client`` is ``client=``.
+    progress:   show Dask's progress bar over the call's tasks.
+
+    Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
+    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for
+    a malformed call, :class:`~daskdag.NodeError` when a node raises,
+    :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
+    running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
+    that differ). :func:`grads` is the same call, not computed yet.
+    """
+    client, local = _where(client, scheduler)
+    return _computed(_grads(dag, x, outputs, wrt, cotangents, client is not None,
+                            travel=client is not None), client, local, progress)
+
+
+def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+          cotangents: Mapping[str, Any] | None = None) -> Call:
+    """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag.running.lazy.Call`)
+    whose ``.compute()`` returns what :func:`compute_grads` does; ``dask.compute``,
+    ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
+    forward tasks of calls computed together are shared. It runs where Dask runs it: the
+    default ``distributed`` client in effect at compute time (checked then, as
+    :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
+    (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
+    next calls; a lazy call carries them in its graph.)"""
+    return _lazy(_grads(dag, x, outputs, wrt, cotangents, _active_client() is not None))
+
+
+def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> "_Call":
+    """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
+    ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
+    call (:class:`daskdag.graph.build.Carry`)."""
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote, travel)
+    return _Call(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
+                                                 stop=stop, rows=rows, travel=travel),
+                 partial(_results, spec, outputs) if rows is None else
+                 partial(_jacobians, spec, outputs), "compute_grads" if rows is None else "jacobian")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call prepared: its plan, ``make(place, stop)`` building its graph
+    (:func:`daskdag.graph.build.build`), and ``finish``, the result from the graph computed."""
+
+    plan: Any
+    make: Any
+    finish: Any
+    kind: str = "compute_grads"  # (for the log)
+
+
+def _computed(call: _Call, client, local: str, progress: bool):
+    """The call computed now: on a cluster, checked first, and what it keeps placed once
+    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
+    if client is not None:  # before anything is built or sent
+        cluster.check(client, call.plan)
+    kept = resident.of(client) if client is not None else None
+    stop = Stop() if client is None else None
+    before = kept.sent if kept else None
+    with kept.call(client) if kept else contextlib.nullcontext() as place:
+        graph = call.make(place, stop)
+        log.submitted(call.kind, call.plan, graph, log.where(client, local),
+                      kept.sent - before if kept else None)
+        return call.finish(compute(graph, client, progress, stop, local, call.plan))
+
+
+def _lazy(call: _Call) -> Call:
+    return Call.of(call.plan, call.make(None, None), call.finish)
+
+
+SCHEDULERS = {"threads": "threads", "threading": "threads", "sync": "sync",
+              "synchronous": "sync", "single-threaded": "sync"}
+
+
+def _where(client, scheduler) -> tuple[Any, str]:
+    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here."""
+    if scheduler is None:
+        client = client if client is not None else _active_client()
+        return client, None if client is not None else "threads"
+    if isinstance(scheduler, distributed.Client):
+        if client is not None and client is not scheduler:
+            raise DAGError("client= and scheduler= name two different clients: give one")
+        return scheduler, None
+    if not isinstance(scheduler, str) or scheduler not in SCHEDULERS:
+        raise DAGError(f"scheduler must be one of {sorted(SCHEDULERS)} or a distributed.Client, "
+                       f"got {scheduler!r}")
+    if client is not None:
+        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
+                       f"cluster: give one or the other")
+    return None, SCHEDULERS[scheduler]
+
+
+def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+             chunk_size: int | None = None, client=None, scheduler=None, progress: bool = False):
+    """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
+    function gives them, each node computed once.
+
+    Arguments as for :func:`compute_grads`; outputs may be any real arrays or pytrees.
+    chunk_size: rows of a Jacobian pulled back per ``jax.vmap`` call (default: all of them,
+                as ``jax.jacrev``). Each output's Jacobian is pulled back as a batch of
+                cotangents, the rows of the identity over its elements, through each node's
+                pullback under ``jax.vmap``; the batch of every output passing through a stage
+                goes in one call. A call holds about ``chunk_size`` times a stage's
+                residuals: pass fewer rows to bound memory. A pullback that cannot be vmapped
+                (a host callback) runs row by row.
+
+    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout, one per
+    differentiated input (a dict ``{input: jac}``, or alone with one free input): the output's
+    structure, each leaf holding the input's structure with leaves shaped
+    ``output_leaf.shape + input_leaf.shape``; ``None`` where a leaf of either is held constant
+    (integers, booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
+    a complex output. :func:`jacobians` is the same call, not computed yet.
+    """
+    client, local = _where(client, scheduler)
+    return _computed(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None,
+                               travel=client is not None), client, local, progress)
+
+
+def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+              chunk_size: int | None = None) -> Call:
+    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`grads` is."""
+    return _lazy(_jacobian(dag, x, outputs, wrt, chunk_size, _active_client() is not None))
+
+
+def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> _Call:
+    _check_chunk_size(chunk_size)
+    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size), travel)
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+
+
+def _jacobians(spec, outputs, computed) -> dict:
+    """:func:`_results` of a Jacobian's rows, laid out as ``jax.jacrev`` does."""
+    return _results(spec, outputs, {
+        o: (value, {i: _jacrev_layout(value, rows) for i, rows in grads.items()})
+        for o, (value, grads) in computed.items()})
+
+
+def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
+                 client=None, scheduler=None, progress: bool = False):
+    """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
+    computed once.
+
+    dag, x, outputs, client, scheduler, progress: as for :func:`compute_grads`.
+    tangents:   with one free input, a pytree shaped like ``x``: the tangent of each floating-point
+                leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
+                bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
+                inputs left out are held constant.
+    batched:    every tangent leaf has a leading axis of K directions, and so has every
+                output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
+                directions' axis first: ``(K, *output shape)``). Each node's jvp runs
+                under ``jax.vmap`` over the directions (its function still runs once); a node
+                whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
+                direction.
+
+    Returns ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
+    ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
+    no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
+    whose structure, shape or dtype does not match its input, naming it; a tangent for a name
+    that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
+    differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
+    ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
+    the same call, not computed yet.
+    """
+    client, local = _where(client, scheduler)
+    return _computed(_jvps(dag, x, tangents, outputs, batched, client is not None,
+                           travel=client is not None), client, local, progress)
+
+
+def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
+    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
+    return _lazy(_jvps(dag, x, tangents, outputs, batched, _active_client() is not None))
+
+
+def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> _Call:
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, x, names)
+    flat, k = jvp_graph.input_tangents(spec, values, tangents, bool(batched))
+    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
+    return _Call(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
+                                                           place=place, stop=stop, travel=travel),
+                 partial(_jvp_results, outputs), "compute_jvps")
+
+
+def _jvp_results(outputs, computed) -> dict:
+    results = {o: JVPResult(v, t[jvp_graph.TANGENT]) for o, (v, t) in computed.items()}
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def _jacrev_layout(value, rows):
+    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
+    input's structure, each differentiable leaf stacked over the output's elements, ``None``
+    elsewhere; see :func:`daskdag.graph.tasks.basis`)."""
+    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    out_leaves, out_def = jax.tree.flatten(value)
+    start, per_leaf = 0, []
+    for leaf in out_leaves:
+        if not is_differentiable(leaf):
+            per_leaf.append(None)
+            continue
+        size = int(np.size(leaf))
+        per_leaf.append(in_def.unflatten([
+            None if r is None else
+            jnp.reshape(r[start:start + size], (*jnp.shape(leaf), *r.shape[1:]))
+            for r in in_leaves]))
+        start += size
+    return out_def.unflatten(per_leaf)
+
+
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
+    """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
+    ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle; ``rows``:
+    a :class:`~daskdag.graph.tasks.Rows` for a Jacobian's rows in place of gradients."""
+    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
+    return spec, plan, build(plan, values, cts, remote=remote, rows=rows)
+
+
+def _prepare(dag, x, outputs, wrt, cotangents, remote, travel=True):
+    """A call validated: its spec, plan (node functions packed to travel), input values and
+    cotangents."""
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, x, names)
+    wrt = _wrt(spec, values, wrt, candidates=values)
+    plan = _with_rules(make_plan(spec, names, wrt))
+    return spec, ship(plan, remote, travel), values, _cotangents(names, cotangents)
+
+
+def _with_rules(plan, forward: bool = False):
+    """``plan``, checked: every node of the user's own code that it differentiates has the rule
+    it needs: a VJP, or with ``forward`` a JVP."""
+    for n in plan.needed:
+        fn = plan.spec.nodes[n].fn
+        if n not in plan.active or not isinstance(fn, Custom):
+            continue
+        if forward and fn.jvp is None:
+            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
+                           f"mode needs (a VJP serves reverse mode only)")
+        if not forward and not fn.reverse:
+            raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
+                           f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
+    return plan
+
+
+def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
+                batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+                cotangents: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+                client=None, scheduler=None, progress: bool = False, errors: str = "raise"):
+    """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
+
+    xs:         like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
+                item axis of one common length N.
+    batched:    the inputs that carry it (default: all given); the others are shared by every
+                item and sent to each worker once.
+    wrt:        default every batched input with floating leaves. A shared input named here gets
+                a gradient per item; a node, its gradient per item (as for compute_grads).
+    cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
+                output; the same for every item.
+    client, scheduler: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
+    chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
+                when every node that carries items is ``vmap=True``, one chunk per worker
+                thread, at most 64 MiB of items each).
+                Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
+    progress:   show a progress bar over items (tqdm); it advances as items are done inside
+                running chunks, and ends at the exact number of items computed.
+    errors:     ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
+                item and node. ``'collect'``: every item that succeeded, and in
+                ``Result.failed`` the ones that did not; their rows hold NaN.
+
+    Returns ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
+    stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``, values
+    ``(N, *item output shape)``).
+
+    When no item gives a result (N = 0, or every item failed with ``errors='collect'``), the
+    shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (no data;
+    a node's Python code runs once on abstract values): gradients are always shaped (zero or
+    NaN rows), and values too unless a node on the way cannot be traced abstractly (Python
+    control flow on values, ``float(x)``, non-JAX code). Then that output's ``value`` is
+    ``None``.
+
+    Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
+    running ones stop after their current item, on threads and on a cluster.
+    """
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, xs, names)
+    batched = _batched(values, batched)
+    client, local = _where(client, scheduler)
+    if errors not in ("raise", "collect"):
+        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
+    _check_chunk_size(chunk_size)
+    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
+        return arrays.sweep_grads(spec, outputs, names, values, batched, wrt=wrt,
+                                  cotangents=cotangents, chunk_size=chunk_size, client=client,
+                                  progress=progress, errors=errors)
+    size = _batch_size(values, batched)
+    wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
+    _with_rules(make_plan(spec, names, wrt))
+    planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
+                               remote=client is not None)
+    found = cluster.check(client, planned.plan) if client is not None else None
+    slots = sweep.parallelism(found) if local != "sync" else 1
+    chunk_size = chunk_size or sweep.default_chunk_size(planned, slots)
+    computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
+                                 progress=progress, errors=errors, workers=found)
+    return _results(spec, outputs, computed, failed)
+
+
+def _results(spec, outputs, computed, failed=None):
+    """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
+    grad})}``; with one free input, its gradient alone."""
+    def grad(g):  # alone: the one free input's, when that is all there is
+        return g[spec.inputs[0]] if len(spec.inputs) == 1 and list(g) == list(spec.inputs) else g
+
+    results = {o: Result(v, grad(g), failed or {}) for o, (v, g) in computed.items()}
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def _active_client():
+    """The ``distributed`` client in use, if any (none is ever started here)."""
+    try:
+        return distributed.default_client()
+    except ValueError:
+        return None
+
+
+def _outputs(spec, outputs) -> tuple[str, ...]:
+    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    if not names:
+        raise DAGError("no outputs requested")
+    for o in names:
+        if o not in spec.nodes:
+            kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
+            raise DAGError(f"output {o!r} is {kind}; nodes: {sorted(spec.nodes)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _input_values(spec, x, outputs) -> dict[str, Any]:
+    """``{input: value}`` for the inputs given, checking that every needed one is."""
+    if len(spec.inputs) == 1:
+        return {spec.inputs[0]: x}
+    if not isinstance(x, Mapping):
+        raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: "
+                       f"pass x as a dict {{input_name: value}}, got {type(x).__name__}")
+    for k in x:
+        if k not in spec.inputs:
+            raise DAGError(f"x gives a value for {k!r}, which is not a free input of the DAG "
+                           f"{list(spec.inputs)}")
+    needed = spec.ancestors(outputs)
+    for i in spec.inputs:
+        if i in needed and i not in x:
+            users = [n for n, node in spec.nodes.items() if i in node.deps]
+            raise DAGError(f"no value for input {i!r} (used by {users}); x has {list(x)}")
+    return dict(x)
+
+
+def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
+    """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
+    differentiable (floating-point) leaf."""
+    if wrt is None:
+        wrt = tuple(i for i, v in candidates.items() if _differentiable(v))
+        if not wrt:
+            raise DAGError(f"no input to differentiate: none of {list(candidates)} has a "
+                           f"floating-point array leaf")
+        return wrt
+    wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
+    for i in wrt:
+        if i in spec.nodes:  # its value's floating leaves, once it has one
+            continue
+        if i not in values:
+            raise DAGError(f"wrt names {i!r}, which is neither a given free input "
+                           f"{list(values)} nor a node")
+        if not _differentiable(values[i]):
+            raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
+                           f"to differentiate")
+    if len(spec.inputs) == 1 and not wrt:
+        raise DAGError("wrt is empty: nothing to differentiate")
+    return tuple(dict.fromkeys(wrt))
+
+
+def _cotangents(outputs, cotangents) -> dict:
+    cotangents = dict(cotangents or {})
+    for o in cotangents:
+        if o not in outputs:
+            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(outputs)}")
+    return cotangents
+
+
+def _batched(values, batched) -> tuple[str, ...]:
+    if batched is None:
+        return tuple(values)
+    batched = (batched,) if isinstance(batched, str) else tuple(batched)
+    for i in batched:
+        if i not in values:
+            raise DAGError(f"batched names {i!r}, which is not a given free input {list(values)}")
+    if not batched:
+        raise DAGError("batched is empty: no input carries the items to sweep over")
+    return batched
+
+
+def _batch_size(values, batched) -> int:
+    """N, the leading axis length that every leaf of every batched input shares."""
+    sizes = {}
+    for i in batched:  # array leaves carry the items; others (functions...) are shared
+        for leaf in jax.tree.leaves(values[i]):
+            if not is_numeric(leaf):
+                continue
+            if jnp.ndim(leaf) == 0:
+                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
+            sizes.setdefault(jnp.shape(leaf)[0], i)
+    if len(sizes) != 1:
+        raise DAGError("batched inputs disagree on the number of items: "
+                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
+                       f"batched inputs {list(batched)} hold no arrays")
+    (size,) = sizes
+    return size
+
+
+def _differentiable(value) -> bool:
+    """A floating-point leaf to differentiate, or no leaf at all (an empty pytree's gradient is
+    itself)."""
+    return bool(differentiable_leaves(value)) or not jax.tree.leaves(value)

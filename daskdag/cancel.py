@@ -1,0 +1,46 @@
+"""Stopping a call that no one waits for any more: between two nodes of a stage, or two items
+of a sweep's chunk, a running task asks :func:`dropped` and raises :class:`Cancelled`.
+
+On a ``distributed`` worker a task is dropped once the worker dropped it (its client cancelled
+or released it); in this process, once the call's :class:`Stop` is set (Ctrl-C, or a failed
+node, on Dask's local threads).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+
+class Cancelled(Exception):
+    """Raised between two items of a chunk, or two nodes of a stage, that no one waits for."""
+
+
+class Stop:
+    """A local call's stop signal (a ``threading.Event``), which its stages watch. It pickles as
+    a fresh one: in another process (Dask's ``processes`` scheduler) no one sets it."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.set, self.is_set = self.event.set, self.event.is_set
+
+    def __reduce__(self):
+        return Stop, ()
+
+
+def dropped(stop: Stop | None = None) -> Callable[[], bool]:
+    """For the task this thread runs: whether no one waits for it any more. On a ``distributed``
+    worker, once the worker dropped the task (its client cancelled or released it); elsewhere,
+    once ``stop`` is set (Ctrl-C interrupted a call on Dask's local threads)."""
+    try:
+        import distributed
+        worker = distributed.get_worker()
+    except ValueError:  # not in a worker
+        return stop.is_set if stop is not None else (lambda: False)
+    key = worker.get_current_task()
+
+    def cancelled() -> bool:
+        task = worker.state.tasks.get(key)
+        return task is None or task.state == "cancelled"
+
+    return cancelled

@@ -1,0 +1,266 @@
+"""Checking every node's VJP against central finite differences of that node alone.
+
+In:  a call as for :func:`daskdag.compute_grads` (``dag, x, outputs, wrt, client``), and
+     optionally the finite-difference step ``eps`` and tolerance ``rtol``.
+Out: ``{node: its largest relative error}`` for every node checked, or a
+     :class:`~daskdag.GradientCheckError` naming the first node (topological order) whose VJP
+     disagrees, and which of its deps; a node that raises is a :class:`~daskdag.NodeError`.
+
+The nodes checked are those a gradient passes through: the plan's active nodes on a path from
+the differentiated inputs to an output (:attr:`daskdag.model.plan.Plan.backward`), each once. Their
+forward values are computed as one Dask graph (:func:`daskdag.graph.build.build` of a plan without
+gradients, so no vjp runs in it); then one check task per node takes its deps' values from it
+and, at that point:
+
+- linearizes the node as daskdag does (:func:`daskdag.rules.pullback.linearizer`: ``jax.vjp``, or a
+  registered linearizer such as a user-supplied VJP), once;
+- per projection (:data:`PROJECTIONS`), draws a random unit cotangent ``u`` over the output's
+  differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``
+  over that dep's differentiable leaves (a random direction, each leaf's elements then of
+  about the leaf's RMS magnitude), and evaluates the node's function (``node.callable()``, on
+  concrete values, never traced by this module) at ``x + eps v`` and ``x - eps v``, perturbed
+  in each leaf's own dtype;
+- compares ``fd = <u, J v>`` by central differences with ``ad = <VJP(u), v>``, ``<a, b> =
+  real(sum(conj(a) * b))`` as ``jax.test_util.check_vjp`` (which conjugates the cotangent on
+  the way in and out, so complex nodes check too). ``v`` is taken as the perturbation that
+  really happened, ``(x+ - x-) / (2 eps)`` in float64, so rounding the perturbed inputs to
+  their dtype costs no accuracy.
+
+So a node's function is called, besides its one forward run in the forward graph when another
+checked node takes its value: once to linearize, and ``2 * PROJECTIONS`` times per active dep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from dask.task_spec import TaskRef
+
+from daskdag.api import _Call, _computed, _input_values, _outputs, _where, _wrt
+from daskdag.errors import GradientCheckError, node_errors
+from daskdag.graph.build import Carry, _Graph, build, ident
+from daskdag.model.plan import make_plan
+from daskdag.rules.pullback import differentiable_leaves, is_differentiable, linearizer
+from daskdag.transport.packing import ship
+from daskdag.model.spec import parse
+
+PROJECTIONS = 2  # random (u, v) pairs per node and dep
+# The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
+# relative error of about ROUNDING machine epsilons (several ops' worth), see check_grads.
+ROUNDING = 4.0
+
+
+def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+                eps: float | None = None, rtol: float | None = None, client=None,
+                scheduler=None) -> dict[str, float]:
+    """Check the VJP of every node on the way from the differentiated inputs to ``outputs``
+    against central finite differences of that node alone, at the point the forward pass reached.
+
+    dag, x, outputs, wrt, client, scheduler: as for :func:`daskdag.compute_grads`.
+    eps:   the finite-difference step, relative: each element of a leaf moves by about ``eps``
+           times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
+           Default, by the lowest precision among the node's differentiated leaves and output
+           leaves: ``cbrt(finfo.eps)``, which balances the truncation error (``eps**2``)
+           against rounding (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
+    rtol:  default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a central
+           difference at that step is good to about ``finfo.eps ** (2/3)`` (5e-5 in float32,
+           4e-11 in float64) on a well-scaled node, so this leaves a margin of
+           ``finfo.eps ** (-1/3)`` (200x in float32) for curvature and rounding inside the node,
+           while a VJP off by a few percent (float64) or by a factor (float32) fails.
+
+    A projection passes when ``|fd - ad| <= rtol * scale + noise``, where ``scale = max(|fd|,
+    |ad|, ||J v|| / sqrt(n))`` (``n``: the output's real degrees of freedom; ``||J v|| /
+    sqrt(n)`` is the typical size of ``<u, J v>`` for a random unit ``u``, so a wrong VJP is not
+    hidden by a large output) and ``noise = ROUNDING * finfo.eps / eps * sqrt(sum |u_i f_i|^2)``
+    is what rounding the node's outputs ``f`` to their precision adds to ``fd``
+    (negligible on a well-scaled node; it keeps a node whose outputs are large against their
+    variation, or constant, from failing).
+
+    Returns ``{node: relative error}``: for each node checked, the largest ``|fd - ad| /
+    (scale + noise / rtol)`` over its deps and projections, so at most ``rtol`` where it passed.
+    Raises :class:`~daskdag.GradientCheckError` for the first node in topological order whose
+    VJP disagrees (after checking all of them; the error names the others that failed),
+    :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
+    raises for a malformed call or a cluster that cannot run it.
+    """
+    client, local = _where(client, scheduler)
+    remote = client is not None
+    spec = parse(dag)
+    names = _outputs(spec, outputs)
+    values = _input_values(spec, x, names)
+    wrt = _wrt(spec, values, wrt, candidates=values)
+    plan = make_plan(spec, names, wrt)
+    on_path = {n for o in names for n in plan.backward[o]}
+    checked = [n for n in spec.order if n in on_path]
+    if not checked:
+        return {}
+    # The forward values, as one graph with no gradients: every needed node is an output (so
+    # each is its own value), and nothing runs under jax.vjp. Values no check takes are culled.
+    forward = ship(make_plan(spec, plan.needed, ()), remote, travel=remote)
+
+    def graph(place, stop):
+        built = build(forward, values, {}, remote=remote, place=place, stop=stop, travel=remote)
+        g = _Graph()
+        carry = Carry(g, remote, remote, place)
+        value_of = {n: TaskRef(value.key) for n, (value, _) in built.items()}
+        for i in {d for n in checked for d in spec.nodes[n].deps if d not in spec.nodes}:
+            value_of[i] = carry.value("input", i, f"input {i!r}", values[i])
+        checks = {}
+        for n in checked:
+            node = forward.spec.nodes[n]
+            active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
+            sent = carry.node(n, node)
+            deps = [value_of[d] for d in node.deps]
+            k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
+            checks[n] = (g.task(k, dict(node.needs), check_node, n, sent, active, eps, rtol, *deps), {})
+        return g.delayed(checks, carry.call, base=next(iter(built.values()))[0].dask)
+
+    found = _computed(_Call(forward, graph, lambda found: found, "check_grads"), client, local, False)
+    failed = [n for n in checked if found[n][0][1]]
+    if failed:
+        first = found[failed[0]][0][1]
+        dep = spec.nodes[failed[0]].deps[first["position"]]
+        raise GradientCheckError(failed[0], dep, others=tuple(failed[1:]), **first)
+    return {n: found[n][0][0] for n in checked}
+
+
+def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,
+               *deps):
+    """The check task of node ``name`` (see the module's docstring) at its deps' values.
+
+    Returns ``(largest relative error, failure)``: ``failure`` is ``None``, or for the first
+    failing dep (by position; its worst projection) the keyword arguments of
+    :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``."""
+    inputs = list(deps)
+    with node_errors(name, "forward"):
+        primal, pullback = linearizer(node)(inputs, active)
+    outs = differentiable_leaves(primal)
+    leaves = {k: differentiable_leaves(inputs[k]) for k, on in enumerate(active) if on}
+    leaves = {k: ls for k, ls in leaves.items() if ls}
+    if not outs or not leaves:  # nothing differentiable flows through this node
+        return 0.0, None
+    machine = max(float(jnp.finfo(_dtype(leaf)).eps)
+                  for leaf in [*outs, *(leaf for ls in leaves.values() for leaf in ls)])
+    eps = float(eps) if eps is not None else machine ** (1 / 3)
+    rtol = float(rtol) if rtol is not None else 2 * machine ** (1 / 3)
+    fn, rng = node.callable(), np.random.default_rng(0)
+    f = [_wide(o) for o in outs]
+    worst, failures = 0.0, {}
+    for _ in range(PROJECTIONS):
+        # u in the outputs' own dtypes, as the VJP gets it; conj as jax.test_util.check_vjp
+        ct = tuple(jnp.asarray(np.conj(u).astype(_dtype(o)))
+                   for u, o in zip(_unit(rng, outs), outs))
+        u = [np.conj(_wide(c)) for c in ct]
+        with node_errors(name, "backward"):
+            pulled = pullback(ct, inputs)
+        noise = ROUNDING * machine / eps * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
+                                                       for a, b in zip(u, f)))
+        for k, dep_leaves in leaves.items():
+            # A random direction, each leaf's elements then of about its RMS magnitude: the
+            # step moves every element by about eps of its size (a unit vector over N elements
+            # would move each by eps / sqrt(N), drowning a large leaf's step in rounding).
+            size = np.sqrt(sum(np.size(leaf) for leaf in dep_leaves))
+            v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, dep_leaves), dep_leaves)]
+            plus, minus, v = _perturbed(inputs[k], v, eps)
+            with node_errors(name, "finite-difference"):
+                up = fn(*inputs[:k], plus, *inputs[k + 1:])
+                down = fn(*inputs[:k], minus, *inputs[k + 1:])
+                up, down = _outputs_like(primal, up), _outputs_like(primal, down)
+            jv = [(_wide(a) - _wide(b)) / (2 * eps) for a, b in zip(up, down)]
+            fd = _inner(jv, u)
+            shares = pulled[k] if pulled[k] is not None else [np.zeros_like(t) for t in v]
+            ad = _inner(v, [np.conj(_wide(s)) for s in shares])
+            n = sum(a.size * (2 if np.iscomplexobj(a) else 1) for a in f)
+            scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
+            tolerance = rtol * scale + noise
+            error = abs(fd - ad)
+            relative = (error / (tolerance / rtol) if tolerance > 0 else
+                        0.0 if error == 0 else np.inf)
+            if not error <= tolerance:  # (NaN fails)
+                relative = np.inf if np.isnan(relative) else relative
+                seen = failures.get(k)
+                if seen is None or relative > seen[0]:
+                    failures[k] = (relative, dict(position=k, fd=float(fd), ad=float(ad),
+                                                  error=float(error), tolerance=float(tolerance),
+                                                  eps=eps))
+            worst = max(worst, float(relative))
+    return worst, (failures[min(failures)][1] if failures else None)
+
+
+def _dtype(leaf) -> np.dtype:
+    """The dtype a leaf is computed in: an array's own; a Python number's as JAX takes it."""
+    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.dtype(jnp.result_type(leaf))
+
+
+def _wide(a) -> np.ndarray:
+    """``a`` as float64 (complex128) NumPy, for sums that add no rounding of their own."""
+    a = np.asarray(a)
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+
+
+def _unit(rng, leaves) -> list[np.ndarray]:
+    """Random normal arrays shaped like ``leaves`` (complex where they are), of norm 1 in all."""
+    out = []
+    for leaf in leaves:
+        shape = np.shape(leaf)
+        r = rng.standard_normal(shape)
+        out.append(r + 1j * rng.standard_normal(shape) if np.iscomplexobj(leaf) else r)
+    norm = np.sqrt(sum(np.sum(np.abs(r) ** 2) for r in out))
+    return [r / norm for r in out] if norm > 0 else out
+
+
+def _magnitude(leaf) -> float:
+    """A leaf's RMS magnitude, the scale of its step; 1 where it is all zeros (or not finite)."""
+    a = _wide(leaf)
+    rms = float(np.sqrt(np.mean(np.abs(a) ** 2))) if a.size else 0.0
+    return rms if rms > 0 and np.isfinite(rms) else 1.0
+
+
+def _perturbed(tree, v: list[np.ndarray], eps: float):
+    """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each computed in the
+    leaf's own dtype and given back as the leaf's kind (JAX array, NumPy array or scalar,
+    Python number); and the tangent that really happened, ``(plus - minus) / (2 eps)`` (the
+    leaves' rounding included), in float64."""
+    leaves, treedef = jax.tree.flatten(tree)
+    steps = iter(v)
+    plus, minus, happened = [], [], []
+    for leaf in leaves:
+        if not is_differentiable(leaf):
+            plus.append(leaf)
+            minus.append(leaf)
+            continue
+        dtype = _dtype(leaf)
+        x, step = np.asarray(leaf, dtype), np.asarray(eps * next(steps)).astype(dtype)
+        up, down = x + step, x - step
+        happened.append((_wide(up) - _wide(down)) / (2 * eps))
+        plus.append(_like(leaf, up))
+        minus.append(_like(leaf, down))
+    return treedef.unflatten(plus), treedef.unflatten(minus), happened
+
+
+def _like(leaf, a: np.ndarray):
+    if isinstance(leaf, jax.Array):
+        return jnp.asarray(a)
+    if isinstance(leaf, np.ndarray):
+        return a
+    if isinstance(leaf, np.generic):
+        return a[()]
+    return type(leaf)(a[()])  # a Python float or complex
+
+
+def _outputs_like(primal, out) -> list:
+    """``out``'s differentiable leaves, checked to be shaped as ``primal``'s."""
+    got, want = differentiable_leaves(out), differentiable_leaves(primal)
+    if [np.shape(a) for a in got] != [np.shape(a) for a in want]:
+        raise ValueError(f"at a perturbed input it returned differentiable leaves shaped "
+                         f"{[np.shape(a) for a in got]}, where its linearization returned "
+                         f"{[np.shape(a) for a in want]}")
+    return got
+
+
+def _inner(a: list, b: list) -> float:
+    """``real(sum(conj(a) * b))`` over lists of arrays, as ``jax.test_util``'s inner product."""
+    return float(sum(np.real(np.sum(np.conj(x) * y)) for x, y in zip(a, b)))

@@ -1,0 +1,329 @@
+"""Forward mode: values and Jacobian-vector products of a DAG's outputs, as one Dask graph.
+
+In:  a :class:`~daskdag.model.plan.Plan` whose ``wrt`` are the inputs that carry tangents (so
+     ``plan.active`` are the nodes a tangent reaches), the input values and their tangents.
+Out: ``{output: (value, tangent)}`` of ``Delayed`` objects sharing one graph
+     (:func:`build`), run by :func:`daskdag.running.compute.compute`.
+
+Tangents are flat, as cotangents are (:mod:`daskdag.rules.pullback`): a value's tangent is a tuple
+with one array per differentiable leaf (floating-point or complex arrays, Python floats), in
+``jax.tree.leaves`` order; the other leaves are held constant and carry none. Only the outputs'
+tangents are given their structure back (:func:`output_tangent`).
+
+The graph mirrors the forward graph of :mod:`daskdag.graph.build`, stage by stage
+(:func:`daskdag.graph.stages.make_stages`):
+
+- a stage with no node that a tangent reaches runs :func:`daskdag.graph.tasks.forward` as there:
+  ``fwd-B+C-<token>`` (and ``val-C-<token>``);
+- every other stage runs :func:`forward` once: ``jvp-B+C-<token>`` computes its exposed
+  values and their tangents in one pass; ``val-C-<token>`` and ``tan-C-<token>`` take them
+  apart. A chain of eager nodes runs node by node, each under its kind's JVP rule
+  (:data:`JVP_RULES`, by default ``jax.jvp``, leaf by leaf); a fused stage runs as one jitted
+  program of the jvp of its fused function.
+- ``tan-x-<token>`` holds input x's tangent, ``tangent-D-<token>`` output D's tangent in D's
+  structure.
+
+With ``directions=K`` every tangent carries a leading axis of K directions: each node's JVP
+rule runs once under ``jax.vmap`` over that axis (the primals are not batched, so a node's
+function still runs once), or, where a rule cannot be vmapped (non-JAX code in it), once per
+direction.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from daskdag.graph import tasks
+from daskdag.sweeps.chunked import _rebuild, _split
+from daskdag.rules.custom import Custom
+from daskdag.errors import DAGError, node_errors
+from daskdag.graph.build import Carry, _Graph, ident, is_root, key
+from daskdag.model.plan import Plan
+from daskdag.cancel import Cancelled
+from daskdag.rules.pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
+from daskdag.transport.packing import unwrap
+from daskdag.model.spec import Node
+from daskdag.graph.stages import Stage, _fused_function, make_stages
+
+TANGENT = "tangent"  # the one "gradient" each output of the graph carries
+
+# How a node runs under jvp, by the kind of its (unpacked) function, as pullback.LINEARIZERS
+# for vjp: JVP_RULES[kind](fn, node, args, tangents, active) -> (primal, tangent). ``args``:
+# the node's dep values; ``tangents``: per dep, a flat tuple of its differentiable leaves'
+# tangents, or None where ``active`` is False (held constant). Returns the primal as the
+# function returns it, and its tangent as a flat tuple over its differentiable leaves. Any
+# other function runs under jax.jvp (:func:`jvp`).
+JVP_RULES: dict[type, Callable] = {}
+# A node of the user's own code runs the user's jvp rule (daskdag.custom).
+JVP_RULES[Custom] = lambda custom, node, args, tangents, active: custom.push(args, tangents, active)
+
+
+def jvp_rule(node: Node) -> Callable:
+    """``f(args, tangents, active) -> (primal, tangent)`` for ``node``: the rule registered in
+    :data:`JVP_RULES` for the kind of its function, else :func:`jvp`."""
+    fn = unwrap(node.fn)
+    for kind in type(fn).__mro__:
+        if kind in JVP_RULES:
+            return partial(JVP_RULES[kind], fn, node)
+    return partial(jvp, node)
+
+
+def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+    """The node's function run once under ``jax.jvp`` (:func:`jvp_leaves`)."""
+    return jvp_leaves(node.callable(), args, tangents, active)
+
+
+def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
+    :func:`daskdag.rules.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
+    ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
+    constant. The tangent is a flat tuple over the primal's differentiable leaves."""
+    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
+    tans = [t for on, ts in zip(active, tangents) if on for t in ts]
+    primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
+    return rebuild(primal_diff, held), tuple(tangent)
+
+
+def directions(rule: Callable, args, tangents, active, k: int):
+    """``rule(args, tangents, active)`` for ``k`` directions at once: ``tangents`` carry a
+    leading axis of ``k``, and so does the returned tangent. One call under ``jax.vmap`` over
+    that axis (the primal is not batched); where that fails (code ``vmap`` cannot trace), one
+    call per direction."""
+    box: dict = {}
+
+    def one(t):
+        primal, tangent = rule(args, t, active)
+        leaves, box["treedef"] = jax.tree.flatten(primal)
+        box["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
+        return [leaf for leaf in leaves if is_numeric(leaf)], tuple(tangent)
+
+    try:
+        numeric, tangent = jax.vmap(one, out_axes=(None, 0), axis_size=k)(tuple(tangents))
+    except Cancelled:
+        raise
+    except Exception:  # not vmappable: direction by direction (a node's own error raises there)
+        per = [rule(args, jax.tree.map(lambda a: a[j], tuple(tangents)), active) for j in range(k)]
+        return per[0][0], tuple(jnp.stack(leaves) for leaves in zip(*(t for _, t in per)))
+    it = iter(numeric)
+    return (box["treedef"].unflatten([next(it) if s is None else s for s in box["static"]]),
+            tangent)
+
+
+# -- a stage ---------------------------------------------------------------------------------------
+
+def forward(stage: Stage, stop, k: int | None, *args):
+    """The task of a stage that a tangent reaches: ``args`` are the stage's ``Node`` s, the
+    values of its deps, then their tangents (None where a dep carries none). Returns
+    ``(exposed values, their tangents)``, a tangent None where the node carries none. ``k``:
+    the number of directions, or None for one unbatched tangent. ``stop``: as for
+    :func:`daskdag.graph.tasks.forward`."""
+    n, d = len(stage.nodes), len(stage.deps)
+    nodes, deps, dep_tangents = args[:n], args[n:n + d], args[n + d:]
+    if stage.fused:
+        return _fused(stage, nodes, deps, dep_tangents, k)
+    dropped = tasks._dropped(stage, stop)
+    values: list = []
+    tangents: list = []
+    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
+        if values and dropped is not None and dropped():
+            raise Cancelled(f"the call no longer waits for node {name!r}")
+        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+        tins = [dep_tangents[i] if kind == "dep" else tangents[i] for kind, i in sources]
+        on = tuple(a and t is not None for a, t in zip(active, tins))
+        tins = tuple(t if o else None for t, o in zip(tins, on))
+        with node_errors(name, "forward"):
+            if not any(on):
+                primal, tangent = node.callable()(*inputs), None
+            elif k is None:
+                primal, tangent = jvp_rule(node)(inputs, tins, on)
+            else:
+                primal, tangent = directions(jvp_rule(node), inputs, tins, on, k)
+            if primal is None:  # None is an empty pytree to JAX: it would fail later
+                raise TypeError("its function returned None; a node must return its value, a JAX "
+                                "array or a pytree of arrays (is a `return` missing?)")
+        values.append(primal)
+        tangents.append(None if tangent is None else tuple(tangent))
+    return (tuple(values[j] for j in stage.exposed), tuple(tangents[j] for j in stage.exposed))
+
+
+_lock = threading.Lock()
+_programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> its jvp program
+
+
+def _fused(stage: Stage, nodes, deps, dep_tangents, k):
+    """A fused stage's jvp as one jitted program of its :class:`~daskdag.graph.stages.Fused`
+    function, compiled once per function (while it lives), shapes and held constants."""
+    fused = _fused_function(stage, nodes).node.fn  # the same object while the functions live
+    active = tuple(a and t is not None for a, t in zip(stage.dep_active(), dep_tangents))
+    tins = tuple(t if a else None for t, a in zip(dep_tangents, active))
+    split = _split(deps, active)
+    with node_errors(stage.name, "forward"):
+        if split is None:  # a constant jit cannot hold: run it eagerly
+            values, tangent = _jvp_of(fused, deps, tins, active, k)
+        else:
+            (treedef, consts), traced = split
+            values, tangent = _program(fused)((treedef, consts, active, k), traced, tins)
+    it = iter(tangent)
+    return values, tuple(tuple(next(it) for _ in differentiable_leaves(v)) for v in values)
+
+
+def _jvp_of(fn, args, tangents, active, k):
+    rule = partial(jvp_leaves, fn)
+    return rule(args, tangents, active) if k is None else directions(rule, args, tangents, active, k)
+
+
+def _program(fused):
+    with _lock:
+        program = _programs.get(fused)
+        if program is None:
+            ref = weakref.ref(fused)  # (the cache keeps no Fused alive)
+
+            def run(static, dynamic, tangents):
+                treedef, consts, active, k = static
+                return _jvp_of(ref(), _rebuild(treedef, consts, dynamic), tangents, active, k)
+
+            program = _programs[fused] = jax.jit(run, static_argnums=0)
+        return program
+
+
+def pick_tangent(out, k: int):
+    """The ``k``-th exposed tangent from :func:`forward`'s result."""
+    return out[1][k]
+
+
+def output_tangent(value, flat, k: int | None):
+    """An output's tangent in its structure: ``flat`` (a flat tuple, or None where no tangent
+    reaches it: zeros) on its differentiable leaves, ``None`` on the others; with ``k``
+    directions, each leaf has a leading axis of ``k``."""
+    leaves, treedef = jax.tree.flatten(value)
+    lead = () if k is None else (k,)
+    it = iter(flat) if flat is not None else None
+    return treedef.unflatten([
+        None if not is_differentiable(leaf) else
+        next(it) if it is not None else
+        jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves])
+
+
+# -- the inputs' tangents --------------------------------------------------------------------------
+
+def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
+    """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
+    k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
+    number of directions with ``batched``, else None. ``None`` at a differentiable leaf is a zero
+    tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
+    if len(spec.inputs) == 1:
+        given = {spec.inputs[0]: tangents}
+    else:
+        if not isinstance(tangents, Mapping):
+            raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: pass "
+                           f"tangents as a dict {{input_name: tangent}}, got {type(tangents).__name__}")
+        given = dict(tangents)
+        for i in given:
+            if i not in spec.inputs:
+                raise DAGError(f"tangents give a tangent for {i!r}, which is not a free input of "
+                               f"the DAG {list(spec.inputs)}")
+            if i not in values:
+                raise DAGError(f"tangents give a tangent for input {i!r}, but x gives it no value")
+    checked = {i: _checked(i, values[i], t, batched) for i, t in given.items()}
+    k = None
+    if batched:
+        sizes = {jnp.shape(t)[0]: i for i, pairs in checked.items() for _, t in pairs if t is not None}
+        if len(sizes) > 1:
+            raise DAGError("batched tangents disagree on the number of directions: "
+                           + ", ".join(f"input {i!r} has {n}" for n, i in sizes.items()))
+        if not sizes:
+            raise DAGError("batched=True, but no tangent has an array to give the number of "
+                           "directions (the leading axis)")
+        (k,) = sizes
+    lead = () if k is None else (k,)
+    return {i: tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) if t is None
+                     else jnp.asarray(t, jnp.result_type(leaf)) for leaf, t in pairs)
+            for i, pairs in checked.items() if pairs}, k
+
+
+def _checked(name: str, x, tangent, batched: bool) -> list:
+    """``[(leaf, its tangent or None)]`` for the differentiable leaves of input ``x``."""
+    with_paths, treedef = tree_flatten_with_path(x)
+    try:
+        parts = treedef.flatten_up_to(tangent)
+    except (ValueError, TypeError):
+        raise DAGError(f"tangent for input {name!r} is {tasks._describe(tangent)}, but the input "
+                       f"is {tasks._describe(x)}") from None
+    pairs = []
+    for (path, leaf), t in zip(with_paths, parts):
+        where = f"input {name!r}" + (f" at {keystr(path)}" if path else "")
+        if not is_differentiable(leaf):
+            if t is not None:
+                raise DAGError(f"tangent for {where}: that leaf is {tasks._describe(leaf)}, held "
+                               f"constant (not floating-point); give None there, got "
+                               f"{tasks._describe(t)}")
+            continue
+        if t is not None and not is_numeric(t):  # a pytree where the input has an array
+            raise DAGError(f"tangent for input {name!r} is {tasks._describe(tangent)}, but the "
+                           f"input is {tasks._describe(x)}")
+        if t is not None:
+            kind = jnp.result_type(t)
+            if isinstance(t, bool) or not (
+                    jnp.issubdtype(kind, jnp.inexact) or isinstance(t, int)):
+                raise DAGError(f"tangent for {where} is {tasks._describe(t)}: it must be "
+                               f"floating-point, like the input ({jnp.result_type(leaf)})")
+            if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.iscomplexobj(leaf):
+                raise DAGError(f"tangent for {where} is complex ({kind}), but the input is real "
+                               f"({jnp.result_type(leaf)})")
+            shape, want = tuple(jnp.shape(t)), tuple(jnp.shape(leaf))
+            if (shape[1:] if batched else shape) != want or (batched and not shape):
+                raise DAGError(f"tangent for {where} has shape {shape}, but the input has shape "
+                               f"{want}" + (" (with batched=True, a tangent has a leading axis "
+                                            "of directions: (K, *shape))" if batched else ""))
+        pairs.append((leaf, t))
+    return pairs
+
+
+# -- the graph -------------------------------------------------------------------------------------
+
+def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote: bool = False,
+          place=None, stop=None, travel: bool = True) -> dict:
+    """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
+    ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
+    ``k``: the number of directions, or None. ``remote``, ``place``, ``stop`` and ``travel`` as
+    for :func:`daskdag.graph.build.build`."""
+    spec, g = plan.spec, _Graph()
+    carry = Carry(g, travel, remote, place)
+    needed = spec.ancestors(plan.outputs)
+    val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
+    tan = {i: carry.value("tan", i, f"the tangent of input {i!r}", tangents[i])
+           for i in plan.wrt if i in needed}
+
+    for s in make_stages(plan):
+        sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
+        deps = [ident(val[d]) for d in s.deps]
+        if not s.linearized:  # no tangent reaches it: the forward task of the gradient graph
+            fwd = g.task(carry.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
+                         dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps),
+                         root=is_root(s, spec))
+        else:
+            dep_tangents = [tan.get(d) for d in s.deps]
+            fwd = g.task(carry.key("jvp", s.name, s, [ident(n) for n in sent], deps,
+                                   [None if t is None else ident(t) for t in dep_tangents], k),
+                         dict(s.needs), forward, s, stop, k, *sent, *(val[d] for d in s.deps),
+                         *dep_tangents, root=is_root(s, spec))
+        token = fwd.key.rpartition("-")[2]
+        for e, n in enumerate(s.outputs):
+            val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
+                                               fwd, s.linearized, e)
+            if n in plan.active:
+                tan[n] = g.task(key("tan", n, token), dict(s.needs), pick_tangent, fwd, e)
+
+    results = {}
+    for o in plan.outputs:
+        name = carry.key("tangent", o, val[o].key, tan[o].key if o in tan else None, k)
+        results[o] = (val[o], {TANGENT: g.task(name, None, output_tangent, val[o], tan.get(o), k)})
+    return g.delayed(results, carry.call)

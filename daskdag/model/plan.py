@@ -1,0 +1,48 @@
+"""What one call needs: which nodes run, which run under ``jax.vjp``, which feed each gradient.
+
+In:  a :class:`~daskdag.model.spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
+Out: a :class:`Plan`. Nothing here runs a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from daskdag.model.spec import Spec
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    outputs: tuple[str, ...]
+    wrt: tuple[str, ...]  # inputs and nodes whose gradients are asked for
+    needed: tuple[str, ...]  # nodes some output needs, in topological order
+    active: frozenset[str]  # needed nodes that depend on a wrt input: these run under jax.vjp
+    backward: dict[str, tuple[str, ...]]  # output -> active nodes on a path to it, topological
+
+    def consumers(self, name: str, output: str) -> list[tuple[str, int]]:
+        """(node, position) of each use of ``name`` on a path to ``output``."""
+        on_path = self._on_path[output]
+        return [(c, i) for c, i in self.spec.uses.get(name, ()) if c in on_path]
+
+    @cached_property
+    def _on_path(self) -> dict[str, frozenset[str]]:
+        return {o: frozenset(nodes) for o, nodes in self.backward.items()}
+
+
+def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Plan:
+    """``wrt`` may name nodes as well as inputs: a node's gradient is d output / d its value,
+    its cotangent as the backward pass leaves it. It runs even where no output needs it."""
+    needed_set = spec.ancestors((*outputs, *(w for w in wrt if w in spec.nodes)))
+    needed = tuple(n for n in spec.order if n in needed_set)
+    active: set[str] = set()
+    for n in needed:  # topological, so every dep is settled before its consumer
+        if any(d in wrt or d in active for d in spec.nodes[n].deps):
+            active.add(n)
+    active = frozenset(active)
+    backward = {}
+    for o in outputs:
+        on_path = spec.ancestors([o])
+        backward[o] = tuple(n for n in needed if n in active and n in on_path)
+    return Plan(spec, outputs, wrt, needed, active, backward)

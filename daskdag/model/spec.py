@@ -1,0 +1,168 @@
+"""The user's DAG dict, validated into a :class:`Spec`.
+
+In:  ``{name: (fn, [dep, ...])}`` or ``{name: Node(fn, deps, jit=...)}``; a dep that is not a node
+     name is a free input.
+Out: a :class:`Spec`: the nodes, the free inputs, and a topological order.
+"""
+
+from __future__ import annotations
+
+import graphlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+
+from daskdag.errors import DAGError
+from daskdag.transport.packing import Function, current, pack, unwrap
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node: ``fn(*values of deps)``.
+
+    ``jit=True`` runs ``fn`` under ``jax.jit`` (faster for small ops; ``fn`` must then be
+    traceable). The default runs it eagerly, so Python control flow on values, prints and other
+    side effects work.
+
+    ``vmap=True`` (in sweeps) runs the node once per chunk of items as
+    ``jax.jit(jax.vmap(fn))``, forward and backward, instead of item by item; ``fn`` must then
+    be traceable, and its Python side effects run only when it is traced (once per shapes).
+
+    ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
+    tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
+    ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
+
+    Nodes outside JAX (NumPy, SciPy, a simulator) give their own derivatives
+    (:mod:`daskdag.rules.custom`) and get NumPy values, never tracers: ``Node(fn, deps,
+    vjp=vjp)`` with ``vjp(ct, out, *args)``, or ``Node(fwd=fwd, bwd=bwd, deps=deps)`` with
+    ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, ct)``, each returning one
+    cotangent per dep; ``jvp=jvp``, ``jvp(args, tangents) -> (out, out_tangent)``, for
+    forward mode. With ``vmap=True`` in a sweep they take a whole chunk: every value with a
+    leading item axis.
+    """
+
+    fn: Callable[..., Any] | None = None
+    deps: Sequence[str] = ()
+    jit: bool = False
+    vmap: bool = False
+    device: str | None = None
+    resources: Mapping[str, float] | None = None
+    vjp: Callable[..., Any] | None = None
+    fwd: Callable[..., Any] | None = None
+    bwd: Callable[..., Any] | None = None
+    jvp: Callable[..., Any] | None = None
+
+    @property
+    def needs(self) -> dict[str, float]:
+        """The Dask resources this node's tasks need on a worker (empty: any worker)."""
+        return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
+
+    def callable(self) -> Callable[..., Any]:
+        # jax caches compilations by the wrapped function, so re-wrapping costs nothing; a
+        # packed function is jitted as the one object its process keeps for its content.
+        return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
+
+    def __reduce__(self):
+        # The function travels packed (by value where it is the user's code), whoever pickles it.
+        fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
+        rules = (self.vjp, self.fwd, self.bwd, self.jvp)
+        return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
+                      *(pack(r, as_function=True) if r is not None else None for r in rules))
+
+
+@dataclass(frozen=True)
+class Spec:
+    nodes: dict[str, Node]
+    inputs: tuple[str, ...]  # free inputs, in order of first appearance
+    order: tuple[str, ...]  # node names, each after all its deps
+    uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
+
+    def ancestors(self, names) -> set[str]:
+        """Nodes and inputs that ``names`` depend on, ``names`` included."""
+        seen, stack = set(), list(names)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(self.nodes[n].deps if n in self.nodes else ())
+        return seen
+
+
+def parse(dag: Mapping) -> Spec:
+    """Validate ``dag`` and return its :class:`Spec`; raise :class:`DAGError` naming the culprit."""
+    if not isinstance(dag, Mapping):
+        raise DAGError(f"the DAG must be a dict {{name: (fn, [deps])}}, got {type(dag).__name__}")
+    if not dag:
+        raise DAGError("the DAG is empty")
+    nodes = {name: _node(name, entry) for name, entry in dag.items()}
+    inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
+    try:
+        order = tuple(n for n in graphlib.TopologicalSorter(
+            {name: node.deps for name, node in nodes.items()}).static_order() if n in nodes)
+    except graphlib.CycleError as e:
+        cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
+        raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
+    uses = {}
+    for name in order:
+        for i, d in enumerate(nodes[name].deps):
+            uses[d] = uses.get(d, ()) + ((name, i),)
+    return Spec(nodes, inputs, order, uses)
+
+
+def _node(name, entry) -> Node:
+    if not isinstance(name, str):
+        raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
+    if isinstance(entry, Node):
+        fn, deps = _function(name, entry), entry.deps
+        opts = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
+                "resources": entry.resources}
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        (fn, deps), opts = entry, {}
+    else:
+        raise DAGError(f"node {name!r}: expected (fn, [deps]) or daskdag.Node(fn, deps), "
+                       f"got {entry!r}")
+    if not callable(fn):
+        raise DAGError(f"node {name!r}: fn is not callable: {fn!r}")
+    if isinstance(deps, str) or not isinstance(deps, Sequence):
+        raise DAGError(f"node {name!r}: deps must be a list of names, got {deps!r}"
+                       + (f" (did you mean [{deps!r}]?)" if isinstance(deps, str) else ""))
+    for d in deps:
+        if not isinstance(d, str):
+            raise DAGError(f"node {name!r}: dep {d!r} is not a string")
+    if opts.get("device") not in (None, "gpu"):
+        raise DAGError(f"node {name!r}: device must be 'gpu' or None, got {opts['device']!r}; "
+                       f"for other placements give resources={{'NAME': amount}}")
+    resources = opts.get("resources")
+    if resources is not None and not (isinstance(resources, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items())):
+        raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
+                       f"got {resources!r}")
+    return Node(fn, tuple(deps), **opts)
+
+
+def _function(name: str, node: Node):
+    """The node's function: ``fn`` itself, or with derivatives given by the user, a
+    :class:`daskdag.rules.custom.Custom` of them, checked."""
+    rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
+    if all(r is None for r in rules.values()):
+        return node.fn
+    from daskdag.rules.custom import Custom  # (it registers itself with daskdag.pullback, which imports this)
+
+    for what, r in rules.items():
+        if r is not None and not callable(r):
+            raise DAGError(f"node {name!r}: {what} is not callable: {r!r}")
+    if node.fwd is not None or node.bwd is not None:
+        if node.fwd is None or node.bwd is None:
+            raise DAGError(f"node {name!r}: give fwd and bwd together (fwd(*args) -> (value, "
+                           f"residuals), bwd(residuals, ct) -> one cotangent per dep), or "
+                           f"fn with vjp=")
+        if node.fn is not None or node.vjp is not None:
+            raise DAGError(f"node {name!r}: give either fn (with vjp=) or fwd and bwd, not both")
+    elif node.fn is None:
+        raise DAGError(f"node {name!r}: vjp= and jvp= need the node's fn")
+    if node.jit:
+        raise DAGError(f"node {name!r}: jit=True does not apply to a node with its own "
+                       f"derivatives: its functions run as plain Python on NumPy values")
+    return Custom(node.fn, node.vjp, node.fwd, node.bwd, node.jvp)

@@ -1,0 +1,199 @@
+"""Nodes outside JAX: a function whose derivatives the user gives, run on plain NumPy values.
+
+In:  from :class:`~daskdag.Node`, one of
+     ``Node(fn, deps, vjp=vjp)``: ``vjp(ct, out, *args)``, from the output's cotangent, the
+     output and the node's inputs, returns one cotangent per dep; or
+     ``Node(fwd=fwd, bwd=bwd, deps=deps)``: ``fwd(*args) -> (out, residuals)`` and
+     ``bwd(residuals, ct)`` returning one cotangent per dep, as :func:`jax.custom_vjp`'s;
+     with either, or alone beside ``fn``, ``jvp=jvp``: ``jvp(args, tangents) -> (out,
+     out_tangent)``, as :func:`jax.custom_jvp`'s rule, for :func:`daskdag.compute_jvps`.
+Out: a :class:`Custom` function (the parsed node's ``fn``), registered as its own linearizer
+     (:data:`daskdag.rules.pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`;
+     and in forward mode as its own JVP rule (:data:`daskdag.graph.forward.JVP_RULES`, :meth:`Custom.push`).
+
+The user's functions get the values as NumPy arrays (JAX arrays converted; other leaves as they
+are), never tracers, and may run any Python code. A cotangent handed to ``vjp``/``bwd`` has the
+output's structure, ``None`` at the leaves held constant (integers...); what they return is
+checked against the deps: one cotangent per dep, each with its dep's structure and shapes
+(``None`` for a dep, or a leaf, with no cotangent: zeros), else an error naming the node,
+the dep and what was expected. Residuals are any pytree: when Dask moves the backward task to
+another process they travel with it (NumPy arrays as zero-copy frames), the functions by value
+(:mod:`daskdag.transport.packing`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from daskdag.rules.pullback import LINEARIZERS, is_differentiable, is_numeric
+from daskdag.transport.packing import pack, unpack, unwrap
+
+
+class Custom:
+    """The user's functions of one node: ``fn`` (or ``fwd``), and its derivative rules. Called,
+    it returns the node's value; :meth:`linearize` runs it for a backward pass."""
+
+    def __init__(self, fn: Callable | None = None, vjp: Callable | None = None,
+                 fwd: Callable | None = None, bwd: Callable | None = None,
+                 jvp: Callable | None = None):
+        self.fn, self.vjp, self.fwd, self.bwd, self.jvp = fn, vjp, fwd, bwd, jvp
+
+    @property
+    def reverse(self) -> bool:
+        """It has a VJP: it can be differentiated in reverse mode."""
+        return self.vjp is not None or self.bwd is not None
+
+    def __call__(self, *args):
+        args = as_numpy(args)
+        return self.fn(*args) if self.fn is not None else self.fwd(*args)[0]
+
+    def linearize(self, fn_as_given, deps: Sequence[str], args: Sequence[Any],
+                  active: tuple[bool, ...]):
+        """``(out, pullback)``: the node run once, and what its backward pass needs."""
+        if not self.reverse:
+            raise TypeError("it has no VJP (it gives jvp= only): give vjp= or fwd=/bwd= to "
+                            "differentiate it in reverse mode")
+        args = as_numpy(args)
+        if self.fwd is not None:
+            out, residuals = _pair(self.fwd(*args), "fwd", "(value, residuals)")
+        else:
+            out, residuals = self.fn(*args), None
+        return out, CustomPullback(fn_as_given, tuple(deps), active, out, residuals)
+
+    def push(self, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+        """``(out, tangent)`` by the user's ``jvp`` rule (forward mode): ``tangents`` per dep a
+        flat tuple over its differentiable leaves (None where ``active`` is False), handed to
+        the rule in the dep's structure (``None`` at leaves held constant, and for a dep held
+        whole); the output's tangent comes back flat, checked."""
+        if self.jvp is None:
+            raise TypeError("it has no jvp= rule, which forward mode needs: give "
+                            "Node(..., jvp=lambda args, tangents: (out, out_tangent))")
+        args = as_numpy(tuple(args))
+        structured = tuple(_structured(a, t) if on else None
+                           for a, t, on in zip(args, as_numpy(tuple(tangents)), active))
+        out, tangent = _pair(self.jvp(args, structured), "jvp", "(value, tangent)")
+        return out, flat_leaves("jvp", "the output", out, tangent, kind="tangent")
+
+    def __reduce__(self):
+        return Custom, (self.fn, self.vjp, self.fwd, self.bwd, self.jvp)
+
+
+class CustomPullback:
+    """The backward half of a :class:`Custom` node at one point: its residuals (``fwd``'s, or
+    for ``vjp=`` the output; the inputs come with each call). Called as a
+    :class:`~daskdag.rules.pullback.Pullback`: ``(ct, inputs)``, ``ct`` a flat tuple over the output's
+    differentiable leaves; returns per dep a flat tuple of its leaves' cotangents, ``None`` for
+    the deps held constant. ``fn``: the node's function as the node holds it (packed, so that
+    it travels by value)."""
+
+    batching = None  # never stacked under vmap: the user's code takes one cotangent
+    traceable = False  # (nor traced: a Jacobian's rows go one by one)
+
+    def __init__(self, fn, deps: tuple[str, ...], active: tuple[bool, ...], out, residuals):
+        self.fn, self.deps, self.active = fn, deps, active
+        leaves, self.out_def = jax.tree.flatten(out)
+        self.mask = tuple(map(is_differentiable, leaves))
+        # bwd takes its residuals; a vjp= rule the output, kept whole.
+        self.residuals = residuals if unwrap(fn).fwd is not None else out
+
+    def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
+        custom, inputs = unwrap(self.fn), as_numpy(tuple(inputs))
+        it = iter(as_numpy(tuple(ct)))
+        ct_tree = self.out_def.unflatten([next(it) if m else None for m in self.mask])
+        if custom.fwd is not None:
+            given, rule = custom.bwd(self.residuals, ct_tree), "bwd"
+        else:
+            given, rule = custom.vjp(ct_tree, self.residuals, *inputs), "vjp"
+        if not isinstance(given, (tuple, list)) or len(given) != len(self.deps):
+            got = (f"a {type(given).__name__} of {len(given)}" if isinstance(given, (tuple, list))
+                   else f"a {type(given).__name__}")
+            raise ValueError(f"its {rule} returned {got}; expected a tuple of {len(self.deps)} "
+                             f"cotangent(s), one per dep {list(self.deps)}" +
+                             (" (for one dep, return (ct,))" if len(self.deps) == 1 else ""))
+        return tuple(flat_leaves(rule, f"dep {dep!r}", value, c) if on else None
+                     for dep, value, c, on in zip(self.deps, inputs, given, self.active))
+
+    def residual_nbytes(self) -> int:
+        return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(self.residuals))
+
+    def __reduce__(self):
+        # Residuals and the output's structure travel packed, as inputs do: by value where they
+        # are the user's classes, arrays as out-of-band (zero-copy) buffers.
+        return _received, (self.fn, self.deps, self.active,
+                           pack((self.out_def, self.mask, self.residuals), hashed=False))
+
+
+def _received(fn, deps, active, packed) -> CustomPullback:
+    pb = CustomPullback.__new__(CustomPullback)
+    pb.fn, pb.deps, pb.active = fn, deps, active
+    pb.out_def, pb.mask, pb.residuals = unpack(packed)
+    return pb
+
+
+def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tuple:
+    """The ``kind`` (cotangent, tangent) ``ct`` that ``rule`` gave for ``what`` (``"dep 'A'"``,
+    ``"the output"``), whose value is ``value``, as a flat tuple over its differentiable leaves,
+    checked against them; ``None`` (whole or at a leaf) means zeros."""
+    leaves, treedef = jax.tree.flatten(value)
+    if ct is None:
+        given = [None] * len(leaves)
+    else:
+        try:
+            given = treedef.flatten_up_to(ct)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"its {rule} returned a {kind} for {what} structured "
+                             f"{jax.tree.structure(ct)}, expected {treedef} as its value "
+                             f"({e})") from None
+    out = []
+    for k, (leaf, c) in enumerate(zip(leaves, given)):
+        if not is_differentiable(leaf):
+            continue
+        shape, dtype = np.shape(leaf), np.result_type(leaf)
+        if c is None:
+            out.append(np.zeros(shape, dtype))
+            continue
+        where = what + (f" (leaf {k})" if len(leaves) > 1 else "")
+        if not is_numeric(c):
+            raise ValueError(f"its {rule} returned a {type(c).__name__} as the {kind} for "
+                             f"{where}, expected an array of shape {tuple(shape)}")
+        if np.shape(c) != shape:
+            raise ValueError(f"its {rule} returned a {kind} of shape {tuple(np.shape(c))} for "
+                             f"{where}, expected {tuple(shape)} as its value")
+        if np.iscomplexobj(c) and not np.issubdtype(dtype, np.complexfloating):
+            raise ValueError(f"its {rule} returned a complex {kind} for {where}, which is "
+                             f"real ({dtype})")
+        out.append(np.asarray(c, dtype))
+    return tuple(out)
+
+
+def _structured(value, flat):
+    """A flat tuple over ``value``'s differentiable leaves in ``value``'s structure, ``None`` at
+    its other leaves."""
+    leaves, treedef = jax.tree.flatten(value)
+    it = iter(flat)
+    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
+
+
+def as_numpy(tree):
+    """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU)."""
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def _pair(result, rule: str, expected: str) -> tuple:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(f"its {rule} returned a {type(result).__name__}, expected a pair "
+                         f"{expected}")
+    return result
+
+
+# A Custom node runs as itself under vjp: its pullback is the user's rule.
+LINEARIZERS[Custom] = lambda custom, node, args, active: custom.linearize(
+    node.fn, node.deps, args, active)
+
+
+def is_custom(fn) -> bool:
+    """``fn`` (maybe packed) is a :class:`Custom` function."""
+    return isinstance(unwrap(fn), Custom)

@@ -1,0 +1,200 @@
+"""Checks on a ``distributed`` cluster before a graph goes to it.
+
+Each failure they catch would otherwise be cryptic or silent: a closed client fails deep inside
+distributed; a scheduler without workers, or without a worker offering a resource a node needs,
+leaves tasks waiting forever; a backward program exported under other JAX versions may compute
+something else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+
+import dask
+from dask.utils import parse_timedelta
+
+from daskdag.errors import ClusterError
+from daskdag.model.plan import Plan
+from daskdag.transport.programs import versions
+from daskdag.running import workers as worker_setup
+WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
+WORKER_WAIT_DEFAULT = "30s"
+_tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
+_same_versions: set[tuple[str, str]] = set()  # (address, local directory) of workers checked
+KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
+VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
+_lock = threading.Lock()
+
+
+def workers(client) -> dict[str, dict]:
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now.
+
+    (``client.scheduler_info()`` can return a cached copy without workers, which a background
+    refresh may have just written.)
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def check(client, plan: Plan) -> dict[str, dict]:
+    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
+    return the workers found (:func:`workers`).
+
+    With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
+    one to join, asking for it the way a task would, so adaptive clusters scale up.
+
+    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.running.workers`), unless
+    ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
+    """
+    check_client(client)
+    found = workers(client) or _wait_for_a_worker(client)
+    _check_resources(plan, found)
+    _check_versions(client, found)
+    tune_workers(client)
+    return found
+
+
+def tune_workers(client) -> None:
+    """Register :class:`daskdag.running.workers.TuneMalloc` with ``client``'s scheduler, once per
+    client object, unless ``daskdag.tune-workers`` is false. A failure warns and never stops
+    the call: the workers only stay slower."""
+    if client in _tuned or not dask.config.get(worker_setup.CONFIG, True):
+        return
+    _tuned.add(client)  # before trying: a failing registration is not retried on every call
+    try:
+        client.register_plugin(worker_setup.TuneMalloc(), name=worker_setup.NAME)
+    except Exception as e:
+        warnings.warn(f"daskdag could not register its worker plugin {worker_setup.NAME!r} "
+                      f"(workers keep distributed's malloc settings, which slow JAX down): "
+                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+
+
+def check_client(client) -> None:
+    """A client that is not running (closed, still connecting) cannot take a graph."""
+    if client.status != "running":
+        raise ClusterError(f"{describe(client)} is {client.status}: pass a running "
+                           f"distributed.Client (or none, for Dask's local threads)")
+
+
+def describe(client) -> str:
+    """``client <id> (scheduler <address>)``; a closed client no longer knows its scheduler's
+    address unless it was made from a cluster object."""
+    address = (client.scheduler.address if client.scheduler is not None else
+               getattr(client.cluster, "scheduler_address", None))
+    return f"client {client.id}" + (f" (scheduler {address})" if address else "")
+
+
+def _probe() -> None:
+    """A task that any worker can run: its only use is to be waiting for one."""
+
+
+def _wait_for_a_worker(client) -> dict[str, dict]:
+    # A task waiting for a worker is what makes an adaptive cluster scale up from zero
+    # (Scheduler.adaptive_target), so wait on one rather than on the worker count alone.
+    wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+    probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{client.id}")
+    try:
+        probe.result(timeout=wait)
+    except Exception:  # timed out, or its worker left again: the count below decides
+        pass
+    finally:
+        probe.release()
+    found = workers(client)
+    if not found:
+        raise ClusterError(f"{describe(client)}: the scheduler has no workers, and none joined "
+                           f"within {wait:g} s: start some (`dask worker ADDRESS`), or wait longer "
+                           f"with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+    return found
+
+
+def _check_resources(plan: Plan, workers: dict) -> None:
+    for n in plan.needed:
+        needs = plan.spec.nodes[n].needs
+        if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())
+                             for w in workers.values()):
+            offered = {addr: w.get("resources", {}) for addr, w in workers.items()}
+            flag = " ".join(f"{r}={amount:g}" for r, amount in needs.items())
+            flag = f'"{flag}"' if len(needs) > 1 else flag
+            raise ClusterError(
+                f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
+                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources {flag}`")
+
+
+def _check_versions(client, listed: dict[str, dict]) -> None:
+    # Each worker process once: it cannot change its versions, but a worker replaced at the same
+    # address may run others, so a worker is known by its address and its local directory,
+    # which distributed makes anew for each worker process. Asking costs one round trip to the
+    # workers, about 4 ms on a local 2-worker cluster.
+    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
+    ask = [a for a, k in known.items() if k not in _same_versions or k[1] is None]
+    if not ask:
+        return
+    here = versions()
+    try:
+        found = client.run(versions, workers=ask, on_error="return", callback_timeout=VERSIONS_WAIT)
+    except TimeoutError:
+        # A worker that died just as it joined is still listed until the scheduler gives up
+        # on it, and reaching it waits for distributed's connect timeout (30 s): the call goes
+        # on (the scheduler moves work off dead workers), and the next call asks again.
+        return
+    with _lock:
+        _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
+        while len(_same_versions) > KNOWN_WORKERS:
+            _same_versions.pop()
+    # A worker that could not be reached (it died since it was listed, as when a whole cluster
+    # is lost and restarted) says nothing about versions: it is asked again when it is back,
+    # and the scheduler gives its work to others meanwhile.
+    wrong = {addr: v for addr, v in found.items()
+             if v != here and not isinstance(v, (OSError, TimeoutError))}
+    if wrong:
+        detail = "; ".join(f"{addr}: {v if isinstance(v, dict) else f'{type(v).__name__}: {v}'}"
+                           for addr, v in sorted(wrong.items(), key=lambda kv: kv[0]))
+        what = ("differ from this client" if all(isinstance(v, dict) for v in wrong.values()) else
+                "cannot run daskdag as this client does")
+        raise ClusterError(f"workers {what} ({here}): {detail}. Backward programs only travel "
+                           f"between identical jax, jaxlib and daskdag versions")
+
+
+class Watch:
+    """Whether a call waiting on ``client``'s cluster can still finish there: :meth:`check`,
+    called now and then while it waits, raises :class:`~daskdag.ClusterError` once the cluster
+    has had no worker that can run the call (none at all, or none offering a resource one of
+    the ``plan``'s nodes needs) for longer than ``daskdag.worker-wait``. Workers that come back
+    within that time (a nanny restarting them) take the call up again."""
+
+    def __init__(self, client, plan: Plan | None = None):
+        self.client, self.plan = client, plan
+        self.wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+        self.since: float | None = None  # since when the cluster cannot run the call
+        self.lost = 0  # the most workers seen meanwhile gone
+
+    def check(self) -> None:
+        try:
+            found = workers(self.client)
+        except (OSError, TimeoutError) as e:  # the scheduler is unreachable
+            found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
+        else:
+            problem = self._problem(found)
+        if problem is None:
+            self.since = None
+            return
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since > self.wait:
+            raise ClusterError(
+                f"{describe(self.client)}: {problem}, and it stayed so for {self.wait:g} s "
+                f"(daskdag.worker-wait): the workers were lost (killed, out of memory, or their "
+                f"machines went away) and none came back to finish the call. Start workers, or "
+                f"wait longer with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+
+    def _problem(self, found: dict) -> str | None:
+        if not found:
+            return "the cluster has no worker left"
+        for n in self.plan.needed if self.plan is not None else ():
+            needs = self.plan.spec.nodes[n].needs
+            if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
+                                     for r, amount in needs.items()) for w in found.values()):
+                return f"no worker left offers the resources {needs} that node {n!r} needs"
+        return None

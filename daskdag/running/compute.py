@@ -1,0 +1,123 @@
+"""Running one call's graph: on Dask's local scheduler or a ``distributed`` client, with an
+optional progress bar over its tasks, and leaving nothing running when interrupted.
+
+Ctrl-C: Dask's local scheduler hands a task to a thread only when one is free, so once the
+interrupt leaves its loop no further task starts, and the stages running in the background stop
+at their next node (the call's ``stop`` event). On a cluster the call's futures are released, so
+the scheduler cancels every task of the call that no other call wants, and a running stage
+stops at its next node (:func:`daskdag.cancel.dropped`).
+
+Workers lost: the scheduler runs again, on the workers left or on those that replace them, what
+the lost ones held or ran (a call's inputs and nodes are tasks too, :mod:`daskdag.running.resident`).
+While the cluster has no worker that can run the call, a :class:`~daskdag.running.cluster.Watch`
+counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.ClusterError`
+saying so, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import distributed
+import jax
+from dask.diagnostics import ProgressBar
+
+from daskdag.running.cluster import Watch
+from daskdag.running.local import SCHEDULERS
+
+POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
+
+
+
+
+def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
+            plan=None) -> dict:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure:
+    on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
+    process, whatever default client exists. ``stop``: the ``daskdag.cancel.Stop`` a local
+    graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
+    cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
+    delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
+    if client is None:
+        # The graph as it is, to the scheduler's own function: it is fused into stages
+        # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.
+        dsk = dict(delayed[0].dask)  # (one graph: every result is a key of it)
+        try:
+            with ProgressBar() if progress else contextlib.nullcontext():
+                computed = SCHEDULERS[local or "threads"](dsk, [d.key for d in delayed])
+        except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
+            if stop is not None:
+                stop.set()
+            raise
+        return jax.tree.unflatten(structure, computed)
+    futures = client.compute(delayed)
+    try:
+        with _bar(client, futures) if progress else contextlib.nullcontext():
+            wait(client, futures, Watch(client, plan))
+        return jax.tree.unflatten(structure, client.gather(futures))
+    finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
+        for f in futures:
+            f.release()
+
+
+def wait(client, futures: list, watch: Watch) -> None:
+    """Until every future is done (finished, failed or cancelled), looking at the cluster every
+    :data:`POLL` seconds meanwhile (``watch.check()`` raises when it can no longer run them).
+
+    (Told by the futures' own callbacks: ``distributed.wait`` needs the client made current,
+    and ``Client.as_current`` sets Dask's global config, which calls from several threads at
+    once leave set to ``dask.distributed`` when they finish out of order.)"""
+    done = Arrivals(futures)
+    while not done.all(POLL):
+        watch.check()
+
+
+class Arrivals:
+    """Which of some ``distributed`` futures are done (finished, failed or cancelled), as their
+    callbacks tell: :meth:`all` and :meth:`any` wait for them, up to a timeout. More futures
+    can be added as they are made."""
+
+    def __init__(self, futures=()):
+        self.lock, self.event, self.waiting = threading.Lock(), threading.Event(), 0
+        for f in futures:
+            self.add(f)
+
+    def add(self, future) -> None:
+        with self.lock:
+            self.waiting += 1
+        future.add_done_callback(self._arrived)
+
+    def _arrived(self, future) -> None:
+        with self.lock:
+            self.waiting -= 1
+        self.event.set()
+
+    def all(self, timeout: float) -> bool:
+        """Whether all have arrived, waiting ``timeout`` seconds at most."""
+        deadline = time.monotonic() + timeout
+        while self.waiting > 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.event.wait(left):
+                return False
+            self.event.clear()
+        return True
+
+    def any(self, timeout: float) -> bool:
+        """Whether some arrived since the last call, waiting ``timeout`` seconds at most."""
+        arrived = self.event.wait(timeout)
+        self.event.clear()
+        return arrived
+
+
+@contextlib.contextmanager
+def _bar(client, futures):
+    """distributed's text progress bar over ``futures``, drawn from a thread of its own while
+    the call waits (it blocks until they finish, and in a notebook the widget would return at
+    once and, not being displayed, show nothing)."""
+    bar = threading.Thread(target=distributed.progress, args=(futures,), daemon=True,
+                           kwargs={"scheduler": client.scheduler.address, "notebook": False})
+    bar.start()
+    yield
+    bar.join(timeout=2.0)  # (a call that finished: the bar draws its last state)

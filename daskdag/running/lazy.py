@@ -1,0 +1,137 @@
+"""A call as a Dask collection: built now, computed later, alone or with other Dask work.
+
+In:  a plan and the graph :func:`daskdag.graph.build.build` (or :func:`daskdag.graph.forward.build`) made of
+     it, ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph, and how to turn
+     the computed pieces into the eager function's result.
+Out: a :class:`Call`, a Dask collection (the ``__dask_graph__`` protocol): ``.compute()``
+     gives what the eager function returns; ``dask.compute``, ``dask.persist`` and
+     ``.visualize()`` take it with any other collection. Its keys are daskdag's content keys,
+     so two calls computed together share the forward tasks they have in common.
+
+The cluster checks of an eager call (:func:`daskdag.running.cluster.check`: a running client, a
+worker, every resource a node needs, the same versions) run when Dask asks for the graph with
+a ``distributed`` client in effect: that is, at compute (or persist) time, on the client that
+will run it, before any task is sent. (Dask's ``__dask_optimize__`` hook is not called on the
+client by ``distributed``, so the graph's own accessor is where daskdag can still say no.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import dask
+import distributed
+from dask.base import DaskMethodsMixin, get_scheduler
+from dask.highlevelgraph import HighLevelGraph
+
+from daskdag.running import cluster
+from daskdag.graph.build import kind_of
+from daskdag.model.plan import Plan
+
+
+class Call(DaskMethodsMixin):
+    """One call of :func:`daskdag.grads`, :func:`daskdag.jacobians` or :func:`daskdag.jvps`,
+    not computed yet. ``outputs``: the outputs it computes; ``wrt``: what their gradients (or
+    tangents) are taken with respect to. ``.compute()`` returns ``{output: Result}`` (one
+    ``Result`` for a single output name), as the eager function does."""
+
+    __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan")
+
+    def __init__(self, dsk, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str):
+        self._dask, self._keys, self._finish, self._plan, self._name = dsk, keys, finish, plan, name
+
+    @classmethod
+    def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any]) -> "Call":
+        """From :func:`daskdag.graph.build.build`'s ``{output: (value, {name: grad})}`` and
+        ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed."""
+        keys = []
+        for value, grads in built.values():
+            keys.append(value.key)
+            keys.extend(g.key for g in grads.values())
+        structure = [(o, list(grads)) for o, (_, grads) in built.items()]
+        dsk = next(iter(built.values()))[0].dask  # (one graph, which they all share)
+        return cls(dsk, keys, _Finish(structure, finish), plan, f"daskdag-call-{keys[0]}")
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self._plan.outputs
+
+    @property
+    def wrt(self) -> tuple[str, ...]:
+        return self._plan.wrt
+
+    # -- the collection protocol -------------------------------------------------------------
+
+    def __dask_graph__(self):
+        client = _distributed_client()
+        if client is not None:  # about to go to that cluster: check it first (module docstring)
+            cluster.check(client, self._plan)
+        if isinstance(self._dask, HighLevelGraph):
+            return self._dask
+        return HighLevelGraph.from_collections(self._name, self._dask, dependencies=())
+
+    def __dask_keys__(self) -> list:
+        return list(self._keys)
+
+    def __dask_layers__(self) -> tuple:
+        return tuple(self._dask.layers) if isinstance(self._dask, HighLevelGraph) else (self._name,)
+
+    def __dask_tokenize__(self):
+        return "daskdag.Call", tuple(self._keys)  # content keys already
+
+    __dask_scheduler__ = staticmethod(dask.threaded.get)
+
+    @staticmethod
+    def __dask_optimize__(dsk, keys, **kwargs):
+        return dsk  # (daskdag's graph is built already fused into stages)
+
+    def __dask_postcompute__(self):
+        return self._finish, ()
+
+    def __dask_postpersist__(self):
+        return self._persisted, ()
+
+    def _persisted(self, dsk, *, rename=None) -> "Call":
+        keys = [rename.get(k, k) for k in self._keys] if rename else self._keys
+        return Call(dsk, keys, self._finish, self._plan, self._name)
+
+    def visualize(self, filename: str | None = "daskdag", format: str | None = None, **kwargs):
+        """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
+        ``dot`` program), one shape per task, labelled by its key less its token
+        (``fwd:A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
+        ``filename``, ``format`` and other keywords as for :func:`dask.visualize`."""
+        tasks = {k: {"label": k.rsplit("-", 1)[0], "style": "filled",
+                     "fillcolor": "#f6c89f" if kind_of(k) in ("bwd", "grad") else "#b9d3ee"}
+                 for k in dict(self._dask)}  # (its keys; dask.visualize asks for the graph)
+        kwargs.setdefault("function_attributes", tasks)
+        kwargs.setdefault("collapse_outputs", True)
+        return dask.visualize(self, filename=filename, format=format, **kwargs)
+
+    def __repr__(self) -> str:
+        n = len(self._dask) if not isinstance(self._dask, HighLevelGraph) else sum(
+            len(layer) for layer in self._dask.layers.values())
+        return (f"daskdag.Call(outputs={list(self.outputs)}, wrt={list(self.wrt)}, "
+                f"{n} tasks, not computed)")
+
+
+class _Finish:
+    """The computed values of a :class:`Call`'s keys, in order, back in the structure
+    ``{output: (value, {name: grad})}`` its function takes, then that function's result."""
+
+    def __init__(self, structure: list, finish: Callable[[dict], Any]):
+        self.structure, self.finish = structure, finish
+
+    def __call__(self, results) -> Any:
+        it = iter(results)
+        computed = {}
+        for o, names in self.structure:
+            value = next(it)
+            computed[o] = (value, {n: next(it) for n in names})
+        return self.finish(computed)
+
+
+def _distributed_client():
+    """The ``distributed`` client that computing now would use, if it is one."""
+    scheduler = get_scheduler()
+    client = getattr(scheduler, "__self__", None)
+    return client if isinstance(client, distributed.Client) else None

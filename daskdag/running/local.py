@@ -1,0 +1,196 @@
+"""Running a call's graph in this process: Dask's threaded scheduler, with tasks too short to gain
+from a thread of their own run in the calling thread.
+
+A task handed to a pool thread, and its result handed back, costs two thread wake-ups; under
+the GIL, with JAX's eager dispatch holding it between ops, that took ~0.3 ms a task, against
+a tiny node's ~0.1-1 ms of work: the seed DAG ran 2.2x, and a DAG of 1,000 tiny nodes 2x, as
+slow as the same ``jax.vjp`` plumbing in a loop. Threads pay off for nodes that wait or release
+the GIL for long (a solver, I/O, ``time.sleep``, large NumPy or SciPy work). So
+:class:`Inline`, the pool a call's tasks are submitted to, runs a task in the calling thread
+when it is the only task running (nothing could run beside it anyway), or when it is known to
+be short (:data:`SHORT`): a forward task whose node functions took less recently, a backward
+task whose forward did, a task that only picks or sums values. Any other goes to the pool, so
+independent stages of unknown or long duration run side by side from the first call on. A call
+whose forward tasks are all known to be short, but one at most, runs its tasks one after
+another in the order daskdag made them (:func:`in_order`). Durations
+are measured on every call, so a node that turns slow goes back to the pool the next time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+
+import dask
+import dask.local
+import dask.threaded
+from dask.callbacks import Callback
+from dask.system import CPU_COUNT
+from dask.task_spec import TaskRef
+from dask.threaded import ContextAwareThreadPoolExecutor
+
+from daskdag.graph import tasks
+from daskdag.rules.custom import Custom
+from daskdag.graph.build import kind_of
+from daskdag.transport.packing import unwrap
+from daskdag.model.spec import Node
+
+SHORT = 2e-3  # seconds: a task shorter than this gains nothing from a thread of its own
+CHEAP = (tasks.pick, tasks.pulled, tasks.gradient)  # they pick or sum values: always short
+KNOWN = 4096  # node functions whose durations are remembered (the most recent ones)
+SAMPLES = 8  # durations remembered per node functions
+
+_lock = threading.Lock()
+_durations: OrderedDict = OrderedDict()  # ids of a stage's node functions -> its recent durations
+_threads: list = []  # the pool, once made
+
+
+def threads(dsk: dict, keys: list, **kwargs):
+    """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool; or, when every forward
+    task of the call but one at most was short recently (two long ones could run side by
+    side; one alone gains nothing from threads), :func:`in_order`. (Called from another thread
+    than the main one, plain ``dask.threaded.get``, which gives each calling thread a pool of
+    its own.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return dask.threaded.get(dsk, keys, **kwargs)
+    timer = _Timer(keys[0])
+    if not Callback.active and \
+            sum(not _known_short(task) for key, task in dsk.items() if kind_of(key) in FORWARD) <= 1:
+        return in_order(dsk, keys, timer)  # (a progress bar, a Dask callback, needs Dask's)
+    with Callback(start_state=timer.watch):
+        return dask.threaded.get(dsk, keys, pool=Inline(_pool(), timer), **kwargs)
+
+
+def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
+    """The values of ``keys``: ``dsk``'s tasks run one after another in this thread, in the
+    order the graph holds them (daskdag makes each task after the tasks it takes: see
+    ``daskdag.graph.build._Graph``), each value let go once no later task takes it; ``timer`` times
+    the forward tasks. For a call of short tasks only: Dask's synchronous scheduler orders the
+    graph and keeps its books per task, ~0.1 ms a task, as much as a tiny node's work."""
+    takers = Counter(d for task in dsk.values() for d in task.dependencies)
+    wanted, values = set(keys), {}
+    for key, task in dsk.items():
+        start = time.perf_counter()
+        values[key] = task({d: values[d] for d in task.dependencies})
+        if timer is not None and kind_of(key) in FORWARD:
+            timer.record(key, task, time.perf_counter() - start)
+        for d in task.dependencies:
+            takers[d] -= 1
+            if not takers[d] and d not in wanted:
+                del values[d]
+    return [values[k] for k in keys]
+
+
+SCHEDULERS = {"threads": threads, "sync": dask.local.get_sync}
+FORWARD = ("fwd", "jvp")
+
+
+class _Timer:
+    """The forward tasks of one call, timed (by :class:`Inline` around each task, or by
+    :func:`in_order`), remembered by their node functions. ``watch``, a Dask callback
+    (``start_state``), gives it the threaded scheduler's state; ``key``: one of the call's
+    keys, to tell its own scheduler from another thread's (callbacks are global)."""
+
+    def __init__(self, key):
+        self.key, self.state = key, None
+        self.took: dict = {}  # key -> seconds, for this call's forward tasks
+
+    def watch(self, dsk, state):
+        if self.key in dsk:
+            self.state = state
+
+    def record(self, key, task, seconds: float) -> None:
+        self.took[key] = seconds
+        _remember(_functions(task), seconds)
+
+
+class Inline:
+    """The pool of one call (see the module's docstring), whose forward tasks ``timer`` times."""
+
+    def __init__(self, pool, timer: _Timer):
+        self.pool, self._max_workers, self.timer = pool, pool._max_workers, timer
+
+    def submit(self, fn, *args):
+        # dask.local submits batch_execute_tasks(args) with args [(key, (task, data), ...)]
+        if not self._here(args[0]):
+            return self.pool.submit(self._timed, fn, args)
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(self._timed(fn, args))  # (dask packs a task's exception)
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+    def _timed(self, fn, args):
+        # Tasks running side by side share the GIL: a task that holds it took about as many
+        # times longer as there were (a tiny node's 0.6 ms measured 3 ms, and its stages never
+        # left the pool), so its time is divided by them. (A task that waits, which threads are
+        # for, is then under-estimated as much: it still counts as long from 2 ms x threads.)
+        state = self.timer.state
+        alongside = min(len(state["running"]), self._max_workers + 1) if state is not None else 1
+        start = time.perf_counter()
+        out = fn(*args)
+        batch = args[0]
+        if len(batch) == 1 and kind_of(batch[0][0]) in FORWARD:  # (one task at a time)
+            took = (time.perf_counter() - start) / max(1, alongside)
+            self.timer.record(batch[0][0], batch[0][1][0], took)
+        return out
+
+    def _here(self, batch) -> bool:
+        state = self.timer.state
+        if state is not None and len(state["running"]) == 1:
+            return True
+        return all(self._short(key, task) for key, (task, _), *_ in batch)
+
+    def _short(self, key, task) -> bool:
+        if task.func in CHEAP:
+            return True
+        kind = kind_of(key)
+        if kind == "bwd":  # a backward pass takes about as long as its forward
+            took = self.timer.took
+            fwd = next((a.key for a in task.args if isinstance(a, TaskRef) and a.key in took), None)
+            return fwd is not None and took[fwd] < SHORT
+        return kind in FORWARD and _known_short(task)
+
+
+def _known_short(task) -> bool:
+    """A forward task whose node functions took less than :data:`SHORT` recently."""
+    recent = _durations.get(_functions(task))
+    return recent is not None and min(recent) < SHORT
+
+
+def _functions(task) -> tuple:
+    """What identifies the node functions a forward task runs (its args hold the stage's
+    nodes): their ids, as the user made them (a function packed for this call, or a node with
+    its own derivatives, is a new object each call)."""
+    ids = []
+    for a in task.args:
+        if isinstance(a, Node):
+            fn = unwrap(a.fn)
+            ids.extend(map(id, (fn.fn, fn.fwd) if isinstance(fn, Custom) else (fn,)))
+    return tuple(ids)
+
+
+def _remember(functions: tuple, seconds: float) -> None:
+    """Keep the last :data:`SAMPLES` durations: the shortest of them is what the functions
+    take (a task is slowed by the machine, not sped up: one stalled 2.1 ms sample of the
+    20,000 stages sharing one function sent them all to the pool, 1.6x slower)."""
+    with _lock:
+        recent = _durations.get(functions)
+        if recent is None:
+            recent = _durations[functions] = deque(maxlen=SAMPLES)
+        recent.append(seconds)
+        _durations.move_to_end(functions)
+        while len(_durations) > KNOWN:
+            _durations.popitem(last=False)
+
+
+def _pool():
+    with _lock:
+        if not _threads:
+            _threads.append(ContextAwareThreadPoolExecutor(CPU_COUNT))
+            atexit.register(_threads[0].shutdown)
+        return _threads[0]

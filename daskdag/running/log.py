@@ -1,0 +1,50 @@
+"""What daskdag says through :mod:`logging`, under the logger ``"daskdag"`` (silent unless you
+configure it, as a library should: ``logging.basicConfig(level=logging.INFO)`` or
+``logging.getLogger("daskdag").setLevel(logging.DEBUG)`` with a handler).
+
+- INFO: each call as it is submitted: what (outputs, differentiated names), where (this
+  process's scheduler, or the cluster's scheduler address), how big (stages, tasks) and the
+  bytes it placed on the cluster; each sweep: items, chunks and where.
+- DEBUG: each task of a call's graph: its key and the function it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from daskdag.graph.build import kind_of
+
+logger = logging.getLogger("daskdag")
+logger.addHandler(logging.NullHandler())
+
+
+def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = None) -> None:
+    """Log one call's graph (``{output: (value, {name: grad})}`` of ``Delayed``) as it goes to
+    ``where``; ``placed``: the bytes it placed on the cluster (:mod:`daskdag.running.resident`)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    tasks = _tasks(graph)
+    stages = sum(1 for k in tasks if kind_of(k) in ("fwd", "jvp"))
+    logger.info("%s: outputs %s, wrt %s: %d stages, %d tasks, on %s%s", kind, list(plan.outputs),
+                list(plan.wrt), stages, len(tasks), where,
+                "" if placed is None else f"; placed {placed} bytes on the cluster")
+    if logger.isEnabledFor(logging.DEBUG):
+        for key, task in tasks.items():
+            fn = getattr(task, "func", None)
+            logger.debug("  task %s: %s", key, getattr(fn, "__qualname__", type(task).__name__))
+
+
+def _tasks(graph: dict) -> dict:
+    merged = {}
+    for delayed in jax.tree.leaves(graph):  # (Delayed objects are leaves to JAX)
+        merged.update({k: v for layer in delayed.dask.layers.values() for k, v in layer.items()})
+    return merged
+
+
+def where(client, local: str | None) -> str:
+    """Where a call runs, in words."""
+    if client is None:
+        return f"this process ({local or 'threads'})"
+    return f"the cluster at {client.scheduler.address}"

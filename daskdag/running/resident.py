@@ -1,0 +1,131 @@
+"""What a client keeps on its cluster between calls: the packed inputs and nodes of its last few
+``compute_grads`` calls, and the shared inputs and chunk graphs of its last few sweeps, each
+under a content key, so a repeated call sends only what changed.
+
+A call's graph refers to these values instead of carrying them (:func:`daskdag.graph.build.build`'s
+``place``). Each goes to the cluster once, as a task whose result is the value: the scheduler
+keeps it as that task's recipe, so when the worker holding it dies it is computed again
+elsewhere (a scattered value would be lost with its only holder). Keys are content tokens
+(:mod:`daskdag.transport.packing`), so an in-place change to an input or a closed-over array gives a new
+key, and the old value is dropped once no recent call uses it.
+
+``dask.config`` ``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps;
+0 keeps none, and values travel inside each call's graph again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+import warnings
+import weakref
+from collections import deque
+
+import dask
+from dask.sizeof import sizeof
+
+
+KEEP_CALLS = "daskdag.keep-calls"
+KEEP_CALLS_DEFAULT = 8
+
+_FAILED = ("error", "cancelled", "lost")
+_lock = threading.Lock()
+_by_client: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> Resident
+
+
+class Resident:
+    """One client's kept values. ``sent`` counts the bytes placed so far (a measure, for the
+    benchmarks and the log)."""
+
+    def __init__(self):
+        # (No reference to the client: this object is the value of a weak-keyed dict.)
+        self.futures: dict = {}  # key -> the future holding it
+        self.recent: deque[set] = deque()  # keys each recent call used, oldest first
+        self.running: list[set] = []  # keys each call under way uses (several threads' calls)
+        self.sent = 0
+
+    @contextlib.contextmanager
+    def call(self, client):
+        """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
+        ``fn(payload)`` kept under ``key``, sent now unless a recent call sent it, to a worker
+        with the resources ``needs`` (those of the node that uses it). On exit, values that none
+        of the last ``daskdag.keep-calls`` calls, nor a call still under way, used are let go."""
+        used: set = set()
+
+        def place(key, fn, payload, needs=None):
+            with _lock:
+                fut = self.futures.get(key)
+                if fut is None or fut.status in _FAILED:
+                    # A key that failed (it could not be unpickled there, say) may still be
+                    # known to the scheduler as failed: try again under a key of its own.
+                    name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
+                    fut = keep(client, name, fn, payload, needs)
+                    self.futures[key] = fut
+                    self.sent += sizeof(payload)
+                used.add(key)
+                return fut
+
+        with _lock:
+            self.running.append(used)
+        try:
+            yield place
+        finally:
+            with _lock:
+                self.running.remove(used)
+                self.recent.append(used)
+                while len(self.recent) > max(1, dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT)):
+                    self.recent.popleft()
+                live = set().union(*self.recent, *self.running)
+                for key in [k for k in self.futures if k not in live]:
+                    self.futures.pop(key).release()
+
+
+def keep(client, key: str, fn, payload, needs=None):
+    """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
+    scheduler keeps a task's recipe (here the payload), so when the worker holding the result
+    dies it runs the task again on another (a scattered value is lost with its only holder).
+    ``needs``: the resources of the worker it must go to. No worker is named: a task restricted
+    to workers that all died waits for them forever (distributed 2026.8 gives a task whose
+    named workers are gone to a new worker only while some worker stayed)."""
+    with warnings.catch_warnings():  # sending the value in the graph, once, is the point
+        warnings.filterwarnings("ignore", message="Sending large graph")
+        return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
+
+
+@contextlib.contextmanager
+def placing(client):
+    """``place(key, fn, payload, needs=None) -> Future`` for one call, as
+    :meth:`Resident.call` yields it: through ``client``'s :class:`Resident`, so values stay for
+    the next calls; with keeping off (``daskdag.keep-calls`` 0), under keys of this call's own,
+    each cancelled and let go on exit."""
+    kept = of(client)
+    if kept is not None:
+        with kept.call(client) as place:
+            yield place
+        return
+    held: list = []
+
+    def place(key, fn, payload, needs=None):
+        held.append(keep(client, f"{key}-{uuid.uuid4().hex}", fn, payload, needs))
+        return held[-1]
+
+    try:
+        yield place
+    finally:
+        if held:
+            with contextlib.suppress(Exception):  # a closed client has nothing left to cancel
+                client.cancel(held)
+            for fut in held:
+                fut.release()
+
+
+def of(client) -> Resident | None:
+    """The client's :class:`Resident`, or ``None`` when keeping is turned off."""
+    if dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT) <= 0:
+        return None
+    with _lock:
+        resident = _by_client.get(client)
+        if resident is None:
+            resident = _by_client[client] = Resident()
+        return resident

@@ -1,0 +1,347 @@
+"""Sweeps over dask arrays: :func:`daskdag.sweep_grads` where batched inputs are ``dask.array``
+arrays chunked along the item axis, returning dask arrays of values and gradients with the
+same item chunks, lazily: nothing runs until the user computes them (``dask.compute``,
+``da.to_zarr``), so a sweep can stream from storage to storage, a few blocks per worker at a
+time, whatever the number of items.
+
+Each block (item chunk) is one task, :func:`_run_block`: it runs the sweep's chunk graph
+(:func:`daskdag.sweeps.engines.chunk_graph`, the one a pinned cluster chunk runs) with Dask's
+synchronous scheduler inside the task, over that block's items, and returns the block's values
+and gradients as a list of NumPy arrays, one per leaf. Every output's value and gradient leaf is
+a dask array whose blocks pick their leaf out of those tasks (one small ``getitem`` task per
+block and leaf). Their shapes and dtypes come from ``jax.eval_shape`` on one item
+(:func:`daskdag.sweeps.results.item_shapes`), so the arrays are described without computing anything.
+
+The shared inputs, and the chunk graph itself, are one task each in the graph, which every
+block depends on: computed once (on a cluster, once, then copied to the workers that need
+them). The chunk graph travels as bytes (:class:`_Lazy`): the scheduler never unpickles it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import cloudpickle
+import dask
+import dask.array as da
+import jax
+import numpy as np
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+from dask.task_spec import DataNode, Task, TaskRef
+
+from daskdag.running import cluster
+from daskdag.sweeps import sweep
+from daskdag.sweeps.chunked import Items
+from daskdag.sweeps.engines import chunk_graph, item_key
+from daskdag.graph.build import key
+from daskdag.errors import DAGError, NodeError
+from daskdag.model.plan import make_plan
+from daskdag.rules.pullback import is_array, is_numeric
+from daskdag.transport.packing import pack_for, unpack
+from daskdag.sweeps.results import item_shapes
+
+
+def holds_dask(values: dict, batched) -> bool:
+    """Whether a leaf of a ``batched`` input is a dask array."""
+    return any(isinstance(leaf, da.Array) for i in batched for leaf in jax.tree.leaves(values[i]))
+
+
+def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cotangents,
+                chunk_size, client, progress, errors):
+    """:func:`daskdag.sweep_grads` over dask arrays (see the module's docstring). ``spec``,
+    ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them (``errors``
+    and ``chunk_size`` checked there too); returns
+    ``{output: Result}`` (one ``Result`` for a single name) with dask arrays, computing
+    nothing."""
+    from daskdag import api  # (api imports this module)
+
+    if errors == "collect":
+        raise DAGError("errors='collect' is not supported when batched inputs are dask arrays: "
+                       "the results are computed lazily, so there is no list of failed items to "
+                       "return; use errors='raise' (a failing item raises its NodeError, naming "
+                       "the item, when the arrays are computed)")
+    if progress:
+        raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
+                       "runs at sweep time): show progress where the arrays are computed, with "
+                       "dask.diagnostics.ProgressBar or distributed.progress")
+    inputs, chunks, size = aligned(values, batched, chunk_size)
+    stand_ins = {i: _stand_in(v) if i in batched else v for i, v in values.items()}
+    wrt = api._wrt(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
+    api._with_rules(make_plan(spec, names, wrt))
+    cts = api._cotangents(names, cotangents)
+    remote = client is not None  # (api resolved it: the client in effect, or None here)
+    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, remote=remote,
+                               travel=True)  # (computed later, wherever the arrays are)
+    if client is not None:
+        cluster.check(client, planned.plan)
+    computed = _lazy(planned, inputs, chunks, _shapes(planned, spec), remote)
+    return api._results(spec, outputs, computed)
+
+
+def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:
+    """``({input: tree}, item chunks, N)``: every array leaf of the ``batched`` inputs as a dask
+    array chunked along the item axis alone, all on the same item chunks: ``chunk_size`` items
+    each if given, else those of the first dask array. A leaf chunked along other axes is
+    rechunked to one chunk there; NumPy and JAX leaves become dask arrays."""
+    sizes: dict[int, str] = {}
+    first = None
+    for i in batched:
+        for leaf in jax.tree.leaves(values[i]):
+            if not (isinstance(leaf, da.Array) or is_numeric(leaf)):
+                continue
+            if np.ndim(leaf) == 0:
+                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
+            if isinstance(leaf, da.Array):
+                if any(math.isnan(c) for c in leaf.chunks[0]):
+                    raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
+                                   f"unknown: call its compute_chunk_sizes() first")
+                first = first or leaf.chunks[0]
+            sizes.setdefault(int(np.shape(leaf)[0]), i)
+    if len(sizes) != 1:
+        raise DAGError("batched inputs disagree on the number of items: "
+                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
+                       f"batched inputs {list(batched)} hold no arrays")
+    (size,) = sizes
+    items = da.core.normalize_chunks((chunk_size,), (size,))[0] if chunk_size else first
+
+    def leaf_of(leaf):
+        if isinstance(leaf, da.Array):
+            want = (items, *((n,) for n in leaf.shape[1:]))
+            return leaf if leaf.chunks == want else leaf.rechunk(want)
+        if is_array(leaf):
+            return da.from_array(np.asarray(leaf), chunks=(items, *np.shape(leaf)[1:]))
+        return leaf
+
+    return {i: jax.tree.map(leaf_of, values[i]) for i in batched}, tuple(items), size
+
+
+def _stand_in(tree):
+    """``tree`` with each dask array leaf as a NumPy array of its shape and dtype that holds no
+    memory (one zero, broadcast): for the checks and shapes that look at an input's arrays."""
+    return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape)
+                        if isinstance(a, da.Array) else a, tree)
+
+
+def _shapes(planned, spec) -> tuple[dict, dict]:
+    """One item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct`` trees; a
+    :class:`DAGError` where ``jax.eval_shape`` cannot find them."""
+    values, grads = item_shapes(planned.plan, planned.values, planned.batched)
+    for o, v in values.items():
+        if v is None:
+            raise DAGError(f"the shape of output {o!r} cannot be found by tracing its nodes with "
+                           f"jax.eval_shape (a node on its way has Python control flow on values, "
+                           f"float(x), or non-JAX code); sweeps over dask arrays need it to "
+                           f"describe the result arrays before computing them")
+    for i, g in grads.items():
+        if g is None and i in spec.nodes:
+            raise DAGError(f"the shape of node {i!r} (named in wrt) cannot be found by tracing "
+                           f"it with jax.eval_shape; sweeps over dask arrays need it")
+    return values, grads
+
+
+class _Slot:
+    """Where block ``k``'s rows of the ``k``-th dask array go in a batched input."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __reduce__(self):
+        return _Slot, (self.k,)
+
+
+class _Blocks:
+    """What every block task needs besides its data: which task keys hold the shared inputs
+    and those broadcast (differentiated per item), each batched input with :class:`_Slot` in
+    place of its dask arrays (packed), and the layout of the results: per output, whether its
+    value carries items, and its value's and each gradient's leaves (``ShapeDtypeStruct``)."""
+
+    def __init__(self, shared: dict, broadcast: list, templates: dict, slots: int, layout: list):
+        self.shared, self.broadcast, self.templates = shared, broadcast, templates
+        self.slots, self.layout = slots, layout
+
+    def leaves(self) -> list:
+        return [a for _, _, v, grads in self.layout for a in (*v, *(g for _, gs in grads for g in gs))]
+
+
+class _Lazy:
+    """An object that travels as cloudpickled bytes, unpickled by :meth:`get` where a task needs
+    it (a worker), never by the scheduler. In this process, the object itself."""
+
+    __slots__ = ("obj", "data")
+
+    def __init__(self, obj=None, data: bytes | None = None):
+        self.obj, self.data = obj, data
+
+    def get(self):
+        if self.obj is None:
+            self.obj = cloudpickle.loads(self.data)
+        return self.obj
+
+    def __reduce__(self):
+        return _Lazy, (None, self.data if self.data is not None else cloudpickle.dumps(self.obj))
+
+
+def _loaded(lazy: _Lazy):
+    return lazy.get()
+
+
+def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remote: bool) -> dict:
+    """``{output: (value, {input: grad})}`` as trees of dask arrays over the blocks (see the
+    module's docstring)."""
+    values, grads = shapes
+    layer: dict = {}
+    keys = {}
+    shared = [i for i in planned.values if planned.shared(i)]
+    broadcast = [i for i in planned.carried() if i in planned.broadcast]
+    for i in (*shared, *broadcast):  # one task each, the value packed as graph.build packs inputs
+        packed = pack_for(f"input {i!r}", planned.values[i], remote)
+        keys[i] = key("input", i, tokenize(packed))  # (the key compute_grads keeps it under)
+        layer[keys[i]] = Task(keys[i], unpack, packed)
+    arrays: list = []
+
+    def slot(leaf):
+        if isinstance(leaf, da.Array):
+            arrays.append(leaf)
+            return _Slot(len(arrays) - 1)
+        return leaf
+
+    templates = {i: pack_for(f"input {i!r}", jax.tree.map(slot, inputs[i]), remote)
+                 for i in planned.carried() if i in planned.batched}
+    layout = [(o, o in planned.carrying, jax.tree.leaves(values[o]),
+               [(i, jax.tree.leaves(grads[i])) for i in planned.plan.wrt])
+              for o in planned.plan.outputs]
+    blocks = _Blocks({i: keys[i] for i in shared}, broadcast, templates, len(arrays), layout)
+    tasks, results = chunk_graph(planned, {i: TaskRef(keys[i]) for i in shared})
+    token = tokenize(results, [a.name for a in arrays], chunks, [t.token if hasattr(t, "token")
+                                                                 else tokenize(t) for t in templates.values()])
+    graph_key = f"daskdag-chunk-graph-{token}"
+    layer[graph_key] = Task(graph_key, _loaded, _Lazy((tasks, results, blocks)))
+    name = f"daskdag-sweep-blocks-{token}"
+    refs = [TaskRef(keys[i]) for i in (*shared, *broadcast)]
+    starts = np.cumsum((0, *chunks))
+    for b in range(len(chunks)):
+        data = [TaskRef((a.name, b, *(0,) * (a.ndim - 1))) for a in arrays]
+        layer[(name, b)] = Task((name, b), _run_block, TaskRef(graph_key), int(starts[b]), *refs, *data)
+    needs = _needs(planned.plan)
+    with dask.annotate(resources=needs) if needs else _nothing():
+        base = HighLevelGraph.from_collections(name, layer, dependencies=arrays)
+
+    flat = iter(range(len(blocks.leaves())))
+
+    def array(label: str, aval) -> da.Array:
+        k = next(flat)
+        leaf = f"daskdag-{label}-{token}"
+        ndim = len(aval.shape)
+        tasks = {(leaf, b, *(0,) * ndim): Task((leaf, b, *(0,) * ndim), operator.getitem,
+                                               TaskRef((name, b)), k) for b in range(len(chunks))}
+        hlg = HighLevelGraph({**base.layers, leaf: tasks}, {**base.dependencies, leaf: {name}})
+        return da.Array(hlg, leaf, chunks=(chunks, *((n,) for n in aval.shape)),
+                        meta=np.empty((0,) * (ndim + 1), aval.dtype))
+
+    computed = {}
+    for o, _, _, _ in layout:
+        v = jax.tree.structure(values[o]).unflatten(
+            [array(f"{o}-value{j}", a) for j, a in enumerate(jax.tree.leaves(values[o]))])
+        g = {}
+        for i in planned.plan.wrt:
+            gdef = jax.tree.structure(grads[i])
+            g[i] = gdef.unflatten([array(f"{o}-grad-{i}{j}", a)
+                                   for j, a in enumerate(jax.tree.leaves(grads[i]))])
+        computed[o] = (v, g)
+    return computed
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _needs(plan) -> dict:
+    """The resources a block task needs: the most any of its nodes needs, of each."""
+    needs: dict = {}
+    for n in plan.needed:
+        for r, amount in plan.spec.nodes[n].needs.items():
+            needs[r] = max(needs.get(r, 0), amount)
+    return needs
+
+
+# -- in the task that runs a block ----------------------------------------------------------------
+
+def _run_block(loaded: tuple, start: int, *args) -> list:
+    """One block: the chunk graph run by Dask's synchronous scheduler over its items (``args``:
+    the shared inputs, those broadcast, then the block of each dask array). Returns the block's
+    value and gradient leaves, NumPy arrays with a leading axis of its items, in the order of
+    :meth:`_Blocks.leaves`. A failing block is rerun item by item, so that its
+    :class:`~daskdag.NodeError` names the first failing item (``start`` is the block's first)."""
+    tasks, key, blocks = loaded
+    shared = dict(zip(blocks.shared.values(), args))
+    bcast = dict(zip(blocks.broadcast, args[len(shared):]))
+    data = args[len(shared) + len(bcast):]
+    size = len(data[0])
+    if size == 0:
+        return [np.empty((0, *a.shape), a.dtype) for a in blocks.leaves()]
+    try:
+        computed = _run(tasks, key, blocks, shared, bcast, data, 0, size)
+    except NodeError as e:
+        if size == 1 or e.item is not None:
+            raise NodeError(e.node, e.phase, e.original, item=start + (e.item or 0)) from e.original
+        for i in range(size):
+            try:
+                _run(tasks, key, blocks, shared, bcast, data, i, i + 1)
+            except NodeError as one:
+                raise NodeError(one.node, one.phase, one.original, item=start + i) from one.original
+        raise
+    return _flat(blocks, computed, size)
+
+
+def _run(tasks, key, blocks: _Blocks, shared: dict, bcast: dict, data, lo: int, hi: int):
+    graph = dict(tasks)  # a copy: the one graph serves every block this process runs
+    for k, value in shared.items():
+        graph[k] = DataNode(k, value)
+    for i, template in blocks.templates.items():
+        value = jax.tree.map(lambda a: data[a.k][lo:hi] if isinstance(a, _Slot) else a, unpack(template))
+        graph[item_key(i)] = DataNode(item_key(i), value)
+    for i, value in bcast.items():
+        value = jax.tree.map(lambda a: np.broadcast_to(a, (hi - lo, *np.shape(a))) if is_array(a) else a,
+                             value)
+        graph[item_key(i)] = DataNode(item_key(i), value)
+    return dask.get(graph, key)
+
+
+def _flat(blocks: _Blocks, computed: dict, size: int) -> list:
+    out = []
+    for o, carries, value_avals, grads in blocks.layout:
+        value, gs = computed[o]
+        out += _leaves(f"output {o!r}", value, value_avals, size)
+        for i, avals in grads:
+            out += _leaves(f"the gradient of {o!r} wrt {i!r}", gs[i], avals, size)
+    return out
+
+
+def _leaves(what: str, tree, avals: list, size: int) -> list:
+    """``tree``'s leaves as NumPy arrays of ``size`` rows, checked against ``avals``, one
+    item's leaves: :class:`~daskdag.sweeps.chunked.Items` stacked, a value that carries no items (the
+    same for every item) broadcast."""
+    if isinstance(tree, Items):
+        tree = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *tree)
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) != len(avals):
+        raise DAGError(f"{what} has {len(leaves)} array leaves, but jax.eval_shape gave it "
+                       f"{len(avals)}")
+    out = []
+    for leaf, aval in zip(leaves, avals):
+        a = np.asarray(leaf)
+        if a.shape == tuple(aval.shape) and a.shape != (size, *aval.shape):  # the same for every item
+            a = np.broadcast_to(a, (size, *a.shape))
+        if a.shape != (size, *aval.shape):
+            raise DAGError(f"{what} has a leaf shaped {a.shape[1:]} for one item, but "
+                           f"jax.eval_shape gave {tuple(aval.shape)}")
+        out.append(a.astype(aval.dtype, copy=False))
+    return out

@@ -1,0 +1,335 @@
+"""Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
+
+An engine takes chunks (a :class:`~daskdag.sweeps.sweep.Sweep` and each chunk's ``(start, stop)``),
+waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
+grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
+:meth:`close` stops everything it started: queued chunks never start, running ones stop at
+their next item (:mod:`daskdag.sweeps.progress`), and on a cluster every future it made is released,
+whatever way the sweep ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import uuid
+import warnings
+
+import cloudpickle
+import dask
+from dask.base import tokenize
+import distributed
+import jax
+import numpy as np
+from dask.task_spec import DataNode, Task, TaskRef
+
+from daskdag.sweeps import progress
+from daskdag.running.cluster import Watch, workers
+from daskdag.running.compute import Arrivals
+from daskdag.graph.build import key
+from daskdag.errors import ClusterError
+from daskdag.transport.packing import pack_for, unpack
+
+WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
+
+
+class Threads:
+    """Each chunk synchronously on one of ``in_flight`` threads of this process."""
+
+    def __init__(self, in_flight: int, bar: progress.Progress | None):
+        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
+        self.stop, self.bar, self.shared = threading.Event(), bar, {}
+
+    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
+        """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
+        return [self._submit(sweep, chunk, steps) for chunk, steps in chunks]
+
+    def _submit(self, sweep, chunk: tuple[int, int], steps: int):
+        graph = sweep.chunk(*chunk)
+        report = None if self.bar is None else (lambda f: self.bar.report(chunk, f))
+
+        def job():
+            with progress.ChunkRun(steps, self.stop.is_set, report):
+                return dask.compute(graph, scheduler="sync")[0]
+
+        return self.pool.submit(job)
+
+    def wait_any(self, futures) -> set:
+        return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
+
+    def result(self, future):
+        return future.result()
+
+    def release(self, future):
+        pass
+
+    def close(self):
+        self.stop.set()  # running chunks stop at their next item; this waits for that
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Cluster:
+    """Chunks as tasks of a ``distributed`` cluster; shared inputs placed on it once.
+
+    ``pin``: each chunk runs as one task on one worker, the one with the fewest chunks in
+    flight (loosely: the scheduler can still move it). Left to itself the scheduler would put
+    every chunk beside the data it needs, the shared inputs held by one worker, and a chunk
+    split into tasks shipped pullbacks and cotangents between workers (a third of the 2-worker
+    sweep benchmark's time), each task paying distributed's per-task overhead. Chunks whose
+    nodes need resources stay task graphs, which the scheduler places node by node (their bar
+    advances per chunk, and they stop at the next task, not item).
+
+    A pinned chunk's items travel inside its task, as Dask's own graphs carry their data, so the
+    scheduler holds the chunk's recipe whole: when its worker dies, or every worker at once, it
+    runs the chunk again elsewhere (data placed with ``Client.scatter`` would be lost with its
+    only holder). Its results come straight back from its worker as NumPy frames
+    (``Client.gather``; ``Client(direct_to_workers=False)`` routes them through the scheduler,
+    for clients that cannot reach the workers). A chunk whose worker left while it waited (a
+    loose restriction to workers that all died keeps a task waiting for them), or whose task
+    was lost (``KilledWorker``: its workers kept dying while it ran), is sent again, up to
+    :data:`RESENDS` times.
+
+    A pinned chunk's task carries no graph: every chunk of a sweep has the same one but for its
+    items, so the sweep's chunk graph is built and pickled once (:func:`chunk_graph`), placed
+    on the cluster as the shared inputs are, and each chunk's task binds its own items into a
+    copy of it (:func:`_run_chunk`). Building, tokenizing and pickling it for each chunk cost
+    this process ~12 ms a chunk, on a 2-core machine time taken from the workers.
+    """
+
+    def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
+                 found: dict | None = None, plan=None):
+        self.client, self.pin, self.bar = client, pin, bar
+        self.place = place  # keeps a value on the cluster (daskdag.running.resident.placing)
+        self.chunks: set[_Chunk] = set()  # every chunk not released yet
+        self.id = uuid.uuid4().hex
+        self.graph: tuple | None = None  # (sweep, future of its chunk graph on the cluster)
+        self.found: dict = found or {}  # the workers as last listed (_workers), and when
+        self.listed = time.monotonic() if found else -float("inf")
+        self.listening = False
+        self.direct = client.direct_to_workers is not False
+        self.watch = Watch(client, plan)  # (plan: for the resources its nodes need)
+        self.arrivals = Arrivals()  # the chunks' futures tell it when they are done
+        self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
+        if bar is not None:
+            progress.listen(client, self.id, bar.report)
+            self.listening = True
+
+    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list[_Chunk]:
+        """``chunks``: ``[((start, stop), steps)]``; returns a :class:`_Chunk` for each."""
+        sent = [_Chunk(sweep, chunk, steps) for chunk, steps in chunks]
+        self.chunks.update(sent)
+        self._send(sent)
+        return sent
+
+    def _send(self, sent: list[_Chunk]):
+        """Each chunk's task, its items in it, pinned to the worker with the fewest chunks."""
+        found = self._workers() if self.pin else {}
+        if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
+            for c in sent:
+                c.future = self.client.compute(c.sweep.chunk(*c.chunk))
+                self.arrivals.add(c.future)
+            return
+        shared = {f.key: f for f in self.shared.values()}
+        with warnings.catch_warnings():  # items travel in the tasks that take them, on purpose
+            warnings.filterwarnings("ignore", message="Sending large graph")
+            for c in sent:
+                c.worker, c.cohort = self._least_busy(found), frozenset(found)
+                graph = self._graph(c.sweep)
+                # Unhashed: a chunk's items are keyed by the chunk, so no one asks for their token.
+                items = {item_key(n): pack_for(f"input {n!r}", v, remote=True, hashed=False)
+                         for n, v in c.sweep.items(*c.chunk).items()}
+                report = None if self.bar is None else [self.id, *c.chunk]
+                c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
+                                              pure=False, workers=[c.worker],
+                                              allow_other_workers=True)
+                self.arrivals.add(c.future)
+
+    def _least_busy(self, found: dict) -> str:
+        """Of the workers ``found`` (running ones first: a paused one takes no new work), the
+        one with the fewest chunks."""
+        running = [a for a, w in found.items() if w.get("status", "running") == "running"]
+        return min(running or found, key=lambda w: sum(1 for other in self.chunks if other.worker == w))
+
+    def _workers(self, fresh: bool = False) -> dict:
+        """The cluster's workers (:func:`daskdag.running.cluster.workers`), as the scheduler listed them
+        at most :data:`LIST_EVERY` seconds ago unless ``fresh``. Asking costs this thread ~3 ms,
+        a tenth of what a chunk cost it. An empty list is not kept: with no worker yet (an
+        adaptive cluster) each chunk asks again."""
+        now = time.monotonic()
+        if fresh or not self.found or now - self.listed > LIST_EVERY:
+            self.found, self.listed = workers(self.client), now
+        return self.found
+
+    def _graph(self, sweep) -> distributed.Future:
+        """The future of ``sweep``'s chunk graph on the cluster (:func:`chunk_graph`), placed
+        when its first chunk is sent, as the shared inputs are (:func:`place_shared`): under a
+        content key, so a later sweep of the same DAG and shared inputs finds it there."""
+        if self.graph is None or self.graph[0] is not sweep:
+            refs = {n: TaskRef(f.key) for n, f in self.shared.items()}
+            tasks, results = chunk_graph(sweep, refs)
+            # A task whose result is the graph: computed again if its holder dies, and fetched,
+            # already unpickled, by the other workers.
+            self.graph = (sweep, self.place(key("sweep", "graph", tokenize(results)),
+                                            cloudpickle.loads, cloudpickle.dumps((tasks, results))))
+        return self.graph[1]
+
+    def wait_any(self, chunks) -> set:
+        """The chunks among ``chunks`` that finished or failed. Those lost meanwhile (their task
+        cancelled, or waiting for a worker that left) are sent again; a cluster that has had no
+        worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`."""
+        if not self.arrivals.any(WAIT):
+            self._stranded(chunks)
+            return set()
+        done = set()
+        for c in chunks:
+            if c.future.cancelled():
+                self._resend(c)
+            elif c.future.status in ("finished", "error"):  # ("lost": being computed again)
+                done.add(c)
+        return done
+
+    def _stranded(self, chunks) -> None:
+        """Send again the pinned chunks stranded by the loss of every worker: a task whose
+        named worker left while no worker was running waits for that worker forever, even once
+        new workers join (distributed 2026.8 looks for another only while some worker runs).
+        A chunk is taken for stranded when none of the workers there when it was sent is left.
+        And give up once the cluster has had no worker for ``daskdag.worker-wait``."""
+        found = self._workers()
+        self.watch.check()
+        if found:
+            for c in chunks:
+                if c.worker is not None and not c.cohort & found.keys() \
+                        and c.future.status == "pending":
+                    self._resend(c)
+
+    def result(self, chunk: _Chunk):
+        """The chunk's results, straight from its worker; raises what the chunk raised, or
+        :class:`Lost` for a chunk of several items whose workers kept dying under it."""
+        while True:
+            try:
+                return self.client.gather(chunk.future, direct=self.direct)
+            except distributed.CancelledError:  # lost with its worker since it finished
+                self._resend(chunk)
+            except distributed.KilledWorker as e:  # its workers died while it ran, too often
+                if chunk.chunk[1] - chunk.chunk[0] > 1:  # smaller pieces stand a better chance
+                    raise Lost(*chunk.chunk) from e
+                self._resend(chunk)
+
+    def _resend(self, chunk: _Chunk):
+        chunk.resent += 1
+        if chunk.resent > RESENDS:
+            start, stop = chunk.chunk
+            what = f"item {start} of the sweep was" if stop - start == 1 else \
+                f"items {start} to {stop - 1} of the sweep were"
+            raise ClusterError(f"{what} lost {chunk.resent} times, with the workers that ran "
+                               f"them (killed, out of memory?), or their task was cancelled by "
+                               f"someone else")
+        self._let_go(chunk, cancel=True)
+        self.listed = -float("inf")  # a worker left, most likely: list them anew
+        self._send([chunk])
+
+    def release(self, chunk: _Chunk):
+        self.chunks.discard(chunk)
+        self._let_go(chunk)
+
+    def _let_go(self, chunk: _Chunk, cancel: bool = False):
+        if chunk.future is not None:
+            if cancel:  # (it may still be queued or running on a worker that lives)
+                self.client.cancel([chunk.future])
+            chunk.future.release()
+        chunk.future, chunk.worker = None, None
+
+    def close(self):
+        """Cancel and let go of every chunk. (The shared inputs and the chunk graph are
+        ``place``'s, :func:`daskdag.running.resident.placing`.)"""
+        held = [c.future for c in self.chunks if c.future is not None]
+        self.graph = None
+        self.chunks.clear()
+        if self.listening:
+            self.listening = False
+            progress.unlisten(self.client, self.id)
+        if held:
+            try:  # cancel stops chunks still running (each at its next item) and queued ones
+                self.client.cancel(held)
+            except Exception:  # a client already closed has nothing left to cancel
+                pass
+        for fut in held:  # release: a frame or error still holding a future keeps nothing alive
+            fut.release()
+
+
+RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
+
+
+class Lost(Exception):
+    """A chunk of several items lost with the workers that ran it (``KilledWorker``): the
+    sweep runs its items again one by one (:func:`daskdag.sweeps.sweep._run_chunks`)."""
+LIST_EVERY = WAIT  # seconds a list of the workers is used for before the scheduler is asked again
+
+
+class _Chunk:
+    """A chunk on the cluster: its items (``start, stop``), its task's future, the worker it was
+    sent to, the workers there then, and how often it was sent again."""
+
+    __slots__ = ("sweep", "chunk", "steps", "future", "worker", "cohort", "resent")
+
+    def __init__(self, sweep, chunk: tuple[int, int], steps: int):
+        self.sweep, self.chunk, self.steps = sweep, chunk, steps
+        self.future, self.worker, self.resent = None, None, 0
+        self.cohort: frozenset = frozenset()  # the workers there when it was sent
+
+
+def place_shared(place, name: str, value) -> distributed.Future:
+    """Put the shared input ``name`` on the cluster for every chunk to use, with ``place``
+    (:func:`daskdag.running.resident.placing`): under its content key, which a later sweep or
+    ``compute_grads`` call with the same value finds there, and as a task whose result is the
+    value, so it survives the loss of its worker, where a scattered value would fail every
+    chunk needing it. The value travels packed, as every input does (:mod:`daskdag.transport.packing`).
+    """
+    packed = pack_for(f"input {name!r}", value, remote=True)
+    return place(key("input", name, tokenize(packed)), unpack, packed)
+
+
+def item_key(name: str) -> str:
+    """The key under which a chunk graph (:func:`chunk_graph`) refers to input ``name``'s items."""
+    return f"daskdag-items-{name}"
+
+
+def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
+    """The graph of every pinned chunk of ``sweep``: ``(tasks, key of the results)``. It refers
+    to the chunk's items under :func:`item_key`, and to the shared inputs by ``shared``,
+    ``{input: TaskRef}`` (plain references: a ``Future`` in it would start a client wherever it
+    is unpickled); neither has a task in it, :func:`_run_chunk` adds them as data. Nothing in it
+    depends on which items a chunk holds, or how many (:meth:`daskdag.sweeps.sweep.Sweep.graph`)."""
+    items = {n: TaskRef(item_key(n)) for n in sweep.carried()}
+    results = sweep.graph({**shared, **items})
+    flat = [d for value, grads in results.values() for d in (value, *grads.values())]
+    tasks = dict(flat[0].__dask_graph__())  # (one graph: every result is a key of it)
+    shape = [(o, list(grads)) for o, (_, grads) in results.items()]
+    # A content key, as the results' keys are. (dask.delayed of the results took ~4 ms.)
+    done = key("sweep", "results", tokenize([d.key for d in flat], shape))
+    tasks[done] = Task(done, _assemble, shape, *(TaskRef(d.key) for d in flat))
+    return tasks, done
+
+
+def _assemble(shape: list, *flat):
+    """``{output: (value, {input: grad})}`` from the results ``flat`` in :func:`chunk_graph`'s
+    order, ``shape`` its ``[(output, [input])]``."""
+    it = iter(flat)
+    return {o: (next(it), {i: next(it) for i in inputs}) for o, inputs in shape}
+
+
+def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int, report: list | None):
+    """A whole chunk as one task, in one worker: the sweep's chunk graph (:func:`chunk_graph`;
+    unpickled once on the worker that made it, copied to others as an object) run by Dask's
+    synchronous scheduler, with the shared inputs and the chunk's packed items (``{item_key:
+    Packed}``), which distributed fetched for this task, as data. Returns the results with
+    NumPy leaves: distributed sends NumPy arrays as zero-copy frames, and the client stacks
+    them into NumPy arrays anyway."""
+    tasks, key = graph
+    tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks, maybe at once
+    for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:
+        tasks[k] = DataNode(k, value)
+    with progress.worker_chunk(steps, report):
+        computed = dask.get(tasks, key)
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, computed)

@@ -1,0 +1,142 @@
+"""What a running sweep chunk tells the sweep (how far it got) and asks it (was it cancelled?).
+
+A chunk runs as one task (a thread of this process, or one task on a ``distributed`` worker)
+and loops over its items inside each node (:mod:`daskdag.sweeps.chunked`). Between two items it calls
+:func:`checkpoint`, which counts the step and raises :class:`Cancelled` once the sweep stopped
+waiting for the chunk, so Ctrl-C does not wait for whole chunks to finish.
+
+On the client, :class:`Progress` is the progress bar over items: finished chunks count whole,
+running chunks by the fraction of their item steps done. On a cluster chunks report through
+distributed's event log (``Worker.log_event`` to one topic, ``Client.subscribe_topic``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from daskdag.cancel import Cancelled, dropped
+
+from tqdm.auto import tqdm
+
+TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
+REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
+
+_running = threading.local()  # .chunk: the ChunkRun of the chunk this thread runs, if any
+
+
+class ChunkRun:
+    """One chunk being run in this thread: ``steps`` item steps in all (one per item for each
+    item-by-item forward and backward pass); ``report(fraction)`` hears how far it got."""
+
+    def __init__(self, steps: int, cancelled: Callable[[], bool],
+                 report: Callable[[float], None] | None = None, every: float = 0.0):
+        self.steps, self.cancelled, self.report, self.every = steps, cancelled, report, every
+        self.done, self.last = 0, time.monotonic()
+
+    def __enter__(self):
+        self.outer, _running.chunk = getattr(_running, "chunk", None), self
+        return self
+
+    def __exit__(self, *exc):
+        _running.chunk = self.outer
+
+    def step(self):
+        if self.cancelled():
+            raise Cancelled("the sweep no longer waits for this chunk")
+        self.done += 1
+        if self.report is not None and self.steps and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            self.report(min(1.0, self.done / self.steps))
+
+
+def checkpoint():
+    """Between two items of a chunk: count the step, stop if the sweep was cancelled."""
+    chunk = getattr(_running, "chunk", None)
+    if chunk is not None:
+        chunk.step()
+
+
+# -- in a distributed worker ---------------------------------------------------------------------
+
+def worker_chunk(steps: int, report: list | None) -> ChunkRun:
+    """The :class:`ChunkRun` of the task this worker thread runs: cancelled once the worker
+    dropped the task (the client cancelled or released it); ``report``, ``[sweep id, start,
+    stop]``, goes with each fraction done to :data:`TOPIC`."""
+    import distributed
+
+    worker = distributed.get_worker()
+    send = None if report is None else (lambda f: worker.log_event(TOPIC, [*report, f]))
+    return ChunkRun(steps, dropped(), send, REPORT_EVERY)
+
+
+# -- in the client --------------------------------------------------------------------------------
+
+class Progress:
+    """The bar over a sweep's ``total`` items. Chunks are keyed by ``(start, stop)``; reports of
+    a chunk that is no longer open (done, failed, a stale event) are ignored, so the final count
+    is the exact number of items finished."""
+
+    def __init__(self, total: int):
+        self.bar = tqdm(total=total, unit="item")
+        self.done, self.partial = 0, {}  # partial: open chunk -> items done in it, as a float
+        self.lock = threading.Lock()
+
+    def open(self, chunk: tuple[int, int]):
+        with self.lock:
+            self.partial[chunk] = 0.0
+
+    def report(self, chunk: tuple[int, int], fraction: float):
+        """From any thread: the chunk got through ``fraction`` of its item steps."""
+        with self.lock:
+            if chunk in self.partial:
+                self.partial[chunk] = fraction * (chunk[1] - chunk[0])
+
+    def close_chunk(self, chunk: tuple[int, int], finished: int):
+        """The chunk is no longer running; ``finished`` of its items count as done."""
+        with self.lock:
+            self.partial.pop(chunk, None)
+            self.done += finished
+        self.refresh()
+
+    def refresh(self):
+        with self.lock:
+            target = self.done + int(sum(self.partial.values()))
+        if target > self.bar.n:  # never backwards (a chunk that failed drops its share)
+            self.bar.update(target - self.bar.n)
+
+    def close(self):
+        self.bar.close()
+
+
+_listening: dict[str, Callable] = {}  # sweep id -> its Progress.report, for the sweeps running here
+_subscribed: dict[str, int] = {}  # client id -> sweeps of that client running
+_lock = threading.Lock()
+
+
+def listen(client, sweep_id: str, report: Callable):
+    """Route the :data:`TOPIC` events of sweep ``sweep_id`` to ``report(chunk, fraction)``."""
+    with _lock:
+        _listening[sweep_id] = report
+        _subscribed[client.id] = _subscribed.get(client.id, 0) + 1
+        client.subscribe_topic(TOPIC, _event)  # the same handler every time: replacing it is harmless
+
+
+def unlisten(client, sweep_id: str):
+    with _lock:
+        _listening.pop(sweep_id, None)
+        _subscribed[client.id] -= 1
+        if not _subscribed[client.id]:
+            del _subscribed[client.id]
+            try:
+                client.unsubscribe_topic(TOPIC)
+            except Exception:  # a client already closed is subscribed to nothing
+                pass
+
+
+def _event(event):
+    _, (sweep_id, start, stop, fraction) = event
+    report = _listening.get(sweep_id)
+    if report is not None:
+        report((start, stop), fraction)

@@ -1,0 +1,119 @@
+"""A sweep's values and gradients stacked over its items, and their shapes when no item gave any
+(no items at all, or every item failed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.sweeps.chunked import Items, chunk_of
+from daskdag.rules.pullback import is_numeric
+
+
+class Stacked:
+    """One output's values, or one gradient, stacked over all items as chunks arrive.
+
+    Leaves that are ``None`` (a gradient's non-differentiated leaves) stay ``None``:
+    ``jax.tree.map`` skips them. Rows of items that never arrived (failed) are NaN, or 0
+    where the dtype has no NaN.
+    """
+
+    def __init__(self, size: int):
+        self.size, self.tree, self.arrived = size, None, np.zeros(size, bool)
+
+    def put(self, start: int, stop: int, tree, carries_items: bool):
+        if isinstance(tree, Items):  # one item at a time, straight into its row
+            for i, item in enumerate(tree):
+                row = jax.tree.map(lambda a: np.asarray(a)[None], item)
+                self.put(start + i, start + i + 1, row, True)
+            return
+        if not carries_items:  # the same for every item
+            tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
+        if self.tree is None:
+            # Uninitialised: filling it first would write every row twice (for a large sweep,
+            # a pass over hundreds of MB); rows that never arrive are filled in result().
+            self.tree = jax.tree.map(lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
+                                     tree)
+
+        def copy(dst, src):
+            dst[start:stop] = np.asarray(src)
+
+        jax.tree.map(copy, self.tree, tree)
+        self.arrived[start:stop] = True
+
+    def result(self, item):
+        """The stacked tree; if no item arrived, NaN rows shaped by ``item`` (one item's
+        ``ShapeDtypeStruct`` tree), or ``None`` when that is unknown too."""
+        if self.tree is None and item is not None:
+            self.tree = jax.tree.map(lambda a: np.empty((self.size, *a.shape), a.dtype), item)
+        if self.tree is not None and not self.arrived.all():
+            missing = ~self.arrived
+            jax.tree.map(lambda a: _mark_missing(a, missing), self.tree)
+            self.arrived[:] = True
+        return self.tree
+
+
+def _mark_missing(a, rows):
+    # NaN marks the rows of items that failed, where the dtype has one.
+    a[rows] = np.nan if np.issubdtype(a.dtype, np.inexact) else 0
+
+
+def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:
+    """One item's ``({output: value shape}, {input: gradient shape})``, as ``ShapeDtypeStruct``
+    trees, without running any node on data: each needed node is traced with ``jax.eval_shape``
+    on its deps' shapes (its Python code runs once, on abstract values).
+
+    A gradient is shaped like its input's item, with ``None`` for leaves that are not floating
+    arrays. A value is ``None`` when a node on its way cannot be traced abstractly (Python
+    control flow on values, ``float(x)``, non-JAX code).
+    """
+    avals = {i: _abstract(v, i in batched) for i, v in values.items()}
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        chunk = chunk_of(node)
+        fn = (chunk.node if chunk else node).callable()
+        deps = [avals[d] for d in node.deps]
+        avals[n] = _UNKNOWN if any(d is _UNKNOWN for d in deps) else _eval_shape(fn, deps)
+    grads = {i: jax.tree.map(_cotangent_shape, avals[i]) for i in plan.wrt}
+    return {o: None if avals[o] is _UNKNOWN else avals[o] for o in plan.outputs}, grads
+
+
+_UNKNOWN = object()  # a node that could not be traced abstractly, or one downstream of it
+
+
+def _abstract(value, batched: bool):
+    """The shapes of one item of ``value``; leaves that are not arrays stay as they are."""
+    def leaf(a):
+        if not is_numeric(a):
+            return a
+        shape = np.shape(a)
+        return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(a))
+
+    return jax.tree.map(leaf, value)
+
+
+def _eval_shape(fn, args) -> Any:
+    """``jax.eval_shape(fn, *args)`` over the array leaves of ``args``, the others held as they
+    are; ``_UNKNOWN`` when ``fn`` cannot run on abstract values."""
+    leaves, tree = jax.tree.flatten(args)
+    at = [k for k, a in enumerate(leaves) if isinstance(a, jax.ShapeDtypeStruct)]
+
+    def on_arrays(*arrays):
+        full = list(leaves)
+        for k, a in zip(at, arrays):
+            full[k] = a
+        return fn(*jax.tree.unflatten(tree, full))
+
+    try:
+        return jax.eval_shape(on_arrays, *(leaves[k] for k in at))
+    except Exception:  # e.g. a TracerBoolConversionError from `if` on a value
+        return _UNKNOWN
+
+
+def _cotangent_shape(a):
+    if isinstance(a, jax.ShapeDtypeStruct) and jnp.issubdtype(a.dtype, jnp.inexact):
+        return a
+    return None

@@ -1,0 +1,313 @@
+"""Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
+
+Each chunk of items is the graph :func:`daskdag.graph.build.build` makes for one call, over a spec
+whose node functions take a whole chunk (:class:`~daskdag.sweeps.chunked.Chunked`): vectorized with
+``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
+(:mod:`daskdag.sweeps.engines`; on a cluster a chunk is one task on one worker, its items sent
+straight to that worker and its results straight back, and shared inputs are placed on the
+cluster once). A few chunks are in flight at a time; their results are written into the
+stacked outputs (:mod:`daskdag.sweeps.results`) as they finish and their intermediates released, so
+memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
+name the item and keep the rest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import os
+import traceback
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from daskdag.sweeps.chunked import Chunked, chunk_of
+from daskdag.sweeps.engines import Cluster, Lost, Threads
+from daskdag.errors import NodeError
+from daskdag.graph.build import build
+from daskdag.running.log import logger, where
+from daskdag.model.plan import Plan, make_plan
+from daskdag.sweeps.progress import Progress
+from daskdag.running.resident import placing
+from daskdag.rules.pullback import is_array
+from daskdag.transport.packing import pack_for, rows, ship
+from daskdag.model.spec import Spec
+from daskdag.graph.stages import make_stages, steps_per_item
+from daskdag.sweeps.results import Stacked, item_shapes
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What every chunk shares: the plan over the chunked spec, and which names carry items."""
+
+    plan: Plan
+    values: dict[str, Any]  # inputs as given
+    batched: frozenset[str]  # inputs that carry the item axis
+    broadcast: frozenset[str]  # shared inputs differentiated per item: broadcast in each chunk
+    carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
+    cotangents: dict[str, Any]
+    size: int
+    remote: bool  # chunks go to a cluster
+    travel: bool  # the chunk graph is packed under content keys (daskdag.graph.build.Carry)
+
+    @property
+    def vectorized(self) -> bool:
+        """Every node that carries items runs as ``jit(vmap)`` over a chunk."""
+        return all(chunk.node.vmap for n in self.plan.needed
+                   if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
+
+    def shared(self, name: str) -> bool:
+        return name not in self.batched and name not in self.broadcast
+
+    def carried(self) -> list[str]:
+        """The inputs that carry items (the keys of :meth:`items`): batched ones, and shared ones
+        differentiated per item."""
+        return [i for i in self.values if not self.shared(i)]
+
+    def items(self, start: int, stop: int) -> dict[str, Any]:
+        """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
+        inputs differentiated per item broadcast. Array leaves carry the items; other leaves
+        (functions...) are shared."""
+        values = {}
+        for i in self.carried():
+            v = self.values[i]
+            if i in self.batched and self.remote:  # they will be packed
+                values[i] = jax.tree.map(lambda a: rows(a, start, stop) if is_array(a) else a, v)
+            elif i in self.batched:
+                values[i] = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
+            else:
+                values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
+                                         if is_array(a) else a, v)
+        return values
+
+    def chunk(self, start: int, stop: int):
+        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``, the
+        items' values inside it."""
+        return self.graph(self.items(start, stop))
+
+    def graph(self, values: dict):
+        """The Dask graph of a chunk whose :meth:`carried` inputs (and any others given) are
+        ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
+        Nothing else in it depends on which items, or how many, the chunk holds: items enter
+        only as these inputs, and the seeds of the outputs' cotangents take the item count
+        from the outputs when they run (:func:`daskdag.graph.tasks.seed`)."""
+        return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
+                     remote=self.remote, travel=self.travel)
+
+
+def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
+               travel: bool | None = None) -> Sweep:
+    """What every chunk shares. ``remote``: chunks go to a cluster; ``travel``: the chunk graph
+    is packed under content keys, as it must be for a cluster or a graph computed later,
+    anywhere (default ``remote``)."""
+    broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
+    carrying = set(batched) | broadcast
+    nodes = {}
+    for n in spec.order:
+        node = spec.nodes[n]
+        in_axes = tuple(0 if d in carrying else None for d in node.deps)
+        if 0 in in_axes:  # nodes of shared inputs alone stay as they are: one key, run once
+            carrying.add(n)
+            # Its function packed inside too: its content token keys the chunk's compiled
+            # programs (shipping.current), so a change in place compiles anew.
+            inner = replace(node, fn=pack_for(f"node {n!r}: its function", node.fn, remote,
+                                              as_function=True))
+            node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
+        nodes[n] = node
+    travel = remote if travel is None else travel
+    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote, travel)
+    return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
+                 remote, travel)
+
+
+def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
+    """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
+    per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
+    program over its items): also about four per slot, so that items and results travel while
+    other chunks compute, but none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's
+    fixed cost, tens of milliseconds on a cluster, would outweigh it) unless that leaves a slot
+    without a chunk, and none over ``[1]``, to bound memory. (2-worker cluster, 2 cores,
+    items of 32 KiB: 256 items ran fastest in 2 chunks, 2048 items in 4 to 8.)"""
+    size = sweep.size
+    if not sweep.vectorized:
+        return max(1, min(256, math.ceil(size / (4 * parallelism))))
+    batch_bytes = sum(leaf.nbytes for i in sweep.batched
+                      for leaf in jax.tree.leaves(sweep.values[i]) if is_array(leaf))
+    item_bytes = max(1.0, batch_bytes / max(size, 1))
+    least, most = (int(b // item_bytes) for b in VECTOR_CHUNK_BYTES)
+    chunk = min(max(math.ceil(size / (4 * parallelism)), least), math.ceil(size / parallelism))
+    return max(1, min(chunk, most))
+
+
+VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk, at least / at most
+
+
+def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
+        workers: dict | None = None):
+    """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
+    ``workers``: ``client``'s workers as just listed (:func:`daskdag.running.cluster.workers`), if known.
+
+    ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
+    failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no item gave any);
+    ``failed``: ``{item: NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first
+    failing item's error raises. Whatever way it ends, nothing of the sweep stays running or
+    held, here or on the cluster.
+    """
+    stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
+               for o in sweep.plan.outputs}
+    logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
+                list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
+                where(client, None))
+    failed: dict[int, NodeError] = {}
+    if sweep.size:
+        bar = Progress(sweep.size) if progress else None
+        try:
+            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers)
+        finally:
+            if bar:
+                bar.close()
+    return _finish(sweep, stacked), failed
+
+
+def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers):
+    """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
+    shared inputs and the chunk graph are kept for later calls
+    (:func:`~daskdag.running.resident.placing`)."""
+    with contextlib.nullcontext() if client is None else placing(client) as place:
+        if client is None:
+            engine = Threads(in_flight, bar)
+        else:
+            shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
+            pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
+            engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
+        _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine)
+
+
+def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine):
+    """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
+    ahead of new chunks, to name its failing items and keep the others; so is one lost with the
+    workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
+    no new chunk starts after a failure; the error raised is that of the lowest failing item,
+    once everything before it is known to have succeeded."""
+    try:
+        sweep = replace(sweep, values={**sweep.values, **engine.shared})
+        chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
+        reruns, broken, pending = deque(), [], {}  # broken: failed chunks held back (errors='raise')
+        while True:
+            halted = errors == "raise" and bool(failed or broken)  # no new chunks
+            if halted and not pending and not reruns:  # all before the failures is known
+                first = min(failed, default=sweep.size)
+                if not broken or first < broken[0][0]:
+                    raise failed[first] from failed[first].original
+                reruns.extend(_items(broken.pop(0)))
+            source = reruns or (() if halted else chunks)
+            batch = [source.popleft() for _ in range(min(len(source), in_flight - len(pending)))]
+            if batch:
+                sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
+                                             for c in batch])
+                pending.update(zip(sent, batch))
+                for c in batch if bar else ():
+                    bar.open(c)
+            if not pending:
+                break
+            for fut in engine.wait_any(list(pending)):
+                c = pending.pop(fut)
+                err = _collect(engine, fut, sweep, c, stacked)
+                if bar:
+                    bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
+                if err is None:
+                    continue
+                if isinstance(err, Lost):  # item by item, ahead of new chunks
+                    reruns.extend(_items(c))
+                elif c[1] - c[0] == 1:  # an item: named
+                    failed[c[0]] = err
+                elif errors == "raise":
+                    bisect.insort(broken, c)
+                else:
+                    reruns.extend(_items(c))
+            if bar:
+                bar.refresh()
+    finally:
+        engine.close()
+
+
+def chunk_steps(plan: Plan, items: int) -> int:
+    """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each stage's
+    forward pass item by item (:func:`daskdag.graph.stages.steps_per_item`), and its backward pass
+    (for all outputs at once) where a gradient passes through it."""
+    steps = 0
+    for s in make_stages(plan):
+        per_item = steps_per_item(s, [plan.spec.nodes[n] for n in s.nodes])
+        backward = any(set(s.nodes) & set(plan.backward[o]) for o in plan.outputs)
+        steps += per_item * (2 if backward else 1)
+    return items * steps
+
+
+def _items(chunk):
+    return [(i, i + 1) for i in range(*chunk)]
+
+
+def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | Lost | None:
+    """Store a finished chunk's results; return its error instead if it failed, or ``Lost`` if
+    the workers that ran it kept dying."""
+    try:
+        computed = engine.result(fut)
+    except NodeError as e:
+        return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
+    except Lost as e:
+        return e
+    finally:
+        engine.release(fut)
+    _store(stacked, sweep, *chunk, computed)
+    return None
+
+
+def _detached(e: NodeError, item: int | None) -> NodeError:
+    """``e`` for ``item``, holding no stack frames.
+
+    A traceback holds its frames, and they every local of the calls they came through: an error
+    from a cluster arrives with a traceback rebuilt on top of this sweep's own frames, so a kept
+    error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
+    original exception's traceback (where the node raised) stays, as text in a note.
+    """
+    seen, todo = set(), [e.original]
+    while todo:  # the original and the exceptions chained to it
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.__traceback__ is not None:
+            x.add_note("Raised at (traceback kept as text):\n"
+                       + "".join(traceback.format_tb(x.__traceback__)).rstrip())
+            x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+    return NodeError(e.node, e.phase, e.original, item=item)
+
+
+def _store(stacked, sweep, start, stop, computed):
+    for o, (value, grads) in computed.items():
+        stacked[o][0].put(start, stop, value, o in sweep.carrying)
+        for i, g in grads.items():
+            stacked[o][1][i].put(start, stop, g, True)
+
+
+def _finish(sweep, stacked) -> dict:
+    """``{output: (value, {input: grad})}``; where no item gave a result (none at all, or all
+    failed), NaN rows shaped like one item's result, when that can be known without data."""
+    values, grads = {}, {}
+    if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
+        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched)
+    return {o: (v.result(values.get(o)), {i: s.result(grads.get(i)) for i, s in g.items()})
+            for o, (v, g) in stacked.items()}
+
+
+def parallelism(workers: dict | None) -> int:
+    """Chunks that can run at once: threads of the cluster's ``workers``
+    (:func:`daskdag.running.cluster.workers`), else of this machine."""
+    if workers is None:
+        return os.cpu_count() or 1
+    return max(1, sum(w.get("nthreads", 1) for w in workers.values()))

@@ -1,0 +1,99 @@
+"""Backward programs that can leave their process: exported once, compiled once per process.
+
+A pullback at a concrete point is a linear JAX function of its cotangent whose closed-over arrays
+are the residuals. ``export`` turns its jaxpr into portable bytes (``jax.export``), the residuals
+becoming explicit arguments; ``load`` compiles such bytes once per process and content key, so a
+sweep over same-shaped items compiles each backward program once per worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Callable
+
+import jax
+import jaxlib
+from jax import export as jax_export
+
+from daskdag.errors import ClusterError
+
+# Exported for both, so a pullback made on a GPU worker can run on a CPU one and back.
+PLATFORMS = ("cpu", "cuda")
+
+_lock = threading.Lock()
+_exported: dict[str, bytes] = {}  # key -> serialized program, made in this process
+_compiled: dict[str, Callable] = {}  # key -> compiled program, loaded in this process
+_stats = {"exported": 0, "compiled": 0, "cache_hits": 0}
+
+
+def versions() -> dict[str, str]:
+    """The packages an exported program's meaning depends on."""
+    from daskdag import __version__
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "daskdag": __version__}
+
+
+def check_versions(sender: dict[str, str]) -> None:
+    """Raise :class:`~daskdag.ClusterError` when a program was made under other versions."""
+    here = versions()
+    if sender != here:
+        raise ClusterError(f"{_this_process()} has {here}, but a backward program it received "
+                           f"was exported under {sender}: install the same versions everywhere")
+
+
+def _this_process() -> str:
+    try:
+        from distributed import get_worker
+
+        return f"worker {get_worker().address}"
+    except ValueError:
+        return "this process"
+
+
+def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
+    """``(key, bytes)`` of a program computing ``closed_jaxpr(*ct, *consts)``.
+
+    The key is a hash of the jaxpr's text, its argument types and the package versions, so equal
+    programs from different items (or workers) share one key and one compilation.
+    """
+    const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in closed_jaxpr.consts]
+    key = hashlib.sha256(repr((str(closed_jaxpr.jaxpr), ct_avals, const_avals,
+                               sorted(versions().items()))).encode()).hexdigest()
+    with _lock:
+        if key in _exported:
+            return key, _exported[key]
+    jaxpr, n_ct = closed_jaxpr.jaxpr, len(ct_avals)
+
+    def backward_program(*args):
+        return jax.core.eval_jaxpr(jaxpr, args[n_ct:], *args[:n_ct])
+
+    try:
+        exported = jax_export.export(jax.jit(backward_program), platforms=PLATFORMS)(
+            *ct_avals, *const_avals)
+    except Exception:  # a lowering rule missing for some platform: this one's will do
+        exported = jax_export.export(jax.jit(backward_program))(*ct_avals, *const_avals)
+    data = bytes(exported.serialize())
+    with _lock:
+        _exported[key] = data
+        _stats["exported"] += 1
+    return key, data
+
+
+def load(key: str, data: bytes) -> Callable:
+    """The compiled program for ``key``: deserialized and compiled on first use in this process."""
+    with _lock:
+        program = _compiled.get(key)
+        if program is not None:
+            _stats["cache_hits"] += 1
+            return program
+        exported = jax_export.deserialize(bytearray(data))
+        program = jax.jit(exported.call).lower(*exported.in_avals).compile()
+        _compiled[key] = program
+        _stats["compiled"] += 1
+        return program
+
+
+def stats() -> dict[str, int]:
+    """Counts in this process: programs exported, compiled, and loads served from the cache."""
+    with _lock:
+        return dict(_stats)
