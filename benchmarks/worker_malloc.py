@@ -61,7 +61,7 @@ def main(reps: int) -> dict:
 
         def sweep(client, tune=True):
             def run():
-                with dask.config.set({worker_setup.CONFIG: tune}):
+                with dask.config.set({"daskdag.tune-workers": tune}):
                     return sweeps.with_sweep(inputs, dag, None, client)
             return run
 

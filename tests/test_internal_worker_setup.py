@@ -98,7 +98,7 @@ def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
 @pytest.mark.timeout(180)
 def test_switched_off_nothing_is_registered():
     with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client, \
-            dask.config.set({worker_setup.CONFIG: False}):
+            dask.config.set({"daskdag.tune-workers": False}):
         res = daskdag.compute_grads(_dag(), X, "B", client=client)
         assert_tree_close(res.grad, _grad(X))
         assert worker_setup.NAME not in client.run_on_scheduler(

@@ -40,8 +40,8 @@ from daskdag.graph import tasks
 from daskdag.model.plan import Plan
 from daskdag.graph.stages import abbreviate, itself, make_stages
 from daskdag.transport.packing import pack_for, unpack
+from daskdag import config
 
-CLOSE = "daskdag.close-stages"
 # A packed input or node of at most this many bytes travels inside each task that takes it, as
 # Dask's own graphs carry small arguments: a task whose inputs are all small then depends on no
 # other task, and the scheduler spreads such tasks over the workers (it places a task with
@@ -153,7 +153,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     # forward task runs the backward pass too (tasks.forward_backward), a fused one as one
     # program; its residuals never leave it. (dask.config daskdag.close-stages: False keeps
     # them apart.)
-    close = dask.config.get(CLOSE, True)
+    close = config.get("close-stages")
     paths = {o: set(plan.backward[o]) for o in plan.outputs}
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
     seeds = {o: ("seed", o, cotangents.get(o), batched) if rows is None else ("basis", o)

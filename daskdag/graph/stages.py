@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Sequence
 
-import dask
 from dask.sizeof import sizeof
 import jax.numpy as jnp
 
@@ -54,8 +53,8 @@ from daskdag.rules.pullback import ct_avals, differentiable_leaves, has_lineariz
 from daskdag.rules.pullback import linearize as vjp_linearize
 from daskdag.transport.packing import current
 from daskdag.model.spec import Node
+from daskdag import config
 
-FUSE = "daskdag.fuse-chains"
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ class Stage:
 def make_stages(plan: Plan) -> tuple[Stage, ...]:
     """The plan's needed nodes as stages (see the module's docstring), in topological order."""
     spec, needed = plan.spec, set(plan.needed)
-    fuse = dask.config.get(FUSE, True)
+    fuse = config.get("fuse-chains")
     groups: list[list[str]] = []
     group_of: dict[str, int] = {}
     jittable: dict[int, bool] = {}

@@ -13,15 +13,13 @@ import time
 import warnings
 import weakref
 
-import dask
 from dask.utils import parse_timedelta
 
 from daskdag.errors import ClusterError
 from daskdag.model.plan import Plan
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
-WORKER_WAIT = "daskdag.worker-wait"  # dask.config key: how long to wait for a first worker
-WORKER_WAIT_DEFAULT = "30s"
+from daskdag import config
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 _same_versions: set[tuple[str, str]] = set()  # (address, local directory) of workers checked
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
@@ -60,7 +58,7 @@ def tune_workers(client) -> None:
     """Register :class:`daskdag.running.workers.TuneMalloc` with ``client``'s scheduler, once per
     client object, unless ``daskdag.tune-workers`` is false. A failure warns and never stops
     the call: the workers only stay slower."""
-    if client in _tuned or not dask.config.get(worker_setup.CONFIG, True):
+    if client in _tuned or not config.get("tune-workers"):
         return
     _tuned.add(client)  # before trying: a failing registration is not retried on every call
     try:
@@ -93,7 +91,7 @@ def _probe() -> None:
 def _wait_for_a_worker(client) -> dict[str, dict]:
     # A task waiting for a worker is what makes an adaptive cluster scale up from zero
     # (Scheduler.adaptive_target), so wait on one rather than on the worker count alone.
-    wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+    wait = parse_timedelta(config.get("worker-wait"), default="s")
     probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{client.id}")
     try:
         probe.result(timeout=wait)
@@ -105,7 +103,7 @@ def _wait_for_a_worker(client) -> dict[str, dict]:
     if not found:
         raise ClusterError(f"{describe(client)}: the scheduler has no workers, and none joined "
                            f"within {wait:g} s: start some (`dask worker ADDRESS`), or wait longer "
-                           f"with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+                           f"with dask.config.set({{'daskdag.worker-wait': '120s'}})")
     return found
 
 
@@ -166,7 +164,7 @@ class Watch:
 
     def __init__(self, client, plan: Plan | None = None):
         self.client, self.plan = client, plan
-        self.wait = parse_timedelta(dask.config.get(WORKER_WAIT, WORKER_WAIT_DEFAULT), default="s")
+        self.wait = parse_timedelta(config.get("worker-wait"), default="s")
         self.since: float | None = None  # since when the cluster cannot run the call
         self.lost = 0  # the most workers seen meanwhile gone
 
@@ -187,7 +185,7 @@ class Watch:
                 f"{describe(self.client)}: {problem}, and it stayed so for {self.wait:g} s "
                 f"(daskdag.worker-wait): the workers were lost (killed, out of memory, or their "
                 f"machines went away) and none came back to finish the call. Start workers, or "
-                f"wait longer with dask.config.set({{{WORKER_WAIT!r}: '120s'}})")
+                f"wait longer with dask.config.set({{'daskdag.worker-wait': '120s'}})")
 
     def _problem(self, found: dict) -> str | None:
         if not found:

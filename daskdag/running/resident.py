@@ -22,12 +22,10 @@ import warnings
 import weakref
 from collections import deque
 
-import dask
 from dask.sizeof import sizeof
+from daskdag import config
 
 
-KEEP_CALLS = "daskdag.keep-calls"
-KEEP_CALLS_DEFAULT = 8
 
 _FAILED = ("error", "cancelled", "lost")
 _lock = threading.Lock()
@@ -74,7 +72,7 @@ class Resident:
             with _lock:
                 self.running.remove(used)
                 self.recent.append(used)
-                while len(self.recent) > max(1, dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT)):
+                while len(self.recent) > max(1, config.get("keep-calls")):
                     self.recent.popleft()
                 live = set().union(*self.recent, *self.running)
                 for key in [k for k in self.futures if k not in live]:
@@ -122,7 +120,7 @@ def placing(client):
 
 def of(client) -> Resident | None:
     """The client's :class:`Resident`, or ``None`` when keeping is turned off."""
-    if dask.config.get(KEEP_CALLS, KEEP_CALLS_DEFAULT) <= 0:
+    if config.get("keep-calls") <= 0:
         return None
     with _lock:
         resident = _by_client.get(client)

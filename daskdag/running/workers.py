@@ -32,7 +32,6 @@ import cloudpickle
 from distributed import WorkerPlugin
 
 NAME = "daskdag-tune-malloc"
-CONFIG = "daskdag.tune-workers"  # dask.config key; default True
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
