@@ -71,7 +71,7 @@ from daskdag import Node
 from daskdag.transport import programs
 from daskdag.api import build_graph
 from daskdag.graph.build import kind_of
-from daskdag.rules.pullback import linearize
+from daskdag.rules.vjp import linearize
 
 from daskdag import common
 TITLE = "Portable pullbacks"

@@ -21,12 +21,12 @@ from daskdag.running import resident
 from daskdag.sweeps import sweep
 from daskdag.graph import forward as jvp_graph
 from daskdag.running.compute import compute
-from daskdag.rules.custom import Custom
+from daskdag.model.custom import Custom
 from daskdag.errors import DAGError, NodeError
 from daskdag.graph.build import build
 from daskdag.running.lazy import Call
 from daskdag.cancel import Stop
-from daskdag.rules.pullback import differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
 from daskdag.transport.packing import ship
 from daskdag.model.plan import make_plan
 from daskdag.model.spec import parse

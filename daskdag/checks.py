@@ -43,7 +43,8 @@ from daskdag.api import _Call, _computed, _input_values, _outputs, _where, _wrt
 from daskdag.errors import GradientCheckError, node_errors
 from daskdag.graph.build import Carry, _Graph, build, ident
 from daskdag.model.plan import make_plan
-from daskdag.rules.pullback import differentiable_leaves, is_differentiable, linearizer
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.rules.registry import linearizer
 from daskdag.transport.packing import ship
 from daskdag.model.spec import parse
 

@@ -194,7 +194,7 @@ def test_vectorized_user_node_gets_the_chunk_at_once():
 
 def test_internal_pullback_residuals_travel_as_zero_copy_frames():
     from daskdag.model.spec import parse
-    from daskdag.rules.pullback import linearizer
+    from daskdag.rules.registry import linearizer
 
     node = parse({"x": Node(fwd=solve_fwd, bwd=solve_bwd, deps=["A", "b"])}).nodes["x"]
     A, b = np.asarray(make_A(W)), np.asarray(make_b(W))

@@ -13,7 +13,7 @@ from distributed.protocol import deserialize, serialize
 import daskdag
 from daskdag import ClusterError, Node
 from daskdag.transport import programs
-from daskdag.rules.pullback import Pullback, linearize
+from daskdag.rules.vjp import JaxPullback as Pullback, linearize
 
 from .conftest import TraceLog, assert_tree_close, compute_split, key_kind, key_label, live_workers
 from .test_internal_stages import _composed, _jit_dag

@@ -166,12 +166,12 @@ def test_outputs_pulled_back_together_equal_one_at_a_time():
 @pytest.mark.parametrize("close", [True, False])
 def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, monkeypatch):
     """Every cotangent of the fused stage starts at its own outputs (E and D, scalars): its
-    forward task pulls them back too, in one program (stages.gradients) that traces each node
+    forward task pulls them back too, in one program (run.gradients) that traces each node
     once; with daskdag.close-stages off, forward and backward are apart. Same results."""
-    from daskdag.graph import stages
+    from daskdag.graph import run
     ran = []
-    real = stages.gradients
-    monkeypatch.setattr(stages, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
+    real = run.gradients
+    monkeypatch.setattr(run, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
     traces = TraceLog()
     dag = _jit_dag(traces)
     x = jnp.linspace(-1.0, 1.0, 5)

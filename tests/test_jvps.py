@@ -9,7 +9,7 @@ from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import DAGError, JVPResult, Node, NodeError
-from daskdag.graph.forward import JVP_RULES
+from daskdag.rules.registry import RULES, register
 from daskdag.model.plan import make_plan
 from daskdag.model.spec import parse
 
@@ -213,7 +213,7 @@ def test_internal_registered_jvp_rule():
     composed = lambda x: jnp.sum(jnp.tanh(jnp.sin(x)) ** 2)
     with pytest.raises(NodeError, match="node 'B'"):  # no rule: jax.jvp hands it tracers
         daskdag.compute_jvps(dag, x, v, "C")
-    JVP_RULES[NumpyTanh] = _numpy_tanh_jvp
+    register(NumpyTanh, push=_numpy_tanh_jvp)
     try:
         fn.calls = 0
         res = daskdag.compute_jvps(dag, x, v, ["B", "C"])
@@ -224,7 +224,7 @@ def test_internal_registered_jvp_rule():
         res = daskdag.compute_jvps(dag, x, jnp.eye(4), "C", batched=True)
         assert_tree_close(res.tangent, jax.jacfwd(composed)(x), rtol=1e-5, atol=1e-6)
     finally:
-        del JVP_RULES[NumpyTanh]
+        del RULES[NumpyTanh]
 
 
 def _cluster_dag():

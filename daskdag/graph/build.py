@@ -38,7 +38,8 @@ from dask.task_spec import Task, TaskRef
 
 from daskdag.graph import tasks
 from daskdag.model.plan import Plan
-from daskdag.graph.stages import abbreviate, itself, make_stages
+from daskdag.graph.run import itself
+from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.transport.packing import pack_for, unpack
 from daskdag import config
 
@@ -156,7 +157,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     close = config.get("close-stages")
     paths = {o: set(plan.backward[o]) for o in plan.outputs}
     through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
-    seeds = {o: ("seed", o, cotangents.get(o), batched) if rows is None else ("basis", o)
+    seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else tasks.Basis(o)
              for o in plan.outputs}
     closed = {s: tuple(tuple(seeds[o] if n == o else None for n in s.outputs) for o in through[s])
               for s in stages if close and through[s] and all(
@@ -179,7 +180,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                      root=is_root(s, spec))
         if s in closed:
             bwd[s] = g.task(key("bwd", f"{s.name}[{abbreviate(through[s])}]", token),
-                            dict(s.needs), tasks.pulled, fwd)
+                            dict(s.needs), tasks.cotangents_of, fwd)
         elif s.linearized:
             linearized[s] = fwd
         for k, n in enumerate(s.outputs):
@@ -203,8 +204,9 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                 if n == o:
                     per_output.append(seeds[o])
                 elif n in paths[o]:
-                    per_output.append(_shares(n, plan.consumers(n, o), o, stage_of, through, bwd,
-                                              sources, within=s) or None)
+                    picks = _shares(n, plan.consumers(n, o), o, stage_of, through, bwd, sources,
+                                    within=s)
+                    per_output.append(tasks.Shares(picks) if picks else None)
                 else:
                     per_output.append(None)
             flows.append(tuple(per_output))

@@ -18,7 +18,7 @@ The graph mirrors the forward graph of :mod:`daskdag.graph.build`, stage by stag
 - every other stage runs :func:`forward` once: ``jvp-B+C-<token>`` computes its exposed
   values and their tangents in one pass; ``val-C-<token>`` and ``tan-C-<token>`` take them
   apart. A chain of eager nodes runs node by node, each under its kind's JVP rule
-  (:data:`JVP_RULES`, by default ``jax.jvp``, leaf by leaf); a fused stage runs as one jitted
+  (:mod:`daskdag.rules.registry`, by default ``jax.jvp``, leaf by leaf); a fused stage runs as one jitted
   program of the jvp of its fused function.
 - ``tan-x-<token>`` holds input x's tangent, ``tangent-D-<token>`` output D's tangent in D's
   structure.
@@ -35,86 +35,25 @@ import threading
 import weakref
 from collections.abc import Mapping
 from functools import partial
-from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from daskdag.graph import tasks
-from daskdag.sweeps.chunked import _rebuild, _split
-from daskdag.rules.custom import Custom
+from daskdag.graph.compiled import rebuild, split
+from daskdag.graph.run import fused_function
 from daskdag.errors import DAGError, node_errors
 from daskdag.graph.build import Carry, _Graph, ident, is_root, key
 from daskdag.model.plan import Plan
 from daskdag.cancel import Cancelled
-from daskdag.rules.pullback import differentiable_leaves, is_differentiable, is_numeric, of_leaves
-from daskdag.transport.packing import unwrap
-from daskdag.model.spec import Node
-from daskdag.graph.stages import Stage, _fused_function, make_stages
+from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
+from daskdag.rules.jvp import directions, jvp_leaves
+from daskdag.rules.registry import jvp_rule
+from daskdag.graph.stages import Stage, make_stages
+from daskdag.rules.seeds import describe
 
 TANGENT = "tangent"  # the one "gradient" each output of the graph carries
-
-# How a node runs under jvp, by the kind of its (unpacked) function, as pullback.LINEARIZERS
-# for vjp: JVP_RULES[kind](fn, node, args, tangents, active) -> (primal, tangent). ``args``:
-# the node's dep values; ``tangents``: per dep, a flat tuple of its differentiable leaves'
-# tangents, or None where ``active`` is False (held constant). Returns the primal as the
-# function returns it, and its tangent as a flat tuple over its differentiable leaves. Any
-# other function runs under jax.jvp (:func:`jvp`).
-JVP_RULES: dict[type, Callable] = {}
-# A node of the user's own code runs the user's jvp rule (daskdag.custom).
-JVP_RULES[Custom] = lambda custom, node, args, tangents, active: custom.push(args, tangents, active)
-
-
-def jvp_rule(node: Node) -> Callable:
-    """``f(args, tangents, active) -> (primal, tangent)`` for ``node``: the rule registered in
-    :data:`JVP_RULES` for the kind of its function, else :func:`jvp`."""
-    fn = unwrap(node.fn)
-    for kind in type(fn).__mro__:
-        if kind in JVP_RULES:
-            return partial(JVP_RULES[kind], fn, node)
-    return partial(jvp, node)
-
-
-def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-    """The node's function run once under ``jax.jvp`` (:func:`jvp_leaves`)."""
-    return jvp_leaves(node.callable(), args, tangents, active)
-
-
-def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
-    :func:`daskdag.rules.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
-    ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
-    constant. The tangent is a flat tuple over the primal's differentiable leaves."""
-    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
-    tans = [t for on, ts in zip(active, tangents) if on for t in ts]
-    primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
-    return rebuild(primal_diff, held), tuple(tangent)
-
-
-def directions(rule: Callable, args, tangents, active, k: int):
-    """``rule(args, tangents, active)`` for ``k`` directions at once: ``tangents`` carry a
-    leading axis of ``k``, and so does the returned tangent. One call under ``jax.vmap`` over
-    that axis (the primal is not batched); where that fails (code ``vmap`` cannot trace), one
-    call per direction."""
-    box: dict = {}
-
-    def one(t):
-        primal, tangent = rule(args, t, active)
-        leaves, box["treedef"] = jax.tree.flatten(primal)
-        box["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return [leaf for leaf in leaves if is_numeric(leaf)], tuple(tangent)
-
-    try:
-        numeric, tangent = jax.vmap(one, out_axes=(None, 0), axis_size=k)(tuple(tangents))
-    except Cancelled:
-        raise
-    except Exception:  # not vmappable: direction by direction (a node's own error raises there)
-        per = [rule(args, jax.tree.map(lambda a: a[j], tuple(tangents)), active) for j in range(k)]
-        return per[0][0], tuple(jnp.stack(leaves) for leaves in zip(*(t for _, t in per)))
-    it = iter(numeric)
-    return (box["treedef"].unflatten([next(it) if s is None else s for s in box["static"]]),
-            tangent)
 
 
 # -- a stage ---------------------------------------------------------------------------------------
@@ -129,7 +68,7 @@ def forward(stage: Stage, stop, k: int | None, *args):
     nodes, deps, dep_tangents = args[:n], args[n:n + d], args[n + d:]
     if stage.fused:
         return _fused(stage, nodes, deps, dep_tangents, k)
-    dropped = tasks._dropped(stage, stop)
+    dropped = tasks.dropped_of(stage, stop)
     values: list = []
     tangents: list = []
     for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
@@ -161,15 +100,15 @@ _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> i
 def _fused(stage: Stage, nodes, deps, dep_tangents, k):
     """A fused stage's jvp as one jitted program of its :class:`~daskdag.graph.stages.Fused`
     function, compiled once per function (while it lives), shapes and held constants."""
-    fused = _fused_function(stage, nodes).node.fn  # the same object while the functions live
+    fused = fused_function(stage, nodes).fn  # the same object while the functions live
     active = tuple(a and t is not None for a, t in zip(stage.dep_active(), dep_tangents))
     tins = tuple(t if a else None for t, a in zip(dep_tangents, active))
-    split = _split(deps, active)
+    parts = split(deps, active)
     with node_errors(stage.name, "forward"):
-        if split is None:  # a constant jit cannot hold: run it eagerly
+        if parts is None:  # a constant jit cannot hold: run it eagerly
             values, tangent = _jvp_of(fused, deps, tins, active, k)
         else:
-            (treedef, consts), traced = split
+            (treedef, consts), traced = parts
             values, tangent = _program(fused)((treedef, consts, active, k), traced, tins)
     it = iter(tangent)
     return values, tuple(tuple(next(it) for _ in differentiable_leaves(v)) for v in values)
@@ -188,7 +127,7 @@ def _program(fused):
 
             def run(static, dynamic, tangents):
                 treedef, consts, active, k = static
-                return _jvp_of(ref(), _rebuild(treedef, consts, dynamic), tangents, active, k)
+                return _jvp_of(ref(), rebuild(treedef, consts, dynamic), tangents, active, k)
 
             program = _programs[fused] = jax.jit(run, static_argnums=0)
         return program
@@ -255,25 +194,25 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
     try:
         parts = treedef.flatten_up_to(tangent)
     except (ValueError, TypeError):
-        raise DAGError(f"tangent for input {name!r} is {tasks._describe(tangent)}, but the input "
-                       f"is {tasks._describe(x)}") from None
+        raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the input "
+                       f"is {describe(x)}") from None
     pairs = []
     for (path, leaf), t in zip(with_paths, parts):
         where = f"input {name!r}" + (f" at {keystr(path)}" if path else "")
         if not is_differentiable(leaf):
             if t is not None:
-                raise DAGError(f"tangent for {where}: that leaf is {tasks._describe(leaf)}, held "
+                raise DAGError(f"tangent for {where}: that leaf is {describe(leaf)}, held "
                                f"constant (not floating-point); give None there, got "
-                               f"{tasks._describe(t)}")
+                               f"{describe(t)}")
             continue
         if t is not None and not is_numeric(t):  # a pytree where the input has an array
-            raise DAGError(f"tangent for input {name!r} is {tasks._describe(tangent)}, but the "
-                           f"input is {tasks._describe(x)}")
+            raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the "
+                           f"input is {describe(x)}")
         if t is not None:
             kind = jnp.result_type(t)
             if isinstance(t, bool) or not (
                     jnp.issubdtype(kind, jnp.inexact) or isinstance(t, int)):
-                raise DAGError(f"tangent for {where} is {tasks._describe(t)}: it must be "
+                raise DAGError(f"tangent for {where} is {describe(t)}: it must be "
                                f"floating-point, like the input ({jnp.result_type(leaf)})")
             if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.iscomplexobj(leaf):
                 raise DAGError(f"tangent for {where} is complex ({kind}), but the input is real "

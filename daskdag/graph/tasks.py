@@ -12,19 +12,17 @@ A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import reduce
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import treedef_is_leaf
 
 from daskdag.cancel import Cancelled, dropped
-from daskdag.transport import protocol  # noqa: F401  (see pulled)
-from daskdag.graph import stages
-from daskdag.rules.pullback import differentiable_leaves, is_differentiable, is_numeric
-from daskdag.sweeps.chunked import Items, stacked
-from daskdag.graph.stages import Stage, add
+from daskdag.graph import run
+from daskdag.graph.stages import Stage
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.rules.seeds import as_gradient, basis, basis_size, seed, total
 
 
 def forward(stage: Stage, stop, *args):
@@ -37,7 +35,7 @@ def forward(stage: Stage, stop, *args):
     stops a call at its next node, as it did when every node was a task of its own.
     """
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    out = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
+    out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0] if stage.bare else out
 
 
@@ -48,24 +46,23 @@ def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
     ``jax.jit(jax.value_and_grad)`` does, its residuals never leaving XLA; others, seeds given
     by the user and Jacobians' rows, run as :func:`forward` then :func:`backward`."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    if stage.fused and rows is None and all(f is None or f[2] is None
+    if stage.fused and rows is None and all(f is None or (isinstance(f, Seed) and f.ct is None)
                                             for per_output in flows for f in per_output):
         seeded = tuple(tuple(f is not None for f in per_output) for per_output in flows)
-        out = stages.gradients(stage, nodes, deps, seeded)
+        out = run.gradients(stage, nodes, deps, seeded)
         if out is not None:
             values, cts = out
             for per_output in flows:  # the checks seed() makes: a scalar output, ...
                 for value, flow in zip(values, per_output):
-                    _cotangent(value, flow, ())
+                    if flow is not None:
+                        flow.cotangent(value, ())
             return values, cts
-    linearized = stages.linearize(stage, nodes, deps, _dropped(stage, stop))
+    linearized = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return linearized[0], backward(stage, stop, flows, rows, linearized, *deps)
 
 
-def pulled(out) -> list:
-    """The cotangents from :func:`forward_backward`'s result. (A task of daskdag's own: a worker
-    that unpickles it imports daskdag, so Dask knows how to receive JAX arrays
-    (:mod:`daskdag.transport.protocol`) before the result arrives from another worker.)"""
+def cotangents_of(out) -> list:
+    """The cotangents from :func:`forward_backward`'s result."""
     return out[1]
 
 
@@ -82,57 +79,64 @@ def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
     ``linearized`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
     stage's deps (a pullback that moved takes its input residuals from them), then the sources of
     the cotangents: the results of consumer stages' backward tasks. ``flows[k][e]`` says where
-    output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere;
-    ``("seed", output, ct, batched)``, the node is that output (:func:`seed`); else
-    ``((source, output index, position), ...)``, the sum of its shares
-    ``sources[source][output index][position]``. ``stop``: as for :func:`forward`.
+    output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere; else a
+    :class:`Seed`, :class:`Basis` or :class:`Shares`. ``stop``: as for :func:`forward`.
 
     Several outputs are pulled back at once, their cotangents stacked, under ``jax.vmap``
     (one pass through the stage's pullbacks instead of one per output), where that pays
     (:data:`BATCH_FROM`, by the pullback's ``batching``); else, and where the pullback cannot
     be vmapped (a host callback), one by one.
 
-    ``rows``: for a Jacobian, a :class:`Rows`: each cotangent is a stack of rows (a seed is
-    ``("basis", output)``, see :func:`basis`), and so is each result (:func:`_pull_rows`).
+    ``rows``: for a Jacobian, a :class:`Rows`: each cotangent is a stack of rows (an output
+    starts from its :class:`Basis`), and so is each result (:func:`_pull_rows`).
     """
     values, pullback = linearized
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
-    cts = [tuple(_cotangent(value, flow, sources) for value, flow in zip(values, per_output))
-           for per_output in flows]
-    dropped = _dropped(stage, stop)
+    cts = [tuple(None if flow is None else flow.cotangent(value, sources)
+                 for value, flow in zip(values, per_output)) for per_output in flows]
+    dropped = dropped_of(stage, stop)
     if rows is not None:
         return _pull_rows(pullback, cts, values, deps, dropped, rows.chunk)
-    if _worth_batching(getattr(pullback, "batching", None), cts):
+    if pullback.batching is not None and pullback.batching.worth(cts):
         return _batched(pullback, cts, values, deps, dropped)
     return [pullback(c, deps, dropped) for c in cts]
 
 
-# The fewest cotangents worth batching, per kind of pullback (see pullback.Pullback.batching):
-# a compiled program's batched trace is cached, so it gains from 2. vmap of an eager pullback
-# traces it anew each call, 5 to 20 ms; it pays where dispatching op by op costs more than the
-# ops, that is for many small cotangents. Measured (2 cores, a stage of 4 tanh-of-matmul nodes,
-# vmap against a loop over the cotangents): 32x256 cotangents, 0.54x at 8 and 0.28x at 16;
-# 128x256, 0.83x at 8; 400x256, 1.3x at 8; 512x512, 1.36x at 8 and 1.23x at 16.
-BATCH_FROM = {"compiled": 2, "eager": 8}
-BATCH_ELEMENTS = 2 ** 15  # eager pullbacks: batched only for cotangents of at most this many
+# -- where a cotangent comes from -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Seed:
+    """The node is ``output``: its cotangent starts there (:func:`~daskdag.rules.seeds.seed`:
+    1 for a real scalar, else the user's ``ct``; ``batched``: over a sweep's chunk)."""
+
+    output: str
+    ct: Any = None
+    batched: bool = False
+
+    def cotangent(self, value, sources) -> tuple:
+        return seed(value, self.output, self.ct, self.batched)
 
 
-def _worth_batching(batching, cts: list) -> bool:
-    if len(cts) < BATCH_FROM.get(batching, len(cts) + 1):
-        return False
-    return batching != "eager" or max(
-        sum(int(np.size(leaf)) for c in per_output if c is not None for leaf in c)
-        for per_output in cts) <= BATCH_ELEMENTS
+@dataclass(frozen=True)
+class Basis:
+    """The node is ``output`` of a Jacobian: its cotangents are the rows of the identity over
+    its elements (:func:`~daskdag.rules.seeds.basis`)."""
+
+    output: str
+
+    def cotangent(self, value, sources) -> tuple:
+        return basis(self.output, value)
 
 
-def _cotangent(value, flow, sources):
-    if flow is None:
-        return None
-    if flow[0] == "seed":
-        return seed(flow[1], value, *flow[2:])
-    if flow[0] == "basis":
-        return basis(flow[1], value)
-    return total(sources[s][k][i] for s, k, i in flow)
+@dataclass(frozen=True)
+class Shares:
+    """The sum of the shares that consumer stages pulled back: ``sources[source][output
+    index][position]`` for each ``(source, output index, position)`` in ``picks``."""
+
+    picks: tuple[tuple[int, int, int], ...]
+
+    def cotangent(self, value, sources) -> tuple:
+        return total(sources[s][k][i] for s, k, i in self.picks)
 
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
@@ -175,7 +179,7 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     if not total_rows:  # no differentiable leaf flows: nothing to stack
         return [pullback(c, deps, dropped) for c in cts]
     step = chunk or total_rows
-    traceable = getattr(pullback, "traceable", True)  # (user code on NumPy values is not)
+    traceable = pullback.traceable  # (user code on NumPy values is not)
     pieces = []
     for start in range(0, total_rows, step):
         part = jax.tree.map(lambda a: a[start:start + step], tuple(stacked))
@@ -195,7 +199,9 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     return [jax.tree.map(lambda a: a[lo:hi], out) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def _dropped(stage: Stage, stop):
+def dropped_of(stage: Stage, stop):
+    """What a stage's task asks between two nodes: whether no one waits for it any more
+    (:func:`~daskdag.cancel.dropped`); None for a stage of one node, or one program."""
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
@@ -206,90 +212,12 @@ def gradient(picks: tuple, x, output, own, *sources):
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
     each leaf is stacked over its rows (:func:`basis`); else it is ``None``. A sweep's chunk of
-    item-by-item values (:class:`~daskdag.sweeps.chunked.Items`) gives its gradient stacked."""
+    value over a chunk of items gives its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis_size(output),)
-    shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([_cotangent(x, own, ())] if own else [])
+    shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([own.cotangent(x, ())] if own else [])
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
     grad = treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
-    return stacked(grad) if isinstance(x, Items) else grad
-
-
-def seed(output: str, primal, ct, batched: bool = False) -> tuple:
-    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``, as a
-    flat tuple over the output's differentiable leaves (see :mod:`daskdag.rules.pullback`).
-
-    ``ct`` has the output's structure (``None`` allowed where a leaf is held constant).
-    ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
-    are for one item, and the seed is broadcast over the items.
-    """
-    if isinstance(primal, Items):  # (a chunk's item-by-item values: each item's seed in turn)
-        return tuple(leaf for one in primal for leaf in seed(output, one, ct))
-    leaves, treedef = jax.tree.flatten(primal)
-    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
-            if is_differentiable(p) else None for p in leaves]
-    if ct is None:
-        if not (treedef.num_leaves == 1 and treedef_is_leaf(treedef) and item[0] is not None
-                and item[0].shape == () and jnp.issubdtype(item[0].dtype, jnp.floating)):
-            raise ValueError(f"output {output!r} is not a real scalar: it is "
-                             f"{_describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
-                             f"with ct shaped like it")
-        return (jnp.ones_like(leaves[0]),)
-    ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
-    if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
-            i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
-        raise ValueError(f"cotangent for output {output!r} is {_describe(ct)}, "
-                         f"but the output is {_describe(primal, batched)}")
-    seeds = []
-    for c, i, p in zip(ct_leaves, item, leaves):
-        if i is None:  # a leaf held constant carries no cotangent
-            continue
-        if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
-            raise ValueError(f"cotangent for output {output!r} is complex, but the output is real "
-                             f"({i.dtype}): its imaginary part would be dropped")
-        c = jnp.asarray(c, i.dtype)
-        seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
-    return tuple(seeds)
-
-
-def basis(output: str, primal) -> tuple:
-    """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
-    ``jax.tree.leaves`` order, as a cotangent: a tuple with one ``[rows, *leaf.shape]`` array per
-    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian."""
-    leaves = differentiable_leaves(primal)
-    for leaf in leaves:
-        if jnp.iscomplexobj(leaf):
-            raise ValueError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
-                             f"Jacobian needs real outputs, as jax.jacrev does")
-    n, start, seeds = basis_size(primal), 0, []
-    for leaf in leaves:
-        size = int(np.size(leaf))
-        eye = np.zeros((n, size), jnp.result_type(leaf))
-        eye[np.arange(start, start + size), np.arange(size)] = 1
-        seeds.append(jnp.asarray(eye.reshape(n, *jnp.shape(leaf))))
-        start += size
-    return tuple(seeds)
-
-
-def basis_size(primal) -> int:
-    """How many rows :func:`basis` has: the elements of ``primal``'s differentiable leaves."""
-    return sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
-
-
-def total(cts):
-    """Sum cotangents (flat tuples, one array per differentiable leaf)."""
-    return reduce(add, cts)
-
-
-def _describe(tree, batched: bool = False) -> str:
-    def shape(leaf):
-        return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
-
-    def one(leaf):
-        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
-
-    if is_numeric(tree):
-        return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
-    return str(jax.tree.map(one, tree))
+    return as_gradient(x, grad)

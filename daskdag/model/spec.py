@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 
 from daskdag.errors import DAGError
+from daskdag.model.custom import Custom
 from daskdag.transport.packing import Function, current, pack, unwrap
 
 
@@ -144,12 +145,10 @@ def _node(name, entry) -> Node:
 
 def _function(name: str, node: Node):
     """The node's function: ``fn`` itself, or with derivatives given by the user, a
-    :class:`daskdag.rules.custom.Custom` of them, checked."""
+    :class:`daskdag.model.custom.Custom` of them, checked."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
     if all(r is None for r in rules.values()):
         return node.fn
-    from daskdag.rules.custom import Custom  # (it registers itself with daskdag.pullback, which imports this)
-
     for what, r in rules.items():
         if r is not None and not callable(r):
             raise DAGError(f"node {name!r}: {what} is not callable: {r!r}")

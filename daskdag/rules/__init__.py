@@ -1,1 +1,14 @@
-"""daskdag.rules."""
+"""Differentiation rules: how each kind of node runs under vjp and jvp.
+
+- :mod:`~daskdag.rules.pullback`: the pullback protocol every backward half follows;
+- :mod:`~daskdag.rules.vjp`, :mod:`~daskdag.rules.jvp`: JAX's own rules, leaf by leaf;
+- :mod:`~daskdag.rules.custom`: the user's own rules (``Node(vjp=...)``, ``fwd``/``bwd``, ``jvp``);
+- :mod:`~daskdag.rules.registry`: one registry of the rules, by the kind of a node's function;
+- :mod:`~daskdag.rules.seeds`: where cotangents start (seeds, a Jacobian's rows) and their sums.
+
+May import: :mod:`daskdag.errors`, :mod:`daskdag.cancel`, :mod:`daskdag.transport`,
+:mod:`daskdag.model`. In: a node, its args, which are differentiated. Out: primals and
+pullbacks (or tangents).
+"""
+
+from daskdag.rules import custom  # noqa: F401  (registers the user's rules)

@@ -7,9 +7,9 @@ In:  from :class:`~daskdag.Node`, one of
      ``bwd(residuals, ct)`` returning one cotangent per dep, as :func:`jax.custom_vjp`'s;
      with either, or alone beside ``fn``, ``jvp=jvp``: ``jvp(args, tangents) -> (out,
      out_tangent)``, as :func:`jax.custom_jvp`'s rule, for :func:`daskdag.compute_jvps`.
-Out: a :class:`Custom` function (the parsed node's ``fn``), registered as its own linearizer
-     (:data:`daskdag.rules.pullback.LINEARIZERS`): its forward pass leaves a :class:`CustomPullback`;
-     and in forward mode as its own JVP rule (:data:`daskdag.graph.forward.JVP_RULES`, :meth:`Custom.push`).
+Out: rules for a :class:`~daskdag.model.custom.Custom` function (the parsed node's ``fn``),
+     registered (:mod:`daskdag.rules.registry`): its forward pass leaves a :class:`CustomPullback`;
+     in forward mode it runs the user's ``jvp``.
 
 The user's functions get the values as NumPy arrays (JAX arrays converted; other leaves as they
 are), never tracers, and may run any Python code. A cotangent handed to ``vjp``/``bwd`` has the
@@ -23,65 +23,48 @@ another process they travel with it (NumPy arrays as zero-copy frames), the func
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from daskdag.rules.pullback import LINEARIZERS, is_differentiable, is_numeric
+from daskdag.model.custom import Custom
+from daskdag.model.leaves import as_numpy, is_differentiable, is_numeric
+from daskdag.rules.pullback import Pullback
+from daskdag.rules.registry import register
 from daskdag.transport.packing import pack, unpack, unwrap
 
 
-class Custom:
-    """The user's functions of one node: ``fn`` (or ``fwd``), and its derivative rules. Called,
-    it returns the node's value; :meth:`linearize` runs it for a backward pass."""
-
-    def __init__(self, fn: Callable | None = None, vjp: Callable | None = None,
-                 fwd: Callable | None = None, bwd: Callable | None = None,
-                 jvp: Callable | None = None):
-        self.fn, self.vjp, self.fwd, self.bwd, self.jvp = fn, vjp, fwd, bwd, jvp
-
-    @property
-    def reverse(self) -> bool:
-        """It has a VJP: it can be differentiated in reverse mode."""
-        return self.vjp is not None or self.bwd is not None
-
-    def __call__(self, *args):
-        args = as_numpy(args)
-        return self.fn(*args) if self.fn is not None else self.fwd(*args)[0]
-
-    def linearize(self, fn_as_given, deps: Sequence[str], args: Sequence[Any],
-                  active: tuple[bool, ...]):
-        """``(out, pullback)``: the node run once, and what its backward pass needs."""
-        if not self.reverse:
-            raise TypeError("it has no VJP (it gives jvp= only): give vjp= or fwd=/bwd= to "
-                            "differentiate it in reverse mode")
-        args = as_numpy(args)
-        if self.fwd is not None:
-            out, residuals = _pair(self.fwd(*args), "fwd", "(value, residuals)")
-        else:
-            out, residuals = self.fn(*args), None
-        return out, CustomPullback(fn_as_given, tuple(deps), active, out, residuals)
-
-    def push(self, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-        """``(out, tangent)`` by the user's ``jvp`` rule (forward mode): ``tangents`` per dep a
-        flat tuple over its differentiable leaves (None where ``active`` is False), handed to
-        the rule in the dep's structure (``None`` at leaves held constant, and for a dep held
-        whole); the output's tangent comes back flat, checked."""
-        if self.jvp is None:
-            raise TypeError("it has no jvp= rule, which forward mode needs: give "
-                            "Node(..., jvp=lambda args, tangents: (out, out_tangent))")
-        args = as_numpy(tuple(args))
-        structured = tuple(_structured(a, t) if on else None
-                           for a, t, on in zip(args, as_numpy(tuple(tangents)), active))
-        out, tangent = _pair(self.jvp(args, structured), "jvp", "(value, tangent)")
-        return out, flat_leaves("jvp", "the output", out, tangent, kind="tangent")
-
-    def __reduce__(self):
-        return Custom, (self.fn, self.vjp, self.fwd, self.bwd, self.jvp)
+def linearize(custom: Custom, node, args: Sequence[Any], active: tuple[bool, ...]):
+    """``(out, pullback)``: the node run once, and what its backward pass needs."""
+    if not custom.reverse:
+        raise TypeError("it has no VJP (it gives jvp= only): give vjp= or fwd=/bwd= to "
+                        "differentiate it in reverse mode")
+    args = as_numpy(args)
+    if custom.fwd is not None:
+        out, residuals = _pair(custom.fwd(*args), "fwd", "(value, residuals)")
+    else:
+        out, residuals = custom.fn(*args), None
+    return out, CustomPullback(node.fn, tuple(node.deps), active, out, residuals)
 
 
-class CustomPullback:
+def push(custom: Custom, node, args: Sequence[Any], tangents: Sequence[Any],
+         active: tuple[bool, ...]):
+    """``(out, tangent)`` by the user's ``jvp`` rule (forward mode): ``tangents`` per dep a
+    flat tuple over its differentiable leaves (None where ``active`` is False), handed to
+    the rule in the dep's structure (``None`` at leaves held constant, and for a dep held
+    whole); the output's tangent comes back flat, checked."""
+    if custom.jvp is None:
+        raise TypeError("it has no jvp= rule, which forward mode needs: give "
+                        "Node(..., jvp=lambda args, tangents: (out, out_tangent))")
+    args = as_numpy(tuple(args))
+    structured = tuple(_structured(a, t) if on else None
+                       for a, t, on in zip(args, as_numpy(tuple(tangents)), active))
+    out, tangent = _pair(custom.jvp(args, structured), "jvp", "(value, tangent)")
+    return out, flat_leaves("jvp", "the output", out, tangent, kind="tangent")
+
+
+class CustomPullback(Pullback):
     """The backward half of a :class:`Custom` node at one point: its residuals (``fwd``'s, or
     for ``vjp=`` the output; the inputs come with each call). Called as a
     :class:`~daskdag.rules.pullback.Pullback`: ``(ct, inputs)``, ``ct`` a flat tuple over the output's
@@ -99,7 +82,7 @@ class CustomPullback:
         # bwd takes its residuals; a vjp= rule the output, kept whole.
         self.residuals = residuals if unwrap(fn).fwd is not None else out
 
-    def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
+    def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
         custom, inputs = unwrap(self.fn), as_numpy(tuple(inputs))
         it = iter(as_numpy(tuple(ct)))
         ct_tree = self.out_def.unflatten([next(it) if m else None for m in self.mask])
@@ -177,11 +160,6 @@ def _structured(value, flat):
     return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
-def as_numpy(tree):
-    """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU)."""
-    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
-
-
 def _pair(result, rule: str, expected: str) -> tuple:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ValueError(f"its {rule} returned a {type(result).__name__}, expected a pair "
@@ -189,11 +167,4 @@ def _pair(result, rule: str, expected: str) -> tuple:
     return result
 
 
-# A Custom node runs as itself under vjp: its pullback is the user's rule.
-LINEARIZERS[Custom] = lambda custom, node, args, active: custom.linearize(
-    node.fn, node.deps, args, active)
-
-
-def is_custom(fn) -> bool:
-    """``fn`` (maybe packed) is a :class:`Custom` function."""
-    return isinstance(unwrap(fn), Custom)
+register(Custom, linearize=linearize, push=push)

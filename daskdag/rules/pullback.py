@@ -1,234 +1,79 @@
-"""A node's forward pass under ``jax.vjp``, and the :class:`Pullback` it leaves behind.
+"""The pullback protocol: what every backward half of a forward pass offers, whoever made it.
 
-Differentiation is leaf by leaf, as ``equinox.filter_vjp``: in any value (an input, a node's
-output), the differentiable leaves are its floating-point (or complex) arrays and Python floats;
-every other leaf (integers, booleans, functions, static fields) is held constant. A value's
-*cotangent* is therefore a flat tuple with one array per differentiable leaf, in
-``jax.tree.leaves`` order; no pytree structure travels with it, so nothing about the user's
-pytree classes ever needs pickling on the backward path.
+A pullback is what a forward task leaves for its backward task: JAX's vjp of a node
+(:class:`~daskdag.rules.vjp.JaxPullback`), the user's own rule
+(:class:`~daskdag.rules.custom.CustomPullback`), a stage's nodes together
+(:mod:`daskdag.graph.run`), a sweep chunk's items (:mod:`daskdag.sweeps.chunked`). All of them
+are :class:`Pullback` s, so Dask sizes and moves every one the same way, registered once
+(:func:`daskdag.transport.protocol.travels`).
 """
 
 from __future__ import annotations
 
-from functools import partial
+import abc
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from daskdag.transport import programs
-from daskdag.transport.packing import unwrap
-from daskdag.model.spec import Node
+from daskdag.transport.protocol import travels
 
 
-def is_differentiable(leaf) -> bool:
-    """A floating-point or complex array (or Python/NumPy float): differentiated, not held."""
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        return jnp.issubdtype(leaf.dtype, jnp.inexact)
-    return isinstance(leaf, (float, complex))
+@dataclass(frozen=True)
+class Batching:
+    """When pulling several cotangents back at once, stacked under ``jax.vmap``, pays for a
+    pullback: from ``least`` cotangents, each of at most ``most_elements`` elements."""
+
+    least: int
+    most_elements: int | None = None
+
+    def worth(self, cts: list) -> bool:
+        """``cts``: per output, a cotangent per exposed value (flat tuples, or None)."""
+        if len(cts) < self.least:
+            return False
+        return self.most_elements is None or max(
+            sum(int(np.size(leaf)) for c in per_output if c is not None for leaf in c)
+            for per_output in cts) <= self.most_elements
 
 
-def is_array(leaf) -> bool:
-    """A JAX or NumPy array: a leaf that can carry a sweep's item axis."""
-    return isinstance(leaf, (jax.Array, np.ndarray))
+# A compiled program's batched trace is cached, so it gains from 2 cotangents. vmap of an eager
+# pullback traces it anew each call, 5 to 20 ms; it pays where dispatching op by op costs more
+# than the ops, for many small cotangents. Measured (2 cores, a stage of 4 tanh-of-matmul nodes,
+# vmap against a loop over the cotangents): 32x256 cotangents, 0.54x at 8 and 0.28x at 16;
+# 128x256, 0.83x at 8; 400x256, 1.3x at 8; 512x512, 1.36x at 8 and 1.23x at 16.
+COMPILED = Batching(2)
+EAGER = Batching(8, 2 ** 15)
 
 
-def is_numeric(leaf) -> bool:
-    """An array or a number: a leaf JAX can trace (others are functions, strings...)."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+@travels(lambda pb: pb.residual_nbytes())
+class Pullback(abc.ABC):
+    """The backward half of a forward pass at one point.
 
+    Call: ``pullback(ct, inputs, dropped=None)``. ``ct``: the cotangent of what the forward
+    pass returned, as flat tuples of leaves (:mod:`daskdag.model.leaves`; a stage's pullback
+    takes one per exposed node, ``None`` where none flows); ``inputs``: the forward pass's
+    inputs, which the backward task holds anyway; ``dropped()``, asked between two nodes, stops
+    it (:class:`~daskdag.cancel.Cancelled`). Returns one cotangent per input, ``None`` for
+    those held constant.
 
-def differentiable_leaves(tree) -> list:
-    return [leaf for leaf in jax.tree.leaves(tree) if is_differentiable(leaf)]
-
-
-class Pullback:
-    """The backward half of one node's ``jax.vjp`` at one point; holds the residuals.
-
-    Call: ``pullback(ct, inputs)``, with the cotangent of the node's output (a flat tuple, see
-    the module's docstring) and the node's dep values; returns a tuple aligned with the deps:
-    each differentiated dep's cotangent, ``None`` for the deps held constant.
-
-    In the process that ran the forward pass it calls JAX's own vjp function. When Dask moves it
-    elsewhere (:mod:`daskdag.transport.protocol`) it travels as :meth:`portable`: an exported program plus
-    its residual arrays, less those that are the node's own inputs, which the backward task
-    holds anyway. A program that cannot be exported (a host callback inside) travels as the
-    node's function instead, and its forward pass is redone there.
-
-    ``batching``: how several cotangents are best pulled back (:func:`daskdag.graph.tasks.backward`):
-    ``"compiled"``, a program of a stable identity, which ``jax.vmap`` batches once and reuses;
-    ``"eager"``, JAX's vjp of plain code, whose ops ``vmap`` traces anew on every call (it pays
-    only for many cotangents); None, never (the vjp of a jitted function, which ``vmap``
-    recompiles on every call, and pullbacks received from elsewhere).
+    It crosses processes by pickling (its ``__reduce__``), its arrays as zero-copy frames; what
+    moving it costs, :meth:`residual_nbytes`, is what Dask counts it as.
     """
 
-    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_form",
-                 "_program")
+    #: When several cotangents are best pulled back at once (:func:`daskdag.graph.tasks.backward`):
+    #: :data:`COMPILED`, a program of a stable identity, which ``jax.vmap`` batches once and
+    #: reuses; :data:`EAGER`, JAX's vjp of plain code, whose ops ``vmap`` traces anew on every
+    #: call; None, never (the user's code, or the vjp of a jitted function, which ``vmap``
+    #: recompiles on every call).
+    batching: Batching | None = None
+    #: JAX can trace it (``jax.vmap`` over a Jacobian's rows); the user's own NumPy code cannot.
+    traceable: bool = True
 
-    def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn=None,
-                 args=None, ct_avals=None, batching: str | None = None):
-        self._node, self.active, self.counts = node, active, counts
-        self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
-        if batching is None and vjp_fn is not None and not node.jit:
-            batching = "eager"
-        self.batching = batching
-        self._form = self._program = None  # set in a process that received this pullback
+    @abc.abstractmethod
+    def __call__(self, ct: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
+                 ) -> tuple:
+        ...
 
-    def __call__(self, ct: tuple, inputs: Sequence[Any]) -> tuple:
-        if self._vjp is not None:
-            flat = self._vjp(list(ct))
-        elif self._program is not None:
-            consts = list(self._form["consts"])
-            for c, (d, k) in self._form["slots"]:
-                consts[c] = jax.tree.leaves(inputs[d])[k]
-            flat = self._program(*ct, *consts)
-        else:  # shipped as its function: redo this node's forward pass here
-            return linearize(self._node, inputs, self.active)[1](ct, inputs)
-        return by_arg(flat, self.active, self.counts)
-
+    @abc.abstractmethod
     def residual_nbytes(self) -> int:
-        """Bytes of the residuals that are not the node's own inputs: what moving it ships."""
-        if self._vjp is None:
-            return sum(a.nbytes for a in self._form.get("consts", ()) if a is not None)
-        inputs = {id(leaf) for leaf in jax.tree.leaves(self._args)}
-        return sum(a.nbytes for a in jax.tree.leaves(self._vjp) if id(a) not in inputs)
-
-    # -- travelling ------------------------------------------------------------------------------
-
-    def portable(self) -> dict:
-        """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
-        if self._form is not None:  # received from elsewhere: passes on as it came
-            return dict(self._form)
-        base = {"active": self.active, "counts": self.counts, "versions": programs.versions()}
-        try:
-            closed = jax.make_jaxpr(self._vjp)(self._ct_avals)
-            key, program = programs.export(closed, self._ct_avals)
-        except Exception:  # e.g. "serialization of host_callbacks is not yet implemented"
-            return {**base, "node": self._node}
-        where = {id(leaf): (d, k) for d, arg in enumerate(self._args)
-                 for k, leaf in enumerate(jax.tree.leaves(arg))}
-        slots = [(c, where[id(a)]) for c, a in enumerate(closed.consts) if id(a) in where]
-        taken = {c for c, _ in slots}
-        return {**base, "key": key, "program": program, "slots": slots,
-                "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)]}
-
-    @classmethod
-    def from_portable(cls, form: dict) -> "Pullback":
-        """The inverse of :meth:`portable`, in the receiving process."""
-        programs.check_versions(form["versions"])
-        pb = cls(form.get("node"), form["active"], form["counts"])  # node: only when redone
-        pb._form = form
-        if "program" in form:
-            pb._program = programs.load(form["key"], form["program"])
-        return pb
-
-    def __reduce__(self):  # for pickle-based schedulers; distributed uses protocol.py's frames
-        return Pullback.from_portable, (self.portable(),)
-
-
-# How a node runs under vjp, by the kind of its function (as autodidact looks up a primitive's
-# vjp): LINEARIZERS[kind](fn, node, args, active) -> (primal, pullback). A sweep's chunk
-# registers one (daskdag.chunked); any other function runs under jax.vjp (linearize).
-LINEARIZERS: dict[type, Callable] = {}
-
-
-def has_linearizer(node: Node) -> bool:
-    """Whether the kind of ``node``'s function has a linearizer of its own in
-    :data:`LINEARIZERS` (else it runs under ``jax.vjp``)."""
-    return any(kind in LINEARIZERS for kind in type(unwrap(node.fn)).__mro__)
-
-
-def linearizer(node: Node) -> Callable:
-    """``f(args, active) -> (primal, pullback)`` for ``node``: the one registered in
-    :data:`LINEARIZERS` for the kind of its (unpacked) function, else :func:`linearize`."""
-    fn = unwrap(node.fn)
-    for kind in type(fn).__mro__:
-        if kind in LINEARIZERS:
-            return partial(LINEARIZERS[kind], fn, node)
-    return partial(linearize, node)
-
-
-def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
-    """Run the node's function once under ``jax.vjp``, differentiating the differentiable leaves
-    of the ``active`` args; everything else (inactive args, other leaves) is held constant, so
-    it gets no cotangent and costs no backward work.
-
-    Returns ``(primal, Pullback)``; the primal is the function's output as it returned it.
-    """
-    primal, primal_diff, vjp_fn = vjp_leaves(node.callable(), args, active)
-    return primal, Pullback(node, active, diff_counts(args, active), vjp_fn, tuple(args),
-                            ct_avals(primal_diff))
-
-
-def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, its differentiable leaves, vjp_fn)``: ``jax.vjp`` of ``fn`` at ``args``, leaf
-    by leaf as :func:`linearize` does. ``vjp_fn`` takes and returns lists of leaves. It runs
-    under ``jax.jit`` too, where ``fn``'s output must then be arrays only."""
-    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
-    primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
-    return rebuild(primal_diff, held), primal_diff, vjp_fn
-
-
-def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
-    """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
-    and ``jax.jvp`` (:func:`daskdag.graph.forward.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
-    those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
-    output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
-    output as ``fn`` returned it."""
-    # (An arg that is an array is its own one leaf: no pytree walk for the common case, a cost
-    # paid per node per call.)
-    flat_args = [([a], None) if isinstance(a, ARRAYS) else jax.tree.flatten(a) for a in args]
-    masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
-             zip(active, flat_args)]
-    diff = [leaf for (leaves, _), mask in zip(flat_args, masks) for leaf, m in zip(leaves, mask) if m]
-    out: dict = {}
-
-    def arg(a, on, flat, mask, it):
-        if not on:
-            return a
-        leaves, treedef = flat
-        if treedef is None:
-            return next(it) if mask[0] else a
-        return treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
-
-    def fn_of_diff(*diff_leaves):
-        it = iter(diff_leaves)
-        result = fn(*[arg(a, on, flat, mask, it)
-                      for a, on, flat, mask in zip(args, active, flat_args, masks)])
-        leaves, out["treedef"] = jax.tree.flatten(result)
-        out["mask"] = mask = tuple(map(is_differentiable, leaves))
-        # Arrays held constant go through the aux (they may depend on traced inputs); other
-        # leaves (functions, strings) cannot be traced and are kept as they are.
-        out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return ([leaf for leaf, m in zip(leaves, mask) if m],
-                [leaf for leaf, m in zip(leaves, mask) if not m and is_numeric(leaf)])
-
-    def rebuild(out_diff, held):
-        d, h = iter(out_diff), iter(held)
-        return out["treedef"].unflatten([next(d) if m else (next(h) if s is None else s)
-                                         for m, s in zip(out["mask"], out["static"])])
-
-    return diff, fn_of_diff, rebuild
-
-
-ARRAYS = (jax.Array, np.ndarray)
-
-
-def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
-    """Cotangent leaves in :func:`vjp_leaves` order as a tuple aligned with the args: each
-    active arg's leaves (``counts`` of them), ``None`` for the others."""
-    out, at = [], 0
-    for on, n in zip(active, counts):
-        out.append(tuple(flat[at:at + n]) if on else None)
-        at += n
-    return tuple(out)
-
-
-def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...]:
-    """Per arg, how many leaves :func:`vjp_leaves` differentiates."""
-    return tuple(len(differentiable_leaves(a)) if on else 0 for a, on in zip(args, active))
-
-
-def ct_avals(primal_diff) -> list:
-    return [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
+        """Bytes that moving it ships: its residuals, less what the backward task holds."""

@@ -38,7 +38,7 @@ from daskdag.sweeps.engines import chunk_graph, item_key
 from daskdag.graph.build import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.plan import make_plan
-from daskdag.rules.pullback import is_array, is_numeric
+from daskdag.model.leaves import is_array, is_numeric
 from daskdag.transport.packing import pack_for, unpack
 from daskdag.sweeps.results import item_shapes
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.sweeps.chunked import Items, chunk_of
-from daskdag.rules.pullback import is_numeric
+from daskdag.model.leaves import is_numeric
 
 
 class Stacked:

@@ -33,10 +33,11 @@ from daskdag.running.log import logger, where
 from daskdag.model.plan import Plan, make_plan
 from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
-from daskdag.rules.pullback import is_array
+from daskdag.model.leaves import is_array
 from daskdag.transport.packing import pack_for, rows, ship
 from daskdag.model.spec import Spec
-from daskdag.graph.stages import make_stages, steps_per_item
+from daskdag.graph.run import chain_of_elements
+from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
 
 
@@ -237,7 +238,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
 
 def chunk_steps(plan: Plan, items: int) -> int:
     """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each stage's
-    forward pass item by item (:func:`daskdag.graph.stages.steps_per_item`), and its backward pass
+    forward pass item by item (:func:`steps_per_item`), and its backward pass
     (for all outputs at once) where a gradient passes through it."""
     steps = 0
     for s in make_stages(plan):
@@ -245,6 +246,16 @@ def chunk_steps(plan: Plan, items: int) -> int:
         backward = any(set(s.nodes) & set(plan.backward[o]) for o in plan.outputs)
         steps += per_item * (2 if backward else 1)
     return items * steps
+
+
+def steps_per_item(stage: Stage, nodes) -> int:
+    """How often a chunk's forward pass of ``stage`` steps from one item to the next
+    (:func:`~daskdag.sweeps.progress.checkpoint`): once per item-by-item node, or once for a
+    chain of them linearized as one (:func:`daskdag.graph.run.linearize`)."""
+    by_item = [n for n in nodes if (c := chunk_of(n)) is not None and not c.node.vmap]
+    if len(nodes) > 1 and stage.linearized and by_item and chain_of_elements(nodes) is not None:
+        return 1
+    return len(by_item)
 
 
 def _items(chunk):

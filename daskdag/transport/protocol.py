@@ -1,22 +1,18 @@
-"""How JAX values and daskdag's objects meet Dask, registered once, with Dask's own tables.
+"""How JAX values and daskdag's objects meet Dask, registered with Dask's own tables, in one
+place.
 
 - tokens: a JAX array's content hash, computed once per array (they are immutable);
-- sizes: the bytes a JAX array, a pullback, a packed value or a node holds, so the scheduler
-  keeps backward tasks beside their residuals and counts worker memory right;
-- frames: a :class:`~daskdag.rules.pullback.Pullback` crosses processes as its exported program
-  plus one zero-copy frame per residual array (a stage's
-  :class:`~daskdag.graph.stages.StagePullback` and a sweep chunk's
-  :class:`~daskdag.sweeps.chunked.ItemPullbacks` pickle as lists of them).
-
-How the user's functions and inputs travel (by value, under content tokens) is
-:mod:`daskdag.transport.packing`'s.
+- sizes and frames: a JAX array as NumPy's zero-copy frames; a packed value
+  (:mod:`daskdag.transport.packing`) by its bytes; and each family of daskdag's own objects
+  that travel (pullbacks, :mod:`daskdag.rules.pullback`; nodes), registered once per family
+  with :func:`travels`: sized as the family says, pickled with their arrays out of band.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
-import cloudpickle
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,11 +20,7 @@ from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
 from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
-from daskdag.sweeps.chunked import ItemPullbacks
-from daskdag.rules.pullback import Pullback
 from daskdag.transport.packing import Packed
-from daskdag.model.spec import Node
-from daskdag.graph.stages import FusedPullback, StagePullback
 
 # -- tokens ---------------------------------------------------------------------------------------
 
@@ -60,19 +52,6 @@ def _sizeof_packed(p) -> int:
     return len(p.skeleton) + sum(int(a.nbytes) for a in p.arrays)
 
 
-@sizeof.register(Node)
-def _sizeof_node(node) -> int:
-    return sizeof(node.fn)
-
-
-@sizeof.register(Pullback)
-@sizeof.register(ItemPullbacks)
-@sizeof.register(StagePullback)
-@sizeof.register(FusedPullback)
-def _sizeof_pullback(pb) -> int:
-    return pb.residual_nbytes()
-
-
 # -- frames ---------------------------------------------------------------------------------------
 
 @dask_serialize.register(jax.Array)
@@ -86,34 +65,24 @@ def _deserialize_jax_array(header, frames):
     return jnp.asarray(deserialize(header, frames))
 
 
-@dask_serialize.register(Pullback)
-def _serialize_pullback(pb: Pullback):
-    form = pb.portable()
-    consts, program = form.pop("consts", []), form.pop("program", None)
-    frames = [cloudpickle.dumps(form), program or b""]
-    headers = []
-    for a in consts:
-        if a is None:  # one of the node's inputs: the backward task has it
-            headers.append(None)
-            continue
-        h, f = serialize(a)
-        h["n_frames"] = len(f)
-        headers.append(h)
-        frames.extend(f)
-    return {"consts": headers, "has_program": program is not None}, frames
+def travels(size: Callable[[Any], int]):
+    """Register a family of daskdag's objects (a base class: its subclasses too) with Dask:
+    ``size(obj)`` is what the scheduler counts it as (for placing tasks beside it and for
+    worker memory); it crosses processes pickled (its ``__reduce__``), its arrays as
+    zero-copy frames (distributed's pickle family)."""
+    def register(family: type) -> type:
+        sizeof.register(family)(lambda obj: int(size(obj)))
+        dask_serialize.register(family)(_dumps)
+        dask_deserialize.register(family)(_loads)
+        return family
+
+    return register
 
 
-@dask_deserialize.register(Pullback)
-def _deserialize_pullback(header, frames) -> Pullback:
-    form = cloudpickle.loads(frames[0])
-    if header["has_program"]:
-        form["program"] = frames[1]
-        consts, at = [], 2
-        for h in header["consts"]:
-            if h is None:
-                consts.append(None)
-                continue
-            consts.append(deserialize(h, frames[at:at + h["n_frames"]]))
-            at += h["n_frames"]
-        form["consts"] = consts
-    return Pullback.from_portable(form)
+def _dumps(obj) -> tuple[dict, list]:
+    header, frames = serialize(obj, serializers=("pickle",), on_error="raise")
+    return {"pickled": header}, frames
+
+
+def _loads(header: dict, frames: list):
+    return deserialize(header["pickled"], frames)

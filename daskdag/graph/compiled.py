@@ -1,0 +1,203 @@
+"""A function compiled once, forward, backward and both together, for every call of the same
+shapes: ``jax.jit``, or along the args' leading axes ``jax.jit(jax.vmap(...))``.
+
+A fused stage (:mod:`daskdag.graph.stages`) runs as one: the stage's nodes as one function,
+linearized as one XLA program. The programs are cached per function (the one object a process
+keeps for its content, :func:`~daskdag.transport.packing.current`), so later calls compile
+nothing, and an in-place change to what it closes over (a new content) compiles anew.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Sequence
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
+from daskdag.model.spec import Node
+from daskdag.rules.pullback import COMPILED
+from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, vjp_leaves
+from daskdag.rules.vjp import linearize as vjp_linearize
+from daskdag.transport.packing import current
+
+
+class Compiled:
+    """``fn`` (maybe packed) as compiled programs; args whose ``in_axes`` is 0 carry a leading
+    axis that ``fn`` is mapped over (``jax.vmap``), the others (None) are taken whole.
+
+    Where an arg holds a leaf that ``jax.jit`` can take neither as an array nor as a hashable
+    constant, ``fn`` runs as it is (:meth:`gradients`: None)."""
+
+    def __init__(self, fn, in_axes: tuple[int | None, ...]):
+        self.fn, self.in_axes = fn, in_axes
+
+    def __call__(self, *args):
+        """``fn`` of ``args``."""
+        out = self._run(args, None)
+        return out if out is not None else self._eager()(*args)
+
+    def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
+        """``(primal, pullback)`` of ``fn`` at ``args``, differentiating the ``active`` ones; the
+        pullback a compiled program too (else JAX's vjp of ``fn`` run as it is)."""
+        out = self._run(args, active)
+        return out if out is not None else vjp_linearize(Node(self._eager(), ()), args, active)
+
+    def _eager(self):
+        return mapped(current(self.fn), self.in_axes)
+
+    def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
+        """Forward and backward as one program: ``(primal, cts)``, or None. ``fn`` returns a
+        tuple of values; ``seeded[k][e]``: the ``k``-th backward pass starts from ones at value
+        ``e`` (its differentiable leaves), from zeros elsewhere. ``cts[k]``: that pass's
+        cotangents, aligned with ``args`` as a pullback returns them."""
+        parts = split(args, active)
+        if parts is None:
+            return None
+        static, traced = parts
+        primal, flat = _programs(self)[3]((*static, self.in_axes, active, seeded), traced)
+        counts = diff_counts(args, active)
+        return primal, [by_arg(f, active, counts) for f in flat]
+
+    def _run(self, args, active):
+        parts = split(args, active)
+        if parts is None:
+            return None
+        forward, backward, kept, _ = _programs(self)
+        static, traced = (*parts[0], self.in_axes, active), parts[1]
+        out = forward(static, traced)
+        if active is None:
+            return out
+        primal, computed = out
+        # The residuals that are inputs come back as the inputs themselves (jit would return
+        # copies), so a pullback that moves does not ship them (see JaxPullback.portable).
+        where, vjp_def = kept[static, tuple(map(jax.typeof, traced))]
+        computed = iter(computed)
+        vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
+        pullback = JaxPullback(Node(self.fn, ()), active, diff_counts(args, active),
+                               jax.tree_util.Partial(backward, vjp_fn), tuple(args),
+                               ct_avals(differentiable_leaves(primal)), batching=COMPILED)
+        return primal, pullback
+
+
+def mapped(fn, in_axes):
+    """``fn`` vectorized over the args whose axis is 0; ``fn`` itself where none is."""
+    return jax.vmap(fn, in_axes=in_axes) if any(a is not None for a in in_axes) else fn
+
+
+def split(args, active):
+    """``((treedef, consts), traced)``: the args' leaves that the programs trace, and the rest
+    as hashable constants; None where a constant is not hashable."""
+    leaves, treedef = jax.tree.flatten(tuple(args))
+    on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
+    # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
+    # functions) stay constants, concrete in fn as under plain vmap.
+    dynamic = [is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
+    consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
+    try:
+        hash(consts)
+    except TypeError:
+        return None
+    return (treedef, consts), [x for x, d in zip(leaves, dynamic) if d]
+
+
+_TRACED = object()  # in a program's constants: the place of a traced leaf
+_lock = threading.RLock()  # (re-entrant: a weakref callback may run while it is held)
+_cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
+
+
+def _programs(compiled: Compiled) -> tuple:
+    """The jitted ``(forward, backward, kept, gradients)`` of a function. jax.jit caches
+    compilations by function identity, so they are kept per node function (the one object a
+    process uses for its content, :func:`~daskdag.transport.packing.current`), for as long as it lives:
+    across chunks and sweeps, not past an in-place change to what it closes over. A
+    function that cannot be weakly referenced gets them per :class:`Compiled`."""
+    fn = current(compiled.fn)
+    with _lock:
+        for owner in (fn, compiled):
+            hit = _cache.get(id(owner))
+            if hit is not None and hit[0]() is owner:
+                return hit[1]
+        key = id(fn)
+        try:
+            ref = weakref.ref(fn, lambda r: _forget(key, r))
+            programs = _make_programs(ref)
+        except TypeError:  # not weakly referenceable
+            key = id(compiled)
+            ref = weakref.ref(compiled, lambda r: _forget(key, r))
+            programs = _make_programs(lambda: current(ref().fn))
+        _cache[key] = (ref, programs)
+        return programs
+
+
+def _forget(key, ref):
+    with _lock:
+        if _cache.get(key, (None,))[0] is ref:
+            del _cache[key]
+
+
+def _make_programs(fn_of) -> tuple:
+    kept = {}  # (static, input avals) -> (per residual: the input it is, else None; vjp treedef)
+
+    def forward(static, dynamic):
+        treedef, consts, in_axes, active = static
+        args = rebuild(treedef, consts, dynamic)
+        vmapped = mapped(fn_of(), in_axes)
+        if active is None:
+            return vmapped(*args)
+        primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
+        # vjp_fn is a pytree whose leaves are the residuals: they leave jit, those that are not
+        # inputs. Its function is part of the treedef, the same object for every call of this
+        # program, so the backward compiles once too.
+        residuals, vjp_def = jax.tree.flatten(vjp_fn)
+        inputs = {id(x): i for i, x in enumerate(dynamic)}
+        where = tuple(inputs.get(id(r)) for r in residuals)
+        kept[static, tuple(map(jax.typeof, dynamic))] = where, vjp_def
+        return primal, [r for r, i in zip(residuals, where) if i is None]
+
+    def gradients(static, dynamic):
+        treedef, consts, in_axes, active, seeded = static
+        args = rebuild(treedef, consts, dynamic)
+        fn = _replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
+        # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
+        # between them, as in jit(value_and_grad) of each. (One vjp of all the values, its
+        # passes vmapped with zeros where they do not start, took 1.2x as long: XLA cannot
+        # drop the products with those zeros.)
+        out = []
+        for ones in seeded:
+            picked = [e for e, on in enumerate(ones) if on]
+            _, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args, active)
+            out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
+        return fn(*args), out
+
+    return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,
+            jax.jit(gradients, static_argnums=0))
+
+
+def rebuild(treedef, consts, dynamic):
+    """The args of a program: its constants with the ``dynamic`` (traced) leaves in place."""
+    it = iter(dynamic)
+    return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
+
+
+def _replay(fn, treedef, consts, dynamic):
+    """``fn`` of the args ``rebuild(treedef, consts, dynamic)``, traced once and replayed from
+    its jaxpr: calling it again does not run the user's Python code again."""
+    out: dict = {}
+
+    def numeric(*leaves):
+        leaves, out["tree"] = jax.tree.flatten(fn(*rebuild(treedef, consts, leaves)))
+        out["static"] = [None if is_numeric(x) else x for x in leaves]
+        return [x for x in leaves if is_numeric(x)]
+
+    traced = jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(numeric)(*dynamic))
+
+    def replayed(*args):
+        leaves = [x for x, c in zip(jax.tree.leaves(tuple(args)), consts) if c is _TRACED]
+        it = iter(traced(*leaves))
+        return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
+
+    return replayed

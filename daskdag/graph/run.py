@@ -1,0 +1,308 @@
+"""Running a stage (:mod:`daskdag.graph.stages`) in its forward task: its nodes, and the
+pullback its backward task takes.
+
+In:  a :class:`~daskdag.graph.stages.Stage`, its nodes, the values of its deps.
+Out: :func:`linearize`: its exposed values, and with them a :class:`~daskdag.rules.pullback.Pullback`
+     when some node ran under vjp; :func:`gradients`: a closed fused stage's forward and
+     backward passes as one program.
+
+How each kind of stage runs:
+
+- a fused stage: its nodes as one function (:class:`Fused`), compiled as one program
+  (:class:`~daskdag.graph.compiled.Compiled`; over a sweep's chunk, as its nodes' kind says,
+  :attr:`~daskdag.rules.registry.Rules.batch`), leaving a :class:`FusedPullback`;
+- a chain of JAX nodes: under one ``jax.vjp`` of the chain, each node still called once, in
+  order, op by op, as the seed question's hand-written code takes the vjp of its common
+  pipeline (likewise item by item over a sweep's chunk);
+- any other: node by node, each under its kind's rule (:mod:`daskdag.rules.registry`),
+  leaving a :class:`StagePullback` of their pullbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from functools import partial
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+from dask.sizeof import sizeof
+
+from daskdag.cancel import Cancelled
+from daskdag.errors import node_errors
+from daskdag.graph.compiled import Compiled
+from daskdag.graph.stages import Stage
+from daskdag.model.leaves import differentiable_leaves
+from daskdag.model.spec import Node
+from daskdag.rules.pullback import Pullback
+from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
+from daskdag.rules.seeds import add
+from daskdag.rules.vjp import ct_avals
+from daskdag.rules.vjp import linearize as vjp_linearize
+from daskdag.transport.packing import current
+
+
+def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
+    """Run the stage's ``nodes`` on the values of its ``deps``. Returns the exposed values (a
+    tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
+    pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
+    if stage.fused:
+        return _linearize_fused(stage, nodes, deps)
+    if len(nodes) > 1 and stage.linearized:
+        if not any(map(has_rules, nodes)):
+            return _linearize_chain(stage, nodes, deps, dropped)
+        batch = chain_of_elements(nodes)
+        if batch is not None:
+            return _linearize_chain_of_elements(stage, nodes, batch, deps, dropped)
+    return _linearize_nodes(stage, nodes, deps, dropped)
+
+
+def _linearize_nodes(stage: Stage, nodes, deps, dropped):
+    """Node by node, each under its own rule: a :class:`StagePullback`."""
+    values, pullbacks = [], []
+    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
+        if values and dropped is not None and dropped():
+            raise Cancelled(f"the call no longer waits for node {name!r}")
+        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+        with node_errors(name, "forward"):
+            if any(active):
+                primal, pullback = linearizer(node)(inputs, active)
+            else:
+                primal, pullback = node.callable()(*inputs), None
+        _not_none(name, primal)
+        values.append(primal)
+        pullbacks.append(pullback)
+    exposed = tuple(values[j] for j in stage.exposed)
+    if not stage.linearized:
+        return exposed
+    # Keep the values that a node's pullback may take as inputs; drop the rest now.
+    taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
+             for kind, i in sources if kind == "node"}
+    kept = [v if j in taken else None for j, v in enumerate(values)]
+    return exposed, StagePullback(stage, pullbacks, kept)
+
+
+class StagePullback(Pullback):
+    """The backward half of a stage run node by node: its nodes' pullbacks, and the values of
+    its own nodes that later nodes took as inputs (a pullback that moved to another process
+    takes its input residuals from them, see :class:`~daskdag.rules.vjp.JaxPullback`).
+
+    Called as a :class:`~daskdag.rules.pullback.Pullback`: one cotangent per exposed node and
+    the values of ``stage.deps`` in; each dep's cotangent out. A node that fails is named in a
+    :class:`~daskdag.NodeError`.
+    """
+
+    __slots__ = ("stage", "pullbacks", "values")
+
+    def __init__(self, stage: Stage, pullbacks: Sequence[Any], values: Sequence[Any]):
+        self.stage, self.pullbacks, self.values = stage, tuple(pullbacks), tuple(values)
+
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        # autograd's backward pass: outgrads, per node, the sum of what its consumers gave.
+        stage, outgrads = self.stage, [None] * len(self.stage.nodes)
+        for j, ct in zip(stage.exposed, cts):
+            outgrads[j] = ct
+        out: list = [None] * len(stage.deps)
+        ran = False
+        for j in reversed(range(len(stage.nodes))):
+            if self.pullbacks[j] is None or outgrads[j] is None:  # held constant, or none flows
+                continue
+            if ran and dropped is not None and dropped():
+                raise Cancelled(f"the call no longer waits for node {stage.nodes[j]!r}")
+            inputs = [deps[i] if kind == "dep" else self.values[i] for kind, i in stage.sources[j]]
+            with node_errors(stage.nodes[j], "backward"):
+                shares = self.pullbacks[j](outgrads[j], inputs)
+            ran = True
+            for (kind, i), share in zip(stage.sources[j], shares):
+                if share is not None:
+                    into = out if kind == "dep" else outgrads
+                    into[i] = share if into[i] is None else add(into[i], share)
+        return tuple(out)
+
+    @property
+    def batching(self):
+        """Its nodes' common :attr:`~daskdag.rules.pullback.Pullback.batching`, else None."""
+        kinds = {pb.batching for pb in self.pullbacks if pb is not None}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    @property
+    def traceable(self) -> bool:
+        """No node's pullback is the user's own code: JAX can trace it."""
+        return all(pb.traceable for pb in self.pullbacks if pb is not None)
+
+    def residual_nbytes(self) -> int:
+        """The pullbacks' residuals and the kept values."""
+        return (sum(pb.residual_nbytes() for pb in self.pullbacks if pb is not None)
+                + sum(sizeof(v) for v in self.values if v is not None))
+
+    def __reduce__(self):
+        return StagePullback, (self.stage, self.pullbacks, self.values)
+
+
+# -- several nodes as one function ----------------------------------------------------------------
+
+class Fused:
+    """A stage's nodes as one function: the values of its deps in, its exposed values (a
+    tuple) out, each node called once, in order. ``fns``: the nodes' plain functions (one
+    element's, over a batch); ``weakly``: held weakly where they can be, so that a cached
+    ``Fused`` (and JAX's compilations of it) keeps no user function alive. ``dropped()``, asked
+    between two nodes, stops it (:class:`Cancelled`)."""
+
+    def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
+        self.stage, self.dropped = stage, dropped
+        self._fns = tuple(_weak(f) if weakly else partial(itself, f) for f in fns)
+
+    @property
+    def fns(self) -> tuple:
+        return tuple(f() for f in self._fns)
+
+    def __call__(self, *deps):
+        values = []
+        for name, fn, sources in zip(self.stage.nodes, self.fns, self.stage.sources):
+            if values and self.dropped is not None and self.dropped():
+                raise Cancelled(f"the call no longer waits for node {name!r}")
+            with node_errors(name, "forward"):
+                values.append(fn(*[deps[i] if kind == "dep" else values[i] for kind, i in sources]))
+            _not_none(name, values[-1])
+        return tuple(values[j] for j in self.stage.exposed)
+
+    def __reduce__(self):
+        return Fused, (self.stage, self.fns)
+
+
+def _weak(fn):
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return partial(itself, fn)
+
+
+def itself(x):
+    """``x``: as a task, a value kept on the cluster; bound with ``partial``, a picklable
+    function that returns it."""
+    return x
+
+
+class FusedPullback(Pullback):
+    """The backward half of a stage run as one function (fused, or a chain under one vjp): one
+    pullback. Called as :class:`StagePullback`; exposed nodes no cotangent flows to get zeros
+    (``avals``: their differentiable leaves)."""
+
+    __slots__ = ("stage", "pullback", "avals")
+
+    def __init__(self, stage: Stage, pullback, avals):
+        self.stage, self.pullback, self.avals = stage, pullback, avals
+
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        flat = [leaf for ct, avals in zip(cts, self.avals)
+                for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
+        with node_errors(self.stage.name, "backward"):
+            return self.pullback(tuple(flat), deps)
+
+    @property
+    def batching(self):
+        return self.pullback.batching
+
+    def residual_nbytes(self) -> int:
+        return self.pullback.residual_nbytes()
+
+    def __reduce__(self):
+        return FusedPullback, (self.stage, self.pullback, self.avals)
+
+
+def _avals(values) -> list:
+    """Per exposed value, the shape and dtype of each of its differentiable leaves."""
+    return [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
+
+
+def _linearize_chain(stage: Stage, nodes, deps, dropped):
+    """A chain of eager JAX nodes under one ``jax.vjp``: one vjp's fixed cost for the chain
+    instead of one per node; its pullback is one too."""
+    fused = Fused(stage, [n.callable() for n in nodes], dropped)
+    values, pullback = vjp_linearize(Node(fused, stage.deps), deps, stage.dep_active())
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def chain_of_elements(nodes):
+    """The batch rule (:attr:`~daskdag.rules.registry.Rules.batch`) of a chain of nodes that
+    each map one element's node of JAX code over a batch, element by element; else None."""
+    found = [(rules_of(n), *element_of(n)) for n in nodes]
+    if all(axes is not None and not element.vmap and not has_rules(element)
+           for _, element, axes in found):
+        return found[0][0].batch
+    return None
+
+
+def _linearize_chain_of_elements(stage: Stage, nodes, batch, deps, dropped):
+    """A chain of nodes over a batch, each element under one ``jax.vjp`` of the chain."""
+    elements = [element_of(n) for n in nodes]
+    fused = Fused(stage, [element.callable() for element, _ in elements], dropped)
+    values, pullback = batch(fused, _in_axes(stage, elements), False).linearize_values(
+        deps, stage.dep_active(), len(stage.exposed))
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def _in_axes(stage: Stage, elements) -> tuple:
+    """Per dep of the stage, its batch axis as its nodes take it."""
+    in_axes = [None] * len(stage.deps)
+    for (_, axes), sources in zip(elements, stage.sources):
+        for (kind, i), axis in zip(sources, axes or ()):
+            if kind == "dep":
+                in_axes[i] = axis
+    return tuple(in_axes)
+
+
+_fused_lock = threading.Lock()
+_fused: dict = {}  # (stage, ids of fns) -> (its compiled function, Fused), while its functions live
+
+
+def fused_function(stage: Stage, nodes: Sequence[Node]):
+    """The fused stage as one compiled function (:class:`~daskdag.graph.compiled.Compiled`, or
+    over a batch as its nodes' kind runs one), the same object while the same node functions
+    live: its programs are cached by function, so later calls compile nothing."""
+    elements = [element_of(n) for n in nodes]
+    fns = [current(element.fn) for element, _ in elements]
+    key = (stage, tuple(map(id, fns)))
+    with _fused_lock:
+        hit = _fused.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
+            return hit[0]
+    fused = Fused(stage, fns, weakly=True)
+    batch = next((rules_of(n).batch for n, (_, axes) in zip(nodes, elements) if axes is not None),
+                 None)
+    in_axes = _in_axes(stage, elements)
+    function = batch(fused, in_axes, True) if batch is not None else Compiled(fused, in_axes)
+    with _fused_lock:
+        _fused[key] = function, fused
+        for f in fns:  # the entry goes with the first of its functions to go
+            with contextlib.suppress(TypeError):
+                weakref.finalize(f, _fused.pop, key, None)
+    return function
+
+
+def _linearize_fused(stage: Stage, nodes, deps):
+    function = fused_function(stage, nodes)
+    with node_errors(stage.name, "forward"):
+        if not stage.linearized:
+            return function(*deps)
+        values, pullback = function.linearize(deps, stage.dep_active())
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: tuple):
+    """A fused stage's forward and backward passes as one program, for a stage whose cotangents
+    are all seeds of its own outputs (nothing flows into it from later stages). ``seeded[k]``:
+    per exposed node, whether the ``k``-th backward pass starts there. Returns ``(values,
+    cts)``, ``cts[k]`` aligned with ``stage.deps`` as a pullback returns them; None where the
+    stage cannot run so (:meth:`~daskdag.graph.compiled.Compiled.gradients`)."""
+    function = fused_function(stage, nodes)
+    with node_errors(stage.name, "forward"):
+        return function.gradients(deps, stage.dep_active(), seeded)
+
+
+def _not_none(name: str, value) -> None:
+    if value is None:  # None is an empty pytree to JAX: it would fail later, far from here
+        with node_errors(name, "forward"):
+            raise TypeError("its function returned None; a node must return its value, a JAX "
+                            "array or a pytree of arrays (is a `return` missing?)")

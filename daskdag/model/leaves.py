@@ -1,0 +1,41 @@
+"""Which leaves of a value are differentiated: as ``equinox.filter_vjp`` does, a value's
+floating-point (and complex) arrays and Python floats; every other leaf (integers, booleans,
+functions, static fields) is held constant.
+
+A value's *cotangent* (and *tangent*) is therefore a flat tuple with one array per
+differentiable leaf, in ``jax.tree.leaves`` order; no pytree structure travels with it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARRAYS = (jax.Array, np.ndarray)
+
+
+def is_differentiable(leaf) -> bool:
+    """A floating-point or complex array (or Python/NumPy float): differentiated, not held."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return isinstance(leaf, (float, complex))
+
+
+def is_array(leaf) -> bool:
+    """A JAX or NumPy array: a leaf that can carry a sweep's item axis."""
+    return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def is_numeric(leaf) -> bool:
+    """An array or a number: a leaf JAX can trace (others are functions, strings...)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def differentiable_leaves(tree) -> list:
+    return [leaf for leaf in jax.tree.leaves(tree) if is_differentiable(leaf)]
+
+
+def as_numpy(tree):
+    """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU)."""
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)

@@ -1,0 +1,55 @@
+"""JAX's own rule in forward mode: a node's function under ``jax.jvp``, leaf by leaf, as
+:mod:`daskdag.rules.vjp` does for vjp, and any rule run for several directions at once."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from daskdag.cancel import Cancelled
+from daskdag.model.leaves import is_numeric
+from daskdag.model.spec import Node
+from daskdag.rules.vjp import of_leaves
+
+
+def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+    """The node's function run once under ``jax.jvp`` (:func:`jvp_leaves`)."""
+    return jvp_leaves(node.callable(), args, tangents, active)
+
+
+def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
+    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
+    :func:`daskdag.rules.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
+    ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
+    constant. The tangent is a flat tuple over the primal's differentiable leaves."""
+    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
+    tans = [t for on, ts in zip(active, tangents) if on for t in ts]
+    primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
+    return rebuild(primal_diff, held), tuple(tangent)
+
+
+def directions(rule: Callable, args, tangents, active, k: int):
+    """``rule(args, tangents, active)`` for ``k`` directions at once: ``tangents`` carry a
+    leading axis of ``k``, and so does the returned tangent. One call under ``jax.vmap`` over
+    that axis (the primal is not batched); where that fails (code ``vmap`` cannot trace), one
+    call per direction."""
+    box: dict = {}
+
+    def one(t):
+        primal, tangent = rule(args, t, active)
+        leaves, box["treedef"] = jax.tree.flatten(primal)
+        box["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
+        return [leaf for leaf in leaves if is_numeric(leaf)], tuple(tangent)
+
+    try:
+        numeric, tangent = jax.vmap(one, out_axes=(None, 0), axis_size=k)(tuple(tangents))
+    except Cancelled:
+        raise
+    except Exception:  # not vmappable: direction by direction (a node's own error raises there)
+        per = [rule(args, jax.tree.map(lambda a: a[j], tuple(tangents)), active) for j in range(k)]
+        return per[0][0], tuple(jnp.stack(leaves) for leaves in zip(*(t for _, t in per)))
+    it = iter(numeric)
+    return (box["treedef"].unflatten([next(it) if s is None else s for s in box["static"]]),
+            tangent)

@@ -1,0 +1,83 @@
+"""One registry of differentiation rules, by the kind (type) of a node's function, as
+autodidact keeps its primitives' vjps: how such a node runs under vjp (reverse mode) and under
+jvp (forward mode). A kind not registered is JAX code: :func:`daskdag.rules.vjp.linearize`
+and :func:`daskdag.rules.jvp.jvp`.
+
+Registered: the user's own rules (:mod:`daskdag.rules.custom`), and a sweep's chunk of items
+(:mod:`daskdag.sweeps.chunked`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from daskdag.model.spec import Node
+from daskdag.rules import jvp as jax_jvp, vjp as jax_vjp
+from daskdag.transport.packing import unwrap
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How nodes of one kind are differentiated. ``linearize(fn, node, args, active) ->
+    (primal, pullback)``; ``push(fn, node, args, tangents, active) -> (primal, tangent)``.
+    ``fn`` is the node's function unpacked; ``args`` the values of its deps; ``active`` per dep
+    whether it is differentiated; ``tangents`` per dep a flat tuple (None where not active)."""
+
+    linearize: Callable | None = None
+    push: Callable | None = None
+    #: For a function that maps one element's node over a batch (a sweep's chunk of items):
+    #: ``element(fn) -> (node, in_axes)``, the node one element runs and, per dep, its batch
+    #: axis (0) or None; and ``batch(fn, in_axes, vectorized)``, a function of one element (a
+    #: fused stage's nodes) made to run over the batch the same way, as
+    #: :class:`~daskdag.graph.compiled.Compiled` does (``vectorized``: under ``jax.vmap``, else
+    #: element by element, its ``linearize_values`` a chain's values).
+    element: Callable | None = None
+    batch: Callable | None = None
+
+
+RULES: dict[type, Rules] = {}
+
+
+def register(kind: type, **rules: Callable) -> None:
+    """The rules (:class:`Rules`' fields) for functions of type ``kind`` and its subclasses."""
+    RULES[kind] = Rules(**rules)
+
+
+def rules_of(node: Node) -> Rules | None:
+    """The rules registered for the kind of ``node``'s function, else None (JAX code)."""
+    for kind in type(unwrap(node.fn)).__mro__:
+        if kind in RULES:
+            return RULES[kind]
+    return None
+
+
+def linearizer(node: Node) -> Callable:
+    """``f(args, active) -> (primal, pullback)`` for ``node``."""
+    rules = rules_of(node)
+    if rules is None or rules.linearize is None:
+        return partial(jax_vjp.linearize, node)
+    return partial(rules.linearize, unwrap(node.fn), node)
+
+
+def jvp_rule(node: Node) -> Callable:
+    """``f(args, tangents, active) -> (primal, tangent)`` for ``node``."""
+    rules = rules_of(node)
+    if rules is None or rules.push is None:
+        return partial(jax_jvp.jvp, node)
+    return partial(rules.push, unwrap(node.fn), node)
+
+
+def has_rules(node: Node) -> bool:
+    """Its function is of a registered kind (not plain JAX code)."""
+    return rules_of(node) is not None
+
+
+def element_of(node: Node) -> tuple[Node, tuple | None]:
+    """``(the node one element runs, per dep its batch axis)`` for a node that maps one over a
+    batch (:attr:`Rules.element`); else ``(node, None)``."""
+    rules = rules_of(node)
+    if rules is None or rules.element is None:
+        return node, None
+    return rules.element(unwrap(node.fn))

@@ -1,0 +1,106 @@
+"""Where cotangents start, and how they add up: an output's seed (1 for a real scalar, else
+the user's cotangent), a Jacobian's rows (the identity over an output's elements), and sums of
+cotangents (flat tuples, one array per differentiable leaf, :mod:`daskdag.model.leaves`).
+
+:func:`seed` and :func:`as_gradient` dispatch on the value's type: a sweep registers its
+values over a chunk of items (:mod:`daskdag.sweeps.chunked`).
+"""
+
+from __future__ import annotations
+
+from functools import reduce, singledispatch
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import treedef_is_leaf
+
+from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
+
+
+@singledispatch
+def seed(primal, output: str, ct, batched: bool = False) -> tuple:
+    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``, as a
+    flat tuple over the output's differentiable leaves (see :mod:`daskdag.rules.pullback`).
+
+    ``ct`` has the output's structure (``None`` allowed where a leaf is held constant).
+    ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
+    are for one item, and the seed is broadcast over the items.
+    """
+    leaves, treedef = jax.tree.flatten(primal)
+    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
+            if is_differentiable(p) else None for p in leaves]
+    if ct is None:
+        if not (treedef.num_leaves == 1 and treedef_is_leaf(treedef) and item[0] is not None
+                and item[0].shape == () and jnp.issubdtype(item[0].dtype, jnp.floating)):
+            raise ValueError(f"output {output!r} is not a real scalar: it is "
+                             f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
+                             f"with ct shaped like it")
+        return (jnp.ones_like(leaves[0]),)
+    ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
+    if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
+            i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
+        raise ValueError(f"cotangent for output {output!r} is {describe(ct)}, "
+                         f"but the output is {describe(primal, batched)}")
+    seeds = []
+    for c, i, p in zip(ct_leaves, item, leaves):
+        if i is None:  # a leaf held constant carries no cotangent
+            continue
+        if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
+            raise ValueError(f"cotangent for output {output!r} is complex, but the output is real "
+                             f"({i.dtype}): its imaginary part would be dropped")
+        c = jnp.asarray(c, i.dtype)
+        seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
+    return tuple(seeds)
+
+
+def basis(output: str, primal) -> tuple:
+    """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
+    ``jax.tree.leaves`` order, as a cotangent: a tuple with one ``[rows, *leaf.shape]`` array per
+    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian."""
+    leaves = differentiable_leaves(primal)
+    for leaf in leaves:
+        if jnp.iscomplexobj(leaf):
+            raise ValueError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                             f"Jacobian needs real outputs, as jax.jacrev does")
+    n, start, seeds = basis_size(primal), 0, []
+    for leaf in leaves:
+        size = int(np.size(leaf))
+        eye = np.zeros((n, size), jnp.result_type(leaf))
+        eye[np.arange(start, start + size), np.arange(size)] = 1
+        seeds.append(jnp.asarray(eye.reshape(n, *jnp.shape(leaf))))
+        start += size
+    return tuple(seeds)
+
+
+def basis_size(primal) -> int:
+    """How many rows :func:`basis` has: the elements of ``primal``'s differentiable leaves."""
+    return sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
+
+
+def total(cts):
+    """Sum cotangents (flat tuples, one array per differentiable leaf)."""
+    return reduce(add, cts)
+
+
+def describe(tree, batched: bool = False) -> str:
+    def shape(leaf):
+        return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
+
+    def one(leaf):
+        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
+
+    if is_numeric(tree):
+        return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
+    return str(jax.tree.map(one, tree))
+
+
+def add(a: tuple, b: tuple) -> tuple:
+    """Two cotangents (flat tuples) summed leaf by leaf."""
+    return tuple(x + y for x, y in zip(a, b))
+
+
+@singledispatch
+def as_gradient(value, grad):
+    """The gradient of ``value`` as the user gets it, from ``grad`` in ``value``'s structure."""
+    return grad
