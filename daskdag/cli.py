@@ -66,11 +66,19 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
     :data:`DEFAULT_HOSTS`. Existing files are kept unless ``force``: replacing them locks out every
     process still holding the old ones.
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    paths = _cert_paths(directory, force)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca, ca_key = _new_ca(start, end)
+    cert, key = _new_cert(ca, ca_key, [*DEFAULT_HOSTS, *hosts], start, end)
+    _write_pems(paths, ca, cert, key)
+    return paths
 
+
+def _cert_paths(directory, force: bool) -> dict[str, Path]:
+    """In: the certificates' directory, and whether existing files may be replaced. Out:
+    ``{"ca"|"cert"|"key": path}`` in it (see :data:`FILES`), the directory created;
+    ``FileExistsError`` naming the files already there, unless ``force``."""
     directory = Path(directory)
     paths = {k: directory / name for k, name in FILES.items()}
     existing = [str(p) for p in paths.values() if p.exists()]
@@ -78,13 +86,20 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
         raise FileExistsError(f"{', '.join(existing)} already exist; replace them with --force "
                               f"(force=True)")
     directory.mkdir(parents=True, exist_ok=True)
+    return paths
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+def _new_ca(start, end):
+    """In: the validity period, ``start`` and ``end`` (aware ``datetime`` objects). Out:
+    ``(certificate, private key)`` of a new self-signed CA, "daskdag cluster CA", that may sign
+    certificates but no other CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "daskdag cluster CA")])
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     ca = (x509.CertificateBuilder()
           .subject_name(ca_name).issuer_name(ca_name)
           .public_key(ca_key.public_key())
@@ -95,19 +110,40 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
                                        key_encipherment=False, data_encipherment=False,
                                        key_agreement=False, key_cert_sign=True, crl_sign=True,
                                        encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(ca_ski, critical=False)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                         critical=False)
           .sign(ca_key, hashes.SHA256()))
+    return ca, ca_key
 
-    key = ec.generate_private_key(ec.SECP256R1())
+
+def _alt_names(hosts) -> list:
+    """In: host names and IP addresses (as text; repeats are dropped). Out: the certificate's
+    subject alternative names, ``x509.IPAddress`` for addresses, ``x509.DNSName`` for names."""
+    from cryptography import x509
+
     names = []
-    for h in dict.fromkeys([*DEFAULT_HOSTS, *hosts]):
+    for h in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
+    return names
+
+
+def _new_cert(ca, ca_key, hosts, start, end):
+    """In: the CA (certificate and key, from :func:`_new_ca`), the hosts the certificate names
+    (:func:`_alt_names`) and its validity period. Out: ``(certificate, private key)``, signed by
+    the CA, for every role: it serves (scheduler, workers) and connects (all)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "daskdag")]))
-            .issuer_name(ca_name)
+            .issuer_name(ca.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
@@ -116,14 +152,21 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
                                          key_encipherment=False, data_encipherment=False,
                                          key_agreement=True, key_cert_sign=False, crl_sign=False,
                                          encipher_only=False, decipher_only=False), critical=True)
-            # One certificate for every role: it serves (scheduler, workers) and connects (all).
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.SubjectAlternativeName(_alt_names(hosts)), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
                            critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
+    return cert, key
+
+
+def _write_pems(paths: dict[str, Path], ca, cert, key) -> None:
+    """In: the paths of :func:`_cert_paths`, the CA's certificate, the shared certificate and
+    its private key. Out: nothing; the three written as PEM, the key (PKCS#8, unencrypted) with
+    mode 0600, also where the file existed with wider permissions."""
+    from cryptography.hazmat.primitives import serialization
 
     pem = serialization.Encoding.PEM
     paths["ca"].write_bytes(ca.public_bytes(pem))
@@ -132,8 +175,7 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
     fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key_bytes)
-    os.chmod(paths["key"], 0o600)  # also when the file existed with wider permissions
-    return paths
+    os.chmod(paths["key"], 0o600)
 
 
 def security(directory):
@@ -195,53 +237,90 @@ class Unreachable(Exception):
     """No scheduler answered: exit 3."""
 
 
-def load_dag(target: str):
-    """The DAG named by ``MODULE[:DAG]`` (see :data:`TARGET_HELP`); ``UsageError`` naming what was
-    looked for when it is not there."""
-    import importlib
-    import importlib.util
-    from collections.abc import Mapping
-
-    module_part, sep, attr = target.rpartition(":")
-    if not sep or not all(p.isidentifier() for p in attr.split(".")):  # no ':DAG' (or C:\...)
-        module_part, attr = target, "dag"
-    is_file = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-    if is_file:
-        path = Path(module_part).expanduser()
-        if not path.is_file():
-            raise UsageError(f"no DAG module file {str(path)!r}" + ("" if path.suffix == ".py" else
-                             " (a module name is written pkg.mod, a file path/to/file.py)"))
-        path = path.resolve()
-        name = path.stem if path.stem.isidentifier() else "daskdag_cli_dag"
-        if name in sys.modules and getattr(sys.modules[name], "__file__", None) != str(path):
-            name = f"daskdag_cli_{abs(hash(str(path)))}"
-        sys.path.insert(0, str(path.parent))  # and there it stays, as with `python path/file.py`
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # so that pickling (by value, to a cluster) finds it
-        try:
-            spec.loader.exec_module(module)
-        except BaseException as e:
-            sys.modules.pop(name, None)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise UsageError(f"loading DAG module {str(path)!r} failed: {type(e).__name__}: {e}") from e
-        where = str(path)
+def load_dag(target: str) -> dict:
+    """The DAG named by ``MODULE[:DAG]`` (see :data:`TARGET_HELP`), as a dict, not yet validated
+    (:func:`daskdag.model.spec.parse` does that); ``UsageError`` naming what was looked for when
+    it is not there."""
+    module_part, attr = _split_target(target)
+    if _is_file(module_part):
+        module, where = _exec_file(module_part)
     else:
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as e:
-            if e.name and (module_part == e.name or module_part.startswith(e.name + ".")):
-                raise UsageError(f"no module named {module_part!r} (looked for {e.name!r} on "
-                                 f"sys.path, the current directory first); for a file write "
-                                 f"path/to/{module_part.rpartition('.')[2]}.py") from e
-            raise UsageError(f"importing DAG module {module_part!r} failed: {e}") from e
-        except Exception as e:
-            raise UsageError(f"importing DAG module {module_part!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-        where = module_part
+        module, where = _import_module(module_part), module_part
+    return dict(_dag_object(module, where, attr))
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """In: ``MODULE[:DAG]``. Out: ``(MODULE, DAG)``, ``DAG`` ``"dag"`` where none is given (or
+    what follows the last ``:`` is no dotted name, as in ``C:\\dags\\p.py``)."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not all(p.isidentifier() for p in attr.split(".")):
+        module_part, attr = target, "dag"
+    return module_part, attr
+
+
+def _is_file(module_part: str) -> bool:
+    """In: the ``MODULE`` of a target. Out: whether it names a ``.py`` file (a path) rather than
+    an importable module."""
+    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+
+
+def _exec_file(module_part: str):
+    """In: the path of a ``.py`` file. Out: ``(module, where)``: the module it defines, run with
+    its directory first on ``sys.path`` (where it stays, as with ``python path/file.py``) and
+    kept in ``sys.modules`` (so that pickling, by value to a cluster, finds it), and its
+    resolved path as text for messages; ``UsageError`` where the file is missing or running it
+    raised."""
+    import importlib.util
+
+    path = Path(module_part).expanduser()
+    if not path.is_file():
+        raise UsageError(f"no DAG module file {str(path)!r}" + ("" if path.suffix == ".py" else
+                         " (a module name is written pkg.mod, a file path/to/file.py)"))
+    path = path.resolve()
+    name = path.stem if path.stem.isidentifier() else "daskdag_cli_dag"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) != str(path):
+        name = f"daskdag_cli_{abs(hash(str(path)))}"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        sys.modules.pop(name, None)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise UsageError(f"loading DAG module {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    return module, str(path)
+
+
+def _import_module(module_part: str):
+    """In: a module name, ``pkg.mod``. Out: the module, imported with the current directory on
+    ``sys.path`` (first, as ``python -m`` has it, unless it is there already); ``UsageError``
+    where there is no such module or importing it raised."""
+    import importlib
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as e:
+        if e.name and (module_part == e.name or module_part.startswith(e.name + ".")):
+            raise UsageError(f"no module named {module_part!r} (looked for {e.name!r} on "
+                             f"sys.path, the current directory first); for a file write "
+                             f"path/to/{module_part.rpartition('.')[2]}.py") from e
+        raise UsageError(f"importing DAG module {module_part!r} failed: {e}") from e
+    except Exception as e:
+        raise UsageError(f"importing DAG module {module_part!r} failed: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _dag_object(module, where: str, attr: str):
+    """In: the DAG module, its name or path for messages, and the (dotted) attribute ``DAG``.
+    Out: the mapping there, or what calling it with no arguments returns where it is a callable;
+    ``UsageError`` where there is no such attribute (listing the module's dicts and callables),
+    the call raised, or the result is no mapping."""
+    from collections.abc import Mapping
 
     obj = module
     for part in attr.split("."):
@@ -261,33 +340,7 @@ def load_dag(target: str):
     if not isinstance(obj, Mapping):
         raise UsageError(f"{where}:{attr} is a {type(obj).__name__}, not the DAG dict "
                          f"{{name: (fn, [deps])}} (nor a zero-argument callable returning it)")
-    return dict(obj)
-
-
-def _deps(entry):
-    """A DAG entry's deps, or ``()`` for a malformed one (the API reports it)."""
-    from daskdag import Node
-    if isinstance(entry, Node):
-        return tuple(entry.deps or ())
-    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], (tuple, list)):
-        return tuple(d for d in entry[1] if isinstance(d, str))
-    return ()
-
-
-def free_inputs(dag) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(d for e in dag.values() for d in _deps(e) if d not in dag))
-
-
-def needed_inputs(dag, outputs) -> set[str]:
-    """The free inputs the ``outputs`` (those that are nodes) depend on."""
-    seen, todo = set(), [o for o in outputs if o in dag]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(d for d in _deps(dag[n]) if d in dag)
-    return {d for n in seen for d in _deps(dag[n]) if d not in dag}
+    return obj
 
 
 def _names(text: str | None, option: str) -> list[str] | None:
@@ -383,9 +436,9 @@ def flatten(prefix: str, tree) -> dict:
     return out
 
 
-def result_arrays(results, dag, wrt) -> dict:
-    """The RESULT.npz arrays of ``{output: Result}``."""
-    inputs = free_inputs(dag)
+def result_arrays(results, inputs, wrt) -> dict:
+    """The RESULT.npz arrays of ``{output: Result}``, given the DAG's free inputs (``Spec.inputs``)
+    and ``--wrt``."""
     alone = len(inputs) == 1 and (wrt is None or list(wrt) == list(inputs))
     arrays = {}
     for o, r in results.items():
@@ -489,35 +542,43 @@ def _output_path(text: str) -> Path:
 
 
 def _prepare(args, command):
-    """What ``run`` and ``sweep`` share: the DAG, outputs, inputs, cotangents, --out, client."""
+    """What ``run`` and ``sweep`` share. In: the parsed command line and the command's name. Out:
+    ``(--out path, DAG dict, its Spec, outputs, wrt, x, cotangents)``, ``x`` and the cotangents
+    as JAX arrays; ``UsageError`` for a bad option, module or file, ``DAGError`` (the parser's)
+    for a malformed DAG."""
+    from daskdag.model.spec import parse
+
     out = _output_path(args.out)
     dag = load_dag(args.target)
+    spec = parse(dag)
     outputs = _names(args.outputs, "--outputs")
     wrt = _names(args.wrt, "--wrt")
-    inputs = free_inputs(dag)
     for o in outputs:
-        if o not in dag:
-            raise UsageError(f"--outputs names {o!r}, which is "
-                             + ("a free input, not a node" if o in inputs else "not a node of the DAG")
-                             + f"; nodes: {', '.join(dag)}")
-    values = load_npz(args.inputs, inputs, "inputs",
-                      needed=[i for i in inputs if i in needed_inputs(dag, outputs)], single_ok=True)
+        if o not in spec.nodes:
+            kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
+            raise UsageError(f"--outputs names {o!r}, which is {kind}; nodes: {', '.join(spec.nodes)}")
+    needed = spec.ancestors(outputs)
+    values = load_npz(args.inputs, spec.inputs, "inputs",
+                      needed=[i for i in spec.inputs if i in needed], single_ok=True)
     cts = None
     if args.cotangents:
         cts = _to_jax(load_npz(args.cotangents, outputs, "cotangents"))
-    x = values[inputs[0]] if len(inputs) == 1 else values
+    x = values[spec.inputs[0]] if len(spec.inputs) == 1 else values
     if args.scheduler is None:
-        import distributed
+        _refuse_import_client(command)
+    return out, dag, spec, outputs, wrt, _to_jax(x), cts
 
-        try:
-            c = distributed.default_client()
-        except ValueError:
-            c = None
-        if c is not None:
-            raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
-                             f"daskdag {command} runs locally unless --scheduler is given: pass "
-                             f"its address there, or do not start a client at import")
-    return out, dag, outputs, wrt, _to_jax(x), cts
+
+def _refuse_import_client(command: str) -> None:
+    """In: the command's name. Out: nothing; ``UsageError`` where importing the DAG module
+    started a ``distributed`` client, which a local run (no --scheduler) would not use."""
+    from daskdag.api import _active_client
+
+    c = _active_client()
+    if c is not None:
+        raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
+                         f"daskdag {command} runs locally unless --scheduler is given: pass "
+                         f"its address there, or do not start a client at import")
 
 
 def cmd_run(args) -> int:
@@ -525,7 +586,7 @@ def cmd_run(args) -> int:
 
     import daskdag
 
-    out, dag, outputs, wrt, x, cts = _prepare(args, "run")
+    out, dag, spec, outputs, wrt, x, cts = _prepare(args, "run")
     client = connect(args)
     try:
         # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
@@ -535,7 +596,7 @@ def cmd_run(args) -> int:
     finally:
         if client is not None:
             client.close(timeout=10)
-    arrays = result_arrays(results, dag, wrt)
+    arrays = result_arrays(results, spec.inputs, wrt)
     save(out, arrays)
     if not args.quiet:
         print(summary(arrays, outputs))
@@ -548,7 +609,7 @@ def cmd_sweep(args) -> int:
 
     import daskdag
 
-    out, dag, outputs, wrt, xs, cts = _prepare(args, "sweep")
+    out, dag, spec, outputs, wrt, xs, cts = _prepare(args, "sweep")
     batched = _names(args.batched, "--batched")
     client = connect(args)
     try:
@@ -559,7 +620,7 @@ def cmd_sweep(args) -> int:
     finally:
         if client is not None:
             client.close(timeout=10)
-    arrays = result_arrays(results, dag, wrt)
+    arrays = result_arrays(results, spec.inputs, wrt)
     failed = {o: sorted(r.failed) for o, r in results.items()}
     if args.errors == "collect":
         for o in outputs:
