@@ -69,11 +69,22 @@ from distributed.protocol import deserialize, serialize
 
 from daskdag import Node
 from daskdag.transport import programs
-from daskdag.api import build_graph
+from daskdag.graph.build import build
+from daskdag.model.request import prepare
+from daskdag.transport.packing import ship
 from daskdag.graph.build import kind_of
 from daskdag.rules.vjp import linearize
 
 from daskdag import common
+
+
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
+    """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
+    daskdag builds it for a cluster or a lazy call, without computing it."""
+    request = prepare(dag, x, outputs, wrt, cotangents)
+    plan = ship(request.plan, remote)
+    return request.spec, plan, build(plan, request.values, request.cotangents, remote=remote,
+                                     rows=rows)
 TITLE = "Portable pullbacks"
 N = 1024  # the arrays' base size
 GROWTH = 32  # the most rows or columns a repetition adds (see make_base)

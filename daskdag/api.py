@@ -1,36 +1,35 @@
-"""The public entry points, :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps` and
-:func:`sweep_grads`, and the checks on their arguments."""
+"""The public entry points: :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps`,
+:func:`sweep_grads`, their lazy forms, and the results they return. Each checks its arguments
+(:mod:`daskdag.model.request`), builds its graph (:mod:`daskdag.graph`) and runs it
+(:mod:`daskdag.running`; sweeps, :mod:`daskdag.sweeps`)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.sweeps import arrays
-from daskdag.running import cluster
-from daskdag.running import log
-from daskdag.running import resident
-from daskdag.sweeps import sweep
-from daskdag.graph import forward as jvp_graph
-from daskdag.running.compute import compute
-from daskdag.model.custom import Custom
 from daskdag.errors import DAGError, NodeError
+from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
-from daskdag.running.lazy import Call
-from daskdag.cancel import Stop
-from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
-from daskdag.transport.packing import ship
-from daskdag.model.plan import make_plan
-from daskdag.model.spec import parse
 from daskdag.graph.tasks import Rows
+from daskdag.model.leaves import is_differentiable
+from daskdag.model.plan import make_plan
+from daskdag.model.request import (batch_size, batched_names, check_chunk_size, cotangents_for,
+                                   input_tangents, input_values, output_names, prepare, with_rules,
+                                   wrt_names)
+from daskdag.model.spec import parse
+from daskdag.running import cluster
+from daskdag.running.compute import active_client, where
+from daskdag.running.jobs import Job, lazy, run
+from daskdag.running.lazy import Call
+from daskdag.sweeps import arrays, sweep
+from daskdag.transport.packing import ship
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
     that differ). :func:`grads` is the same call, not computed yet.
     """
-    client, local = _where(client, scheduler)
-    return _computed(_grads(dag, x, outputs, wrt, cotangents, client is not None,
+    client, local = where(client, scheduler)
+    return run(_grads(dag, x, outputs, wrt, cotangents, client is not None,
                             travel=client is not None), client, local, progress)
 
 
@@ -102,70 +101,20 @@ def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] |
     :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
     (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
     next calls; a lazy call carries them in its graph.)"""
-    return _lazy(_grads(dag, x, outputs, wrt, cotangents, _active_client() is not None))
+    return lazy(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
 
 
-def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> "_Call":
+def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> Job:
     """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
     ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
     call (:class:`daskdag.graph.build.Carry`)."""
-    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote, travel)
-    return _Call(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
+    request = prepare(dag, x, outputs, wrt, cotangents)
+    spec, values, cts = request.spec, request.values, request.cotangents
+    plan = ship(request.plan, remote, travel)
+    return Job(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
                                                  stop=stop, rows=rows, travel=travel),
                  partial(_results, spec, outputs) if rows is None else
                  partial(_jacobians, spec, outputs), "compute_grads" if rows is None else "jacobian")
-
-
-@dataclass(frozen=True)
-class _Call:
-    """A call prepared: its plan, ``make(place, stop)`` building its graph
-    (:func:`daskdag.graph.build.build`), and ``finish``, the result from the graph computed."""
-
-    plan: Any
-    make: Any
-    finish: Any
-    kind: str = "compute_grads"  # (for the log)
-
-
-def _computed(call: _Call, client, local: str, progress: bool):
-    """The call computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
-    if client is not None:  # before anything is built or sent
-        cluster.check(client, call.plan)
-    kept = resident.of(client) if client is not None else None
-    stop = Stop() if client is None else None
-    before = kept.sent if kept else None
-    with kept.call(client) if kept else contextlib.nullcontext() as place:
-        graph = call.make(place, stop)
-        log.submitted(call.kind, call.plan, graph, log.where(client, local),
-                      kept.sent - before if kept else None)
-        return call.finish(compute(graph, client, progress, stop, local, call.plan))
-
-
-def _lazy(call: _Call) -> Call:
-    return Call.of(call.plan, call.make(None, None), call.finish)
-
-
-SCHEDULERS = {"threads": "threads", "threading": "threads", "sync": "sync",
-              "synchronous": "sync", "single-threaded": "sync"}
-
-
-def _where(client, scheduler) -> tuple[Any, str]:
-    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here."""
-    if scheduler is None:
-        client = client if client is not None else _active_client()
-        return client, None if client is not None else "threads"
-    if isinstance(scheduler, distributed.Client):
-        if client is not None and client is not scheduler:
-            raise DAGError("client= and scheduler= name two different clients: give one")
-        return scheduler, None
-    if not isinstance(scheduler, str) or scheduler not in SCHEDULERS:
-        raise DAGError(f"scheduler must be one of {sorted(SCHEDULERS)} or a distributed.Client, "
-                       f"got {scheduler!r}")
-    if client is not None:
-        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
-                       f"cluster: give one or the other")
-    return None, SCHEDULERS[scheduler]
 
 
 def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
@@ -189,25 +138,20 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
     (integers, booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
     a complex output. :func:`jacobians` is the same call, not computed yet.
     """
-    client, local = _where(client, scheduler)
-    return _computed(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None,
+    client, local = where(client, scheduler)
+    return run(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None,
                                travel=client is not None), client, local, progress)
 
 
 def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
               chunk_size: int | None = None) -> Call:
     """:func:`jacobian`, not computed yet: a Dask collection, as :func:`grads` is."""
-    return _lazy(_jacobian(dag, x, outputs, wrt, chunk_size, _active_client() is not None))
+    return lazy(_jacobian(dag, x, outputs, wrt, chunk_size, active_client() is not None))
 
 
-def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> _Call:
-    _check_chunk_size(chunk_size)
+def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> Job:
+    check_chunk_size(chunk_size)
     return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size), travel)
-
-
-def _check_chunk_size(chunk_size) -> None:
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
 
 def _jacobians(spec, outputs, computed) -> dict:
@@ -243,23 +187,23 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
     ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
     the same call, not computed yet.
     """
-    client, local = _where(client, scheduler)
-    return _computed(_jvps(dag, x, tangents, outputs, batched, client is not None,
+    client, local = where(client, scheduler)
+    return run(_jvps(dag, x, tangents, outputs, batched, client is not None,
                            travel=client is not None), client, local, progress)
 
 
 def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
     """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
-    return _lazy(_jvps(dag, x, tangents, outputs, batched, _active_client() is not None))
+    return lazy(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
 
 
-def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> _Call:
+def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:
     spec = parse(dag)
-    names = _outputs(spec, outputs)
-    values = _input_values(spec, x, names)
-    flat, k = jvp_graph.input_tangents(spec, values, tangents, bool(batched))
-    plan = ship(_with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
-    return _Call(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
+    names = output_names(spec, outputs)
+    values = input_values(spec, x, names)
+    flat, k = input_tangents(spec, values, tangents, bool(batched))
+    plan = ship(with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
+    return Job(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
                                                            place=place, stop=stop, travel=travel),
                  partial(_jvp_results, outputs), "compute_jvps")
 
@@ -287,41 +231,6 @@ def _jacrev_layout(value, rows):
             for r in in_leaves]))
         start += size
     return out_def.unflatten(per_leaf)
-
-
-def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
-    """Validate a call; return its spec, plan and ``{output: (value, {input: grad})}`` as
-    ``dask.delayed`` objects. ``remote``: for a cluster, so everything must pickle; ``rows``:
-    a :class:`~daskdag.graph.tasks.Rows` for a Jacobian's rows in place of gradients."""
-    spec, plan, values, cts = _prepare(dag, x, outputs, wrt, cotangents, remote)
-    return spec, plan, build(plan, values, cts, remote=remote, rows=rows)
-
-
-def _prepare(dag, x, outputs, wrt, cotangents, remote, travel=True):
-    """A call validated: its spec, plan (node functions packed to travel), input values and
-    cotangents."""
-    spec = parse(dag)
-    names = _outputs(spec, outputs)
-    values = _input_values(spec, x, names)
-    wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = _with_rules(make_plan(spec, names, wrt))
-    return spec, ship(plan, remote, travel), values, _cotangents(names, cotangents)
-
-
-def _with_rules(plan, forward: bool = False):
-    """``plan``, checked: every node of the user's own code that it differentiates has the rule
-    it needs: a VJP, or with ``forward`` a JVP."""
-    for n in plan.needed:
-        fn = plan.spec.nodes[n].fn
-        if n not in plan.active or not isinstance(fn, Custom):
-            continue
-        if forward and fn.jvp is None:
-            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
-                           f"mode needs (a VJP serves reverse mode only)")
-        if not forward and not fn.reverse:
-            raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
-                           f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
-    return plan
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
@@ -364,21 +273,21 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     running ones stop after their current item, on threads and on a cluster.
     """
     spec = parse(dag)
-    names = _outputs(spec, outputs)
-    values = _input_values(spec, xs, names)
-    batched = _batched(values, batched)
-    client, local = _where(client, scheduler)
+    names = output_names(spec, outputs)
+    values = input_values(spec, xs, names)
+    batched = batched_names(values, batched)
+    client, local = where(client, scheduler)
     if errors not in ("raise", "collect"):
         raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
-        return arrays.sweep_grads(spec, outputs, names, values, batched, wrt=wrt,
-                                  cotangents=cotangents, chunk_size=chunk_size, client=client,
-                                  progress=progress, errors=errors)
-    size = _batch_size(values, batched)
-    wrt = _wrt(spec, values, wrt, candidates={i: values[i] for i in batched})
-    _with_rules(make_plan(spec, names, wrt))
-    planned = sweep.plan_sweep(spec, names, values, batched, wrt, _cotangents(names, cotangents), size,
+        return _results(spec, outputs, arrays.sweep_grads(
+            spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
+            chunk_size=chunk_size, client=client, progress=progress, errors=errors))
+    size = batch_size(values, batched)
+    wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
+    with_rules(make_plan(spec, names, wrt))
+    planned = sweep.plan_sweep(spec, names, values, batched, wrt, cotangents_for(names, cotangents), size,
                                remote=client is not None)
     found = cluster.check(client, planned.plan) if client is not None else None
     slots = sweep.parallelism(found) if local != "sync" else 1
@@ -398,107 +307,3 @@ def _results(spec, outputs, computed, failed=None):
     return results[outputs] if isinstance(outputs, str) else results
 
 
-def _active_client():
-    """The ``distributed`` client in use, if any (none is ever started here)."""
-    try:
-        return distributed.default_client()
-    except ValueError:
-        return None
-
-
-def _outputs(spec, outputs) -> tuple[str, ...]:
-    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-    if not names:
-        raise DAGError("no outputs requested")
-    for o in names:
-        if o not in spec.nodes:
-            kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
-            raise DAGError(f"output {o!r} is {kind}; nodes: {sorted(spec.nodes)}")
-    return tuple(dict.fromkeys(names))
-
-
-def _input_values(spec, x, outputs) -> dict[str, Any]:
-    """``{input: value}`` for the inputs given, checking that every needed one is."""
-    if len(spec.inputs) == 1:
-        return {spec.inputs[0]: x}
-    if not isinstance(x, Mapping):
-        raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: "
-                       f"pass x as a dict {{input_name: value}}, got {type(x).__name__}")
-    for k in x:
-        if k not in spec.inputs:
-            raise DAGError(f"x gives a value for {k!r}, which is not a free input of the DAG "
-                           f"{list(spec.inputs)}")
-    needed = spec.ancestors(outputs)
-    for i in spec.inputs:
-        if i in needed and i not in x:
-            users = [n for n, node in spec.nodes.items() if i in node.deps]
-            raise DAGError(f"no value for input {i!r} (used by {users}); x has {list(x)}")
-    return dict(x)
-
-
-def _wrt(spec, values, wrt, candidates) -> tuple[str, ...]:
-    """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
-    differentiable (floating-point) leaf."""
-    if wrt is None:
-        wrt = tuple(i for i, v in candidates.items() if _differentiable(v))
-        if not wrt:
-            raise DAGError(f"no input to differentiate: none of {list(candidates)} has a "
-                           f"floating-point array leaf")
-        return wrt
-    wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
-    for i in wrt:
-        if i in spec.nodes:  # its value's floating leaves, once it has one
-            continue
-        if i not in values:
-            raise DAGError(f"wrt names {i!r}, which is neither a given free input "
-                           f"{list(values)} nor a node")
-        if not _differentiable(values[i]):
-            raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
-                           f"to differentiate")
-    if len(spec.inputs) == 1 and not wrt:
-        raise DAGError("wrt is empty: nothing to differentiate")
-    return tuple(dict.fromkeys(wrt))
-
-
-def _cotangents(outputs, cotangents) -> dict:
-    cotangents = dict(cotangents or {})
-    for o in cotangents:
-        if o not in outputs:
-            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(outputs)}")
-    return cotangents
-
-
-def _batched(values, batched) -> tuple[str, ...]:
-    if batched is None:
-        return tuple(values)
-    batched = (batched,) if isinstance(batched, str) else tuple(batched)
-    for i in batched:
-        if i not in values:
-            raise DAGError(f"batched names {i!r}, which is not a given free input {list(values)}")
-    if not batched:
-        raise DAGError("batched is empty: no input carries the items to sweep over")
-    return batched
-
-
-def _batch_size(values, batched) -> int:
-    """N, the leading axis length that every leaf of every batched input shares."""
-    sizes = {}
-    for i in batched:  # array leaves carry the items; others (functions...) are shared
-        for leaf in jax.tree.leaves(values[i]):
-            if not is_numeric(leaf):
-                continue
-            if jnp.ndim(leaf) == 0:
-                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
-            sizes.setdefault(jnp.shape(leaf)[0], i)
-    if len(sizes) != 1:
-        raise DAGError("batched inputs disagree on the number of items: "
-                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
-                       f"batched inputs {list(batched)} hold no arrays")
-    (size,) = sizes
-    return size
-
-
-def _differentiable(value) -> bool:
-    """A floating-point leaf to differentiate, or no leaf at all (an empty pytree's gradient is
-    itself)."""
-    return bool(differentiable_leaves(value)) or not jax.tree.leaves(value)

@@ -33,20 +33,22 @@ checked node takes its value: once to linearize, and ``2 * PROJECTIONS`` times p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from dask.task_spec import TaskRef
 
-from daskdag.api import _Call, _computed, _input_values, _outputs, _where, _wrt
 from daskdag.errors import GradientCheckError, node_errors
 from daskdag.graph.build import Carry, _Graph, build, ident
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.rules.registry import linearizer
+from daskdag.model.request import prepare
+from daskdag.running.compute import where
+from daskdag.running.jobs import Job, run
 from daskdag.transport.packing import ship
-from daskdag.model.spec import parse
 
 PROJECTIONS = 2  # random (u, v) pairs per node and dep
 # The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
@@ -87,45 +89,45 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
     :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
     raises for a malformed call or a cluster that cannot run it.
     """
-    client, local = _where(client, scheduler)
-    remote = client is not None
-    spec = parse(dag)
-    names = _outputs(spec, outputs)
-    values = _input_values(spec, x, names)
-    wrt = _wrt(spec, values, wrt, candidates=values)
-    plan = make_plan(spec, names, wrt)
-    on_path = {n for o in names for n in plan.backward[o]}
+    client, local = where(client, scheduler)
+    request = prepare(dag, x, outputs, wrt)
+    plan, spec = request.plan, request.spec
+    on_path = {n for o in plan.outputs for n in plan.backward[o]}
     checked = [n for n in spec.order if n in on_path]
     if not checked:
         return {}
     # The forward values, as one graph with no gradients: every needed node is an output (so
     # each is its own value), and nothing runs under jax.vjp. Values no check takes are culled.
+    remote = client is not None
     forward = ship(make_plan(spec, plan.needed, ()), remote, travel=remote)
-
-    def graph(place, stop):
-        built = build(forward, values, {}, remote=remote, place=place, stop=stop, travel=remote)
-        g = _Graph()
-        carry = Carry(g, remote, remote, place)
-        value_of = {n: TaskRef(value.key) for n, (value, _) in built.items()}
-        for i in {d for n in checked for d in spec.nodes[n].deps if d not in spec.nodes}:
-            value_of[i] = carry.value("input", i, f"input {i!r}", values[i])
-        checks = {}
-        for n in checked:
-            node = forward.spec.nodes[n]
-            active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
-            sent = carry.node(n, node)
-            deps = [value_of[d] for d in node.deps]
-            k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
-            checks[n] = (g.task(k, dict(node.needs), check_node, n, sent, active, eps, rtol, *deps), {})
-        return g.delayed(checks, carry.call, base=next(iter(built.values()))[0].dask)
-
-    found = _computed(_Call(forward, graph, lambda found: found, "check_grads"), client, local, False)
+    graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, remote)
+    found = run(Job(forward, graph, lambda found: found, "check_grads"), client, local, False)
     failed = [n for n in checked if found[n][0][1]]
     if failed:
         first = found[failed[0]][0][1]
         dep = spec.nodes[failed[0]].deps[first["position"]]
         raise GradientCheckError(failed[0], dep, others=tuple(failed[1:]), **first)
     return {n: found[n][0][0] for n in checked}
+
+
+def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> dict:
+    """The graph of the checks: the ``forward`` plan's values (every needed node an output),
+    and a :func:`check_node` task for each ``checked`` node, on its deps' values."""
+    built = build(forward, values, {}, remote=remote, place=place, stop=stop, travel=remote)
+    g = _Graph()
+    carry = Carry(g, remote, remote, place)
+    value_of = {n: TaskRef(value.key) for n, (value, _) in built.items()}
+    for i in {d for n in checked for d in plan.spec.nodes[n].deps if d not in plan.spec.nodes}:
+        value_of[i] = carry.value("input", i, f"input {i!r}", values[i])
+    checks = {}
+    for n in checked:
+        node = forward.spec.nodes[n]
+        active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
+        sent = carry.node(n, node)
+        deps = [value_of[d] for d in node.deps]
+        k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
+        checks[n] = (g.task(k, dict(node.needs), check_node, n, sent, active, eps, rtol, *deps), {})
+    return g.delayed(checks, carry.call, base=next(iter(built.values()))[0].dask)
 
 
 def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,

@@ -53,6 +53,11 @@ import os
 import sys
 from pathlib import Path
 
+import daskdag
+from daskdag.errors import ClusterError, DAGError, NodeError
+from daskdag.model.spec import parse
+from daskdag.running.compute import active_client
+
 # The names under which the recipes in deploy/ reach the scheduler: Compose's service name and
 # the Kubernetes Service the dask-kubernetes operator creates for the DaskCluster "daskdag".
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1", "scheduler", "daskdag-scheduler")
@@ -546,8 +551,6 @@ def _prepare(args, command):
     ``(--out path, DAG dict, its Spec, outputs, wrt, x, cotangents)``, ``x`` and the cotangents
     as JAX arrays; ``UsageError`` for a bad option, module or file, ``DAGError`` (the parser's)
     for a malformed DAG."""
-    from daskdag.model.spec import parse
-
     out = _output_path(args.out)
     dag = load_dag(args.target)
     spec = parse(dag)
@@ -572,9 +575,7 @@ def _prepare(args, command):
 def _refuse_import_client(command: str) -> None:
     """In: the command's name. Out: nothing; ``UsageError`` where importing the DAG module
     started a ``distributed`` client, which a local run (no --scheduler) would not use."""
-    from daskdag.api import _active_client
-
-    c = _active_client()
+    c = active_client()
     if c is not None:
         raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
                          f"daskdag {command} runs locally unless --scheduler is given: pass "
@@ -584,7 +585,6 @@ def _refuse_import_client(command: str) -> None:
 def cmd_run(args) -> int:
     import dask
 
-    import daskdag
 
     out, dag, spec, outputs, wrt, x, cts = _prepare(args, "run")
     client = connect(args)
@@ -607,7 +607,6 @@ def cmd_run(args) -> int:
 def cmd_sweep(args) -> int:
     import numpy as np
 
-    import daskdag
 
     out, dag, spec, outputs, wrt, xs, cts = _prepare(args, "sweep")
     batched = _names(args.batched, "--batched")
@@ -771,8 +770,6 @@ def main(argv=None) -> int:
         for p in paths.values():
             print(p)
         return EXIT_OK
-
-    from daskdag.errors import ClusterError, DAGError, NodeError
 
     name = f"daskdag {args.command}"
 

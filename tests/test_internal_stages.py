@@ -8,9 +8,20 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from daskdag.api import build_graph
+from daskdag.graph.build import build
+from daskdag.model.request import prepare
+from daskdag.transport.packing import ship
 
 from .conftest import TraceLog, assert_tree_close, key_kind, key_label
+
+
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
+    """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
+    daskdag builds it for a cluster or a lazy call, without computing it."""
+    request = prepare(dag, x, outputs, wrt, cotangents)
+    plan = ship(request.plan, remote)
+    return request.spec, plan, build(plan, request.values, request.cotangents, remote=remote,
+                                     rows=rows)
 
 
 def _fwd_stages(graph):

@@ -1,1 +1,14 @@
-"""daskdag.graph."""
+"""Stages and the Dask graph of a call.
+
+- :mod:`~daskdag.graph.stages`: a plan's nodes grouped into stages (chains, fused groups);
+- :mod:`~daskdag.graph.run`: a stage's forward pass, and the pullback it leaves;
+- :mod:`~daskdag.graph.compiled`: a fused stage as compiled programs (``jit``, ``vmap``);
+- :mod:`~daskdag.graph.tasks`: the functions Dask runs: forward, backward, gradient tasks;
+- :mod:`~daskdag.graph.build`: the graph of a call (reverse mode, Jacobians);
+- :mod:`~daskdag.graph.forward`: the graph of a call in forward mode.
+
+May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
+:mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`. In: a plan, input values,
+cotangents (or tangents). Out: ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one
+graph; nothing runs until Dask runs it.
+"""

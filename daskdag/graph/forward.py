@@ -33,25 +33,22 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import keystr, tree_flatten_with_path
 
 from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
-from daskdag.errors import DAGError, node_errors
+from daskdag.errors import node_errors
 from daskdag.graph.build import Carry, _Graph, ident, is_root, key
 from daskdag.model.plan import Plan
 from daskdag.cancel import Cancelled
-from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.rules.jvp import directions, jvp_leaves
 from daskdag.rules.registry import jvp_rule
 from daskdag.graph.stages import Stage, make_stages
-from daskdag.rules.seeds import describe
 
 TANGENT = "tangent"  # the one "gradient" each output of the graph carries
 
@@ -149,81 +146,6 @@ def output_tangent(value, flat, k: int | None):
         None if not is_differentiable(leaf) else
         next(it) if it is not None else
         jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves])
-
-
-# -- the inputs' tangents --------------------------------------------------------------------------
-
-def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
-    """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
-    k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
-    number of directions with ``batched``, else None. ``None`` at a differentiable leaf is a zero
-    tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
-    if len(spec.inputs) == 1:
-        given = {spec.inputs[0]: tangents}
-    else:
-        if not isinstance(tangents, Mapping):
-            raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: pass "
-                           f"tangents as a dict {{input_name: tangent}}, got {type(tangents).__name__}")
-        given = dict(tangents)
-        for i in given:
-            if i not in spec.inputs:
-                raise DAGError(f"tangents give a tangent for {i!r}, which is not a free input of "
-                               f"the DAG {list(spec.inputs)}")
-            if i not in values:
-                raise DAGError(f"tangents give a tangent for input {i!r}, but x gives it no value")
-    checked = {i: _checked(i, values[i], t, batched) for i, t in given.items()}
-    k = None
-    if batched:
-        sizes = {jnp.shape(t)[0]: i for i, pairs in checked.items() for _, t in pairs if t is not None}
-        if len(sizes) > 1:
-            raise DAGError("batched tangents disagree on the number of directions: "
-                           + ", ".join(f"input {i!r} has {n}" for n, i in sizes.items()))
-        if not sizes:
-            raise DAGError("batched=True, but no tangent has an array to give the number of "
-                           "directions (the leading axis)")
-        (k,) = sizes
-    lead = () if k is None else (k,)
-    return {i: tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) if t is None
-                     else jnp.asarray(t, jnp.result_type(leaf)) for leaf, t in pairs)
-            for i, pairs in checked.items() if pairs}, k
-
-
-def _checked(name: str, x, tangent, batched: bool) -> list:
-    """``[(leaf, its tangent or None)]`` for the differentiable leaves of input ``x``."""
-    with_paths, treedef = tree_flatten_with_path(x)
-    try:
-        parts = treedef.flatten_up_to(tangent)
-    except (ValueError, TypeError):
-        raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the input "
-                       f"is {describe(x)}") from None
-    pairs = []
-    for (path, leaf), t in zip(with_paths, parts):
-        where = f"input {name!r}" + (f" at {keystr(path)}" if path else "")
-        if not is_differentiable(leaf):
-            if t is not None:
-                raise DAGError(f"tangent for {where}: that leaf is {describe(leaf)}, held "
-                               f"constant (not floating-point); give None there, got "
-                               f"{describe(t)}")
-            continue
-        if t is not None and not is_numeric(t):  # a pytree where the input has an array
-            raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the "
-                           f"input is {describe(x)}")
-        if t is not None:
-            kind = jnp.result_type(t)
-            if isinstance(t, bool) or not (
-                    jnp.issubdtype(kind, jnp.inexact) or isinstance(t, int)):
-                raise DAGError(f"tangent for {where} is {describe(t)}: it must be "
-                               f"floating-point, like the input ({jnp.result_type(leaf)})")
-            if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.iscomplexobj(leaf):
-                raise DAGError(f"tangent for {where} is complex ({kind}), but the input is real "
-                               f"({jnp.result_type(leaf)})")
-            shape, want = tuple(jnp.shape(t)), tuple(jnp.shape(leaf))
-            if (shape[1:] if batched else shape) != want or (batched and not shape):
-                raise DAGError(f"tangent for {where} has shape {shape}, but the input has shape "
-                               f"{want}" + (" (with batched=True, a tangent has a leading axis "
-                                            "of directions: (K, *shape))" if batched else ""))
-        pairs.append((leaf, t))
-    return pairs
 
 
 # -- the graph -------------------------------------------------------------------------------------

@@ -39,3 +39,17 @@ def differentiable_leaves(tree) -> list:
 def as_numpy(tree):
     """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU)."""
     return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def describe(tree, batched: bool = False) -> str:
+    """``tree`` in a few words for an error: its shape and dtype, or those of each leaf
+    (``batched``: less the leading item axis)."""
+    def shape(leaf):
+        return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
+
+    def one(leaf):
+        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
+
+    if is_numeric(tree):
+        return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
+    return str(jax.tree.map(one, tree))

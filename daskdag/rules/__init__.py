@@ -6,9 +6,11 @@
 - :mod:`~daskdag.rules.registry`: one registry of the rules, by the kind of a node's function;
 - :mod:`~daskdag.rules.seeds`: where cotangents start (seeds, a Jacobian's rows) and their sums.
 
-May import: :mod:`daskdag.errors`, :mod:`daskdag.cancel`, :mod:`daskdag.transport`,
-:mod:`daskdag.model`. In: a node, its args, which are differentiated. Out: primals and
+May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
+:mod:`daskdag.transport`, :mod:`daskdag.model`. In: a node, its args, which are differentiated. Out: primals and
 pullbacks (or tangents).
 """
 
-from daskdag.rules import custom  # noqa: F401  (registers the user's rules)
+from daskdag.rules import custom  # (registers the user's rules)
+
+__all__ = ["custom", "jvp", "pullback", "registry", "seeds", "vjp"]

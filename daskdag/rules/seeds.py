@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
-from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable
 
 
 @singledispatch
@@ -81,18 +81,6 @@ def basis_size(primal) -> int:
 def total(cts):
     """Sum cotangents (flat tuples, one array per differentiable leaf)."""
     return reduce(add, cts)
-
-
-def describe(tree, batched: bool = False) -> str:
-    def shape(leaf):
-        return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
-
-    def one(leaf):
-        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
-
-    if is_numeric(tree):
-        return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"
-    return str(jax.tree.map(one, tree))
 
 
 def add(a: tuple, b: tuple) -> tuple:

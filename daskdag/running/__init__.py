@@ -1,1 +1,16 @@
-"""daskdag.running."""
+"""Running a call's graph: here, on Dask's local schedulers, or on a ``distributed`` cluster.
+
+- :mod:`~daskdag.running.jobs`: a call prepared, run now or made a Dask collection;
+- :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
+- :mod:`~daskdag.running.local`: the threaded scheduler of a local call;
+- :mod:`~daskdag.running.lazy`: a call as a Dask collection (:class:`~daskdag.Call`);
+- :mod:`~daskdag.running.cluster`: what a cluster must offer (workers, resources, versions);
+- :mod:`~daskdag.running.resident`: a call's inputs and nodes kept on the cluster for the next;
+- :mod:`~daskdag.running.workers`: the worker plugin that tunes malloc;
+- :mod:`~daskdag.running.log`: what is logged of each call.
+
+May import: every layer below: :mod:`daskdag.errors`, :mod:`daskdag.config`,
+:mod:`daskdag.cancel`, :mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`,
+:mod:`daskdag.graph`. In: a graph and where to run it. Out: its computed values, or the error
+that stopped it, with nothing left running.
+"""

@@ -19,17 +19,50 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import distributed
 import jax
 from dask.diagnostics import ProgressBar
 
+from daskdag.errors import DAGError
 from daskdag.running.cluster import Watch
 from daskdag.running.local import SCHEDULERS
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
 
 
+# The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them.
+NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
+              "synchronous": "sync", "single-threaded": "sync"}
+
+
+def where(client, scheduler) -> tuple[Any, str]:
+    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here."""
+    if scheduler is None:
+        client = client if client is not None else active_client()
+        return client, None if client is not None else "threads"
+    if isinstance(scheduler, distributed.Client):
+        if client is not None and client is not scheduler:
+            raise DAGError("client= and scheduler= name two different clients: give one")
+        return scheduler, None
+    if not isinstance(scheduler, str) or scheduler not in NAMES:
+        raise DAGError(f"scheduler must be one of {sorted(NAMES)} or a distributed.Client, "
+                       f"got {scheduler!r}")
+    if client is not None:
+        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
+                       f"cluster: give one or the other")
+    return None, NAMES[scheduler]
+
+
+
+
+def active_client():
+    """The ``distributed`` client in use, if any (none is ever started here)."""
+    try:
+        return distributed.default_client()
+    except ValueError:
+        return None
 
 
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,

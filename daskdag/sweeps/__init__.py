@@ -1,1 +1,14 @@
-"""daskdag.sweeps."""
+"""Sweeps: one DAG over many inputs, in chunks, on threads or a cluster; a layer above the
+core, which knows nothing of it.
+
+- :mod:`~daskdag.sweeps.sweep`: the plan every chunk shares, and the loop over chunks;
+- :mod:`~daskdag.sweeps.chunked`: a node over a chunk of items (``Chunked``, ``Items``), and its
+  rules, registered with :mod:`daskdag.rules.registry`;
+- :mod:`~daskdag.sweeps.engines`: where chunks run (threads, a cluster);
+- :mod:`~daskdag.sweeps.results`: the values and gradients stacked over the items;
+- :mod:`~daskdag.sweeps.arrays`: sweeps over dask arrays, lazily;
+- :mod:`~daskdag.sweeps.progress`: the progress bar over items.
+
+May import: every layer below it (:mod:`daskdag.running` and under). In: a spec, input values
+with a leading item axis. Out: ``{output: (value, {input: grad})}`` stacked over the items.
+"""

@@ -38,7 +38,8 @@ from daskdag.sweeps.engines import chunk_graph, item_key
 from daskdag.graph.build import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.plan import make_plan
-from daskdag.model.leaves import is_array, is_numeric
+from daskdag.model.request import batch_size, cotangents_for, with_rules, wrt_names
+from daskdag.model.leaves import is_array
 from daskdag.transport.packing import pack_for, unpack
 from daskdag.sweeps.results import item_shapes
 
@@ -53,10 +54,7 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
     """:func:`daskdag.sweep_grads` over dask arrays (see the module's docstring). ``spec``,
     ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them (``errors``
     and ``chunk_size`` checked there too); returns
-    ``{output: Result}`` (one ``Result`` for a single name) with dask arrays, computing
-    nothing."""
-    from daskdag import api  # (api imports this module)
-
+    ``{output: (value, {input: grad})}`` of dask arrays, computing nothing."""
     if errors == "collect":
         raise DAGError("errors='collect' is not supported when batched inputs are dask arrays: "
                        "the results are computed lazily, so there is no list of failed items to "
@@ -68,16 +66,15 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
                        "dask.diagnostics.ProgressBar or distributed.progress")
     inputs, chunks, size = aligned(values, batched, chunk_size)
     stand_ins = {i: _stand_in(v) if i in batched else v for i, v in values.items()}
-    wrt = api._wrt(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
-    api._with_rules(make_plan(spec, names, wrt))
-    cts = api._cotangents(names, cotangents)
+    wrt = wrt_names(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
+    with_rules(make_plan(spec, names, wrt))
+    cts = cotangents_for(names, cotangents)
     remote = client is not None  # (api resolved it: the client in effect, or None here)
     planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, remote=remote,
                                travel=True)  # (computed later, wherever the arrays are)
     if client is not None:
         cluster.check(client, planned.plan)
-    computed = _lazy(planned, inputs, chunks, _shapes(planned, spec), remote)
-    return api._results(spec, outputs, computed)
+    return _lazy(planned, inputs, chunks, _shapes(planned, spec), remote)
 
 
 def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:
@@ -85,25 +82,16 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
     array chunked along the item axis alone, all on the same item chunks: ``chunk_size`` items
     each if given, else those of the first dask array. A leaf chunked along other axes is
     rechunked to one chunk there; NumPy and JAX leaves become dask arrays."""
-    sizes: dict[int, str] = {}
     first = None
     for i in batched:
         for leaf in jax.tree.leaves(values[i]):
-            if not (isinstance(leaf, da.Array) or is_numeric(leaf)):
+            if not isinstance(leaf, da.Array):
                 continue
-            if np.ndim(leaf) == 0:
-                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
-            if isinstance(leaf, da.Array):
-                if any(math.isnan(c) for c in leaf.chunks[0]):
-                    raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
-                                   f"unknown: call its compute_chunk_sizes() first")
-                first = first or leaf.chunks[0]
-            sizes.setdefault(int(np.shape(leaf)[0]), i)
-    if len(sizes) != 1:
-        raise DAGError("batched inputs disagree on the number of items: "
-                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
-                       f"batched inputs {list(batched)} hold no arrays")
-    (size,) = sizes
+            if any(math.isnan(c) for c in leaf.chunks[0]):
+                raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
+                               f"unknown: call its compute_chunk_sizes() first")
+            first = first or leaf.chunks[0]
+    size = batch_size(values, batched)  # (every batched leaf has the same number of items)
     items = da.core.normalize_chunks((chunk_size,), (size,))[0] if chunk_size else first
 
     def leaf_of(leaf):

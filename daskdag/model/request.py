@@ -1,0 +1,240 @@
+"""One request, checked the same way for every entry point and the command line.
+
+In:  what the user passed: the DAG, the inputs, the outputs, ``wrt``, cotangents, tangents, a
+     sweep's ``batched`` inputs and ``chunk_size``.
+Out: a :class:`Request` (:func:`prepare`): the parsed spec, the output names, the input values,
+     the names to differentiate, the cotangents; or a :class:`~daskdag.DAGError` naming the
+     input, output or node at fault, before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from daskdag.errors import DAGError
+from daskdag.model.custom import Custom
+from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.plan import Plan, make_plan
+from daskdag.model.spec import Spec, parse
+from daskdag.transport.packing import unwrap
+
+
+@dataclass(frozen=True)
+class Request:
+    """A call's arguments, checked: ``plan`` (its spec, outputs and ``wrt``), the input
+    ``values`` and the outputs' ``cotangents``."""
+
+    plan: Plan
+    values: dict[str, Any]
+    cotangents: dict[str, Any]
+
+    @property
+    def spec(self) -> Spec:
+        return self.plan.spec
+
+
+def prepare(dag, x, outputs, wrt=None, cotangents=None) -> Request:
+    """``compute_grads``' (and ``jacobian``'s, ``check_grads``', the CLI's) arguments checked."""
+    spec = parse(dag)
+    names = output_names(spec, outputs)
+    values = input_values(spec, x, names)
+    wrt = wrt_names(spec, values, wrt, candidates=values)
+    plan = with_rules(make_plan(spec, names, wrt))
+    return Request(plan, values, cotangents_for(names, cotangents))
+
+
+def output_names(spec, outputs) -> tuple[str, ...]:
+    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    if not names:
+        raise DAGError("no outputs requested")
+    for o in names:
+        if o not in spec.nodes:
+            kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
+            raise DAGError(f"output {o!r} is {kind}; nodes: {sorted(spec.nodes)}")
+    return tuple(dict.fromkeys(names))
+
+def input_values(spec, x, outputs) -> dict[str, Any]:
+    """``{input: value}`` for the inputs given, checking that every needed one is."""
+    if len(spec.inputs) == 1:
+        return {spec.inputs[0]: x}
+    if not isinstance(x, Mapping):
+        raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: "
+                       f"pass x as a dict {{input_name: value}}, got {type(x).__name__}")
+    for k in x:
+        if k not in spec.inputs:
+            raise DAGError(f"x gives a value for {k!r}, which is not a free input of the DAG "
+                           f"{list(spec.inputs)}")
+    needed = spec.ancestors(outputs)
+    for i in spec.inputs:
+        if i in needed and i not in x:
+            users = [n for n, node in spec.nodes.items() if i in node.deps]
+            raise DAGError(f"no value for input {i!r} (used by {users}); x has {list(x)}")
+    return dict(x)
+
+def wrt_names(spec, values, wrt, candidates) -> tuple[str, ...]:
+    """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
+    differentiable (floating-point) leaf."""
+    if wrt is None:
+        wrt = tuple(i for i, v in candidates.items() if _differentiable(v))
+        if not wrt:
+            raise DAGError(f"no input to differentiate: none of {list(candidates)} has a "
+                           f"floating-point array leaf")
+        return wrt
+    wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
+    for i in wrt:
+        if i in spec.nodes:  # its value's floating leaves, once it has one
+            continue
+        if i not in values:
+            raise DAGError(f"wrt names {i!r}, which is neither a given free input "
+                           f"{list(values)} nor a node")
+        if not _differentiable(values[i]):
+            raise DAGError(f"wrt names input {i!r}, which has no floating-point array leaf "
+                           f"to differentiate")
+    if len(spec.inputs) == 1 and not wrt:
+        raise DAGError("wrt is empty: nothing to differentiate")
+    return tuple(dict.fromkeys(wrt))
+
+def cotangents_for(outputs, cotangents) -> dict:
+    cotangents = dict(cotangents or {})
+    for o in cotangents:
+        if o not in outputs:
+            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(outputs)}")
+    return cotangents
+
+def batched_names(values, batched) -> tuple[str, ...]:
+    if batched is None:
+        return tuple(values)
+    batched = (batched,) if isinstance(batched, str) else tuple(batched)
+    for i in batched:
+        if i not in values:
+            raise DAGError(f"batched names {i!r}, which is not a given free input {list(values)}")
+    if not batched:
+        raise DAGError("batched is empty: no input carries the items to sweep over")
+    return batched
+
+def batch_size(values, batched) -> int:
+    """N, the leading axis length that every leaf of every batched input shares."""
+    sizes = {}
+    for i in batched:  # array leaves carry the items; others (functions...) are shared
+        for leaf in jax.tree.leaves(values[i]):
+            if not (is_numeric(leaf) or _is_lazy_array(leaf)):
+                continue
+            if len(np.shape(leaf)) == 0:
+                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
+            sizes.setdefault(int(np.shape(leaf)[0]), i)
+    if len(sizes) != 1:
+        raise DAGError("batched inputs disagree on the number of items: "
+                       + ", ".join(f"{i!r} has {n}" for n, i in sizes.items()) if sizes else
+                       f"batched inputs {list(batched)} hold no arrays")
+    (size,) = sizes
+    return size
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+
+def with_rules(plan, forward: bool = False):
+    """``plan``, checked: every node of the user's own code that it differentiates has the rule
+    it needs: a VJP, or with ``forward`` a JVP."""
+    for n in plan.needed:
+        fn = unwrap(plan.spec.nodes[n].fn)
+        if n not in plan.active or not isinstance(fn, Custom):
+            continue
+        if forward and fn.jvp is None:
+            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
+                           f"mode needs (a VJP serves reverse mode only)")
+        if not forward and not fn.reverse:
+            raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
+                           f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
+    return plan
+
+
+def _differentiable(value) -> bool:
+    """A floating-point leaf to differentiate, or no leaf at all (an empty pytree's gradient is
+    itself)."""
+    return bool(differentiable_leaves(value)) or not jax.tree.leaves(value)
+
+
+def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
+    """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
+    k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
+    number of directions with ``batched``, else None. ``None`` at a differentiable leaf is a zero
+    tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
+    if len(spec.inputs) == 1:
+        given = {spec.inputs[0]: tangents}
+    else:
+        if not isinstance(tangents, Mapping):
+            raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: pass "
+                           f"tangents as a dict {{input_name: tangent}}, got {type(tangents).__name__}")
+        given = dict(tangents)
+        for i in given:
+            if i not in spec.inputs:
+                raise DAGError(f"tangents give a tangent for {i!r}, which is not a free input of "
+                               f"the DAG {list(spec.inputs)}")
+            if i not in values:
+                raise DAGError(f"tangents give a tangent for input {i!r}, but x gives it no value")
+    checked = {i: _checked(i, values[i], t, batched) for i, t in given.items()}
+    k = None
+    if batched:
+        sizes = {jnp.shape(t)[0]: i for i, pairs in checked.items() for _, t in pairs if t is not None}
+        if len(sizes) > 1:
+            raise DAGError("batched tangents disagree on the number of directions: "
+                           + ", ".join(f"input {i!r} has {n}" for n, i in sizes.items()))
+        if not sizes:
+            raise DAGError("batched=True, but no tangent has an array to give the number of "
+                           "directions (the leading axis)")
+        (k,) = sizes
+    lead = () if k is None else (k,)
+    return {i: tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) if t is None
+                     else jnp.asarray(t, jnp.result_type(leaf)) for leaf, t in pairs)
+            for i, pairs in checked.items() if pairs}, k
+
+
+def _checked(name: str, x, tangent, batched: bool) -> list:
+    """``[(leaf, its tangent or None)]`` for the differentiable leaves of input ``x``."""
+    with_paths, treedef = tree_flatten_with_path(x)
+    try:
+        parts = treedef.flatten_up_to(tangent)
+    except (ValueError, TypeError):
+        raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the input "
+                       f"is {describe(x)}") from None
+    pairs = []
+    for (path, leaf), t in zip(with_paths, parts):
+        where = f"input {name!r}" + (f" at {keystr(path)}" if path else "")
+        if not is_differentiable(leaf):
+            if t is not None:
+                raise DAGError(f"tangent for {where}: that leaf is {describe(leaf)}, held "
+                               f"constant (not floating-point); give None there, got "
+                               f"{describe(t)}")
+            continue
+        if t is not None and not is_numeric(t):  # a pytree where the input has an array
+            raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the "
+                           f"input is {describe(x)}")
+        if t is not None:
+            kind = jnp.result_type(t)
+            if isinstance(t, bool) or not (
+                    jnp.issubdtype(kind, jnp.inexact) or isinstance(t, int)):
+                raise DAGError(f"tangent for {where} is {describe(t)}: it must be "
+                               f"floating-point, like the input ({jnp.result_type(leaf)})")
+            if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.iscomplexobj(leaf):
+                raise DAGError(f"tangent for {where} is complex ({kind}), but the input is real "
+                               f"({jnp.result_type(leaf)})")
+            shape, want = tuple(jnp.shape(t)), tuple(jnp.shape(leaf))
+            if (shape[1:] if batched else shape) != want or (batched and not shape):
+                raise DAGError(f"tangent for {where} has shape {shape}, but the input has shape "
+                               f"{want}" + (" (with batched=True, a tangent has a leading axis "
+                                            "of directions: (K, *shape))" if batched else ""))
+        pairs.append((leaf, t))
+    return pairs
+
+
+def _is_lazy_array(leaf) -> bool:
+    """A lazy array (a dask array): it has a shape and chunks, and no values yet."""
+    return hasattr(leaf, "chunks") and isinstance(getattr(leaf, "shape", None), tuple)

@@ -1,0 +1,96 @@
+"""The package's layering: each module imports only from its own layer or lower ones, at the top
+of the module (no import inside a function to break a cycle), and no two modules import each
+other, directly or not. The layers, lowest first, as each subpackage's docstring says."""
+
+import ast
+import graphlib
+from pathlib import Path
+
+import daskdag
+
+ROOT = Path(daskdag.__file__).parent
+LAYERS = (
+    ("daskdag.errors", "daskdag.config", "daskdag.cancel"),
+    ("daskdag.transport",),
+    ("daskdag.model",),
+    ("daskdag.rules",),
+    ("daskdag.graph",),
+    ("daskdag.running",),
+    ("daskdag.sweeps",),
+    ("daskdag.api", "daskdag.checks"),
+    ("daskdag.cli", "daskdag"),
+)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _layer(module: str) -> int:
+    best = None
+    for k, names in enumerate(LAYERS):
+        for n in names:  # the longest name that holds it
+            if (module == n or module.startswith(n + ".")) and (best is None or len(n) > best[1]):
+                best = (k, len(n))
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[0]
+
+
+def _imports(name: str, path: Path, modules: dict) -> list[tuple[str, int, bool]]:
+    """``(imported daskdag module, line, at module level)`` for each import in the module."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the package
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{node.module}" if node.module else package
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        if targets == ["daskdag"] and [a.name for a in node.names] == ["__version__"]:
+            continue  # (read when asked, so that tests can pretend another version)
+        for t in targets:
+            if t == "daskdag" or t.startswith("daskdag."):
+                out.append((t, node.lineno, id(node) in top))
+    return out
+
+
+def test_imports_follow_the_layers_and_have_no_cycles():
+    modules = _modules()
+    problems, graph = [], {}
+    for name, path in sorted(modules.items()):
+        graph[name] = set()
+        for target, line, at_top in _imports(name, path, modules):
+            where = f"{path.relative_to(ROOT.parent)}:{line}"
+            if not at_top:
+                problems.append(f"{where}: {name} imports {target} inside a function")
+            if _layer(target) > _layer(name):
+                problems.append(f"{where}: {name} (layer {_layer(name)}) imports {target} "
+                                f"(layer {_layer(target)}), a higher layer")
+            if target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        problems.append(f"import cycle: {' -> '.join(e.args[1])}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_subpackage_says_what_it_holds_and_may_import():
+    for init in ROOT.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc, f"{init.relative_to(ROOT.parent)}: its docstring must say what it may import"
