@@ -133,7 +133,7 @@ class Carry:
 def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
           place=None, stop=None, rows=None, travel: bool = True) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
-    ``remote``: it goes to a cluster, so everything in it must pickle (see :mod:`.shipping`);
+    ``remote``: it goes to a cluster, so everything in it must pickle (:mod:`daskdag.transport.packing`);
     ``travel`` and ``place``: see :class:`Carry`.
 
     The plan's node functions are packed already where they travel
@@ -143,109 +143,144 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     (each output starts from the rows of the identity over its elements, and its "gradients" are
     the Jacobian's rows, see :mod:`daskdag.graph.tasks`), else ``None``.
     """
-    spec, g = plan.spec, _Graph()
-    carry = Carry(g, travel, remote, place)
-    val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items()}
-    stages = make_stages(plan)
-    stage_of = {n: s for s in stages for n in s.nodes}
+    wiring = _Wiring(plan, Carry(_Graph(), travel, remote, place), stop, rows)
+    wiring.seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else tasks.Basis(o)
+                    for o in plan.outputs}
+    wiring.val = {i: wiring.carry.value("input", i, f"input {i!r}", v) for i, v in values.items()}
+    wiring.close_stages()
+    wiring.forward()
+    wiring.backward()
+    return wiring.carry.graph.delayed(wiring.gradients(), wiring.carry.call)
 
-    # Which outputs' gradients pass through each stage. A stage where they all start (its
-    # cotangents are its own outputs' seeds, none comes from a later stage) is closed: its
-    # forward task runs the backward pass too (tasks.forward_backward), a fused one as one
-    # program; its residuals never leave it. (dask.config daskdag.close-stages: False keeps
-    # them apart.)
-    close = config.get("close-stages")
-    paths = {o: set(plan.backward[o]) for o in plan.outputs}
-    through = {s: tuple(o for o in plan.outputs if paths[o] & set(s.outputs)) for s in stages}
-    seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else tasks.Basis(o)
-             for o in plan.outputs}
-    closed = {s: tuple(tuple(seeds[o] if n == o else None for n in s.outputs) for o in through[s])
-              for s in stages if close and through[s] and all(
-                  n == o or n not in paths[o] or not _feeding(plan.consumers(n, o), stage_of, s)
-                  for o in through[s] for n in s.outputs)}
 
-    # Forward: each stage once (its nodes under jax.vjp where they depend on a differentiated
-    # input); val tasks take its values apart from its pullback, so later stages never fetch
-    # residuals.
-    linearized, bwd = {}, {}  # stage -> its forward task, (values, pullback); its backward task
-    for s in stages:
-        sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
-        # (A Jacobian's rows change only what a closed stage's task computes: the others are the
-        # same forward tasks as for gradients, shared when both are computed together.)
-        tok = carry.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
-                        closed.get(s), rows if s in closed else None)
-        token = tok.rpartition("-")[2]
-        run = (tasks.forward,) if s not in closed else (tasks.forward_backward, closed[s], rows)
-        fwd = g.task(tok, dict(s.needs), run[0], s, stop, *run[1:], *sent, *(val[d] for d in s.deps),
-                     root=is_root(s, spec))
-        if s in closed:
-            bwd[s] = g.task(key("bwd", f"{s.name}[{abbreviate(through[s])}]", token),
-                            dict(s.needs), tasks.cotangents_of, fwd)
-        elif s.linearized:
-            linearized[s] = fwd
-        for k, n in enumerate(s.outputs):
+class _Wiring:
+    """The tasks of one call, made stage by stage: :meth:`forward` in topological order,
+    :meth:`backward` in reverse (autograd's backward pass, where a node's ``outgrads`` are the
+    shares its consumer stages' backward tasks pull back), :meth:`gradients` last. ``val``:
+    name -> the task (or inline value) of each input and exposed node; ``bwd``: stage -> its
+    backward task; ``through``: stage -> the outputs whose gradients pass through it."""
+
+    def __init__(self, plan: Plan, carry: Carry, stop, rows):
+        self.plan, self.carry, self.g, self.stop, self.rows = plan, carry, carry.graph, stop, rows
+        self.stages = make_stages(plan)
+        self.stage_of = {n: s for s in self.stages for n in s.nodes}
+        self.paths = {o: set(plan.backward[o]) for o in plan.outputs}
+        self.through = {s: tuple(o for o in plan.outputs if self.paths[o] & set(s.outputs))
+                        for s in self.stages}
+        self.seeds, self.val, self.closed, self.linearized, self.bwd = {}, {}, {}, {}, {}
+
+    def close_stages(self) -> None:
+        """A stage whose gradients all start at its own outputs (none comes from a later stage)
+        is closed: its forward task runs the backward pass too (tasks.forward_backward), a
+        fused one as one program; its residuals never leave it (``daskdag.close-stages``)."""
+        if not config.get("close-stages"):
+            return
+        plan, through = self.plan, self.through
+        for s in self.stages:
+            if through[s] and all(n == o or n not in self.paths[o] or not _feeding(
+                    plan.consumers(n, o), self.stage_of, s) for o in through[s] for n in s.outputs):
+                self.closed[s] = tuple(tuple(self.seeds[o] if n == o else None for n in s.outputs)
+                                       for o in through[s])
+
+    def forward(self) -> None:
+        """Each stage once (its nodes under jax.vjp where they depend on a differentiated
+        input); ``val`` tasks take its values apart from its pullback, so that later stages
+        never fetch residuals."""
+        spec, carry, val, rows = self.plan.spec, self.carry, self.val, self.rows
+        for s in self.stages:
+            sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
+            closed = self.closed.get(s)
+            # (A Jacobian's rows change only what a closed stage's task computes: the others
+            # are the same forward tasks as for gradients, shared when both run together.)
+            k = carry.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
+                          closed, rows if closed else None)
+            run = (tasks.forward,) if closed is None else (tasks.forward_backward, closed, rows)
+            fwd = self.g.task(k, dict(s.needs), run[0], s, self.stop, *run[1:], *sent,
+                              *(val[d] for d in s.deps), root=is_root(s, spec))
+            if closed is not None:
+                self.bwd[s] = self.g.task(key("bwd", self._label(s), token_of(k)), dict(s.needs),
+                                          tasks.cotangents_of, fwd)
+            elif s.linearized:
+                self.linearized[s] = fwd
+            self._values(s, fwd, token_of(k))
+
+    def _values(self, s, fwd, token: str) -> None:
+        for e, n in enumerate(s.outputs):
             if s.bare:
-                val[n] = fwd
-            elif travel or n in plan.outputs:  # (on a cluster, consumers never fetch residuals)
-                val[n] = g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd, s.linearized, k)
+                self.val[n] = fwd
+            elif self.carry.travel or n in self.plan.outputs:  # (consumers never fetch residuals)
+                self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
+                                          s.linearized, e)
             else:  # here, nothing travels: a consumer picks the value out itself, a task less
-                val[n] = Inline(Task(None, tasks.pick, fwd, s.linearized, k), None)
+                self.val[n] = Inline(Task(None, tasks.pick, fwd, s.linearized, e), None)
 
-    # Backward: one task per stage, for every output whose gradient passes through it (their
-    # cotangents pulled back together, see tasks.backward). The cotangent of an exposed node is
-    # the sum of its consumer stages' shares, or the output's seed.
-    for s in reversed(stages):
-        if not through[s] or s in closed:
-            continue
-        flows, sources = [], {}
-        for o in through[s]:
-            per_output = []
-            for n in s.outputs:
-                if n == o:
-                    per_output.append(seeds[o])
-                elif n in paths[o]:
-                    picks = _shares(n, plan.consumers(n, o), o, stage_of, through, bwd, sources,
-                                    within=s)
-                    per_output.append(tasks.Shares(picks) if picks else None)
-                else:
-                    per_output.append(None)
-            flows.append(tuple(per_output))
-        k = carry.key("bwd", f"{s.name}[{abbreviate(through[s])}]", linearized[s].key, flows,
-                      list(sources), rows)
-        bwd[s] = g.task(k, dict(s.needs), tasks.backward, s, stop, tuple(flows), rows,
-                        linearized[s], *(val[d] for d in s.deps), *map(TaskRef, sources))
+    def backward(self) -> None:
+        """One task per stage, for every output whose gradient passes through it (their
+        cotangents pulled back together, tasks.backward): each exposed node's cotangent is its
+        output's seed, or the sum of its consumer stages' shares (:class:`tasks.Shares`)."""
+        for s in reversed(self.stages):
+            if not self.through[s] or s in self.closed:
+                continue
+            flows, sources = [], {}
+            for o in self.through[s]:
+                flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
+            k = self.carry.key("bwd", self._label(s), self.linearized[s].key, flows, list(sources),
+                               self.rows)
+            self.bwd[s] = self.g.task(k, dict(s.needs), tasks.backward, s, self.stop, tuple(flows),
+                                      self.rows, self.linearized[s],
+                                      *(self.val[d] for d in s.deps), *map(TaskRef, sources))
 
-    results = {}
-    for o in plan.outputs:
-        grads = {}
-        output = None if rows is None else val[o]  # (a Jacobian's zeros need its rows)
-        for i in plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
-            sources = {}
-            picks = _shares(i, plan.consumers(i, o), o, stage_of, through, bwd, sources)
-            own = seeds[o] if i == o else None
-            k = carry.key("grad", f"{o}[{i}]", ident(val[i]), list(sources), picks, own, rows)
-            grads[i] = g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in picks), val[i],
-                              output, own, *map(TaskRef, sources))
-        results[o] = (val[o], grads)
-    return g.delayed(results, carry.call)
+    def _flow(self, s, n: str, o: str, sources: dict):
+        """Where output ``o``'s cotangent at node ``n`` of stage ``s`` comes from, or None."""
+        if n == o:
+            return self.seeds[o]
+        if n not in self.paths[o]:
+            return None
+        picks = self._shares(n, o, sources, within=s)
+        return tasks.Shares(picks) if picks else None
+
+    def gradients(self) -> dict:
+        """``{output: (value, {name: grad})}``: each wrt name's gradient, the sum of the shares
+        its consumer stages pulled back (for the output itself, its seed too)."""
+        results = {}
+        for o in self.plan.outputs:
+            grads = {}
+            output = None if self.rows is None else self.val[o]  # (a Jacobian's zeros need rows)
+            for i in self.plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
+                sources = {}
+                picks = self._shares(i, o, sources)
+                own = self.seeds[o] if i == o else None
+                k = self.carry.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), picks,
+                                   own, self.rows)
+                grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in picks),
+                                       self.val[i], output, own, *map(TaskRef, sources))
+            results[o] = (self.val[o], grads)
+        return results
+
+    def _shares(self, name: str, output: str, sources: dict, within=None) -> tuple:
+        """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
+        position)`` for each stage that consumes it, other than its own stage ``within``.
+        ``sources`` maps the keys of those stages' backward tasks, in the order they are the
+        task's arguments, to ``source``, their index; new ones are added."""
+        picks = []
+        for s in _feeding(self.plan.consumers(name, output), self.stage_of, within):
+            source = sources.setdefault(self.bwd[s].key, len(sources))
+            picks.append((source, self.through[s].index(output), s.deps.index(name)))
+        return tuple(picks)
+
+    def _label(self, s) -> str:
+        return f"{s.name}[{abbreviate(self.through[s])}]"
+
+
+def token_of(task_key: str) -> str:
+    """The token of a daskdag key (:func:`key`): what follows its last ``-``."""
+    return task_key.rpartition("-")[2]
 
 
 def is_root(stage, spec) -> bool:
     """A stage that takes only the call's inputs (no other stage's values) and needs no
     resources: a root of the graph, which any worker can run as soon as the call starts."""
     return not stage.needs and not any(d in spec.nodes for d in stage.deps)
-
-
-def _shares(name, uses, output, stage_of, through, bwd, sources: dict, within=None) -> tuple:
-    """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
-    position)`` for each stage that consumes it (``uses``: its consuming nodes), other than its
-    own stage ``within``. ``sources`` maps the keys of those stages' backward tasks, in the
-    order they are the task's arguments, to ``source``, their index; new ones are added."""
-    picks = []
-    for s in _feeding(uses, stage_of, within):
-        source = sources.setdefault(bwd[s].key, len(sources))
-        picks.append((source, through[s].index(output), s.deps.index(name)))
-    return tuple(picks)
 
 
 def _feeding(uses, stage_of, within=None) -> list:

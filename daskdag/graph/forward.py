@@ -42,7 +42,7 @@ from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
-from daskdag.graph.build import Carry, _Graph, ident, is_root, key
+from daskdag.graph.build import Carry, _Graph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import Cancelled
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
@@ -176,7 +176,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
                                    [None if t is None else ident(t) for t in dep_tangents], k),
                          dict(s.needs), forward, s, stop, k, *sent, *(val[d] for d in s.deps),
                          *dep_tangents, root=is_root(s, spec))
-        token = fwd.key.rpartition("-")[2]
+        token = token_of(fwd.key)
         for e, n in enumerate(s.outputs):
             val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
                                                fwd, s.linearized, e)
