@@ -14,17 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.errors import DAGError, NodeError
+from daskdag.errors import NodeError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
 from daskdag.graph.tasks import Rows
 from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import (batch_size, batched_names, check_chunk_size, cotangents_for,
-                                   input_tangents, input_values, output_names, prepare, with_rules,
-                                   wrt_names)
+from daskdag.model.request import (batched_names, check_chunk_size, check_errors, input_tangents,
+                                   input_values, output_names, prepare, with_rules)
 from daskdag.model.spec import parse
-from daskdag.running import cluster
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import Job, lazy, run
 from daskdag.running.lazy import Call
@@ -277,23 +275,14 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     values = input_values(spec, xs, names)
     batched = batched_names(values, batched)
     client, local = where(client, scheduler)
-    if errors not in ("raise", "collect"):
-        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
+    check_errors(errors)
     check_chunk_size(chunk_size)
     if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
         return _results(spec, outputs, arrays.sweep_grads(
             spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
             chunk_size=chunk_size, client=client, progress=progress, errors=errors))
-    size = batch_size(values, batched)
-    wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
-    with_rules(make_plan(spec, names, wrt))
-    planned = sweep.plan_sweep(spec, names, values, batched, wrt, cotangents_for(names, cotangents), size,
-                               remote=client is not None)
-    found = cluster.check(client, planned.plan) if client is not None else None
-    slots = sweep.parallelism(found) if local != "sync" else 1
-    chunk_size = chunk_size or sweep.default_chunk_size(planned, slots)
-    computed, failed = sweep.run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
-                                 progress=progress, errors=errors, workers=found)
+    computed, failed = sweep.sweep(spec, names, values, batched, wrt, cotangents, chunk_size,
+                                   client, local, progress, errors)
     return _results(spec, outputs, computed, failed)
 
 

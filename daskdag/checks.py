@@ -176,21 +176,26 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
             fd = _inner(jv, u)
             shares = pulled[k] if pulled[k] is not None else [np.zeros_like(t) for t in v]
             ad = _inner(v, [np.conj(_wide(s)) for s in shares])
-            n = sum(a.size * (2 if np.iscomplexobj(a) else 1) for a in f)
-            scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
-            tolerance = rtol * scale + noise
-            error = abs(fd - ad)
-            relative = (error / (tolerance / rtol) if tolerance > 0 else
-                        0.0 if error == 0 else np.inf)
-            if not error <= tolerance:  # (NaN fails)
-                relative = np.inf if np.isnan(relative) else relative
-                seen = failures.get(k)
-                if seen is None or relative > seen[0]:
-                    failures[k] = (relative, dict(position=k, fd=float(fd), ad=float(ad),
-                                                  error=float(error), tolerance=float(tolerance),
-                                                  eps=eps))
+            relative, failure = _compare(fd, ad, jv, f, rtol, noise)
+            if failure is not None and (k not in failures or relative > failures[k][0]):
+                failures[k] = (relative, dict(position=k, eps=eps, **failure))
             worst = max(worst, float(relative))
     return worst, (failures[min(failures)][1] if failures else None)
+
+
+def _compare(fd, ad, jv: list, f: list, rtol: float, noise: float) -> tuple[float, dict | None]:
+    """``<u, J v>`` by finite differences (``fd``; ``jv``: ``J v`` itself) against the VJP's
+    (``ad``), ``f`` the node's outputs: ``(error relative to the tolerance, times rtol;
+    the failure's fd, ad, error and tolerance, or None where it passed)``."""
+    n = sum(a.size * (2 if np.iscomplexobj(a) else 1) for a in f)
+    scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
+    tolerance = rtol * scale + noise
+    error = abs(fd - ad)
+    relative = error / (tolerance / rtol) if tolerance > 0 else 0.0 if error == 0 else np.inf
+    if error <= tolerance:
+        return relative, None
+    return (np.inf if np.isnan(relative) else relative,  # (NaN fails)
+            dict(fd=float(fd), ad=float(ad), error=float(error), tolerance=float(tolerance)))
 
 
 def _dtype(leaf) -> np.dtype:

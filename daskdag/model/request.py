@@ -140,6 +140,12 @@ def check_chunk_size(chunk_size) -> None:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
+def check_errors(errors) -> None:
+    """A sweep's ``errors=``: ``'raise'`` or ``'collect'``."""
+    if errors not in ("raise", "collect"):
+        raise DAGError(f"errors must be 'raise' or 'collect', got {errors!r}")
+
+
 def with_rules(plan, forward: bool = False):
     """``plan``, checked: every node of the user's own code that it differentiates has the rule
     it needs: a VJP, or with ``forward`` a JVP."""

@@ -19,6 +19,8 @@ them). The chunk graph travels as bytes (:class:`_Lazy`): the scheduler never un
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import operator
 
@@ -215,10 +217,17 @@ def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remot
         data = [TaskRef((a.name, b, *(0,) * (a.ndim - 1))) for a in arrays]
         layer[(name, b)] = Task((name, b), _run_block, TaskRef(graph_key), int(starts[b]), *refs, *data)
     needs = _needs(planned.plan)
-    with dask.annotate(resources=needs) if needs else _nothing():
+    with dask.annotate(resources=needs) if needs else contextlib.nullcontext():
         base = HighLevelGraph.from_collections(name, layer, dependencies=arrays)
 
-    flat = iter(range(len(blocks.leaves())))
+    return _as_arrays(planned, base, name, token, chunks, shapes)
+
+
+def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> dict:
+    """``{output: (value, {input: grad})}``: each leaf a dask array over the results of the
+    blocks (layer ``name`` of ``base``), in the order of the blocks' flat results."""
+    values, grads = shapes
+    flat = itertools.count()
 
     def array(label: str, aval) -> da.Array:
         k = next(flat)
@@ -231,24 +240,15 @@ def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remot
                         meta=np.empty((0,) * (ndim + 1), aval.dtype))
 
     computed = {}
-    for o, _, _, _ in layout:
+    for o in planned.plan.outputs:
         v = jax.tree.structure(values[o]).unflatten(
             [array(f"{o}-value{j}", a) for j, a in enumerate(jax.tree.leaves(values[o]))])
         g = {}
         for i in planned.plan.wrt:
-            gdef = jax.tree.structure(grads[i])
-            g[i] = gdef.unflatten([array(f"{o}-grad-{i}{j}", a)
-                                   for j, a in enumerate(jax.tree.leaves(grads[i]))])
+            g[i] = jax.tree.structure(grads[i]).unflatten(
+                [array(f"{o}-grad-{i}{j}", a) for j, a in enumerate(jax.tree.leaves(grads[i]))])
         computed[o] = (v, g)
     return computed
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _needs(plan) -> dict:

@@ -31,6 +31,8 @@ from daskdag.errors import NodeError
 from daskdag.graph.build import build
 from daskdag.running.log import logger, where
 from daskdag.model.plan import Plan, make_plan
+from daskdag.model.request import batch_size, cotangents_for, with_rules, wrt_names
+from daskdag.running import cluster
 from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
@@ -98,6 +100,23 @@ class Sweep:
         from the outputs when they run (:func:`daskdag.graph.tasks.seed`)."""
         return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
                      remote=self.remote, travel=self.travel)
+
+
+def sweep(spec: Spec, names: tuple, values: dict, batched: tuple, wrt, cotangents, chunk_size,
+          client, local: str | None, progress: bool, errors: str):
+    """:func:`daskdag.sweep_grads` over arrays in memory, its arguments parsed: ``(computed,
+    failed)`` as :func:`run` returns them, chunks of ``chunk_size`` items (default
+    :func:`default_chunk_size`) on ``client``'s cluster or this process's ``local`` threads."""
+    size = batch_size(values, batched)
+    wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
+    with_rules(make_plan(spec, names, wrt))
+    planned = plan_sweep(spec, names, values, batched, wrt, cotangents_for(names, cotangents), size,
+                         remote=client is not None)
+    found = cluster.check(client, planned.plan) if client is not None else None
+    slots = parallelism(found) if local != "sync" else 1
+    chunk_size = chunk_size or default_chunk_size(planned, slots)
+    return run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
+               progress=progress, errors=errors, workers=found)
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
