@@ -277,7 +277,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     client, local = where(client, scheduler)
     check_errors(errors)
     check_chunk_size(chunk_size)
-    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.arrays)
+    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.sweeps.arrays)
         return _results(spec, outputs, arrays.sweep_grads(
             spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
             chunk_size=chunk_size, client=client, progress=progress, errors=errors))

@@ -167,7 +167,7 @@ class _Wiring:
         self.paths = {o: set(plan.backward[o]) for o in plan.outputs}
         self.through = {s: tuple(o for o in plan.outputs if self.paths[o] & set(s.outputs))
                         for s in self.stages}
-        self.seeds, self.val, self.closed, self.linearized, self.bwd = {}, {}, {}, {}, {}
+        self.seeds, self.val, self.closed, self.forward_task, self.bwd = {}, {}, {}, {}, {}
 
     def close_stages(self) -> None:
         """A stage whose gradients all start at its own outputs (none comes from a later stage)
@@ -200,8 +200,8 @@ class _Wiring:
             if closed is not None:
                 self.bwd[s] = self.g.task(key("bwd", self._label(s), token_of(k)), dict(s.needs),
                                           tasks.cotangents_of, fwd)
-            elif s.linearized:
-                self.linearized[s] = fwd
+            elif s.has_pullback:
+                self.forward_task[s] = fwd
             self._values(s, fwd, token_of(k))
 
     def _values(self, s, fwd, token: str) -> None:
@@ -210,9 +210,9 @@ class _Wiring:
                 self.val[n] = fwd
             elif self.carry.travel or n in self.plan.outputs:  # (consumers never fetch residuals)
                 self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
-                                          s.linearized, e)
+                                          s.has_pullback, e)
             else:  # here, nothing travels: a consumer picks the value out itself, a task less
-                self.val[n] = Inline(Task(None, tasks.pick, fwd, s.linearized, e), None)
+                self.val[n] = Inline(Task(None, tasks.pick, fwd, s.has_pullback, e), None)
 
     def backward(self) -> None:
         """One task per stage, for every output whose gradient passes through it (their
@@ -224,10 +224,10 @@ class _Wiring:
             flows, sources = [], {}
             for o in self.through[s]:
                 flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
-            k = self.carry.key("bwd", self._label(s), self.linearized[s].key, flows, list(sources),
+            k = self.carry.key("bwd", self._label(s), self.forward_task[s].key, flows, list(sources),
                                self.rows)
             self.bwd[s] = self.g.task(k, dict(s.needs), tasks.backward, s, self.stop, tuple(flows),
-                                      self.rows, self.linearized[s],
+                                      self.rows, self.forward_task[s],
                                       *(self.val[d] for d in s.deps), *map(TaskRef, sources))
 
     def _flow(self, s, n: str, o: str, sources: dict):

@@ -166,7 +166,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
     for s in make_stages(plan):
         sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
         deps = [ident(val[d]) for d in s.deps]
-        if not s.linearized:  # no tangent reaches it: the forward task of the gradient graph
+        if not s.has_pullback:  # no tangent reaches it: the forward task of the gradient graph
             fwd = g.task(carry.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
                          dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps),
                          root=is_root(s, spec))
@@ -179,7 +179,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
         token = token_of(fwd.key)
         for e, n in enumerate(s.outputs):
             val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
-                                               fwd, s.linearized, e)
+                                               fwd, s.has_pullback, e)
             if n in plan.active:
                 tan[n] = g.task(key("tan", n, token), dict(s.needs), pick_tangent, fwd, e)
 

@@ -49,7 +49,7 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
     pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
-    if len(nodes) > 1 and stage.linearized:
+    if len(nodes) > 1 and stage.has_pullback:
         if not any(map(has_rules, nodes)):
             return _linearize_chain(stage, nodes, deps, dropped)
         batch = chain_of_elements(nodes)
@@ -74,7 +74,7 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
         values.append(primal)
         pullbacks.append(pullback)
     exposed = tuple(values[j] for j in stage.exposed)
-    if not stage.linearized:
+    if not stage.has_pullback:
         return exposed
     # Keep the values that a node's pullback may take as inputs; drop the rest now.
     taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
@@ -284,7 +284,7 @@ def fused_function(stage: Stage, nodes: Sequence[Node]):
 def _linearize_fused(stage: Stage, nodes, deps):
     function = fused_function(stage, nodes)
     with node_errors(stage.name, "forward"):
-        if not stage.linearized:
+        if not stage.has_pullback:
             return function(*deps)
         values, pullback = function.linearize(deps, stage.dep_active())
     return values, FusedPullback(stage, pullback, _avals(values))

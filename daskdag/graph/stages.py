@@ -73,7 +73,7 @@ class Stage:
         return tuple(self.nodes[j] for j in self.exposed)
 
     @property
-    def linearized(self) -> bool:
+    def has_pullback(self) -> bool:
         """Some node runs under ``jax.vjp``: the forward task leaves a pullback."""
         return any(any(a) for a in self.active)
 
@@ -81,7 +81,7 @@ class Stage:
     def bare(self) -> bool:
         """The forward task's result is its one exposed value itself (no pullback, no tuple), so
         later stages read it directly."""
-        return not self.linearized and len(self.exposed) == 1
+        return not self.has_pullback and len(self.exposed) == 1
 
     def dep_active(self) -> tuple[bool, ...]:
         """Per dep: differentiated by some node of the stage."""

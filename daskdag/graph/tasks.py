@@ -57,8 +57,8 @@ def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
                     if flow is not None:
                         flow.cotangent(value, ())
             return values, cts
-    linearized = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
-    return linearized[0], backward(stage, stop, flows, rows, linearized, *deps)
+    out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
+    return out[0], backward(stage, stop, flows, rows, out, *deps)
 
 
 def cotangents_of(out) -> list:
@@ -66,17 +66,17 @@ def cotangents_of(out) -> list:
     return out[1]
 
 
-def pick(out, linearized: bool, k: int):
+def pick(out, has_pullback: bool, k: int):
     """The ``k``-th exposed value from a forward task's result."""
-    return (out[0] if linearized else out)[k]
+    return (out[0] if has_pullback else out)[k]
 
 
-def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
+def backward(stage: Stage, stop, flows: tuple, rows, forward_out, *args) -> list:
     """Pull the cotangents of the stage's exposed nodes back to the stage's deps, for each
     output whose gradient passes through the stage. Returns, per output, a tuple aligned with
     the stage's deps: each dep's cotangent, ``None`` where none flows.
 
-    ``linearized`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
+    ``forward_out`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
     stage's deps (a pullback that moved takes its input residuals from them), then the sources of
     the cotangents: the results of consumer stages' backward tasks. ``flows[k][e]`` says where
     output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere; else a
@@ -90,7 +90,7 @@ def backward(stage: Stage, stop, flows: tuple, rows, linearized, *args) -> list:
     ``rows``: for a Jacobian, a :class:`Rows`: each cotangent is a stack of rows (an output
     starts from its :class:`Basis`), and so is each result (:func:`_pull_rows`).
     """
-    values, pullback = linearized
+    values, pullback = forward_out
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
     cts = [tuple(None if flow is None else flow.cotangent(value, sources)
                  for value, flow in zip(values, per_output)) for per_output in flows]

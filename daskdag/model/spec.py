@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+from dask.sizeof import sizeof
 
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
+from daskdag.transport.protocol import travels
 from daskdag.transport.packing import Function, current, pack, unwrap
 
 
+@travels(lambda node: sizeof(node.fn))  # (a node is as large as its function, packed)
 @dataclass(frozen=True)
 class Node:
     """One node: ``fn(*values of deps)``.

@@ -36,7 +36,7 @@ def run(job: Job, client, local: str | None, progress: bool):
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     before = kept.sent if kept else None
-    with kept.call(client) if kept else contextlib.nullcontext() as place:
+    with kept.keeping(client) if kept else contextlib.nullcontext() as place:
         graph = job.make(place, stop)
         log.submitted(job.kind, job.plan, graph, log.where(client, local),
                       kept.sent - before if kept else None)

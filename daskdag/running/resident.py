@@ -44,7 +44,7 @@ class Resident:
         self.sent = 0
 
     @contextlib.contextmanager
-    def call(self, client):
+    def keeping(self, client):
         """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
         ``fn(payload)`` kept under ``key``, sent now unless a recent call sent it, to a worker
         with the resources ``needs`` (those of the node that uses it). On exit, values that none
@@ -99,7 +99,7 @@ def placing(client):
     each cancelled and let go on exit."""
     kept = of(client)
     if kept is not None:
-        with kept.call(client) as place:
+        with kept.keeping(client) as place:
             yield place
         return
     held: list = []

@@ -14,7 +14,7 @@ block and leaf). Their shapes and dtypes come from ``jax.eval_shape`` on one ite
 
 The shared inputs, and the chunk graph itself, are one task each in the graph, which every
 block depends on: computed once (on a cluster, once, then copied to the workers that need
-them). The chunk graph travels as bytes (:class:`_Lazy`): the scheduler never unpickles it.
+them). The chunk graph travels as bytes (:class:`_Deferred`): the scheduler never unpickles it.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
                                travel=True)  # (computed later, wherever the arrays are)
     if client is not None:
         cluster.check(client, planned.plan)
-    return _lazy(planned, inputs, chunks, _shapes(planned, spec), remote)
+    return _block_graph(planned, inputs, chunks, _shapes(planned, spec), remote)
 
 
 def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:
@@ -157,7 +157,7 @@ class _Blocks:
         return [a for _, _, v, grads in self.layout for a in (*v, *(g for _, gs in grads for g in gs))]
 
 
-class _Lazy:
+class _Deferred:
     """An object that travels as cloudpickled bytes, unpickled by :meth:`get` where a task needs
     it (a worker), never by the scheduler. In this process, the object itself."""
 
@@ -172,14 +172,14 @@ class _Lazy:
         return self.obj
 
     def __reduce__(self):
-        return _Lazy, (None, self.data if self.data is not None else cloudpickle.dumps(self.obj))
+        return _Deferred, (None, self.data if self.data is not None else cloudpickle.dumps(self.obj))
 
 
-def _loaded(lazy: _Lazy):
-    return lazy.get()
+def _loaded(deferred: _Deferred):
+    return deferred.get()
 
 
-def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remote: bool) -> dict:
+def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remote: bool) -> dict:
     """``{output: (value, {input: grad})}`` as trees of dask arrays over the blocks (see the
     module's docstring)."""
     values, grads = shapes
@@ -209,7 +209,7 @@ def _lazy(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remot
     token = tokenize(results, [a.name for a in arrays], chunks, [t.token if hasattr(t, "token")
                                                                  else tokenize(t) for t in templates.values()])
     graph_key = f"daskdag-chunk-graph-{token}"
-    layer[graph_key] = Task(graph_key, _loaded, _Lazy((tasks, results, blocks)))
+    layer[graph_key] = Task(graph_key, _loaded, _Deferred((tasks, results, blocks)))
     name = f"daskdag-sweep-blocks-{token}"
     refs = [TaskRef(keys[i]) for i in (*shared, *broadcast)]
     starts = np.cumsum((0, *chunks))

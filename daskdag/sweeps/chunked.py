@@ -3,8 +3,8 @@
 ``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``: forward and
 pullback are each one compiled program, cached per node function, so chunks of the same shapes
 (and later sweeps of the same function) compile nothing. The others run item by item, each
-item under its own ``jax.vjp`` (one vjp around the whole loop was measured 2.3 to 2.5 times
-slower per item), leaving an :class:`ItemPullbacks`. Between items they pass a
+item under its own ``jax.vjp`` (one vjp around the whole loop is slower per item, see the
+sweep benchmarks), leaving an :class:`ItemPullbacks`. Between items they pass a
 :func:`~daskdag.sweeps.progress.checkpoint`: progress, and where a cancelled chunk stops.
 
 The compiled programs are :class:`~daskdag.graph.compiled.Compiled`'s, as for a fused stage
@@ -105,7 +105,7 @@ def chunk_of(node: Node) -> Chunked | None:
 class Items(list):
     """A node's values over a chunk, one per item, as the item-by-item nodes made them: they
     pass them on unstacked (stacking every node's values and splitting them again in the next
-    node cost about a tenth of an eager sweep's time). A pytree whose children are the items,
+    node would cost every eager sweep a pass over its values). A pytree whose children are the items,
     so a cotangent of ``Items`` (a flat tuple, see :mod:`daskdag.rules.pullback`) is each item's
     cotangent in turn. :func:`stacked` makes one array per leaf, where one is needed."""
 

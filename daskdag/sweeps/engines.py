@@ -75,8 +75,7 @@ class Cluster:
     ``pin``: each chunk runs as one task on one worker, the one with the fewest chunks in
     flight (loosely: the scheduler can still move it). Left to itself the scheduler would put
     every chunk beside the data it needs, the shared inputs held by one worker, and a chunk
-    split into tasks shipped pullbacks and cotangents between workers (a third of the 2-worker
-    sweep benchmark's time), each task paying distributed's per-task overhead. Chunks whose
+    split into tasks shipped pullbacks and cotangents between workers, each task paying distributed's per-task overhead. Chunks whose
     nodes need resources stay task graphs, which the scheduler places node by node (their bar
     advances per chunk, and they stop at the next task, not item).
 
@@ -93,8 +92,8 @@ class Cluster:
     A pinned chunk's task carries no graph: every chunk of a sweep has the same one but for its
     items, so the sweep's chunk graph is built and pickled once (:func:`chunk_graph`), placed
     on the cluster as the shared inputs are, and each chunk's task binds its own items into a
-    copy of it (:func:`_run_chunk`). Building, tokenizing and pickling it for each chunk cost
-    this process ~12 ms a chunk, on a 2-core machine time taken from the workers.
+    copy of it (:func:`_run_chunk`), rather than building, tokenizing and pickling it for
+    each chunk in this process, on time taken from the workers.
     """
 
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
@@ -153,8 +152,8 @@ class Cluster:
 
     def _workers(self, fresh: bool = False) -> dict:
         """The cluster's workers (:func:`daskdag.running.cluster.workers`), as the scheduler listed them
-        at most :data:`LIST_EVERY` seconds ago unless ``fresh``. Asking costs this thread ~3 ms,
-        a tenth of what a chunk cost it. An empty list is not kept: with no worker yet (an
+        at most :data:`LIST_EVERY` seconds ago unless ``fresh`` (asking for every chunk would
+        cost this thread a round trip each). An empty list is not kept: with no worker yet (an
         adaptive cluster) each chunk asks again."""
         now = time.monotonic()
         if fresh or not self.found or now - self.listed > LIST_EVERY:

@@ -272,7 +272,7 @@ def steps_per_item(stage: Stage, nodes) -> int:
     (:func:`~daskdag.sweeps.progress.checkpoint`): once per item-by-item node, or once for a
     chain of them linearized as one (:func:`daskdag.graph.run.linearize`)."""
     by_item = [n for n in nodes if (c := chunk_of(n)) is not None and not c.node.vmap]
-    if len(nodes) > 1 and stage.linearized and by_item and chain_of_elements(nodes) is not None:
+    if len(nodes) > 1 and stage.has_pullback and by_item and chain_of_elements(nodes) is not None:
         return 1
     return len(by_item)
 
