@@ -94,3 +94,14 @@ def test_every_subpackage_says_what_it_holds_and_may_import():
     for init in ROOT.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "May import" in doc, f"{init.relative_to(ROOT.parent)}: its docstring must say what it may import"
+
+
+def test_only_the_sweeps_know_their_items():
+    """The core runs a sweep's chunk as any node of a registered kind: the names of the sweep's
+    own classes appear in no module outside :mod:`daskdag.sweeps`."""
+    for path in ROOT.rglob("*.py"):
+        if path.parent.name == "sweeps":
+            continue
+        text = path.read_text()
+        for name in ("Items", "Chunked"):
+            assert name not in text, f"{path.relative_to(ROOT.parent)} names {name}"
