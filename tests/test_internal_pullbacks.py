@@ -13,7 +13,7 @@ from distributed.protocol import deserialize, serialize
 import daskdag
 from daskdag import ClusterError, Node
 from daskdag.transport import programs
-from daskdag.rules.vjp import JaxPullback as Pullback, linearize
+from daskdag.rules.vjp import linearize, received
 
 from .conftest import TraceLog, assert_tree_close, compute_split, key_kind, key_label, live_workers
 from .test_internal_stages import _composed, _jit_dag
@@ -239,7 +239,7 @@ def test_program_from_other_versions_is_refused():
     form = pb.portable()
     form["versions"] = {**form["versions"], "jaxlib": "0.0.1"}
     with pytest.raises(ClusterError, match="exported under .*0.0.1"):
-        Pullback.from_portable(form)
+        received(form)
 
 
 @pytest.mark.timeout(180)

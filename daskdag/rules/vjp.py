@@ -17,57 +17,38 @@ from daskdag.transport import programs
 
 
 class JaxPullback(Pullback):
-    """The backward half of one node's ``jax.vjp`` at one point; holds the residuals.
+    """The backward half of one node's ``jax.vjp`` at one point, in the process that ran its
+    forward pass: JAX's own vjp function, which holds the residuals.
 
     Called as a :class:`~daskdag.rules.pullback.Pullback`: the cotangent of the node's output
     (a flat tuple) and the node's dep values in; each differentiated dep's cotangent out,
-    ``None`` for the deps held constant.
+    ``None`` for the deps held constant. Its ``batching`` is
+    :data:`~daskdag.rules.pullback.EAGER` for JAX's vjp of plain code, as given for a compiled
+    program, else None.
 
-    In the process that ran the forward pass it calls JAX's own vjp function. When Dask moves it
-    elsewhere it travels as :meth:`portable`: an exported program plus its residual arrays, less
-    those that are the node's own inputs, which the backward task holds anyway. A program that
-    cannot be exported (a host callback inside) travels as the node's function instead, and its
-    forward pass is redone there. Its ``batching`` is :data:`~daskdag.rules.pullback.EAGER` for
-    JAX's vjp of plain code, as given for a compiled program, else None.
+    When Dask moves it elsewhere it travels as :meth:`portable` and arrives as a
+    :class:`ProgramPullback`: an exported program plus its residual arrays, less those that
+    are the node's own inputs, which the backward task holds anyway. A program that cannot be
+    exported (a host callback inside) arrives as a :class:`RedonePullback` instead.
     """
 
-    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_form",
-                 "_program")
+    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals")
 
-    def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn=None,
-                 args=None, ct_avals=None, batching: Batching | None = None):
+    def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn,
+                 args, ct_avals, batching: Batching | None = None):
         self._node, self.active, self.counts = node, active, counts
         self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
-        if batching is None and vjp_fn is not None and not node.jit:
-            batching = EAGER
-        self.batching = batching
-        self._form = self._program = None  # set in a process that received this pullback
+        self.batching = batching if batching is not None or node.jit else EAGER
 
     def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
-        if self._vjp is not None:
-            flat = self._vjp(list(ct))
-        elif self._program is not None:
-            consts = list(self._form["consts"])
-            for c, (d, k) in self._form["slots"]:
-                consts[c] = jax.tree.leaves(inputs[d])[k]
-            flat = self._program(*ct, *consts)
-        else:  # shipped as its function: redo this node's forward pass here
-            return linearize(self._node, inputs, self.active)[1](ct, inputs)
-        return by_arg(flat, self.active, self.counts)
+        return by_arg(self._vjp(list(ct)), self.active, self.counts)
 
     def residual_nbytes(self) -> int:
-        """Bytes of the residuals that are not the node's own inputs: what moving it ships."""
-        if self._vjp is None:
-            return sum(a.nbytes for a in self._form.get("consts", ()) if a is not None)
         inputs = {id(leaf) for leaf in jax.tree.leaves(self._args)}
         return sum(a.nbytes for a in jax.tree.leaves(self._vjp) if id(a) not in inputs)
 
-    # -- travelling ------------------------------------------------------------------------------
-
     def portable(self) -> dict:
         """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
-        if self._form is not None:  # received from elsewhere: passes on as it came
-            return dict(self._form)
         base = {"active": self.active, "counts": self.counts, "versions": programs.versions()}
         try:
             closed = jax.make_jaxpr(self._vjp)(self._ct_avals)
@@ -81,18 +62,52 @@ class JaxPullback(Pullback):
         return {**base, "key": key, "program": program, "slots": slots,
                 "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)]}
 
-    @classmethod
-    def from_portable(cls, form: dict) -> "JaxPullback":
-        """The inverse of :meth:`portable`, in the receiving process."""
-        programs.check_versions(form["versions"])
-        pb = cls(form.get("node"), form["active"], form["counts"])  # node: only when redone
-        pb._form = form
-        if "program" in form:
-            pb._program = programs.load(form["key"], form["program"])
-        return pb
-
     def __reduce__(self):  # (its residual arrays pickle out of band: Dask's zero-copy frames)
-        return JaxPullback.from_portable, (self.portable(),)
+        return received, (self.portable(),)
+
+
+def received(form: dict) -> Pullback:
+    """A :class:`JaxPullback` as it arrives in another process, from its portable ``form``."""
+    programs.check_versions(form["versions"])
+    return ProgramPullback(form) if "program" in form else RedonePullback(form)
+
+
+class ProgramPullback(Pullback):
+    """A :class:`JaxPullback` received as its exported program and residual arrays; the
+    residuals that are the node's inputs come from the backward task's ``inputs``."""
+
+    def __init__(self, form: dict):
+        self.form, self.active, self.counts = form, form["active"], form["counts"]
+        self._program = programs.load(form["key"], form["program"])
+
+    def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
+        consts = list(self.form["consts"])
+        for c, (d, k) in self.form["slots"]:
+            consts[c] = jax.tree.leaves(inputs[d])[k]
+        return by_arg(self._program(*ct, *consts), self.active, self.counts)
+
+    def residual_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.form["consts"] if a is not None)
+
+    def __reduce__(self):  # passes on as it came
+        return received, (self.form,)
+
+
+class RedonePullback(Pullback):
+    """A :class:`JaxPullback` whose program could not be exported, received as its node: the
+    node's forward pass is redone here, on the backward task's ``inputs``."""
+
+    def __init__(self, form: dict):
+        self.form, self.active = form, form["active"]
+
+    def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
+        return linearize(self.form["node"], inputs, self.active)[1](ct, inputs)
+
+    def residual_nbytes(self) -> int:
+        return 0
+
+    def __reduce__(self):
+        return received, (self.form,)
 
 
 def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
