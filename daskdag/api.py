@@ -214,7 +214,7 @@ def _jvp_results(outputs, computed) -> dict:
 def _jacrev_layout(value, rows):
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.graph.tasks.basis`)."""
+    elsewhere; see :func:`daskdag.rules.seeds.basis`)."""
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
     out_leaves, out_def = jax.tree.flatten(value)
     start, per_leaf = 0, []

@@ -12,7 +12,7 @@ forward values are computed as one Dask graph (:func:`daskdag.graph.build.build`
 gradients, so no vjp runs in it); then one check task per node takes its deps' values from it
 and, at that point:
 
-- linearizes the node as daskdag does (:func:`daskdag.rules.pullback.linearizer`: ``jax.vjp``, or a
+- linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`: ``jax.vjp``, or a
   registered linearizer such as a user-supplied VJP), once;
 - per projection (:data:`PROJECTIONS`), draws a random unit cotangent ``u`` over the output's
   differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``

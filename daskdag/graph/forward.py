@@ -95,7 +95,7 @@ _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> i
 
 
 def _fused(stage: Stage, nodes, deps, dep_tangents, k):
-    """A fused stage's jvp as one jitted program of its :class:`~daskdag.graph.stages.Fused`
+    """A fused stage's jvp as one jitted program of its :class:`~daskdag.graph.run.Fused`
     function, compiled once per function (while it lives), shapes and held constants."""
     fused = fused_function(stage, nodes).fn  # the same object while the functions live
     active = tuple(a and t is not None for a, t in zip(stage.dep_active(), dep_tangents))

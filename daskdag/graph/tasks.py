@@ -26,7 +26,7 @@ from daskdag.rules.seeds import as_gradient, basis, basis_size, seed, total
 
 
 def forward(stage: Stage, stop, *args):
-    """Run the stage (:func:`daskdag.graph.stages.linearize`). ``args``: the stage's ``Node`` s, then
+    """Run the stage (:func:`daskdag.graph.run.linearize`). ``args``: the stage's ``Node`` s, then
     the values of its ``deps``. Returns ``(exposed values, pullback)`` when some node ran under
     ``jax.vjp``, else the exposed values, or the value itself when it is one.
 

@@ -21,7 +21,7 @@ def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[
 
 def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
     """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
-    :func:`daskdag.rules.pullback.vjp_leaves` does for vjp: the differentiable leaves of the
+    :func:`daskdag.rules.vjp.vjp_leaves` does for vjp: the differentiable leaves of the
     ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
     constant. The tangent is a flat tuple over the primal's differentiable leaves."""
     diff, fn_of_diff, rebuild = of_leaves(fn, args, active)

@@ -97,7 +97,7 @@ class Sweep:
         ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
         Nothing else in it depends on which items, or how many, the chunk holds: items enter
         only as these inputs, and the seeds of the outputs' cotangents take the item count
-        from the outputs when they run (:func:`daskdag.graph.tasks.seed`)."""
+        from the outputs when they run (:func:`daskdag.rules.seeds.seed`)."""
         return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
                      remote=self.remote, travel=self.travel)
 
