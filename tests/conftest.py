@@ -1,4 +1,7 @@
+import contextlib
+import functools
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,14 +108,30 @@ def key_outputs(key) -> str:
     return str(key).rpartition("-")[0].partition("[")[2].rstrip("]")
 
 
-def eventually(check, timeout=30.0):
-    """Poll ``check()`` until it is true (the scheduler and client release keys asynchronously)."""
+def eventually(check, timeout=30.0, what=None, details=None):
+    """Poll ``check()`` until it returns something true (the scheduler and client release keys
+    asynchronously), and return that. If it is still false after ``timeout`` seconds, fail with
+    an AssertionError naming ``what`` was waited for (default: the source of ``check``) and for
+    how long, followed by ``details()`` (called then) when given."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while not (result := check()):
         if time.monotonic() > deadline:
-            return False
+            message = f"still not true after {timeout:g} s: {what or _described(check)}"
+            if details is not None:
+                message += f" ({details()})"
+            raise AssertionError(message)
         time.sleep(0.05)
-    return True
+    return result
+
+
+def _described(check) -> str:
+    """``check``'s source (a lambda's line, trimmed), else its name."""
+    import inspect
+
+    try:
+        return " ".join(inspect.getsource(check).split())
+    except (OSError, TypeError):
+        return getattr(check, "__qualname__", repr(check))
 
 
 def live_workers(client) -> dict:
@@ -139,6 +158,107 @@ def only_kept_left(client, before: int) -> bool:
     and the client holds futures of those values alone: nothing else of the calls stayed."""
     kept = kept_keys(client)
     return scheduler_tasks(client) == before + len(kept) and set(client.futures) == kept
+
+
+def wait_only_kept_left(client, before: int, timeout: float = 30.0, what: str = "the calls"):
+    """Wait until :func:`only_kept_left`; else fail, saying what the scheduler and the client
+    still held."""
+    eventually(lambda: only_kept_left(client, before), timeout,
+               f"{what} left nothing on the scheduler or in the client but the kept values",
+               lambda: f"the scheduler holds {scheduler_tasks(client)} tasks, {before} before the "
+                       f"calls and {len(kept_keys(client))} kept values; the client holds "
+                       f"{len(client.futures)} futures")
+
+
+# -- clusters: one set-up for the tests that start a LocalCluster ----------------------------------
+
+LOCAL_CLUSTER = dict(threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None)
+
+
+@contextlib.contextmanager
+def local_cluster(n_workers: int = 2, **kw):
+    """A ``distributed.LocalCluster`` of ``n_workers`` single-threaded worker processes (under
+    nannies) on 127.0.0.1, without a dashboard (:data:`LOCAL_CLUSTER`); ``kw`` adds or overrides
+    LocalCluster's arguments (``resources=``, ``memory_limit=``, ``threads_per_worker=``...)."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=n_workers, **{**LOCAL_CLUSTER, **kw}) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def local_client(n_workers: int = 2, *, client_options: dict | None = None,
+                 workers_timeout: float = 120, **kw):
+    """A client of a new :func:`local_cluster` (``n_workers``, ``kw``), once its workers are all
+    there; not the default client unless ``client_options`` says ``set_as_default=True``.
+    ``client.cluster`` is the cluster."""
+    from distributed import Client
+
+    with local_cluster(n_workers, **kw) as cluster, \
+            Client(cluster, **{"set_as_default": False, **(client_options or {})}) as client:
+        if n_workers:
+            client.wait_for_workers(n_workers, timeout=workers_timeout)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    """One :func:`local_cluster` for the test module, two workers unless the module sets
+    ``CLUSTER = {...}``: :func:`local_cluster`'s arguments."""
+    with local_cluster(**getattr(request.module, "CLUSTER", {})) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    """A client of its own for the test (what daskdag keeps, it keeps per client), of the
+    module's :func:`cluster`."""
+    from distributed import Client
+
+    with Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunLog:
+    """Where node functions note each run, with the process they ran in: a file, which worker
+    processes on this machine append to as well. :meth:`wrap` gives a function that notes its
+    name, then runs ``fn`` (for an eager node, each run; under ``jax.jit``, each trace); it
+    travels to workers by value (functions of this module are not installed code)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.path.touch()
+
+    def wrap(self, name: str, fn):
+        return _noting(str(self.path), name, fn)
+
+    def runs(self) -> list[tuple[str, int]]:
+        """``(name, pid)`` of each run so far, in order."""
+        return [(name, int(pid)) for name, pid in
+                (line.rsplit(" ", 1) for line in self.path.read_text().splitlines())]
+
+    def pids(self, name: str) -> list[int]:
+        """The process of each run of ``name``."""
+        return [pid for n, pid in self.runs() if n == name]
+
+
+def _noting(path: str, name: str, fn):
+    @functools.wraps(fn)
+    def noting(*args, **kwargs):
+        import os
+
+        with open(path, "a") as log:
+            log.write(f"{name} {os.getpid()}\n")
+        return fn(*args, **kwargs)
+
+    return noting
 
 
 def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):

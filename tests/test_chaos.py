@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 
-from .conftest import (KEEP_NANNIES, assert_tree_close, bounded, eventually, not_a_mismatch,
-                       only_kept_left, scheduler_tasks, sigkill)
+from .conftest import (KEEP_NANNIES, assert_tree_close, bounded, local_client, not_a_mismatch,
+                       scheduler_tasks, sigkill, wait_only_kept_left)
 
 WORKERS = 6
 KILL_EVERY = 3.0  # seconds between two kills
@@ -90,11 +89,7 @@ def test_random_worker_killed_every_3s_through_a_sweep_and_a_loop_of_calls(distr
     w = np.linspace(0.5, 1.5, 4).astype(np.float32)
     xs = np.random.default_rng(0).uniform(-1.0, 1.0, (ITEMS, 4)).astype(np.float32)
     sweep_dag = {"H": (slow_encode, ["x", "w"]), "L": (loss, ["H"])}
-    with dask.config.set(KEEP_NANNIES), \
-            LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True, host="127.0.0.1",
-                         dashboard_address=None) as cluster, \
-            Client(cluster, set_as_default=False) as client:
-        client.wait_for_workers(WORKERS, timeout=120)
+    with dask.config.set(KEEP_NANNIES), local_client(WORKERS) as client:
         before = scheduler_tasks(client)
         # a warm-up sweep (the workers import JAX), then the sweep under chaos
         daskdag.sweep_grads(sweep_dag, {"x": xs[:2 * WORKERS], "w": w}, "L", batched=["x"],
@@ -136,6 +131,4 @@ def test_random_worker_killed_every_3s_through_a_sweep_and_a_loop_of_calls(distr
         assert len(chaos.kills) - swept >= 5
         client.wait_for_workers(WORKERS, timeout=120)
         distributed_log.check()
-        assert eventually(lambda: only_kept_left(client, before), timeout=60), (
-            "tasks left on the scheduler or futures in the client", scheduler_tasks(client),
-            before, len(client.futures))
+        wait_only_kept_left(client, before, timeout=60, what="the sweep and the calls")

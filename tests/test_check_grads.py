@@ -12,7 +12,7 @@ from daskdag import GradientCheckError, Node, NodeError
 from daskdag.checks import PROJECTIONS
 from daskdag.model.spec import parse
 
-from .conftest import Counted
+from .conftest import Counted, local_client
 
 RTOL32 = 2 * float(np.finfo(np.float32).eps) ** (1 / 3)  # check_grads' defaults
 RTOL64 = 2 * float(np.finfo(np.float64).eps) ** (1 / 3)
@@ -178,11 +178,9 @@ def test_a_node_that_raises_is_a_node_error(seed, x5):
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_on_a_cluster(seed, x5):
-    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("distributed")
     dag, _, _ = seed
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  host="127.0.0.1", dashboard_address=None) as cluster, \
-            distributed.Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         checked = daskdag.check_grads(dag, x5, ["D", "E"], client=client)
         assert set(checked) == set("ABCDE") and max(checked.values()) <= RTOL32
         with pytest.raises(GradientCheckError) as e:

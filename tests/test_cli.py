@@ -4,7 +4,6 @@ cluster), against plain JAX; their errors and exit codes."""
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ import pytest
 
 from daskdag.cli import main
 
-from .conftest import seed_functions
+from .conftest import free_port, seed_functions
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout, whose daskdag the CLI must run
 
@@ -102,12 +101,6 @@ X = np.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
 XS = (np.random.default_rng(0).random((7, 5)) + 0.5).astype(np.float32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The commands of the tests below on threads, all started at once (each spends seconds
@@ -117,7 +110,7 @@ def launched(tmp_path_factory):
     pipeline = write_pipeline(base / "pipeline_dir")
     negative = XS.copy()
     negative[4, 0] = -1.0  # F fails for item 4 alone
-    unreachable = f"tcp://127.0.0.1:{_free_port()}"
+    unreachable = f"tcp://127.0.0.1:{free_port()}"
     commands = {  # name: (inputs file contents, command)
         "run": ({"x": X}, ["run", f"{pipeline}:make_dag", "--inputs", "in.npz", "--outputs", "D,E",
                             "--out", "res.npz"]),

@@ -2,21 +2,22 @@
 KeyboardInterrupt, missing resources, replaced workers, progress and Ctrl-C."""
 
 import os
-import socket
 import time
 
 import dask
 import jax
 import jax.numpy as jnp
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import daskdag
 from daskdag import ClusterError, Node, NodeError
-from .conftest import DaskCLI, assert_tree_close, interrupt, live_workers
+from .conftest import (DaskCLI, assert_tree_close, eventually, free_port, interrupt, live_workers,
+                       local_client)
 
 pytestmark = pytest.mark.cluster
 
+CLUSTER = {"n_workers": 1}  # the module's cluster (conftest's cluster and client fixtures)
 X = jnp.linspace(-1.0, 1.0, 5)
 
 
@@ -33,19 +34,6 @@ def _tasks(client) -> dict:
     """``{key: state}`` of every task the scheduler holds."""
     return client.run_on_scheduler(
         lambda dask_scheduler: {str(k): ts.state for k, ts in dask_scheduler.tasks.items()})
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def client(cluster):
-    with Client(cluster, set_as_default=False) as client:
-        yield client
 
 
 @pytest.mark.timeout(60)
@@ -107,8 +95,9 @@ def test_ctrl_c_cancels_the_call_on_the_cluster(client, tmp_path, progress):
 
 @pytest.mark.timeout(120)
 def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds():
-    with LocalCluster(n_workers=0, processes=True, host="127.0.0.1", dashboard_address=None) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    # (threads_per_worker: LocalCluster's own default, for the worker adapt() starts)
+    with local_client(0, threads_per_worker=None) as client:
+        cluster = client.cluster
         with dask.config.set({"daskdag.worker-wait": "2s"}):
             start = time.monotonic()
             with pytest.raises(ClusterError, match="the scheduler has no workers, and none joined "
@@ -125,18 +114,12 @@ def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds()
         assert_tree_close(res.grad, _grad(X))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
     """A worker restarted at its address with another daskdag: the next call names it."""
     other = tmp_path / "other_version.py"  # a --preload module, imported by the worker at start
     other.write_text("import daskdag\ndaskdag.__version__ = '0.0.0-other'\n")
-    port = _free_port()
+    port = free_port()
     cli = DaskCLI(tmp_path)
     try:
         address = cli.scheduler()
@@ -149,9 +132,8 @@ def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
 
             worker.terminate()
             worker.wait(timeout=30)
-            deadline = time.time() + 60
-            while live_workers(client) and time.time() < deadline:
-                time.sleep(0.1)
+            eventually(lambda: not live_workers(client), 60,
+                       "the stopped worker gone from the scheduler", lambda: list(live_workers(client)))
             cli.worker("--no-nanny", "--worker-port", str(port), "--preload", str(other))
             client.wait_for_workers(1, timeout=60)
             assert list(live_workers(client)) == [first]  # the same address, a new process

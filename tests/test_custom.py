@@ -2,6 +2,7 @@
 DAG, against the same DAG written in JAX; Jacobians and sweeps through them; their pullbacks
 moved to another worker of a cluster that cannot import this module; bad rules named."""
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -13,7 +14,7 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-from .conftest import Counted, assert_tree_close, compute_split, key_kind, key_label, live_workers
+from .conftest import Counted, RunLog, assert_tree_close, compute_split, live_workers
 
 N = 4
 
@@ -210,11 +211,14 @@ def test_internal_pullback_residuals_travel_as_zero_copy_frames():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_on_a_cli_cluster_with_the_backward_task_on_another_worker(cli_client):
+def test_on_a_cli_cluster_with_the_backward_task_on_another_worker(cli_client, tmp_path):
     a, b = sorted(live_workers(cli_client))
-    dag = solve_dag(fwd=solve_fwd, bwd=solve_bwd)
-    moved, ran = compute_split(cli_client, dag, W, ["L", "M"], a, b)
-    assert any(key_kind(k) == "bwd" and "x" in key_label(k).split("+") for k in ran)
+    pids = cli_client.run(os.getpid)
+    log = RunLog(tmp_path / "runs")
+    dag = solve_dag(fwd=log.wrap("fwd", solve_fwd), bwd=log.wrap("bwd", solve_bwd))
+    moved, _ = compute_split(cli_client, dag, W, ["L", "M"], a, b)
+    # the user's fwd ran once, on a; its bwd on b alone, with the residuals it made on a
+    assert log.pids("fwd") == [pids[a]] and set(log.pids("bwd")) == {pids[b]}, log.runs()
     for o in ("L", "M"):
         value, grad = jax.value_and_grad(lambda w: solve_jax(w)[o])(W)
         assert_tree_close(moved[o][0], value, rtol=1e-5)

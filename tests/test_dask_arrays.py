@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import daskdag
 from daskdag import DAGError, NodeError
-from .conftest import assert_tree_close
+from .conftest import assert_tree_close, local_client
 
 CHUNKS = (5, 5, 1, 5)  # uneven, N = 16
 
@@ -235,8 +235,7 @@ def test_zarr_to_zarr_streams_with_bounded_memory(tmp_path):
     dag = {"A": daskdag.Node(lambda x, w: jnp.tanh(x) * w, ["x", "w"], vmap=True),
            "S": daskdag.Node(lambda a: jnp.sum(a), ["A"], vmap=True)}
     path = str(tmp_path / "sweep.zarr")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster):  # the default client
+    with local_client(client_options={"set_as_default": True}):  # the default client
         workers = client_pids = None
         res = daskdag.sweep_grads(dag, {"x": items(2 * BLOCK), "w": w}, "S", batched=["x"])
         res.grad["x"].sum().compute()  # warm up: JAX imported and traced in each worker

@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import daskdag
 
 from .conftest import (KEEP_NANNIES, DaskCLI, assert_tree_close, bounded, eventually, live_workers,
-                       not_a_mismatch, only_kept_left, scheduler_tasks, sigkill, worker_pids)
+                       local_cluster, not_a_mismatch, scheduler_tasks, sigkill, wait_only_kept_left,
+                       worker_pids)
 
 CALL_BOUND = 60.0  # seconds a call may take, killed workers and their restart included
 NODE_PAUSE = 1.0  # seconds each node of an eager call sleeps: A+B, then C and E, ~3 s in all
@@ -73,11 +74,6 @@ W = jnp.linspace(0.5, 1.5, 6)
 VX, VW = jnp.linspace(1.0, -1.0, 6), jnp.full(6, 0.5)
 ITEMS = 40
 XS = np.asarray(jax.random.uniform(jax.random.key(0), (ITEMS, 6), minval=0.1, maxval=1.5))
-
-
-def local_cluster(n_workers=2):
-    return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                        host="127.0.0.1", dashboard_address=None)
 
 
 # -- the calls, and what they must give -----------------------------------------------------------
@@ -186,7 +182,8 @@ def fresh_client(restarting_cluster):
     the previous test's tasks are gone."""
     with Client(restarting_cluster, set_as_default=False) as client:
         client.wait_for_workers(2, timeout=90)
-        eventually(lambda: scheduler_tasks(client) == 0, timeout=10)
+        eventually(lambda: scheduler_tasks(client) == 0, 30, "the previous test's tasks gone",
+                   lambda: f"the scheduler holds {scheduler_tasks(client)} tasks")
         yield client
 
 
@@ -203,9 +200,7 @@ def test_every_worker_lost_mid_call_the_call_completes(case, moment, fresh_clien
     print(f"{case}: every worker killed {MOMENTS[moment]} s in; the call took {took:.1f} s")
     check(res, False)
     del res
-    assert eventually(lambda: only_kept_left(client, before)), (
-        "the call left tasks on the scheduler or futures in the client",
-        scheduler_tasks(client), before, len(client.futures))
+    wait_only_kept_left(client, before, what="the call whose workers died")
 
 
 @pytest.mark.cluster
@@ -229,8 +224,7 @@ def test_lazy_sweep_computed_after_every_worker_was_lost(fresh_client, distribut
     print(f"computed {took:.1f} s after every worker was killed")
     check_sweep(res)
     res = lazy = None  # (holding no future of the graph)
-    assert eventually(lambda: only_kept_left(client, before)), (
-        scheduler_tasks(client), before, len(client.futures))
+    wait_only_kept_left(client, before, what="the lazy sweep")
 
 
 @pytest.mark.cluster
@@ -256,15 +250,14 @@ def test_a_worker_dying_as_a_call_starts_is_no_version_mismatch(fresh_client, di
         # before the worker's stream to the scheduler is up, the scheduler goes on listing the
         # dead worker, and whatever asks it something (a version check) waits out distributed's
         # 30-s connect timeout. A race: some attempts find it listed, others not.
-        assert eventually(replacement_killed, timeout=90), "no worker replaced the killed one"
+        eventually(replacement_killed, 90, "a worker replacing the killed one, killed in turn")
         res, took = bounded(lambda: not_a_mismatch(lambda: daskdag.compute_grads(
             dag, {"x": X, "w": W}, ["C", "E"], client=client)), CALL_BOUND,
             "the call that found a worker dead")
         print(f"attempt {attempt}: the call took {took:.1f} s")
         check_grads(res)
         del res
-    assert eventually(lambda: only_kept_left(client, before)), (
-        scheduler_tasks(client), before, len(client.futures))
+    wait_only_kept_left(client, before)
 
 
 # -- 2. a cluster that never comes back -----------------------------------------------------------
@@ -316,6 +309,6 @@ def test_every_worker_lost_for_good_raises_cluster_error(case, cli_no_nanny):
         assert sorted(killer.killed) == sorted(pids.values())
         assert "differ" not in message, message
         assert "worker" in message.lower(), message
-        assert eventually(lambda: not live_workers(client))
-        assert eventually(lambda: only_kept_left(client, before)), (
-            scheduler_tasks(client), before, len(client.futures))
+        eventually(lambda: not live_workers(client), 30,
+                   "the killed workers gone from the scheduler", lambda: list(live_workers(client)))
+        wait_only_kept_left(client, before, what="the call whose workers died for good")

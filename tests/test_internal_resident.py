@@ -1,16 +1,19 @@
 """Repeated compute_grads and sweep_grads calls on one client send each unchanged input, node and
 chunk graph once (daskdag.resident, an internal module), and changed ones again."""
 
+import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag.running import resident
-from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
-                       scheduler_tasks)
+from daskdag.sweeps import engines
+from daskdag.transport import programs
+from .conftest import (assert_tree_close, eventually, key_kind, key_label, local_client,
+                       scheduler_tasks, wait_only_kept_left)
+from .test_sweep import encode, energy, mixed_dag, mixed_inputs
 
 pytestmark = pytest.mark.cluster
 
@@ -28,8 +31,7 @@ def test_repeated_calls_send_what_changed_only():
     W = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32) / 20  # 1 MiB
     x = jnp.linspace(-1.0, 1.0, 512)
     dag = _dag(W)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         kept = resident.of(client)
         sent = []
         for _ in range(3):
@@ -77,8 +79,7 @@ def test_repeated_sweeps_send_shared_inputs_and_chunk_graph_once(vmap):
     dag = {"h": daskdag.Node(lambda x, w: jnp.tanh(W @ x * w), ["x", "w"], vmap=vmap),
            "L": daskdag.Node(lambda h: jnp.sum(h * S), ["h"], vmap=vmap)}
     xs = jnp.asarray(rng.standard_normal((12, 64)).astype(np.float32))
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         base = scheduler_tasks(client)
         kept = resident.of(client)
 
@@ -102,13 +103,47 @@ def test_repeated_sweeps_send_shared_inputs_and_chunk_graph_once(vmap):
         assert new == {"sweep:graph"} and sent >= W.nbytes  # (its graph holds both nodes)
 
         # (the last sweep's chunks are let go asynchronously: wait until the scheduler heard)
-        assert eventually(lambda: only_kept_left(client, base))
+        wait_only_kept_left(client, base, what="the sweeps")
         with daskdag_config(**{"daskdag.keep-calls": 0}):  # kept for the sweep's duration only
             before = scheduler_tasks(client)
             r = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "L", batched=["x"], chunk_size=4,
                                     client=client)
             assert_tree_close(r.grad["x"], _sweep_ref(W, S, xs, w)[1], rtol=1e-4)
-            assert eventually(lambda: scheduler_tasks(client) == before)
+            eventually(lambda: scheduler_tasks(client) == before, 30,
+                       "the sweep's kept values let go after it (daskdag.keep-calls 0)",
+                       lambda: f"{scheduler_tasks(client)} tasks on the scheduler, {before} before")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_sweep_on_a_process_cluster_sends_its_shared_input_once(monkeypatch):
+    """The shared w goes to the cluster once, as one task, for all the
+    chunks of a sweep and for the sweeps after it; chunks spread over both workers, each
+    chunk's pullbacks stay on its worker."""
+    inputs = mixed_inputs(n=16)
+    with local_client() as client:
+        placed = []
+        place = engines.place_shared
+        monkeypatch.setattr(engines, "place_shared",
+                            lambda c, name, value: placed.append((name, value)) or place(c, name, value))
+        with distributed.get_task_stream(client) as ts:
+            res = daskdag.sweep_grads(mixed_dag(), inputs, ["E", "S"], batched=["x", "b"],
+                                      chunk_size=2, client=client)
+        assert len(placed) == 1 and placed[0][0] == "w" and placed[0][1] is inputs["w"]  # 8 chunks
+        assert sum(1 for t in ts.data if (key_kind(t["key"]), key_label(t["key"])) == ("input", "w")) == 1
+        assert len({t["worker"] for t in ts.data}) == 2  # chunks spread over both workers
+        # Each chunk stays on its worker: no pullback was exported to move.
+        assert all(s["exported"] == 0 for s in client.run(programs.stats).values())
+        for _ in range(3):  # back to back: the same w, kept on the cluster, serves each call
+            again = daskdag.sweep_grads(mixed_dag(), inputs, "E", batched=["x", "b"],
+                                        chunk_size=4, client=client)
+            assert_tree_close(again.grad["x"], res["E"].grad["x"])
+    w = inputs["w"]
+    value, (gx, gb) = jax.vmap(jax.value_and_grad(lambda x, b: energy(encode(x, w), b), (0, 1)))(
+        inputs["x"], inputs["b"])
+    assert_tree_close(res["E"].value, value, rtol=1e-5)
+    assert_tree_close(res["E"].grad["x"], gx, rtol=1e-5)
+    assert_tree_close(res["E"].grad["b"], gb, rtol=1e-5)
 
 
 def daskdag_config(**kw):

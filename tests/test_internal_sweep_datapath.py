@@ -14,22 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import daskdag
 from daskdag.sweeps import engines
 from daskdag.errors import ClusterError
 
-from .conftest import (assert_tree_close, eventually, key_kind, key_label, only_kept_left,
-                       scheduler_tasks)
+from .conftest import (assert_tree_close, eventually, key_kind, key_label, local_client,
+                       scheduler_tasks, wait_only_kept_left)
 
 ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
-
-
-def local_cluster():
-    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                        dashboard_address=None)
 
 
 def encode(x, w):
@@ -114,12 +108,12 @@ def test_items_travel_in_their_chunks_task_and_results_come_back_as_numpy(monkey
         return out
 
     monkeypatch.setattr(engines.Cluster, "result", recording)
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         client.register_plugin(Specs(), name="record-specs")
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(DAG, values, "E", batched=["x"], chunk_size=4, client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: only_kept_left(client, before))
+        wait_only_kept_left(client, before, what="the sweep")
     value, grad = expected(values)
     assert_tree_close(res.value, value, rtol=1e-5)
     assert_tree_close(res.grad["x"], grad, rtol=1e-5)
@@ -148,7 +142,8 @@ def _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it: bool) -> tuple
         if not killed:
             sent, client = chunks[0], self.client
             if wait_for_it:
-                assert eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker))
+                eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker), 30,
+                           f"the first chunk processing on its worker {sent.worker}")
                 time.sleep(0.3)  # it runs: its first item is done
             pid = client.run(os.getpid, workers=[sent.worker])[sent.worker]
             os.kill(pid, signal.SIGKILL)
@@ -167,10 +162,10 @@ def test_a_chunk_killed_with_its_worker_runs_again_and_nothing_is_lost(monkeypat
     dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
     values = inputs(6)
     sends, killed = _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it=True)
-    with Logged() as log, local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with Logged() as log, local_client() as client:
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
-        assert eventually(lambda: only_kept_left(client, before))
+        wait_only_kept_left(client, before, what="the sweep")
     assert sends.count(killed[0]) == 1, sends  # the scheduler ran it again, not the sweep
     assert not [line for line in log.lines if "lose scattered data" in line]
     value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
@@ -192,8 +187,7 @@ def test_a_chunk_lost_too_often_is_rerun_item_by_item_or_fails_the_sweep_clearly
     dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
     values = inputs(6)
     sends, killed = _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it=True)
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
-            local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), local_client() as client:
         before = scheduler_tasks(client)
         if chunk_size > 1:
             res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=chunk_size,
@@ -208,7 +202,7 @@ def test_a_chunk_lost_too_often_is_rerun_item_by_item_or_fails_the_sweep_clearly
             with pytest.raises(ClusterError, match=r"item [0-9] of the sweep was lost 1 times"):
                 daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=chunk_size,
                                     client=client)
-        assert eventually(lambda: only_kept_left(client, before))
+        wait_only_kept_left(client, before, what="the sweep")
 
 
 # -- one chunk graph per sweep --------------------------------------------------------------------
@@ -248,7 +242,7 @@ def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_
     values = inputs(10)
     vmapped = {"H": daskdag.Node(encode, ["x", "w"], vmap=True),
                "E": daskdag.Node(mean_square, ["H"], vmap=True)}
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         client.register_plugin(Specs(), name="record-specs")
         before = scheduler_tasks(client)
         eager = daskdag.sweep_grads(DAG, values, "E", batched=["x"], wrt=["x", "w"], chunk_size=4,
@@ -256,7 +250,7 @@ def test_two_sweeps_in_a_row_each_build_one_chunk_graph_and_their_last_chunk_is_
         vector = daskdag.sweep_grads(vmapped, values, "E", batched=["x"], wrt=["x", "w"],
                                      chunk_size=4, client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: only_kept_left(client, before))
+        wait_only_kept_left(client, before, what="the sweeps")
     assert len(made) == 2 and made[0] is not made[1]
     graphs = [k for k in sizes if is_graph(k)]
     chunks = [k for k in sizes if str(k).startswith("_run_chunk")]
@@ -278,14 +272,13 @@ def test_chunks_carry_no_graph_even_through_the_scheduler(monkeypatch):
     values = inputs(12)
     values["x"] = values["x"].at[FAILING].set(40.0)
     dag = {"H": (encode, ["x", "w"]), "E": (flaky, ["H"])}
-    with local_cluster() as cluster, \
-            Client(cluster, set_as_default=False, direct_to_workers=False) as client:
+    with local_client(client_options={"direct_to_workers": False}) as client:
         client.register_plugin(Specs(), name="record-specs")
         before = scheduler_tasks(client)
         res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=4, errors="collect",
                                   client=client)
         sizes = client.run_on_scheduler(task_sizes)
-        assert eventually(lambda: only_kept_left(client, before))
+        wait_only_kept_left(client, before, what="the sweep")
     assert len(made) == 1
     (graph,) = [n for k, n in sizes.items() if is_graph(k)]
     chunks = {k: n for k, n in sizes.items() if str(k).startswith("_run_chunk")}

@@ -9,11 +9,10 @@ import dask
 import jax
 import jax.numpy as jnp
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag.running import workers as worker_setup
-from .conftest import DaskCLI, assert_tree_close
+from .conftest import DaskCLI, assert_tree_close, local_client
 
 X = jnp.linspace(-1.0, 1.0, 5)
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -30,11 +29,6 @@ def _grad(x):
     return jax.grad(lambda x: jnp.sum((jnp.tanh(x) * 3) ** 2))(x)
 
 
-def _local_cluster(n_workers=1):
-    return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                        dashboard_address=None, host="127.0.0.1")
-
-
 def _states(client) -> dict:
     """Per worker: its MALLOC_TRIM_THRESHOLD_ and what the plugin applied there, if it has it."""
     def state(dask_worker, name=worker_setup.NAME):  # nested: travels by value to any worker
@@ -49,7 +43,7 @@ def _states(client) -> dict:
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_every_worker_tuned_later_ones_too_and_results_unchanged():
-    with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client(1) as client:
         res = daskdag.compute_grads(_dag(), X, "B", client=client)
         assert_tree_close(res.grad, _grad(X))
         states = _states(client)
@@ -58,7 +52,7 @@ def test_every_worker_tuned_later_ones_too_and_results_unchanged():
             assert state["env"] == "65536"  # the nanny's setting, which the plugin works around
             assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
 
-        cluster.scale(2)  # a worker that joins after the call gets it from the scheduler
+        client.cluster.scale(2)  # a worker that joins after the call gets it from the scheduler
         client.wait_for_workers(2, timeout=120)
         states = _states(client)
         assert len(states) == 2
@@ -81,10 +75,10 @@ def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
     blocker.write_text("import sys\nsys.modules['daskdag.running.workers'] = None  # import fails\n")
     cli = DaskCLI(tmp_path)
     try:
-        with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        with local_client(1) as client:
             assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
-            cli.start("worker", cluster.scheduler_address, "--nthreads", "1", "--no-dashboard",
-                      "--host", "127.0.0.1", "--preload", str(blocker))
+            cli.start("worker", client.cluster.scheduler_address, "--nthreads", "1",
+                      "--no-dashboard", "--host", "127.0.0.1", "--preload", str(blocker))
             client.wait_for_workers(2, timeout=180)
             states = _states(client)
             assert len(states) == 2
@@ -97,8 +91,7 @@ def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_switched_off_nothing_is_registered():
-    with _local_cluster() as cluster, Client(cluster, set_as_default=False) as client, \
-            dask.config.set({"daskdag.tune-workers": False}):
+    with local_client(1) as client, dask.config.set({"daskdag.tune-workers": False}):
         res = daskdag.compute_grads(_dag(), X, "B", client=client)
         assert_tree_close(res.grad, _grad(X))
         assert worker_setup.NAME not in client.run_on_scheduler(

@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, assert_tree_close, compute_split
+from .conftest import Counted, assert_tree_close, compute_split, local_client
 
 W = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32) / 3)
 
@@ -96,8 +95,7 @@ def test_bad_chunk_size_is_named():
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_on_a_process_cluster_with_pullbacks_moved_between_workers():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         res = daskdag.jacobian(chain(True), X, ["C", "D"], client=client)
         for o in ("C", "D"):
             assert_tree_close(res[o].grad, jax.jacrev(lambda x: composed(x)[o])(X), rtol=1e-5)

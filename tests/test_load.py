@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 
-from .conftest import assert_tree_close, eventually, only_kept_left, scheduler_tasks, seed_functions
+from .conftest import (assert_tree_close, local_client, scheduler_tasks, seed_functions,
+                       wait_only_kept_left)
 
 THREADS = 8
 PER_THREAD = 25
@@ -110,9 +110,7 @@ def run_calls(client, calls, threads):
 @pytest.mark.timeout(400)
 def test_eight_threads_of_mixed_calls_on_one_client(distributed_log, record_property):
     calls = [(KINDS[i % len(KINDS)], i) for i in range(THREADS * PER_THREAD)]
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         before = scheduler_tasks(client)
         run_calls(client, [(k, 0) for k in KINDS], 1)  # warm-up: JAX in the workers, compiles
         seconds = {}
@@ -130,7 +128,5 @@ def test_eight_threads_of_mixed_calls_on_one_client(distributed_log, record_prop
         record_property("calls_per_s_1_thread", round(len(calls) / seconds[1], 2))
         record_property(f"calls_per_s_{THREADS}_threads", round(len(calls) / seconds[THREADS], 2))
         record_property(f"throughput_{THREADS}_threads_over_1", round(ratio, 3))
-        assert eventually(lambda: only_kept_left(client, before)), (
-            "the calls left tasks on the scheduler or futures in the client",
-            scheduler_tasks(client), before, len(client.futures))
+        wait_only_kept_left(client, before)
     assert np.isfinite(ratio)

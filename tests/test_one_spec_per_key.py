@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import daskdag
 
-from .conftest import assert_tree_close, eventually, only_kept_left, scheduler_tasks, seed_functions
+from .conftest import (assert_tree_close, eventually, scheduler_tasks, seed_functions,
+                       wait_only_kept_left)
 
 pytestmark = pytest.mark.cluster
 
@@ -48,24 +49,14 @@ def check_jacobian(res):
     assert_tree_close(res.grad, jax.jacrev(lambda x: composed(x)["C"])(X), rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
-        yield cluster
-
-
 @pytest.fixture
-def client(cluster):
-    """A client of its own for each test: what daskdag keeps is kept per client."""
+def client(cluster):  # (cluster: conftest's, one for the module)
+    """A client of its own for each test (what daskdag keeps is kept per client), once the last
+    test's tasks are gone."""
     with Client(cluster, set_as_default=False) as client:
-        eventually(lambda: scheduler_tasks(client) == 0, timeout=10)  # the last test's are gone
+        eventually(lambda: scheduler_tasks(client) == 0, 30, "the previous test's tasks gone",
+                   lambda: f"the scheduler holds {scheduler_tasks(client)} tasks")
         yield client
-
-
-def assert_nothing_left(client, before):
-    assert eventually(lambda: only_kept_left(client, before)), (
-        scheduler_tasks(client), before, len(client.futures))
 
 
 @pytest.mark.timeout(120)
@@ -82,7 +73,7 @@ def test_a_persisted_call_then_the_eager_call(client, distributed_log):
         check_grads(persisted.compute())
     distributed_log.check()
     del persisted
-    assert_nothing_left(client, before)
+    wait_only_kept_left(client, before)
 
 
 @pytest.mark.timeout(120)
@@ -110,7 +101,7 @@ def test_eager_calls_then_lazy_ones_then_jvps_and_a_sweep(client, distributed_lo
         assert_tree_close(sw[o].grad, grad, rtol=1e-5)
         assert not sw[o].failed
     distributed_log.check()
-    assert_nothing_left(client, before)
+    wait_only_kept_left(client, before)
 
 
 @pytest.mark.timeout(120)
@@ -150,4 +141,4 @@ def test_eager_and_lazy_calls_at_once(client, distributed_log):
     if errors:
         raise errors[0]
     distributed_log.check()
-    assert_nothing_left(client, before)
+    wait_only_kept_left(client, before)

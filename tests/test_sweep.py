@@ -3,19 +3,15 @@
 import threading
 import time
 
-import distributed
 import jax
 import jax.numpy as jnp
 import numpy as np
 import psutil
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node, NodeError
-from daskdag.sweeps import engines
-from daskdag.transport import programs
-from .conftest import assert_tree_close, key_kind, key_label
+from .conftest import assert_tree_close
 
 
 def encode(x, w):
@@ -202,36 +198,6 @@ def test_bounded_memory_in_the_client():
     np.testing.assert_allclose(res.value, jax.vmap(lambda x: jnp.mean(jnp.tanh(jnp.outer(x, x))))(xs),
                                rtol=1e-5)
     assert results < growth + intermediates  # (keeps results referenced until here)
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(180)
-def test_internal_sweep_on_a_process_cluster_sends_shared_inputs_once(monkeypatch):
-    inputs = mixed_inputs(n=16)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
-        placed = []
-        place = engines.place_shared
-        monkeypatch.setattr(engines, "place_shared",
-                            lambda c, name, value: placed.append((name, value)) or place(c, name, value))
-        with distributed.get_task_stream(client) as ts:
-            res = daskdag.sweep_grads(mixed_dag(), inputs, ["E", "S"], batched=["x", "b"],
-                                      chunk_size=2, client=client)
-        assert len(placed) == 1 and placed[0][0] == "w" and placed[0][1] is inputs["w"]  # once, for 8 chunks
-        assert sum(1 for t in ts.data if (key_kind(t["key"]), key_label(t["key"])) == ("input", "w")) == 1
-        assert len({t["worker"] for t in ts.data}) == 2  # chunks spread over both workers
-        # Each chunk stays on its worker: no pullback was exported to move.
-        assert all(s["exported"] == 0 for s in client.run(programs.stats).values())
-        for _ in range(3):  # back to back: the same w, kept on the cluster, serves each call
-            again = daskdag.sweep_grads(mixed_dag(), inputs, "E", batched=["x", "b"],
-                                        chunk_size=4, client=client)
-            assert_tree_close(again.grad["x"], res["E"].grad["x"])
-    w = inputs["w"]
-    value, (gx, gb) = jax.vmap(jax.value_and_grad(lambda x, b: energy(encode(x, w), b), (0, 1)))(
-        inputs["x"], inputs["b"])
-    assert_tree_close(res["E"].value, value, rtol=1e-5)
-    assert_tree_close(res["E"].grad["x"], gx, rtol=1e-5)
-    assert_tree_close(res["E"].grad["b"], gb, rtol=1e-5)
 
 
 def test_internal_item_pullbacks_travel_between_processes():

@@ -15,18 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import Node, NodeError
 from daskdag.sweeps import engines
 from daskdag.sweeps import progress
-from .conftest import assert_tree_close, eventually, kept_keys, only_kept_left, scheduler_tasks
-
-
-def local_cluster():
-    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                        dashboard_address=None)
+from .conftest import (assert_tree_close, eventually, kept_keys, local_client, only_kept_left,
+                       scheduler_tasks)
 
 
 def encode(x, w):
@@ -52,16 +47,21 @@ def test_failed_sweeps_release_everything_on_the_cluster():
     dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
     xs = jnp.linspace(-1.0, 1.0, 24)[:, None] * jnp.ones((24, 3))  # the last items fail
     inputs = {"x": xs, "w": jnp.eye(3)}
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         before = scheduler_tasks(client)
 
         def released():
             return only_kept_left(client, before) and not any(
                 n for k, n in client.refcount.items() if k not in kept_keys(client))
 
+        def details():
+            return (f"the scheduler holds {scheduler_tasks(client)} tasks ({before} before), "
+                    f"the client {len(client.futures)} futures, {len(kept_keys(client))} kept")
+
         res = daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, errors="collect",
                                   client=client)
-        assert res.failed and eventually(released), (scheduler_tasks(client), len(client.futures))
+        assert res.failed
+        eventually(released, 30, "the failed sweep's tasks and futures released", details)
         # the kept errors hold no frame holding a future; the client keeps its values alone
         assert {f.key for f in live_futures(client)} <= kept_keys(client)
         for i, err in res.failed.items():
@@ -72,7 +72,7 @@ def test_failed_sweeps_release_everything_on_the_cluster():
             daskdag.sweep_grads(dag, inputs, "L", batched=["x"], chunk_size=4, client=client)
         # raised.value's traceback holds the sweep's frames, and still nothing is held
         assert raised.value.item == min(res.failed)
-        assert eventually(released), (scheduler_tasks(client), len(client.futures))
+        eventually(released, 30, "the raising sweep's tasks and futures released", details)
 
 
 def test_kept_errors_hold_no_frames_on_threads():
@@ -98,7 +98,7 @@ def test_internal_shared_input_survives_its_holder_being_killed(monkeypatch):
     xs = jax.random.normal(jax.random.key(0), (16, 3))
     w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
     killed = []
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         place = engines.place_shared
 
         def place_then_kill_holder(client_, name, value):
@@ -232,7 +232,7 @@ def test_progress_advances_per_item_on_threads(monkeypatch):
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_progress_advances_per_item_on_a_cluster(monkeypatch):
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         check_progress_per_item(monkeypatch, client)
 
 
@@ -311,7 +311,7 @@ def test_ctrl_c_stops_a_threaded_sweep():
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_a_sweep_on_a_cluster():
-    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+    with local_client() as client:
         def processing():
             return client.run_on_scheduler(
                 lambda dask_scheduler: sum(len(ws.processing) for ws in dask_scheduler.workers.values()))
@@ -319,13 +319,16 @@ def test_ctrl_c_stops_a_sweep_on_a_cluster():
         def executing():
             return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
 
-        child = start_child(cluster.scheduler_address)
+        child = start_child(client.cluster.scheduler_address)
         try:
-            assert eventually(lambda: processing() > 0 and executing() > 0, timeout=90)
+            eventually(lambda: processing() > 0 and executing() > 0, 90,
+                       "the child's sweep processing and executing on the workers")
             time.sleep(1.0)  # into the chunks' items
             assert_stopped_by_ctrl_c(child)
             stopped = time.monotonic()
-            assert eventually(lambda: processing() == 0 and executing() == 0, timeout=10)
+            eventually(lambda: processing() == 0 and executing() == 0, 10,
+                       "the workers idle after the sweep's process ended",
+                       lambda: f"processing {processing()}, executing {executing()}")
             print(f"workers idle {time.monotonic() - stopped:.2f} s after the sweep's process ended")
         finally:
             child.kill()
