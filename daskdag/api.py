@@ -24,7 +24,7 @@ from daskdag.model.request import (batched_names, check_chunk_size, check_errors
                                    input_values, output_names, prepare, with_rules)
 from daskdag.model.spec import parse
 from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import Job, lazy, run
+from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
 from daskdag.sweeps import arrays, sweep
 from daskdag.transport.packing import ship
@@ -99,7 +99,7 @@ def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] |
     :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
     (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
     next calls; a lazy call carries them in its graph.)"""
-    return lazy(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
+    return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
 
 
 def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> Job:
@@ -144,7 +144,7 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
 def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
               chunk_size: int | None = None) -> Call:
     """:func:`jacobian`, not computed yet: a Dask collection, as :func:`grads` is."""
-    return lazy(_jacobian(dag, x, outputs, wrt, chunk_size, active_client() is not None))
+    return as_collection(_jacobian(dag, x, outputs, wrt, chunk_size, active_client() is not None))
 
 
 def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> Job:
@@ -192,7 +192,7 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
 
 def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
     """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
-    return lazy(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
+    return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
 
 
 def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:

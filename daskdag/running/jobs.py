@@ -43,6 +43,6 @@ def run(job: Job, client, local: str | None, progress: bool):
         return job.finish(compute(graph, client, progress, stop, local, job.plan))
 
 
-def lazy(job: Job) -> Call:
+def as_collection(job: Job) -> Call:
     """The job as a Dask collection, computed when Dask computes it."""
     return Call.of(job.plan, job.make(None, None), job.finish)
