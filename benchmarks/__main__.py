@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from daskdag import common, report
+from . import common, report
 SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
              "tiny_nodes", "scale_out")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster

@@ -105,7 +105,7 @@ import distributed
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from daskdag import common, sweeps
+from . import common, sweeps
 TITLE = "Large-item sweep"
 TARGETS = (("loop/sweep_1w", 0.9, "0.61"), ("two_processes/sweep_2w", 0.85, "0.44"))  # issue 11
 RTOL = 1e-4

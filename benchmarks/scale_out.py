@@ -65,7 +65,7 @@ import numpy as np
 
 import daskdag
 
-from daskdag import common
+from . import common
 TITLE = "Scale-out to W workers (nodes that wait)"
 RTOL = 1e-5
 STEP = 1e-3  # each repetition's input is the warm-up's plus rep * STEP

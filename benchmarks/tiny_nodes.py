@@ -48,7 +48,7 @@ import numpy as np
 
 import daskdag
 
-from daskdag import common
+from . import common
 from .overhead import jax_loop
 
 TITLE = "Tiny nodes on threads"

@@ -32,7 +32,7 @@ import dask
 import distributed
 
 from daskdag.running import workers as worker_setup
-from daskdag import common, sweeps
+from . import common, sweeps
 CFG = sweeps.Config(items=48, rows=400, width=256, reps=5, chunk_size=0)
 
 
