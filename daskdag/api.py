@@ -129,11 +129,12 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
                 residuals: pass fewer rows to bound memory. A pullback that cannot be vmapped
                 (a host callback) runs row by row.
 
-    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout, one per
-    differentiated input (a dict ``{input: jac}``, or alone with one free input): the output's
+    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
     structure, each leaf holding the input's structure with leaves shaped
-    ``output_leaf.shape + input_leaf.shape``; ``None`` where a leaf of either is held constant
-    (integers, booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
+    ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
+    each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
+    the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
+    booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
     a complex output. :func:`jacobians` is the same call, not computed yet.
     """
     client, local = where(client, scheduler)
@@ -153,10 +154,22 @@ def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> Job:
 
 
 def _jacobians(spec, outputs, computed) -> dict:
-    """:func:`_results` of a Jacobian's rows, laid out as ``jax.jacrev`` does."""
-    return _results(spec, outputs, {
-        o: (value, {i: _jacrev_layout(value, rows) for i, rows in grads.items()})
-        for o, (value, grads) in computed.items()})
+    """:func:`_results` of a Jacobian's rows, laid out as ``jax.jacrev`` does: the output's
+    structure of the input's, or with several inputs, of ``{input: ...}``."""
+    results = {}
+    for o, (value, rows) in computed.items():
+        jacs = {i: _jacrev_layout(value, r) for i, r in rows.items()}
+        jac = jacs[spec.inputs[0]] if _one_input(spec, jacs) else _by_output(value, jacs)
+        results[o] = Result(value, jac)
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def _by_output(value, jacs: dict):
+    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
+    out_def = jax.tree.structure(value)
+    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
+    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
+                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
 
 
 def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
@@ -286,13 +299,16 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     return _results(spec, outputs, computed, failed)
 
 
+def _one_input(spec, grads: dict) -> bool:
+    """The DAG has one free input and it is all that was differentiated: its gradient alone."""
+    return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)
+
+
 def _results(spec, outputs, computed, failed=None):
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
-    def grad(g):  # alone: the one free input's, when that is all there is
-        return g[spec.inputs[0]] if len(spec.inputs) == 1 and list(g) == list(spec.inputs) else g
-
-    results = {o: Result(v, grad(g), failed or {}) for o, (v, g) in computed.items()}
+    results = {o: Result(v, g[spec.inputs[0]] if _one_input(spec, g) else g, failed or {})
+               for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 

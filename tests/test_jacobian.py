@@ -103,3 +103,17 @@ def test_on_a_process_cluster_with_pullbacks_moved_between_workers():
         moved, _ = compute_split(client, chain(False), X, ["C", "D"], a, b, lazy=daskdag.jacobians)
         for o in ("C", "D"):
             assert_tree_close(moved[o][1]["x"], jax.jacrev(lambda x: composed(x)[o])(X), rtol=1e-5)
+
+
+def test_several_inputs_and_a_pytree_output_have_jacrev_s_layout():
+    """With several free inputs, the Jacobian of a pytree output is the output's structure of
+    ``{input: ...}``, as ``jax.jacrev`` of a function of the dict of inputs gives it."""
+    def p(x, t):
+        return {"s": jnp.sum(x * t), "v": x * 2.0}
+
+    dag = {"P": (p, ["x", "t"])}
+    inputs = {"x": jnp.array([1.0, 2.0]), "t": jnp.array([3.0, 4.0])}
+    res = daskdag.jacobian(dag, inputs, "P")
+    want = jax.jacrev(lambda d: p(d["x"], d["t"]))(inputs)
+    assert jax.tree.structure(res.grad) == jax.tree.structure(want)
+    assert_tree_close(res.grad, want)

@@ -92,7 +92,9 @@ def test_persist_on_a_cluster_then_compute_twice_without_running_forward_again(d
     dag = {name: (log.wrap(name, fn.fn), deps) for name, (fn, deps) in seed_dag()[0].items()}
     call = daskdag.grads(dag, X, ["D", "E"])
     tasks = set(dict(call.__dask_graph__()))
+    assert repr(call).endswith("not computed)")
     persisted = call.persist()
+    assert repr(persisted).endswith(", persisted)") and repr(call).endswith("not computed)")
     distributed.wait(list(dict(persisted.__dask_graph__()).values()))
     ran = log.runs()
     assert sorted(name for name, _ in ran) == sorted("ABCDE")  # each node once, to persist

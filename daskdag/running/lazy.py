@@ -35,10 +35,12 @@ class Call(DaskMethodsMixin):
     tangents) are taken with respect to. ``.compute()`` returns ``{output: Result}`` (one
     ``Result`` for a single output name), as the eager function does."""
 
-    __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan")
+    __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan", "_persisted_")
 
-    def __init__(self, dsk, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str):
+    def __init__(self, dsk, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str,
+                 persisted: bool = False):
         self._dask, self._keys, self._finish, self._plan, self._name = dsk, keys, finish, plan, name
+        self._persisted_ = persisted  # its results are computed and held (dask.persist)
 
     @classmethod
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any]) -> "Call":
@@ -93,7 +95,7 @@ class Call(DaskMethodsMixin):
 
     def _persisted(self, dsk, *, rename=None) -> "Call":
         keys = [rename.get(k, k) for k in self._keys] if rename else self._keys
-        return Call(dsk, keys, self._finish, self._plan, self._name)
+        return Call(dsk, keys, self._finish, self._plan, self._name, persisted=True)
 
     def visualize(self, filename: str | None = "daskdag", format: str | None = None, **kwargs):
         """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
@@ -110,8 +112,8 @@ class Call(DaskMethodsMixin):
     def __repr__(self) -> str:
         n = len(self._dask) if not isinstance(self._dask, HighLevelGraph) else sum(
             len(layer) for layer in self._dask.layers.values())
-        return (f"daskdag.Call(outputs={list(self.outputs)}, wrt={list(self.wrt)}, "
-                f"{n} tasks, not computed)")
+        state = "persisted" if self._persisted_ else "not computed"
+        return f"daskdag.Call(outputs={list(self.outputs)}, wrt={list(self.wrt)}, {n} tasks, {state})"
 
 
 class _Finish:
