@@ -78,7 +78,9 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
     progress:   show Dask's progress bar over the call's tasks.
 
     Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
-    structure, with ``None`` at the leaves held constant. Raises :class:`~daskdag.DAGError` for
+    structure, with ``None`` at the leaves held constant, and JAX arrays of the leaves' JAX
+    dtypes (as ``jax.grad`` gives them: float32 for a Python float), whether JAX or a node's
+    own NumPy rule computed them. Raises :class:`~daskdag.DAGError` for
     a malformed call, :class:`~daskdag.NodeError` when a node raises,
     :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
     running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions

@@ -369,3 +369,17 @@ def test_weights_changed_in_place_between_calls_are_seen_forward_and_backward():
         value, grad = expected(W)
         assert_tree_close(res.value, value, rtol=1e-5)
         assert_tree_close(res.grad, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_have_jax_s_types_whoever_computed_them():
+    """A Python float and a float32 array through a node of the user's own NumPy code get the
+    gradients a JAX node gives them: JAX arrays of the inputs' JAX dtypes (float32)."""
+    numpy_node = Node(lambda a, s: np.sum(np.asarray(a) * s), ["a", "s"],
+                      vjp=lambda ct, out, a, s: (ct * np.full(np.shape(a), s), ct * np.sum(a)))
+    jax_node = (lambda a, s: jnp.sum(a * s), ["a", "s"])
+    x = {"a": jnp.arange(3.0), "s": 2.0}
+    for node in (numpy_node, jax_node):
+        g = daskdag.compute_grads({"L": node}, x, "L").grad
+        assert isinstance(g["a"], jax.Array) and g["a"].dtype == jnp.float32
+        assert isinstance(g["s"], jax.Array) and g["s"].dtype == jnp.float32
+        assert_tree_close(g["s"], jnp.sum(jnp.arange(3.0)))

@@ -211,13 +211,16 @@ def gradient(picks: tuple, x, output, own, *sources):
     ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
-    each leaf is stacked over its rows (:func:`basis`); else it is ``None``. A sweep's chunk of
-    value over a chunk of items gives its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
+    each leaf is stacked over its rows (:func:`basis`); else it is ``None``. Each leaf is a JAX
+    array of its input leaf's JAX dtype, whoever computed it (JAX, or a node's own NumPy rule:
+    a Python float's gradient is float32, as ``jax.grad`` gives it). A value over a sweep's
+    chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis_size(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([own.cotangent(x, ())] if own else [])
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
-    grad = treedef.unflatten([next(flat) if is_differentiable(leaf) else None for leaf in leaves])
+    grad = treedef.unflatten([jnp.asarray(next(flat), jnp.result_type(leaf))
+                              if is_differentiable(leaf) else None for leaf in leaves])
     return as_gradient(x, grad)
