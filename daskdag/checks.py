@@ -7,10 +7,10 @@ Out: ``{node: its largest relative error}`` for every node checked, or a
      disagrees, and which of its deps; a node that raises is a :class:`~daskdag.NodeError`.
 
 The nodes checked are those a gradient passes through: the plan's active nodes on a path from
-the differentiated inputs to an output (:attr:`daskdag.model.plan.Plan.backward`), each once. Their
-forward values are computed as one Dask graph (:func:`daskdag.graph.build.build` of a plan without
-gradients, so no vjp runs in it); then one check task per node takes its deps' values from it
-and, at that point:
+the differentiated inputs to an output (:attr:`daskdag.model.plan.Plan.backward`), each once, by
+one task per node, in one Dask graph; the node's value, from its forward pass there, goes on to
+the nodes after it (nodes not checked run plainly, in tasks of their own). A check task takes
+its deps' values and, at that point:
 
 - linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`: ``jax.vjp``, or a
   registered linearizer such as a user-supplied VJP), once;
@@ -26,8 +26,8 @@ and, at that point:
   really happened, ``(x+ - x-) / (2 eps)`` in float64, so rounding the perturbed inputs to
   their dtype costs no accuracy.
 
-So a node's function is called, besides its one forward run in the forward graph when another
-checked node takes its value: once to linearize, and ``2 * PROJECTIONS`` times per active dep.
+So a checked node's function is called once to linearize and ``2 * PROJECTIONS`` times per
+active dep, and no more.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dask.task_spec import TaskRef
 
 from daskdag.errors import GradientCheckError, node_errors
-from daskdag.graph.build import Carry, _Graph, build, ident
+from daskdag.graph.build import Carry, _Graph, ident, key, token_of
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.rules.registry import linearizer
@@ -96,8 +95,8 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
     checked = [n for n in spec.order if n in on_path]
     if not checked:
         return {}
-    # The forward values, as one graph with no gradients: every needed node is an output (so
-    # each is its own value), and nothing runs under jax.vjp. Values no check takes are culled.
+    # The nodes' functions, packed where they travel; each node runs in its check task (its
+    # value taken from there by the nodes after it), or plainly when it is not checked.
     remote = client is not None
     forward = ship(make_plan(spec, plan.needed, ()), remote, travel=remote)
     graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, remote)
@@ -111,32 +110,49 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
 
 
 def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> dict:
-    """The graph of the checks: the ``forward`` plan's values (every needed node an output),
-    and a :func:`check_node` task for each ``checked`` node, on its deps' values."""
-    built = build(forward, values, {}, remote=remote, place=place, stop=stop, travel=remote)
+    """The graph of the checks, node by node in topological order: a :func:`check_node` task
+    for each ``checked`` node, whose forward pass also gives the node's value to the nodes after
+    it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
+    once to linearize and twice per projection and differentiated dep, and no more."""
     g = _Graph()
     carry = Carry(g, remote, remote, place)
-    value_of = {n: TaskRef(value.key) for n, (value, _) in built.items()}
-    for i in {d for n in checked for d in plan.spec.nodes[n].deps if d not in plan.spec.nodes}:
-        value_of[i] = carry.value("input", i, f"input {i!r}", values[i])
+    value_of = {i: carry.value("input", i, f"input {i!r}", values[i])
+                for i in plan.spec.inputs if i in values}
     checks = {}
-    for n in checked:
-        node = forward.spec.nodes[n]
-        active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
+    for n in plan.needed:
+        node, needs = forward.spec.nodes[n], dict(forward.spec.nodes[n].needs)
         sent = carry.node(n, node)
         deps = [value_of[d] for d in node.deps]
+        if n not in checked:
+            k = carry.key("fwd", n, ident(sent), [ident(d) for d in deps])
+            value_of[n] = g.task(k, needs, _value, n, sent, *deps)
+            continue
+        active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
         k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
-        checks[n] = (g.task(k, dict(node.needs), check_node, n, sent, active, eps, rtol, *deps), {})
-    return g.delayed(checks, carry.call, base=next(iter(built.values()))[0].dask)
+        task = g.task(k, needs, check_node, n, sent, active, eps, rtol, *deps)
+        checks[n] = (g.task(key("checked", n, token_of(k)), None, _pick, task, 0), {})
+        value_of[n] = g.task(key("val", n, token_of(k)), needs, _pick, task, 1)
+    return g.delayed(checks, carry.call)
+
+
+def _value(name: str, node, *deps):
+    """A node that is not checked, run plainly: its value."""
+    with node_errors(name, "forward"):
+        return node.callable()(*deps)
+
+
+def _pick(out: tuple, k: int):
+    return out[k]
 
 
 def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,
                *deps):
     """The check task of node ``name`` (see the module's docstring) at its deps' values.
 
-    Returns ``(largest relative error, failure)``: ``failure`` is ``None``, or for the first
-    failing dep (by position; its worst projection) the keyword arguments of
-    :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``."""
+    Returns ``((largest relative error, failure), value)``: ``failure`` is ``None``, or for the
+    first failing dep (by position; its worst projection) the keyword arguments of
+    :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``; ``value``, the
+    node's output, for the nodes after it."""
     inputs = list(deps)
     with node_errors(name, "forward"):
         primal, pullback = linearizer(node)(inputs, active)
@@ -144,7 +160,7 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
     leaves = {k: differentiable_leaves(inputs[k]) for k, on in enumerate(active) if on}
     leaves = {k: ls for k, ls in leaves.items() if ls}
     if not outs or not leaves:  # nothing differentiable flows through this node
-        return 0.0, None
+        return (0.0, None), primal
     machine = max(float(jnp.finfo(_dtype(leaf)).eps)
                   for leaf in [*outs, *(leaf for ls in leaves.values() for leaf in ls)])
     eps = float(eps) if eps is not None else machine ** (1 / 3)
@@ -180,7 +196,7 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
             if failure is not None and (k not in failures or relative > failures[k][0]):
                 failures[k] = (relative, dict(position=k, eps=eps, **failure))
             worst = max(worst, float(relative))
-    return worst, (failures[min(failures)][1] if failures else None)
+    return (worst, failures[min(failures)][1] if failures else None), primal
 
 
 def _compare(fd, ad, jv: list, f: list, rtol: float, noise: float) -> tuple[float, dict | None]:
