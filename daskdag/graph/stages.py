@@ -105,6 +105,9 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
     def consumers(d):
         return {c for c, _ in spec.uses.get(d, ()) if c in needed}
 
+    def everywhere(d):
+        return {c for c, _ in spec.uses.get(d, ())}
+
     def comes_after(e, g):  # group e takes values from g, directly or not
         seen, stack = set(), [e]
         while stack:
@@ -131,10 +134,12 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
                 if not any(comes_after(h, g) for h in others):
                     joined = g
                     break
-            # chain: n follows d, its one consumer, and takes nothing g does not wait for
+            # chain: n follows d, its one consumer in the whole DAG (so that calls that need
+            # different parts of it cut the chains they share alike, and calls computed
+            # together share those stages' tasks), and takes nothing g does not wait for
             # already (a stage starts once all its deps are there: a fan-in node joining one
             # branch's chain would hold that branch back until the others are done)
-            elif groups[g][-1] == d and d not in plan.outputs and consumers(d) == {n} \
+            elif groups[g][-1] == d and d not in plan.outputs and everywhere(d) == {n} \
                     and others <= takes[g]:
                 joined = g
                 break
