@@ -172,13 +172,15 @@ def wait_only_kept_left(client, before: int, timeout: float = 30.0, what: str = 
 
 # -- clusters: one set-up for the tests that start a LocalCluster ----------------------------------
 
-LOCAL_CLUSTER = dict(threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None)
+# (The dashboard on a free port: dashboard_address=None means distributed's default :8787, and
+# every cluster after the first warned that the port was taken.)
+LOCAL_CLUSTER = dict(threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0")
 
 
 @contextlib.contextmanager
 def local_cluster(n_workers: int = 2, **kw):
     """A ``distributed.LocalCluster`` of ``n_workers`` single-threaded worker processes (under
-    nannies) on 127.0.0.1, without a dashboard (:data:`LOCAL_CLUSTER`); ``kw`` adds or overrides
+    nannies) on 127.0.0.1, its dashboard on a free port (:data:`LOCAL_CLUSTER`); ``kw`` adds or overrides
     LocalCluster's arguments (``resources=``, ``memory_limit=``, ``threads_per_worker=``...)."""
     from distributed import LocalCluster
 
