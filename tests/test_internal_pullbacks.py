@@ -26,7 +26,7 @@ def cluster():
     """Two worker processes: 'plain', and 'gpu' advertising GPU=1 (no real GPU needed)."""
     worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
     gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
-    with SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": None,
+    with SpecCluster(scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0",
                                                               "host": "127.0.0.1"}},
                      workers={"plain": worker, "gpu": gpu}, asynchronous=False) as cluster:
         with Client(cluster, set_as_default=False) as client:
