@@ -32,6 +32,7 @@ active dep, and no more.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from functools import partial
 
@@ -130,8 +131,8 @@ def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> di
         active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
         k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
         task = g.task(k, needs, check_node, n, sent, active, eps, rtol, *deps)
-        checks[n] = (g.task(key("checked", n, token_of(k)), None, _pick, task, 0), {})
-        value_of[n] = g.task(key("val", n, token_of(k)), needs, _pick, task, 1)
+        checks[n] = (g.task(key("checked", n, token_of(k)), None, operator.getitem, task, 0), {})
+        value_of[n] = g.task(key("val", n, token_of(k)), needs, operator.getitem, task, 1)
     return g.delayed(checks, carry.call)
 
 
@@ -139,10 +140,6 @@ def _value(name: str, node, *deps):
     """A node that is not checked, run plainly: its value."""
     with node_errors(name, "forward"):
         return node.callable()(*deps)
-
-
-def _pick(out: tuple, k: int):
-    return out[k]
 
 
 def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,

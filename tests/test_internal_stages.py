@@ -8,24 +8,17 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from daskdag.graph.build import build
-from daskdag.model.request import prepare
-from daskdag.transport.packing import ship
 
 from .conftest import TraceLog, assert_tree_close, key_kind, key_label
 
 
-def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
-    """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
-    daskdag builds it for a cluster or a lazy call, without computing it."""
-    request = prepare(dag, x, outputs, wrt, cotangents)
-    plan = ship(request.plan, remote)
-    return request.spec, plan, build(plan, request.values, request.cotangents, remote=remote,
-                                     rows=rows)
+def _keys(dag, x, outputs, **kw) -> list[str]:
+    """The task keys of a call's graph as daskdag builds it for a lazy call (here, no client is
+    in effect): the graph of :func:`daskdag.grads`, not computed."""
+    return list(map(str, daskdag.grads(dag, x, outputs, **kw).__dask_graph__()))
 
 
-def _fwd_stages(graph):
-    keys = map(str, dict(dask.delayed(graph).__dask_graph__()))
+def _fwd_stages(keys):
     return sorted(key_label(k) for k in keys if key_kind(k) == "fwd")
 
 
@@ -55,8 +48,8 @@ def test_jittable_nodes_fuse_into_one_program_with_several_exposed_values():
     traces = TraceLog()
     dag = _jit_dag(traces)
     x = jnp.linspace(-1.0, 1.0, 5)
-    _, _, graph = build_graph(dag, x, ["E", "C"], cotangents={"C": jnp.ones(5)})
-    assert _fwd_stages(graph) == ["A+3more+E"]  # C is requested: exposed from inside the stage
+    keys = _keys(dag, x, ["E", "C"], cotangents={"C": jnp.ones(5)})
+    assert _fwd_stages(keys) == ["A+3more+E"]  # C is requested: exposed from inside the stage
     for _ in range(2):  # the second call compiles nothing: one trace of each node in all
         res = daskdag.compute_grads(dag, x, ["E", "C"], cotangents={"C": jnp.ones(5)})
         assert_tree_close(res["E"].value, _composed(x)[1])
@@ -70,16 +63,16 @@ def test_an_eager_node_splits_a_jittable_group():
     dag = _jit_dag(TraceLog())
     dag["C"] = Node(jnp.tanh, ["B"])  # eager: runs op by op, in a stage of its own
     x = jnp.linspace(-1.0, 1.0, 5)
-    _, _, graph = build_graph(dag, x, ["E"])
-    assert _fwd_stages(graph) == ["A+B+D", "C", "E"]
+    keys = _keys(dag, x, ["E"])
+    assert _fwd_stages(keys) == ["A+B+D", "C", "E"]
     res = daskdag.compute_grads(dag, x, "E")
     assert_tree_close(res.grad, jax.grad(lambda x: _composed(x)[1])(x))
 
 
 def test_fusion_off_runs_node_by_node():
     with dask.config.set({"daskdag.fuse-chains": False}):
-        _, _, graph = build_graph(_jit_dag(TraceLog()), jnp.ones(3), ["E"])
-    assert _fwd_stages(graph) == ["A", "B", "C", "D", "E"]
+        keys = _keys(_jit_dag(TraceLog()), jnp.ones(3), ["E"])
+    assert _fwd_stages(keys) == ["A", "B", "C", "D", "E"]
 
 
 def test_a_failing_node_in_a_fused_stage_is_named():
@@ -117,8 +110,8 @@ def test_a_group_never_joins_one_that_comes_after_it():
            "N": Node(lambda a, p: a + p, ["A", "P"], jit=True),
            "L": Node(lambda c, n: jnp.sum(c * n), ["C", "N"], jit=True)}
     x = jnp.linspace(-1.0, 1.0, 4)
-    _, _, graph = build_graph(dag, x, "L")
-    assert _fwd_stages(graph) == ["A", "B+C", "N+L", "P"]
+    keys = _keys(dag, x, "L")
+    assert _fwd_stages(keys) == ["A", "B+C", "N+L", "P"]
 
     def composed(x):
         a, b = jnp.sin(x), jnp.cos(x)
@@ -137,8 +130,7 @@ def test_tasks_grow_like_trunk_plus_heads_and_outputs_pull_back_together():
     heads = [f"h{k}" for k in range(K)]
     x = jnp.linspace(-1.0, 1.0, 4)
     with dask.config.set({"daskdag.fuse-chains": False}):
-        _, _, graph = build_graph(dag, x, heads)
-        keys = [str(k) for k in dask.delayed(graph).__dask_graph__()]
+        keys = _keys(dag, x, heads)
         assert sum(key_kind(k) == "bwd" for k in keys) == L + K
         res = daskdag.compute_grads(dag, x, heads)
 
