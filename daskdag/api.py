@@ -21,8 +21,7 @@ from daskdag.graph.tasks import Rows
 from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import make_plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors, input_tangents,
-                                   input_values, output_names, prepare, with_rules)
-from daskdag.model.spec import parse
+                                   parsed, prepare, with_rules)
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
@@ -211,9 +210,7 @@ def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bo
 
 
 def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:
-    spec = parse(dag)
-    names = output_names(spec, outputs)
-    values = input_values(spec, x, names)
+    spec, names, values = parsed(dag, x, outputs)
     flat, k = input_tangents(spec, values, tangents, bool(batched))
     plan = ship(with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
     return Job(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
@@ -285,9 +282,7 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
     running ones stop after their current item, on threads and on a cluster.
     """
-    spec = parse(dag)
-    names = output_names(spec, outputs)
-    values = input_values(spec, xs, names)
+    spec, names, values = parsed(dag, xs, outputs)
     batched = batched_names(values, batched)
     client, local = where(client, scheduler)
     check_errors(errors)

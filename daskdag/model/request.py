@@ -42,12 +42,17 @@ class Request:
 
 def prepare(dag, x, outputs, wrt=None, cotangents=None) -> Request:
     """``compute_grads``' (and ``jacobian``'s, ``check_grads``', the CLI's) arguments checked."""
-    spec = parse(dag)
-    names = output_names(spec, outputs)
-    values = input_values(spec, x, names)
+    spec, names, values = parsed(dag, x, outputs)
     wrt = wrt_names(spec, values, wrt, candidates=values)
     plan = with_rules(make_plan(spec, names, wrt))
     return Request(plan, values, cotangents_for(names, cotangents))
+
+
+def parsed(dag, x, outputs) -> tuple[Spec, tuple[str, ...], dict[str, Any]]:
+    """What every call starts from: the DAG parsed, the output names, the input values."""
+    spec = parse(dag)
+    names = output_names(spec, outputs)
+    return spec, names, input_values(spec, x, names)
 
 
 def output_names(spec, outputs) -> tuple[str, ...]:

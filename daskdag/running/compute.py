@@ -30,11 +30,10 @@ from daskdag.running.cluster import Watch
 from daskdag.running.local import SCHEDULERS
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
-
-
-# The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them.
+# The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them, to the ones
+# daskdag runs (local.SCHEDULERS).
 NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
-              "synchronous": "sync", "single-threaded": "sync"}
+         "synchronous": "sync", "single-threaded": "sync"}
 
 
 def where(client, scheduler) -> tuple[Any, str]:
@@ -53,8 +52,6 @@ def where(client, scheduler) -> tuple[Any, str]:
         raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
                        f"cluster: give one or the other")
     return None, NAMES[scheduler]
-
-
 
 
 def active_client():
