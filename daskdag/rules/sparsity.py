@@ -1,0 +1,321 @@
+"""The sparsity pattern of a JAX function's Jacobian, read off its jaxpr.
+
+In: a function, its positional arguments (pytrees of arrays, Python scalars or
+``jax.ShapeDtypeStruct``) and, per argument, whether it is differentiated. Out: per active
+argument a boolean ``scipy.sparse.csr_array`` of shape ``(n_out, n_arg)`` whose entry
+``[r, c]`` is True when output element ``r`` may depend on argument element ``c``; rows and
+columns count only differentiable leaves (:func:`daskdag.model.leaves.is_differentiable`), in
+``jax.tree.leaves`` order, each leaf flattened C-order. Used to compress Jacobians (fewer
+probes), so it must be *sound*: a superset of the nonzeros of the Jacobian at any point.
+
+A function JAX cannot trace abstractly (Python control flow on values, NumPy code) gives None:
+the caller probes instead.
+
+How: the function is traced with abstract arguments (their values are never used, inactive
+ones included: the pattern depends only on shapes, dtypes and ``fn``'s own constants), and the jaxpr is interpreted carrying, per variable, a
+boolean matrix ``D`` (one row per element, one column per input element: "may depend on"),
+and, for variables that depend on no argument (constants, literals, iota and ops on them), the
+value. Each primitive has a rule; a rule is exact only where it can see structure:
+
+* elementwise ops: row ``i`` of the output is the union of row ``i`` of the operands;
+* data movement (slice, gather, pad, ...): the primitive is run on integer arrays holding
+  each operand element's number, which says which element each output element copies;
+* reductions, cumulative ops, ``dot_general``: the element map from index arithmetic (a
+  product depends on an element only where its partner may be nonzero);
+* calls (jit, custom_jvp/vjp, checkpoint): the sub-jaxpr is interpreted (for custom rules,
+  the primal's structure, which the rule's must share).
+
+Any other primitive (control flow, sort, scatter...), or a rule that cannot see enough (an
+index that depends on the arguments), takes the union of all its operands' rows for every output element: sound, since
+an output can depend only on its operands. Integer and boolean values carry no derivative.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+from jax.extend import core as jcore
+
+from daskdag.model.leaves import is_differentiable, is_numeric
+
+#: Above this many (output, lhs, rhs) triples, dot_general takes the sound fallback.
+MAX_TRIPLES = 2**25
+
+
+def _inexact(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _size(aval) -> int:
+    return prod(aval.shape)
+
+
+def _empty(rows: int, n: int) -> sp.csr_array:
+    return sp.csr_array((rows, n), dtype=bool)
+
+
+def _csr(rows, cols, shape) -> sp.csr_array:
+    return sp.csr_array((np.ones(len(rows), bool), (rows, cols)), shape=shape)
+
+
+def _broadcast(row: sp.csr_array, rows: int) -> sp.csr_array:
+    """One row (a ``(1, n)`` matrix) repeated ``rows`` times."""
+    return sp.csr_array(row[np.zeros(rows, np.intp)]) if rows else _empty(0, row.shape[1])
+
+
+def _union(ds) -> sp.csr_array:
+    n = ds[0].shape[1]
+    cols = np.unique(np.concatenate([d.indices for d in ds] + [np.zeros(0, np.int32)]))
+    return _csr(np.zeros(len(cols), np.intp), cols, (1, n))
+
+
+# Rules: rule(eqn, ops, n) -> one D per output; ops: per operand (D, value or None).
+
+def _fallback(eqn, ops, n):
+    row = _union([d for d, _ in ops]) if ops else _empty(1, n)
+    return [_broadcast(row, _size(v.aval)) for v in eqn.outvars]
+
+
+def _elementwise(eqn, ops, n):
+    """Element i of the output from element i of each operand, broadcast NumPy-style (jaxprs
+    have scalar operands, and size-1 axes against full ones)."""
+    shape = eqn.outvars[0].aval.shape
+    out = _empty(prod(shape), n)
+    for (d, _), var in zip(ops, eqn.invars):
+        if var.aval.shape != shape:
+            try:
+                d = d[np.broadcast_to(np.arange(d.shape[0]).reshape(var.aval.shape), shape).ravel()]
+            except ValueError:
+                return _fallback(eqn, ops, n)
+        out = out + d
+    return [sp.csr_array(out)] * len(eqn.outvars)
+
+
+#: Data movement: per primitive, which operands are data (None: all); the others are indices.
+MOVES = {"broadcast_in_dim": (0,), "reshape": (0,), "transpose": (0,), "squeeze": (0,),
+         "expand_dims": (0,), "rev": (0,), "slice": (0,), "dynamic_slice": (0,),
+         "gather": (0,), "concatenate": None, "pad": (0, 1), "dynamic_update_slice": (0, 1),
+         "split": (0,), "tile": (0,)}
+
+
+def _moves(eqn, ops, n):
+    """The index trick: run the primitive on each data element's number (1 + its place among
+    all data operands' elements), so each output element says which one it copies (0: none)."""
+    data = MOVES[eqn.primitive.name]
+    data = range(len(ops)) if data is None else data
+    args, offset = [], 0
+    for i, ((d, value), var) in enumerate(zip(ops, eqn.invars)):
+        if i in data:
+            number = np.arange(d.shape[0], dtype=np.int32) + offset + 1
+            args.append(number.reshape(var.aval.shape))
+            offset += d.shape[0]
+        elif value is None:                   # an index that depends on the arguments
+            return _fallback(eqn, ops, n)
+        else:
+            args.append(value)
+    params = dict(eqn.params)
+    if "fill_value" in params:
+        params["fill_value"] = 0
+    if offset >= np.iinfo(np.int32).max:
+        return _fallback(eqn, ops, n)
+    outs = eqn.primitive.bind(*args, **params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    stacked = sp.vstack([ops[i][0] for i in data], format="csr")
+    result = []
+    for out in outs:
+        source = np.asarray(out).ravel().astype(np.intp)
+        rows = np.flatnonzero(source)
+        result.append(_csr(rows, source[rows] - 1, (len(source), offset)) @ stacked)
+    return result
+
+
+def _reduce(eqn, ops, n):
+    shape, axes = eqn.invars[0].aval.shape, eqn.params["axes"]
+    kept = tuple(1 if a in axes else s for a, s in enumerate(shape))
+    target = np.broadcast_to(np.arange(prod(kept)).reshape(kept), shape).ravel()
+    (d, _), = ops
+    return [_csr(target, np.arange(len(target)), (prod(kept), len(target))) @ d]
+
+
+def _cumulative(eqn, ops, n):
+    shape, axis = eqn.invars[0].aval.shape, eqn.params["axis"]
+    m = shape[axis]
+    rows, cols = np.triu_indices(m) if eqn.params["reverse"] else np.tril_indices(m)
+    along = _csr(rows, cols, (m, m))
+    before = sp.eye_array(prod(shape[:axis]), dtype=bool)
+    after = sp.eye_array(prod(shape[axis + 1:]), dtype=bool)
+    (d, _), = ops
+    return [sp.csr_array(sp.kron(sp.kron(before, along), after)) @ d]
+
+
+def _may_be_nonzero(d, value) -> np.ndarray:
+    """Per element: whether it may be nonzero (depends on an argument, or a nonzero constant)."""
+    if value is None:
+        return np.ones(d.shape[0], bool)
+    return (np.diff(d.indptr) > 0) | (np.asarray(value).ravel() != 0)
+
+
+def _dot_general(eqn, ops, n):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    lf = [a for a in range(len(ls)) if a not in lc and a not in lb]
+    rf = [a for a in range(len(rs)) if a not in rc and a not in rb]
+    out_size, k = _size(eqn.outvars[0].aval), prod(ls[a] for a in lc)
+    if out_size * k > MAX_TRIPLES or max(prod(ls), prod(rs)) >= 2**31:
+        return _fallback(eqn, ops, n)
+    # Axes of the enumeration: batch, lhs free, rhs free, contracted.
+    nb, nl, nr, nk = len(lb), len(lf), len(rf), len(lc)
+    lhs = np.arange(prod(ls), dtype=np.int32).reshape(ls).transpose([*lb, *lf, *lc])
+    lhs = lhs.reshape(lhs.shape[:nb + nl] + (1,) * nr + lhs.shape[nb + nl:])
+    rhs = np.arange(prod(rs), dtype=np.int32).reshape(rs).transpose([*rb, *rf, *rc])
+    rhs = rhs.reshape(rhs.shape[:nb] + (1,) * nl + rhs.shape[nb:])
+    out = np.arange(out_size, dtype=np.int32).reshape(eqn.outvars[0].aval.shape + (1,) * nk)
+    out, lhs, rhs = (a.ravel() for a in np.broadcast_arrays(out, lhs, rhs))
+    (dl, vl), (dr, vr) = ops
+    result = _empty(out_size, n)
+    if dl.nnz:                                # lhs element: where its rhs partner may be nonzero
+        keep = _may_be_nonzero(dr, vr)[rhs]
+        result = result + _csr(out[keep], lhs[keep], (out_size, dl.shape[0])) @ dl
+    if dr.nnz:
+        keep = _may_be_nonzero(dl, vl)[lhs]
+        result = result + _csr(out[keep], rhs[keep], (out_size, dr.shape[0])) @ dr
+    return [result]
+
+
+ELEMENTWISE = """add sub mul div neg sin cos tan tanh exp exp2 log log1p expm1 logistic sqrt
+    rsqrt cbrt pow integer_pow square abs sign max min select_n convert_element_type erf erfc
+    erf_inv atan2 asin acos atan sinh cosh asinh acosh atanh real imag conj complex clamp
+    nextafter rem floor ceil round is_finite stop_gradient copy copy_p reduce_precision lgamma
+    digamma igamma igammac polygamma zeta bessel_i0e bessel_i1e""".split()
+
+RULES = {name: _elementwise for name in ELEMENTWISE}
+RULES.update({name: _moves for name in MOVES})
+RULES.update({name: _reduce for name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")})
+RULES.update({name: _cumulative
+              for name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")})
+RULES["dot_general"] = _dot_general
+
+#: Calls: their sub-jaxpr (under one of SUBJAXPRS) takes the operands and gives the outputs.
+CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+         "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2", "custom_lin"}
+SUBJAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _call(eqn, ops, n):
+    """Per output (D, value) from the sub-jaxpr, or None where there is none to interpret."""
+    for key in SUBJAXPRS:
+        sub = eqn.params.get(key)
+        if isinstance(sub, jcore.ClosedJaxpr):
+            jaxpr, consts = sub.jaxpr, sub.consts
+        elif isinstance(sub, jcore.Jaxpr) and not sub.constvars:
+            jaxpr, consts = sub, []
+        else:
+            continue
+        if len(jaxpr.invars) == len(ops) and len(jaxpr.outvars) == len(eqn.outvars):
+            return _interpret(jaxpr, consts, ops, n)
+    return None
+
+
+def _evaluate(eqn, values):
+    """The outputs' values when every operand's is known (else None each); effects (callbacks,
+    prints) are not run."""
+    if eqn.effects or any(v is None for v in values):
+        return [None] * len(eqn.outvars)
+    try:
+        outs = eqn.primitive.bind(*values, **eqn.params)
+    except Exception:                         # e.g. a call primitive that wants its function
+        return [None] * len(eqn.outvars)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _equation(eqn, ops, n):
+    results = _call(eqn, ops, n) if eqn.primitive.name in CALLS else None
+    if results is None:
+        values = _evaluate(eqn, [value for _, value in ops])
+        if all(d.nnz == 0 for d, _ in ops):
+            ds = [_empty(_size(v.aval), n) for v in eqn.outvars]
+        else:
+            try:
+                ds = RULES.get(eqn.primitive.name, _fallback)(eqn, ops, n)
+            except Exception:                 # a rule that could not apply: the sound one
+                ds = _fallback(eqn, ops, n)
+        results = list(zip(ds, values))
+    return [(d if _inexact(v.aval.dtype) else _empty(_size(v.aval), n), value)
+            for v, (d, value) in zip(eqn.outvars, results)]
+
+
+def _interpret(jaxpr, consts, ins, n):
+    env = {}
+
+    def read(v):
+        if isinstance(v, jcore.Literal):
+            return _empty(_size(v.aval), n), np.asarray(v.val, dtype=v.aval.dtype)
+        return env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = (_empty(_size(v.aval), n), c)
+    env.update(zip(jaxpr.invars, ins))
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _equation(eqn, [read(v) for v in eqn.invars], n)))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _abstract(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    weak = isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+    return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf), weak_type=weak)
+
+
+def _differentiable(leaf) -> bool:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return _inexact(leaf.dtype)
+    return is_differentiable(leaf)
+
+
+def jaxpr_pattern(fn, args: Sequence[Any],
+                  active: Sequence[bool]) -> list[sp.csr_array | None] | None:
+    """Per argument, the boolean ``(n_out, n_arg)`` pattern of ``fn``'s Jacobian in it (None
+    where not ``active``); None when ``fn`` cannot be traced with abstract arguments."""
+    flat = [jax.tree.flatten(a) for a in args]
+    traced = [(i, j) for i, (leaves, _) in enumerate(flat) for j, leaf in enumerate(leaves)
+              if isinstance(leaf, jax.ShapeDtypeStruct) or is_numeric(leaf)]   # others: static
+
+    def flat_fn(*xs):
+        leaves = [list(ls) for ls, _ in flat]
+        for (i, j), x in zip(traced, xs):
+            leaves[i][j] = x
+        return fn(*(jax.tree.unflatten(tree, ls) for ls, (_, tree) in zip(leaves, flat)))
+
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*(_abstract(flat[i][0][j]) for i, j in traced))
+    except Exception:
+        return None
+    n = sum(_size(v.aval) for (i, j), v in zip(traced, closed.jaxpr.invars)
+            if active[i] and _differentiable(flat[i][0][j]))
+    columns = [[] for _ in args]              # per argument, its columns
+    ins, k = [], 0
+    for (i, j), v in zip(traced, closed.jaxpr.invars):
+        size = _size(v.aval)
+        if active[i] and _differentiable(flat[i][0][j]):
+            columns[i].append(np.arange(k, k + size))
+            ins.append((_csr(np.arange(size), columns[i][-1], (size, n)), None))
+            k += size
+        else:
+            ins.append((_empty(size, n), None))
+    outs = _interpret(closed.jaxpr, closed.consts, ins, n)
+    rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs) if _inexact(v.aval.dtype)]
+    total = sp.csr_array(sp.vstack(rows, format="csr")) if rows else _empty(0, n)
+    result = []
+    for i in range(len(args)):
+        if not active[i]:
+            result.append(None)
+            continue
+        cols = np.concatenate(columns[i] + [np.zeros(0, np.intp)])
+        result.append(sp.csr_array(total[:, cols], dtype=bool))
+    return result
