@@ -12,8 +12,8 @@
 
 from importlib import metadata as _metadata
 
-from daskdag.api import (JVPResult, Result, compute_grads, compute_jvps, grads, jacobian, jacobians, jvps,
-                  sweep_grads)
+from daskdag.api import JVPResult, Result, compute_grads, compute_jvps, grads, jvps, sweep_grads
+from daskdag.jacobians import jacobian, jacobian_sparsity, jacobians
 from daskdag.checks import check_grads
 from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError
 from daskdag.running.lazy import Call
@@ -25,7 +25,7 @@ for _public in (JVPResult, Result, Call, Node, ClusterError, DAGError, GradientC
 del _public
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
-           "grads", "jacobians", "jvps", "Call", "Node", "Result", "JVPResult",
+           "grads", "jacobians", "jvps", "jacobian_sparsity", "Call", "Node", "Result", "JVPResult",
            "DAGError", "NodeError", "ClusterError", "GradientCheckError"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

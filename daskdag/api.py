@@ -1,5 +1,5 @@
-"""The public entry points: :func:`compute_grads`, :func:`jacobian`, :func:`compute_jvps`,
-:func:`sweep_grads`, their lazy forms, and the results they return. Each checks its arguments
+"""The public entry points: :func:`compute_grads`, :func:`compute_jvps`, :func:`sweep_grads`,
+their lazy forms, and the results they return (Jacobians: :mod:`daskdag.jacobians`). Each checks its arguments
 (:mod:`daskdag.model.request`), builds its graph (:mod:`daskdag.graph`) and runs it
 (:mod:`daskdag.running`; sweeps, :mod:`daskdag.sweeps`)."""
 
@@ -10,15 +10,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from daskdag.errors import NodeError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
-from daskdag.graph.tasks import Rows
-from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import make_plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors, input_tangents,
                                    parsed, prepare, with_rules)
@@ -103,7 +97,7 @@ def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] |
     return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
 
 
-def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> Job:
+def _grads(dag, x, outputs, wrt, cotangents, remote, travel=True) -> Job:
     """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
     ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
     call (:class:`daskdag.graph.build.Carry`)."""
@@ -111,66 +105,8 @@ def _grads(dag, x, outputs, wrt, cotangents, remote, rows=None, travel=True) -> 
     spec, values, cts = request.spec, request.values, request.cotangents
     plan = ship(request.plan, remote, travel)
     return Job(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
-                                                 stop=stop, rows=rows, travel=travel),
-                 partial(_results, spec, outputs) if rows is None else
-                 partial(_jacobians, spec, outputs), "compute_grads" if rows is None else "jacobian")
-
-
-def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-             chunk_size: int | None = None, client=None, scheduler=None, progress: bool = False):
-    """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
-    function gives them, each node computed once.
-
-    Arguments as for :func:`compute_grads`; outputs may be any real arrays or pytrees.
-    chunk_size: rows of a Jacobian pulled back per ``jax.vmap`` call (default: all of them,
-                as ``jax.jacrev``). Each output's Jacobian is pulled back as a batch of
-                cotangents, the rows of the identity over its elements, through each node's
-                pullback under ``jax.vmap``; the batch of every output passing through a stage
-                goes in one call. A call holds about ``chunk_size`` times a stage's
-                residuals: pass fewer rows to bound memory. A pullback that cannot be vmapped
-                (a host callback) runs row by row.
-
-    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
-    structure, each leaf holding the input's structure with leaves shaped
-    ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
-    each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
-    the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
-    booleans...). Raises as :func:`compute_grads` does, and a ``ValueError`` naming
-    a complex output. :func:`jacobians` is the same call, not computed yet.
-    """
-    client, local = where(client, scheduler)
-    return run(_jacobian(dag, x, outputs, wrt, chunk_size, client is not None,
-                               travel=client is not None), client, local, progress)
-
-
-def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-              chunk_size: int | None = None) -> Call:
-    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`grads` is."""
-    return as_collection(_jacobian(dag, x, outputs, wrt, chunk_size, active_client() is not None))
-
-
-def _jacobian(dag, x, outputs, wrt, chunk_size, remote, travel=True) -> Job:
-    check_chunk_size(chunk_size)
-    return _grads(dag, x, outputs, wrt, None, remote, Rows(chunk_size), travel)
-
-
-def _jacobians(spec, outputs, computed) -> dict:
-    """:func:`_results` of a Jacobian's rows, laid out as ``jax.jacrev`` does: the output's
-    structure of the input's, or with several inputs, of ``{input: ...}``."""
-    results = {}
-    for o, (value, rows) in computed.items():
-        jacs = {i: _jacrev_layout(value, r) for i, r in rows.items()}
-        jac = jacs[spec.inputs[0]] if _one_input(spec, jacs) else _by_output(value, jacs)
-        results[o] = Result(value, jac)
-    return results[outputs] if isinstance(outputs, str) else results
-
-
-def _by_output(value, jacs: dict):
-    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
-    out_def = jax.tree.structure(value)
-    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
-    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
-                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
+                                                 stop=stop, travel=travel),
+                 partial(_results, spec, outputs), "compute_grads")
 
 
 def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
@@ -221,26 +157,6 @@ def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:
 def _jvp_results(outputs, computed) -> dict:
     results = {o: JVPResult(v, t[jvp_graph.TANGENT]) for o, (v, t) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
-
-
-def _jacrev_layout(value, rows):
-    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
-    input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.rules.seeds.basis`)."""
-    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    out_leaves, out_def = jax.tree.flatten(value)
-    start, per_leaf = 0, []
-    for leaf in out_leaves:
-        if not is_differentiable(leaf):
-            per_leaf.append(None)
-            continue
-        size = int(np.size(leaf))
-        per_leaf.append(in_def.unflatten([
-            None if r is None else
-            jnp.reshape(r[start:start + size], (*jnp.shape(leaf), *r.shape[1:]))
-            for r in in_leaves]))
-        start += size
-    return out_def.unflatten(per_leaf)
 
 
 def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,

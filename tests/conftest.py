@@ -42,13 +42,17 @@ def _trace_log(key: int):
 
 
 class Counted:
-    """Wraps a node function and counts its calls."""
+    """Wraps a node function and counts its calls: ``calls`` on values (JAX's vjp and jvp
+    tracers carry them), ``abstract`` on shapes alone (``jax.eval_shape``, ``jax.jit``'s trace)."""
 
     def __init__(self, fn):
-        self.fn, self.calls = fn, 0
+        self.fn, self.calls, self.abstract = fn, 0, 0
 
     def __call__(self, *args):
-        self.calls += 1
+        if any(type(a).__name__ == "DynamicJaxprTracer" for a in jax.tree.leaves(args)):
+            self.abstract += 1
+        else:
+            self.calls += 1
         return self.fn(*args)
 
 

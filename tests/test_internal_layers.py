@@ -18,6 +18,7 @@ LAYERS = (
     ("daskdag.running",),
     ("daskdag.sweeps",),
     ("daskdag.api", "daskdag.checks"),
+    ("daskdag.jacobians",),
     ("daskdag.cli", "daskdag"),
 )
 

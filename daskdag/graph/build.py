@@ -144,7 +144,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     the Jacobian's rows, see :mod:`daskdag.graph.tasks`), else ``None``.
     """
     wiring = _Wiring(plan, Carry(_Graph(), travel, remote, place), stop, rows)
-    wiring.seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else tasks.Basis(o)
+    wiring.seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else
+                    tasks.Basis(o, rows.colours_of(o))
                     for o in plan.outputs}
     wiring.val = {i: wiring.carry.value("input", i, f"input {i!r}", v) for i, v in values.items()}
     wiring.close_stages()
@@ -253,7 +254,8 @@ class _Wiring:
                 k = self.carry.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), picks,
                                    own, self.rows)
                 grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in picks),
-                                       self.val[i], output, own, *map(TaskRef, sources))
+                                       self.val[i], output, self.seeds[o] if self.rows else None,
+                                       own, *map(TaskRef, sources))
             results[o] = (self.val[o], grads)
         return results
 

@@ -55,16 +55,17 @@ TANGENT = "tangent"  # the one "gradient" each output of the graph carries
 
 # -- a stage ---------------------------------------------------------------------------------------
 
-def forward(stage: Stage, stop, k: int | None, *args):
+def forward(stage: Stage, stop, k: int | None, chunk: int | None, *args):
     """The task of a stage that a tangent reaches: ``args`` are the stage's ``Node`` s, the
     values of its deps, then their tangents (None where a dep carries none). Returns
     ``(exposed values, their tangents)``, a tangent None where the node carries none. ``k``:
-    the number of directions, or None for one unbatched tangent. ``stop``: as for
+    the number of directions, or None for one unbatched tangent; ``chunk``: at most that many
+    directions per call (:func:`~daskdag.rules.jvp.directions`). ``stop``: as for
     :func:`daskdag.graph.tasks.forward`."""
     n, d = len(stage.nodes), len(stage.deps)
     nodes, deps, dep_tangents = args[:n], args[n:n + d], args[n + d:]
     if stage.fused:
-        return _fused(stage, nodes, deps, dep_tangents, k)
+        return _fused(stage, nodes, deps, dep_tangents, k, chunk)
     dropped = tasks.dropped_of(stage, stop)
     values: list = []
     tangents: list = []
@@ -81,7 +82,7 @@ def forward(stage: Stage, stop, k: int | None, *args):
             elif k is None:
                 primal, tangent = jvp_rule(node)(inputs, tins, on)
             else:
-                primal, tangent = directions(jvp_rule(node), inputs, tins, on, k)
+                primal, tangent = directions(jvp_rule(node), inputs, tins, on, k, chunk)
             if primal is None:  # None is an empty pytree to JAX: it would fail later
                 raise TypeError("its function returned None; a node must return its value, a JAX "
                                 "array or a pytree of arrays (is a `return` missing?)")
@@ -94,7 +95,7 @@ _lock = threading.Lock()
 _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> its jvp program
 
 
-def _fused(stage: Stage, nodes, deps, dep_tangents, k):
+def _fused(stage: Stage, nodes, deps, dep_tangents, k, chunk):
     """A fused stage's jvp as one jitted program of its :class:`~daskdag.graph.run.Fused`
     function, compiled once per function (while it lives), shapes and held constants."""
     fused = fused_function(stage, nodes).fn  # the same object while the functions live
@@ -103,17 +104,18 @@ def _fused(stage: Stage, nodes, deps, dep_tangents, k):
     parts = split(deps, active)
     with node_errors(stage.name, "forward"):
         if parts is None:  # a constant jit cannot hold: run it eagerly
-            values, tangent = _jvp_of(fused, deps, tins, active, k)
+            values, tangent = _jvp_of(fused, deps, tins, active, k, chunk)
         else:
             (treedef, consts), traced = parts
-            values, tangent = _program(fused)((treedef, consts, active, k), traced, tins)
+            values, tangent = _program(fused)((treedef, consts, active, k, chunk), traced, tins)
     it = iter(tangent)
     return values, tuple(tuple(next(it) for _ in differentiable_leaves(v)) for v in values)
 
 
-def _jvp_of(fn, args, tangents, active, k):
+def _jvp_of(fn, args, tangents, active, k, chunk=None):
     rule = partial(jvp_leaves, fn)
-    return rule(args, tangents, active) if k is None else directions(rule, args, tangents, active, k)
+    return (rule(args, tangents, active) if k is None else
+            directions(rule, args, tangents, active, k, chunk))
 
 
 def _program(fused):
@@ -123,8 +125,8 @@ def _program(fused):
             ref = weakref.ref(fused)  # (the cache keeps no Fused alive)
 
             def run(static, dynamic, tangents):
-                treedef, consts, active, k = static
-                return _jvp_of(ref(), rebuild(treedef, consts, dynamic), tangents, active, k)
+                treedef, consts, active, k, chunk = static
+                return _jvp_of(ref(), rebuild(treedef, consts, dynamic), tangents, active, k, chunk)
 
             program = _programs[fused] = jax.jit(run, static_argnums=0)
         return program
@@ -151,10 +153,10 @@ def output_tangent(value, flat, k: int | None):
 # -- the graph -------------------------------------------------------------------------------------
 
 def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote: bool = False,
-          place=None, stop=None, travel: bool = True) -> dict:
+          place=None, stop=None, travel: bool = True, chunk: int | None = None) -> dict:
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
-    ``k``: the number of directions, or None. ``remote``, ``place``, ``stop`` and ``travel`` as
+    ``k``: the number of directions, or None; ``chunk``: at most that many per call. ``remote``, ``place``, ``stop`` and ``travel`` as
     for :func:`daskdag.graph.build.build`."""
     spec, g = plan.spec, _Graph()
     carry = Carry(g, travel, remote, place)
@@ -173,8 +175,8 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
             fwd = g.task(carry.key("jvp", s.name, s, [ident(n) for n in sent], deps,
-                                   [None if t is None else ident(t) for t in dep_tangents], k),
-                         dict(s.needs), forward, s, stop, k, *sent, *(val[d] for d in s.deps),
+                                   [None if t is None else ident(t) for t in dep_tangents], k, chunk),
+                         dict(s.needs), forward, s, stop, k, chunk, *sent, *(val[d] for d in s.deps),
                          *dep_tangents, root=is_root(s, spec))
         token = token_of(fwd.key)
         for e, n in enumerate(s.outputs):

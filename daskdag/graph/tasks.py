@@ -22,7 +22,7 @@ from daskdag.cancel import Cancelled, dropped
 from daskdag.graph import run
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
-from daskdag.rules.seeds import as_gradient, basis, basis_size, seed, total
+from daskdag.rules.seeds import as_gradient, basis, basis_rows, seed, total
 
 
 def forward(stage: Stage, stop, *args):
@@ -120,12 +120,17 @@ class Seed:
 @dataclass(frozen=True)
 class Basis:
     """The node is ``output`` of a Jacobian: its cotangents are the rows of the identity over
-    its elements (:func:`~daskdag.rules.seeds.basis`)."""
+    its elements (:func:`~daskdag.rules.seeds.basis`), or with ``colours`` (a colour per
+    element, a sparse Jacobian's) one row per colour."""
 
     output: str
+    colours: tuple[int, ...] | None = None
 
     def cotangent(self, value, sources) -> tuple:
-        return basis(self.output, value)
+        return basis(self.output, value, self.colours)
+
+    def rows(self, value) -> int:
+        return basis_rows(value, self.colours)
 
 
 @dataclass(frozen=True)
@@ -151,9 +156,15 @@ def _batched(pullback, cts: list, values, deps, dropped) -> list:
 @dataclass(frozen=True)
 class Rows:
     """Cotangents are stacks of rows (a Jacobian's), pulled back at most ``chunk`` rows per
-    ``jax.vmap`` call (``None``: all at once), to bound the memory a pass takes."""
+    ``jax.vmap`` call (``None``: all at once), to bound the memory a pass takes. ``colours``:
+    ``((output, its elements' colours), ...)`` for the outputs whose rows are compressed (a
+    sparse Jacobian's, :class:`Basis`)."""
 
     chunk: int | None = None
+    colours: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def colours_of(self, output: str) -> tuple[int, ...] | None:
+        return dict(self.colours).get(output)
 
 
 def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
@@ -205,18 +216,18 @@ def dropped_of(stage: Stage, stop):
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(picks: tuple, x, output, own, *sources):
+def gradient(picks: tuple, x, output, rows, own, *sources):
     """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
     its shares ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) and of
     ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
-    each leaf is stacked over its rows (:func:`basis`); else it is ``None``. Each leaf is a JAX
+    each leaf is stacked over its rows (``rows``, its :class:`Basis`); else it is ``None``. Each leaf is a JAX
     array of its input leaf's JAX dtype, whoever computed it (JAX, or a node's own NumPy rule:
     a Python float's gradient is float32, as ``jax.grad`` gives it). A value over a sweep's
     chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
-    lead = () if output is None else (basis_size(output),)
+    lead = () if output is None else (rows.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([own.cotangent(x, ())] if own else [])
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))

@@ -54,23 +54,40 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     return tuple(seeds)
 
 
-def basis(output: str, primal) -> tuple:
+def basis(output: str, primal, colours=None) -> tuple:
     """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
     ``jax.tree.leaves`` order, as a cotangent: a tuple with one ``[rows, *leaf.shape]`` array per
-    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian."""
+    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian.
+
+    ``colours``: a colour per element (:mod:`daskdag.model.colouring`); then row ``k`` is 1 on
+    every element of colour ``k``, and pulled back gives the sum of those elements' gradients.
+    """
     leaves = differentiable_leaves(primal)
     for leaf in leaves:
         if jnp.iscomplexobj(leaf):
             raise ValueError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
                              f"Jacobian needs real outputs, as jax.jacrev does")
-    n, start, seeds = basis_size(primal), 0, []
+    size_all = basis_size(primal)
+    if colours is not None and len(colours) != size_all:
+        raise ValueError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "
+                         f"but the output has {size_all} elements")
+    n = size_all if colours is None else basis_rows(primal, colours)
+    rows = np.arange(size_all) if colours is None else np.asarray(colours)
+    start, seeds = 0, []
     for leaf in leaves:
         size = int(np.size(leaf))
         eye = np.zeros((n, size), jnp.result_type(leaf))
-        eye[np.arange(start, start + size), np.arange(size)] = 1
+        eye[rows[start:start + size], np.arange(size)] = 1
         seeds.append(jnp.asarray(eye.reshape(n, *jnp.shape(leaf))))
         start += size
     return tuple(seeds)
+
+
+def basis_rows(primal, colours=None) -> int:
+    """How many rows :func:`basis` has."""
+    if colours is None:
+        return basis_size(primal)
+    return max(colours) + 1 if len(colours) else 0
 
 
 def basis_size(primal) -> int:

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from daskdag.sweeps.chunked import Items, chunk_of
-from daskdag.model.leaves import is_numeric
+from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
 
 
 class Stacked:
@@ -63,54 +61,20 @@ def _mark_missing(a, rows):
 
 def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:
     """One item's ``({output: value shape}, {input: gradient shape})``, as ``ShapeDtypeStruct``
-    trees, without running any node on data: each needed node is traced with ``jax.eval_shape``
-    on its deps' shapes (its Python code runs once, on abstract values).
+    trees, without running any node on data (:func:`daskdag.model.shapes.abstract_values`).
 
     A gradient is shaped like its input's item, with ``None`` for leaves that are not floating
     arrays. A value is ``None`` when a node on its way cannot be traced abstractly (Python
     control flow on values, ``float(x)``, non-JAX code).
     """
-    avals = {i: _abstract(v, i in batched) for i, v in values.items()}
-    for n in plan.needed:
-        node = plan.spec.nodes[n]
+    def call(node):
         chunk = chunk_of(node)
-        fn = (chunk.node if chunk else node).callable()
-        deps = [avals[d] for d in node.deps]
-        avals[n] = _UNKNOWN if any(d is _UNKNOWN for d in deps) else _eval_shape(fn, deps)
+        return (chunk.node if chunk else node).callable()
+
+    avals = abstract_values(plan.spec, plan.needed,
+                            {i: abstract(v, i in batched) for i, v in values.items()}, call)
     grads = {i: jax.tree.map(_cotangent_shape, avals[i]) for i in plan.wrt}
-    return {o: None if avals[o] is _UNKNOWN else avals[o] for o in plan.outputs}, grads
-
-
-_UNKNOWN = object()  # a node that could not be traced abstractly, or one downstream of it
-
-
-def _abstract(value, batched: bool):
-    """The shapes of one item of ``value``; leaves that are not arrays stay as they are."""
-    def leaf(a):
-        if not is_numeric(a):
-            return a
-        shape = np.shape(a)
-        return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(a))
-
-    return jax.tree.map(leaf, value)
-
-
-def _eval_shape(fn, args) -> Any:
-    """``jax.eval_shape(fn, *args)`` over the array leaves of ``args``, the others held as they
-    are; ``_UNKNOWN`` when ``fn`` cannot run on abstract values."""
-    leaves, tree = jax.tree.flatten(args)
-    at = [k for k, a in enumerate(leaves) if isinstance(a, jax.ShapeDtypeStruct)]
-
-    def on_arrays(*arrays):
-        full = list(leaves)
-        for k, a in zip(at, arrays):
-            full[k] = a
-        return fn(*jax.tree.unflatten(tree, full))
-
-    try:
-        return jax.eval_shape(on_arrays, *(leaves[k] for k in at))
-    except Exception:  # e.g. a TracerBoolConversionError from `if` on a value
-        return _UNKNOWN
+    return {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}, grads
 
 
 def _cotangent_shape(a):

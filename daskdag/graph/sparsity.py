@@ -1,0 +1,143 @@
+"""The sparsity pattern of a DAG's Jacobians, found without computing them.
+
+In:  a :class:`~daskdag.model.plan.Plan` (outputs, ``wrt``) and the input values.
+Out: :func:`detect`, ``{output: pattern}``: a boolean ``scipy.sparse.csr_array`` per output,
+     ``(its elements, the elements of every wrt name in order)``, over differentiable leaves in
+     ``jax.tree.leaves`` order, each leaf flattened in C order: True where the output element
+     may depend on the input element.
+
+The DAG's structure composes each node's own pattern (per dep, which of the dep's elements each
+element of its value may depend on): a node's value depends on what its deps' values depend on.
+A node's own pattern comes from its jaxpr (:func:`daskdag.rules.sparsity.jaxpr_pattern`, exact
+up to its rules and sound everywhere), or, for a node that cannot be traced (Python control flow
+on values, NumPy code under its own rule), from probes: its Jacobian by its own rule at the
+point and at :data:`PROBES` random points near it, united. Probing runs that node and the
+nodes before it once more, here, and is only as sound as the probes are typical (a zero that
+happens at all of them is taken for structural).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+from daskdag.errors import DAGError, node_errors
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.plan import Plan
+from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.rules.registry import has_rules, linearizer
+from daskdag.rules.seeds import basis
+from daskdag.rules.sparsity import jaxpr_pattern
+
+PROBES = 2  # random points near the point, besides it, where a node is probed
+
+
+def detect(plan: Plan, values: dict) -> dict[str, sp.csr_array]:
+    """``{output: pattern}`` (see the module's docstring) for every output of ``plan``."""
+    spec = plan.spec
+    avals = abstract_values(spec, plan.needed, {i: abstract(v) for i, v in values.items()})
+    concrete: dict = {}
+    if any(avals[n] is UNKNOWN for n in (*plan.needed, *plan.wrt)):
+        concrete = _forward(plan, values)
+        avals = {**avals, **{n: abstract(v) for n, v in concrete.items()}}
+    sizes = {n: size(avals[n]) for n in plan.wrt}
+    width = sum(sizes.values())
+    start, depends = 0, {}
+    for name in plan.wrt:  # each wrt name's own elements: a block of the identity
+        own = sp.eye_array(sizes[name], width, k=start, dtype=np.int64, format="csr")
+        depends[name] = own
+        start += sizes[name]
+    for n in plan.needed:
+        node = spec.nodes[n]
+        rows = size(avals[n])
+        total = sp.csr_array((rows, width), dtype=np.int64)
+        active = tuple(d in depends for d in node.deps)
+        if any(active):
+            for pattern, d in zip(_node_pattern(n, node, avals, concrete, values, active),
+                                  node.deps):
+                if pattern is not None:
+                    total = total + pattern.astype(np.int64) @ depends[d]
+        if n in depends:  # a wrt node: its own block too
+            total = total + depends[n]
+        if n in plan.active or n in depends:
+            depends[n] = (total > 0).astype(np.int64)
+    return {o: (depends[o] > 0).tocsr() if o in depends else
+            sp.csr_array((size(avals[o]), width), dtype=bool) for o in plan.outputs}
+
+
+def size(aval) -> int:
+    """The elements of a value's differentiable leaves (a concrete value's, or its shapes')."""
+    return sum(int(np.prod(a.shape)) if isinstance(a, jax.ShapeDtypeStruct) else int(np.size(a))
+               for a in jax.tree.leaves(aval)
+               if (jnp.issubdtype(a.dtype, jnp.inexact) if isinstance(a, jax.ShapeDtypeStruct)
+                   else is_differentiable(a)))
+
+
+def _node_pattern(name, node, avals, concrete, values, active) -> list:
+    """Per dep, the node's own pattern: from its jaxpr, else probed."""
+    deps = [avals[d] for d in node.deps]
+    if not has_rules(node) and not any(a is UNKNOWN for a in deps):
+        found = jaxpr_pattern(node.callable(), deps, active)
+        if found is not None:
+            return found
+    args = [concrete[d] if d in concrete else values[d] for d in node.deps]
+    return _probe(name, node, args, active)
+
+
+def _forward(plan: Plan, values: dict) -> dict:
+    """Every needed node's value, run here in order (for the probes, and the shapes that could
+    not be traced)."""
+    out = dict(values)
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        with node_errors(n, "forward"):
+            out[n] = node.callable()(*(out[d] for d in node.deps))
+    return {n: out[n] for n in plan.needed}
+
+
+def _probe(name, node, args, active) -> list:
+    """The node's Jacobian by its own rule, at ``args`` and near them; its nonzeros, united."""
+    rng = np.random.default_rng(0)
+    found = None
+    for k in range(PROBES + 1):
+        point = args if k == 0 else [_near(a, rng) if on else a for a, on in zip(args, active)]
+        blocks = _jacobian(name, node, point, active)
+        found = blocks if found is None else [None if f is None else f + b
+                                              for f, b in zip(found, blocks)]
+    return [None if f is None else sp.csr_array(f != 0) for f in found]
+
+
+def _near(value, rng):
+    """``value`` with each differentiable leaf moved a little, at random."""
+    def move(leaf):
+        if not is_differentiable(leaf):
+            return leaf
+        a = np.asarray(leaf)
+        return (a + 1e-2 * (np.abs(a) + 1) * rng.standard_normal(a.shape)).astype(a.dtype)
+    return jax.tree.map(move, value)
+
+
+def _jacobian(name, node, args, active) -> list:
+    """Per dep, the node's Jacobian (dense, NumPy) by its own rule: row by row of its output."""
+    with node_errors(name, "forward"):
+        primal, pullback = linearizer(node)(args, active)
+    if primal is None:
+        raise DAGError(f"node {name!r} returned None")
+    rows = basis(name, primal)
+    n = sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
+    per_row = []
+    with node_errors(name, "backward"):
+        for r in range(n):
+            per_row.append(pullback(tuple(leaf[r] for leaf in rows), args))
+    out = []
+    for j, on in enumerate(active):
+        if not on:
+            out.append(None)
+            continue
+        width = sum(int(np.size(leaf)) for leaf in differentiable_leaves(args[j]))
+        out.append(np.array([np.concatenate([np.ravel(np.asarray(c)) for c in row[j]])
+                             if row[j] is not None and len(row[j]) else np.zeros(width)
+                             for row in per_row]).reshape(n, width))
+    return out

@@ -1,0 +1,379 @@
+"""Full Jacobians: :func:`jacobian`, its lazy form :func:`jacobians`, and
+:func:`jacobian_sparsity`.
+
+A Jacobian is pulled back row by row (reverse mode, the graph of :func:`daskdag.compute_grads`
+seeded with the rows of the identity) or pushed forward column by column (forward mode, the
+graph of :func:`daskdag.compute_jvps` seeded with the identity's columns as directions).
+``mode="auto"`` takes the one with fewer passes, as OpenMDAO's ``compute_totals`` does. A
+sparse Jacobian's rows (or columns) are grouped by colour (:mod:`daskdag.model.colouring`): one
+pass per colour, the entries recovered from the pattern. Either way the result has
+``jax.jacrev``'s layout, or is ``scipy.sparse``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+from daskdag.api import Result
+from daskdag.errors import DAGError
+from daskdag.graph import forward as jvp_graph
+from daskdag.graph.build import build
+from daskdag.graph.sparsity import detect, size
+from daskdag.graph.tasks import Rows
+from daskdag.model import colouring
+from daskdag.model.leaves import is_differentiable
+from daskdag.model.plan import Plan, make_plan
+from daskdag.model.request import check_chunk_size, parsed, wrt_names, with_rules
+from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.rules.registry import has_rules
+from daskdag.running.compute import active_client, where
+from daskdag.running.jobs import Job, as_collection, run
+from daskdag.running.lazy import Call
+from daskdag.transport.packing import ship
+
+MODES = ("auto", "rev", "fwd")
+
+
+def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+             mode: str = "auto", sparsity: Any = None, sparse: bool = False,
+             chunk_size: int | None = None, client=None, scheduler=None, progress: bool = False):
+    """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
+    function gives them, each node computed once.
+
+    Arguments as for :func:`~daskdag.compute_grads`; outputs may be any real arrays or pytrees.
+    mode:       ``"rev"`` pulls back the rows of the identity over each output's elements
+                through each node's pullback under ``jax.vmap`` (one pass per output element;
+                every output passing through a stage goes in one call); ``"fwd"`` pushes the
+                columns of the identity over the inputs' elements forward through each node's
+                JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
+                inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
+                takes the one with fewer passes, reverse on a tie. To count the outputs'
+                elements it traces the nodes with ``jax.eval_shape`` (no arithmetic; an eager
+                node's Python code runs once more, on abstract values); where a node cannot be
+                traced, reverse.
+    sparsity:   the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
+                (forward): those a greedy colouring groups, sharing no column (row). A boolean
+                array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
+                over the differentiable leaves in ``jax.tree.leaves`` order, each flattened in
+                C order; with several outputs ``{output: ...}``, with several inputs
+                ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
+                a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
+                (:func:`jacobian_sparsity`). The mode then counts colours, not elements.
+    sparse:     return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
+                elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
+    chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
+                them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or
+                values (forward): pass fewer to bound memory. In forward mode each chunk runs a
+                node's function once more. A pullback that cannot be vmapped (a host callback)
+                runs row by row.
+
+    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
+    structure, each leaf holding the input's structure with leaves shaped
+    ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
+    each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
+    the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
+    booleans...). Raises as :func:`~daskdag.compute_grads` does, a :class:`~daskdag.DAGError`
+    for a mode or pattern that cannot serve the call (naming the node, input or output), and a
+    ``ValueError`` naming a complex output. :func:`jacobians` is the same call, not computed yet.
+    """
+    client, local = where(client, scheduler)
+    return run(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
+                         client is not None, travel=client is not None), client, local, progress)
+
+
+def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+              mode: str = "auto", sparsity: Any = None, sparse: bool = False,
+              chunk_size: int | None = None) -> Call:
+    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
+    return as_collection(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
+                                   active_client() is not None))
+
+
+def jacobian_sparsity(dag: Mapping, x, outputs: str | Sequence[str], *,
+                      wrt: Sequence[str] | None = None):
+    """The sparsity patterns of the Jacobians of ``outputs``, as ``jacobian(sparsity=...)``
+    takes them: a boolean ``scipy.sparse.csr_array`` ``(output elements, input elements)``, in
+    dicts ``{output: {input: ...}}`` as there (one output: no outer dict; one input: no inner).
+
+    Arguments as for :func:`~daskdag.compute_grads`. The DAG's structure composes each node's
+    own pattern: from its jaxpr (sound: it holds at every point), or for a node that cannot be
+    traced (Python control flow on values, NumPy code under its own rule) from its Jacobian at
+    ``x`` and at two random points near it, which runs that node and those before it here,
+    and holds where the node's zeros are structural. Computes no Jacobian.
+    """
+    plan, values = _plan(dag, x, outputs, wrt)
+    widths = {i: size(values[i]) for i in plan.wrt}
+    out = {o: _split_columns(p, plan.wrt, widths) for o, p in detect(plan, values).items()}
+    out = {o: p[plan.wrt[0]] if len(plan.wrt) == 1 else p for o, p in out.items()}
+    return out[outputs] if isinstance(outputs, str) else out
+
+
+# -- one call --------------------------------------------------------------------------------------
+
+def _plan(dag, x, outputs, wrt) -> tuple[Plan, dict]:
+    """The call's plan (its ``wrt`` checked, its rules not yet: that depends on the mode) and
+    its input values."""
+    spec, names, values = parsed(dag, x, outputs)
+    return make_plan(spec, names, wrt_names(spec, values, wrt, candidates=values)), values
+
+
+def _jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size, remote, travel=True) -> Job:
+    check_chunk_size(chunk_size)
+    if mode not in MODES:
+        raise DAGError(f"mode must be one of {MODES}, got {mode!r}")
+    plan, values = _plan(dag, x, outputs, wrt)
+    patterns = None
+    if isinstance(sparsity, str) and sparsity == "detect":
+        patterns = detect(plan, values)
+    elif sparsity is not None:
+        patterns = _user_patterns(plan, values, sparsity, outputs)
+    mode = _mode(plan, values, mode, patterns)
+    if mode == "rev":
+        return _reverse(plan, values, patterns, sparse, outputs, chunk_size, remote, travel)
+    return _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel)
+
+
+def _mode(plan: Plan, values: dict, mode: str, patterns) -> str:
+    """The mode asked for, checked, or for ``"auto"`` the one with fewer passes."""
+    nodes = [w for w in plan.wrt if w in plan.spec.nodes]
+    why_not = {"fwd": f"wrt names node(s) {nodes}: forward mode differentiates free inputs only"
+               if nodes else _rules_missing(plan, forward=True),
+               "rev": _rules_missing(plan, forward=False)}
+    if mode != "auto":
+        if why_not[mode]:
+            raise DAGError(f"mode={mode!r} cannot serve this call: {why_not[mode]}")
+        return mode
+    if why_not["fwd"] or why_not["rev"]:
+        return "rev" if not why_not["rev"] else "fwd"
+    if patterns is not None:
+        rev = sum(colouring.count(colouring.colour_rows(p)) for p in patterns.values())
+        fwd = colouring.count(colouring.colour_columns(sp.vstack(list(patterns.values()))))
+        return "fwd" if fwd < rev else "rev"
+    avals = abstract_values(plan.spec, plan.needed, {i: abstract(v) for i, v in values.items()},
+                            lambda node: _untraced if has_rules(node) else node.callable())
+    if any(avals[o] is UNKNOWN for o in plan.outputs):
+        return "rev"
+    rev = sum(size(avals[o]) for o in plan.outputs)
+    fwd = sum(size(values[i]) for i in plan.wrt)
+    return "fwd" if fwd < rev else "rev"
+
+
+def _untraced(*args):
+    raise TypeError("a node of your own code is not traced")  # (its shapes are UNKNOWN)
+
+
+def _rules_missing(plan: Plan, forward: bool) -> str | None:
+    try:
+        with_rules(plan, forward)
+    except DAGError as e:
+        return str(e)
+    return None
+
+
+# -- reverse: the gradient graph, seeded with rows --------------------------------------------------
+
+def _reverse(plan, values, patterns, sparse, outputs, chunk_size, remote, travel) -> Job:
+    colours = {} if patterns is None else {o: colouring.colour_rows(p) for o, p in patterns.items()}
+    rows = Rows(chunk_size, tuple((o, tuple(int(c) for c in cs)) for o, cs in colours.items()))
+    plan = ship(with_rules(plan), remote, travel)
+
+    def finish(computed):
+        results = {}
+        for o, (value, per_name) in computed.items():
+            if patterns is None and not sparse:
+                jacs = {i: _jacrev_layout(value, r) for i, r in per_name.items()}
+                results[o] = Result(value, _joined(plan, value, jacs))
+                continue
+            flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
+            full = (sp.csr_array(flat) if patterns is None else
+                    colouring.from_rows(patterns[o], colours[o], flat))
+            results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
+                                                     per_name.items()}, sparse)
+        return results[outputs] if isinstance(outputs, str) else results
+
+    return Job(plan, lambda place, stop: build(plan, values, {}, remote=remote, place=place,
+                                               stop=stop, rows=rows, travel=travel),
+               finish, "jacobian")
+
+
+def _flat_rows(rows) -> np.ndarray:
+    """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
+    leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
+    return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
+
+
+def _row_template(rows):
+    """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
+    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
+
+
+# -- forward: the JVP graph, seeded with columns ----------------------------------------------------
+
+def _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel) -> Job:
+    templates = {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+                                 if is_differentiable(a) else None, values[i]) for i in plan.wrt}
+    width = sum(size(values[i]) for i in plan.wrt)
+    dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
+    if patterns is None:
+        colours = None
+        seeds = np.eye(width, dtype=dtype)
+    else:
+        colours = colouring.colour_columns(sp.vstack(list(patterns.values())))
+        seeds = colouring.seeds(colours, dtype)
+    k, start, tangents = len(seeds), 0, {}
+    for i in plan.wrt:
+        leaves = []
+        for leaf in jax.tree.leaves(templates[i]):
+            n = int(np.prod(leaf.shape))
+            leaves.append(jnp.asarray(seeds[:, start:start + n].reshape(k, *leaf.shape), leaf.dtype))
+            start += n
+        tangents[i] = tuple(leaves)
+    plan = ship(with_rules(plan, forward=True), remote, travel)
+
+    def finish(computed):
+        results = {}
+        for o, (value, t) in computed.items():
+            pushed = [np.asarray(leaf).reshape(k, -1) for leaf in
+                      jax.tree.leaves(t[jvp_graph.TANGENT])]
+            passes = np.hstack(pushed) if pushed else np.zeros((k, 0))
+            if patterns is None:
+                full = passes.T
+            else:
+                if patterns[o].shape[0] != passes.shape[1]:
+                    raise ValueError(f"the sparsity pattern of output {o!r} has "
+                                     f"{patterns[o].shape[0]} rows, but the output has "
+                                     f"{passes.shape[1]} elements")
+                full = colouring.from_columns(patterns[o], colours, passes)
+            results[o] = _result(plan, value, full, templates, sparse)
+        return results[outputs] if isinstance(outputs, str) else results
+
+    return Job(plan, lambda place, stop: jvp_graph.build(
+        plan, values, tangents, k, remote=remote, place=place, stop=stop, travel=travel,
+        chunk=chunk_size), finish, "jacobian")
+
+
+# -- patterns --------------------------------------------------------------------------------------
+
+def _user_patterns(plan: Plan, values: dict, sparsity, outputs) -> dict[str, sp.csr_array]:
+    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given."""
+    per_output = ({o: sparsity for o in plan.outputs} if isinstance(outputs, str) else sparsity)
+    if not isinstance(per_output, Mapping):
+        raise DAGError(f"sparsity for several outputs must be a dict {{output: pattern}}, got "
+                       f"{type(sparsity).__name__}")
+    out = {}
+    for o in plan.outputs:
+        if o not in per_output:
+            raise DAGError(f"sparsity gives no pattern for output {o!r}; it has {list(per_output)}")
+        given = per_output[o]
+        blocks = given if isinstance(given, Mapping) else (
+            {plan.wrt[0]: given} if len(plan.wrt) == 1 else None)
+        if blocks is None:
+            raise DAGError(f"sparsity for output {o!r}: with several inputs {list(plan.wrt)}, "
+                           f"give a dict {{input: pattern}}")
+        parts = []
+        for i in plan.wrt:
+            if i not in blocks:
+                raise DAGError(f"sparsity for output {o!r} gives no pattern for {i!r}; it has "
+                               f"{list(blocks)}")
+            try:
+                block = colouring.as_pattern(blocks[i])
+            except (TypeError, ValueError) as e:
+                raise DAGError(f"sparsity for output {o!r} and {i!r}: {e}") from None
+            if block.ndim != 2:
+                raise DAGError(f"sparsity for output {o!r} and {i!r} must be 2-D (output "
+                               f"elements, input elements)")
+            if i in values and block.shape[1] != size(values[i]):
+                raise DAGError(f"sparsity for output {o!r} and input {i!r} has {block.shape[1]} "
+                               f"columns, but the input has {size(values[i])} elements")
+            parts.append(block)
+        if len({p.shape[0] for p in parts}) > 1:
+            raise DAGError(f"sparsity for output {o!r}: the patterns disagree on its number of "
+                           f"elements: {[p.shape[0] for p in parts]}")
+        out[o] = sp.hstack(parts, format="csr")
+    return out
+
+
+def _split_columns(matrix, names, widths) -> dict:
+    out, start = {}, 0
+    for i in names:
+        out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
+        start += widths[i]
+    return out
+
+
+# -- layout ----------------------------------------------------------------------------------------
+
+def _result(plan: Plan, value, full, templates: dict, sparse: bool) -> Result:
+    """One output's Result from its Jacobian over every wrt name's elements (``full``, dense
+    NumPy or ``scipy.sparse``): as ``scipy.sparse`` per name, or in ``jax.jacrev``'s layout."""
+    widths = {i: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(t))
+              for i, t in templates.items()}
+    if sparse:
+        parts = _split_columns(sp.csr_array(full), plan.wrt, widths)
+        return Result(value, parts[plan.wrt[0]] if _one_input(plan, parts) else parts)
+    dense = full.toarray() if sp.issparse(full) else np.asarray(full)
+    jacs, start = {}, 0
+    for i in plan.wrt:
+        block = dense[:, start:start + widths[i]]
+        start += widths[i]
+        jacs[i] = _jacrev_layout(value, _rows(block, templates[i]))
+    return Result(value, _joined(plan, value, jacs))
+
+
+def _rows(block: np.ndarray, template):
+    """``block`` ``(output elements, name elements)`` as stacked rows in the name's structure."""
+    leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
+    start, out = 0, []
+    for leaf in leaves:
+        if leaf is None:
+            out.append(None)
+            continue
+        n = int(np.prod(leaf.shape))
+        out.append(jnp.asarray(block[:, start:start + n].reshape(len(block), *leaf.shape),
+                               leaf.dtype))
+        start += n
+    return treedef.unflatten(out)
+
+
+def _joined(plan: Plan, value, jacs: dict):
+    """One name's Jacobian alone when the DAG has one free input and it is all that was
+    differentiated, else the output's structure of ``{name: ...}``."""
+    return jacs[plan.wrt[0]] if _one_input(plan, jacs) else _by_output(value, jacs)
+
+
+def _one_input(plan: Plan, jacs: dict) -> bool:
+    return len(plan.spec.inputs) == 1 and list(jacs) == list(plan.spec.inputs)
+
+
+def _by_output(value, jacs: dict):
+    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
+    out_def = jax.tree.structure(value)
+    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
+    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
+                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
+
+
+def _jacrev_layout(value, rows):
+    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
+    input's structure, each differentiable leaf stacked over the output's elements, ``None``
+    elsewhere; see :func:`daskdag.rules.seeds.basis`)."""
+    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    out_leaves, out_def = jax.tree.flatten(value)
+    start, per_leaf = 0, []
+    for leaf in out_leaves:
+        if not is_differentiable(leaf):
+            per_leaf.append(None)
+            continue
+        n = int(np.size(leaf))
+        per_leaf.append(in_def.unflatten([
+            None if r is None else
+            jnp.reshape(r[start:start + n], (*jnp.shape(leaf), *r.shape[1:]))
+            for r in in_leaves]))
+        start += n
+    return out_def.unflatten(per_leaf)

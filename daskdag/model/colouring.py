@@ -1,0 +1,73 @@
+"""Sparse Jacobians in few passes: rows (reverse mode) or columns (forward mode) of a sparsity
+pattern grouped by a greedy graph colouring, as OpenMDAO colours total Jacobians.
+
+In:  a boolean pattern (``scipy.sparse`` or NumPy), ``(output elements, input elements)``.
+Out: :func:`colour_rows`, a colour per row such that no two rows of one colour share a column
+     (so the sum of a colour's rows, one reverse pass seeded with ones on them, still holds each
+     row's entries apart); :func:`colour_columns`, the same for columns (forward passes);
+     :func:`seeds`, one seed per colour; :func:`from_rows` / :func:`from_columns`, the Jacobian
+     back from the compressed passes, as a ``scipy.sparse.csr_array``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+
+def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
+    """``pattern`` (NumPy, ``scipy.sparse``, nested lists) as a boolean CSR array; a
+    ``ValueError`` when its shape is not ``shape``."""
+    csr = sp.csr_array(pattern if sp.issparse(pattern) else np.asarray(pattern), dtype=bool)
+    csr.eliminate_zeros()
+    if shape is not None and csr.shape != tuple(shape):
+        raise ValueError(f"it is {csr.shape[0]} x {csr.shape[1]}, but the Jacobian is "
+                         f"{shape[0]} x {shape[1]} (output elements x input elements)")
+    return csr
+
+
+def colour_rows(pattern: sp.csr_array) -> np.ndarray:
+    """A colour (0, 1, ...) per row: rows that share a column get different colours. Greedy,
+    rows with the most entries first (Welsh-Powell); a band of width w takes w colours, a
+    block-diagonal pattern with blocks of b rows takes b."""
+    rows = as_pattern(pattern).astype(np.int64)
+    conflicts = (rows @ rows.T).tocsr()  # rows sharing some column
+    colours = np.full(rows.shape[0], -1, np.int64)
+    for r in np.argsort(-np.diff(rows.indptr), kind="stable"):
+        taken = colours[conflicts.indices[conflicts.indptr[r]:conflicts.indptr[r + 1]]]
+        free = np.ones(len(taken) + 1, bool)
+        free[taken[(taken >= 0) & (taken < len(free))]] = False
+        colours[r] = int(np.argmax(free))
+    return colours
+
+
+def colour_columns(pattern: sp.csr_array) -> np.ndarray:
+    """A colour per column: columns that share a row get different colours."""
+    return colour_rows(as_pattern(pattern).T.tocsr())
+
+
+def count(colours: np.ndarray) -> int:
+    return int(colours.max()) + 1 if len(colours) else 0
+
+
+def seeds(colours: np.ndarray, dtype) -> np.ndarray:
+    """``(colours, elements)``: row k seeds every element of colour k with 1."""
+    out = np.zeros((count(colours), len(colours)), dtype)
+    out[colours, np.arange(len(colours))] = 1
+    return out
+
+
+def from_rows(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray) -> sp.csr_array:
+    """The Jacobian from reverse passes: ``passes[k]`` is the sum of the rows of colour k, so
+    entry ``(r, c)`` of the pattern is ``passes[colours[r], c]``."""
+    coo = as_pattern(pattern).tocoo()
+    data = np.asarray(passes)[colours[coo.row], coo.col]
+    return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+
+
+def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray) -> sp.csr_array:
+    """The Jacobian from forward passes: ``passes[k]`` (over the rows) is the sum of the
+    columns of colour k, so entry ``(r, c)`` is ``passes[colours[c], r]``."""
+    coo = as_pattern(pattern).tocoo()
+    data = np.asarray(passes)[colours[coo.col], coo.row]
+    return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)

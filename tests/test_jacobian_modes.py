@@ -1,0 +1,225 @@
+"""jacobian's modes and sparse Jacobians, against jax.jacrev and jax.jacfwd of the composed
+function: forward and reverse give the same layout, "auto" picks by size (as the graph it
+builds shows), a sparsity pattern (given or detected) takes one pass per colour, on threads and
+on a process cluster with the pullbacks moved between workers; and bad patterns are named."""
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import daskdag
+from daskdag import Node
+from .conftest import Counted, assert_tree_close, compute_split, key_kind, local_client
+from .test_jacobian import X, chain, composed
+
+
+def kinds(call) -> set[str]:
+    """The kinds of task a lazy call's graph holds (``fwd``, ``jvp``, ``bwd``...)."""
+    return {key_kind(k) for k in dict(call.__dask_graph__())}
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_every_mode_gives_jacrev_s_layout_and_values(mode, jit):
+    res = daskdag.jacobian(chain(jit), X, ["A", "C", "D"], mode=mode)
+    for o in ("A", "C", "D"):
+        want = jax.jacrev(lambda x: composed(x)[o])(X)
+        assert_tree_close(res[o].grad, want, rtol=1e-5)
+        assert_tree_close(res[o].grad, jax.jacfwd(lambda x: composed(x)[o])(X), rtol=1e-5)
+        assert_tree_close(res[o].value, composed(X)[o], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_forward_mode_each_node_runs_once_and_chunks_give_the_same(mode):
+    counted = {k: Counted(v) for k, v in {"A": jnp.sin, "B": lambda a: jnp.outer(a, a)}.items()}
+    dag = {"A": (counted["A"], ["x"]), "B": (counted["B"], ["A"])}
+    x = jnp.array([0.3, -0.7, 1.1])
+    res = daskdag.jacobian(dag, x, "B", mode=mode)
+    want = jax.jacfwd(lambda x: jnp.outer(jnp.sin(x), jnp.sin(x)))(x)
+    assert_tree_close(res.grad, want)
+    assert all(f.calls == 1 for f in counted.values())
+    assert_tree_close(daskdag.jacobian(dag, x, "B", mode=mode, chunk_size=2).grad, want)
+
+
+def test_several_pytree_inputs_with_held_leaves_in_both_modes():
+    def p(x, t):
+        return {"s": jnp.sum(x["w"] * t[1:]) * x["n"], "v": x["w"] * 2.0 + t[:2], "k": x["n"]}
+
+    dag = {"P": (p, ["x", "t"]), "Q": (lambda q: jnp.tanh(q["v"]) * q["s"], ["P"])}
+    inputs = {"x": {"w": jnp.array([1.0, 2.0]), "n": 3}, "t": jnp.array([3.0, 4.0, 5.0])}
+    for mode in ("rev", "fwd"):
+        res = daskdag.jacobian(dag, inputs, ["P", "Q"], mode=mode)
+        def floats(w, t):  # (jax.jacrev takes no integer output or input)
+            out = p({"w": w, "n": 3}, t)
+            return {"s": out["s"], "v": out["v"]}
+
+        want = jax.jacrev(floats, argnums=(0, 1))(inputs["x"]["w"], inputs["t"])
+        assert jax.tree.structure(res["P"].grad) == jax.tree.structure(
+            {"k": None, "s": {"t": 0, "x": {"n": None, "w": 0}},
+             "v": {"t": 0, "x": {"n": None, "w": 0}}})
+        for leaf in ("s", "v"):
+            assert_tree_close(res["P"].grad[leaf]["x"]["w"], want[leaf][0])
+            assert_tree_close(res["P"].grad[leaf]["t"], want[leaf][1])
+        wq = jax.jacrev(lambda w, t: dag["Q"][0](floats(w, t)), argnums=(0, 1))(
+            inputs["x"]["w"], inputs["t"])
+        assert_tree_close(res["Q"].grad["x"]["w"], wq[0])
+        assert_tree_close(res["Q"].grad["t"], wq[1])
+
+
+def test_auto_takes_the_mode_with_fewer_passes():
+    wide = {"B": (lambda x: jnp.sin(jnp.outer(x, jnp.arange(30.0))), ["x"])}  # 2 in, 60 out
+    narrow = {"B": (lambda x: jnp.sum(jnp.sin(x)) * x[:2], ["x"])}  # 50 in, 2 out
+    assert "jvp" in kinds(daskdag.jacobians(wide, jnp.ones(2), "B"))
+    assert "jvp" not in kinds(daskdag.jacobians(narrow, jnp.ones(50), "B"))
+    assert "jvp" not in kinds(daskdag.jacobians(wide, jnp.ones(2), "B", mode="rev"))
+    assert "jvp" in kinds(daskdag.jacobians(narrow, jnp.ones(50), "B", mode="fwd"))
+
+
+def test_a_mode_that_cannot_serve_the_call_is_named_and_auto_avoids_it():
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.outer(a, a), ["A"])}
+    with pytest.raises(daskdag.DAGError, match=r"mode='fwd'.*node\(s\) \['A'\].*free inputs"):
+        daskdag.jacobian(dag, jnp.ones(2), "B", wrt=["A"], mode="fwd")
+    res = daskdag.jacobian(dag, jnp.ones(2), "B", wrt=["A"])  # auto: reverse
+    assert_tree_close(res.grad["A"], jax.jacrev(lambda a: jnp.outer(a, a))(jnp.sin(jnp.ones(2))))
+    own = {"A": Node(lambda x: np.sin(x), ["x"], vjp=lambda ct, out, x: (ct * np.cos(x),)),
+           "B": (lambda a: jnp.outer(a, a), ["A"])}
+    with pytest.raises(daskdag.DAGError, match="mode='fwd'.*node 'A'.*no jvp= rule"):
+        daskdag.jacobian(own, jnp.ones(2), "B", mode="fwd")
+    assert "jvp" not in kinds(daskdag.jacobians(own, jnp.ones(2), "B"))
+    with pytest.raises(daskdag.DAGError, match="mode must be one of"):
+        daskdag.jacobian(dag, jnp.ones(2), "B", mode="forward")
+
+
+# -- sparse Jacobians ------------------------------------------------------------------------------
+
+N = 200
+
+
+def stencil(a):
+    return jnp.pad(a[2:] - 2 * a[1:-1] + a[:-2], 1)
+
+
+def banded_dag():
+    return {"A": (jnp.tanh, ["x"]), "B": (stencil, ["A"]),
+            "C": (lambda b, a: b * a + jnp.sin(a), ["B", "A"]),
+            "D": (lambda c: jnp.exp(-c ** 2), ["C"]),
+            "E": (lambda d, x: d + 0.5 * x ** 2, ["D", "x"])}
+
+
+def banded(x):
+    a = jnp.tanh(x)
+    return jnp.exp(-(stencil(a) * a + jnp.sin(a)) ** 2) + 0.5 * x ** 2
+
+
+XB = jnp.linspace(-1.0, 1.0, N)
+
+
+def test_a_detected_pattern_is_the_jacobian_s_nonzeros():
+    pattern = daskdag.jacobian_sparsity(banded_dag(), XB, "E")
+    assert isinstance(pattern, sp.csr_array) and pattern.shape == (N, N)
+    want = np.asarray(jax.jacrev(banded)(XB)) != 0
+    np.testing.assert_array_equal(pattern.toarray(), want)  # a tridiagonal band, exactly
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_sparse_jacobians_match_jacrev_in_every_mode(mode):
+    want = jax.jacrev(banded)(XB)
+    pattern = daskdag.jacobian_sparsity(banded_dag(), XB, "E")
+    res = daskdag.jacobian(banded_dag(), XB, "E", mode=mode, sparsity=pattern, sparse=True)
+    assert isinstance(res.grad, sp.csr_array) and res.grad.nnz == pattern.nnz
+    np.testing.assert_allclose(res.grad.toarray(), want, rtol=1e-5, atol=1e-6)
+    dense = daskdag.jacobian(banded_dag(), XB, "E", mode=mode, sparsity="detect")
+    assert_tree_close(dense.grad, want, rtol=1e-5)
+
+
+def test_one_pass_per_colour():
+    """A node with its own NumPy VJP is pulled back row by row: once per colour of a band of
+    width 3, not once per output element."""
+    rows = []
+
+    def own_vjp(ct, out, b):
+        rows.append(ct)
+        return (ct * 3 * np.asarray(b) ** 2,)
+
+    dag = {"B": (stencil, ["x"]), "C": Node(lambda b: np.asarray(b) ** 3, ["B"], vjp=own_vjp)}
+    want = jax.jacrev(lambda x: stencil(x) ** 3)(XB)
+    res = daskdag.jacobian(dag, XB, "C", mode="rev", sparsity="detect")  # C is probed
+    assert_tree_close(res.grad, want, rtol=1e-4, atol=1e-5)
+    rows.clear()
+    pattern = daskdag.jacobian_sparsity(dag, XB, "C")
+    probes = len(rows)
+    assert probes == 3 * N  # probed at the point and two points near it, row by row
+    rows.clear()
+    res = daskdag.jacobian(dag, XB, "C", mode="rev", sparsity=pattern)
+    assert len(rows) == 3  # a tridiagonal band: 3 colours (rows r, r + 3, ... share no column)
+    assert_tree_close(res.grad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_untraceable_node_is_probed():
+    def branchy(a):
+        return jnp.tanh(a) if jnp.sum(a) > 0 else jnp.sin(a)  # (a value: eager only)
+
+    dag = {"A": (branchy, ["x"]), "B": (stencil, ["A"])}
+    pattern = daskdag.jacobian_sparsity(dag, XB + 2.0, "B")
+    want = jax.jacrev(lambda x: stencil(jnp.tanh(x)))(XB + 2.0)
+    np.testing.assert_array_equal(pattern.toarray(), np.asarray(want) != 0)
+
+
+def test_several_inputs_and_outputs_and_the_pattern_s_layout():
+    dag = {"P": (lambda u, v: u * v[::-1], ["u", "v"]), "S": (lambda p: jnp.cumsum(p)[-3:], ["P"])}
+    x = {"u": jnp.arange(1.0, 7.0), "v": jnp.linspace(0.5, 2.0, 6)}
+    patterns = daskdag.jacobian_sparsity(dag, x, ["P", "S"])
+    assert set(patterns) == {"P", "S"} and set(patterns["P"]) == {"u", "v"}
+    np.testing.assert_array_equal(patterns["P"]["u"].toarray(), np.eye(6, dtype=bool))
+    np.testing.assert_array_equal(patterns["P"]["v"].toarray(), np.eye(6, dtype=bool)[::-1])
+    np.testing.assert_array_equal(patterns["S"]["u"].toarray(),  # cumsum's last 3 elements
+                                  np.tril(np.ones((6, 6), bool))[-3:])
+    for mode in ("rev", "fwd"):
+        res = daskdag.jacobian(dag, x, ["P", "S"], mode=mode, sparsity=patterns)
+        for o in ("P", "S"):
+            f = (lambda d: dag["P"][0](d["u"], d["v"])) if o == "P" else \
+                (lambda d: dag["S"][0](dag["P"][0](d["u"], d["v"])))
+            assert_tree_close(res[o].grad, jax.jacrev(f)(x))
+        scipy_res = daskdag.jacobian(dag, x, ["P", "S"], mode=mode, sparsity=patterns, sparse=True)
+        assert isinstance(scipy_res["P"].grad["v"], sp.csr_array)
+        np.testing.assert_allclose(scipy_res["P"].grad["v"].toarray(),
+                                   jax.jacrev(lambda v: x["u"] * v[::-1])(x["v"]))
+
+
+def test_bad_patterns_are_named():
+    dag = banded_dag()
+    with pytest.raises(daskdag.DAGError, match=r"output 'E' and input 'x' has 5 columns.*200"):
+        daskdag.jacobian(dag, XB, "E", sparsity=np.ones((N, 5), bool))
+    with pytest.raises(daskdag.DAGError, match="no pattern for output 'D'"):
+        daskdag.jacobian(dag, XB, ["D", "E"], sparsity={"E": np.eye(N, dtype=bool)})
+    two = {"P": (lambda u, v: u * v, ["u", "v"])}
+    with pytest.raises(daskdag.DAGError, match="output 'P' gives no pattern for 'v'"):
+        daskdag.jacobian(two, {"u": jnp.ones(3), "v": jnp.ones(3)}, "P",
+                         sparsity={"u": np.eye(3, dtype=bool)})
+    with pytest.raises(ValueError, match="pattern of output 'E' has 7 rows.*200 elements"):
+        daskdag.jacobian(dag, XB, "E", mode="rev", sparsity=np.ones((7, N), bool))
+    with pytest.raises(ValueError, match="pattern of output 'E' has 7 rows.*200 elements"):
+        daskdag.jacobian(dag, XB, "E", mode="fwd", sparsity=np.ones((7, N), bool))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_sparse_and_forward_on_a_process_cluster_with_pullbacks_moved_between_workers():
+    want = jax.jacrev(banded)(XB)
+    pattern = daskdag.jacobian_sparsity(banded_dag(), XB, "E")
+    with local_client() as client:
+        for mode in ("fwd", "rev"):
+            res = daskdag.jacobian(banded_dag(), XB, "E", mode=mode, sparsity=pattern,
+                                   client=client)
+            assert_tree_close(res.grad, want, rtol=1e-5)
+        res = daskdag.jacobian(chain(False), X, "D", mode="fwd", client=client)
+        assert_tree_close(res.grad, jax.jacrev(lambda x: composed(x)["D"])(X), rtol=1e-5)
+        a, b = sorted(client.scheduler_info()["workers"])
+        moved, _ = compute_split(client, banded_dag(), XB, "E", a, b, lazy=daskdag.jacobians,
+                                 mode="rev", sparsity=pattern)
+        assert_tree_close(moved["E"][1]["x"], want, rtol=1e-5)
+        with dask.config.set({"daskdag.close-stages": False}):
+            assert "jvp" in kinds(daskdag.jacobians(chain(False), X, "D", mode="fwd"))
