@@ -1,0 +1,164 @@
+"""Hessian-vector products: :func:`compute_hvps` and its lazy form :func:`hvps`.
+
+Each node is lifted to its forward-mode pair, ``(x, dx) -> (f(x), J(x) dx)`` (``jax.jvp``, as
+:func:`daskdag.rules.jvp.jvp_leaves`), and the lifted DAG goes through the reverse-mode graph of
+:func:`daskdag.compute_grads` seeded with ``(0, ct)`` at each output: reverse over forward. The
+gradient it gives at an input's pair ``(x, v)`` is ``(H v, g)``: the derivative of ``<ct, J v>``
+by ``x`` is the Hessian of ``<ct, f>`` times ``v``, and by ``v`` it is ``J^T ct``, the gradient
+itself. So one backward pass gives both, each node runs once (its jvp, under ``jax.vjp`` in its
+forward task), and its residuals travel between workers as any pullback's do.
+
+This is the same product as forward over reverse (``jax.jvp`` of ``jax.grad``): the Hessian is
+symmetric. Reverse over forward keeps the backward graph as it is; a JVP of the backward graph
+would need the tangents of every residual to travel with it, or each node recomputed in its
+backward task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from daskdag.api import _grads
+from daskdag.errors import DAGError
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.plan import make_plan
+from daskdag.model.request import input_tangents, parsed, wrt_names
+from daskdag.model.spec import Node
+from daskdag.rules.jvp import jvp_leaves
+from daskdag.rules.registry import has_rules
+from daskdag.rules.seeds import seed
+from daskdag.running.compute import active_client, where
+from daskdag.running.jobs import Job, as_collection, run
+from daskdag.running.lazy import Call
+
+
+@dataclass(frozen=True)
+class HVPResult:
+    """One output's ``value``, ``grad`` and ``hvp``: the gradient and the Hessian-vector product
+    of the output (of ``<ct, output>`` for a cotangent ``ct``), each shaped like ``x`` with one
+    free input, else a dict ``{input: ...}``; ``tangent``, the output's Jacobian-vector product
+    along the same ``v``, in the output's structure."""
+
+    value: Any
+    grad: Any
+    hvp: Any
+    tangent: Any
+
+
+def compute_hvps(dag: Mapping, x, v, outputs: str | Sequence[str], *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, Any] | None = None,
+                 client=None, scheduler=None, progress: bool = False):
+    """Values, gradients and Hessian-vector products of ``outputs`` of ``dag``, each node
+    computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
+    backward pass (reverse over forward, see :mod:`daskdag.hessians`).
+
+    dag, x, outputs, wrt, cotangents, client, scheduler, progress: as for
+    :func:`~daskdag.compute_grads` (``wrt``: free inputs only).
+    v:          the vector, as ``tangents`` of :func:`~daskdag.compute_jvps`: with one free
+                input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
+                dict ``{input: v}``; the inputs left out move by zero.
+
+    Returns ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
+    :class:`HVPResult`). Each node runs under ``jax.jvp`` inside ``jax.vjp``, so it must be
+    twice differentiable by JAX: a node with its own derivative rules (``vjp=``, ``fwd=`` /
+    ``bwd=``: NumPy code) on the way is refused with a :class:`~daskdag.DAGError` naming it,
+    and a ``jax.custom_vjp`` function inside a node fails there (JAX has no forward mode for
+    it). Raises otherwise as :func:`~daskdag.compute_grads` does. :func:`hvps` is the same call,
+    not computed yet.
+    """
+    client, local = where(client, scheduler)
+    return run(_hvps(dag, x, v, outputs, wrt, cotangents, client is not None,
+                     travel=client is not None), client, local, progress)
+
+
+def hvps(dag: Mapping, x, v, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+         cotangents: Mapping[str, Any] | None = None) -> Call:
+    """:func:`compute_hvps`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
+    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Pair:
+    """A lifted value: the ``primal`` and its ``tangent`` (a flat tuple over its differentiable
+    leaves, :mod:`daskdag.model.leaves`)."""
+
+    primal: Any
+    tangent: tuple
+
+
+@seed.register
+def _(value: Pair, output: str, ct, batched: bool = False) -> tuple:
+    # (0, ct): the output's tangent is seeded, its value not (see the module's docstring).
+    zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
+    return zeros + seed(value.primal, output, ct, batched)
+
+
+def lifted(fn, active: tuple[bool, ...], *args) -> Pair:
+    """A node's function on lifted deps (``Pair`` where ``active``): its value and its JVP."""
+    primals = [a.primal if on else a for a, on in zip(args, active)]
+    tangents = [a.tangent if on else None for a, on in zip(args, active)]
+    primal, tangent = jvp_leaves(fn, primals, tangents, active)
+    return Pair(primal, tangent)
+
+
+def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
+    spec, names, values = parsed(dag, x, outputs)
+    wrt = wrt_names(spec, values, wrt, candidates=values)
+    nodes = [w for w in wrt if w in spec.nodes]
+    if nodes:
+        raise DAGError(f"wrt names node(s) {nodes}: compute_hvps differentiates free inputs only")
+    plan = make_plan(spec, names, wrt)
+    own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
+    if own:
+        raise DAGError(f"node(s) {own} have their own derivative rules (vjp=, fwd=/bwd=): a "
+                       f"Hessian-vector product needs the derivative of their VJP, which those "
+                       f"rules do not give; write them in JAX, or leave out of wrt the inputs "
+                       f"they depend on")
+    given, _ = input_tangents(spec, values, v, batched=False)
+    pairs = {i: Pair(values[i], given.get(i) or tuple(
+        jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i]))) for i in wrt}
+    lifted_dag = {}
+    for n in plan.needed:
+        node = spec.nodes[n]
+        if n in plan.active:
+            active = tuple(d in pairs or d in plan.active for d in node.deps)
+            node = Node(partial(lifted, node.fn, active), node.deps, jit=node.jit,
+                        device=node.device, resources=node.resources)
+        lifted_dag[n] = node
+    job = _grads(lifted_dag, {**values, **pairs} if len(spec.inputs) > 1 else
+                 pairs.get(spec.inputs[0], values[spec.inputs[0]]), outputs, list(wrt),
+                 cotangents, remote, travel)
+    return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
+               "compute_hvps")
+
+
+def _results(spec, outputs, computed):
+    """:class:`HVPResult` s from compute_grads' results on the lifted DAG."""
+    per_output = {outputs: computed} if isinstance(outputs, str) else computed
+    results = {}
+    for o, r in per_output.items():
+        one = len(spec.inputs) == 1 and isinstance(r.grad, Pair)
+        grads = {spec.inputs[0]: r.grad} if one else r.grad
+        hvp = {i: g.primal for i, g in grads.items()}
+        grad = {i: _structured(g.primal, g.tangent) for i, g in grads.items()}
+        value, tangent = ((r.value.primal, _structured(r.value.primal, r.value.tangent))
+                          if isinstance(r.value, Pair) else (r.value, None))
+        i0 = spec.inputs[0]
+        results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp, tangent)
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def _structured(like, flat: tuple):
+    """``flat`` (one array per differentiable leaf of ``like``) in ``like``'s structure, None at
+    the leaves held constant."""
+    leaves, treedef = jax.tree.flatten(like, is_leaf=lambda leaf: leaf is None)
+    it = iter(flat)
+    return treedef.unflatten([next(it) if leaf is not None and is_differentiable(leaf) else None
+                              for leaf in leaves])
