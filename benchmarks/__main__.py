@@ -14,7 +14,9 @@ against JAX nodes and hand-written loops), ``tiny_nodes`` (the seed DAG and laye
 50,000 tiny nodes on Dask's threaded scheduler against the same VJP plumbing by hand),
 ``scale_out`` (nodes that wait, on default clusters of W = 4, 8, 16 workers that it starts
 itself: ``compute_grads`` of a wide DAG and ``sweep_grads`` against hand-written Dask graphs,
-as efficiency against the ideal). Each times its methods against baselines in the same run,
+as efficiency against the ideal), ``remat`` (a 16-node chain with 200 MB of residuals per node
+on 2 workers of 1.5 GB: ``Node(remat=True)`` against spilling and an unlimited run; peak worker
+memory and time). Each times its methods against baselines in the same run,
 interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
 ``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart. The scenarios
 of ``OWN_CLUSTERS`` use none of those: they run after those clusters are closed.
@@ -39,9 +41,10 @@ from pathlib import Path
 
 from . import common, report
 SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
-             "tiny_nodes", "scale_out")
+             "tiny_nodes", "scale_out", "remat")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
-OWN_CLUSTERS = {"tiny_nodes", "scale_out"}  # use none of common.CLUSTERS (scale_out starts its own)
+OWN_CLUSTERS = {"tiny_nodes", "scale_out", "remat"}  # use none of common.CLUSTERS (scale_out
+# and remat start their own)
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")

@@ -35,6 +35,7 @@ from daskdag.graph.compiled import Compiled
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves
 from daskdag.model.spec import Node
+from daskdag.rules import remat
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
 from daskdag.rules.seeds import add
@@ -66,7 +67,9 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
             raise Cancelled(f"the call no longer waits for node {name!r}")
         inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
         with node_errors(name, "forward"):
-            if any(active):
+            if any(active) and node.remat:
+                primal, pullback = remat.forward(node, inputs, active)
+            elif any(active):
                 primal, pullback = linearizer(node)(inputs, active)
             else:
                 primal, pullback = node.callable()(*inputs), None
@@ -119,6 +122,19 @@ class StagePullback(Pullback):
                     into = out if kind == "dep" else outgrads
                     into[i] = share if into[i] is None else add(into[i], share)
         return tuple(out)
+
+    def materialize(self, deps: Sequence[Any]) -> StagePullback:
+        """With each node's pullback materialized (:meth:`Pullback.materialize`: a ``remat``
+        node's forward pass redone), for one backward task."""
+        stage, pullbacks = self.stage, list(self.pullbacks)
+        for j, pb in enumerate(pullbacks):
+            if isinstance(pb, remat.RematPullback):
+                inputs = [deps[i] if kind == "dep" else self.values[i]
+                          for kind, i in stage.sources[j]]
+                with node_errors(stage.nodes[j], "backward"):
+                    pullbacks[j] = pb.materialize(inputs)
+        return self if pullbacks == list(self.pullbacks) else StagePullback(
+            stage, pullbacks, self.values)
 
     @property
     def batching(self):

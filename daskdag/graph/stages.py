@@ -28,7 +28,7 @@ then runs as one program (:func:`daskdag.graph.run.gradients`), as ``jax.jit`` o
 ``value_and_grad`` would.
 
 All nodes of a stage need the same resources. ``dask.config`` ``daskdag.fuse-chains`` (default
-True): False makes every node its own stage.
+True): False makes every node its own stage. A ``remat`` node is always a stage of its own.
 """
 
 from __future__ import annotations
@@ -100,6 +100,11 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
     groups: list[list[str]] = []
     group_of: dict[str, int] = {}
     jittable: dict[int, bool] = {}
+    # A remat node is a stage of its own, run node by node: its backward task then redoes that
+    # node alone, and no joint vjp of a chain, nor a fused program, keeps its residuals. (Inside
+    # a fused program, jax.checkpoint would do too; a stage of its own is simpler, and costs a
+    # task, little beside a node large enough to be worth recomputing.)
+    alone: dict[int, bool] = {}
     takes: dict[int, set[int]] = {}  # group -> the groups it takes values from
 
     def consumers(d):
@@ -123,9 +128,9 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
         node, deps = spec.nodes[n], [d for d in dict.fromkeys(spec.nodes[n].deps) if d in group_of]
         kind = _jittable(node)
         joined = None
-        for d in deps if fuse else ():
+        for d in deps if fuse and not node.remat else ():
             g = group_of[d]
-            if spec.nodes[d].needs != node.needs or jittable[g] != kind:
+            if spec.nodes[d].needs != node.needs or jittable[g] != kind or alone[g]:
                 continue
             if any(e in plan.wrt for e in deps if group_of[e] == g):
                 continue  # (a node in wrt: its cotangent must leave its stage, see _stage)
@@ -146,7 +151,7 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
         if joined is None:
             joined = len(groups)
             groups.append([])
-            jittable[joined], takes[joined] = kind, set()
+            jittable[joined], takes[joined], alone[joined] = kind, set(), bool(node.remat)
         groups[joined].append(n)
         group_of[n] = joined
         takes[joined] |= {group_of[e] for e in deps} - {joined}

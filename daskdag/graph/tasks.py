@@ -92,6 +92,7 @@ def backward(stage: Stage, stop, flows: tuple, rows, forward_out, *args) -> list
     """
     values, pullback = forward_out
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
+    pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task only)
     cts = [tuple(None if flow is None else flow.cotangent(value, sources)
                  for value, flow in zip(values, per_output)) for per_output in flows]
     dropped = dropped_of(stage, stop)

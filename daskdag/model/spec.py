@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 from dask.sizeof import sizeof
 
+from daskdag import config
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
 from daskdag.transport.protocol import travels
@@ -45,6 +46,13 @@ class Node:
     cotangent per dep; ``jvp=jvp``, ``jvp(args, tangents) -> (out, out_tangent)``, for
     forward mode. With ``vmap=True`` in a sweep they take a whole chunk: every value with a
     leading item axis.
+
+    ``remat=True`` keeps no residuals between the node's forward and backward tasks: its
+    backward task runs the node's forward pass again (under its rule, the user's own ones
+    included) and pulls the cotangent back at once, as :func:`jax.checkpoint` does. It trades
+    one more forward pass of the node for the memory its residuals would hold until the
+    backward pass. ``remat=None`` (the default) takes ``dask.config``'s ``daskdag.remat``
+    (default False) when the DAG is parsed. A remat node is a stage (a task) of its own.
     """
 
     fn: Callable[..., Any] | None = None
@@ -57,6 +65,7 @@ class Node:
     fwd: Callable[..., Any] | None = None
     bwd: Callable[..., Any] | None = None
     jvp: Callable[..., Any] | None = None
+    remat: bool | None = None
 
     @property
     def needs(self) -> dict[str, float]:
@@ -73,7 +82,8 @@ class Node:
         fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
         rules = (self.vjp, self.fwd, self.bwd, self.jvp)
         return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
-                      *(pack(r, as_function=True) if r is not None else None for r in rules))
+                      *(pack(r, as_function=True) if r is not None else None for r in rules),
+                      self.remat)
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ def _node(name, entry) -> Node:
     if isinstance(entry, Node):
         fn, deps = _function(name, entry), entry.deps
         opts = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
-                "resources": entry.resources}
+                "resources": entry.resources, "remat": entry.remat}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
         (fn, deps), opts = entry, {}
     else:
@@ -143,7 +153,13 @@ def _node(name, entry) -> Node:
             isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items())):
         raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
                        f"got {resources!r}")
-    return Node(fn, tuple(deps), **opts)
+    remat = opts.get("remat")
+    if remat is None:
+        remat = config.get("remat")
+    if not isinstance(remat, bool):
+        raise DAGError(f"node {name!r}: remat must be True, False or None (daskdag.remat), "
+                       f"got {remat!r}")
+    return Node(fn, tuple(deps), **{**opts, "remat": remat})
 
 
 def _function(name: str, node: Node):

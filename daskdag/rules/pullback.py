@@ -74,6 +74,12 @@ class Pullback(abc.ABC):
                  ) -> tuple:
         ...
 
+    def materialize(self, inputs: Sequence[Any]) -> "Pullback":
+        """The pullback a backward task calls, once per cotangent, on these ``inputs``: itself;
+        a pullback that keeps no residuals (``remat``, :mod:`daskdag.rules.remat`) recomputes
+        them here, once for the task, and they go when the task ends."""
+        return self
+
     @abc.abstractmethod
     def residual_nbytes(self) -> int:
         """Bytes that moving it ships: its residuals, less what the backward task holds."""
