@@ -28,7 +28,7 @@ from daskdag.api import _grads
 from daskdag.errors import DAGError
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import input_tangents, parsed, wrt_names
+from daskdag.model.request import cotangents_for, input_tangents, parsed, wrt_names
 from daskdag.model.spec import Node
 from daskdag.rules.jvp import jvp_leaves
 from daskdag.rules.registry import has_rules
@@ -93,11 +93,19 @@ class Pair:
     tangent: tuple
 
 
+@dataclass(frozen=True)
+class OnTangent:
+    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone.
+    (Never None itself, so no stage takes it for a plain scalar's seed of 1 everywhere.)"""
+
+    ct: Any = None
+
+
 @seed.register
-def _(value: Pair, output: str, ct, batched: bool = False) -> tuple:
+def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
     # (0, ct): the output's tangent is seeded, its value not (see the module's docstring).
     zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
-    return zeros + seed(value.primal, output, ct, batched)
+    return zeros + seed(value.primal, output, ct.ct, batched)
 
 
 def lifted(fn, active: tuple[bool, ...], *args) -> Pair:
@@ -121,6 +129,7 @@ def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
                        f"Hessian-vector product needs the derivative of their VJP, which those "
                        f"rules do not give; write them in JAX, or leave out of wrt the inputs "
                        f"they depend on")
+    cotangents = cotangents_for(names, cotangents)
     given, _ = input_tangents(spec, values, v, batched=False)
     pairs = {i: Pair(values[i], given.get(i) or tuple(
         jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i]))) for i in wrt}
@@ -130,11 +139,12 @@ def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
         if n in plan.active:
             active = tuple(d in pairs or d in plan.active for d in node.deps)
             node = Node(partial(lifted, node.fn, active), node.deps, jit=node.jit,
-                        device=node.device, resources=node.resources)
+                        device=node.device, resources=node.resources, remat=node.remat)
         lifted_dag[n] = node
     job = _grads(lifted_dag, {**values, **pairs} if len(spec.inputs) > 1 else
                  pairs.get(spec.inputs[0], values[spec.inputs[0]]), outputs, list(wrt),
-                 cotangents, remote, travel)
+                 {o: OnTangent(cotangents.get(o)) if o in plan.active else cotangents.get(o)
+                  for o in names}, remote, travel)
     return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
                "compute_hvps")
 

@@ -267,14 +267,15 @@ def _noting(path: str, name: str, fn):
     return noting
 
 
-def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):
+def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, field="grad", **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 
     The second submission finds the forward keys in memory and reuses them, so every backward
     task must fetch its pullback from the other process (an output's stage keeps its backward
     task apart: ``daskdag.close-stages`` off). ``lazy``: the lazy call, ``daskdag.grads``
     (default) or ``daskdag.jacobians``, given ``kw``. Returns ``({output: (value, {input:
-    grad})}, {key: worker it ran on})``.
+    grad})}, {key: worker it ran on})``; ``field``: the result's field that stands for ``grad``
+    (``"hvp"`` for ``daskdag.hvps``).
     """
     import dask
     import distributed
@@ -296,8 +297,9 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, **kw):
     assert {w for k, w in ran.items() if key_kind(k) == "bwd"} == {bwd_on}
     computed = {outputs: computed} if isinstance(outputs, str) else computed
     inputs = [d for _, deps in map(_entry, dag.values()) for d in deps if d not in dag]
-    return {o: (r.value, r.grad if isinstance(r.grad, dict) and len(set(inputs)) > 1
-                else {inputs[0]: r.grad}) for o, r in computed.items()}, ran
+    grads = {o: getattr(r, field) for o, r in computed.items()}
+    return {o: (r.value, grads[o] if isinstance(grads[o], dict) and len(set(inputs)) > 1
+                else {inputs[0]: grads[o]}) for o, r in computed.items()}, ran
 
 
 def _entry(entry):

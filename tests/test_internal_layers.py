@@ -18,7 +18,7 @@ LAYERS = (
     ("daskdag.running",),
     ("daskdag.sweeps",),
     ("daskdag.api", "daskdag.checks"),
-    ("daskdag.jacobians",),
+    ("daskdag.jacobians", "daskdag.hessians"),
     ("daskdag.cli", "daskdag"),
 )
 
