@@ -7,6 +7,7 @@
 >>> res = daskdag.compute_jvps(dag, x, v, ["D", "E"])        # forward mode: res["D"].tangent
 >>> res = daskdag.compute_hvps(dag, x, v, ["D", "E"])        # Hessian-vector products: .hvp
 >>> daskdag.check_grads(dag, x, ["D", "E"])                   # each node's VJP against FD
+>>> daskdag.check_totals(dag, x, ["D", "E"])                  # the outputs' gradients against FD
 >>> call = daskdag.grads(dag, x, ["D", "E"])                  # lazy: a Dask collection
 >>> dask.compute(call, other_dask_work)
 """
@@ -16,18 +17,19 @@ from importlib import metadata as _metadata
 from daskdag.api import JVPResult, Result, compute_grads, compute_jvps, grads, jvps, sweep_grads
 from daskdag.hessians import HVPResult, compute_hvps, hvps
 from daskdag.jacobians import jacobian, jacobian_sparsity, jacobians
-from daskdag.checks import check_grads
-from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError
+from daskdag.checks import check_grads, check_totals
+from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError, TotalCheckError
 from daskdag.running.lazy import Call
 from daskdag.model.spec import Node
 
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
-for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError, NodeError):
+for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError, NodeError, TotalCheckError):
     _public.__module__ = __name__
 del _public
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
            "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",
-           "DAGError", "NodeError", "ClusterError", "GradientCheckError"]
+           "DAGError", "NodeError", "ClusterError", "GradientCheckError", "check_totals",
+           "TotalCheckError"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

@@ -1,4 +1,6 @@
-"""Checking every node's VJP against central finite differences of that node alone.
+"""Checking derivatives against central finite differences: every node's VJP against those of
+the node alone (:func:`check_grads`, OpenMDAO's ``check_partials``), and the outputs' gradients
+against those of the whole composed DAG (:func:`check_totals`, its ``check_totals``).
 
 In:  a call as for :func:`daskdag.compute_grads` (``dag, x, outputs, wrt, client``), and
      optionally the finite-difference step ``eps`` and tolerance ``rtol``.
@@ -40,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.errors import GradientCheckError, node_errors
+from daskdag.api import compute_grads
+from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
 from daskdag.graph.build import Carry, _Graph, ident, key, token_of
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
@@ -108,6 +111,112 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
         dep = spec.nodes[failed[0]].deps[first["position"]]
         raise GradientCheckError(failed[0], dep, others=tuple(failed[1:]), **first)
     return {n: found[n][0][0] for n in checked}
+
+
+def check_totals(dag: Mapping, x, outputs: str | Sequence[str], *,
+                 wrt: Sequence[str] | None = None, eps: float | None = None,
+                 rtol: float | None = None, client=None, scheduler=None) -> dict[str, float]:
+    """Check the gradients of whole ``outputs`` (what :func:`~daskdag.compute_grads` gives)
+    against central finite differences of the composed DAG, as OpenMDAO's ``check_totals``
+    does beside its ``check_partials`` (:func:`check_grads`, node by node).
+
+    dag, x, outputs, wrt, client, scheduler: as for :func:`~daskdag.compute_grads` (``wrt``:
+    free inputs only; outputs may be any real or complex arrays or pytrees).
+    eps, rtol: as for :func:`check_grads`; their defaults by the lowest precision among the
+               differentiated inputs' leaves (``eps``), and the outputs' leaves too (``rtol``).
+
+    Per projection (:data:`PROJECTIONS`), a random unit cotangent ``u`` over each output's
+    differentiable leaves and a random tangent ``v`` per input (each leaf's elements of about
+    its RMS magnitude): ``<u, J v>`` by central differences (the DAG evaluated at ``x + eps v``
+    and ``x - eps v``, every evaluation a task graph of its own, all in one Dask graph) against
+    ``<J^T u, v>`` from ``compute_grads`` seeded with ``u``, compared as :func:`check_grads`
+    compares them. So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and
+    ``PROJECTIONS`` times under ``compute_grads``.
+
+    Returns ``{output: its largest relative error}`` over inputs and projections (at most
+    ``rtol`` where it passed). Raises :class:`~daskdag.TotalCheckError` (a
+    :class:`~daskdag.GradientCheckError`) naming the first output and input that disagree (and
+    the other pairs that failed), :class:`~daskdag.NodeError` when a node raises, and what
+    :func:`~daskdag.compute_grads` raises for a malformed call.
+    """
+    client, local = where(client, scheduler)
+    request = prepare(dag, x, outputs, wrt)
+    plan, spec, values = request.plan, request.spec, request.values
+    nodes = [w for w in plan.wrt if w in spec.nodes]
+    if nodes:
+        raise DAGError(f"wrt names node(s) {nodes}: check_totals perturbs free inputs only")
+    rng = np.random.default_rng(0)
+    leaves = {i: differentiable_leaves(values[i]) for i in plan.wrt}
+    machine = max(float(jnp.finfo(_dtype(leaf)).eps) for ls in leaves.values() for leaf in ls)
+    step = float(eps) if eps is not None else machine ** (1 / 3)
+    points, moves = [values], []  # the point, then x -/+ eps v per projection and input
+    for _ in range(PROJECTIONS):
+        moves.append({})
+        for i in plan.wrt:
+            size = np.sqrt(sum(np.size(leaf) for leaf in leaves[i]))
+            v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, leaves[i]), leaves[i])]
+            plus, minus, moves[-1][i] = _perturbed(values[i], v, step)
+            points += [{**values, i: minus}, {**values, i: plus}]
+    remote = client is not None
+    forward = ship(make_plan(spec, plan.outputs, ()), remote, travel=remote)
+    evaluated = run(Job(forward, partial(_points_graph, forward, points, remote),
+                        lambda found: found, "check_totals"), client, local, False)
+    at = [{o: differentiable_leaves(evaluated[f"{e}:{o}"][0]) for o in plan.outputs}
+          for e in range(len(points))]
+    machine = max([machine] + [float(jnp.finfo(_dtype(leaf)).eps) for ls in at[0].values()
+                               for leaf in ls])
+    rtol = float(rtol) if rtol is not None else 2 * machine ** (1 / 3)
+    worst = {o: 0.0 for o in plan.outputs}
+    failures: dict = {}
+    for p in range(PROJECTIONS):
+        us = {o: _unit(rng, at[0][o]) for o in plan.outputs}
+        value_of = {o: evaluated[f"0:{o}"][0] for o in plan.outputs}
+        cts = {o: _like_tree(value_of[o], [np.conj(u).astype(_dtype(leaf)) for u, leaf in
+                                           zip(us[o], at[0][o])]) for o in plan.outputs}
+        grads = compute_grads(dag, x, list(plan.outputs), wrt=list(plan.wrt), cotangents=cts,
+                              client=client, scheduler=scheduler)
+        for o in plan.outputs:
+            u = [np.conj(_wide(c)) for c in differentiable_leaves(cts[o])]
+            f = [_wide(leaf) for leaf in at[0][o]]
+            noise = ROUNDING * machine / step * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
+                                                            for a, b in zip(u, f)))
+            for k, i in enumerate(plan.wrt):
+                e = 1 + 2 * (p * len(plan.wrt) + k)
+                jv = [(_wide(a) - _wide(b)) / (2 * step) for a, b in zip(at[e + 1][o], at[e][o])]
+                grad = grads[o].grad if len(spec.inputs) == 1 else grads[o].grad[i]
+                ad = _inner(moves[p][i], [np.conj(_wide(g)) for g in differentiable_leaves(grad)])
+                relative, failure = _compare(_inner(jv, u), ad, jv, f, rtol, noise)
+                worst[o] = max(worst[o], float(relative))
+                if failure is not None and relative >= failures.get((o, i), (-1,))[0]:
+                    failures[(o, i)] = (relative, failure)
+    if failures:
+        (o, i), (_, failure) = next(iter(failures.items()))
+        raise TotalCheckError(o, i, eps=step, others=tuple(list(failures)[1:]), **failure)
+    return worst
+
+
+def _points_graph(forward, points, remote, place, stop) -> dict:
+    """The DAG evaluated plainly at each of ``points`` (input values): ``{"e:output": value}``."""
+    g = _Graph()
+    carry = Carry(g, remote, remote, place)
+    sent = {n: carry.node(n, forward.spec.nodes[n]) for n in forward.needed}
+    out = {}
+    for e, point in enumerate(points):
+        value_of = {i: carry.value("input", i, f"input {i!r}", v) for i, v in point.items()}
+        for n in forward.needed:
+            node = forward.spec.nodes[n]
+            deps = [value_of[d] for d in node.deps]
+            k = carry.key("fwd", f"{n}@{e}", ident(sent[n]), [ident(d) for d in deps])
+            value_of[n] = g.task(k, dict(node.needs), _value, n, sent[n], *deps)
+        out.update({f"{e}:{o}": (value_of[o], {}) for o in forward.outputs})
+    return g.delayed(out, carry.call)
+
+
+def _like_tree(value, diff: list):
+    """``value``'s structure with ``diff`` on its differentiable leaves, None elsewhere."""
+    leaves, treedef = jax.tree.flatten(value)
+    it = iter(diff)
+    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
 def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> dict:

@@ -81,6 +81,31 @@ class GradientCheckError(AssertionError):
                                     self.error, self.tolerance, self.eps, self.others)
 
 
+class TotalCheckError(GradientCheckError):
+    """An output's gradient by an input disagrees with central finite differences of the
+    composed DAG (:func:`daskdag.check_totals`): ``output`` and ``input`` name them; ``fd``,
+    ``ad``, ``error``, ``tolerance`` and ``eps`` as for :class:`GradientCheckError`;
+    ``others``: the other ``(output, input)`` pairs that failed too."""
+
+    def __init__(self, output: str, input: str, fd: float, ad: float, error: float,
+                 tolerance: float, eps: float, others: tuple = ()):
+        more = (f"; {len(others)} other pair{'s' if len(others) > 1 else ''} failed too: "
+                + ", ".join(f"{o!r} by {i!r}" for o, i in others)) if others else ""
+        AssertionError.__init__(
+            self, f"output {output!r}: its gradient by input {input!r} disagrees with central "
+                  f"differences of the composed DAG: <u, J v> = {fd:.4e} by central differences "
+                  f"(eps {eps:.1e}), {ad:.4e} from the gradient; error {error:.1e} > tolerance "
+                  f"{tolerance:.1e}{more}")
+        self.node, self.dep, self.position = output, input, None
+        self.output, self.input = output, input
+        self.fd, self.ad, self.error, self.tolerance, self.eps = fd, ad, error, tolerance, eps
+        self.others = tuple(others)
+
+    def __reduce__(self):
+        return TotalCheckError, (self.output, self.input, self.fd, self.ad, self.error,
+                                 self.tolerance, self.eps, self.others)
+
+
 class ClusterError(RuntimeError):
     """The cluster cannot run this graph: a client that is not running, no worker at all, no
     worker offering a resource a node needs, or versions that differ from the client's. The
