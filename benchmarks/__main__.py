@@ -9,9 +9,13 @@ JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd; bytes sent 
 against a loop and ``jit(vmap)``), ``large_sweep`` (a sweep of large items against two plain
 processes; skipped, and said so, while its module is missing), ``portable`` (pullbacks moved
 between processes), ``jacobians`` (``daskdag.jacobian`` of a 64-output chain against
-``jax.jacrev`` and PyTorch), ``custom_nodes`` (nodes of NumPy code with the user's own VJP
-against JAX nodes and hand-written loops), ``tiny_nodes`` (the seed DAG and layered DAGs of up to
-50,000 tiny nodes on Dask's threaded scheduler against the same VJP plumbing by hand),
+``jax.jacrev`` and PyTorch), ``sparse_jacobians`` (a block-diagonal and a banded n x n
+Jacobian through a 5-node DAG of eager nodes: ``daskdag.jacobian`` dense, with a sparsity
+pattern (one pass per colour, passes counted) and with ``sparsity="detect"``, against
+``jax.jacrev``; on this process's threads, no cluster), ``custom_nodes`` (nodes of NumPy
+code with the user's own VJP against JAX nodes and hand-written loops), ``tiny_nodes`` (the
+seed DAG and layered DAGs of up to 50,000 tiny nodes on Dask's threaded scheduler against the
+same VJP plumbing by hand),
 ``scale_out`` (nodes that wait, on default clusters of W = 4, 8, 16 workers that it starts
 itself: ``compute_grads`` of a wide DAG and ``sweep_grads`` against hand-written Dask graphs,
 as efficiency against the ideal), ``remat`` (a 16-node chain with 200 MB of residuals per node
@@ -40,11 +44,12 @@ import time
 from pathlib import Path
 
 from . import common, report
-SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
-             "tiny_nodes", "scale_out", "remat")
+SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
+             "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
-OWN_CLUSTERS = {"tiny_nodes", "scale_out", "remat"}  # use none of common.CLUSTERS (scale_out
-# and remat start their own)
+# use none of common.CLUSTERS (scale_out and remat start their own; the others run on this
+# process's threads)
+OWN_CLUSTERS = {"sparse_jacobians", "tiny_nodes", "scale_out", "remat"}
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")

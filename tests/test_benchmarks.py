@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians", "custom_nodes",
-             "tiny_nodes", "scale_out", "remat"}
+SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
+             "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat"}
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),
@@ -69,6 +69,12 @@ def test_quick_run_writes_json_markdown_and_plots(run):
         med = {m: r["median_s"] for m, r in c["methods"].items()}
         assert c["ratios"]["daskdag_threads/jacrev"] == pytest.approx(
             med["daskdag_threads"] / med["jacrev"])
+    sparse = {c["case"]: c for c in results["scenarios"]["sparse_jacobians"]["cases"]}
+    assert set(sparse) == {"block", "banded"}
+    for c in sparse.values():  # one pass per colour, counted; a dense call one per element
+        assert c["passes_equal_colours"] and c["passes"]["sparse"] == c["colours"][c["mode"]]
+        assert c["passes"]["dense"] == c["params"]["n"]
+        assert "sparse/dense" in c["ratios"] and "detect_and_sparse/dense" in c["ratios"]
     scale = results["scenarios"]["scale_out"]  # a wide and a sweeps case per W, on W workers
     assert [c["params"]["W"] for c in scale["cases"]] == [
         w for w in scale["config"]["workers"] for _ in ("wide", "sweeps")]

@@ -5,7 +5,8 @@
 - :mod:`~daskdag.graph.compiled`: a fused stage as compiled programs (``jit``, ``vmap``);
 - :mod:`~daskdag.graph.tasks`: the functions Dask runs: forward, backward, gradient tasks;
 - :mod:`~daskdag.graph.build`: the graph of a call (reverse mode, Jacobians);
-- :mod:`~daskdag.graph.forward`: the graph of a call in forward mode.
+- :mod:`~daskdag.graph.forward`: the graph of a call in forward mode;
+- :mod:`~daskdag.graph.sparsity`: a DAG's Jacobian sparsity patterns, composed node by node.
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
 :mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`. In: a plan, input values,

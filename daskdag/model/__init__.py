@@ -6,6 +6,7 @@
 - :mod:`~daskdag.model.leaves`: which leaves of a value are differentiated;
 - :mod:`~daskdag.model.plan`: which nodes a call runs, and which run under vjp;
 - :mod:`~daskdag.model.shapes`: the shapes of its values, traced abstractly;
+- :mod:`~daskdag.model.colouring`: a sparse Jacobian's rows or columns grouped by colour;
 - :mod:`~daskdag.model.request`: one check of every entry point's arguments (and the CLI's).
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,

@@ -4,7 +4,9 @@
 - :mod:`~daskdag.rules.vjp`, :mod:`~daskdag.rules.jvp`: JAX's own rules, leaf by leaf;
 - :mod:`~daskdag.rules.custom`: the user's own rules (``Node(vjp=...)``, ``fwd``/``bwd``, ``jvp``);
 - :mod:`~daskdag.rules.registry`: one registry of the rules, by the kind of a node's function;
-- :mod:`~daskdag.rules.seeds`: where cotangents start (seeds, a Jacobian's rows) and their sums.
+- :mod:`~daskdag.rules.seeds`: where cotangents start (seeds, a Jacobian's rows) and their sums;
+- :mod:`~daskdag.rules.remat`: a ``remat`` node's pullback, which redoes its forward pass;
+- :mod:`~daskdag.rules.sparsity`: a function's Jacobian sparsity pattern, read off its jaxpr.
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
 :mod:`daskdag.transport`, :mod:`daskdag.model`. In: a node, its args, which are differentiated. Out: primals and
@@ -13,4 +15,4 @@ pullbacks (or tangents).
 
 from daskdag.rules import custom  # (registers the user's rules)
 
-__all__ = ["custom", "jvp", "pullback", "registry", "seeds", "vjp"]
+__all__ = ["custom", "jvp", "pullback", "registry", "remat", "seeds", "sparsity", "vjp"]
