@@ -3,9 +3,9 @@
     A = blocks(x),  B = blocks(A),  C = blocks(A) or stencil(blocks(A)),  D = blocks(B * C),
     E = blocks(D),  blocks(a) = tanh(... tanh(a.reshape(-1, 4) @ W_1) ... @ W_L).reshape(-1)
 
-``x`` float32[n]; every node is an eager JAX node (the tuple form), each with its own
-``L`` small float32[4, 4] matrices, so each does real work per element and mixes only the 4
-elements of its block. Two cases:
+``x`` float32[n]; every node is a JAX node, eager (the tuple form) or ``jit=True`` (the cases
+ending in ``_jit``), each with its own ``L`` small float32[4, 4] matrices, so each does real
+work per element and mixes only the 4 elements of its block. Two shapes:
 
 block:   C = blocks(A): the Jacobian of E is block-diagonal, 4 x 4 blocks (4 colours).
 banded:  C = stencil(blocks(A)), ``stencil(a) = pad(a[2:] - 2 a[1:-1] + a[:-2], 1)`` (a
@@ -20,8 +20,8 @@ sparse:             the same with ``sparsity=pattern``, the pattern from
                     ``daskdag.jacobian_sparsity`` computed once beforehand (one pass per colour).
 sparse_scipy:       the same with ``sparse=True`` (a ``scipy.sparse.csr_array``).
 detect_and_sparse:  ``sparsity="detect"``: the pattern found in the call, then as ``sparse``.
-jax_jacrev:         ``jax.jacrev`` of the composed function, not jitted (eager, as the nodes
-                    are): n rows under ``jax.vmap``, no DAG.
+jax_jacrev:         ``jax.jacrev`` of the composed function (``jax.jit`` of it where the
+                    nodes are jitted): n rows under ``jax.vmap``, no DAG.
 
 Each method runs once first and is checked against ``jax_jacrev``'s Jacobian (largest absolute
 difference, ``ATOL``; the dense and sparse layouts alike); the pattern is checked to cover every
@@ -55,7 +55,7 @@ TITLE = "Sparse Jacobian through a 5-node DAG"
 BLOCK = 4
 ATOL = 1e-5
 TARGETS = [{"case": case, "ratio": "sparse/dense", "op": "<=", "bound": 0.1, "source": "issue 23"}
-           for case in ("block", "banded")]
+           for case in ("block", "banded", "block_jit", "banded_jit")]
 
 
 @dataclass(frozen=True)
@@ -135,13 +135,19 @@ class Counter:
         return ident
 
 
-def count_passes(nodes: dict, x, mode: str, **kwargs) -> int:
+def as_dag(nodes: dict, jit: bool) -> dict:
+    """The nodes as daskdag's DAG: the tuple form (eager), or ``Node(..., jit=True)``."""
+    return {n: daskdag.Node(fn, deps, jit=True) if jit else (fn, deps)
+            for n, (fn, deps) in nodes.items()}
+
+
+def count_passes(nodes: dict, x, mode: str, jit: bool, **kwargs) -> int:
     """The rows (or columns) node A's value is pulled back (pushed forward) with in one
     ``daskdag.jacobian(dag, x, "E", mode=mode, **kwargs)``: its passes."""
     counter = Counter()
     ident = counter.identity(mode)
     fn, deps = nodes["A"]
-    dag = {**nodes, "A": (lambda a: ident(fn(a)), deps)}
+    dag = as_dag({**nodes, "A": (lambda a: ident(fn(a)), deps)}, jit)
     jax.block_until_ready(daskdag.jacobian(dag, x, "E", mode=mode, **kwargs).grad)
     jax.effects_barrier()
     return counter.seen
@@ -157,11 +163,12 @@ def _dense(jac) -> np.ndarray:
     return jac.toarray() if sp.issparse(jac) else np.asarray(jac)
 
 
-def measure_case(name: str, cfg: Config, banded: bool) -> dict:
+def measure_case(name: str, cfg: Config, banded: bool, jit: bool) -> dict:
     nodes = node_functions(make_weights(cfg), banded)
-    dag = dict(nodes)
+    dag = as_dag(nodes, jit)
     x = np.random.default_rng(1).standard_normal(cfg.n).astype(np.float32)
-    jacrev = jax.jacrev(partial(composed, nodes=nodes))  # not jitted: eager, as the nodes
+    jacrev = jax.jacrev(partial(composed, nodes=nodes))  # jitted where the nodes are
+    jacrev = jax.jit(jacrev) if jit else jacrev
 
     want = np.asarray(jax.block_until_ready(jacrev(jnp.asarray(x))))
     detect_s = []
@@ -191,8 +198,8 @@ def measure_case(name: str, cfg: Config, banded: bool) -> dict:
     if bad:
         raise AssertionError(f"{TITLE} ({name}): disagrees with jax.jacrev: {bad}")
 
-    passes = {"sparse": count_passes(nodes, x, mode, sparsity=pattern),
-              "dense": count_passes(nodes, x, "rev")}  # (auto: rev on n = n)
+    passes = {"sparse": count_passes(nodes, x, mode, jit, sparsity=pattern),
+              "dense": count_passes(nodes, x, "rev", jit)}  # (auto: rev on n = n)
     if passes["sparse"] != colours[mode] or passes["dense"] != cfg.n:
         raise AssertionError(f"{TITLE} ({name}): passes {passes}, but {colours[mode]} colours "
                              f"({mode}) and {cfg.n} elements")
@@ -201,7 +208,7 @@ def measure_case(name: str, cfg: Config, banded: bool) -> dict:
     print(f"  {name}: colours {colours}, passes {passes}, nnz {pattern.nnz}, detection "
           f"{statistics.median(detect_s) * 1e3:.1f} ms", flush=True)
     return common.case(
-        name, {"n": cfg.n, "layers": cfg.layers, "banded": banded}, times,
+        name, {"n": cfg.n, "layers": cfg.layers, "banded": banded, "jit": jit}, times,
         {"sparse/dense": ("sparse", "dense"),
          "detect_and_sparse/dense": ("detect_and_sparse", "dense"),
          "sparse/jax_jacrev": ("sparse", "jax_jacrev"),
@@ -218,9 +225,10 @@ def measure_case(name: str, cfg: Config, banded: bool) -> dict:
 
 def run(quick: bool, clients: dict) -> dict:
     cfg = QUICK if quick else FULL
-    print(f"{TITLE}: x float32[{cfg.n}], 5 eager nodes of {cfg.layers} layers on blocks of "
+    print(f"{TITLE}: x float32[{cfg.n}], 5 nodes of {cfg.layers} layers on blocks of "
           f"{BLOCK}", flush=True)
-    cases = [measure_case("block", cfg, banded=False), measure_case("banded", cfg, banded=True)]
+    cases = [measure_case(f"{shape}{'_jit' if jit else ''}", cfg, banded=shape == "banded", jit=jit)
+             for jit in (False, True) for shape in ("block", "banded")]
     summary = "; ".join(
         f"{c['case']}: {c['colours'][c['mode']]} colours ({c['mode']}), "
         f"{c['passes']['sparse']} passes counted (dense: {c['passes']['dense']}), "
@@ -228,13 +236,14 @@ def run(quick: bool, clients: dict) -> dict:
         for c in cases)
     return {"title": TITLE, "config": {**asdict(cfg), "block": BLOCK, "atol": ATOL},
             "description": f"Median seconds of {cfg.reps} runs of the Jacobian of E, float32"
-                           f"[{cfg.n}, {cfg.n}], through 5 eager JAX nodes ({cfg.layers} layers "
-                           f"of `tanh(h @ W)`, W 4x4, per node) on Dask's threaded scheduler. "
+                           f"[{cfg.n}, {cfg.n}], through 5 JAX nodes ({cfg.layers} layers "
+                           f"of `tanh(h @ W)`, W 4x4, per node) on Dask's threaded scheduler: "
+                           f"eager nodes, and `jit=True` nodes (cases `_jit`). "
                            f"`dense`: `daskdag.jacobian` (auto: reverse, {cfg.n} rows); `sparse`: "
                            f"`sparsity=` the pattern of `jacobian_sparsity`, found beforehand; "
                            f"`sparse_scipy`: also `sparse=True`; `detect_and_sparse`: "
                            f"`sparsity=\"detect\"`; `jax_jacrev`: `jax.jacrev` of the composed "
-                           f"function, not jitted. Every result within {ATOL:g} of `jax_jacrev`'s. "
+                           f"function (`jax.jit` of it in the `_jit` cases). Every result within {ATOL:g} of `jax_jacrev`'s. "
                            f"Passes counted at node A, each equal to the pattern's colours: "
                            f"{summary}.",
             "targets": [] if quick else common.targets(cases, TARGETS), "cases": cases}

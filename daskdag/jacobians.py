@@ -13,6 +13,7 @@ pass per colour, the entries recovered from the pattern. Either way the result h
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import jax
@@ -133,13 +134,33 @@ def _jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size, remote, 
         patterns = detect(plan, values)
     elif sparsity is not None:
         patterns = _user_patterns(plan, values, sparsity, outputs)
-    mode = _mode(plan, values, mode, patterns)
+    colours = _Colours(patterns)
+    # (Packed first, as the user's functions are now: the mode's trace of them comes after.)
+    plan = ship(plan, remote, travel)
+    mode = _mode(plan, values, mode, colours)
     if mode == "rev":
-        return _reverse(plan, values, patterns, sparse, outputs, chunk_size, remote, travel)
-    return _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel)
+        return _reverse(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
+    return _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
 
 
-def _mode(plan: Plan, values: dict, mode: str, patterns) -> str:
+class _Colours:
+    """A call's patterns (``{output: pattern over every wrt name}``, or None: dense), and
+    their colours, found once each when asked: ``rows`` per output (reverse), ``columns``
+    (forward, one colouring for all outputs)."""
+
+    def __init__(self, patterns):
+        self.patterns = patterns
+
+    @cached_property
+    def rows(self) -> dict:
+        return {o: colouring.colour_rows(p) for o, p in self.patterns.items()}
+
+    @cached_property
+    def columns(self) -> np.ndarray:
+        return colouring.colour_columns(sp.vstack(list(self.patterns.values())))
+
+
+def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
     """The mode asked for, checked, or for ``"auto"`` the one with fewer passes."""
     nodes = [w for w in plan.wrt if w in plan.spec.nodes]
     why_not = {"fwd": f"wrt names node(s) {nodes}: forward mode differentiates free inputs only"
@@ -151,10 +172,9 @@ def _mode(plan: Plan, values: dict, mode: str, patterns) -> str:
         return mode
     if why_not["fwd"] or why_not["rev"]:
         return "rev" if not why_not["rev"] else "fwd"
-    if patterns is not None:
-        rev = sum(colouring.count(colouring.colour_rows(p)) for p in patterns.values())
-        fwd = colouring.count(colouring.colour_columns(sp.vstack(list(patterns.values()))))
-        return "fwd" if fwd < rev else "rev"
+    if colours.patterns is not None:
+        rev = sum(colouring.count(c) for c in colours.rows.values())
+        return "fwd" if colouring.count(colours.columns) < rev else "rev"
     avals = abstract_values(plan.spec, plan.needed, {i: abstract(v) for i, v in values.items()},
                             lambda node: _untraced if has_rules(node) else node.callable())
     if any(avals[o] is UNKNOWN for o in plan.outputs):
@@ -178,10 +198,11 @@ def _rules_missing(plan: Plan, forward: bool) -> str | None:
 
 # -- reverse: the gradient graph, seeded with rows --------------------------------------------------
 
-def _reverse(plan, values, patterns, sparse, outputs, chunk_size, remote, travel) -> Job:
-    colours = {} if patterns is None else {o: colouring.colour_rows(p) for o, p in patterns.items()}
-    rows = Rows(chunk_size, tuple((o, tuple(int(c) for c in cs)) for o, cs in colours.items()))
-    plan = ship(with_rules(plan), remote, travel)
+def _reverse(plan, values, colours, sparse, outputs, chunk_size, remote, travel) -> Job:
+    patterns = colours.patterns
+    per_output = {} if patterns is None else colours.rows
+    rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in per_output.items()))
+    plan = with_rules(plan)
 
     def finish(computed):
         results = {}
@@ -192,7 +213,7 @@ def _reverse(plan, values, patterns, sparse, outputs, chunk_size, remote, travel
                 continue
             flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
             full = (sp.csr_array(flat) if patterns is None else
-                    colouring.from_rows(patterns[o], colours[o], flat))
+                    colouring.from_rows(patterns[o], per_output[o], flat))
             results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
                                                      per_name.items()}, sparse)
         return results[outputs] if isinstance(outputs, str) else results
@@ -215,17 +236,14 @@ def _row_template(rows):
 
 # -- forward: the JVP graph, seeded with columns ----------------------------------------------------
 
-def _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel) -> Job:
+def _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel) -> Job:
     templates = {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
                                  if is_differentiable(a) else None, values[i]) for i in plan.wrt}
     width = sum(size(values[i]) for i in plan.wrt)
     dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
-    if patterns is None:
-        colours = None
-        seeds = np.eye(width, dtype=dtype)
-    else:
-        colours = colouring.colour_columns(sp.vstack(list(patterns.values())))
-        seeds = colouring.seeds(colours, dtype)
+    patterns = colours.patterns
+    seeds = (np.eye(width, dtype=dtype) if patterns is None else
+             colouring.seeds(colours.columns, dtype))
     k, start, tangents = len(seeds), 0, {}
     for i in plan.wrt:
         leaves = []
@@ -234,7 +252,7 @@ def _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel
             leaves.append(jnp.asarray(seeds[:, start:start + n].reshape(k, *leaf.shape), leaf.dtype))
             start += n
         tangents[i] = tuple(leaves)
-    plan = ship(with_rules(plan, forward=True), remote, travel)
+    plan = with_rules(plan, forward=True)
 
     def finish(computed):
         results = {}
@@ -249,7 +267,7 @@ def _forward(plan, values, patterns, sparse, outputs, chunk_size, remote, travel
                     raise ValueError(f"the sparsity pattern of output {o!r} has "
                                      f"{patterns[o].shape[0]} rows, but the output has "
                                      f"{passes.shape[1]} elements")
-                full = colouring.from_columns(patterns[o], colours, passes)
+                full = colouring.from_columns(patterns[o], colours.columns, passes)
             results[o] = _result(plan, value, full, templates, sparse)
         return results[outputs] if isinstance(outputs, str) else results
 

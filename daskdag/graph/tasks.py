@@ -191,7 +191,10 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     if not total_rows:  # no differentiable leaf flows: nothing to stack
         return [pullback(c, deps, dropped) for c in cts]
     step = chunk or total_rows
-    traceable = pullback.traceable  # (user code on NumPy values is not)
+    # (User code on NumPy values cannot be vmapped; and below its `least`, vmap of a pullback
+    # costs more than a loop: an eager pullback's is traced anew on every call.)
+    traceable = pullback.traceable and (pullback.batching is None
+                                        or total_rows >= pullback.batching.least)
     pieces = []
     for start in range(0, total_rows, step):
         part = jax.tree.map(lambda a: a[start:start + step], tuple(stacked))

@@ -32,13 +32,16 @@ def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     block-diagonal pattern with blocks of b rows takes b."""
     rows = as_pattern(pattern).astype(np.int64)
     conflicts = (rows @ rows.T).tocsr()  # rows sharing some column
-    colours = np.full(rows.shape[0], -1, np.int64)
-    for r in np.argsort(-np.diff(rows.indptr), kind="stable"):
-        taken = colours[conflicts.indices[conflicts.indptr[r]:conflicts.indptr[r + 1]]]
-        free = np.ones(len(taken) + 1, bool)
-        free[taken[(taken >= 0) & (taken < len(free))]] = False
-        colours[r] = int(np.argmax(free))
-    return colours
+    starts, neighbours = conflicts.indptr.tolist(), conflicts.indices.tolist()
+    colours = [-1] * rows.shape[0]
+    # (Plain Python: a row has few neighbours, and NumPy's per-call cost would be most of it.)
+    for r in np.argsort(-np.diff(rows.indptr), kind="stable").tolist():
+        taken = {colours[j] for j in neighbours[starts[r]:starts[r + 1]]}
+        c = 0
+        while c in taken:
+            c += 1
+        colours[r] = c
+    return np.asarray(colours, np.int64)
 
 
 def colour_columns(pattern: sp.csr_array) -> np.ndarray:
