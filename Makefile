@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $@
 
 demo: $(STAMP)
@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,docs,bench]'
 	touch $@
 
 # Every scenario in one run: benchmarks/results/latest.{json,md} and PNGs (QUICK=1: a short run,
