@@ -23,9 +23,9 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 # Every scenario in one run: benchmarks/results/latest.{json,md} and PNGs (QUICK=1: a short run,
-# several minutes, into benchmarks/results/quick/). README=1 also updates README's report.
+# several minutes, into benchmarks/results/quick/). DOCS=1 also updates docs/performance.md.
 bench: $(BENCH_STAMP)
-	$(PY) -m benchmarks $(if $(QUICK),--quick,) $(if $(README),--update-readme,)
+	$(PY) -m benchmarks $(if $(QUICK),--quick,) $(if $(DOCS),--update-docs,)
 
 # The test that runs `python -m benchmarks --quick` and checks what it writes.
 bench-test: $(BENCH_STAMP)

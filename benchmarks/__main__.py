@@ -1,7 +1,7 @@
 """The benchmark runner: every scenario, one run, one report.
 
-    python -m benchmarks [--quick] [--only k_heads,overhead,...] [--out DIR] [--update-readme]
-    python -m benchmarks --from-json DIR/latest.json [--out DIR] [--update-readme]
+    python -m benchmarks [--quick] [--only k_heads,overhead,...] [--out DIR] [--update-docs]
+    python -m benchmarks --from-json DIR/latest.json [--out DIR] [--update-docs]
 
 Scenarios (one module each): ``k_heads`` (K outputs over a shared trunk: daskdag against naive
 JAX, the hand-written VJP plumbing, jitted JAX and PyTorch autograd; bytes sent per call),
@@ -27,8 +27,8 @@ of ``OWN_CLUSTERS`` use none of those: they run after those clusters are closed.
 
 Writes to ``DIR`` (default ``benchmarks/results``, or ``benchmarks/results/quick`` with
 ``--quick``): ``latest.json`` (every time, after each scenario, so a failure keeps what was
-measured), ``latest.md`` and one PNG per scenario. ``--update-readme`` puts the report in
-README.md between its benchmark markers. ``--quick`` takes several minutes on 2 cores.
+measured), ``latest.md`` and one PNG per scenario. ``--update-docs`` puts the report in
+docs/performance.md between its benchmark markers, its PNGs in docs/performance/. ``--quick`` takes several minutes on 2 cores.
 ``--from-json`` measures nothing: it redraws the report of an earlier run.
 """
 
@@ -39,6 +39,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-work
 # process's threads)
 OWN_CLUSTERS = {"sparse_jacobians", "tiny_nodes", "scale_out", "remat"}
 HERE = Path(__file__).parent
-README = HERE.parent / "README.md"
+PAGE = HERE.parent / "docs" / "performance.md"
 MARKERS = ("<!-- benchmarks:start -->", "<!-- benchmarks:end -->")
 
 
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(SCENARIOS),
                         help=f"comma-separated scenarios, of {', '.join(SCENARIOS)}")
     parser.add_argument("--out", type=Path, help="folder for latest.json, latest.md and the PNGs")
-    parser.add_argument("--update-readme", action="store_true",
-                        help="write the report into README.md between its benchmark markers")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write the report into docs/performance.md between its benchmark "
+                             "markers, and its plots into docs/performance/")
     parser.add_argument("--from-json", type=Path, metavar="PATH",
                         help="measure nothing: redraw the report of the run saved in PATH")
     args = parser.parse_args(argv)
@@ -85,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "latest.md").write_text(md)
     print("\n" + md)
     print(f"wrote {out / 'latest.md'}, " + ", ".join(p.name for p in pngs))
-    if args.update_readme:
-        rel = out.resolve().relative_to(README.parent.resolve())
-        _update_readme(report.markdown(results, images=str(rel)))
-        print(f"updated {README}")
+    if args.update_docs:
+        _update_page(report.markdown(results, images="performance"), pngs)
+        print(f"updated {PAGE}")
     return 0
 
 
@@ -139,10 +140,16 @@ def _write_json(path: Path, results: dict) -> None:
     path.write_text(json.dumps(results, indent=1, default=float) + "\n")
 
 
-def _update_readme(md: str) -> None:
-    text = README.read_text()
+def _update_page(md: str, pngs: list[Path]) -> None:
+    """The report into the docs' performance page, its plots beside it (the site serves only
+    what is in docs/)."""
+    folder = PAGE.parent / "performance"
+    folder.mkdir(exist_ok=True)
+    for png in pngs:
+        shutil.copyfile(png, folder / png.name)
+    text = PAGE.read_text()
     start, end = (text.index(m) for m in MARKERS)
-    README.write_text(text[:start + len(MARKERS[0])] + "\n" + md + text[end:])
+    PAGE.write_text(text[:start + len(MARKERS[0])] + "\n" + md + text[end:])
 
 
 if __name__ == "__main__":

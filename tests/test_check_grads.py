@@ -44,7 +44,7 @@ def test_internal_seed_dag_passes_and_runs_each_node_once_forward(seed, x5):
     assert all(0 <= r <= RTOL32 for r in checked.values()), checked
     # Calls per node, in its own check alone: once to linearize (which also gives the nodes
     # after it their value), and 2 evaluations per projection and differentiated dep (each
-    # node here has one dep): 1 + 4, as the README says.
+    # node here has one dep): 1 + 4, as check_grads says.
     assert {k: c.calls for k, c in f.items()} == {k: 1 + 2 * PROJECTIONS for k in f}
 
 

@@ -1,4 +1,5 @@
-"""The examples the README points to run, and agree with plain JAX (each exits non-zero if not)."""
+"""The examples in examples/ (the gallery and the guides point to them) run, and agree with plain JAX
+(each exits non-zero if not)."""
 
 import subprocess
 import sys
