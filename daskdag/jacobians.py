@@ -280,7 +280,9 @@ def _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
 
 def _user_patterns(plan: Plan, values: dict, sparsity, outputs) -> dict[str, sp.csr_array]:
     """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given."""
-    per_output = ({o: sparsity for o in plan.outputs} if isinstance(outputs, str) else sparsity)
+    one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
+        isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)
+    per_output = {o: sparsity for o in plan.outputs} if one else sparsity
     if not isinstance(per_output, Mapping):
         raise DAGError(f"sparsity for several outputs must be a dict {{output: pattern}}, got "
                        f"{type(sparsity).__name__}")

@@ -189,6 +189,12 @@ def test_several_inputs_and_outputs_and_the_pattern_s_layout():
                                    jax.jacrev(lambda v: x["u"] * v[::-1])(x["v"]))
 
 
+def test_one_output_s_pattern_may_come_in_a_dict_of_outputs():
+    pattern = daskdag.jacobian_sparsity(banded_dag(), XB, ["E"])  # {"E": pattern}
+    res = daskdag.jacobian(banded_dag(), XB, "E", sparsity=pattern)
+    assert_tree_close(res.grad, jax.jacrev(banded)(XB), rtol=1e-5)
+
+
 def test_bad_patterns_are_named():
     dag = banded_dag()
     with pytest.raises(daskdag.DAGError, match=r"output 'E' and input 'x' has 5 columns.*200"):
