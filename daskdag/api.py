@@ -8,11 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
+
+from distributed import Client
 
 from daskdag.errors import NodeError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
+from daskdag.model.leaves import PyTree
 from daskdag.model.plan import make_plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors, input_tangents,
                                    parsed, prepare, with_rules)
@@ -21,6 +24,9 @@ from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
 from daskdag.sweeps import arrays, sweep
 from daskdag.transport.packing import ship
+
+if TYPE_CHECKING:
+    from daskdag.model.spec import Spec
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,24 @@ class JVPResult:
     tangent: Any
 
 
-def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                  cotangents: Mapping[str, Any] | None = None, client=None, scheduler=None,
-                  progress: bool = False):
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str, *,
+                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                  client: Client | None = None, scheduler: str | Client | None = None,
+                  progress: bool = False) -> Result: ...
+
+
+@overload
+def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: Sequence[str], *,
+                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                  client: Client | None = None, scheduler: str | Client | None = None,
+                  progress: bool = False) -> dict[str, Result]: ...
+
+
+def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                  client: Client | None = None, scheduler: str | Client | None = None,
+                  progress: bool = False) -> Result | dict[str, Result]:
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
     dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
@@ -84,8 +105,8 @@ def compute_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequenc
                             travel=client is not None), client, local, progress)
 
 
-def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-          cotangents: Mapping[str, Any] | None = None) -> Call:
+def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+          wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
     """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag.running.lazy.Call`)
     whose ``.compute()`` returns what :func:`compute_grads` does; ``dask.compute``,
     ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
@@ -97,7 +118,9 @@ def grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] |
     return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
 
 
-def _grads(dag, x, outputs, wrt, cotangents, remote, travel=True) -> Job:
+def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+           wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
+           travel: bool = True) -> Job:
     """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
     ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
     call (:class:`daskdag.graph.build.Carry`)."""
@@ -109,8 +132,24 @@ def _grads(dag, x, outputs, wrt, cotangents, remote, travel=True) -> Job:
                  partial(_results, spec, outputs), "compute_grads")
 
 
-def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False,
-                 client=None, scheduler=None, progress: bool = False):
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str,
+                 *, batched: bool = False, client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False
+                 ) -> JVPResult: ...
+
+
+@overload
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: Sequence[str],
+                 *, batched: bool = False, client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False
+                 ) -> dict[str, JVPResult]: ...
+
+
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
+                 *, batched: bool = False, client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False
+                 ) -> JVPResult | dict[str, JVPResult]:
     """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
     computed once.
 
@@ -140,12 +179,14 @@ def compute_jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, bat
                            travel=client is not None), client, local, progress)
 
 
-def jvps(dag: Mapping, x, tangents, outputs: str | Sequence[str], *, batched: bool = False) -> Call:
+def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
+         batched: bool = False) -> Call:
     """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
     return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
 
 
-def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:
+def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
+          batched: bool, remote: bool, travel: bool = True) -> Job:
     spec, names, values = parsed(dag, x, outputs)
     flat, k = input_tangents(spec, values, tangents, bool(batched))
     plan = ship(with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
@@ -154,15 +195,33 @@ def _jvps(dag, x, tangents, outputs, batched, remote, travel=True) -> Job:
                  partial(_jvp_results, outputs), "compute_jvps")
 
 
-def _jvp_results(outputs, computed) -> dict:
+def _jvp_results(outputs: str | Sequence[str], computed: dict[str, Any]
+                 ) -> JVPResult | dict[str, JVPResult]:
     results = {o: JVPResult(v, t[jvp_graph.TANGENT]) for o, (v, t) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 
-def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
-                cotangents: Mapping[str, Any] | None = None, chunk_size: int | None = None,
-                client=None, scheduler=None, progress: bool = False, errors: str = "raise"):
+                cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
+                client: Client | None = None, scheduler: str | Client | None = None,
+                progress: bool = False, errors: str = "raise") -> Result: ...
+
+
+@overload
+def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: Sequence[str], *,
+                batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+                cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
+                client: Client | None = None, scheduler: str | Client | None = None,
+                progress: bool = False, errors: str = "raise") -> dict[str, Result]: ...
+
+
+def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str], *,
+                batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+                cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
+                client: Client | None = None, scheduler: str | Client | None = None,
+                progress: bool = False, errors: str = "raise") -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
     xs:         like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
@@ -212,12 +271,13 @@ def sweep_grads(dag: Mapping, xs, outputs: str | Sequence[str], *,
     return _results(spec, outputs, computed, failed)
 
 
-def _one_input(spec, grads: dict) -> bool:
+def _one_input(spec: Spec, grads: dict) -> bool:
     """The DAG has one free input and it is all that was differentiated: its gradient alone."""
     return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)
 
 
-def _results(spec, outputs, computed, failed=None):
+def _results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
+             failed: Mapping[int, NodeError] | None = None) -> Result | dict[str, Result]:
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
     results = {o: Result(v, g[spec.inputs[0]] if _one_input(spec, g) else g, failed or {})

@@ -37,21 +37,27 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from distributed import Client
 
 from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
 from daskdag.graph.build import Carry, _Graph, ident, key, token_of
 from daskdag.model.plan import make_plan
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.rules.registry import linearizer
 from daskdag.model.request import prepare
 from daskdag.running.compute import where
 from daskdag.running.jobs import Job, run
 from daskdag.transport.packing import ship
+
+if TYPE_CHECKING:
+    from daskdag.model.plan import Plan
+    from daskdag.model.spec import Node
 
 PROJECTIONS = 2  # random (u, v) pairs per node and dep
 # The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
@@ -59,9 +65,10 @@ PROJECTIONS = 2  # random (u, v) pairs per node and dep
 ROUNDING = 4.0
 
 
-def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-                eps: float | None = None, rtol: float | None = None, client=None,
-                scheduler=None) -> dict[str, float]:
+def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+                wrt: Sequence[str] | None = None, eps: float | None = None,
+                rtol: float | None = None, client: Client | None = None,
+                scheduler: str | Client | None = None) -> dict[str, float]:
     """Check the VJP of every node on the way from the differentiated inputs to ``outputs``
     against central finite differences of that node alone, at the point the forward pass reached.
 
@@ -113,9 +120,10 @@ def check_grads(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[
     return {n: found[n][0][0] for n in checked}
 
 
-def check_totals(dag: Mapping, x, outputs: str | Sequence[str], *,
+def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
                  wrt: Sequence[str] | None = None, eps: float | None = None,
-                 rtol: float | None = None, client=None, scheduler=None) -> dict[str, float]:
+                 rtol: float | None = None, client: Client | None = None,
+                 scheduler: str | Client | None = None) -> dict[str, float]:
     """Check the gradients of whole ``outputs`` (what :func:`~daskdag.compute_grads` gives)
     against central finite differences of the composed DAG, as OpenMDAO's ``check_totals``
     does beside its ``check_partials`` (:func:`check_grads`, node by node).
@@ -149,6 +157,7 @@ def check_totals(dag: Mapping, x, outputs: str | Sequence[str], *,
     leaves = {i: differentiable_leaves(values[i]) for i in plan.wrt}
     machine = max(float(jnp.finfo(_dtype(leaf)).eps) for ls in leaves.values() for leaf in ls)
     step = float(eps) if eps is not None else machine ** (1 / 3)
+    moves: list[dict]
     points, moves = [values], []  # the point, then x -/+ eps v per projection and input
     for _ in range(PROJECTIONS):
         moves.append({})
@@ -195,12 +204,12 @@ def check_totals(dag: Mapping, x, outputs: str | Sequence[str], *,
     return worst
 
 
-def _points_graph(forward, points, remote, place, stop) -> dict:
+def _points_graph(forward: Plan, points: list[dict], remote: bool, place: Any, stop: Any) -> dict:
     """The DAG evaluated plainly at each of ``points`` (input values): ``{"e:output": value}``."""
     g = _Graph()
     carry = Carry(g, remote, remote, place)
     sent = {n: carry.node(n, forward.spec.nodes[n]) for n in forward.needed}
-    out = {}
+    out: dict = {}
     for e, point in enumerate(points):
         value_of = {i: carry.value("input", i, f"input {i!r}", v) for i, v in point.items()}
         for n in forward.needed:
@@ -212,14 +221,15 @@ def _points_graph(forward, points, remote, place, stop) -> dict:
     return g.delayed(out, carry.call)
 
 
-def _like_tree(value, diff: list):
+def _like_tree(value: PyTree, diff: list) -> PyTree:
     """``value``'s structure with ``diff`` on its differentiable leaves, None elsewhere."""
     leaves, treedef = jax.tree.flatten(value)
     it = iter(diff)
     return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
-def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> dict:
+def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps: float | None,
+           rtol: float | None, remote: bool, place: Any, stop: Any) -> dict:
     """The graph of the checks, node by node in topological order: a :func:`check_node` task
     for each ``checked`` node, whose forward pass also gives the node's value to the nodes after
     it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
@@ -228,7 +238,7 @@ def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> di
     carry = Carry(g, remote, remote, place)
     value_of = {i: carry.value("input", i, f"input {i!r}", values[i])
                 for i in plan.spec.inputs if i in values}
-    checks = {}
+    checks: dict = {}
     for n in plan.needed:
         node, needs = forward.spec.nodes[n], dict(forward.spec.nodes[n].needs)
         sent = carry.node(n, node)
@@ -245,14 +255,14 @@ def _graph(plan, forward, values, checked, eps, rtol, remote, place, stop) -> di
     return g.delayed(checks, carry.call)
 
 
-def _value(name: str, node, *deps):
+def _value(name: str, node: Node, *deps: Any) -> Any:
     """A node that is not checked, run plainly: its value."""
     with node_errors(name, "forward"):
         return node.callable()(*deps)
 
 
-def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rtol: float | None,
-               *deps):
+def check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | None,
+               rtol: float | None, *deps: Any) -> tuple[tuple[float, dict | None], Any]:
     """The check task of node ``name`` (see the module's docstring) at its deps' values.
 
     Returns ``((largest relative error, failure), value)``: ``failure`` is ``None``, or for the
@@ -273,6 +283,7 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
     rtol = float(rtol) if rtol is not None else 2 * machine ** (1 / 3)
     fn, rng = node.callable(), np.random.default_rng(0)
     f = [_wide(o) for o in outs]
+    failures: dict
     worst, failures = 0.0, {}
     for _ in range(PROJECTIONS):
         # u in the outputs' own dtypes, as the VJP gets it; conj as jax.test_util.check_vjp
@@ -305,7 +316,8 @@ def check_node(name: str, node, active: tuple[bool, ...], eps: float | None, rto
     return (worst, failures[min(failures)][1] if failures else None), primal
 
 
-def _compare(fd, ad, jv: list, f: list, rtol: float, noise: float) -> tuple[float, dict | None]:
+def _compare(fd: float, ad: float, jv: list, f: list, rtol: float, noise: float
+             ) -> tuple[float, dict | None]:
     """``<u, J v>`` by finite differences (``fd``; ``jv``: ``J v`` itself) against the VJP's
     (``ad``), ``f`` the node's outputs: ``(error relative to the tolerance, times rtol;
     the failure's fd, ad, error and tolerance, or None where it passed)``."""
@@ -320,18 +332,18 @@ def _compare(fd, ad, jv: list, f: list, rtol: float, noise: float) -> tuple[floa
             dict(fd=float(fd), ad=float(ad), error=float(error), tolerance=float(tolerance)))
 
 
-def _dtype(leaf) -> np.dtype:
+def _dtype(leaf: Any) -> np.dtype:
     """The dtype a leaf is computed in: an array's own; a Python number's as JAX takes it."""
     return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.dtype(jnp.result_type(leaf))
 
 
-def _wide(a) -> np.ndarray:
+def _wide(a: Any) -> np.ndarray:
     """``a`` as float64 (complex128) NumPy, for sums that add no rounding of their own."""
     a = np.asarray(a)
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
 
 
-def _unit(rng, leaves) -> list[np.ndarray]:
+def _unit(rng: np.random.Generator, leaves: Sequence[Any]) -> list[np.ndarray]:
     """Random normal arrays shaped like ``leaves`` (complex where they are), of norm 1 in all."""
     out = []
     for leaf in leaves:
@@ -342,14 +354,14 @@ def _unit(rng, leaves) -> list[np.ndarray]:
     return [r / norm for r in out] if norm > 0 else out
 
 
-def _magnitude(leaf) -> float:
+def _magnitude(leaf: Any) -> float:
     """A leaf's RMS magnitude, the scale of its step; 1 where it is all zeros (or not finite)."""
     a = _wide(leaf)
     rms = float(np.sqrt(np.mean(np.abs(a) ** 2))) if a.size else 0.0
     return rms if rms > 0 and np.isfinite(rms) else 1.0
 
 
-def _perturbed(tree, v: list[np.ndarray], eps: float):
+def _perturbed(tree: PyTree, v: list[np.ndarray], eps: float) -> tuple[PyTree, PyTree, list]:
     """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each computed in the
     leaf's own dtype and given back as the leaf's kind (JAX array, NumPy array or scalar,
     Python number); and the tangent that really happened, ``(plus - minus) / (2 eps)`` (the
@@ -371,7 +383,7 @@ def _perturbed(tree, v: list[np.ndarray], eps: float):
     return treedef.unflatten(plus), treedef.unflatten(minus), happened
 
 
-def _like(leaf, a: np.ndarray):
+def _like(leaf: Any, a: np.ndarray) -> Any:
     if isinstance(leaf, jax.Array):
         return jnp.asarray(a)
     if isinstance(leaf, np.ndarray):
@@ -381,7 +393,7 @@ def _like(leaf, a: np.ndarray):
     return type(leaf)(a[()])  # a Python float or complex
 
 
-def _outputs_like(primal, out) -> list:
+def _outputs_like(primal: PyTree, out: PyTree) -> list:
     """``out``'s differentiable leaves, checked to be shaped as ``primal``'s."""
     got, want = differentiable_leaves(out), differentiable_leaves(primal)
     if [np.shape(a) for a in got] != [np.shape(a) for a in want]:

@@ -51,12 +51,18 @@ import ipaddress
 import json
 import os
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import daskdag
 from daskdag.errors import ClusterError, DAGError, NodeError
 from daskdag.model.spec import parse
 from daskdag.running.compute import active_client
+
+if TYPE_CHECKING:
+    import distributed
 
 # The names under which the recipes in deploy/ reach the scheduler: Compose's service name and
 # the Kubernetes Service the dask-kubernetes operator creates for the DaskCluster "daskdag".
@@ -64,7 +70,8 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1", "scheduler", "daskdag-schedule
 FILES = {"ca": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 
 
-def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> dict[str, Path]:
+def write_certs(directory: str | os.PathLike[str], hosts: Iterable[str] = (), days: int = 365,
+                force: bool = False) -> dict[str, Path]:
     """Write ``ca.pem``, ``cert.pem`` and ``key.pem`` into ``directory``; return their paths.
 
     ``hosts`` (names or IP addresses) are added to the certificate's alternative names, after
@@ -80,7 +87,7 @@ def write_certs(directory, hosts=(), days: int = 365, force: bool = False) -> di
     return paths
 
 
-def _cert_paths(directory, force: bool) -> dict[str, Path]:
+def _cert_paths(directory: str | os.PathLike[str], force: bool) -> dict[str, Path]:
     """In: the certificates' directory, and whether existing files may be replaced. Out:
     ``{"ca"|"cert"|"key": path}`` in it (see :data:`FILES`), the directory created;
     ``FileExistsError`` naming the files already there, unless ``force``."""
@@ -94,7 +101,7 @@ def _cert_paths(directory, force: bool) -> dict[str, Path]:
     return paths
 
 
-def _new_ca(start, end):
+def _new_ca(start: datetime.datetime, end: datetime.datetime) -> tuple[Any, Any]:
     """In: the validity period, ``start`` and ``end`` (aware ``datetime`` objects). Out:
     ``(certificate, private key)`` of a new self-signed CA, "daskdag cluster CA", that may sign
     certificates but no other CA."""
@@ -121,12 +128,12 @@ def _new_ca(start, end):
     return ca, ca_key
 
 
-def _alt_names(hosts) -> list:
+def _alt_names(hosts: Iterable[str]) -> list:
     """In: host names and IP addresses (as text; repeats are dropped). Out: the certificate's
     subject alternative names, ``x509.IPAddress`` for addresses, ``x509.DNSName`` for names."""
     from cryptography import x509
 
-    names = []
+    names: list[x509.GeneralName] = []
     for h in dict.fromkeys(hosts):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
@@ -135,7 +142,8 @@ def _alt_names(hosts) -> list:
     return names
 
 
-def _new_cert(ca, ca_key, hosts, start, end):
+def _new_cert(ca: Any, ca_key: Any, hosts: Iterable[str], start: datetime.datetime,
+              end: datetime.datetime) -> tuple[Any, Any]:
     """In: the CA (certificate and key, from :func:`_new_ca`), the hosts the certificate names
     (:func:`_alt_names`) and its validity period. Out: ``(certificate, private key)``, signed by
     the CA, for every role: it serves (scheduler, workers) and connects (all)."""
@@ -167,7 +175,7 @@ def _new_cert(ca, ca_key, hosts, start, end):
     return cert, key
 
 
-def _write_pems(paths: dict[str, Path], ca, cert, key) -> None:
+def _write_pems(paths: dict[str, Path], ca: Any, cert: Any, key: Any) -> None:
     """In: the paths of :func:`_cert_paths`, the CA's certificate, the shared certificate and
     its private key. Out: nothing; the three written as PEM, the key (PKCS#8, unencrypted) with
     mode 0600, also where the file existed with wider permissions."""
@@ -183,7 +191,7 @@ def _write_pems(paths: dict[str, Path], ca, cert, key) -> None:
     os.chmod(paths["key"], 0o600)
 
 
-def security(directory):
+def security(directory: str | os.PathLike[str]) -> distributed.Security:
     """A ``distributed.Security`` for a client, from a directory :func:`write_certs` filled.
 
     >>> client = Client("tls://scheduler:8786", security=daskdag.cli.security("deploy/certs"))
@@ -269,7 +277,7 @@ def _is_file(module_part: str) -> bool:
     return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
 
 
-def _exec_file(module_part: str):
+def _exec_file(module_part: str) -> tuple[ModuleType, str]:
     """In: the path of a ``.py`` file. Out: ``(module, where)``: the module it defines, run with
     its directory first on ``sys.path`` (where it stays, as with ``python path/file.py``) and
     kept in ``sys.modules`` (so that pickling, by value to a cluster, finds it), and its
@@ -287,10 +295,10 @@ def _exec_file(module_part: str):
         name = f"daskdag_cli_{abs(hash(str(path)))}"
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]  # (a .py file)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
     except BaseException as e:
         sys.modules.pop(name, None)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -299,7 +307,7 @@ def _exec_file(module_part: str):
     return module, str(path)
 
 
-def _import_module(module_part: str):
+def _import_module(module_part: str) -> ModuleType:
     """In: a module name, ``pkg.mod``. Out: the module, imported with the current directory on
     ``sys.path`` (first, as ``python -m`` has it, unless it is there already); ``UsageError``
     where there is no such module or importing it raised."""
@@ -320,7 +328,7 @@ def _import_module(module_part: str):
                          f"{type(e).__name__}: {e}") from e
 
 
-def _dag_object(module, where: str, attr: str):
+def _dag_object(module: ModuleType, where: str, attr: str) -> Any:
     """In: the DAG module, its name or path for messages, and the (dotted) attribute ``DAG``.
     Out: the mapping there, or what calling it with no arguments returns where it is a callable;
     ``UsageError`` where there is no such attribute (listing the module's dicts and callables),
@@ -357,7 +365,8 @@ def _names(text: str | None, option: str) -> list[str] | None:
     return names
 
 
-def load_npz(path, names, what: str, needed=(), single_ok: bool = False) -> dict:
+def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
+             needed: Iterable[str] = (), single_ok: bool = False) -> dict:
     """``{name: value}`` from ``path``, keys matched against ``names`` (dotted keys: leaves of a
     dict-shaped value). ``needed`` must all be there; ``single_ok``: one name and a file with
     the single key ``arr_0`` (``numpy.savez(file, x)``) gives it."""
@@ -407,21 +416,21 @@ def load_npz(path, names, what: str, needed=(), single_ok: bool = False) -> dict
     return values
 
 
-def _to_jax(tree):
+def _to_jax(tree: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
     return jax.tree.map(jnp.asarray, tree)
 
 
-def flatten(prefix: str, tree) -> dict:
+def flatten(prefix: str, tree: Any) -> dict:
     """``{prefix.key.path: array}`` for the array leaves of ``tree`` (None and non-array leaves
     are left out)."""
     import jax
     import numpy as np
     from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-    def part(k):
+    def part(k: Any) -> str:
         if isinstance(k, DictKey):
             return str(k.key)
         if isinstance(k, SequenceKey):
@@ -441,7 +450,7 @@ def flatten(prefix: str, tree) -> dict:
     return out
 
 
-def result_arrays(results, inputs, wrt) -> dict:
+def result_arrays(results: dict, inputs: Sequence[str], wrt: Sequence[str] | None) -> dict:
     """The RESULT.npz arrays of ``{output: Result}``, given the DAG's free inputs (``Spec.inputs``)
     and ``--wrt``."""
     alone = len(inputs) == 1 and (wrt is None or list(wrt) == list(inputs))
@@ -469,11 +478,11 @@ def save(path: Path, arrays: dict) -> None:
             tmp.unlink()
 
 
-def _shape(a) -> str:
+def _shape(a: Any) -> str:
     return f"{a.dtype}[{','.join(map(str, a.shape))}]"
 
 
-def summary(arrays: dict, outputs, failed=None) -> str:
+def summary(arrays: dict, outputs: Iterable[str], failed: dict | None = None) -> str:
     """A table: output, its value's shape and dtype, its gradients' shapes (and failed items)."""
     rows = [("output", "value", "gradients") + (("failed",) if failed is not None else ())]
     for o in outputs:
@@ -487,7 +496,7 @@ def summary(arrays: dict, outputs, failed=None) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def connect(args):
+def connect(args: argparse.Namespace) -> distributed.Client | None:
     """The ``distributed.Client`` that ``--scheduler`` (``--tls``, ``--timeout``) names, or
     ``None`` for Dask's local threaded scheduler."""
     if args.scheduler is None:
@@ -546,7 +555,7 @@ def _output_path(text: str) -> Path:
     return p
 
 
-def _prepare(args, command):
+def _prepare(args: argparse.Namespace, command: str) -> tuple:
     """What ``run`` and ``sweep`` share. In: the parsed command line and the command's name. Out:
     ``(--out path, DAG dict, its Spec, outputs, wrt, x, cotangents)``, ``x`` and the cotangents
     as JAX arrays; ``UsageError`` for a bad option, module or file, ``DAGError`` (the parser's)
@@ -554,7 +563,7 @@ def _prepare(args, command):
     out = _output_path(args.out)
     dag = load_dag(args.target)
     spec = parse(dag)
-    outputs = _names(args.outputs, "--outputs")
+    outputs: list[str] = _names(args.outputs, "--outputs")  # type: ignore[assignment]  # (required)
     wrt = _names(args.wrt, "--wrt")
     for o in outputs:
         if o not in spec.nodes:
@@ -582,7 +591,7 @@ def _refuse_import_client(command: str) -> None:
                          f"its address there, or do not start a client at import")
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     import dask
 
 
@@ -604,7 +613,7 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
-def cmd_sweep(args) -> int:
+def cmd_sweep(args: argparse.Namespace) -> int:
     import numpy as np
 
 
@@ -632,7 +641,7 @@ def cmd_sweep(args) -> int:
     if not args.quiet:
         print(summary(arrays, outputs, failed if args.errors == "collect" else None))
         print(f"wrote {out}")
-    errors = {}  # item -> its error (the same for every output)
+    errors: dict = {}  # item -> its error (the same for every output)
     for r in results.values():
         errors.update(r.failed)
     if errors:
@@ -651,15 +660,15 @@ def _one_line(e: BaseException) -> str:
     return lines[0]
 
 
-def _node_message(e) -> str:
+def _node_message(e: BaseException) -> str:
     """A NodeError's first line, and its hint if any."""
     lines = str(e).splitlines()
     hint = [ln for ln in lines[1:] if ln.startswith("Hint:")]
     return "\n".join(lines[:1] + hint[-1:])
 
 
-def _positive(kind):
-    def parse(text):
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
             v = kind(text)
         except ValueError:
@@ -670,7 +679,7 @@ def _positive(kind):
     return parse
 
 
-def _common(p, sweep: bool):
+def _common(p: argparse.ArgumentParser, sweep: bool) -> None:
     p.add_argument("target", metavar="MODULE[:DAG]", help=TARGET_HELP)
     p.add_argument("--inputs", required=True, metavar="FILE.npz",
                    help="input values, one key per free input of the DAG" +
@@ -758,7 +767,7 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     top = parser()
     args = top.parse_args(argv)
 

@@ -4,6 +4,7 @@ cannot run the graph, a node whose VJP disagrees with finite differences."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 import multiprocessing
 import threading
 
@@ -49,7 +50,7 @@ class NodeError(RuntimeError):
         self.node, self.phase, self.original, self.item = node, phase, original, item
         self.__cause__ = original
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return NodeError, (self.node, self.phase, self.original, self.item)
 
 
@@ -72,11 +73,12 @@ class GradientCheckError(AssertionError):
                          f"{dep!r} (position {position}): <u, J v> = {fd:.4e} by central "
                          f"differences (eps {eps:.1e}), {ad:.4e} from the VJP; error {error:.1e} "
                          f"> tolerance {tolerance:.1e}{more}")
+        self.position: int | None  # (None for a TotalCheckError)
         self.node, self.dep, self.position = node, dep, position
         self.fd, self.ad, self.error, self.tolerance, self.eps = fd, ad, error, tolerance, eps
         self.others = tuple(others)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return GradientCheckError, (self.node, self.dep, self.position, self.fd, self.ad,
                                     self.error, self.tolerance, self.eps, self.others)
 
@@ -101,7 +103,7 @@ class TotalCheckError(GradientCheckError):
         self.fd, self.ad, self.error, self.tolerance, self.eps = fd, ad, error, tolerance, eps
         self.others = tuple(others)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return TotalCheckError, (self.output, self.input, self.fd, self.ad, self.error,
                                  self.tolerance, self.eps, self.others)
 
@@ -113,7 +115,7 @@ class ClusterError(RuntimeError):
 
 
 @contextlib.contextmanager
-def node_errors(node: str, phase: str):
+def node_errors(node: str, phase: str) -> Iterator[None]:
     """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a
     :class:`NodeError` naming it, but for Ctrl-C in the user's own process, which must stay one.
 

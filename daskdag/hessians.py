@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, overload
 
 import jax
 import jax.numpy as jnp
+from distributed import Client
 
 from daskdag.api import _grads
 from daskdag.errors import DAGError
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.plan import make_plan
 from daskdag.model.request import cotangents_for, input_tangents, parsed, wrt_names
 from daskdag.model.spec import Node
@@ -36,6 +37,9 @@ from daskdag.rules.seeds import seed
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
+
+if TYPE_CHECKING:
+    from daskdag.model.spec import Spec
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,24 @@ class HVPResult:
     tangent: Any
 
 
-def compute_hvps(dag: Mapping, x, v, outputs: str | Sequence[str], *,
-                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, Any] | None = None,
-                 client=None, scheduler=None, progress: bool = False):
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str, *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False) -> HVPResult: ...
+
+
+@overload
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: Sequence[str], *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False) -> dict[str, HVPResult]: ...
+
+
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False) -> HVPResult | dict[str, HVPResult]:
     """Values, gradients and Hessian-vector products of ``outputs`` of ``dag``, each node
     computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
     backward pass (reverse over forward, see :mod:`daskdag.hessians`).
@@ -77,8 +96,8 @@ def compute_hvps(dag: Mapping, x, v, outputs: str | Sequence[str], *,
                      travel=client is not None), client, local, progress)
 
 
-def hvps(dag: Mapping, x, v, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-         cotangents: Mapping[str, Any] | None = None) -> Call:
+def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
+         wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
     """:func:`compute_hvps`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
     return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None))
 
@@ -108,7 +127,7 @@ def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
     return zeros + seed(value.primal, output, ct.ct, batched)
 
 
-def lifted(fn, active: tuple[bool, ...], *args) -> Pair:
+def lifted(fn: Callable[..., Any], active: tuple[bool, ...], *args: Any) -> Pair:
     """A node's function on lifted deps (``Pair`` where ``active``): its value and its JVP."""
     primals = [a.primal if on else a for a, on in zip(args, active)]
     tangents = [a.tangent if on else None for a, on in zip(args, active)]
@@ -116,7 +135,9 @@ def lifted(fn, active: tuple[bool, ...], *args) -> Pair:
     return Pair(primal, tangent)
 
 
-def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
+def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str],
+          wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
+          travel: bool = True) -> Job:
     spec, names, values = parsed(dag, x, outputs)
     wrt = wrt_names(spec, values, wrt, candidates=values)
     nodes = [w for w in wrt if w in spec.nodes]
@@ -138,8 +159,9 @@ def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
         node = spec.nodes[n]
         if n in plan.active:
             active = tuple(d in pairs or d in plan.active for d in node.deps)
-            node = Node(partial(lifted, node.fn, active), node.deps, jit=node.jit,
-                        device=node.device, resources=node.resources, remat=node.remat)
+            node = Node(partial(lifted, node.fn, active),  # type: ignore[arg-type]
+                        node.deps, jit=node.jit, device=node.device, resources=node.resources,
+                        remat=node.remat)
         lifted_dag[n] = node
     job = _grads(lifted_dag, {**values, **pairs} if len(spec.inputs) > 1 else
                  pairs.get(spec.inputs[0], values[spec.inputs[0]]), outputs, list(wrt),
@@ -149,7 +171,8 @@ def _hvps(dag, x, v, outputs, wrt, cotangents, remote, travel=True) -> Job:
                "compute_hvps")
 
 
-def _results(spec, outputs, computed):
+def _results(spec: Spec, outputs: str | Sequence[str], computed: Any
+             ) -> HVPResult | dict[str, HVPResult]:
     """:class:`HVPResult` s from compute_grads' results on the lifted DAG."""
     per_output = {outputs: computed} if isinstance(outputs, str) else computed
     results = {}
@@ -165,7 +188,7 @@ def _results(spec, outputs, computed):
     return results[outputs] if isinstance(outputs, str) else results
 
 
-def _structured(like, flat: tuple):
+def _structured(like: PyTree, flat: tuple) -> PyTree:
     """``flat`` (one array per differentiable leaf of ``like``) in ``like``'s structure, None at
     the leaves held constant."""
     leaves, treedef = jax.tree.flatten(like, is_leaf=lambda leaf: leaf is None)

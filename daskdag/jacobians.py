@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
+from distributed import Client
 
 from daskdag.api import Result
 from daskdag.errors import DAGError
@@ -28,7 +29,7 @@ from daskdag.graph.build import build
 from daskdag.graph.sparsity import detect, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.leaves import is_differentiable
+from daskdag.model.leaves import PyTree, is_differentiable
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import check_chunk_size, parsed, wrt_names, with_rules
 from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
@@ -37,13 +38,30 @@ from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
 from daskdag.transport.packing import ship
-
 MODES = ("auto", "rev", "fwd")
 
 
-def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
-             mode: str = "auto", sparsity: Any = None, sparse: bool = False,
-             chunk_size: int | None = None, client=None, scheduler=None, progress: bool = False):
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str, *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False
+             ) -> Result: ...
+
+
+@overload
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: Sequence[str], *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False
+             ) -> dict[str, Result]: ...
+
+
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False
+             ) -> Result | dict[str, Result]:
     """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
     function gives them, each node computed once.
 
@@ -88,7 +106,8 @@ def jacobian(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str
                          client is not None, travel=client is not None), client, local, progress)
 
 
-def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[str] | None = None,
+def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+              wrt: Sequence[str] | None = None,
               mode: str = "auto", sparsity: Any = None, sparse: bool = False,
               chunk_size: int | None = None) -> Call:
     """:func:`jacobian`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
@@ -96,8 +115,8 @@ def jacobians(dag: Mapping, x, outputs: str | Sequence[str], *, wrt: Sequence[st
                                    active_client() is not None))
 
 
-def jacobian_sparsity(dag: Mapping, x, outputs: str | Sequence[str], *,
-                      wrt: Sequence[str] | None = None):
+def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+                      wrt: Sequence[str] | None = None) -> sp.csr_array | dict[str, Any]:
     """The sparsity patterns of the Jacobians of ``outputs``, as ``jacobian(sparsity=...)``
     takes them: a boolean ``scipy.sparse.csr_array`` ``(output elements, input elements)``, in
     dicts ``{output: {input: ...}}`` as there (one output: no outer dict; one input: no inner).
@@ -117,14 +136,17 @@ def jacobian_sparsity(dag: Mapping, x, outputs: str | Sequence[str], *,
 
 # -- one call --------------------------------------------------------------------------------------
 
-def _plan(dag, x, outputs, wrt) -> tuple[Plan, dict]:
+def _plan(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+          wrt: Sequence[str] | None) -> tuple[Plan, dict]:
     """The call's plan (its ``wrt`` checked, its rules not yet: that depends on the mode) and
     its input values."""
     spec, names, values = parsed(dag, x, outputs)
     return make_plan(spec, names, wrt_names(spec, values, wrt, candidates=values)), values
 
 
-def _jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size, remote, travel=True) -> Job:
+def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+              wrt: Sequence[str] | None, mode: str, sparsity: Any, sparse: bool,
+              chunk_size: int | None, remote: bool, travel: bool = True) -> Job:
     check_chunk_size(chunk_size)
     if mode not in MODES:
         raise DAGError(f"mode must be one of {MODES}, got {mode!r}")
@@ -148,8 +170,8 @@ class _Colours:
     their colours, found once each when asked: ``rows`` per output (reverse), ``columns``
     (forward, one colouring for all outputs)."""
 
-    def __init__(self, patterns):
-        self.patterns = patterns
+    def __init__(self, patterns: dict[str, sp.csr_array] | None) -> None:
+        self.patterns: Any = patterns  # (rows and columns are asked for only where it is not None)
 
     @cached_property
     def rows(self) -> dict:
@@ -184,7 +206,7 @@ def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
     return "fwd" if fwd < rev else "rev"
 
 
-def _untraced(*args):
+def _untraced(*args: Any) -> Any:
     raise TypeError("a node of your own code is not traced")  # (its shapes are UNKNOWN)
 
 
@@ -198,13 +220,15 @@ def _rules_missing(plan: Plan, forward: bool) -> str | None:
 
 # -- reverse: the gradient graph, seeded with rows --------------------------------------------------
 
-def _reverse(plan, values, colours, sparse, outputs, chunk_size, remote, travel) -> Job:
+def _reverse(plan: Plan, values: dict, colours: _Colours, sparse: bool,
+             outputs: str | Sequence[str], chunk_size: int | None, remote: bool, travel: bool
+             ) -> Job:
     patterns = colours.patterns
     per_output = {} if patterns is None else colours.rows
     rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in per_output.items()))
     plan = with_rules(plan)
 
-    def finish(computed):
+    def finish(computed: dict) -> Any:
         results = {}
         for o, (value, per_name) in computed.items():
             if patterns is None and not sparse:
@@ -223,20 +247,22 @@ def _reverse(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
                finish, "jacobian")
 
 
-def _flat_rows(rows) -> np.ndarray:
+def _flat_rows(rows: PyTree) -> np.ndarray:
     """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
     leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
     return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
 
 
-def _row_template(rows):
+def _row_template(rows: PyTree) -> PyTree:
     """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
     return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
 
 
 # -- forward: the JVP graph, seeded with columns ----------------------------------------------------
 
-def _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel) -> Job:
+def _forward(plan: Plan, values: dict, colours: _Colours, sparse: bool,
+             outputs: str | Sequence[str], chunk_size: int | None, remote: bool, travel: bool
+             ) -> Job:
     templates = {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
                                  if is_differentiable(a) else None, values[i]) for i in plan.wrt}
     width = sum(size(values[i]) for i in plan.wrt)
@@ -254,7 +280,7 @@ def _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
         tangents[i] = tuple(leaves)
     plan = with_rules(plan, forward=True)
 
-    def finish(computed):
+    def finish(computed: dict) -> Any:
         results = {}
         for o, (value, t) in computed.items():
             pushed = [np.asarray(leaf).reshape(k, -1) for leaf in
@@ -278,7 +304,8 @@ def _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
 
 # -- patterns --------------------------------------------------------------------------------------
 
-def _user_patterns(plan: Plan, values: dict, sparsity, outputs) -> dict[str, sp.csr_array]:
+def _user_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str]
+                   ) -> dict[str, sp.csr_array]:
     """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given."""
     one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
         isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)
@@ -319,7 +346,8 @@ def _user_patterns(plan: Plan, values: dict, sparsity, outputs) -> dict[str, sp.
     return out
 
 
-def _split_columns(matrix, names, widths) -> dict:
+def _split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
+                   ) -> dict[str, sp.csr_array]:
     out, start = {}, 0
     for i in names:
         out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
@@ -329,7 +357,7 @@ def _split_columns(matrix, names, widths) -> dict:
 
 # -- layout ----------------------------------------------------------------------------------------
 
-def _result(plan: Plan, value, full, templates: dict, sparse: bool) -> Result:
+def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool) -> Result:
     """One output's Result from its Jacobian over every wrt name's elements (``full``, dense
     NumPy or ``scipy.sparse``): as ``scipy.sparse`` per name, or in ``jax.jacrev``'s layout."""
     widths = {i: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(t))
@@ -346,10 +374,11 @@ def _result(plan: Plan, value, full, templates: dict, sparse: bool) -> Result:
     return Result(value, _joined(plan, value, jacs))
 
 
-def _rows(block: np.ndarray, template):
+def _rows(block: np.ndarray, template: PyTree) -> PyTree:
     """``block`` ``(output elements, name elements)`` as stacked rows in the name's structure."""
     leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
-    start, out = 0, []
+    out: list = []
+    start = 0
     for leaf in leaves:
         if leaf is None:
             out.append(None)
@@ -361,7 +390,7 @@ def _rows(block: np.ndarray, template):
     return treedef.unflatten(out)
 
 
-def _joined(plan: Plan, value, jacs: dict):
+def _joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
     """One name's Jacobian alone when the DAG has one free input and it is all that was
     differentiated, else the output's structure of ``{name: ...}``."""
     return jacs[plan.wrt[0]] if _one_input(plan, jacs) else _by_output(value, jacs)
@@ -371,7 +400,7 @@ def _one_input(plan: Plan, jacs: dict) -> bool:
     return len(plan.spec.inputs) == 1 and list(jacs) == list(plan.spec.inputs)
 
 
-def _by_output(value, jacs: dict):
+def _by_output(value: PyTree, jacs: dict) -> PyTree:
     """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
     out_def = jax.tree.structure(value)
     parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
@@ -379,13 +408,14 @@ def _by_output(value, jacs: dict):
                               {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
 
 
-def _jacrev_layout(value, rows):
+def _jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
     elsewhere; see :func:`daskdag.rules.seeds.basis`)."""
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
     out_leaves, out_def = jax.tree.flatten(value)
-    start, per_leaf = 0, []
+    per_leaf: list = []
+    start = 0
     for leaf in out_leaves:
         if not is_differentiable(leaf):
             per_leaf.append(None)

@@ -32,7 +32,7 @@ import uuid
 import dask
 from dask.base import tokenize
 from dask.delayed import Delayed
-from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
 from dask.sizeof import sizeof
 from dask.task_spec import Task, TaskRef
 
@@ -168,7 +168,11 @@ class _Wiring:
         self.paths = {o: set(plan.backward[o]) for o in plan.outputs}
         self.through = {s: tuple(o for o in plan.outputs if self.paths[o] & set(s.outputs))
                         for s in self.stages}
-        self.seeds, self.val, self.closed, self.forward_task, self.bwd = {}, {}, {}, {}, {}
+        self.seeds: dict = {}
+        self.val: dict = {}
+        self.closed: dict = {}
+        self.forward_task: dict = {}
+        self.bwd: dict = {}
 
     def close_stages(self) -> None:
         """A stage whose gradients all start at its own outputs (none comes from a later stage)
@@ -222,6 +226,7 @@ class _Wiring:
         for s in reversed(self.stages):
             if not self.through[s] or s in self.closed:
                 continue
+            sources: dict
             flows, sources = [], {}
             for o in self.through[s]:
                 flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
@@ -248,7 +253,7 @@ class _Wiring:
             grads = {}
             output = None if self.rows is None else self.val[o]  # (a Jacobian's zeros need rows)
             for i in self.plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
-                sources = {}
+                sources: dict = {}
                 picks = self._shares(i, o, sources)
                 own = self.seeds[o] if i == o else None
                 k = self.carry.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), picks,
@@ -332,6 +337,7 @@ class _Graph:
                 digest.update("\0".join(map(str, layer)).encode())
             token = digest.hexdigest()
         names = [f"daskdag-{k}-{token}" for k in range(len(self.layers))]
+        layers: dict[str, Layer]
         layers = {name: MaterializedLayer(tasks, annotations={**ambient, "resources": needs}
                                           if needs else ambient or None)
                   for name, (needs, tasks) in zip(names, self.layers)}

@@ -128,7 +128,7 @@ def _programs(compiled: Compiled) -> tuple:
         except TypeError:  # not weakly referenceable
             key = id(compiled)
             ref = weakref.ref(compiled, lambda r: _forget(key, r))
-            programs = _make_programs(lambda: current(ref().fn))
+            programs = _make_programs(lambda: current(ref().fn))  # type: ignore[union-attr]
         _cache[key] = (ref, programs)
         return programs
 

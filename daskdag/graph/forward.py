@@ -73,6 +73,7 @@ def forward(stage: Stage, stop, k: int | None, chunk: int | None, *args):
         if values and dropped is not None and dropped():
             raise Cancelled(f"the call no longer waits for node {name!r}")
         inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+        tins: list | tuple
         tins = [dep_tangents[i] if kind == "dep" else tangents[i] for kind, i in sources]
         on = tuple(a and t is not None for a, t in zip(active, tins))
         tins = tuple(t if o else None for t, o in zip(tins, on))
@@ -178,7 +179,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
                                    [None if t is None else ident(t) for t in dep_tangents], k, chunk),
                          dict(s.needs), forward, s, stop, k, chunk, *sent, *(val[d] for d in s.deps),
                          *dep_tangents, root=is_root(s, spec))
-        token = token_of(fwd.key)
+        token = token_of(str(fwd.key))
         for e, n in enumerate(s.outputs):
             val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
                                                fwd, s.has_pullback, e)

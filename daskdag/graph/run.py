@@ -61,7 +61,8 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
 
 def _linearize_nodes(stage: Stage, nodes, deps, dropped):
     """Node by node, each under its own rule: a :class:`StagePullback`."""
-    values, pullbacks = [], []
+    values: list = []
+    pullbacks: list = []
     for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
         if values and dropped is not None and dropped():
             raise Cancelled(f"the call no longer waits for node {name!r}")
@@ -103,6 +104,7 @@ class StagePullback(Pullback):
 
     def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
         # autograd's backward pass: outgrads, per node, the sum of what its consumers gave.
+        outgrads: list
         stage, outgrads = self.stage, [None] * len(self.stage.nodes)
         for j, ct in zip(stage.exposed, cts):
             outgrads[j] = ct
@@ -137,13 +139,13 @@ class StagePullback(Pullback):
             stage, pullbacks, self.values)
 
     @property
-    def batching(self):
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         """Its nodes' common :attr:`~daskdag.rules.pullback.Pullback.batching`, else None."""
         kinds = {pb.batching for pb in self.pullbacks if pb is not None}
         return kinds.pop() if len(kinds) == 1 else None
 
     @property
-    def traceable(self) -> bool:
+    def traceable(self) -> bool:  # type: ignore[override]  # (a plain attribute in Pullback)
         """No node's pullback is the user's own code: JAX can trace it."""
         return all(pb.traceable for pb in self.pullbacks if pb is not None)
 
@@ -174,7 +176,7 @@ class Fused:
         return tuple(f() for f in self._fns)
 
     def __call__(self, *deps):
-        values = []
+        values: list = []
         for name, fn, sources in zip(self.stage.nodes, self.fns, self.stage.sources):
             if values and self.dropped is not None and self.dropped():
                 raise Cancelled(f"the call no longer waits for node {name!r}")
@@ -217,7 +219,7 @@ class FusedPullback(Pullback):
             return self.pullback(tuple(flat), deps)
 
     @property
-    def batching(self):
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
     def residual_nbytes(self) -> int:
@@ -246,7 +248,7 @@ def chain_of_elements(nodes):
     found = [(rules_of(n), *element_of(n)) for n in nodes]
     if all(axes is not None and not element.vmap and not has_rules(element)
            for _, element, axes in found):
-        return found[0][0].batch
+        return found[0][0].batch  # type: ignore[union-attr]  # (an element's node has rules)
     return None
 
 
@@ -285,8 +287,8 @@ def fused_function(stage: Stage, nodes: Sequence[Node]):
         if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
             return hit[0]
     fused = Fused(stage, fns, weakly=True)
-    batch = next((rules_of(n).batch for n, (_, axes) in zip(nodes, elements) if axes is not None),
-                 None)
+    batch = next((rules_of(n).batch  # type: ignore[union-attr]
+                  for n, (_, axes) in zip(nodes, elements) if axes is not None), None)
     in_axes = _in_axes(stage, elements)
     function = batch(fused, in_axes, True) if batch is not None else Compiled(fused, in_axes)
     with _fused_lock:

@@ -106,7 +106,7 @@ def _probe(name, node, args, active) -> list:
         blocks = _jacobian(name, node, point, active)
         found = blocks if found is None else [None if f is None else f + b
                                               for f, b in zip(found, blocks)]
-    return [None if f is None else sp.csr_array(f != 0) for f in found]
+    return [None if f is None else sp.csr_array(f != 0) for f in found]  # type: ignore[union-attr]
 
 
 def _near(value, rng):
@@ -131,7 +131,7 @@ def _jacobian(name, node, args, active) -> list:
     with node_errors(name, "backward"):
         for r in range(n):
             per_row.append(pullback(tuple(leaf[r] for leaf in rows), args))
-    out = []
+    out: list = []
     for j, on in enumerate(active):
         if not on:
             out.append(None)

@@ -176,7 +176,7 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     callback)."""
     counts = [next((len(leaf) for c in per_output if c is not None for leaf in c[:1]), 0)
               for per_output in cts]
-    stacked = []
+    stacked: list = []
     for e, value in enumerate(values):
         column = [c[e] for c in cts]
         if all(c is None for c in column):

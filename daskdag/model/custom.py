@@ -26,7 +26,7 @@ class Custom:
 
     def __call__(self, *args):
         args = as_numpy(args)
-        return self.fn(*args) if self.fn is not None else self.fwd(*args)[0]
+        return self.fn(*args) if self.fn is not None else self.fwd(*args)[0]  # type: ignore[misc]
 
     def __reduce__(self):
         return Custom, (self.fn, self.vjp, self.fwd, self.bwd, self.jvp)

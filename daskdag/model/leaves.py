@@ -8,11 +8,16 @@ differentiable leaf, in ``jax.tree.leaves`` order; no pytree structure travels w
 
 from __future__ import annotations
 
+from typing import Any, TypeAlias
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 ARRAYS = (jax.Array, np.ndarray)
+# A pytree (nested dicts, lists, tuples, dataclasses... of arrays and scalars), as the public
+# API's annotations name it: any object to a type checker.
+PyTree: TypeAlias = Any
 
 
 def is_differentiable(leaf) -> bool:

@@ -36,11 +36,11 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
     its cotangent as the backward pass leaves it. It runs even where no output needs it."""
     needed_set = spec.ancestors((*outputs, *(w for w in wrt if w in spec.nodes)))
     needed = tuple(n for n in spec.order if n in needed_set)
-    active: set[str] = set()
+    active_set: set[str] = set()
     for n in needed:  # topological, so every dep is settled before its consumer
-        if any(d in wrt or d in active for d in spec.nodes[n].deps):
-            active.add(n)
-    active = frozenset(active)
+        if any(d in wrt or d in active_set for d in spec.nodes[n].deps):
+            active_set.add(n)
+    active = frozenset(active_set)
     backward = {}
     for o in outputs:
         on_path = spec.ancestors([o])

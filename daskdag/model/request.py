@@ -126,7 +126,7 @@ def batched_names(values, batched) -> tuple[str, ...]:
 
 def batch_size(values, batched) -> int:
     """N, the leading axis length that every leaf of every batched input shares."""
-    sizes = {}
+    sizes: dict[int, Any] = {}
     for i in batched:  # array leaves carry the items; others (functions...) are shared
         for leaf in jax.tree.leaves(values[i]):
             if not (is_numeric(leaf) or _is_lazy_array(leaf)):

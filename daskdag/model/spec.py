@@ -8,7 +8,7 @@ Out: a :class:`Spec`: the nodes, the free inputs, and a topological order.
 from __future__ import annotations
 
 import graphlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,7 +77,7 @@ class Node:
         # packed function is jitted as the one object its process keeps for its content.
         return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         # The function travels packed (by value where it is the user's code), whoever pickles it.
         fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
         rules = (self.vjp, self.fwd, self.bwd, self.jvp)
@@ -93,7 +93,7 @@ class Spec:
     order: tuple[str, ...]  # node names, each after all its deps
     uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
 
-    def ancestors(self, names) -> set[str]:
+    def ancestors(self, names: Iterable[str]) -> set[str]:
         """Nodes and inputs that ``names`` depend on, ``names`` included."""
         seen, stack = set(), list(names)
         while stack:
@@ -118,19 +118,19 @@ def parse(dag: Mapping) -> Spec:
     except graphlib.CycleError as e:
         cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
         raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
-    uses = {}
+    uses: dict[str, tuple[tuple[str, int], ...]] = {}
     for name in order:
         for i, d in enumerate(nodes[name].deps):
             uses[d] = uses.get(d, ()) + ((name, i),)
     return Spec(nodes, inputs, order, uses)
 
 
-def _node(name, entry) -> Node:
+def _node(name: Any, entry: Any) -> Node:
     if not isinstance(name, str):
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
     if isinstance(entry, Node):
         fn, deps = _function(name, entry), entry.deps
-        opts = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
+        opts: dict[str, Any] = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
                 "resources": entry.resources, "remat": entry.remat}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
         (fn, deps), opts = entry, {}
@@ -162,7 +162,7 @@ def _node(name, entry) -> Node:
     return Node(fn, tuple(deps), **{**opts, "remat": remat})
 
 
-def _function(name: str, node: Node):
+def _function(name: str, node: Node) -> Callable[..., Any] | None:
     """The node's function: ``fn`` itself, or with derivatives given by the user, a
     :class:`daskdag.model.custom.Custom` of them, checked."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}

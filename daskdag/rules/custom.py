@@ -44,7 +44,7 @@ def linearize(custom: Custom, node, args: Sequence[Any], active: tuple[bool, ...
     if custom.fwd is not None:
         out, residuals = _pair(custom.fwd(*args), "fwd", "(value, residuals)")
     else:
-        out, residuals = custom.fn(*args), None
+        out, residuals = custom.fn(*args), None  # type: ignore[misc]
     return out, CustomPullback(node.fn, tuple(node.deps), active, out, residuals)
 
 

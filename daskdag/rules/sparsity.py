@@ -97,6 +97,7 @@ def _elementwise(eqn, ops, n):
 
 
 #: Data movement: per primitive, which operands are data (None: all); the others are indices.
+MOVES: dict[str, tuple[int, ...] | None]
 MOVES = {"broadcast_in_dim": (0,), "reshape": (0,), "transpose": (0,), "squeeze": (0,),
          "expand_dims": (0,), "rev": (0,), "slice": (0,), "dynamic_slice": (0,),
          "gather": (0,), "concatenate": None, "pad": (0, 1), "dynamic_update_slice": (0, 1),
@@ -106,7 +107,7 @@ MOVES = {"broadcast_in_dim": (0,), "reshape": (0,), "transpose": (0,), "squeeze"
 def _moves(eqn, ops, n):
     """The index trick: run the primitive on each data element's number (1 + its place among
     all data operands' elements), so each output element says which one it copies (0: none)."""
-    data = MOVES[eqn.primitive.name]
+    data: Sequence[int] | None = MOVES[eqn.primitive.name]
     data = range(len(ops)) if data is None else data
     args, offset = [], 0
     for i, ((d, value), var) in enumerate(zip(ops, eqn.invars)):
@@ -250,11 +251,11 @@ def _equation(eqn, ops, n):
 
 
 def _interpret(jaxpr, consts, ins, n):
-    env = {}
+    env: dict[Any, Any] = {}
 
-    def read(v):
+    def read(v: Any):
         if isinstance(v, jcore.Literal):
-            return _empty(_size(v.aval), n), np.asarray(v.val, dtype=v.aval.dtype)
+            return _empty(_size(v.aval), n), np.asarray(v.val, dtype=v.aval.dtype)  # type: ignore[attr-defined]
         return env[v]
 
     for v, c in zip(jaxpr.constvars, consts):
@@ -298,7 +299,7 @@ def jaxpr_pattern(fn, args: Sequence[Any],
         return None
     n = sum(_size(v.aval) for (i, j), v in zip(traced, closed.jaxpr.invars)
             if active[i] and _differentiable(flat[i][0][j]))
-    columns = [[] for _ in args]              # per argument, its columns
+    columns: list[list[Any]] = [[] for _ in args]  # per argument, its columns
     ins, k = [], 0
     for (i, j), v in zip(traced, closed.jaxpr.invars):
         size = _size(v.aval)
@@ -311,7 +312,7 @@ def jaxpr_pattern(fn, args: Sequence[Any],
     outs = _interpret(closed.jaxpr, closed.consts, ins, n)
     rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs) if _inexact(v.aval.dtype)]
     total = sp.csr_array(sp.vstack(rows, format="csr")) if rows else _empty(0, n)
-    result = []
+    result: list[Any] = []
     for i in range(len(args)):
         if not active[i]:
             result.append(None)

@@ -21,7 +21,7 @@ from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
 from daskdag import config
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
-_same_versions: set[tuple[str, str]] = set()  # (address, local directory) of workers checked
+_same_versions: set[tuple[str, str | None]] = set()  # (address, local directory) of workers checked
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
 VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
@@ -169,6 +169,7 @@ class Watch:
         self.lost = 0  # the most workers seen meanwhile gone
 
     def check(self) -> None:
+        problem: str | None
         try:
             found = workers(self.client)
         except (OSError, TimeoutError) as e:  # the scheduler is unreachable
@@ -190,7 +191,9 @@ class Watch:
     def _problem(self, found: dict) -> str | None:
         if not found:
             return "the cluster has no worker left"
-        for n in self.plan.needed if self.plan is not None else ():
+        if self.plan is None:
+            return None
+        for n in self.plan.needed:
             needs = self.plan.spec.nodes[n].needs
             if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
                                      for r, amount in needs.items()) for w in found.values()):

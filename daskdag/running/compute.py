@@ -36,7 +36,7 @@ NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
          "synchronous": "sync", "single-threaded": "sync"}
 
 
-def where(client, scheduler) -> tuple[Any, str]:
+def where(client, scheduler) -> tuple[Any, str | None]:
     """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here."""
     if scheduler is None:
         client = client if client is not None else active_client()

@@ -35,7 +35,7 @@ def run(job: Job, client, local: str | None, progress: bool):
         cluster.check(client, job.plan)
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
-    before = kept.sent if kept else None
+    before = kept.sent if kept else 0
     with kept.keeping(client) if kept else contextlib.nullcontext() as place:
         graph = job.make(place, stop)
         log.submitted(job.kind, job.plan, graph, log.where(client, local),

@@ -17,6 +17,7 @@ client by ``distributed``, so the graph's own accessor is where daskdag can stil
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import dask
@@ -37,8 +38,8 @@ class Call(DaskMethodsMixin):
 
     __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan", "_persisted_")
 
-    def __init__(self, dsk, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str,
-                 persisted: bool = False):
+    def __init__(self, dsk: Any, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str,
+                 persisted: bool = False) -> None:
         self._dask, self._keys, self._finish, self._plan, self._name = dsk, keys, finish, plan, name
         self._persisted_ = persisted  # its results are computed and held (dask.persist)
 
@@ -64,7 +65,7 @@ class Call(DaskMethodsMixin):
 
     # -- the collection protocol -------------------------------------------------------------
 
-    def __dask_graph__(self):
+    def __dask_graph__(self) -> HighLevelGraph:
         client = _distributed_client()
         if client is not None:  # about to go to that cluster: check it first (module docstring)
             cluster.check(client, self._plan)
@@ -78,26 +79,27 @@ class Call(DaskMethodsMixin):
     def __dask_layers__(self) -> tuple:
         return tuple(self._dask.layers) if isinstance(self._dask, HighLevelGraph) else (self._name,)
 
-    def __dask_tokenize__(self):
+    def __dask_tokenize__(self) -> tuple:
         return "daskdag.Call", tuple(self._keys)  # content keys already
 
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
     @staticmethod
-    def __dask_optimize__(dsk, keys, **kwargs):
+    def __dask_optimize__(dsk: Any, keys: Any, **kwargs: Any) -> Any:
         return dsk  # (daskdag's graph is built already fused into stages)
 
-    def __dask_postcompute__(self):
+    def __dask_postcompute__(self) -> tuple:
         return self._finish, ()
 
-    def __dask_postpersist__(self):
+    def __dask_postpersist__(self) -> tuple:
         return self._persisted, ()
 
-    def _persisted(self, dsk, *, rename=None) -> "Call":
+    def _persisted(self, dsk: Any, *, rename: dict | None = None) -> "Call":
         keys = [rename.get(k, k) for k in self._keys] if rename else self._keys
         return Call(dsk, keys, self._finish, self._plan, self._name, persisted=True)
 
-    def visualize(self, filename: str | None = "daskdag", format: str | None = None, **kwargs):
+    def visualize(self, filename: str | None = "daskdag",  # type: ignore[override]
+                  format: str | None = None, **kwargs: Any) -> Any:
         """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
         ``dot`` program), one shape per task, labelled by its key less its token
         (``fwd:A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
@@ -120,10 +122,10 @@ class _Finish:
     """The computed values of a :class:`Call`'s keys, in order, back in the structure
     ``{output: (value, {name: grad})}`` its function takes, then that function's result."""
 
-    def __init__(self, structure: list, finish: Callable[[dict], Any]):
+    def __init__(self, structure: list, finish: Callable[[dict], Any]) -> None:
         self.structure, self.finish = structure, finish
 
-    def __call__(self, results) -> Any:
+    def __call__(self, results: Iterable[Any]) -> Any:
         it = iter(results)
         computed = {}
         for o, names in self.structure:
@@ -132,7 +134,7 @@ class _Finish:
         return self.finish(computed)
 
 
-def _distributed_client():
+def _distributed_client() -> distributed.Client | None:
     """The ``distributed`` client that computing now would use, if it is one."""
     scheduler = get_scheduler()
     client = getattr(scheduler, "__self__", None)

@@ -23,6 +23,7 @@ import concurrent.futures
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from typing import Any
 
 import dask
 import dask.local
@@ -71,6 +72,7 @@ def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
     the forward tasks. For a call of short tasks only: Dask's synchronous scheduler orders the
     graph and keeps its books per task, ~0.1 ms a task, as much as a tiny node's work."""
     takers = Counter(d for task in dsk.values() for d in task.dependencies)
+    values: dict[Any, Any]
     wanted, values = set(keys), {}
     for key, task in dsk.items():
         start = time.perf_counter()
@@ -117,7 +119,7 @@ class Inline:
         # dask.local submits batch_execute_tasks(args) with args [(key, (task, data), ...)]
         if not self._here(args[0]):
             return self.pool.submit(self._timed, fn, args)
-        done = concurrent.futures.Future()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         try:
             done.set_result(self._timed(fn, args))  # (dask packs a task's exception)
         except BaseException as e:
@@ -166,7 +168,7 @@ def _functions(task) -> tuple:
     """What identifies the node functions a forward task runs (its args hold the stage's
     nodes): their ids, as the user made them (a function packed for this call, or a node with
     its own derivatives, is a new object each call)."""
-    ids = []
+    ids: list[Any] = []
     for a in task.args:
         if isinstance(a, Node):
             fn = unwrap(a.fn)

@@ -99,8 +99,8 @@ def placing(client):
     each cancelled and let go on exit."""
     kept = of(client)
     if kept is not None:
-        with kept.keeping(client) as place:
-            yield place
+        with kept.keeping(client) as kept_place:
+            yield kept_place
         return
     held: list = []
 

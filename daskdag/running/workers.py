@@ -85,7 +85,7 @@ def _tune() -> tuple[dict[str, int] | None, str]:
     trim = max(TRIM_THRESHOLD, _int(os.environ["MALLOC_TRIM_THRESHOLD_"]))
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied = {}
+    applied: dict[str, int] = {}
     for name, option, value in (("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
                                 ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, trim)):
         if mallopt(option, value) != 1:

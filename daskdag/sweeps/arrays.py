@@ -104,7 +104,7 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
             return da.from_array(np.asarray(leaf), chunks=(items, *np.shape(leaf)[1:]))
         return leaf
 
-    return {i: jax.tree.map(leaf_of, values[i]) for i in batched}, tuple(items), size
+    return {i: jax.tree.map(leaf_of, values[i]) for i in batched}, tuple(items), size  # type: ignore[arg-type]
 
 
 def _stand_in(tree):
@@ -233,6 +233,7 @@ def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> d
         k = next(flat)
         leaf = f"daskdag-{label}-{token}"
         ndim = len(aval.shape)
+        tasks: dict
         tasks = {(leaf, b, *(0,) * ndim): Task((leaf, b, *(0,) * ndim), operator.getitem,
                                                TaskRef((name, b)), k) for b in range(len(chunks))}
         hlg = HighLevelGraph({**base.layers, leaf: tasks}, {**base.dependencies, leaf: {name}})

@@ -151,7 +151,7 @@ class _ForItems(Pullback):
         self.pullback, self.sizes = pullback, sizes
 
     @property
-    def batching(self):
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
     def __call__(self, ct, inputs, dropped=None):
@@ -185,7 +185,7 @@ class ItemPullbacks(Pullback):
                      for c, column, arg in zip(cts[0], zip(*cts), inputs))
 
     @property
-    def batching(self):
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         """As its items' pullbacks (see :attr:`~daskdag.rules.pullback.Pullback.batching`)."""
         return self.pullbacks[0].batching if self.pullbacks else None
 
@@ -205,7 +205,7 @@ class _ByValue(Pullback):
         self.pullback, self.leaves, self.items = pullback, leaves, items
 
     @property
-    def batching(self):
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
     def __call__(self, ct, inputs, dropped=None):

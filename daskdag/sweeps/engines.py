@@ -39,7 +39,8 @@ class Threads:
 
     def __init__(self, in_flight: int, bar: progress.Progress | None):
         self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
-        self.stop, self.bar, self.shared = threading.Event(), bar, {}
+        self.shared: dict = {}
+        self.stop, self.bar = threading.Event(), bar
 
     def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
         """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
@@ -47,7 +48,8 @@ class Threads:
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         graph = sweep.chunk(*chunk)
-        report = None if self.bar is None else (lambda f: self.bar.report(chunk, f))
+        bar = self.bar
+        report = None if bar is None else (lambda f: bar.report(chunk, f))
 
         def job():
             with progress.ChunkRun(steps, self.stop.is_set, report):
@@ -274,7 +276,9 @@ class _Chunk:
 
     def __init__(self, sweep, chunk: tuple[int, int], steps: int):
         self.sweep, self.chunk, self.steps = sweep, chunk, steps
-        self.future, self.worker, self.resent = None, None, 0
+        self.future: distributed.Future | None = None
+        self.worker: str | None = None
+        self.resent = 0
         self.cohort: frozenset = frozenset()  # the workers there when it was sent
 
 

@@ -78,6 +78,8 @@ class Progress:
     a chunk that is no longer open (done, failed, a stale event) are ignored, so the final count
     is the exact number of items finished."""
 
+    partial: dict[tuple[int, int], float]
+
     def __init__(self, total: int):
         self.bar = tqdm(total=total, unit="item")
         self.done, self.partial = 0, {}  # partial: open chunk -> items done in it, as a float

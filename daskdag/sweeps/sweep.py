@@ -198,6 +198,7 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
     shared inputs and the chunk graph are kept for later calls
     (:func:`~daskdag.running.resident.placing`)."""
     with contextlib.nullcontext() if client is None else placing(client) as place:
+        engine: Threads | Cluster
         if client is None:
             engine = Threads(in_flight, bar)
         else:
@@ -216,6 +217,9 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
+        reruns: deque
+        broken: list
+        pending: dict
         reruns, broken, pending = deque(), [], {}  # broken: failed chunks held back (errors='raise')
         while True:
             halted = errors == "raise" and bool(failed or broken)  # no new chunks
@@ -225,7 +229,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                     raise failed[first] from failed[first].original
                 reruns.extend(_items(broken.pop(0)))
             source = reruns or (() if halted else chunks)
-            batch = [source.popleft() for _ in range(min(len(source), in_flight - len(pending)))]
+            batch = [source.popleft()  # type: ignore[union-attr]  # (never from the empty tuple)
+                     for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
                 sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
                                              for c in batch])
@@ -281,7 +286,7 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _collect(engine, fut, sweep, chunk, stacked) -> NodeError | Lost | None:
+def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked) -> NodeError | Lost | None:
     """Store a finished chunk's results; return its error instead if it failed, or ``Lost`` if
     the workers that ran it kept dying."""
     try:
@@ -304,6 +309,7 @@ def _detached(e: NodeError, item: int | None) -> NodeError:
     error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
     original exception's traceback (where the node raised) stays, as text in a note.
     """
+    todo: list[BaseException | None]
     seen, todo = set(), [e.original]
     while todo:  # the original and the exceptions chained to it
         x = todo.pop()
@@ -328,6 +334,8 @@ def _store(stacked, sweep, start, stop, computed):
 def _finish(sweep, stacked) -> dict:
     """``{output: (value, {input: grad})}``; where no item gave a result (none at all, or all
     failed), NaN rows shaped like one item's result, when that can be known without data."""
+    values: dict
+    grads: dict
     values, grads = {}, {}
     if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
         values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched)

@@ -40,6 +40,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import replace
 from functools import cache
+from typing import Any, Callable
 
 import cloudpickle
 import cloudpickle.cloudpickle as _cloudpickle
@@ -221,7 +222,7 @@ class _Current:
         self.token = token
         try:
             key = id(fn)
-            self._ref = weakref.ref(fn, lambda _: _forget_current(key, self))
+            self._ref: Callable[[], Any] = weakref.ref(fn, lambda _: _forget_current(key, self))
         except TypeError:  # not weakly referenceable: held (and kept alive) as it is
             self._ref = lambda: fn
 
@@ -259,6 +260,7 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, type) and obj is not self.root and is_user_module(obj.__module__) \
                 and "<locals>" not in obj.__qualname__:
+            arrays: list[Any]
             buffer, arrays = io.BytesIO(), []
             _Pickler(buffer, arrays, root=obj).dump(obj)  # its value, in case the import fails
             return _import_or_load, (obj.__module__, obj.__qualname__,
@@ -358,7 +360,7 @@ def _stand_in(module: str, qualname: str, cls) -> None:
     stand_in = sys.modules.get(module)
     if stand_in is None:
         stand_in = sys.modules[module] = types.ModuleType(module)
-        stand_in.__daskdag_stand_in__ = True
+        setattr(stand_in, "__daskdag_stand_in__", True)
     if getattr(stand_in, "__daskdag_stand_in__", False):
         setattr(stand_in, qualname, cls)
 
@@ -379,7 +381,8 @@ def _keep_rebuilt(cls, origin: tuple) -> None:
         ref = _ClassRef(*origin)
         if rv[0] is cls:
             return (ref, *rv[1:])
-        if rv[0] is copyreg.__newobj__:  # pickle insists that its first arg be the class itself
+        # pickle insists that its first arg be the class itself (copyreg.__newobj__: not in typeshed)
+        if rv[0] is copyreg.__newobj__:  # type: ignore[attr-defined]
             return (_new, (ref, *rv[1][1:]), *rv[2:])
         return rv
 
@@ -431,7 +434,7 @@ def is_user_module(name: str) -> bool:
     if name == "__main__":
         return True
     module = sys.modules.get(name)
-    file = getattr(module, "__file__", None)
+    file: Any = getattr(module, "__file__", None)
     key = (name, file)
     if key not in _decided:
         _decided[key] = bool(file) and name.partition(".")[0] != "daskdag" and \
@@ -465,7 +468,7 @@ class _user_modules_by_value:
                       and sys.modules.get(m.__name__) is m]
         for m in self.added:
             cloudpickle.register_pickle_by_value(m)
-        self.find = getattr(_cloudpickle, "_find_imported_submodules", None)
+        self.find: Any = getattr(_cloudpickle, "_find_imported_submodules", None)
         if self.find is not None:
             _cloudpickle._find_imported_submodules = self._remembered
         return self

@@ -36,7 +36,8 @@ def _normalize_jax_array(a):
     if hit is not None and hit[0]() is a:
         return "jax.Array", hit[1]
     token = tokenize(np.asarray(a))  # Dask's fallback would pickle the array, twice
-    _jax_tokens[id(a)] = (weakref.ref(a, lambda _, key=id(a): _jax_tokens.pop(key, None)), token)
+    key = id(a)
+    _jax_tokens[key] = (weakref.ref(a, lambda _: _jax_tokens.pop(key, None)), token)
     return "jax.Array", token
 
 
