@@ -75,30 +75,43 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
                   progress: bool = False) -> Result | dict[str, Result]:
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
-    dag:        ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
-                is no node's name is a free input.
-    x:          the free input's value (any pytree of arrays) when there is one, else a mapping
-                ``{input_name: value}``.
-    outputs:    node names; a single name returns a single :class:`Result`.
-    wrt:        input names to differentiate; default every given input with a floating-point
-                leaf. Within an input, floating-point (and complex) array leaves are
-                differentiated, other leaves (ints, bools, functions) held constant. Node
-                names too: their gradient is d output / d the node's value (its cotangent in
-                the same backward pass; zeros where the output does not depend on it).
-    cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
-    client:     a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
-    scheduler:  as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
-                even while a default client exists; a ``distributed.Client`` is ``client=``.
-    progress:   show Dask's progress bar over the call's tasks.
+    Args:
+        dag: ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
+            is no node's name is a free input.
+        x: the free input's value (any pytree of arrays) when there is one, else a mapping
+            ``{input_name: value}``.
+        outputs: node names; a single name returns a single :class:`Result`.
+        wrt: input names to differentiate; default every given input with a floating-point
+            leaf. Within an input, floating-point (and complex) array leaves are
+            differentiated, other leaves (ints, bools, functions) held constant. Node
+            names too: their gradient is d output / d the node's value (its cotangent in
+            the same backward pass; zeros where the output does not depend on it).
+        cotangents: ``{output: ct}`` seeds for outputs that are not real scalars (scalars get 1).
+        client: a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
+        scheduler: as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
+            even while a default client exists; a ``distributed.Client`` is ``client=``.
+        progress: show Dask's progress bar over the call's tasks.
 
-    Returns ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
-    structure, with ``None`` at the leaves held constant, and JAX arrays of the leaves' JAX
-    dtypes (as ``jax.grad`` gives them: float32 for a Python float), whether JAX or a node's
-    own NumPy rule computed them. Raises :class:`~daskdag.DAGError` for
-    a malformed call, :class:`~daskdag.NodeError` when a node raises,
-    :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
-    running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
-    that differ). :func:`grads` is the same call, not computed yet.
+    Returns:
+        ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
+        structure, with ``None`` at the leaves held constant, and JAX arrays of the leaves' JAX
+        dtypes (as ``jax.grad`` gives them: float32 for a Python float), whether JAX or a node's
+        own NumPy rule computed them. Raises :class:`~daskdag.DAGError` for
+        a malformed call, :class:`~daskdag.NodeError` when a node raises,
+        :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
+        running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
+        that differ). :func:`grads` is the same call, not computed yet.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.compute_grads(dag, jnp.arange(3.0), ["A", "B"], cotangents={"A": jnp.ones(3)})
+    print(res["B"].value, res["B"].grad)  # sum(sin(x)**2), sin(2x)
+    ```
     """
     client, local = where(client, scheduler)
     return run(_grads(dag, x, outputs, wrt, cotangents, client is not None,
@@ -114,7 +127,21 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     default ``distributed`` client in effect at compute time (checked then, as
     :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
     (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
-    next calls; a lazy call carries them in its graph.)"""
+    next calls; a lazy call carries them in its graph.)
+
+    For example:
+
+    ```python
+    import dask
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    call = daskdag.grads(dag, jnp.arange(3.0), "B")
+    res, total = dask.compute(call, dask.delayed(sum)([1, 2]))
+    print(res.grad, total)
+    ```
+    """
     return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
 
 
@@ -153,26 +180,44 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
     computed once.
 
-    dag, x, outputs, client, scheduler, progress: as for :func:`compute_grads`.
-    tangents:   with one free input, a pytree shaped like ``x``: the tangent of each floating-point
-                leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
-                bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
-                inputs left out are held constant.
-    batched:    every tangent leaf has a leading axis of K directions, and so has every
-                output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
-                directions' axis first: ``(K, *output shape)``). Each node's jvp runs
-                under ``jax.vmap`` over the directions (its function still runs once); a node
-                whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
-                direction.
+    Args:
+        dag: as for :func:`compute_grads`.
+        x: as for :func:`compute_grads`.
+        outputs: as for :func:`compute_grads`.
+        client: as for :func:`compute_grads`.
+        scheduler: as for :func:`compute_grads`.
+        progress: as for :func:`compute_grads`.
+        tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
+            leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
+            bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
+            inputs left out are held constant.
+        batched: every tangent leaf has a leading axis of K directions, and so has every
+            output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
+            directions' axis first: ``(K, *output shape)``). Each node's jvp runs
+            under ``jax.vmap`` over the directions (its function still runs once); a node
+            whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
+            direction.
 
-    Returns ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
-    ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
-    no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
-    whose structure, shape or dtype does not match its input, naming it; a tangent for a name
-    that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
-    differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
-    ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
-    the same call, not computed yet.
+    Returns:
+        ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
+        ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
+        no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
+        whose structure, shape or dtype does not match its input, naming it; a tangent for a name
+        that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
+        differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
+        ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
+        the same call, not computed yet.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.compute_jvps(dag, jnp.arange(3.0), jnp.ones(3), "B")
+    print(res.value, res.tangent)  # the directional derivative along ones
+    ```
     """
     client, local = where(client, scheduler)
     return run(_jvps(dag, x, tangents, outputs, batched, client is not None,
@@ -181,7 +226,18 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
 
 def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
          batched: bool = False) -> Call:
-    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is."""
+    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
+    ```
+    """
     return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
 
 
@@ -224,28 +280,31 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 progress: bool = False, errors: str = "raise") -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
-    xs:         like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
-                item axis of one common length N.
-    batched:    the inputs that carry it (default: all given); the others are shared by every
-                item and sent to each worker once.
-    wrt:        default every batched input with floating leaves. A shared input named here gets
-                a gradient per item; a node, its gradient per item (as for compute_grads).
-    cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
-                output; the same for every item.
-    client, scheduler: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
-    chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
-                when every node that carries items is ``vmap=True``, one chunk per worker
-                thread, at most 64 MiB of items each).
-                Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
-    progress:   show a progress bar over items (tqdm); it advances as items are done inside
-                running chunks, and ends at the exact number of items computed.
-    errors:     ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
-                item and node. ``'collect'``: every item that succeeded, and in
-                ``Result.failed`` the ones that did not; their rows hold NaN.
+    Args:
+        xs: like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
+            item axis of one common length N.
+        batched: the inputs that carry it (default: all given); the others are shared by every
+            item and sent to each worker once.
+        wrt: default every batched input with floating leaves. A shared input named here gets
+            a gradient per item; a node, its gradient per item (as for compute_grads).
+        cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
+            output; the same for every item.
+        client: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
+        scheduler: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
+        chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
+            when every node that carries items is ``vmap=True``, one chunk per worker
+            thread, at most 64 MiB of items each).
+            Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
+        progress: show a progress bar over items (tqdm); it advances as items are done inside
+            running chunks, and ends at the exact number of items computed.
+        errors: ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
+            item and node. ``'collect'``: every item that succeeded, and in
+            ``Result.failed`` the ones that did not; their rows hold NaN.
 
-    Returns ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
-    stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``, values
-    ``(N, *item output shape)``).
+    Returns:
+        ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
+        stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``, values
+        ``(N, *item output shape)``).
 
     When no item gives a result (N = 0, or every item failed with ``errors='collect'``), the
     shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (no data;
@@ -256,6 +315,18 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
 
     Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
     running ones stop after their current item, on threads and on a cluster.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    xs = jnp.arange(12.0).reshape(4, 3)  # 4 items of 3
+    res = daskdag.sweep_grads(dag, xs, "B")
+    print(res.value.shape, res.grad.shape)  # (4,) (4, 3)
+    ```
     """
     spec, names, values = parsed(dag, xs, outputs)
     batched = batched_names(values, batched)

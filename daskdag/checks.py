@@ -72,17 +72,23 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     """Check the VJP of every node on the way from the differentiated inputs to ``outputs``
     against central finite differences of that node alone, at the point the forward pass reached.
 
-    dag, x, outputs, wrt, client, scheduler: as for :func:`daskdag.compute_grads`.
-    eps:   the finite-difference step, relative: each element of a leaf moves by about ``eps``
-           times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
-           Default, by the lowest precision among the node's differentiated leaves and output
-           leaves: ``cbrt(finfo.eps)``, which balances the truncation error (``eps**2``)
-           against rounding (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
-    rtol:  default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a central
-           difference at that step is good to about ``finfo.eps ** (2/3)`` (5e-5 in float32,
-           4e-11 in float64) on a well-scaled node, so this leaves a margin of
-           ``finfo.eps ** (-1/3)`` (200x in float32) for curvature and rounding inside the node,
-           while a VJP off by a few percent (float64) or by a factor (float32) fails.
+    Args:
+        dag: as for :func:`daskdag.compute_grads`.
+        x: as for :func:`daskdag.compute_grads`.
+        outputs: as for :func:`daskdag.compute_grads`.
+        wrt: as for :func:`daskdag.compute_grads`.
+        client: as for :func:`daskdag.compute_grads`.
+        scheduler: as for :func:`daskdag.compute_grads`.
+        eps: the finite-difference step, relative: each element of a leaf moves by about ``eps``
+            times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
+            Default, by the lowest precision among the node's differentiated leaves and output
+            leaves: ``cbrt(finfo.eps)``, which balances the truncation error (``eps**2``)
+            against rounding (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
+        rtol: default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a central
+            difference at that step is good to about ``finfo.eps ** (2/3)`` (5e-5 in float32,
+            4e-11 in float64) on a well-scaled node, so this leaves a margin of
+            ``finfo.eps ** (-1/3)`` (200x in float32) for curvature and rounding inside the node,
+            while a VJP off by a few percent (float64) or by a factor (float32) fails.
 
     A projection passes when ``|fd - ad| <= rtol * scale + noise``, where ``scale = max(|fd|,
     |ad|, ||J v|| / sqrt(n))`` (``n``: the output's real degrees of freedom; ``||J v|| /
@@ -92,12 +98,23 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     (negligible on a well-scaled node; it keeps a node whose outputs are large against their
     variation, or constant, from failing).
 
-    Returns ``{node: relative error}``: for each node checked, the largest ``|fd - ad| /
-    (scale + noise / rtol)`` over its deps and projections, so at most ``rtol`` where it passed.
-    Raises :class:`~daskdag.GradientCheckError` for the first node in topological order whose
-    VJP disagrees (after checking all of them; the error names the others that failed),
-    :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
-    raises for a malformed call or a cluster that cannot run it.
+    Returns:
+        ``{node: relative error}``: for each node checked, the largest ``|fd - ad| /
+        (scale + noise / rtol)`` over its deps and projections, so at most ``rtol`` where it passed.
+        Raises :class:`~daskdag.GradientCheckError` for the first node in topological order whose
+        VJP disagrees (after checking all of them; the error names the others that failed),
+        :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
+        raises for a malformed call or a cluster that cannot run it.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.check_grads(dag, jnp.arange(3.0), "B"))  # {node: relative error}, each <= rtol
+    ```
     """
     client, local = where(client, scheduler)
     request = prepare(dag, x, outputs, wrt)
@@ -128,10 +145,17 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     against central finite differences of the composed DAG, as OpenMDAO's ``check_totals``
     does beside its ``check_partials`` (:func:`check_grads`, node by node).
 
-    dag, x, outputs, wrt, client, scheduler: as for :func:`~daskdag.compute_grads` (``wrt``:
-    free inputs only; outputs may be any real or complex arrays or pytrees).
-    eps, rtol: as for :func:`check_grads`; their defaults by the lowest precision among the
-               differentiated inputs' leaves (``eps``), and the outputs' leaves too (``rtol``).
+    Args:
+        dag: as for :func:`~daskdag.compute_grads`.
+        x: as for :func:`~daskdag.compute_grads`.
+        outputs: as for :func:`~daskdag.compute_grads`; any real or complex arrays or pytrees.
+        wrt: as for :func:`~daskdag.compute_grads`: free inputs only.
+        eps: as for :func:`check_grads`; its default by the lowest precision among the
+            differentiated inputs' leaves.
+        rtol: as for :func:`check_grads`; its default by the lowest precision among the
+            differentiated inputs' leaves and the outputs' leaves.
+        client: as for :func:`~daskdag.compute_grads`.
+        scheduler: as for :func:`~daskdag.compute_grads`.
 
     Per projection (:data:`PROJECTIONS`), a random unit cotangent ``u`` over each output's
     differentiable leaves and a random tangent ``v`` per input (each leaf's elements of about
@@ -141,11 +165,22 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     compares them. So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and
     ``PROJECTIONS`` times under ``compute_grads``.
 
-    Returns ``{output: its largest relative error}`` over inputs and projections (at most
-    ``rtol`` where it passed). Raises :class:`~daskdag.TotalCheckError` (a
-    :class:`~daskdag.GradientCheckError`) naming the first output and input that disagree (and
-    the other pairs that failed), :class:`~daskdag.NodeError` when a node raises, and what
-    :func:`~daskdag.compute_grads` raises for a malformed call.
+    Returns:
+        ``{output: its largest relative error}`` over inputs and projections (at most
+        ``rtol`` where it passed). Raises :class:`~daskdag.TotalCheckError` (a
+        :class:`~daskdag.GradientCheckError`) naming the first output and input that disagree (and
+        the other pairs that failed), :class:`~daskdag.NodeError` when a node raises, and what
+        :func:`~daskdag.compute_grads` raises for a malformed call.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.check_totals(dag, jnp.arange(3.0), "B"))  # {output: relative error}
+    ```
     """
     client, local = where(client, scheduler)
     request = prepare(dag, x, outputs, wrt)

@@ -77,19 +77,39 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
     backward pass (reverse over forward, see :mod:`daskdag.hessians`).
 
-    dag, x, outputs, wrt, cotangents, client, scheduler, progress: as for
-    :func:`~daskdag.compute_grads` (``wrt``: free inputs only).
-    v:          the vector, as ``tangents`` of :func:`~daskdag.compute_jvps`: with one free
-                input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
-                dict ``{input: v}``; the inputs left out move by zero.
+    Args:
+        dag: as for :func:`~daskdag.compute_grads`.
+        x: as for :func:`~daskdag.compute_grads`.
+        v: the vector, as ``tangents`` of :func:`~daskdag.compute_jvps`: with one free
+            input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
+            dict ``{input: v}``; the inputs left out move by zero.
+        outputs: as for :func:`~daskdag.compute_grads`.
+        wrt: as for :func:`~daskdag.compute_grads`: free inputs only.
+        cotangents: as for :func:`~daskdag.compute_grads`; then ``hvp`` is the Hessian of
+            ``<ct, output>`` times ``v``.
+        client: as for :func:`~daskdag.compute_grads`.
+        scheduler: as for :func:`~daskdag.compute_grads`.
+        progress: as for :func:`~daskdag.compute_grads`.
 
-    Returns ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
-    :class:`HVPResult`). Each node runs under ``jax.jvp`` inside ``jax.vjp``, so it must be
-    twice differentiable by JAX: a node with its own derivative rules (``vjp=``, ``fwd=`` /
-    ``bwd=``: NumPy code) on the way is refused with a :class:`~daskdag.DAGError` naming it,
-    and a ``jax.custom_vjp`` function inside a node fails there (JAX has no forward mode for
-    it). Raises otherwise as :func:`~daskdag.compute_grads` does. :func:`hvps` is the same call,
-    not computed yet.
+    Returns:
+        ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
+        :class:`HVPResult`). Each node runs under ``jax.jvp`` inside ``jax.vjp``, so it must be
+        twice differentiable by JAX: a node with its own derivative rules (``vjp=``, ``fwd=`` /
+        ``bwd=``: NumPy code) on the way is refused with a :class:`~daskdag.DAGError` naming it,
+        and a ``jax.custom_vjp`` function inside a node fails there (JAX has no forward mode for
+        it). Raises otherwise as :func:`~daskdag.compute_grads` does. :func:`hvps` is the same call,
+        not computed yet.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.compute_hvps(dag, jnp.arange(3.0), jnp.ones(3), "B")
+    print(res.grad, res.hvp)  # sin(2x), 2 cos(2x) * 1
+    ```
     """
     client, local = where(client, scheduler)
     return run(_hvps(dag, x, v, outputs, wrt, cotangents, client is not None,
@@ -98,7 +118,18 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
 
 def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
          wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
-    """:func:`compute_hvps`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
+    """:func:`compute_hvps`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
+    ```
+    """
     return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None))
 
 

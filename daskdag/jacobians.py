@@ -66,40 +66,56 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     function gives them, each node computed once.
 
     Arguments as for :func:`~daskdag.compute_grads`; outputs may be any real arrays or pytrees.
-    mode:       ``"rev"`` pulls back the rows of the identity over each output's elements
-                through each node's pullback under ``jax.vmap`` (one pass per output element;
-                every output passing through a stage goes in one call); ``"fwd"`` pushes the
-                columns of the identity over the inputs' elements forward through each node's
-                JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
-                inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
-                takes the one with fewer passes, reverse on a tie. To count the outputs'
-                elements it traces the nodes with ``jax.eval_shape`` (no arithmetic; an eager
-                node's Python code runs once more, on abstract values); where a node cannot be
-                traced, reverse.
-    sparsity:   the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
-                (forward): those a greedy colouring groups, sharing no column (row). A boolean
-                array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
-                over the differentiable leaves in ``jax.tree.leaves`` order, each flattened in
-                C order; with several outputs ``{output: ...}``, with several inputs
-                ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
-                a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
-                (:func:`jacobian_sparsity`). The mode then counts colours, not elements.
-    sparse:     return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
-                elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
-    chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
-                them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or
-                values (forward): pass fewer to bound memory. In forward mode each chunk runs a
-                node's function once more. A pullback that cannot be vmapped (a host callback)
-                runs row by row.
 
-    Returns ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
-    structure, each leaf holding the input's structure with leaves shaped
-    ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
-    each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
-    the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
-    booleans...). Raises as :func:`~daskdag.compute_grads` does, a :class:`~daskdag.DAGError`
-    for a mode or pattern that cannot serve the call (naming the node, input or output), and a
-    ``ValueError`` naming a complex output. :func:`jacobians` is the same call, not computed yet.
+    Args:
+        mode: ``"rev"`` pulls back the rows of the identity over each output's elements
+            through each node's pullback under ``jax.vmap`` (one pass per output element;
+            every output passing through a stage goes in one call); ``"fwd"`` pushes the
+            columns of the identity over the inputs' elements forward through each node's
+            JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
+            inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
+            takes the one with fewer passes, reverse on a tie. To count the outputs'
+            elements it traces the nodes with ``jax.eval_shape`` (no arithmetic; an eager
+            node's Python code runs once more, on abstract values); where a node cannot be
+            traced, reverse.
+        sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
+            (forward): those a greedy colouring groups, sharing no column (row). A boolean
+            array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
+            over the differentiable leaves in ``jax.tree.leaves`` order, each flattened in
+            C order; with several outputs ``{output: ...}``, with several inputs
+            ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
+            a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
+            (:func:`jacobian_sparsity`). The mode then counts colours, not elements.
+        sparse: return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
+            elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
+        chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
+            them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or
+            values (forward): pass fewer to bound memory. In forward mode each chunk runs a
+            node's function once more. A pullback that cannot be vmapped (a host callback)
+            runs row by row.
+
+    Returns:
+        ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
+        structure, each leaf holding the input's structure with leaves shaped
+        ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
+        each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
+        the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
+        booleans...). Raises as :func:`~daskdag.compute_grads` does, a :class:`~daskdag.DAGError`
+        for a mode or pattern that cannot serve the call (naming the node, input or output), and a
+        ``ValueError`` naming a complex output. :func:`jacobians` is the same call, not computed yet.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.jacobian(dag, jnp.arange(3.0), "A")
+    print(res.grad)  # diag(cos(x)), as jax.jacrev gives it
+    res = daskdag.jacobian(dag, jnp.arange(3.0), "A", sparsity="detect", sparse=True)
+    print(res.grad.nnz)  # 3: one pass per colour, here 1
+    ```
     """
     client, local = where(client, scheduler)
     return run(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
@@ -110,7 +126,18 @@ def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *
               wrt: Sequence[str] | None = None,
               mode: str = "auto", sparsity: Any = None, sparse: bool = False,
               chunk_size: int | None = None) -> Call:
-    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is."""
+    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jacobians(dag, jnp.arange(3.0), "A").compute().grad.shape)  # (3, 3)
+    ```
+    """
     return as_collection(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
                                    active_client() is not None))
 
@@ -126,6 +153,16 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
     traced (Python control flow on values, NumPy code under its own rule) from its Jacobian at
     ``x`` and at two random points near it, which runs that node and those before it here,
     and holds where the node's zeros are structural. Computes no Jacobian.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jacobian_sparsity(dag, jnp.arange(3.0), "A").toarray())  # the identity's pattern
+    ```
     """
     plan, values = _plan(dag, x, outputs, wrt)
     widths = {i: size(values[i]) for i in plan.wrt}

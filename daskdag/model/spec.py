@@ -25,34 +25,37 @@ from daskdag.transport.packing import Function, current, pack, unwrap
 @travels(lambda node: sizeof(node.fn))  # (a node is as large as its function, packed)
 @dataclass(frozen=True)
 class Node:
-    """One node: ``fn(*values of deps)``.
+    """One node: ``fn(*values of deps)``. A DAG entry ``(fn, deps)`` is ``Node(fn, deps)``.
 
-    ``jit=True`` runs ``fn`` under ``jax.jit`` (faster for small ops; ``fn`` must then be
-    traceable). The default runs it eagerly, so Python control flow on values, prints and other
-    side effects work.
+    Attributes:
+        fn: the node's function, called with its deps' values.
+        deps: the names of its deps: nodes, or free inputs (any name that is no node's).
+        jit: run ``fn`` under ``jax.jit`` (faster for small ops; ``fn`` must then be
+            traceable). The default runs it eagerly, so Python control flow on values, prints
+            and other side effects work.
+        vmap: in sweeps, run the node once per chunk of items as ``jax.jit(jax.vmap(fn))``,
+            forward and backward, instead of item by item; ``fn`` must then be traceable, and
+            its Python side effects run only when it is traced (once per shapes).
+        device: ``'gpu'`` places the node's forward and backward tasks on workers that
+            advertise the Dask resource ``GPU`` (``dask worker --resources GPU=1``); it means
+            ``resources={'GPU': 1}``. Other nodes run on any worker.
+        resources: ``{'NAME': amount}``: Dask resources the node's tasks need on a worker.
+        vjp: for a node outside JAX (NumPy, SciPy, a simulator; it then gets NumPy values, never
+            tracers, :mod:`daskdag.rules.custom`): ``vjp(ct, out, *args)``, returning one
+            cotangent per dep. With ``vmap=True`` in a sweep, every value has a leading item
+            axis.
+        fwd: with ``bwd``, instead of ``vjp``: ``fwd(*args) -> (out, residuals)``.
+        bwd: ``bwd(residuals, ct)``, returning one cotangent per dep.
+        jvp: for forward mode, ``jvp(args, tangents) -> (out, out_tangent)``.
+        remat: keep no residuals between the node's forward and backward tasks: its backward
+            task runs the node's forward pass again (under its rule, the user's own ones
+            included) and pulls the cotangent back at once, as :func:`jax.checkpoint` does. It
+            trades one more forward pass of the node for the memory its residuals would hold
+            until the backward pass. ``None`` (the default) takes ``dask.config``'s
+            ``daskdag.remat`` (default False) when the DAG is parsed. A remat node is a stage (a
+            task) of its own.
 
-    ``vmap=True`` (in sweeps) runs the node once per chunk of items as
-    ``jax.jit(jax.vmap(fn))``, forward and backward, instead of item by item; ``fn`` must then
-    be traceable, and its Python side effects run only when it is traced (once per shapes).
-
-    ``device='gpu'`` and ``resources={'NAME': amount}`` place the node's forward and backward
-    tasks on workers that advertise those Dask resources (``dask worker --resources GPU=1``);
-    ``device='gpu'`` means ``resources={'GPU': 1}``. Other nodes run on any worker.
-
-    Nodes outside JAX (NumPy, SciPy, a simulator) give their own derivatives
-    (:mod:`daskdag.rules.custom`) and get NumPy values, never tracers: ``Node(fn, deps,
-    vjp=vjp)`` with ``vjp(ct, out, *args)``, or ``Node(fwd=fwd, bwd=bwd, deps=deps)`` with
-    ``fwd(*args) -> (out, residuals)`` and ``bwd(residuals, ct)``, each returning one
-    cotangent per dep; ``jvp=jvp``, ``jvp(args, tangents) -> (out, out_tangent)``, for
-    forward mode. With ``vmap=True`` in a sweep they take a whole chunk: every value with a
-    leading item axis.
-
-    ``remat=True`` keeps no residuals between the node's forward and backward tasks: its
-    backward task runs the node's forward pass again (under its rule, the user's own ones
-    included) and pulls the cotangent back at once, as :func:`jax.checkpoint` does. It trades
-    one more forward pass of the node for the memory its residuals would hold until the
-    backward pass. ``remat=None`` (the default) takes ``dask.config``'s ``daskdag.remat``
-    (default False) when the DAG is parsed. A remat node is a stage (a task) of its own.
+    Examples of each kind of node: the guides, "Gradients" and "Nodes outside JAX".
     """
 
     fn: Callable[..., Any] | None = None
