@@ -274,7 +274,7 @@ def _reverse(plan: Plan, values: dict, colours: _Colours, sparse: bool,
                 continue
             flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
             full = (sp.csr_array(flat) if patterns is None else
-                    colouring.from_rows(patterns[o], per_output[o], flat))
+                    colouring.from_rows(patterns[o], per_output[o], flat, dense=not sparse))
             results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
                                                      per_name.items()}, sparse)
         return results[outputs] if isinstance(outputs, str) else results
@@ -330,7 +330,8 @@ def _forward(plan: Plan, values: dict, colours: _Colours, sparse: bool,
                     raise ValueError(f"the sparsity pattern of output {o!r} has "
                                      f"{patterns[o].shape[0]} rows, but the output has "
                                      f"{passes.shape[1]} elements")
-                full = colouring.from_columns(patterns[o], colours.columns, passes)
+                full = colouring.from_columns(patterns[o], colours.columns, passes,
+                                              dense=not sparse)
             results[o] = _result(plan, value, full, templates, sparse)
         return results[outputs] if isinstance(outputs, str) else results
 

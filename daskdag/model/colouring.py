@@ -60,17 +60,25 @@ def seeds(colours: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def from_rows(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray) -> sp.csr_array:
+def from_rows(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
+              dense: bool = False) -> sp.csr_array | np.ndarray:
     """The Jacobian from reverse passes: ``passes[k]`` is the sum of the rows of colour k, so
-    entry ``(r, c)`` of the pattern is ``passes[colours[r], c]``."""
+    entry ``(r, c)`` of the pattern is ``passes[colours[r], c]``. ``dense``: as a NumPy array."""
     coo = as_pattern(pattern).tocoo()
-    data = np.asarray(passes)[colours[coo.row], coo.col]
-    return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+    return _filled(coo, np.asarray(passes)[colours[coo.row], coo.col], dense)
 
 
-def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray) -> sp.csr_array:
+def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
+                 dense: bool = False) -> sp.csr_array | np.ndarray:
     """The Jacobian from forward passes: ``passes[k]`` (over the rows) is the sum of the
     columns of colour k, so entry ``(r, c)`` is ``passes[colours[c], r]``."""
     coo = as_pattern(pattern).tocoo()
-    data = np.asarray(passes)[colours[coo.col], coo.row]
-    return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+    return _filled(coo, np.asarray(passes)[colours[coo.col], coo.row], dense)
+
+
+def _filled(coo, data: np.ndarray, dense: bool) -> sp.csr_array | np.ndarray:
+    if not dense:
+        return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+    out = np.zeros(coo.shape, data.dtype)
+    out[coo.row, coo.col] = data
+    return out
