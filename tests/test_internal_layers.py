@@ -46,6 +46,9 @@ def _imports(name: str, path: Path, modules: dict) -> list[tuple[str, int, bool]
     """``(imported daskdag module, line, at module level)`` for each import in the module."""
     tree = ast.parse(path.read_text())
     top = {id(n) for n in tree.body}
+    for n in tree.body:  # (an `if TYPE_CHECKING:` block at module level is the top too)
+        if isinstance(n, ast.If) and ast.unparse(n.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            top |= {id(m) for m in n.body}
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
