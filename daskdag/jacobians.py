@@ -422,8 +422,9 @@ def _rows(block: np.ndarray, template: PyTree) -> PyTree:
             out.append(None)
             continue
         n = int(np.prod(leaf.shape))
+        # (``block`` is this call's own array: JAX may take its buffer rather than copy it)
         out.append(jnp.asarray(block[:, start:start + n].reshape(len(block), *leaf.shape),
-                               leaf.dtype))
+                               leaf.dtype, copy=False))
         start += n
     return treedef.unflatten(out)
 
@@ -459,9 +460,10 @@ def _jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
             per_leaf.append(None)
             continue
         n = int(np.size(leaf))
-        per_leaf.append(in_def.unflatten([
+        per_leaf.append(in_def.unflatten([  # (a whole stack is not sliced: that would copy it)
             None if r is None else
-            jnp.reshape(r[start:start + n], (*jnp.shape(leaf), *r.shape[1:]))
+            jnp.reshape(r if (start, n) == (0, len(r)) else r[start:start + n],
+                        (*jnp.shape(leaf), *r.shape[1:]))
             for r in in_leaves]))
         start += n
     return out_def.unflatten(per_leaf)

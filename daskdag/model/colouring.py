@@ -11,6 +11,9 @@ Out: :func:`colour_rows`, a colour per row such that no two rows of one colour s
 
 from __future__ import annotations
 
+import hashlib
+import threading
+
 import numpy as np
 import scipy.sparse as sp
 
@@ -29,8 +32,29 @@ def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
 def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     """A colour (0, 1, ...) per row: rows that share a column get different colours. Greedy,
     rows with the most entries first (Welsh-Powell); a band of width w takes w colours, a
-    block-diagonal pattern with blocks of b rows takes b."""
-    rows = as_pattern(pattern).astype(np.int64)
+    block-diagonal pattern with blocks of b rows takes b. Remembered by the pattern's content
+    (a pattern detected once is used for many calls; a changed one is coloured anew)."""
+    csr = as_pattern(pattern)
+    csr.sort_indices()
+    digest = hashlib.sha1(np.asarray(csr.shape).tobytes() + csr.indptr.tobytes()
+                          + csr.indices.tobytes()).hexdigest()
+    with _lock:
+        found = _coloured.get(digest)
+    if found is None:
+        found = _greedy(csr)
+        with _lock:
+            _coloured[digest] = found
+            while len(_coloured) > 64:
+                _coloured.pop(next(iter(_coloured)))
+    return found.copy()
+
+
+_lock = threading.Lock()
+_coloured: dict[str, np.ndarray] = {}  # content digest -> colours, the latest 64
+
+
+def _greedy(csr: sp.csr_array) -> np.ndarray:
+    rows = csr.astype(np.int64)
     conflicts = (rows @ rows.T).tocsr()  # rows sharing some column
     starts, neighbours = conflicts.indptr.tolist(), conflicts.indices.tolist()
     colours = [-1] * rows.shape[0]
