@@ -342,7 +342,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     return _results(spec, outputs, computed, failed)
 
 
-def _one_input(spec: Spec, grads: dict) -> bool:
+def one_input(spec: Spec, grads: dict) -> bool:
     """The DAG has one free input and it is all that was differentiated: its gradient alone."""
     return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)
 
@@ -351,7 +351,7 @@ def _results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
              failed: Mapping[int, NodeError] | None = None) -> Result | dict[str, Result]:
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
-    results = {o: Result(v, g[spec.inputs[0]] if _one_input(spec, g) else g, failed or {})
+    results = {o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {})
                for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 

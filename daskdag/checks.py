@@ -48,9 +48,9 @@ from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
 from daskdag.graph.build import Carry, _Graph, ident, key, token_of
 from daskdag.model.plan import make_plan
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable, on_differentiable
 from daskdag.rules.registry import linearizer
-from daskdag.model.request import prepare
+from daskdag.model.request import nodes_in_wrt, prepare
 from daskdag.running.compute import where
 from daskdag.running.jobs import Job, run
 from daskdag.transport.packing import ship
@@ -185,9 +185,9 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     client, local = where(client, scheduler)
     request = prepare(dag, x, outputs, wrt)
     plan, spec, values = request.plan, request.spec, request.values
-    nodes = [w for w in plan.wrt if w in spec.nodes]
-    if nodes:
-        raise DAGError(f"wrt names node(s) {nodes}: check_totals perturbs free inputs only")
+    refused = nodes_in_wrt(spec, plan.wrt, "check_totals perturbs")
+    if refused:
+        raise DAGError(refused)
     rng = np.random.default_rng(0)
     leaves = {i: differentiable_leaves(values[i]) for i in plan.wrt}
     machine = max(float(jnp.finfo(_dtype(leaf)).eps) for ls in leaves.values() for leaf in ls)
@@ -215,8 +215,8 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     for p in range(PROJECTIONS):
         us = {o: _unit(rng, at[0][o]) for o in plan.outputs}
         value_of = {o: evaluated[f"0:{o}"][0] for o in plan.outputs}
-        cts = {o: _like_tree(value_of[o], [np.conj(u).astype(_dtype(leaf)) for u, leaf in
-                                           zip(us[o], at[0][o])]) for o in plan.outputs}
+        cts = {o: on_differentiable(value_of[o], [np.conj(u).astype(_dtype(leaf)) for u, leaf
+                                                  in zip(us[o], at[0][o])]) for o in plan.outputs}
         grads = compute_grads(dag, x, list(plan.outputs), wrt=list(plan.wrt), cotangents=cts,
                               client=client, scheduler=scheduler)
         for o in plan.outputs:
@@ -254,13 +254,6 @@ def _points_graph(forward: Plan, points: list[dict], remote: bool, place: Any, s
             value_of[n] = g.task(k, dict(node.needs), _value, n, sent[n], *deps)
         out.update({f"{e}:{o}": (value_of[o], {}) for o in forward.outputs})
     return g.delayed(out, carry.call)
-
-
-def _like_tree(value: PyTree, diff: list) -> PyTree:
-    """``value``'s structure with ``diff`` on its differentiable leaves, None elsewhere."""
-    leaves, treedef = jax.tree.flatten(value)
-    it = iter(diff)
-    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
 def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps: float | None,

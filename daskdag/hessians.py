@@ -27,9 +27,10 @@ from distributed import Client
 
 from daskdag.api import _grads
 from daskdag.errors import DAGError
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, input_tangents, parsed, wrt_names
+from daskdag.model.request import (cotangents_for, input_tangents, nodes_in_wrt, parsed,
+                                   wrt_names)
 from daskdag.model.spec import Node
 from daskdag.rules.jvp import jvp_leaves
 from daskdag.rules.registry import has_rules
@@ -171,9 +172,9 @@ def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[
           travel: bool = True) -> Job:
     spec, names, values = parsed(dag, x, outputs)
     wrt = wrt_names(spec, values, wrt, candidates=values)
-    nodes = [w for w in wrt if w in spec.nodes]
-    if nodes:
-        raise DAGError(f"wrt names node(s) {nodes}: compute_hvps differentiates free inputs only")
+    refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")
+    if refused:
+        raise DAGError(refused)
     plan = make_plan(spec, names, wrt)
     own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
     if own:
@@ -211,18 +212,9 @@ def _results(spec: Spec, outputs: str | Sequence[str], computed: Any
         one = len(spec.inputs) == 1 and isinstance(r.grad, Pair)
         grads = {spec.inputs[0]: r.grad} if one else r.grad
         hvp = {i: g.primal for i, g in grads.items()}
-        grad = {i: _structured(g.primal, g.tangent) for i, g in grads.items()}
-        value, tangent = ((r.value.primal, _structured(r.value.primal, r.value.tangent))
+        grad = {i: on_differentiable(g.primal, g.tangent) for i, g in grads.items()}
+        value, tangent = ((r.value.primal, on_differentiable(r.value.primal, r.value.tangent))
                           if isinstance(r.value, Pair) else (r.value, None))
         i0 = spec.inputs[0]
         results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp, tangent)
     return results[outputs] if isinstance(outputs, str) else results
-
-
-def _structured(like: PyTree, flat: tuple) -> PyTree:
-    """``flat`` (one array per differentiable leaf of ``like``) in ``like``'s structure, None at
-    the leaves held constant."""
-    leaves, treedef = jax.tree.flatten(like, is_leaf=lambda leaf: leaf is None)
-    it = iter(flat)
-    return treedef.unflatten([next(it) if leaf is not None and is_differentiable(leaf) else None
-                              for leaf in leaves])

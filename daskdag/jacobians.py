@@ -22,18 +22,17 @@ import numpy as np
 import scipy.sparse as sp
 from distributed import Client
 
-from daskdag.api import Result
+from daskdag.api import Result, one_input
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
-from daskdag.graph.sparsity import detect, size
+from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
 from daskdag.model.leaves import PyTree, is_differentiable
 from daskdag.model.plan import Plan, make_plan
-from daskdag.model.request import check_chunk_size, parsed, wrt_names, with_rules
-from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
-from daskdag.rules.registry import has_rules
+from daskdag.model.request import check_chunk_size, nodes_in_wrt, parsed, wrt_names, with_rules
+from daskdag.model.shapes import UNKNOWN
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import Job, as_collection, run
 from daskdag.running.lazy import Call
@@ -221,9 +220,8 @@ class _Colours:
 
 def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
     """The mode asked for, checked, or for ``"auto"`` the one with fewer passes."""
-    nodes = [w for w in plan.wrt if w in plan.spec.nodes]
-    why_not = {"fwd": f"wrt names node(s) {nodes}: forward mode differentiates free inputs only"
-               if nodes else _rules_missing(plan, forward=True),
+    why_not = {"fwd": nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
+               or _rules_missing(plan, forward=True),
                "rev": _rules_missing(plan, forward=False)}
     if mode != "auto":
         if why_not[mode]:
@@ -234,17 +232,12 @@ def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
     if colours.patterns is not None:
         rev = sum(colouring.count(c) for c in colours.rows.values())
         return "fwd" if colouring.count(colours.columns) < rev else "rev"
-    avals = abstract_values(plan.spec, plan.needed, {i: abstract(v) for i, v in values.items()},
-                            lambda node: _untraced if has_rules(node) else node.callable())
+    avals = shapes(plan, values)
     if any(avals[o] is UNKNOWN for o in plan.outputs):
         return "rev"
     rev = sum(size(avals[o]) for o in plan.outputs)
     fwd = sum(size(values[i]) for i in plan.wrt)
     return "fwd" if fwd < rev else "rev"
-
-
-def _untraced(*args: Any) -> Any:
-    raise TypeError("a node of your own code is not traced")  # (its shapes are UNKNOWN)
 
 
 def _rules_missing(plan: Plan, forward: bool) -> str | None:
@@ -398,11 +391,10 @@ def _split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
 def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool) -> Result:
     """One output's Result from its Jacobian over every wrt name's elements (``full``, dense
     NumPy or ``scipy.sparse``): as ``scipy.sparse`` per name, or in ``jax.jacrev``'s layout."""
-    widths = {i: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(t))
-              for i, t in templates.items()}
+    widths = {i: size(t) for i, t in templates.items()}
     if sparse:
         parts = _split_columns(sp.csr_array(full), plan.wrt, widths)
-        return Result(value, parts[plan.wrt[0]] if _one_input(plan, parts) else parts)
+        return Result(value, parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts)
     dense = full.toarray() if sp.issparse(full) else np.asarray(full)
     jacs, start = {}, 0
     for i in plan.wrt:
@@ -432,11 +424,7 @@ def _rows(block: np.ndarray, template: PyTree) -> PyTree:
 def _joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
     """One name's Jacobian alone when the DAG has one free input and it is all that was
     differentiated, else the output's structure of ``{name: ...}``."""
-    return jacs[plan.wrt[0]] if _one_input(plan, jacs) else _by_output(value, jacs)
-
-
-def _one_input(plan: Plan, jacs: dict) -> bool:
-    return len(plan.spec.inputs) == 1 and list(jacs) == list(plan.spec.inputs)
+    return jacs[plan.wrt[0]] if one_input(plan.spec, jacs) else _by_output(value, jacs)
 
 
 def _by_output(value: PyTree, jacs: dict) -> PyTree:

@@ -45,7 +45,7 @@ from daskdag.errors import node_errors
 from daskdag.graph.build import Carry, _Graph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import Cancelled
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import differentiable_leaves, on_differentiable
 from daskdag.rules.jvp import directions, jvp_leaves
 from daskdag.rules.registry import jvp_rule
 from daskdag.graph.stages import Stage, make_stages
@@ -142,13 +142,11 @@ def output_tangent(value, flat, k: int | None):
     """An output's tangent in its structure: ``flat`` (a flat tuple, or None where no tangent
     reaches it: zeros) on its differentiable leaves, ``None`` on the others; with ``k``
     directions, each leaf has a leading axis of ``k``."""
-    leaves, treedef = jax.tree.flatten(value)
-    lead = () if k is None else (k,)
-    it = iter(flat) if flat is not None else None
-    return treedef.unflatten([
-        None if not is_differentiable(leaf) else
-        next(it) if it is not None else
-        jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves])
+    if flat is None:
+        lead = () if k is None else (k,)
+        flat = [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+                for leaf in differentiable_leaves(value)]
+    return on_differentiable(value, flat)
 
 
 # -- the graph -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ PROBES = 2  # random points near the point, besides it, where a node is probed
 def detect(plan: Plan, values: dict) -> dict[str, sp.csr_array]:
     """``{output: pattern}`` (see the module's docstring) for every output of ``plan``."""
     spec = plan.spec
-    avals = abstract_values(spec, plan.needed, {i: abstract(v) for i, v in values.items()})
+    avals = shapes(plan, values)
     concrete: dict = {}
     if any(avals[n] is UNKNOWN for n in (*plan.needed, *plan.wrt)):
         concrete = _forward(plan, values)
@@ -65,6 +65,18 @@ def detect(plan: Plan, values: dict) -> dict[str, sp.csr_array]:
             depends[n] = (total > 0).astype(np.int64)
     return {o: (depends[o] > 0).tocsr() if o in depends else
             sp.csr_array((size(avals[o]), width), dtype=bool) for o in plan.outputs}
+
+
+def shapes(plan: Plan, values: dict) -> dict:
+    """The inputs' and needed nodes' shapes (:func:`daskdag.model.shapes.abstract_values`),
+    :data:`UNKNOWN` for a node of the user's own code: its NumPy function is never called on
+    tracers."""
+    return abstract_values(plan.spec, plan.needed, {i: abstract(v) for i, v in values.items()},
+                           lambda node: _untraced if has_rules(node) else node.callable())
+
+
+def _untraced(*args):
+    raise TypeError("a node of your own code is not traced")  # (its shapes are UNKNOWN)
 
 
 def size(aval) -> int:

@@ -41,6 +41,14 @@ def differentiable_leaves(tree) -> list:
     return [leaf for leaf in jax.tree.leaves(tree) if is_differentiable(leaf)]
 
 
+def on_differentiable(like: PyTree, flat) -> PyTree:
+    """``flat`` (one array per differentiable leaf of ``like``, in ``jax.tree.leaves`` order) in
+    ``like``'s structure, ``None`` at the leaves held constant."""
+    leaves, treedef = jax.tree.flatten(like)
+    it = iter(flat)
+    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
+
+
 def as_numpy(tree):
     """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU)."""
     return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)

@@ -106,6 +106,13 @@ def wrt_names(spec, values, wrt, candidates) -> tuple[str, ...]:
         raise DAGError("wrt is empty: nothing to differentiate")
     return tuple(dict.fromkeys(wrt))
 
+def nodes_in_wrt(spec, wrt, what: str) -> str | None:
+    """Why a call that ``what`` (``"check_totals perturbs"``...) free inputs only cannot take
+    ``wrt``, naming the nodes in it; None when it names none."""
+    nodes = [w for w in wrt if w in spec.nodes]
+    return f"wrt names node(s) {nodes}: {what} free inputs only" if nodes else None
+
+
 def cotangents_for(outputs, cotangents) -> dict:
     cotangents = dict(cotangents or {})
     for o in cotangents:

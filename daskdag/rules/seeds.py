@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import treedef_is_leaf
 
+from daskdag.model.colouring import count
 from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable
 
 
@@ -87,7 +88,7 @@ def basis_rows(primal, colours=None) -> int:
     """How many rows :func:`basis` has."""
     if colours is None:
         return basis_size(primal)
-    return max(colours) + 1 if len(colours) else 0
+    return count(np.asarray(colours))
 
 
 def basis_size(primal) -> int:
