@@ -15,33 +15,44 @@ from distributed import Client
 from daskdag.errors import NodeError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
+from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import PyTree
-from daskdag.model.plan import make_plan
-from daskdag.model.request import (batched_names, check_chunk_size, check_errors, input_tangents,
-                                   parsed, prepare, with_rules)
+from daskdag.model.plan import Plan, make_plan
+from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
+                                   cotangents_for, input_tangents, parsed, prepare, with_rules)
+from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import Job, as_collection, run
+from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
+from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, sweep
 from daskdag.transport.packing import ship
 
 if TYPE_CHECKING:
     from daskdag.model.spec import Spec
 
+LAZY = "lazy (where Dask computes it)"  # a lazy call's CallInfo.where
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class Result:
     """One output's ``value`` and ``grad``.
 
     ``grad`` is shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
     over the differentiated inputs. From :func:`sweep_grads` both are stacked over the items,
     and ``failed`` maps each item that failed (``errors='collect'``) to its
-    :class:`~daskdag.NodeError`; its rows hold NaN.
+    :class:`~daskdag.NodeError`; its rows hold NaN. ``info`` says how the call was computed
+    (:class:`~daskdag.CallInfo`: mode, passes, whether an earlier call's preparation served it).
     """
 
     value: Any
     grad: Any
     failed: Mapping[int, NodeError] = field(default_factory=dict)
+    info: CallInfo | None = None
+
+    def __repr__(self) -> str:
+        failed = f", failed={dict(self.failed)!r}" if self.failed else ""
+        return f"Result(value={self.value!r}, grad={self.grad!r}{failed}, info={self.info!r})"
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,11 @@ class JVPResult:
     """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
     :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
     constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
-    directions."""
+    directions. ``info``: how the call was computed (:class:`~daskdag.CallInfo`)."""
 
     value: Any
     tangent: Any
+    info: CallInfo | None = None
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -115,7 +127,8 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     """
     client, local = where(client, scheduler)
     return run(_grads(dag, x, outputs, wrt, cotangents, client is not None,
-                            travel=client is not None), client, local, progress)
+                      travel=client is not None, where=where_in_words(client, local)),
+               client, local, progress)
 
 
 def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -142,21 +155,70 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     print(res.grad, total)
     ```
     """
-    return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None))
+    return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None,
+                                where=LAZY))
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """:func:`compute_grads` prepared (:mod:`daskdag.running.prepared`): the checked plan, its
+    node functions packed where they must be, and its stages."""
+
+    plan: Plan
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
+             travel: bool, watch: prepared.Watch) -> Gradients:
+        plan = prepare(dag, x, outputs, wrt, cotangents).plan
+        plan = ship(plan, remote, travel, watched(plan, travel, watch))
+        return cls(plan, make_stages(plan))
+
+    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, remote: bool, travel: bool,
+            info: CallInfo, outputs: str | Sequence[str]) -> Job:
+        plan, values = self.plan, input_values(self.plan.spec, x)
+        cts = cotangents_for(plan.outputs, cotangents)
+        return Job(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
+                                                   stop=stop, travel=travel, stages=self.stages),
+                   partial(_results, plan.spec, outputs, info=info), "compute_grads")
 
 
 def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
            wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-           travel: bool = True) -> Job:
-    """The call prepared. ``remote``: its graph goes to a cluster (everything must pickle);
-    ``travel``: its inputs and nodes are packed under content keys, as for a cluster or a lazy
-    call (:class:`daskdag.graph.build.Carry`)."""
-    request = prepare(dag, x, outputs, wrt, cotangents)
-    spec, values, cts = request.spec, request.values, request.cotangents
-    plan = ship(request.plan, remote, travel)
-    return Job(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
-                                                 stop=stop, travel=travel),
-                 partial(_results, spec, outputs), "compute_grads")
+           travel: bool = True, where: str = "") -> Job:
+    """The call, prepared (or its preparation reused) for these inputs. ``remote``: its graph
+    goes to a cluster (everything must pickle); ``travel``: its inputs and nodes are packed
+    under content keys, as for a cluster or a lazy call (:class:`daskdag.graph.build.Carry`)."""
+    made, why = prepared.get("grads", dag, x, (names_key(outputs), names_key(wrt), remote, travel),
+                             partial(Gradients.make, dag, x, outputs, wrt, cotangents, remote,
+                                     travel))
+    info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
+                    where=where)
+    return made.job(x, cotangents, remote, travel, info, outputs)
+
+
+def names_key(names: Any) -> Any:
+    """Output or ``wrt`` names as (part of) a preparation's key."""
+    return names if names is None or isinstance(names, str) else tuple(names)
+
+
+def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
+    """``{input: value}`` of inputs already checked (:func:`daskdag.model.request.input_values`)
+    for inputs like ``x`` (a preparation's key holds their structure)."""
+    return {spec.inputs[0]: x} if len(spec.inputs) == 1 else dict(x)
+
+
+def watched(plan: Plan, travel: bool, watch: prepared.Watch) -> dict[int, Any]:
+    """The fingerprints of the node functions :func:`~daskdag.transport.packing.ship` packs for
+    ``plan`` (every one when the call travels, else the ``jit=True`` ones), by ``id``, each
+    taken through ``watch``."""
+    prints: dict[int, Any] = {}
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        if (travel or node.jit) and id(node.fn) not in prints:
+            prints[id(node.fn)] = watch(n, node.fn)
+    return prints
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -221,7 +283,8 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     """
     client, local = where(client, scheduler)
     return run(_jvps(dag, x, tangents, outputs, batched, client is not None,
-                           travel=client is not None), client, local, progress)
+                     travel=client is not None, where=where_in_words(client, local)),
+               client, local, progress)
 
 
 def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
@@ -238,22 +301,45 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
     print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
     ```
     """
-    return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None))
+    return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None,
+                               where=LAZY))
+
+
+@dataclass(frozen=True)
+class Pushforward:
+    """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
+    forward mode and packed where it must be."""
+
+    plan: Plan
+
+    @classmethod
+    def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
+             outputs: str | Sequence[str], batched: bool, remote: bool, travel: bool,
+             watch: prepared.Watch) -> Pushforward:
+        spec, names, values = parsed(dag, x, outputs)
+        flat, _ = input_tangents(spec, values, tangents, bool(batched))
+        plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
+        return cls(ship(plan, remote, travel, watched(plan, travel, watch)))
 
 
 def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
-          batched: bool, remote: bool, travel: bool = True) -> Job:
-    spec, names, values = parsed(dag, x, outputs)
-    flat, k = input_tangents(spec, values, tangents, bool(batched))
-    plan = ship(with_rules(make_plan(spec, names, tuple(flat)), forward=True), remote, travel)
+          batched: bool, remote: bool, travel: bool = True, where: str = "") -> Job:
+    made, why = prepared.get(
+        "jvps", dag, x, (names_key(outputs), tuple(tangents) if isinstance(tangents, Mapping)
+                         else None, bool(batched), remote, travel),
+        partial(Pushforward.make, dag, x, tangents, outputs, batched, remote, travel))
+    plan = made.plan
+    values = input_values(plan.spec, x)
+    flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
+    info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
     return Job(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
                                                            place=place, stop=stop, travel=travel),
-                 partial(_jvp_results, outputs), "compute_jvps")
+               partial(_jvp_results, outputs, info), "compute_jvps")
 
 
-def _jvp_results(outputs: str | Sequence[str], computed: dict[str, Any]
+def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]
                  ) -> JVPResult | dict[str, JVPResult]:
-    results = {o: JVPResult(v, t[jvp_graph.TANGENT]) for o, (v, t) in computed.items()}
+    results = {o: JVPResult(v, t[jvp_graph.TANGENT], info) for o, (v, t) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 
 
@@ -348,10 +434,11 @@ def one_input(spec: Spec, grads: dict) -> bool:
 
 
 def _results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
-             failed: Mapping[int, NodeError] | None = None) -> Result | dict[str, Result]:
+             failed: Mapping[int, NodeError] | None = None, info: CallInfo | None = None
+             ) -> Result | dict[str, Result]:
     """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
     grad})}``; with one free input, its gradient alone."""
-    results = {o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {})
+    results = {o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {}, info)
                for o, (v, g) in computed.items()}
     return results[outputs] if isinstance(outputs, str) else results
 

@@ -10,7 +10,7 @@ import daskdag
 
 ROOT = Path(daskdag.__file__).parent
 LAYERS = (
-    ("daskdag.errors", "daskdag.config", "daskdag.cancel"),
+    ("daskdag.errors", "daskdag.config", "daskdag.cancel", "daskdag.caches"),
     ("daskdag.transport",),
     ("daskdag.model",),
     ("daskdag.rules",),

@@ -131,7 +131,8 @@ class Carry:
 
 
 def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, remote: bool = False,
-          place=None, stop=None, rows=None, travel: bool = True) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+          place=None, stop=None, rows=None, travel: bool = True, stages=None
+          ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call; ``batched``: outputs carry a leading item axis (a sweep's chunk);
     ``remote``: it goes to a cluster, so everything in it must pickle (:mod:`daskdag.transport.packing`);
     ``travel`` and ``place``: see :class:`Carry`.
@@ -141,9 +142,10 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     ``daskdag.cancel.Stop`` whose setting (by :func:`daskdag.running.compute.compute`, on Ctrl-C) stops
     running stages at their next node. ``rows``: a :class:`daskdag.graph.tasks.Rows` for a Jacobian
     (each output starts from the rows of the identity over its elements, and its "gradients" are
-    the Jacobian's rows, see :mod:`daskdag.graph.tasks`), else ``None``.
+    the Jacobian's rows, see :mod:`daskdag.graph.tasks`), else ``None``. ``stages``: the plan's
+    stages (:func:`~daskdag.graph.stages.make_stages`), when a prepared call made them already.
     """
-    wiring = _Wiring(plan, Carry(_Graph(), travel, remote, place), stop, rows)
+    wiring = _Wiring(plan, Carry(_Graph(), travel, remote, place), stop, rows, stages)
     wiring.seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else
                     tasks.Basis(o, rows.colours_of(o))
                     for o in plan.outputs}
@@ -161,9 +163,9 @@ class _Wiring:
     name -> the task (or inline value) of each input and exposed node; ``bwd``: stage -> its
     backward task; ``through``: stage -> the outputs whose gradients pass through it."""
 
-    def __init__(self, plan: Plan, carry: Carry, stop, rows):
+    def __init__(self, plan: Plan, carry: Carry, stop, rows, stages=None):
         self.plan, self.carry, self.g, self.stop, self.rows = plan, carry, carry.graph, stop, rows
-        self.stages = make_stages(plan)
+        self.stages = make_stages(plan) if stages is None else stages
         self.stage_of = {n: s for s in self.stages for n in s.nodes}
         self.paths = {o: set(plan.backward[o]) for o in plan.outputs}
         self.through = {s: tuple(o for o in plan.outputs if self.paths[o] & set(s.outputs))

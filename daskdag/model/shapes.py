@@ -62,3 +62,29 @@ def eval_shape(fn, args) -> Any:
         return jax.eval_shape(on_arrays, *(leaves[k] for k in at))
     except Exception:  # e.g. a TracerBoolConversionError from `if` on a value
         return UNKNOWN
+
+
+def signature(value) -> tuple:
+    """What a call's preparation may depend on in an input, as a hashable key: its pytree
+    structure and, per leaf, the type, shape and dtype of an array (a JAX array's weak type
+    too), the value of an integer, boolean or string (held constant, it may set a shape), the
+    type of a float (differentiated: its value changes nothing prepared), and any other object
+    itself (a function held constant: by its equality, which for a function is identity)."""
+    leaves, treedef = jax.tree.flatten(value)
+    return treedef, tuple(map(_leaf_signature, leaves))
+
+
+def _leaf_signature(leaf) -> tuple:
+    if isinstance(leaf, jax.Array):
+        return jax.Array, leaf.shape, leaf.dtype, leaf.weak_type
+    if isinstance(leaf, np.ndarray):
+        return np.ndarray, leaf.shape, leaf.dtype
+    kind = type(leaf)
+    if kind in (float, complex) or (isinstance(leaf, np.generic) and
+                                    np.issubdtype(leaf.dtype, np.inexact)):
+        return (kind,)
+    try:  # (the object itself, not its id: the key keeps it, so no other object can match)
+        hash(leaf)
+    except TypeError:
+        return kind, id(leaf)
+    return kind, leaf

@@ -16,6 +16,53 @@ from daskdag.running.lazy import Call
 
 
 @dataclass(frozen=True)
+class CallInfo:
+    """How a call was computed: ``Result.info`` (the same for each output of one call).
+
+    Attributes:
+        call: the function called: ``"compute_grads"``, ``"jacobian"``, ``"compute_jvps"``,
+            ``"compute_hvps"``, ``"sweep_grads"``.
+        mode: ``"rev"``: cotangents pulled back from the outputs (gradients; a Jacobian's rows);
+            ``"fwd"``: tangents pushed forward from the inputs (JVPs; a Jacobian's columns);
+            ``"rev-over-fwd"``: Hessian-vector products.
+        passes: how many cotangents (reverse) or tangents (forward) went through the DAG: one
+            per output for gradients, per row or column of a Jacobian (per colour when
+            sparse), per direction for JVPs.
+        colours: the colours of a sparse Jacobian's rows or columns, summed over its outputs
+            (each colour is one pass); None for a dense one.
+        sparsity: where a sparse Jacobian's pattern came from: ``"given"``, ``"detected"``
+            (read off the nodes' jaxprs: it holds at every point, and later calls reuse it),
+            ``"probed"`` (some node could not be traced, so its pattern was probed at this
+            point and near it; detected again at every call); None when dense.
+        prepared: an earlier call's preparation served this call (checks, plan, packed
+            functions, mode, pattern, colours: see "Repeated calls" in the guides); False
+            when this call made its own.
+        why: why this call made its own preparation (``"first call"``, ``"node 'h': its
+            function changed ..."``, ``"the inputs' structure, shapes or dtypes changed"``...);
+            None when one was reused.
+        where: where it ran: this process's threads, a cluster, or a lazy call's Dask.
+    """
+
+    call: str
+    mode: str
+    passes: int
+    colours: int | None = None
+    sparsity: str | None = None
+    prepared: bool = False
+    why: str | None = None
+    where: str = ""
+
+    def __repr__(self) -> str:
+        parts = [self.call, self.mode, f"{self.passes} pass{'es' if self.passes != 1 else ''}"]
+        if self.sparsity is not None:
+            parts.append(f"{self.colours} colours, pattern {self.sparsity}")
+        parts.append("prepared before" if self.prepared else f"prepared now ({self.why})")
+        if self.where:
+            parts.append(self.where)
+        return f"CallInfo({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
 class Job:
     """A call prepared: its ``plan``; ``make(place, stop)``, which builds its graph
     (``{output: (value, {name: grad})}`` of ``Delayed``; ``place`` keeps values on a cluster,

@@ -36,7 +36,7 @@ from daskdag.running import cluster
 from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
-from daskdag.transport.packing import pack_for, rows, ship
+from daskdag.transport.packing import pack_function, rows, ship
 from daskdag.model.spec import Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
@@ -134,8 +134,7 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
             carrying.add(n)
             # Its function packed inside too: its content token keys the chunk's compiled
             # programs (shipping.current), so a change in place compiles anew.
-            inner = replace(node, fn=pack_for(f"node {n!r}: its function", node.fn, remote,
-                                              as_function=True))
+            inner = replace(node, fn=pack_function(f"node {n!r}: its function", node.fn, remote))
             node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
         nodes[n] = node
     travel = remote if travel is None else travel

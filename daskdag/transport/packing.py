@@ -29,17 +29,13 @@ import copyreg
 import hashlib
 import importlib
 import io
-import os
 import pickle
-import site
 import sys
-import sysconfig
 import threading
 import types
 import weakref
 from collections import OrderedDict
 from dataclasses import replace
-from functools import cache
 from typing import Any, Callable
 
 import cloudpickle
@@ -48,7 +44,10 @@ import jax
 import numpy as np
 from dask.base import tokenize
 
+from daskdag import config
+from daskdag.caches import ByObject
 from daskdag.errors import DAGError
+from daskdag.transport.fingerprints import Fingerprint, fingerprint, is_user_module
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
 
@@ -164,25 +163,51 @@ def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bo
         return obj
 
 
-def ship(plan, remote: bool, travel: bool = True):
-    """``plan`` with the function of every node it runs packed, each distinct function once,
-    and each distinct array they hold hashed once (an array several functions close over: a
-    node's forward and backward rules, nodes sharing weights). The arrays live through the
-    call, so their ids name them. ``travel=False`` (an eager call in this process): only the
-    functions of ``jit=True`` nodes, whose compiled programs are cached by their content
-    (:func:`current`); the others are called as they are."""
+def ship(plan, remote: bool, travel: bool = True, prints: dict | None = None):
+    """``plan`` with the function of every node it runs packed (:func:`pack_function`), each
+    distinct function once, and each distinct array they hold hashed once (an array several
+    functions close over: a node's forward and backward rules, nodes sharing weights). The
+    arrays live through the call, so their ids name them. ``travel=False`` (an eager call in
+    this process): only the functions of ``jit=True`` nodes, whose compiled programs are cached
+    by their content (:func:`current`); the others are called as they are. ``prints``: the
+    functions' fingerprints already taken in this call, by ``id`` (added to)."""
     packed: dict[int, object] = {}
     tokens: dict[int, str] = {}
+    prints = {} if prints is None else prints
     nodes = dict(plan.spec.nodes)
     for n in plan.needed:
         fn = nodes[n].fn
         if not (travel or nodes[n].jit):
             continue
         if id(fn) not in packed:
-            packed[id(fn)] = pack_for(f"node {n!r}: its function", fn, remote, as_function=True,
-                                      tokens=tokens)
+            if id(fn) not in prints:
+                prints[id(fn)] = fingerprint(fn)
+            packed[id(fn)] = pack_function(f"node {n!r}: its function", fn, remote, tokens,
+                                           prints[id(fn)])
         nodes[n] = replace(nodes[n], fn=packed[id(fn)])
     return replace(plan, spec=replace(plan.spec, nodes=nodes))
+
+
+PACKED_FUNCTIONS = 4096  # the most packed functions a process remembers (see pack_function)
+_packed_functions: ByObject = ByObject("packed functions", PACKED_FUNCTIONS)
+
+
+def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
+                  print_: Fingerprint | None | object = _UNSET):
+    """``fn`` packed as a :class:`Function` (:func:`pack_for`), without pickling it again while
+    its :class:`~daskdag.transport.fingerprints.Fingerprint` (``print_``, else taken now) is
+    the same as when it was last packed: what it closes over and the globals it uses are read
+    again and compared, NumPy arrays by content, and anything changed packs it anew. A function
+    whose fingerprint cannot be taken is packed on every call."""
+    fp = fingerprint(fn) if print_ is _UNSET else print_
+    if fp is not None:
+        hit = _packed_functions.get(fn)
+        if hit is not None and hit[0] == fp:
+            return Function(*hit[1], fn)
+    packed = pack_for(what, fn, remote, as_function=True, tokens=tokens)
+    if fp is not None and isinstance(packed, Function):  # (a copy that holds no fn: see ByObject)
+        _packed_functions.put(fn, (fp, (packed.token, packed.skeleton, packed.arrays)))
+    return packed
 
 
 def unwrap(fn):
@@ -415,32 +440,6 @@ def _custom_vjp(fun, nondiff_argnums, fwd, bwd, symbolic_zeros, optimize_remat):
 
 
 # -- whose code travels by value ------------------------------------------------------------------
-
-@cache
-def _installed_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
-    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
-
-
-_decided: dict[tuple[str, str | None], bool] = {}
-
-
-def is_user_module(name: str) -> bool:
-    """Whether module ``name`` is the user's own code (travels by value), not installed code
-    (travels by reference, so the cluster must have it installed). daskdag is installed code
-    on every worker, even from an editable checkout."""
-    if name == "__main__":
-        return True
-    module = sys.modules.get(name)
-    file: Any = getattr(module, "__file__", None)
-    key = (name, file)
-    if key not in _decided:
-        _decided[key] = bool(file) and name.partition(".")[0] != "daskdag" and \
-            not os.path.realpath(file).startswith(_installed_roots())
-    return _decided[key]
-
 
 class _user_modules_by_value:
     """Register the user's imported modules with cloudpickle's by-value registry for one pack,

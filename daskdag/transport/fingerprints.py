@@ -1,0 +1,255 @@
+"""Whose code travels by value, and a function's fingerprint: what its behaviour depends on, as
+packing sees it (:mod:`daskdag.transport.packing`), read again and compared in microseconds
+instead of pickled again in a millisecond.
+
+Packing pickles the user's functions by value: their code, the globals and closure cells they
+use, their defaults, and whatever those hold, arrays by content. A :class:`Fingerprint` walks
+the same objects and keeps, for each, what can change under the same name:
+
+- numbers, strings, bytes, ``None``: their value;
+- NumPy arrays (which change in place): shape, dtype and content (the bytes of a small one, a
+  SHA-1 digest of a larger one: hashing runs at memory speed, so a check costs in proportion
+  to the arrays a function closes over);
+- JAX arrays (immutable), code objects, modules, and functions, classes and other objects that
+  installed packages define and that pickle by reference: their identity (each is kept
+  referenced, so its id cannot be reused while the fingerprint lives);
+- containers (tuples, lists, dicts, sets): their length and keys, then their items;
+- the user's functions and classes (by value): their identity, then their code, the globals
+  their code names, closure cells, defaults and attributes;
+- other objects: what pickling them would save (``copyreg``'s table, else ``__reduce_ex__``),
+  else their ``__dict__``.
+
+Two fingerprints of one function are equal when nothing that packing would see has changed: an
+array changed in place, a global rebound, a closure cell or an attribute set, a list or dict
+changed... each makes them differ. An object that none of these rules can read (a lock, an
+open file, a generator) makes the function *unwatchable*: :func:`fingerprint` returns ``None``
+and callers must not reuse anything derived from the function's content.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import hashlib
+import os
+import site
+import sys
+import sysconfig
+import types
+from functools import cache, lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+
+LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
+SMALL = 256  # bytes: a NumPy array up to this size is compared by its bytes, not a digest
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
+                    type(NotImplemented)))
+_CONTAINERS = (tuple, list, dict, set, frozenset)
+_ABSENT = ("absent",)  # a name a function's code uses that its globals do not hold (yet)
+_EMPTY = ("empty cell",)
+
+
+class Unwatchable(Exception):
+    """An object whose content a fingerprint cannot read."""
+
+
+class Fingerprint:
+    """What a function's behaviour depends on, at one moment (see the module's docstring).
+    ``facts`` are compared; ``refs`` keep every object whose identity is a fact alive, so
+    that no id in ``facts`` can name another object while this fingerprint exists."""
+
+    __slots__ = ("facts", "refs")
+
+    def __init__(self, facts: list, refs: list):
+        self.facts, self.refs = facts, refs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Fingerprint) and self.facts == other.facts
+
+    __hash__ = None  # type: ignore[assignment]  # (equal by content; never a key)
+
+
+def fingerprint(obj: Any) -> Fingerprint | None:
+    """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read."""
+    walk = _Walk()
+    try:
+        walk(obj)
+    except (Unwatchable, RecursionError):
+        return None
+    return Fingerprint(walk.facts, walk.refs)
+
+
+class _Walk:
+    __slots__ = ("facts", "refs", "seen")
+
+    def __init__(self):
+        self.facts: list = []
+        self.refs: list = []
+        self.seen: dict[int, int] = {}
+
+    def identity(self, obj) -> None:
+        self.facts.append(id(obj))
+        self.refs.append(obj)
+
+    def __call__(self, obj) -> None:
+        facts, kind = self.facts, type(obj)
+        if len(facts) > LIMIT:
+            raise Unwatchable("too large")
+        if kind in _ATOMS:
+            facts.append((kind, obj))
+            return
+        if kind is np.ndarray and not obj.dtype.hasobject:
+            facts.append(("ndarray", obj.shape, obj.dtype.str, _content(obj)))
+            return
+        if isinstance(obj, (jax.Array, types.CodeType, types.ModuleType)):
+            self.identity(obj)
+            return
+        at = self.seen.get(id(obj))
+        if at is not None:  # (a cycle, or an object reached twice: once is enough)
+            facts.append(("again", at))
+            return
+        self.seen[id(obj)] = len(self.seen)
+        self.refs.append(obj)  # (so that its id stays its own while the walk goes on)
+        if isinstance(obj, _CONTAINERS):
+            self.container(obj)
+        elif kind is types.FunctionType:
+            self.identity(obj)
+            if not by_reference(obj):
+                self.function(obj)
+        elif isinstance(obj, type):
+            self.identity(obj)
+            if not by_reference(obj):
+                self.cls(obj)
+        elif by_reference(obj):
+            self.identity(obj)
+        else:
+            self.instance(obj)
+
+    def container(self, obj) -> None:
+        if isinstance(obj, dict):
+            self.facts.append((type(obj), len(obj)))
+            for k, v in obj.items():
+                self(k)
+                self(v)
+            return
+        if isinstance(obj, (set, frozenset)):
+            obj = sorted(obj, key=repr)  # (an order that does not depend on insertion)
+        self.facts.append((type(obj), len(obj)))
+        for v in obj:
+            self(v)
+
+    def function(self, fn: types.FunctionType) -> None:
+        code, facts = fn.__code__, self.facts
+        self.identity(code)
+        namespace = fn.__globals__
+        for name in names(code):
+            value = namespace.get(name, _ABSENT)
+            facts.append(name)
+            if value is _ABSENT:
+                facts.append(_ABSENT)
+            else:
+                self(value)
+        for cell in fn.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # not yet set
+                facts.append(_EMPTY)
+            else:
+                self(contents)
+        self(fn.__defaults__)
+        self(fn.__kwdefaults__)
+        if fn.__dict__:
+            self(fn.__dict__)
+
+    def cls(self, cls: type) -> None:
+        self(cls.__bases__)
+        for name, value in vars(cls).items():
+            if name not in ("__dict__", "__weakref__", "__doc__"):
+                self.facts.append(name)
+                self(value)
+
+    def instance(self, obj) -> None:
+        reduce = copyreg.dispatch_table.get(type(obj))
+        try:
+            reduced = reduce(obj) if reduce is not None else obj.__reduce_ex__(5)
+        except Exception:
+            reduced = None
+        if isinstance(reduced, str):  # a global, pickled by its name
+            self.identity(obj)
+            return
+        if isinstance(reduced, tuple):
+            self.facts.append("reduced")
+            self(tuple(item if not isinstance(item, types.GeneratorType) and
+                       not hasattr(item, "__next__") else list(item) for item in reduced))
+            return
+        state = getattr(obj, "__dict__", None)
+        if state is None:
+            raise Unwatchable(f"cannot read a {type(obj).__qualname__}")
+        self(type(obj))
+        self(state)
+
+
+def _content(a: np.ndarray) -> bytes:
+    if a.nbytes <= SMALL:
+        return a.tobytes()
+    return hashlib.sha1(a if a.flags.c_contiguous else np.ascontiguousarray(a)).digest()
+
+
+@lru_cache(maxsize=8192)
+def names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` (and the code nested in it: lambdas, comprehensions) may read."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.update(names(const))
+    return tuple(sorted(found))
+
+
+def by_reference(obj) -> bool:
+    """An object that pickles by reference: an installed package's function, class or other
+    object found under its own module and name (``jax.numpy.sin``), which the receiving side
+    imports. The user's own code (:func:`is_user_module`) and objects made inside functions
+    travel by value."""
+    module = getattr(obj, "__module__", None)
+    try:
+        name = obj.__qualname__
+    except AttributeError:
+        name = getattr(obj, "__name__", None)
+    if not isinstance(module, str) or not isinstance(name, str) or "<locals>" in name \
+            or is_user_module(module):
+        return False
+    found = sys.modules.get(module)
+    for part in name.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return False
+    return found is obj
+
+
+# -- whose code travels by value ------------------------------------------------------------------
+
+@cache
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
+
+
+_decided: dict[tuple[str, str | None], bool] = {}
+
+
+def is_user_module(name: str) -> bool:
+    """Whether module ``name`` is the user's own code (travels by value), not installed code
+    (travels by reference, so the cluster must have it installed). daskdag is installed code
+    on every worker, even from an editable checkout."""
+    if name == "__main__":
+        return True
+    module = sys.modules.get(name)
+    file: Any = getattr(module, "__file__", None)
+    key = (name, file)
+    if key not in _decided:
+        _decided[key] = bool(file) and name.partition(".")[0] != "daskdag" and \
+            not os.path.realpath(file).startswith(_installed_roots())
+    return _decided[key]
