@@ -10,6 +10,8 @@
 >>> daskdag.check_totals(dag, x, ["D", "E"])                  # the outputs' gradients against FD
 >>> call = daskdag.grads(dag, x, ["D", "E"])                  # lazy: a Dask collection
 >>> dask.compute(call, other_dask_work)
+>>> f = daskdag.value_and_grad(dag, "D")                        # prepared once, called many times
+>>> value, grad = f(x)
 """
 
 from importlib import metadata as _metadata
@@ -18,18 +20,24 @@ from daskdag.api import JVPResult, Result, compute_grads, compute_jvps, grads, j
 from daskdag.hessians import HVPResult, compute_hvps, hvps
 from daskdag.jacobians import jacobian, jacobian_sparsity, jacobians
 from daskdag.checks import check_grads, check_totals
+from daskdag.caches import clear_caches
+from daskdag.running.jobs import CallInfo
+from daskdag.transforms import (Prepared, value_and_grad, value_and_jacobian, value_and_jvp,
+                                value_grad_and_hvp)
 from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError, TotalCheckError
 from daskdag.running.lazy import Call
 from daskdag.model.spec import Node
 
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
-for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError, NodeError, TotalCheckError):
+for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError,
+                NodeError, TotalCheckError, CallInfo, Prepared):
     _public.__module__ = __name__
 del _public
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
            "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",
            "DAGError", "NodeError", "ClusterError", "GradientCheckError", "check_totals",
-           "TotalCheckError"]
+           "TotalCheckError", "value_and_grad", "value_and_jacobian", "value_and_jvp",
+           "value_grad_and_hvp", "Prepared", "CallInfo", "clear_caches"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

@@ -24,6 +24,7 @@ from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
+from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, sweep
 from daskdag.transport.packing import ship
@@ -162,26 +163,47 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
 @dataclass(frozen=True)
 class Gradients:
     """:func:`compute_grads` prepared (:mod:`daskdag.running.prepared`): the checked plan, its
-    node functions packed where they must be, and its stages."""
+    node functions packed where they must be, its stages, and for a call in this process its
+    graph (a :class:`~daskdag.running.local.Template`; with cotangents given, it is built at
+    each call, since they seed its tasks)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
+    template: Template | None
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-             travel: bool, watch: prepared.Watch) -> Gradients:
-        plan = prepare(dag, x, outputs, wrt, cotangents).plan
-        plan = ship(plan, remote, travel, watched(plan, travel, watch))
-        return cls(plan, make_stages(plan))
+             travel: bool, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None
+             ) -> Gradients:
+        """``seeds``: the cotangents the template's graph is built with (default none: each
+        output's seed of 1); a call whose cotangents are these runs it."""
+        request = prepare(dag, x, outputs, wrt, cotangents)
+        plan = ship(request.plan, remote, travel, watched(request.plan, travel, watch))
+        stages = make_stages(plan, fan_in=not travel)
+        template = None if travel else Template(build(
+            plan, {i: slot("input", i) for i in request.values}, dict(seeds or {}),
+            stop=slot("stop"), travel=False, stages=stages))
+        return cls(plan, stages, template)
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, remote: bool, travel: bool,
-            info: CallInfo, outputs: str | Sequence[str]) -> Job:
+            info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None) -> Job:
+        """``seeded``: the cotangents are those the template was built with (default: when
+        none is given)."""
         plan, values = self.plan, input_values(self.plan.spec, x)
         cts = cotangents_for(plan.outputs, cotangents)
-        return Job(plan, lambda place, stop: build(plan, values, cts, remote=remote, place=place,
-                                                   stop=stop, travel=travel, stages=self.stages),
-                   partial(_results, plan.spec, outputs, info=info), "compute_grads")
+        if seeded is None:
+            seeded = not any(c is not None for c in cts.values())
+        template = self.template if seeded else None
+
+        def make(place: Any, stop: Any) -> Any:
+            if template is not None:
+                return template.fill({**{slot("input", i): v for i, v in values.items()},
+                                      slot("stop"): stop})
+            return build(plan, values, cts, remote=remote, place=place, stop=stop, travel=travel,
+                         stages=self.stages)
+
+        return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads")
 
 
 def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -308,9 +330,10 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
 @dataclass(frozen=True)
 class Pushforward:
     """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
-    forward mode and packed where it must be."""
+    forward mode and packed where it must be, and its stages."""
 
     plan: Plan
+    stages: tuple[Stage, ...]
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
@@ -319,7 +342,8 @@ class Pushforward:
         spec, names, values = parsed(dag, x, outputs)
         flat, _ = input_tangents(spec, values, tangents, bool(batched))
         plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
-        return cls(ship(plan, remote, travel, watched(plan, travel, watch)))
+        plan = ship(plan, remote, travel, watched(plan, travel, watch))
+        return cls(plan, make_stages(plan, fan_in=not travel))
 
 
 def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
@@ -333,7 +357,8 @@ def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Se
     flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
     info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
     return Job(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
-                                                           place=place, stop=stop, travel=travel),
+                                                           place=place, stop=stop, travel=travel,
+                                                           stages=made.stages),
                partial(_jvp_results, outputs, info), "compute_jvps")
 
 

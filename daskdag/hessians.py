@@ -25,18 +25,20 @@ import jax
 import jax.numpy as jnp
 from distributed import Client
 
-from daskdag.api import _grads
+from daskdag.api import LAZY, Gradients, input_values, names_key
 from daskdag.errors import DAGError
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
-from daskdag.model.plan import make_plan
+from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import (cotangents_for, input_tangents, nodes_in_wrt, parsed,
                                    wrt_names)
 from daskdag.model.spec import Node
 from daskdag.rules.jvp import jvp_leaves
 from daskdag.rules.registry import has_rules
 from daskdag.rules.seeds import seed
+from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import Job, as_collection, run
+from daskdag.running.jobs import CallInfo, Job, as_collection, run
+from daskdag.running.log import where as where_in_words
 from daskdag.running.lazy import Call
 
 if TYPE_CHECKING:
@@ -48,12 +50,14 @@ class HVPResult:
     """One output's ``value``, ``grad`` and ``hvp``: the gradient and the Hessian-vector product
     of the output (of ``<ct, output>`` for a cotangent ``ct``), each shaped like ``x`` with one
     free input, else a dict ``{input: ...}``; ``tangent``, the output's Jacobian-vector product
-    along the same ``v``, in the output's structure."""
+    along the same ``v``, in the output's structure; ``info``, how the call was computed
+    (:class:`~daskdag.CallInfo`)."""
 
     value: Any
     grad: Any
     hvp: Any
     tangent: Any
+    info: CallInfo | None = None
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -114,7 +118,8 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     """
     client, local = where(client, scheduler)
     return run(_hvps(dag, x, v, outputs, wrt, cotangents, client is not None,
-                     travel=client is not None), client, local, progress)
+                     travel=client is not None, where=where_in_words(client, local)),
+               client, local, progress)
 
 
 def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
@@ -131,7 +136,8 @@ def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[s
     print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
     ```
     """
-    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None))
+    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None,
+                               where=LAZY))
 
 
 @jax.tree_util.register_dataclass
@@ -169,38 +175,75 @@ def lifted(fn: Callable[..., Any], active: tuple[bool, ...], *args: Any) -> Pair
 
 def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str],
           wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-          travel: bool = True) -> Job:
-    spec, names, values = parsed(dag, x, outputs)
-    wrt = wrt_names(spec, values, wrt, candidates=values)
-    refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")
-    if refused:
-        raise DAGError(refused)
-    plan = make_plan(spec, names, wrt)
-    own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
-    if own:
-        raise DAGError(f"node(s) {own} have their own derivative rules (vjp=, fwd=/bwd=): a "
-                       f"Hessian-vector product needs the derivative of their VJP, which those "
-                       f"rules do not give; write them in JAX, or leave out of wrt the inputs "
-                       f"they depend on")
-    cotangents = cotangents_for(names, cotangents)
+          travel: bool = True, where: str = "") -> Job:
+    made, why = prepared.get("hvps", dag, x, (names_key(outputs), names_key(wrt), remote, travel),
+                             partial(Lifted.make, dag, x, outputs, wrt, cotangents, remote,
+                                     travel))
+    spec, plan = made.spec, made.plan
+    values = input_values(spec, x)
+    cts = cotangents_for(plan.outputs, cotangents)
     given, _ = input_tangents(spec, values, v, batched=False)
     pairs = {i: Pair(values[i], given.get(i) or tuple(
-        jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i]))) for i in wrt}
-    lifted_dag = {}
-    for n in plan.needed:
-        node = spec.nodes[n]
-        if n in plan.active:
-            active = tuple(d in pairs or d in plan.active for d in node.deps)
-            node = Node(partial(lifted, node.fn, active),  # type: ignore[arg-type]
-                        node.deps, jit=node.jit, device=node.device, resources=node.resources,
-                        remat=node.remat)
-        lifted_dag[n] = node
-    job = _grads(lifted_dag, {**values, **pairs} if len(spec.inputs) > 1 else
-                 pairs.get(spec.inputs[0], values[spec.inputs[0]]), outputs, list(wrt),
-                 {o: OnTangent(cotangents.get(o)) if o in plan.active else cotangents.get(o)
-                  for o in names}, remote, travel)
+        jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i]))) for i in plan.wrt}
+    lifted_x = {**values, **pairs} if len(spec.inputs) > 1 else pairs.get(spec.inputs[0],
+                                                                           values[spec.inputs[0]])
+    info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
+                    why=why, where=where)
+    job = made.gradients.job(lifted_x, _seeds(plan, cts), remote, travel, info, outputs,
+                             seeded=not any(c is not None for c in cts.values()))
     return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
                "compute_hvps")
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """:func:`compute_hvps` prepared: the user's spec and plan, and the lifted DAG's
+    :class:`~daskdag.api.Gradients`, each node's function lifted once."""
+
+    spec: Spec
+    plan: Plan
+    gradients: Gradients
+
+    @classmethod
+    def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
+             travel: bool, watch: prepared.Watch) -> Lifted:
+        spec, names, values = parsed(dag, x, outputs)
+        wrt = wrt_names(spec, values, wrt, candidates=values)
+        refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")
+        if refused:
+            raise DAGError(refused)
+        plan = make_plan(spec, names, wrt)
+        own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
+        if own:
+            raise DAGError(f"node(s) {own} have their own derivative rules (vjp=, fwd=/bwd=): a "
+                           f"Hessian-vector product needs the derivative of their VJP, which "
+                           f"those rules do not give; write them in JAX, or leave out of wrt "
+                           f"the inputs they depend on")
+        cotangents_for(names, cotangents)
+        pairs = {i: Pair(values[i], tuple(jnp.zeros_like(leaf)
+                                          for leaf in differentiable_leaves(values[i])))
+                 for i in wrt}
+        lifted_dag = {}
+        for n in plan.needed:
+            node = spec.nodes[n]
+            if n in plan.active:
+                active = tuple(d in pairs or d in plan.active for d in node.deps)
+                node = Node(partial(lifted, node.fn, active),  # type: ignore[arg-type]
+                            node.deps, jit=node.jit, device=node.device,
+                            resources=node.resources, remat=node.remat)
+            lifted_dag[n] = node
+        lifted_x = ({**values, **pairs} if len(spec.inputs) > 1 else
+                    pairs.get(spec.inputs[0], values[spec.inputs[0]]))
+        seeds = _seeds(plan, {})
+        return cls(spec, plan, Gradients.make(lifted_dag, lifted_x, outputs, list(wrt), seeds,
+                                              remote, travel, watch, seeds=seeds))
+
+
+def _seeds(plan: Plan, cotangents: Mapping[str, Any]) -> dict[str, Any]:
+    """The lifted DAG's cotangents: ``(0, ct)`` at each output that moves with ``v``."""
+    return {o: OnTangent(cotangents.get(o)) if o in plan.active else cotangents.get(o)
+            for o in plan.outputs}
 
 
 def _results(spec: Spec, outputs: str | Sequence[str], computed: Any
@@ -216,5 +259,6 @@ def _results(spec: Spec, outputs: str | Sequence[str], computed: Any
         value, tangent = ((r.value.primal, on_differentiable(r.value.primal, r.value.tangent))
                           if isinstance(r.value, Pair) else (r.value, None))
         i0 = spec.inputs[0]
-        results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp, tangent)
+        results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp, tangent,
+                               r.info)
     return results[outputs] if isinstance(outputs, str) else results

@@ -12,8 +12,10 @@ pass per colour, the entries recovered from the pattern. Either way the result h
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from functools import cached_property
+from dataclasses import dataclass, replace
+from functools import cached_property, partial
 from typing import Any, overload
 
 import jax
@@ -22,20 +24,23 @@ import numpy as np
 import scipy.sparse as sp
 from distributed import Client
 
-from daskdag.api import Result, one_input
+from daskdag.api import LAZY, Result, input_values, names_key, one_input, watched
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.leaves import PyTree, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import check_chunk_size, nodes_in_wrt, parsed, wrt_names, with_rules
 from daskdag.model.shapes import UNKNOWN
+from daskdag.graph.stages import make_stages
+from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import Job, as_collection, run
+from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
+from daskdag.running.log import where as where_in_words
 from daskdag.transport.packing import ship
 MODES = ("auto", "rev", "fwd")
 
@@ -118,7 +123,8 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     """
     client, local = where(client, scheduler)
     return run(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                         client is not None, travel=client is not None), client, local, progress)
+                         client is not None, travel=client is not None,
+                         where=where_in_words(client, local)), client, local, progress)
 
 
 def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -138,7 +144,7 @@ def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *
     ```
     """
     return as_collection(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                                   active_client() is not None))
+                                   active_client() is not None, where=LAZY))
 
 
 def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -163,11 +169,34 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
     print(daskdag.jacobian_sparsity(dag, jnp.arange(3.0), "A").toarray())  # the identity's pattern
     ```
     """
-    plan, values = _plan(dag, x, outputs, wrt)
-    widths = {i: size(values[i]) for i in plan.wrt}
-    out = {o: _split_columns(p, plan.wrt, widths) for o, p in detect(plan, values).items()}
+    made, _ = prepared.get("sparsity", dag, x, (names_key(outputs), names_key(wrt)),
+                           partial(_detected, dag, x, outputs, wrt))
+    plan, patterns = made
+    widths = {i: size(t) for i, t in _templates(plan, input_values(plan.spec, x)).items()}
+    out = {o: _split_columns(p, plan.wrt, widths) for o, p in patterns.items()}
     out = {o: p[plan.wrt[0]] if len(plan.wrt) == 1 else p for o, p in out.items()}
     return out[outputs] if isinstance(outputs, str) else out
+
+
+def _detected(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+              wrt: Sequence[str] | None, watch: prepared.Watch) -> tuple[Plan, dict]:
+    """:func:`jacobian_sparsity` prepared: the plan and its detected patterns."""
+    plan, values = _plan(dag, x, outputs, wrt)
+    return plan, _detect(plan, values, watch)
+
+
+def _detect(plan: Plan, values: dict, watch: prepared.Watch) -> dict[str, sp.csr_array]:
+    """The plan's patterns, detected (:func:`daskdag.graph.sparsity.detect`) after watching
+    every function they are read from; a pattern probed at this point holds for this call
+    only."""
+    for n in plan.needed:
+        watch(n, plan.spec.nodes[n].fn)
+    probed: list[str] = []
+    patterns = detect(plan, values, probed)
+    if probed:
+        watch.refuse(f"node(s) {probed}: their sparsity patterns were probed at this point (they "
+                     f"could not be read off a jaxpr), so they are detected again at each call")
+    return patterns
 
 
 # -- one call --------------------------------------------------------------------------------------
@@ -182,23 +211,137 @@ def _plan(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
 
 def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
               wrt: Sequence[str] | None, mode: str, sparsity: Any, sparse: bool,
-              chunk_size: int | None, remote: bool, travel: bool = True) -> Job:
+              chunk_size: int | None, remote: bool, travel: bool = True, where: str = "") -> Job:
     check_chunk_size(chunk_size)
     if mode not in MODES:
         raise DAGError(f"mode must be one of {MODES}, got {mode!r}")
-    plan, values = _plan(dag, x, outputs, wrt)
-    patterns = None
-    if isinstance(sparsity, str) and sparsity == "detect":
-        patterns = detect(plan, values)
-    elif sparsity is not None:
-        patterns = _user_patterns(plan, values, sparsity, outputs)
-    colours = _Colours(patterns)
-    # (Packed first, as the user's functions are now: the mode's trace of them comes after.)
-    plan = ship(plan, remote, travel)
-    mode = _mode(plan, values, mode, colours)
-    if mode == "rev":
-        return _reverse(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
-    return _forward(plan, values, colours, sparse, outputs, chunk_size, remote, travel)
+    made, why = prepared.get(
+        "jacobian", dag, x, (names_key(outputs), names_key(wrt), mode, pattern_key(sparsity),
+                             chunk_size, remote, travel),
+        partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, remote, travel))
+    info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None, why,
+                    where)
+    return made.job(input_values(made.plan.spec, x), sparse, outputs, remote, travel, info)
+
+
+@dataclass(frozen=True)
+class Jacobian:
+    """:func:`jacobian` prepared: its plan (packed, checked for its mode), stages, mode,
+    patterns and their colours (``source``: ``"given"``, ``"detected"``, ``"probed"``, or
+    None when dense), and the seeds of its passes: ``rows`` (reverse), or the inputs'
+    ``templates`` and ``tangents`` (forward)."""
+
+    plan: Plan
+    stages: tuple
+    mode: str
+    colours: _Colours
+    source: str | None
+    chunk_size: int | None
+    rows: Rows | None = None
+    templates: dict | None = None
+    tangents: dict | None = None
+
+    @classmethod
+    def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
+             wrt: Sequence[str] | None, mode: str, sparsity: Any, chunk_size: int | None,
+             remote: bool, travel: bool, watch: prepared.Watch) -> Jacobian:
+        plan, values = _plan(dag, x, outputs, wrt)
+        patterns, source = None, None
+        if isinstance(sparsity, str) and sparsity == "detect":
+            patterns = _detect(plan, values, watch)
+            source = "probed" if watch.refused else "detected"
+        elif sparsity is not None:
+            patterns, source = _user_patterns(plan, values, sparsity, outputs), "given"
+        colours = _Colours(patterns)
+        if mode == "auto" and patterns is None:  # (the mode comes from the nodes' traced shapes)
+            for n in plan.needed:
+                watch(n, plan.spec.nodes[n].fn)
+        # (Packed first, as the user's functions are now: the mode's trace of them comes after.)
+        plan = ship(plan, remote, travel, watched(plan, travel, watch))
+        mode = _mode(plan, values, mode, colours)
+        plan = with_rules(plan, forward=mode == "fwd")
+        if mode == "rev":
+            rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in
+                                          (colours.rows.items() if patterns is not None else ())))
+            return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size, rows=rows)
+        templates = _templates(plan, values)
+        width = sum(size(t) for t in templates.values())
+        dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
+        seeds = (np.eye(width, dtype=dtype) if patterns is None else
+                 colouring.seeds(colours.columns, dtype))
+        k, start, tangents = len(seeds), 0, {}
+        for i in plan.wrt:
+            leaves = []
+            for leaf in jax.tree.leaves(templates[i]):
+                n = int(np.prod(leaf.shape))
+                leaves.append(jnp.asarray(seeds[:, start:start + n].reshape(k, *leaf.shape),
+                                          leaf.dtype))
+                start += n
+            tangents[i] = tuple(leaves)
+        return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size,
+                   templates=templates, tangents=tangents)
+
+    def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], remote: bool,
+            travel: bool, info: CallInfo) -> Job:
+        plan, chunk = self.plan, self.chunk_size
+        if self.mode == "rev":
+            def make(place: Any, stop: Any) -> dict:
+                return build(plan, values, {}, remote=remote, place=place, stop=stop,
+                             rows=self.rows, travel=travel, stages=self.stages)
+            finish = partial(self._reverse_results, sparse, outputs, info)
+        else:
+            assert self.tangents is not None
+            k = len(next(iter(self.tangents.values()))[0]) if self.tangents else 0
+
+            def make(place: Any, stop: Any) -> dict:
+                return jvp_graph.build(plan, values, self.tangents, k, remote=remote,
+                                       place=place, stop=stop, travel=travel, chunk=chunk,
+                                       stages=self.stages)
+            finish = partial(self._forward_results, sparse, outputs, replace(info, passes=k), k)
+        return Job(plan, make, finish, "jacobian")
+
+    def _reverse_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
+                         computed: dict) -> Any:
+        plan, patterns = self.plan, self.colours.patterns
+        info = replace(info, passes=info.colours if patterns is not None else
+                       sum(size(value) for value, _ in computed.values()))
+        results = {}
+        for o, (value, per_name) in computed.items():
+            if patterns is None and not sparse:
+                jacs = {i: _jacrev_layout(value, r) for i, r in per_name.items()}
+                results[o] = Result(value, _joined(plan, value, jacs), info=info)
+                continue
+            flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
+            full = (sp.csr_array(flat) if patterns is None else
+                    colouring.from_rows(patterns[o], self.colours.rows[o], flat,
+                                        dense=not sparse))
+            results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
+                                                     per_name.items()}, sparse, info)
+        return results[outputs] if isinstance(outputs, str) else results
+
+    def _forward_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
+                         k: int, computed: dict) -> Any:
+        plan, patterns = self.plan, self.colours.patterns
+        results = {}
+        for o, (value, t) in computed.items():
+            for leaf in differentiable_leaves(value):
+                if jnp.iscomplexobj(leaf):
+                    raise ValueError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
+                                     f"Jacobian needs real outputs, as jax.jacrev does")
+            pushed = [np.asarray(leaf).reshape(k, -1) for leaf in
+                      jax.tree.leaves(t[jvp_graph.TANGENT])]
+            passes = np.hstack(pushed) if pushed else np.zeros((k, 0))
+            if patterns is None:
+                full = passes.T
+            else:
+                if patterns[o].shape[0] != passes.shape[1]:
+                    raise ValueError(f"the sparsity pattern of output {o!r} has "
+                                     f"{patterns[o].shape[0]} rows, but the output has "
+                                     f"{passes.shape[1]} elements")
+                full = colouring.from_columns(patterns[o], self.colours.columns, passes,
+                                              dense=not sparse)
+            results[o] = _result(plan, value, full, self.templates, sparse, info)
+        return results[outputs] if isinstance(outputs, str) else results
 
 
 class _Colours:
@@ -208,14 +351,26 @@ class _Colours:
 
     def __init__(self, patterns: dict[str, sp.csr_array] | None) -> None:
         self.patterns: Any = patterns  # (rows and columns are asked for only where it is not None)
+        self.used: str | None = None  # which were used: "rows" or "columns"
 
     @cached_property
     def rows(self) -> dict:
+        self.used = "rows"
         return {o: colouring.colour_rows(p) for o, p in self.patterns.items()}
 
     @cached_property
     def columns(self) -> np.ndarray:
+        self.used = "columns"
         return colouring.colour_columns(sp.vstack(list(self.patterns.values())))
+
+    @property
+    def total(self) -> int | None:
+        """The colours the chosen mode takes (one pass each); None when dense."""
+        if self.patterns is None:
+            return None
+        if self.used == "columns":
+            return colouring.count(self.columns)
+        return sum(colouring.count(c) for c in self.rows.values())
 
 
 def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
@@ -231,13 +386,16 @@ def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
         return "rev" if not why_not["rev"] else "fwd"
     if colours.patterns is not None:
         rev = sum(colouring.count(c) for c in colours.rows.values())
-        return "fwd" if colouring.count(colours.columns) < rev else "rev"
+        columns = colouring.count(colours.columns)
+        mode = "fwd" if columns <= rev else "rev"
+        colours.used = "columns" if mode == "fwd" else "rows"
+        return mode
     avals = shapes(plan, values)
     if any(avals[o] is UNKNOWN for o in plan.outputs):
         return "rev"
     rev = sum(size(avals[o]) for o in plan.outputs)
     fwd = sum(size(values[i]) for i in plan.wrt)
-    return "fwd" if fwd < rev else "rev"
+    return "fwd" if fwd <= rev else "rev"
 
 
 def _rules_missing(plan: Plan, forward: bool) -> str | None:
@@ -248,34 +406,38 @@ def _rules_missing(plan: Plan, forward: bool) -> str | None:
     return None
 
 
-# -- reverse: the gradient graph, seeded with rows --------------------------------------------------
+def _templates(plan: Plan, values: dict) -> dict:
+    """Per wrt input, its differentiable leaves' shapes and dtypes (``None`` elsewhere)."""
+    return {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+                            if is_differentiable(a) else None, values[i]) for i in plan.wrt}
 
-def _reverse(plan: Plan, values: dict, colours: _Colours, sparse: bool,
-             outputs: str | Sequence[str], chunk_size: int | None, remote: bool, travel: bool
-             ) -> Job:
-    patterns = colours.patterns
-    per_output = {} if patterns is None else colours.rows
-    rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in per_output.items()))
-    plan = with_rules(plan)
 
-    def finish(computed: dict) -> Any:
-        results = {}
-        for o, (value, per_name) in computed.items():
-            if patterns is None and not sparse:
-                jacs = {i: _jacrev_layout(value, r) for i, r in per_name.items()}
-                results[o] = Result(value, _joined(plan, value, jacs))
-                continue
-            flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
-            full = (sp.csr_array(flat) if patterns is None else
-                    colouring.from_rows(patterns[o], per_output[o], flat, dense=not sparse))
-            results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
-                                                     per_name.items()}, sparse)
-        return results[outputs] if isinstance(outputs, str) else results
+def pattern_key(sparsity: Any) -> Any:
+    """A ``sparsity`` argument as (part of) a preparation's key: by content (a pattern given as
+    an array can change in place), ``"detect"`` or None as they are."""
+    if sparsity is None or isinstance(sparsity, str):
+        return sparsity
+    if isinstance(sparsity, Mapping):
+        return tuple((k, pattern_key(v)) for k, v in sparsity.items())
+    if sp.issparse(sparsity):
+        csr = sp.csr_array(sparsity)
+        parts: tuple = (csr.indptr, csr.indices, csr.data)
+        shape = csr.shape
+    else:
+        try:
+            dense = np.asarray(sparsity)
+        except Exception:
+            return ("object", id(sparsity))
+        if dense.dtype.hasobject:
+            return ("object", id(sparsity))
+        parts, shape = (np.ascontiguousarray(dense),), dense.shape
+    digest = hashlib.sha1(repr((shape, [(p.dtype.str, p.shape) for p in parts])).encode())
+    for p in parts:
+        digest.update(np.ascontiguousarray(p))
+    return digest.hexdigest()
 
-    return Job(plan, lambda place, stop: build(plan, values, {}, remote=remote, place=place,
-                                               stop=stop, rows=rows, travel=travel),
-               finish, "jacobian")
 
+# -- reverse and forward: the gradient graph seeded with rows, the JVP graph with columns ------------
 
 def _flat_rows(rows: PyTree) -> np.ndarray:
     """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
@@ -286,51 +448,6 @@ def _flat_rows(rows: PyTree) -> np.ndarray:
 def _row_template(rows: PyTree) -> PyTree:
     """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
     return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
-
-
-# -- forward: the JVP graph, seeded with columns ----------------------------------------------------
-
-def _forward(plan: Plan, values: dict, colours: _Colours, sparse: bool,
-             outputs: str | Sequence[str], chunk_size: int | None, remote: bool, travel: bool
-             ) -> Job:
-    templates = {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-                                 if is_differentiable(a) else None, values[i]) for i in plan.wrt}
-    width = sum(size(values[i]) for i in plan.wrt)
-    dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
-    patterns = colours.patterns
-    seeds = (np.eye(width, dtype=dtype) if patterns is None else
-             colouring.seeds(colours.columns, dtype))
-    k, start, tangents = len(seeds), 0, {}
-    for i in plan.wrt:
-        leaves = []
-        for leaf in jax.tree.leaves(templates[i]):
-            n = int(np.prod(leaf.shape))
-            leaves.append(jnp.asarray(seeds[:, start:start + n].reshape(k, *leaf.shape), leaf.dtype))
-            start += n
-        tangents[i] = tuple(leaves)
-    plan = with_rules(plan, forward=True)
-
-    def finish(computed: dict) -> Any:
-        results = {}
-        for o, (value, t) in computed.items():
-            pushed = [np.asarray(leaf).reshape(k, -1) for leaf in
-                      jax.tree.leaves(t[jvp_graph.TANGENT])]
-            passes = np.hstack(pushed) if pushed else np.zeros((k, 0))
-            if patterns is None:
-                full = passes.T
-            else:
-                if patterns[o].shape[0] != passes.shape[1]:
-                    raise ValueError(f"the sparsity pattern of output {o!r} has "
-                                     f"{patterns[o].shape[0]} rows, but the output has "
-                                     f"{passes.shape[1]} elements")
-                full = colouring.from_columns(patterns[o], colours.columns, passes,
-                                              dense=not sparse)
-            results[o] = _result(plan, value, full, templates, sparse)
-        return results[outputs] if isinstance(outputs, str) else results
-
-    return Job(plan, lambda place, stop: jvp_graph.build(
-        plan, values, tangents, k, remote=remote, place=place, stop=stop, travel=travel,
-        chunk=chunk_size), finish, "jacobian")
 
 
 # -- patterns --------------------------------------------------------------------------------------
@@ -388,20 +505,22 @@ def _split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
 
 # -- layout ----------------------------------------------------------------------------------------
 
-def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool) -> Result:
+def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
+            info: CallInfo) -> Result:
     """One output's Result from its Jacobian over every wrt name's elements (``full``, dense
     NumPy or ``scipy.sparse``): as ``scipy.sparse`` per name, or in ``jax.jacrev``'s layout."""
     widths = {i: size(t) for i, t in templates.items()}
     if sparse:
         parts = _split_columns(sp.csr_array(full), plan.wrt, widths)
-        return Result(value, parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts)
+        return Result(value, parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts,
+                      info=info)
     dense = full.toarray() if sp.issparse(full) else np.asarray(full)
     jacs, start = {}, 0
     for i in plan.wrt:
         block = dense[:, start:start + widths[i]]
         start += widths[i]
         jacs[i] = _jacrev_layout(value, _rows(block, templates[i]))
-    return Result(value, _joined(plan, value, jacs))
+    return Result(value, _joined(plan, value, jacs), info=info)
 
 
 def _rows(block: np.ndarray, template: PyTree) -> PyTree:

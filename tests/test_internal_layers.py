@@ -19,6 +19,7 @@ LAYERS = (
     ("daskdag.sweeps",),
     ("daskdag.api", "daskdag.checks"),
     ("daskdag.jacobians", "daskdag.hessians"),
+    ("daskdag.transforms",),
     ("daskdag.cli", "daskdag"),
 )
 

@@ -152,11 +152,13 @@ def output_tangent(value, flat, k: int | None):
 # -- the graph -------------------------------------------------------------------------------------
 
 def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote: bool = False,
-          place=None, stop=None, travel: bool = True, chunk: int | None = None) -> dict:
+          place=None, stop=None, travel: bool = True, chunk: int | None = None,
+          stages=None) -> dict:
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
-    ``k``: the number of directions, or None; ``chunk``: at most that many per call. ``remote``, ``place``, ``stop`` and ``travel`` as
-    for :func:`daskdag.graph.build.build`."""
+    ``k``: the number of directions, or None; ``chunk``: at most that many per call.
+    ``remote``, ``place``, ``stop``, ``travel`` and ``stages`` as for
+    :func:`daskdag.graph.build.build`."""
     spec, g = plan.spec, _Graph()
     carry = Carry(g, travel, remote, place)
     needed = spec.ancestors(plan.outputs)
@@ -164,7 +166,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
     tan = {i: carry.value("tan", i, f"the tangent of input {i!r}", tangents[i])
            for i in plan.wrt if i in needed}
 
-    for s in make_stages(plan):
+    for s in make_stages(plan) if stages is None else stages:
         sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
         deps = [ident(val[d]) for d in s.deps]
         if not s.has_pullback:  # no tangent reaches it: the forward task of the gradient graph

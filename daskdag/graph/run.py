@@ -41,7 +41,8 @@ from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
 from daskdag.rules.seeds import add
 from daskdag.rules.vjp import ct_avals
 from daskdag.rules.vjp import linearize as vjp_linearize
-from daskdag.transport.packing import current
+from daskdag.caches import Cache
+from daskdag.transport.packing import Function, current
 
 
 def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
@@ -275,10 +276,26 @@ _fused_lock = threading.Lock()
 _fused: dict = {}  # (stage, ids of fns) -> (its compiled function, Fused), while its functions live
 
 
+_by_nodes = Cache("fused stages by their node objects", 256)  # ids of nodes -> (nodes, stage, fn)
+
+
 def fused_function(stage: Stage, nodes: Sequence[Node]):
     """The fused stage as one compiled function (:class:`~daskdag.graph.compiled.Compiled`, or
     over a batch as its nodes' kind runs one), the same object while the same node functions
-    live: its programs are cached by function, so later calls compile nothing."""
+    live: its programs are cached by function, so later calls compile nothing. (The same node
+    objects, a prepared call's, find it at once: a node's function is a packed one, whose
+    content its token fixes.)"""
+    key = tuple(map(id, nodes))
+    hit = _by_nodes.get(key)
+    if hit is not None and hit[1] is stage and all(a is b for a, b in zip(hit[0], nodes)):
+        return hit[2]
+    function = _fused_function(stage, nodes)
+    if all(isinstance(n.fn, Function) for n in nodes):
+        _by_nodes.put(key, (tuple(nodes), stage, function))
+    return function
+
+
+def _fused_function(stage: Stage, nodes: Sequence[Node]):
     elements = [element_of(n) for n in nodes]
     fns = [current(element.fn) for element, _ in elements]
     key = (stage, tuple(map(id, fns)))

@@ -34,8 +34,10 @@ from daskdag.rules.sparsity import jaxpr_pattern
 PROBES = 2  # random points near the point, besides it, where a node is probed
 
 
-def detect(plan: Plan, values: dict) -> dict[str, sp.csr_array]:
-    """``{output: pattern}`` (see the module's docstring) for every output of ``plan``."""
+def detect(plan: Plan, values: dict, probed: list | None = None) -> dict[str, sp.csr_array]:
+    """``{output: pattern}`` (see the module's docstring) for every output of ``plan``.
+    ``probed``, when given, gets the names of the nodes whose pattern was probed (it holds at
+    this point, not at every point)."""
     spec = plan.spec
     avals = shapes(plan, values)
     concrete: dict = {}
@@ -55,8 +57,8 @@ def detect(plan: Plan, values: dict) -> dict[str, sp.csr_array]:
         total = sp.csr_array((rows, width), dtype=np.int64)
         active = tuple(d in depends for d in node.deps)
         if any(active):
-            for pattern, d in zip(_node_pattern(n, node, avals, concrete, values, active),
-                                  node.deps):
+            for pattern, d in zip(_node_pattern(n, node, avals, concrete, values, active,
+                                                probed), node.deps):
                 if pattern is not None:
                     total = total + pattern.astype(np.int64) @ depends[d]
         if n in depends:  # a wrt node: its own block too
@@ -87,13 +89,16 @@ def size(aval) -> int:
                    else is_differentiable(a)))
 
 
-def _node_pattern(name, node, avals, concrete, values, active) -> list:
-    """Per dep, the node's own pattern: from its jaxpr, else probed."""
+def _node_pattern(name, node, avals, concrete, values, active, probed: list | None) -> list:
+    """Per dep, the node's own pattern: from its jaxpr, else probed (its name then added to
+    ``probed``)."""
     deps = [avals[d] for d in node.deps]
     if not has_rules(node) and not any(a is UNKNOWN for a in deps):
         found = jaxpr_pattern(node.callable(), deps, active)
         if found is not None:
             return found
+    if probed is not None:
+        probed.append(name)
     args = [concrete[d] if d in concrete else values[d] for d in node.deps]
     return _probe(name, node, args, active)
 

@@ -93,8 +93,14 @@ class Stage:
         return tuple(on)
 
 
-def make_stages(plan: Plan) -> tuple[Stage, ...]:
-    """The plan's needed nodes as stages (see the module's docstring), in topological order."""
+def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
+    """The plan's needed nodes as stages (see the module's docstring), in topological order.
+
+    ``fan_in``: a jittable node that takes values from several fused groups joins them all
+    into one (where no other group stands between them), so that a DAG of ``jit=True`` nodes
+    is one program; else it joins one of them, and the others stay tasks of their own, which a
+    cluster can run side by side. (A call in this process takes the first: its tasks run on
+    one machine, where XLA spreads a large op over the cores anyway.)"""
     spec, needed = plan.spec, set(plan.needed)
     fuse = config.get("fuse-chains")
     groups: list[list[str]] = []
@@ -124,27 +130,66 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
                 stack.extend(takes[h])
         return False
 
+    def fusable(g, n, deps) -> bool:  # group g may take node n in
+        node = spec.nodes[n]
+        return (jittable[g] == _jittable(node) and not alone[g]
+                and all(spec.nodes[m].needs == node.needs for m in groups[g][:1])
+                # (a node in wrt: its cotangent must leave its stage, see _stage)
+                and not any(e in plan.wrt for e in deps if group_of[e] == g))
+
+    def merged_takes(members: set[int], deps) -> set[int]:
+        return set().union(*(takes[m] for m in members), {group_of[e] for e in deps}) - members
+
+    def merge(members: list[int]) -> int:
+        """Groups ``members`` as one (the first), its nodes in topological order."""
+        into, rest = members[0], set(members[1:])
+        everyone = set(members)
+        for m in rest:
+            for name in groups[m]:
+                group_of[name] = into
+            groups[into].extend(groups[m])
+            groups[m] = []
+        groups[into].sort(key=position.__getitem__)
+        takes[into] = set().union(*(takes[m] for m in everyone)) - everyone
+        for m in rest:
+            takes[m] = set()
+        for h, taken in takes.items():  # (the groups that took from a merged one take from it)
+            if taken & rest:
+                takes[h] = (taken - rest) | {into} - {h}
+        return into
+
+    position = {n: k for k, n in enumerate(plan.needed)}
     for n in plan.needed:
         node, deps = spec.nodes[n], [d for d in dict.fromkeys(spec.nodes[n].deps) if d in group_of]
         kind = _jittable(node)
         joined = None
-        for d in deps if fuse and not node.remat else ():
+        if kind and fuse and not node.remat:
+            # fused: a connected jittable group it can join without a cycle (no group outside
+            # it taking from it and feeding n); with fan_in, every such group
+            members: list[int] = []
+            for g in dict.fromkeys(group_of[d] for d in deps):
+                if not fusable(g, n, deps):
+                    continue
+                trial = {*members, g}
+                if not any(comes_after(h, m) for h in merged_takes(trial, deps) for m in trial):
+                    members.append(g)
+                    if not fan_in:
+                        break
+            if members:
+                joined = merge(members)
+        for d in deps if fuse and not node.remat and not kind else ():
             g = group_of[d]
             if spec.nodes[d].needs != node.needs or jittable[g] != kind or alone[g]:
                 continue
             if any(e in plan.wrt for e in deps if group_of[e] == g):
                 continue  # (a node in wrt: its cotangent must leave its stage, see _stage)
             others = {group_of[e] for e in deps} - {g}
-            if kind:  # fused: any connected group no other dep of n comes after
-                if not any(comes_after(h, g) for h in others):
-                    joined = g
-                    break
             # chain: n follows d, its one consumer in the whole DAG (so that calls that need
             # different parts of it cut the chains they share alike, and calls computed
             # together share those stages' tasks), and takes nothing g does not wait for
             # already (a stage starts once all its deps are there: a fan-in node joining one
             # branch's chain would hold that branch back until the others are done)
-            elif groups[g][-1] == d and d not in plan.outputs and everywhere(d) == {n} \
+            if groups[g][-1] == d and d not in plan.outputs and everywhere(d) == {n} \
                     and others <= takes[g]:
                 joined = g
                 break
@@ -159,7 +204,7 @@ def make_stages(plan: Plan) -> tuple[Stage, ...]:
     # the groups by what they take from each other.
     order = graphlib.TopologicalSorter(takes).static_order()
     return tuple(_stage(plan, tuple(groups[g]), jittable[g] and len(groups[g]) > 1, consumers)
-                 for g in order)
+                 for g in order if groups[g])
 
 
 def _jittable(node: Node) -> bool:

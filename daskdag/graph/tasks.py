@@ -22,7 +22,7 @@ from daskdag.cancel import Cancelled, dropped
 from daskdag.graph import run
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
-from daskdag.rules.seeds import as_gradient, basis, basis_rows, seed, total
+from daskdag.rules.seeds import as_gradient, basis, basis_rows, check_scalar, seed, total
 
 
 def forward(stage: Stage, stop, *args):
@@ -52,10 +52,10 @@ def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
         out = run.gradients(stage, nodes, deps, seeded)
         if out is not None:
             values, cts = out
-            for per_output in flows:  # the checks seed() makes: a scalar output, ...
+            for per_output in flows:  # the check seed() makes: each seeded output a real scalar
                 for value, flow in zip(values, per_output):
                     if flow is not None:
-                        flow.cotangent(value, ())
+                        check_scalar(value, flow.output, flow.batched)
             return values, cts
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0], backward(stage, stop, flows, rows, out, *deps)
@@ -236,6 +236,14 @@ def gradient(picks: tuple, x, output, rows, own, *sources):
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
-    grad = treedef.unflatten([jnp.asarray(next(flat), jnp.result_type(leaf))
-                              if is_differentiable(leaf) else None for leaf in leaves])
+    grad = treedef.unflatten([_typed(next(flat), leaf) if is_differentiable(leaf) else None
+                              for leaf in leaves])
     return as_gradient(x, grad)
+
+
+def _typed(grad, leaf):
+    """``grad`` as a JAX array of ``leaf``'s JAX dtype (itself when it is one already)."""
+    dtype = jnp.result_type(leaf)
+    if isinstance(grad, jax.Array) and grad.dtype == dtype:
+        return grad
+    return jnp.asarray(grad, dtype)

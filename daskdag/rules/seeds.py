@@ -28,16 +28,12 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
     are for one item, and the seed is broadcast over the items.
     """
+    if ct is None:
+        check_scalar(primal, output, batched)
+        return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
     leaves, treedef = jax.tree.flatten(primal)
     item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
             if is_differentiable(p) else None for p in leaves]
-    if ct is None:
-        if not (treedef.num_leaves == 1 and treedef_is_leaf(treedef) and item[0] is not None
-                and item[0].shape == () and jnp.issubdtype(item[0].dtype, jnp.floating)):
-            raise ValueError(f"output {output!r} is not a real scalar: it is "
-                             f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
-                             f"with ct shaped like it")
-        return (jnp.ones_like(leaves[0]),)
     ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
     if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
             i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
@@ -53,6 +49,19 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
         c = jnp.asarray(c, i.dtype)
         seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
     return tuple(seeds)
+
+
+def check_scalar(primal, output: str, batched: bool = False) -> None:
+    """Raise the ``ValueError`` that says ``output`` needs a cotangent, unless it is a real
+    scalar (per item, ``batched``), which starts from 1."""
+    leaves = jax.tree.leaves(primal)
+    leaf = leaves[0] if len(leaves) == 1 else None
+    shape = () if leaf is None else tuple(np.shape(leaf))
+    if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
+            and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
+        raise ValueError(f"output {output!r} is not a real scalar: it is "
+                         f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
+                         f"with ct shaped like it")
 
 
 def basis(output: str, primal, colours=None) -> tuple:

@@ -27,7 +27,7 @@ from dask.diagnostics import ProgressBar
 
 from daskdag.errors import DAGError
 from daskdag.running.cluster import Watch
-from daskdag.running.local import SCHEDULERS
+from daskdag.running.local import SCHEDULERS, Filled
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
 # The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them, to the ones
@@ -64,25 +64,31 @@ def active_client():
 
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
             plan=None) -> dict:
-    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``) computed, same structure:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, or a prepared local call's
+    :class:`~daskdag.running.local.Filled` graph) computed, in that structure:
     on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
     process, whatever default client exists. ``stop``: the ``daskdag.cancel.Stop`` a local
     graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
     cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
-    delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
+    if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
+        dsk, keys, structure = graph.dsk, graph.keys, graph.structure
+    else:
+        delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
+        # (one graph: every result is a key of it)
+        dsk, keys = (dict(delayed[0].dask), [d.key for d in delayed]) if client is None else (
+            None, delayed)
     if client is None:
         # The graph as it is, to the scheduler's own function: it is fused into stages
         # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.
-        dsk = dict(delayed[0].dask)  # (one graph: every result is a key of it)
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
-                computed = SCHEDULERS[local or "threads"](dsk, [d.key for d in delayed])
+                computed = SCHEDULERS[local or "threads"](dsk, keys)
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:
                 stop.set()
             raise
         return jax.tree.unflatten(structure, computed)
-    futures = client.compute(delayed)
+    futures = client.compute(keys)
     try:
         with _bar(client, futures) if progress else contextlib.nullcontext():
             wait(client, futures, Watch(client, plan))

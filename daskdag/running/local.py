@@ -27,10 +27,11 @@ from typing import Any
 
 import dask
 import dask.local
+import jax
 import dask.threaded
 from dask.callbacks import Callback
 from dask.system import CPU_COUNT
-from dask.task_spec import TaskRef
+from dask.task_spec import DataNode, TaskRef
 from dask.threaded import ContextAwareThreadPoolExecutor
 
 from daskdag.graph import tasks
@@ -88,6 +89,39 @@ def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
 
 SCHEDULERS = {"threads": threads, "sync": dask.local.get_sync}
 FORWARD = ("fwd", "jvp")
+
+
+def slot(kind: str, name: str = "") -> TaskRef:
+    """Where a :class:`Template` takes a value anew at each call: an input's (``kind``
+    ``"input"``), a tangent's (``"tangent"``), the call's stop signal (``"stop"``)."""
+    return TaskRef(f"slot:{kind}:{name}")
+
+
+class Template:
+    """A local call's graph, built once by a prepared call with :func:`slot` s where its inputs
+    (and the stop signal the stages watch) go, and filled at each call (:meth:`fill`): the
+    tasks are Dask's own, made once and run as they are, each call in a graph of its own."""
+
+    def __init__(self, built: dict) -> None:
+        leaves, self.structure = jax.tree.flatten(built)  # (Delayed objects are leaves)
+        self.dsk = dict(leaves[0].dask)
+        self.keys = [d.key for d in leaves]
+
+    def fill(self, values: dict[TaskRef, Any]) -> "Filled":
+        """The graph of one call, ``values`` in their slots (``{slot: value}``)."""
+        dsk = {ref.key: DataNode(ref.key, value) for ref, value in values.items()}
+        dsk.update(self.dsk)  # (after the slots: in_order runs a graph in its order)
+        return Filled(dsk, self.keys, self.structure)
+
+
+class Filled:
+    """A :class:`Template` filled for one call: its graph as a dict, the keys it computes, and
+    their ``{output: (value, {name: grad})}`` structure."""
+
+    __slots__ = ("dsk", "keys", "structure")
+
+    def __init__(self, dsk: dict, keys: list, structure) -> None:
+        self.dsk, self.keys, self.structure = dsk, keys, structure
 
 
 class _Timer:

@@ -15,6 +15,7 @@ import logging
 import jax
 
 from daskdag.graph.build import kind_of
+from daskdag.running.local import Filled
 
 logger = logging.getLogger("daskdag")
 logger.addHandler(logging.NullHandler())
@@ -36,7 +37,9 @@ def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = Non
             logger.debug("  task %s: %s", key, getattr(fn, "__qualname__", type(task).__name__))
 
 
-def _tasks(graph: dict) -> dict:
+def _tasks(graph) -> dict:
+    if isinstance(graph, Filled):
+        return graph.dsk
     merged = {}
     for delayed in jax.tree.leaves(graph):  # (Delayed objects are leaves to JAX)
         merged.update({k: v for layer in delayed.dask.layers.values() for k, v in layer.items()})

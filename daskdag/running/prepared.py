@@ -22,7 +22,9 @@ Anything new or changed prepares the call anew, and :func:`get` says why.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -39,10 +41,42 @@ P = TypeVar("P")
 #: The preparations kept, by key (the least recently used out first).
 PREPARED: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
 _last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (dag, key, note)
+_pins: ContextVar[dict | None] = ContextVar("daskdag_pins", default=None)
 
-#: Watches a node's function: ``watch(node name, fn)`` takes its fingerprint before the
-#: preparation packs or traces it, and returns it (None: it cannot be taken).
-Watch = Callable[[str, Any], "Fingerprint | None"]
+
+@contextlib.contextmanager
+def pinning(pins: dict) -> Iterator[None]:
+    """Within it, the latest preparation a call makes or reuses is also kept in ``pins`` (its
+    owner's: a :class:`daskdag.Prepared` function), however many others the process keeps."""
+    token = _pins.set(pins)
+    try:
+        yield
+    finally:
+        _pins.reset(token)
+
+
+
+class Watch:
+    """What a preparation relies on, as it is made: ``watch(node name, fn)`` takes the
+    fingerprint of a function before the preparation packs or traces it, and returns it (None:
+    it cannot be taken, and the preparation is not kept); ``refuse(why)``: the preparation
+    holds for this call only (a sparsity pattern probed at this point), and is not kept."""
+
+    def __init__(self) -> None:
+        self.watched: list[tuple[str, Any, Fingerprint]] = []
+        self.refused: list[str] = []
+
+    def __call__(self, name: str, fn: Any) -> Fingerprint | None:
+        print_ = fingerprint(fn)
+        if print_ is None:
+            self.refuse(f"node {name!r}: its function holds something a fingerprint cannot "
+                        f"read (a lock, a file, a generator...)")
+        else:
+            self.watched.append((name, fn, print_))
+        return print_
+
+    def refuse(self, why: str) -> None:
+        self.refused.append(why)
 
 
 @dataclass(frozen=True)
@@ -73,37 +107,38 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P]
     it was made now (None: reused)."""
     key = _key(kind, dag, x, options)
     if key is None:  # (a malformed DAG or unhashable options: make() says what is wrong)
-        return make(lambda name, fn: fingerprint(fn)), "its arguments cannot key a preparation"
+        return make(Watch()), "its arguments cannot key a preparation"
+    pins = _pins.get()
     hit = PREPARED.get(key)
+    if hit is None and pins is not None:
+        hit = pins.get(key)
     if hit is not None:
         why = hit.changed()
         if why is None:
             _remember(kind, dag, hit.key, None)
+            _pin(pins, hit)
             return hit.value, None
     else:
         why = _why_new(kind, dag, key)
-    watched: list = []
-    unwatchable: list[str] = []
-
-    def watch(name: str, fn: Any) -> Fingerprint | None:
-        print_ = fingerprint(fn)
-        if print_ is None:
-            unwatchable.append(name)
-        else:
-            watched.append((name, fn, print_))
-        return print_
-
+    watch = Watch()
     value = make(watch)
     note = None
-    if unwatchable:
-        note = (f"node(s) {unwatchable}: their functions hold something a fingerprint cannot "
-                f"read (a lock, a file, a generator...), so calls with them are prepared anew")
-    elif config.get("prepared-calls") > 0:
-        PREPARED.put(key, Preparation(value, tuple(watched), key, tuple(dag.values())))
+    if watch.refused:
+        note = "; ".join(watch.refused) + ": such a call is prepared anew each time"
+    elif config.get("prepared-calls") > 0 or pins is not None:
+        made = Preparation(value, tuple(watch.watched), key, tuple(dag.values()))
+        PREPARED.put(key, made)  # (a size of 0 keeps nothing)
+        _pin(pins, made)
     else:
         note = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
     _remember(kind, dag, key, note)
     return value, why
+
+
+def _pin(pins: dict | None, made: Preparation) -> None:
+    if pins is not None and pins.get(made.key) is not made:
+        pins.clear()
+        pins[made.key] = made
 
 
 def settings() -> tuple:

@@ -1,0 +1,231 @@
+"""A DAG as a function of its inputs, prepared once and called many times, in JAX's idiom:
+:func:`value_and_grad`, :func:`value_and_jacobian`, :func:`value_and_jvp` and
+:func:`value_grad_and_hvp` each return a :class:`Prepared` function.
+
+``f = daskdag.value_and_grad(dag, "loss")`` then ``loss, grads = f(params)`` in a loop, as
+``jax.value_and_grad(loss_fn)`` would be; pytrees in and out, so ``f`` drops into an optax
+loop, and with one output and one free input into ``scipy.optimize.minimize(f, x0,
+jac=True)``. Each call is the eager call it wraps (:func:`~daskdag.compute_grads`,
+:func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`, :func:`~daskdag.compute_hvps`), whose
+preparation the next calls reuse while the DAG, the inputs' shapes and what the node functions
+hold stay the same (the guide "Repeated calls and optimisation loops"); the function keeps its
+latest preparation itself too, however many other calls the process makes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from distributed import Client
+
+from daskdag.api import compute_grads, compute_jvps
+from daskdag.hessians import compute_hvps
+from daskdag.jacobians import jacobian
+from daskdag.model.leaves import PyTree
+from daskdag.running import prepared
+from daskdag.running.jobs import CallInfo
+
+
+class Prepared:
+    """A DAG's call as a function of its inputs (made by :func:`value_and_grad` and its
+    siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``); ``f.info`` is the
+    :class:`~daskdag.CallInfo` of its latest call in this thread: the mode and passes, and
+    whether the call reused an earlier call's preparation, and if not, why.
+    """
+
+    def __init__(self, name: str, call: Callable[..., Any], unpack: Callable[[Any], tuple],
+                 outputs: str | Sequence[str]) -> None:
+        self._name, self._call, self._unpack, self._outputs = name, call, unpack, outputs
+        self._last = threading.local()
+        self._pins: dict = {}  # its latest preparation (daskdag.running.prepared.pinning)
+
+    def __call__(self, x: PyTree, *args: PyTree) -> tuple:
+        with prepared.pinning(self._pins):
+            results = self._call(x, *args)
+        per_output = {self._outputs: results} if isinstance(self._outputs, str) else results
+        self._last.info = next(iter(per_output.values())).info
+        parts = [self._unpack(r) for r in per_output.values()]
+        columns = list(zip(*parts))
+        if isinstance(self._outputs, str):
+            return tuple(c[0] for c in columns)
+        return tuple(dict(zip(per_output, c)) for c in columns)
+
+    @property
+    def info(self) -> CallInfo | None:
+        """How this function's latest call in this thread was computed (None before any)."""
+        return getattr(self._last, "info", None)
+
+    def __repr__(self) -> str:
+        return f"daskdag.{self._name}(outputs={self._outputs!r})"
+
+
+def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
+                   wrt: Sequence[str] | None = None,
+                   cotangents: Mapping[str, PyTree] | None = None, client: Client | None = None,
+                   scheduler: str | Client | None = None, progress: bool = False) -> Prepared:
+    """``dag`` as a function ``f(x) -> (values, grads)``, as ``jax.value_and_grad`` of the
+    composed function.
+
+    Args:
+        dag: as for :func:`~daskdag.compute_grads`.
+        outputs: as for :func:`~daskdag.compute_grads`.
+        wrt: as for :func:`~daskdag.compute_grads`.
+        cotangents: as for :func:`~daskdag.compute_grads`, the same at every call.
+        client: as for :func:`~daskdag.compute_grads`; None: the default client in effect at
+            each call, else Dask's threads.
+        scheduler: as for :func:`~daskdag.compute_grads`.
+        progress: as for :func:`~daskdag.compute_grads`.
+
+    Returns:
+        A :class:`Prepared` function. ``f(x)`` returns ``(value, grad)`` for a single output
+        name (``grad`` shaped like ``x`` with one free input, else ``{input: grad}``), else
+        ``({output: value}, {output: grad})``. Errors as for :func:`~daskdag.compute_grads`.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "L": (lambda a: jnp.sum(a ** 2), ["A"])}
+    f = daskdag.value_and_grad(dag, "L")
+    for step in range(3):
+        loss, grad = f(jnp.arange(3.0) + step)
+    print(loss, grad, f.info.prepared)  # the later calls reuse the first one's preparation
+    ```
+    """
+    def call(x: PyTree) -> Any:
+        return compute_grads(dag, x, outputs, wrt=wrt, cotangents=cotangents, client=client,
+                             scheduler=scheduler, progress=progress)
+
+    return Prepared("value_and_grad", call, lambda r: (r.value, r.grad), outputs)
+
+
+def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
+                       wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+                       sparse: bool = False, chunk_size: int | None = None,
+                       client: Client | None = None, scheduler: str | Client | None = None,
+                       progress: bool = False) -> Prepared:
+    """``dag`` as a function ``f(x) -> (values, jacobians)``, as ``jax.jacrev`` (or
+    ``jax.jacfwd``) of the composed function, with its values.
+
+    Args:
+        dag: as for :func:`~daskdag.jacobian`.
+        outputs: as for :func:`~daskdag.jacobian`.
+        wrt: as for :func:`~daskdag.jacobian`.
+        mode: as for :func:`~daskdag.jacobian`; ``"auto"`` decides at the first call (and again
+            only when the inputs' shapes or the DAG change).
+        sparsity: as for :func:`~daskdag.jacobian`; ``"detect"`` detects the pattern at the
+            first call, and later calls reuse it (unless a node's pattern had to be probed at
+            the point: then at every call).
+        sparse: as for :func:`~daskdag.jacobian`.
+        chunk_size: as for :func:`~daskdag.jacobian`.
+        client: as for :func:`value_and_grad`.
+        scheduler: as for :func:`~daskdag.jacobian`.
+        progress: as for :func:`~daskdag.jacobian`.
+
+    Returns:
+        A :class:`Prepared` function: ``f(x)`` returns ``(value, jac)`` for a single output
+        name, else ``({output: value}, {output: jac})``, each ``jac`` in ``jax.jacrev``'s
+        layout (or ``scipy.sparse`` with ``sparse=True``), as :func:`~daskdag.jacobian`
+        gives it.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: a[:2] * a[1:], ["A"])}
+    f = daskdag.value_and_jacobian(dag, "B")
+    value, jac = f(jnp.arange(3.0))
+    print(jac.shape, f.info.mode)  # (2, 3): reverse, 2 rows against 3 columns
+    ```
+    """
+    def call(x: PyTree) -> Any:
+        return jacobian(dag, x, outputs, wrt=wrt, mode=mode, sparsity=sparsity, sparse=sparse,
+                        chunk_size=chunk_size, client=client, scheduler=scheduler,
+                        progress=progress)
+
+    return Prepared("value_and_jacobian", call, lambda r: (r.value, r.grad), outputs)
+
+
+def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
+                  batched: bool = False, client: Client | None = None,
+                  scheduler: str | Client | None = None, progress: bool = False) -> Prepared:
+    """``dag`` as a function ``f(x, tangents) -> (values, tangents out)``, as ``jax.jvp`` of
+    the composed function.
+
+    Args:
+        dag: as for :func:`~daskdag.compute_jvps`.
+        outputs: as for :func:`~daskdag.compute_jvps`.
+        batched: as for :func:`~daskdag.compute_jvps`.
+        client: as for :func:`value_and_grad`.
+        scheduler: as for :func:`~daskdag.compute_jvps`.
+        progress: as for :func:`~daskdag.compute_jvps`.
+
+    Returns:
+        A :class:`Prepared` function: ``f(x, tangents)`` returns ``(value, tangent)`` for a
+        single output name, else ``({output: value}, {output: tangent})``; ``tangents`` as
+        :func:`~daskdag.compute_jvps` takes them.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    f = daskdag.value_and_jvp(dag, "B")
+    value, tangent = f(jnp.arange(3.0), jnp.ones(3))
+    print(value, tangent)
+    ```
+    """
+    def call(x: PyTree, tangents: PyTree) -> Any:
+        return compute_jvps(dag, x, tangents, outputs, batched=batched, client=client,
+                            scheduler=scheduler, progress=progress)
+
+    return Prepared("value_and_jvp", call, lambda r: (r.value, r.tangent), outputs)
+
+
+def value_grad_and_hvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
+                       wrt: Sequence[str] | None = None,
+                       cotangents: Mapping[str, PyTree] | None = None,
+                       client: Client | None = None, scheduler: str | Client | None = None,
+                       progress: bool = False) -> Prepared:
+    """``dag`` as a function ``f(x, v) -> (values, grads, hvps)``: the gradients and the
+    Hessian-vector products along ``v``, as :func:`~daskdag.compute_hvps` gives them (for
+    ``scipy.optimize.minimize``'s ``hessp``, or a Newton-CG step).
+
+    Args:
+        dag: as for :func:`~daskdag.compute_hvps`.
+        outputs: as for :func:`~daskdag.compute_hvps`.
+        wrt: as for :func:`~daskdag.compute_hvps`.
+        cotangents: as for :func:`~daskdag.compute_hvps`, the same at every call.
+        client: as for :func:`value_and_grad`.
+        scheduler: as for :func:`~daskdag.compute_hvps`.
+        progress: as for :func:`~daskdag.compute_hvps`.
+
+    Returns:
+        A :class:`Prepared` function: ``f(x, v)`` returns ``(value, grad, hvp)`` for a single
+        output name, else three dicts ``{output: ...}``.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "L": (lambda a: jnp.sum(a ** 2), ["A"])}
+    f = daskdag.value_grad_and_hvp(dag, "L")
+    value, grad, hvp = f(jnp.arange(3.0), jnp.ones(3))
+    print(hvp)  # 2 cos(2x), the Hessian's diagonal here
+    ```
+    """
+    def call(x: PyTree, v: PyTree) -> Any:
+        return compute_hvps(dag, x, v, outputs, wrt=wrt, cotangents=cotangents, client=client,
+                            scheduler=scheduler, progress=progress)
+
+    return Prepared("value_grad_and_hvp", call, lambda r: (r.value, r.grad, r.hvp), outputs)
