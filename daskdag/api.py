@@ -439,18 +439,27 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     print(res.value.shape, res.grad.shape)  # (4,) (4, 3)
     ```
     """
-    spec, names, values = parsed(dag, xs, outputs)
-    batched = batched_names(values, batched)
     client, local = where(client, scheduler)
     check_errors(errors)
     check_chunk_size(chunk_size)
-    if arrays.holds_dask(values, batched):  # lazily, over dask arrays (daskdag.sweeps.arrays)
-        return _results(spec, outputs, arrays.sweep_grads(
-            spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
-            chunk_size=chunk_size, client=client, progress=progress, errors=errors))
-    computed, failed = sweep.sweep(spec, names, values, batched, wrt, cotangents, chunk_size,
-                                   client, local, progress, errors)
-    return _results(spec, outputs, computed, failed)
+    if arrays.holds_dask({"": xs}, [""]):  # lazily, over dask arrays (daskdag.sweeps.arrays)
+        spec, names, values = parsed(dag, xs, outputs)
+        batched = batched_names(values, batched)
+        if arrays.holds_dask(values, batched):
+            return _results(spec, outputs, arrays.sweep_grads(
+                spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
+                chunk_size=chunk_size, client=client, progress=progress, errors=errors))
+    remote = client is not None
+    made, why = prepared.get(
+        "sweep", dag, xs, (names_key(outputs), names_key(batched), names_key(wrt), remote),
+        partial(sweep.prepare, dag, xs, outputs, batched, wrt, cotangents, remote),
+        inputs=sweep.item_signature(dag, xs, batched))
+    spec = made.plan.spec
+    computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,
+                                   local, progress, errors)
+    info = CallInfo("sweep_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
+                    where=where_in_words(client, local))
+    return _results(spec, outputs, computed, failed, info)
 
 
 def one_input(spec: Spec, grads: dict) -> bool:

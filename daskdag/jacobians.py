@@ -265,18 +265,17 @@ class Jacobian:
                                           (colours.rows.items() if patterns is not None else ())))
             return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size, rows=rows)
         templates = _templates(plan, values)
-        width = sum(size(t) for t in templates.values())
         dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
-        seeds = (np.eye(width, dtype=dtype) if patterns is None else
+        seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype) if patterns is None else
                  colouring.seeds(colours.columns, dtype))
         k, start, tangents = len(seeds), 0, {}
         for i in plan.wrt:
             leaves = []
             for leaf in jax.tree.leaves(templates[i]):
-                n = int(np.prod(leaf.shape))
-                leaves.append(jnp.asarray(seeds[:, start:start + n].reshape(k, *leaf.shape),
+                width = int(np.prod(leaf.shape))
+                leaves.append(jnp.asarray(seeds[:, start:start + width].reshape(k, *leaf.shape),
                                           leaf.dtype))
-                start += n
+                start += width
             tangents[i] = tuple(leaves)
         return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size,
                    templates=templates, tangents=tangents)
@@ -290,11 +289,11 @@ class Jacobian:
                              rows=self.rows, travel=travel, stages=self.stages)
             finish = partial(self._reverse_results, sparse, outputs, info)
         else:
-            assert self.tangents is not None
-            k = len(next(iter(self.tangents.values()))[0]) if self.tangents else 0
+            tangents = self.tangents or {}
+            k = len(next(iter(tangents.values()))[0]) if tangents else 0
 
             def make(place: Any, stop: Any) -> dict:
-                return jvp_graph.build(plan, values, self.tangents, k, remote=remote,
+                return jvp_graph.build(plan, values, tangents, k, remote=remote,
                                        place=place, stop=stop, travel=travel, chunk=chunk,
                                        stages=self.stages)
             finish = partial(self._forward_results, sparse, outputs, replace(info, passes=k), k)
@@ -303,7 +302,7 @@ class Jacobian:
     def _reverse_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
                          computed: dict) -> Any:
         plan, patterns = self.plan, self.colours.patterns
-        info = replace(info, passes=info.colours if patterns is not None else
+        info = replace(info, passes=info.colours or 0 if patterns is not None else
                        sum(size(value) for value, _ in computed.values()))
         results = {}
         for o, (value, per_name) in computed.items():
@@ -340,7 +339,7 @@ class Jacobian:
                                      f"{passes.shape[1]} elements")
                 full = colouring.from_columns(patterns[o], self.colours.columns, passes,
                                               dense=not sparse)
-            results[o] = _result(plan, value, full, self.templates, sparse, info)
+            results[o] = _result(plan, value, full, self.templates or {}, sparse, info)
         return results[outputs] if isinstance(outputs, str) else results
 
 
@@ -433,7 +432,7 @@ def pattern_key(sparsity: Any) -> Any:
         parts, shape = (np.ascontiguousarray(dense),), dense.shape
     digest = hashlib.sha1(repr((shape, [(p.dtype.str, p.shape) for p in parts])).encode())
     for p in parts:
-        digest.update(np.ascontiguousarray(p))
+        digest.update(np.ascontiguousarray(p).data)
     return digest.hexdigest()
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from daskdag.caches import register
 from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import COMPILED
@@ -107,6 +108,7 @@ def split(args, active):
 _TRACED = object()  # in a program's constants: the place of a traced leaf
 _lock = threading.RLock()  # (re-entrant: a weakref callback may run while it is held)
 _cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
+register("compiled programs of fused stages and jit nodes", lambda: _clear(_cache, _lock))
 
 
 def _programs(compiled: Compiled) -> tuple:
@@ -201,3 +203,8 @@ def _replay(fn, treedef, consts, dynamic):
         return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
 
     return replayed
+
+
+def _clear(cache: dict, lock) -> None:
+    with lock:
+        cache.clear()

@@ -38,6 +38,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from daskdag.caches import register
 from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
@@ -94,6 +95,7 @@ def forward(stage: Stage, stop, k: int | None, chunk: int | None, *args):
 
 _lock = threading.Lock()
 _programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> its jvp program
+register("compiled jvp programs of fused stages", _programs.clear)
 
 
 def _fused(stage: Stage, nodes, deps, dep_tangents, k, chunk):

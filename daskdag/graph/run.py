@@ -41,7 +41,7 @@ from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
 from daskdag.rules.seeds import add
 from daskdag.rules.vjp import ct_avals
 from daskdag.rules.vjp import linearize as vjp_linearize
-from daskdag.caches import Cache
+from daskdag.caches import Cache, register
 from daskdag.transport.packing import Function, current
 
 
@@ -274,9 +274,10 @@ def _in_axes(stage: Stage, elements) -> tuple:
 
 _fused_lock = threading.Lock()
 _fused: dict = {}  # (stage, ids of fns) -> (its compiled function, Fused), while its functions live
+register("fused stages' functions", _fused.clear)
 
 
-_by_nodes = Cache("fused stages by their node objects", 256)  # ids of nodes -> (nodes, stage, fn)
+_by_nodes: Cache = Cache("fused stages by their node objects", 256)  # ids of nodes -> (nodes, stage, fn)
 
 
 def fused_function(stage: Stage, nodes: Sequence[Node]):

@@ -17,6 +17,8 @@ import threading
 import numpy as np
 import scipy.sparse as sp
 
+from daskdag.caches import register
+
 
 def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
     """``pattern`` (NumPy, ``scipy.sparse``, nested lists) as a boolean CSR array; a
@@ -51,6 +53,7 @@ def colour_rows(pattern: sp.csr_array) -> np.ndarray:
 
 _lock = threading.Lock()
 _coloured: dict[str, np.ndarray] = {}  # content digest -> colours, the latest 64
+register("colourings of sparsity patterns", _coloured.clear)
 
 
 def _greedy(csr: sp.csr_array) -> np.ndarray:

@@ -70,13 +70,14 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     process, whatever default client exists. ``stop``: the ``daskdag.cancel.Stop`` a local
     graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
     cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
+    dsk: dict = {}
     if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
         dsk, keys, structure = graph.dsk, graph.keys, graph.structure
     else:
         delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
-        # (one graph: every result is a key of it)
-        dsk, keys = (dict(delayed[0].dask), [d.key for d in delayed]) if client is None else (
-            None, delayed)
+        keys = delayed
+        if client is None:  # (one graph: every result is a key of it)
+            dsk, keys = dict(delayed[0].dask), [d.key for d in delayed]
     if client is None:
         # The graph as it is, to the scheduler's own function: it is fused into stages
         # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.

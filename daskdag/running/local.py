@@ -34,6 +34,7 @@ from dask.system import CPU_COUNT
 from dask.task_spec import DataNode, TaskRef
 from dask.threaded import ContextAwareThreadPoolExecutor
 
+from daskdag.caches import register
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
 from daskdag.graph.build import kind_of
@@ -47,6 +48,7 @@ SAMPLES = 8  # durations remembered per node functions
 
 _lock = threading.Lock()
 _durations: OrderedDict = OrderedDict()  # ids of a stage's node functions -> its recent durations
+register("learned durations of local tasks", _durations.clear)
 _threads: list = []  # the pool, once made
 
 

@@ -38,6 +38,7 @@ from daskdag.model.spec import Node
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
 
 P = TypeVar("P")
+_UNSET = object()
 #: The preparations kept, by key (the least recently used out first).
 PREPARED: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
 _last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (dag, key, note)
@@ -99,13 +100,14 @@ class Preparation(Generic[P]):
         return None
 
 
-def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P]
-            ) -> tuple[P, str | None]:
+def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
+        inputs: Any = _UNSET) -> tuple[P, str | None]:
     """The preparation of a call of ``kind`` on ``dag`` with inputs like ``x`` and ``options``
     (hashable): the one made before while it holds, else ``make(watch)``, which calls
     ``watch(name, fn)`` for each node function whose content it relies on. Returns it and why
-    it was made now (None: reused)."""
-    key = _key(kind, dag, x, options)
+    it was made now (None: reused). ``inputs``: what of ``x`` the preparation depends on, as a
+    key (default: :func:`~daskdag.model.shapes.signature` of ``x``; None: no key fits)."""
+    key = _key(kind, dag, x, options, inputs)
     if key is None:  # (a malformed DAG or unhashable options: make() says what is wrong)
         return make(Watch()), "its arguments cannot key a preparation"
     pins = _pins.get()
@@ -145,7 +147,7 @@ def settings() -> tuple:
     """The settings a preparation may depend on, as a key: daskdag's (``dask.config``) and
     JAX's ``jax_enable_x64``."""
     ours = dask.config.config.get("daskdag", {})
-    return bool(jax.config.jax_enable_x64), tuple(sorted((k, repr(v)) for k, v in ours.items()))
+    return bool(jax.config.read("jax_enable_x64")), tuple(sorted((k, repr(v)) for k, v in ours.items()))
 
 
 def dag_key(dag: Any) -> tuple | None:
@@ -154,7 +156,7 @@ def dag_key(dag: Any) -> tuple | None:
     well-formed DAG."""
     if not isinstance(dag, Mapping):
         return None
-    parts = []
+    parts: list[tuple] = []
     for name, entry in dag.items():
         if isinstance(entry, Node):
             deps, resources = entry.deps, entry.resources
@@ -171,13 +173,13 @@ def dag_key(dag: Any) -> tuple | None:
     return tuple(parts)
 
 
-def _key(kind: str, dag: Any, x: Any, options: tuple) -> tuple | None:
+def _key(kind: str, dag: Any, x: Any, options: tuple, inputs: Any) -> tuple | None:
     structure = dag_key(dag)
-    if structure is None:
+    if structure is None or inputs is None:
         return None
     try:
-        key = (kind, structure, tuple(x) if isinstance(x, Mapping) else None, signature(x),
-               options, settings())
+        key = (kind, structure, tuple(x) if isinstance(x, Mapping) else None,
+               signature(x) if inputs is _UNSET else inputs, options, settings())
         hash(key)
     except (TypeError, ValueError):
         return None

@@ -31,13 +31,15 @@ from daskdag.errors import NodeError
 from daskdag.graph.build import build
 from daskdag.running.log import logger, where
 from daskdag.model.plan import Plan, make_plan
-from daskdag.model.request import batch_size, cotangents_for, with_rules, wrt_names
+from daskdag.model.request import (batch_size, batched_names, cotangents_for, parsed,
+                                   with_rules, wrt_names)
+from daskdag.model.shapes import signature
 from daskdag.running import cluster
 from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
 from daskdag.transport.packing import pack_function, rows, ship
-from daskdag.model.spec import Spec
+from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
@@ -102,16 +104,50 @@ class Sweep:
                      remote=self.remote, travel=self.travel)
 
 
-def sweep(spec: Spec, names: tuple, values: dict, batched: tuple, wrt, cotangents, chunk_size,
-          client, local: str | None, progress: bool, errors: str):
-    """:func:`daskdag.sweep_grads` over arrays in memory, its arguments parsed: ``(computed,
-    failed)`` as :func:`run` returns them, chunks of ``chunk_size`` items (default
-    :func:`default_chunk_size`) on ``client``'s cluster or this process's ``local`` threads."""
-    size = batch_size(values, batched)
+def prepare(dag, xs, outputs, batched, wrt, cotangents, remote: bool, watch) -> Sweep:
+    """:func:`daskdag.sweep_grads` prepared (:mod:`daskdag.running.prepared`): the arguments
+    checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
+    values, their number and the cotangents, which :func:`sweep` puts in. ``watch`` takes the
+    fingerprints of the functions packed."""
+    spec, names, values = parsed(dag, xs, outputs)
+    batched = batched_names(values, batched)
+    batch_size(values, batched)
     wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
     with_rules(make_plan(spec, names, wrt))
-    planned = plan_sweep(spec, names, values, batched, wrt, cotangents_for(names, cotangents), size,
-                         remote=client is not None)
+    cotangents_for(names, cotangents)
+    prints = {id(spec.nodes[n].fn): watch(n, spec.nodes[n].fn) for n in spec.order}
+    return plan_sweep(spec, names, {}, batched, wrt, {}, 0, remote=remote, prints=prints)
+
+
+def item_signature(dag, xs, batched) -> tuple | None:
+    """The inputs' structure and one item's shapes, as a preparation's key (the number of
+    items changes nothing prepared); None where the arguments are not those of a sweep."""
+    try:
+        spec = {d for entry in dag.values() for d in (entry.deps if isinstance(entry, Node)
+                                                      else entry[1])} - set(dag)
+        values = {next(iter(spec)): xs} if len(spec) == 1 else dict(xs)
+        names = batched_names(values, batched)
+        return tuple((i, name in names, signature(item(v) if name in names else v))
+                     for i, (name, v) in enumerate(values.items()))
+    except Exception:
+        return None
+
+
+def item(value):
+    """One item's stand-in: each array leaf's first row (a view, or its shape where it has
+    none)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                        if is_array(a) and a.ndim else a, value)
+
+
+def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
+          progress: bool, errors: str):
+    """:func:`daskdag.sweep_grads` over arrays in memory, prepared (:func:`prepare`): ``(computed,
+    failed)`` as :func:`run` returns them, chunks of ``chunk_size`` items (default
+    :func:`default_chunk_size`) on ``client``'s cluster or this process's ``local`` threads."""
+    size = batch_size(values, tuple(planned.batched))
+    planned = replace(planned, values=values, size=size,
+                      cotangents=cotangents_for(planned.plan.outputs, cotangents))
     found = cluster.check(client, planned.plan) if client is not None else None
     slots = parallelism(found) if local != "sync" else 1
     chunk_size = chunk_size or default_chunk_size(planned, slots)
@@ -120,10 +156,12 @@ def sweep(spec: Spec, names: tuple, values: dict, batched: tuple, wrt, cotangent
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
-               travel: bool | None = None) -> Sweep:
+               travel: bool | None = None, prints: dict | None = None) -> Sweep:
     """What every chunk shares. ``remote``: chunks go to a cluster; ``travel``: the chunk graph
     is packed under content keys, as it must be for a cluster or a graph computed later,
-    anywhere (default ``remote``)."""
+    anywhere (default ``remote``); ``prints``: the node functions' fingerprints, by ``id``, as
+    a preparation took them."""
+    prints = {} if prints is None else prints
     broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
     carrying = set(batched) | broadcast
     nodes = {}
@@ -134,7 +172,8 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
             carrying.add(n)
             # Its function packed inside too: its content token keys the chunk's compiled
             # programs (shipping.current), so a change in place compiles anew.
-            inner = replace(node, fn=pack_function(f"node {n!r}: its function", node.fn, remote))
+            inner = replace(node, fn=pack_function(f"node {n!r}: its function", node.fn, remote,
+                                                   prints=prints))
             node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
         nodes[n] = node
     travel = remote if travel is None else travel

@@ -41,6 +41,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from daskdag.caches import register
+
 LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
 SMALL = 256  # bytes: a NumPy array up to this size is compared by its bytes, not a digest
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
@@ -193,7 +195,7 @@ class _Walk:
 def _content(a: np.ndarray) -> bytes:
     if a.nbytes <= SMALL:
         return a.tobytes()
-    return hashlib.sha1(a if a.flags.c_contiguous else np.ascontiguousarray(a)).digest()
+    return hashlib.sha1(np.ascontiguousarray(a).data).digest()
 
 
 @lru_cache(maxsize=8192)
@@ -238,6 +240,8 @@ def _installed_roots() -> tuple[str, ...]:
 
 
 _decided: dict[tuple[str, str | None], bool] = {}
+register("whose modules are the user's", _decided.clear)
+register("names read by code objects", lambda: names.cache_clear())
 
 
 def is_user_module(name: str) -> bool:

@@ -45,7 +45,7 @@ import numpy as np
 from dask.base import tokenize
 
 from daskdag import config
-from daskdag.caches import ByObject
+from daskdag.caches import ByObject, register
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import Fingerprint, fingerprint, is_user_module
 
@@ -180,10 +180,8 @@ def ship(plan, remote: bool, travel: bool = True, prints: dict | None = None):
         if not (travel or nodes[n].jit):
             continue
         if id(fn) not in packed:
-            if id(fn) not in prints:
-                prints[id(fn)] = fingerprint(fn)
             packed[id(fn)] = pack_function(f"node {n!r}: its function", fn, remote, tokens,
-                                           prints[id(fn)])
+                                           prints)
         nodes[n] = replace(nodes[n], fn=packed[id(fn)])
     return replace(plan, spec=replace(plan.spec, nodes=nodes))
 
@@ -192,18 +190,32 @@ PACKED_FUNCTIONS = 4096  # the most packed functions a process remembers (see pa
 _packed_functions: ByObject = ByObject("packed functions", PACKED_FUNCTIONS)
 
 
+def _clear_received() -> None:
+    with _lock:
+        _received.clear()
+        _current.clear()
+
+
+register("functions received and current", _clear_received)
+
+
 def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
-                  print_: Fingerprint | None | object = _UNSET):
+                  prints: dict | None = None):
     """``fn`` packed as a :class:`Function` (:func:`pack_for`), without pickling it again while
-    its :class:`~daskdag.transport.fingerprints.Fingerprint` (``print_``, else taken now) is
-    the same as when it was last packed: what it closes over and the globals it uses are read
-    again and compared, NumPy arrays by content, and anything changed packs it anew. A function
-    whose fingerprint cannot be taken is packed on every call."""
-    fp = fingerprint(fn) if print_ is _UNSET else print_
+    its :class:`~daskdag.transport.fingerprints.Fingerprint` is the same as when it was last
+    packed: what it closes over and the globals it uses are read again and compared, NumPy
+    arrays by content, and anything changed packs it anew. A function whose fingerprint cannot
+    be taken is packed on every call. ``prints``: fingerprints taken already in this call, by
+    ``id`` (this one is added when it is not there)."""
+    prints = {} if prints is None else prints
+    if id(fn) not in prints:
+        prints[id(fn)] = fingerprint(fn)
+    fp = prints[id(fn)]
     if fp is not None:
         hit = _packed_functions.get(fn)
         if hit is not None and hit[0] == fp:
-            return Function(*hit[1], fn)
+            token, skeleton, arrays = hit[1]
+            return Function(token, skeleton, arrays, fn)
     packed = pack_for(what, fn, remote, as_function=True, tokens=tokens)
     if fp is not None and isinstance(packed, Function):  # (a copy that holds no fn: see ByObject)
         _packed_functions.put(fn, (fp, (packed.token, packed.skeleton, packed.arrays)))

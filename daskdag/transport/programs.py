@@ -16,6 +16,7 @@ import jax
 import jaxlib
 from jax import export as jax_export
 
+from daskdag.caches import register
 from daskdag.errors import ClusterError
 
 # Exported for both, so a pullback made on a GPU worker can run on a CPU one and back.
@@ -25,6 +26,15 @@ _lock = threading.Lock()
 _exported: dict[str, bytes] = {}  # key -> serialized program, made in this process
 _compiled: dict[str, Callable] = {}  # key -> compiled program, loaded in this process
 _stats = {"exported": 0, "compiled": 0, "cache_hits": 0}
+
+
+def _clear() -> None:
+    with _lock:
+        _exported.clear()
+        _compiled.clear()
+
+
+register("exported backward programs", _clear)
 
 
 def versions() -> dict[str, str]:
