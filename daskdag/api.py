@@ -174,11 +174,13 @@ class Gradients:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-             travel: bool, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None
-             ) -> Gradients:
+             travel: bool, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None,
+             hold: bool = True) -> Gradients:
         """``seeds``: the cotangents the template's graph is built with (default none: each
-        output's seed of 1); a call whose cotangents are these runs it."""
-        request = prepare(dag, x, outputs, wrt, cotangents)
+        output's seed of 1); a call whose cotangents are these runs it. ``hold``: the DAG's
+        functions are the user's, held weakly (:meth:`~daskdag.running.prepared.Watch.hold`);
+        False for a DAG of daskdag's own making, which holds the user's functions itself."""
+        request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, remote, travel, watched(request.plan, travel, watch))
         stages = make_stages(plan, fan_in=not travel)
         template = None if travel else Template(build(
@@ -339,7 +341,7 @@ class Pushforward:
     def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
              outputs: str | Sequence[str], batched: bool, remote: bool, travel: bool,
              watch: prepared.Watch) -> Pushforward:
-        spec, names, values = parsed(dag, x, outputs)
+        spec, names, values = parsed(dag, x, outputs, watch.hold)
         flat, _ = input_tangents(spec, values, tangents, bool(batched))
         plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
         plan = ship(plan, remote, travel, watched(plan, travel, watch))

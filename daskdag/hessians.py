@@ -208,7 +208,7 @@ class Lifted:
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
              travel: bool, watch: prepared.Watch) -> Lifted:
-        spec, names, values = parsed(dag, x, outputs)
+        spec, names, values = parsed(dag, x, outputs, watch.hold)
         wrt = wrt_names(spec, values, wrt, candidates=values)
         refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")
         if refused:
@@ -237,7 +237,7 @@ class Lifted:
                     pairs.get(spec.inputs[0], values[spec.inputs[0]]))
         seeds = _seeds(plan, {})
         return cls(spec, plan, Gradients.make(lifted_dag, lifted_x, outputs, list(wrt), seeds,
-                                              remote, travel, watch, seeds=seeds))
+                                              remote, travel, watch, seeds=seeds, hold=False))
 
 
 def _seeds(plan: Plan, cotangents: Mapping[str, Any]) -> dict[str, Any]:

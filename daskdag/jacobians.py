@@ -181,7 +181,7 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
 def _detected(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
               wrt: Sequence[str] | None, watch: prepared.Watch) -> tuple[Plan, dict]:
     """:func:`jacobian_sparsity` prepared: the plan and its detected patterns."""
-    plan, values = _plan(dag, x, outputs, wrt)
+    plan, values = _plan(dag, x, outputs, wrt, watch.hold)
     return plan, _detect(plan, values, watch)
 
 
@@ -202,10 +202,10 @@ def _detect(plan: Plan, values: dict, watch: prepared.Watch) -> dict[str, sp.csr
 # -- one call --------------------------------------------------------------------------------------
 
 def _plan(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-          wrt: Sequence[str] | None) -> tuple[Plan, dict]:
+          wrt: Sequence[str] | None, hold: Any = None) -> tuple[Plan, dict]:
     """The call's plan (its ``wrt`` checked, its rules not yet: that depends on the mode) and
-    its input values."""
-    spec, names, values = parsed(dag, x, outputs)
+    its input values; ``hold`` as for :func:`daskdag.model.spec.parse`."""
+    spec, names, values = parsed(dag, x, outputs, hold)
     return make_plan(spec, names, wrt_names(spec, values, wrt, candidates=values)), values
 
 
@@ -245,7 +245,7 @@ class Jacobian:
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, mode: str, sparsity: Any, chunk_size: int | None,
              remote: bool, travel: bool, watch: prepared.Watch) -> Jacobian:
-        plan, values = _plan(dag, x, outputs, wrt)
+        plan, values = _plan(dag, x, outputs, wrt, watch.hold)
         patterns, source = None, None
         if isinstance(sparsity, str) and sparsity == "detect":
             patterns = _detect(plan, values, watch)

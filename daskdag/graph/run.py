@@ -288,11 +288,11 @@ def fused_function(stage: Stage, nodes: Sequence[Node]):
     content its token fixes.)"""
     key = tuple(map(id, nodes))
     hit = _by_nodes.get(key)
-    if hit is not None and hit[1] is stage and all(a is b for a, b in zip(hit[0], nodes)):
+    if hit is not None and hit[1] is stage and all(r() is n for r, n in zip(hit[0], nodes)):
         return hit[2]
     function = _fused_function(stage, nodes)
-    if all(isinstance(n.fn, Function) for n in nodes):
-        _by_nodes.put(key, (tuple(nodes), stage, function))
+    if all(isinstance(n.fn, Function) for n in nodes):  # (held weakly: no node kept alive)
+        _by_nodes.put(key, (tuple(map(weakref.ref, nodes)), stage, function))
     return function
 
 

@@ -40,17 +40,19 @@ class Request:
         return self.plan.spec
 
 
-def prepare(dag, x, outputs, wrt=None, cotangents=None) -> Request:
-    """``compute_grads``' (and ``jacobian``'s, ``check_grads``', the CLI's) arguments checked."""
-    spec, names, values = parsed(dag, x, outputs)
+def prepare(dag, x, outputs, wrt=None, cotangents=None, hold=None) -> Request:
+    """``compute_grads``' (and ``jacobian``'s, ``check_grads``', the CLI's) arguments checked;
+    ``hold`` as for :func:`~daskdag.model.spec.parse`."""
+    spec, names, values = parsed(dag, x, outputs, hold)
     wrt = wrt_names(spec, values, wrt, candidates=values)
     plan = with_rules(make_plan(spec, names, wrt))
     return Request(plan, values, cotangents_for(names, cotangents))
 
 
-def parsed(dag, x, outputs) -> tuple[Spec, tuple[str, ...], dict[str, Any]]:
-    """What every call starts from: the DAG parsed, the output names, the input values."""
-    spec = parse(dag)
+def parsed(dag, x, outputs, hold=None) -> tuple[Spec, tuple[str, ...], dict[str, Any]]:
+    """What every call starts from: the DAG parsed (``hold`` as for
+    :func:`~daskdag.model.spec.parse`), the output names, the input values."""
+    spec = parse(dag, hold)
     names = output_names(spec, outputs)
     return spec, names, input_values(spec, x, names)
 

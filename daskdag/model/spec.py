@@ -107,13 +107,15 @@ class Spec:
         return seen
 
 
-def parse(dag: Mapping) -> Spec:
-    """Validate ``dag`` and return its :class:`Spec`; raise :class:`DAGError` naming the culprit."""
+def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
+    """Validate ``dag`` and return its :class:`Spec`; raise :class:`DAGError` naming the culprit.
+    ``hold``: how the spec holds each of the user's functions (a prepared call's: weakly,
+    :class:`~daskdag.transport.weak.Weak`), else as they are."""
     if not isinstance(dag, Mapping):
         raise DAGError(f"the DAG must be a dict {{name: (fn, [deps])}}, got {type(dag).__name__}")
     if not dag:
         raise DAGError("the DAG is empty")
-    nodes = {name: _node(name, entry) for name, entry in dag.items()}
+    nodes = {name: _node(name, entry, hold) for name, entry in dag.items()}
     inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
     try:
         order = tuple(n for n in graphlib.TopologicalSorter(
@@ -128,11 +130,11 @@ def parse(dag: Mapping) -> Spec:
     return Spec(nodes, inputs, order, uses)
 
 
-def _node(name: Any, entry: Any) -> Node:
+def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> Node:
     if not isinstance(name, str):
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
     if isinstance(entry, Node):
-        fn, deps = _function(name, entry), entry.deps
+        fn, deps = _function(name, entry, hold), entry.deps
         opts: dict[str, Any] = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
                 "resources": entry.resources, "remat": entry.remat}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
@@ -162,10 +164,13 @@ def _node(name: Any, entry: Any) -> Node:
     if not isinstance(remat, bool):
         raise DAGError(f"node {name!r}: remat must be True, False or None (daskdag.remat), "
                        f"got {remat!r}")
+    if hold is not None and not isinstance(fn, Custom):
+        fn = hold(fn)
     return Node(fn, tuple(deps), **{**opts, "remat": remat})
 
 
-def _function(name: str, node: Node) -> Callable[..., Any] | None:
+def _function(name: str, node: Node, hold: Callable[[Any], Any] | None = None
+              ) -> Callable[..., Any] | None:
     """The node's function: ``fn`` itself, or with derivatives given by the user, a
     :class:`daskdag.model.custom.Custom` of them, checked."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
@@ -186,4 +191,6 @@ def _function(name: str, node: Node) -> Callable[..., Any] | None:
     if node.jit:
         raise DAGError(f"node {name!r}: jit=True does not apply to a node with its own "
                        f"derivatives: its functions run as plain Python on NumPy values")
-    return Custom(node.fn, node.vjp, node.fwd, node.bwd, node.jvp)
+    keep = hold or (lambda f: f)
+    return Custom(*(None if f is None else keep(f)
+                    for f in (node.fn, node.vjp, node.fwd, node.bwd, node.jvp)))

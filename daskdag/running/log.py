@@ -50,4 +50,6 @@ def where(client, local: str | None) -> str:
     """Where a call runs, in words."""
     if client is None:
         return f"this process ({local or 'threads'})"
-    return f"the cluster at {client.scheduler.address}"
+    address = (client.scheduler.address if client.scheduler is not None else  # (closed)
+               getattr(client.cluster, "scheduler_address", None))
+    return f"the cluster at {address}" if address else "a cluster"

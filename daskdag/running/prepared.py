@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Generic, TypeVar
 
 import dask.config
@@ -36,12 +37,13 @@ from daskdag.caches import Cache
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
+from daskdag.transport.weak import Weak
 
 P = TypeVar("P")
 _UNSET = object()
 #: The preparations kept, by key (the least recently used out first).
 PREPARED: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
-_last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (dag, key, note)
+_last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (key, note)
 _pins: ContextVar[dict | None] = ContextVar("daskdag_pins", default=None)
 
 
@@ -60,12 +62,20 @@ def pinning(pins: dict) -> Iterator[None]:
 class Watch:
     """What a preparation relies on, as it is made: ``watch(node name, fn)`` takes the
     fingerprint of a function before the preparation packs or traces it, and returns it (None:
-    it cannot be taken, and the preparation is not kept); ``refuse(why)``: the preparation
-    holds for this call only (a sparsity pattern probed at this point), and is not kept."""
+    it cannot be taken, and the preparation is not kept); ``hold(fn)``: the function as the
+    preparation holds it, weakly (:class:`~daskdag.transport.weak.Weak`: when it goes, the
+    preparation goes); ``refuse(why)``: the preparation holds for this call only (a sparsity
+    pattern probed at this point), and is not kept."""
 
     def __init__(self) -> None:
         self.watched: list[tuple[str, Any, Fingerprint]] = []
         self.refused: list[str] = []
+        self.held: list[Weak] = []
+
+    def hold(self, fn: Any) -> Weak:
+        weak = Weak(fn)
+        self.held.append(weak)
+        return weak
 
     def __call__(self, name: str, fn: Any) -> Fingerprint | None:
         print_ = fingerprint(fn)
@@ -83,13 +93,11 @@ class Watch:
 @dataclass(frozen=True)
 class Preparation(Generic[P]):
     """A kind's prepared ``value``, the functions whose content it relies on (``watched``:
-    ``(node name, function, fingerprint)``), its ``key``, and ``keep``: objects whose ids its
-    key holds."""
+    ``(node name, function, fingerprint)``, each function held weakly), and its ``key``."""
 
     value: P
     watched: tuple[tuple[str, Any, Fingerprint], ...]
     key: tuple
-    keep: tuple
 
     def changed(self) -> str | None:
         """Why this preparation no longer holds (a watched function changed), or None."""
@@ -128,7 +136,9 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     if watch.refused:
         note = "; ".join(watch.refused) + ": such a call is prepared anew each time"
     elif config.get("prepared-calls") > 0 or pins is not None:
-        made = Preparation(value, tuple(watch.watched), key, tuple(dag.values()))
+        made = Preparation(value, tuple(watch.watched), key)
+        for weak in watch.held:  # (the ids in the key stay the functions' while it lasts)
+            weak.on_gone(partial(_forget, key, made, pins))
         PREPARED.put(key, made)  # (a size of 0 keeps nothing)
         _pin(pins, made)
     else:
@@ -137,37 +147,57 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     return value, why
 
 
+def _forget(key: tuple, made: Preparation, pins: dict | None) -> None:
+    """A function the preparation ``made`` holds is gone: so is the preparation."""
+    if PREPARED is None:  # (the interpreter is shutting down)
+        return
+    if PREPARED.get(key) is made:
+        PREPARED.pop(key)
+    if pins is not None and pins.get(key) is made:
+        pins.pop(key)
+
+
 def _pin(pins: dict | None, made: Preparation) -> None:
     if pins is not None and pins.get(made.key) is not made:
         pins.clear()
         pins[made.key] = made
 
 
+#: daskdag's settings that each call reads as it runs: no preparation depends on them.
+PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-calls"})
+
+
 def settings() -> tuple:
-    """The settings a preparation may depend on, as a key: daskdag's (``dask.config``) and
-    JAX's ``jax_enable_x64``."""
+    """The settings a preparation may depend on, as a key: daskdag's (``dask.config``, less
+    :data:`PER_CALL`) and JAX's ``jax_enable_x64``."""
     ours = dask.config.config.get("daskdag", {})
-    return bool(jax.config.read("jax_enable_x64")), tuple(sorted((k, repr(v)) for k, v in ours.items()))
+    return bool(jax.config.read("jax_enable_x64")), tuple(sorted(
+        (k, repr(v)) for k, v in ours.items() if k not in PER_CALL))
 
 
 def dag_key(dag: Any) -> tuple | None:
-    """The DAG as a key: per entry its name, the identity of its function (or ``Node``), its
-    deps and resources by value (lists and dicts can change in place); None for what is not a
-    well-formed DAG."""
+    """The DAG as a key: per entry its name, the identity of its functions, its deps, resources
+    and options by value (lists and dicts can change in place); None for what is not a
+    well-formed DAG. (A preparation holds those functions weakly and goes with them, so no
+    other function takes an id in its key while it lasts.)"""
     if not isinstance(dag, Mapping):
         return None
     parts: list[tuple] = []
     for name, entry in dag.items():
         if isinstance(entry, Node):
             deps, resources = entry.deps, entry.resources
-            parts.append((name, id(entry), type(deps), tuple(deps) if isinstance(
-                deps, (list, tuple)) else id(deps),
-                None if resources is None else tuple(sorted(resources.items()))
-                if isinstance(resources, Mapping) else id(resources)))
+            if not isinstance(deps, (list, tuple)) or not (
+                    resources is None or isinstance(resources, Mapping)):
+                return None
+            parts.append((name, type(deps), tuple(deps), *map(id, (
+                entry.fn, entry.vjp, entry.fwd, entry.bwd, entry.jvp)), entry.jit, entry.vmap,
+                entry.device, entry.remat,
+                None if resources is None else tuple(sorted(resources.items()))))
         elif isinstance(entry, (tuple, list)) and len(entry) == 2:
             fn, deps = entry
-            parts.append((name, id(fn), type(deps),
-                          tuple(deps) if isinstance(deps, (list, tuple)) else id(deps)))
+            if not isinstance(deps, (list, tuple)):
+                return None
+            parts.append((name, type(deps), tuple(deps), id(fn)))
         else:
             return None
     return tuple(parts)
@@ -178,7 +208,7 @@ def _key(kind: str, dag: Any, x: Any, options: tuple, inputs: Any) -> tuple | No
     if structure is None or inputs is None:
         return None
     try:
-        key = (kind, structure, tuple(x) if isinstance(x, Mapping) else None,
+        key = (kind, structure, frozenset(x) if isinstance(x, Mapping) else None,
                signature(x) if inputs is _UNSET else inputs, options, settings())
         hash(key)
     except (TypeError, ValueError):
@@ -187,9 +217,11 @@ def _key(kind: str, dag: Any, x: Any, options: tuple, inputs: Any) -> tuple | No
 
 
 def _remember(kind: str, dag: Any, key: tuple, note: str | None) -> None:
+    """Remember ``key`` as the last of ``dag`` (by id: a DAG dict cannot be held weakly, so
+    another one may take its id once it is gone, and be explained by its key)."""
     last = _last.get((kind, id(dag)))
-    if last is None or last[0] is not dag or last[1] is not key or last[2] != note:
-        _last.put((kind, id(dag)), (dag, key, note))
+    if last is None or last[0] is not key or last[1] != note:
+        _last.put((kind, id(dag)), (key, note))
 
 
 _PARTS = ("", "the DAG changed", "the inputs given changed", "the inputs' structure, shapes or "
@@ -201,11 +233,14 @@ def _why_new(kind: str, dag: Any, key: tuple) -> str:
     """Why ``key`` has no preparation: first call, or what differs from the last key of the
     same DAG (the entry concerned, when the DAG changed)."""
     last = _last.get((kind, id(dag)))
-    if last is None or last[0] is not dag:
+    if last is None:
         return "first call"
-    if last[1] == key:
-        return last[2] or "its preparation was evicted (daskdag.prepared-calls)"
-    for k, (old, new) in enumerate(zip(last[1], key)):
+    if last[0] == key:
+        return last[1] or ("its preparation was let go (daskdag.prepared-calls, or one of its "
+                           "functions went)")
+    if not {p[0] for p in last[0][1]} & {p[0] for p in key[1]}:  # (a DAG took a gone one's id)
+        return "first call"
+    for k, (old, new) in enumerate(zip(last[0], key)):
         if old != new and k == 1:
             return _entry_changed(old, new)
         if old != new:

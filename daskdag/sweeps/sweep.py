@@ -109,7 +109,7 @@ def prepare(dag, xs, outputs, batched, wrt, cotangents, remote: bool, watch) -> 
     checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
     values, their number and the cotangents, which :func:`sweep` puts in. ``watch`` takes the
     fingerprints of the functions packed."""
-    spec, names, values = parsed(dag, xs, outputs)
+    spec, names, values = parsed(dag, xs, outputs, watch.hold)
     batched = batched_names(values, batched)
     batch_size(values, batched)
     wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})

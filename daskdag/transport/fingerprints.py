@@ -42,12 +42,13 @@ import jax
 import numpy as np
 
 from daskdag.caches import register
+from daskdag.transport.weak import Weak
 
 LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
 SMALL = 256  # bytes: a NumPy array up to this size is compared by its bytes, not a digest
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
                     type(NotImplemented)))
-_CONTAINERS = (tuple, list, dict, set, frozenset)
+_CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
 _ABSENT = ("absent",)  # a name a function's code uses that its globals do not hold (yet)
 _EMPTY = ("empty cell",)
 
@@ -69,30 +70,42 @@ class Fingerprint:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fingerprint) and self.facts == other.facts
 
+    def digest(self) -> str:
+        """Its facts as a hash (for a token that must differ where they do)."""
+        return hashlib.sha1(repr(self.facts).encode()).hexdigest()
+
     __hash__ = None  # type: ignore[assignment]  # (equal by content; never a key)
 
 
 def fingerprint(obj: Any) -> Fingerprint | None:
-    """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read."""
-    walk = _Walk()
+    """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read. It
+    keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it."""
+    walk = _Walk(obj.target if isinstance(obj, Weak) else obj)
     try:
-        walk(obj)
+        walk(walk.root)
     except (Unwatchable, RecursionError):
         return None
     return Fingerprint(walk.facts, walk.refs)
 
 
 class _Walk:
-    __slots__ = ("facts", "refs", "seen")
+    __slots__ = ("facts", "refs", "seen", "walked", "root", "weakly")
 
-    def __init__(self):
+    def __init__(self, root):
         self.facts: list = []
-        self.refs: list = []
+        self.refs: list = []  # what facts name by identity: kept with them
         self.seen: dict[int, int] = {}
+        self.walked: list = []  # what the walk went through: kept while it goes (ids unique)
+        self.root = root
+        self.weakly: set[int] = set()  # functions held weakly (Weak): not kept alive here
 
     def identity(self, obj) -> None:
+        if obj is self.root:
+            self.facts.append("root")
+            return
         self.facts.append(id(obj))
-        self.refs.append(obj)
+        if id(obj) not in self.weakly:  # (one held weakly goes with what holds it)
+            self.refs.append(obj)
 
     def __call__(self, obj) -> None:
         facts, kind = self.facts, type(obj)
@@ -107,13 +120,19 @@ class _Walk:
         if isinstance(obj, (jax.Array, types.CodeType, types.ModuleType)):
             self.identity(obj)
             return
+        if kind is Weak:  # (a preparation's hold on a function: the function itself)
+            target = obj.target
+            self.weakly.add(id(target))
+            self.walked.append(target)
+            self(target)
+            return
         at = self.seen.get(id(obj))
         if at is not None:  # (a cycle, or an object reached twice: once is enough)
             facts.append(("again", at))
             return
         self.seen[id(obj)] = len(self.seen)
-        self.refs.append(obj)  # (so that its id stays its own while the walk goes on)
-        if isinstance(obj, _CONTAINERS):
+        self.walked.append(obj)  # (so that its id stays its own while the walk goes on)
+        if kind in _CONTAINERS:  # (a subclass pickles as its reduce says: below)
             self.container(obj)
         elif kind is types.FunctionType:
             self.identity(obj)
@@ -129,13 +148,13 @@ class _Walk:
             self.instance(obj)
 
     def container(self, obj) -> None:
-        if isinstance(obj, dict):
+        if type(obj) is dict:
             self.facts.append((type(obj), len(obj)))
             for k, v in obj.items():
                 self(k)
                 self(v)
             return
-        if isinstance(obj, (set, frozenset)):
+        if type(obj) in (set, frozenset):
             obj = sorted(obj, key=repr)  # (an order that does not depend on insertion)
         self.facts.append((type(obj), len(obj)))
         for v in obj:
@@ -144,14 +163,19 @@ class _Walk:
     def function(self, fn: types.FunctionType) -> None:
         code, facts = fn.__code__, self.facts
         self.identity(code)
-        namespace = fn.__globals__
-        for name in names(code):
+        namespace, read = fn.__globals__, names(code)
+        for name in read:
             value = namespace.get(name, _ABSENT)
             facts.append(name)
             if value is _ABSENT:
                 facts.append(_ABSENT)
-            else:
-                self(value)
+                continue
+            self(value)
+            if isinstance(value, types.ModuleType) and is_user_module(value.__name__):
+                # (what it may read of a module of the user's: ``helpers.scale(x)``)
+                for attribute in read:
+                    facts.append(attribute)
+                    self(getattr(value, attribute, _ABSENT))
         for cell in fn.__closure__ or ():
             try:
                 contents = cell.cell_contents

@@ -47,7 +47,8 @@ from dask.base import tokenize
 from daskdag import config
 from daskdag.caches import ByObject, register
 from daskdag.errors import DAGError
-from daskdag.transport.fingerprints import Fingerprint, fingerprint, is_user_module
+from daskdag.transport.fingerprints import fingerprint, is_user_module
+from daskdag.transport.weak import held
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
 
@@ -210,16 +211,23 @@ def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
     prints = {} if prints is None else prints
     if id(fn) not in prints:
         prints[id(fn)] = fingerprint(fn)
-    fp = prints[id(fn)]
-    if fp is not None:
-        hit = _packed_functions.get(fn)
-        if hit is not None and hit[0] == fp:
-            token, skeleton, arrays = hit[1]
-            return Function(token, skeleton, arrays, fn)
-    packed = pack_for(what, fn, remote, as_function=True, tokens=tokens)
-    if fp is not None and isinstance(packed, Function):  # (a copy that holds no fn: see ByObject)
-        _packed_functions.put(fn, (fp, (packed.token, packed.skeleton, packed.arrays)))
-    return packed
+    fp, target = prints[id(fn)], held(fn)
+    hit = _packed_functions.get(target)
+    if fp is not None and hit is not None and hit[0] == fp:
+        token, skeleton, arrays = hit[2]
+        return Function(token, skeleton, arrays, fn)
+    packed = pack_for(what, target, remote, as_function=True, tokens=tokens)
+    if not isinstance(packed, Function):
+        return fn
+    token = packed.token
+    if hit is not None and hit[1] == token and fp is not None:
+        # Changed where pickling does not look (an attribute of a module of the user's that
+        # the function reads): a token of its own, so no program compiled before serves it.
+        token = tokenize(token, fp.digest())
+    if fp is not None:  # (a copy that holds no function: see ByObject)
+        _packed_functions.put(target, (fp, packed.token, (token, packed.skeleton, packed.arrays)))
+    # (held as given: weakly, by a preparation, see daskdag.transport.weak)
+    return Function(token, packed.skeleton, packed.arrays, fn)
 
 
 def unwrap(fn):
@@ -243,6 +251,7 @@ def current(fn):
     with _lock:
         if _received.get(fn.token) is fn:
             return loaded
+        loaded = held(loaded)  # (the function itself: every preparation's hold on it shares it)
         hit = _current.get(id(loaded))
         if hit is None or hit.fn is not loaded or hit.token != fn.token:
             hit = _current[id(loaded)] = _Current(loaded, fn.token)

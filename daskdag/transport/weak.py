@@ -1,0 +1,77 @@
+"""How what daskdag keeps between calls holds the user's functions: weakly.
+
+A prepared call (:mod:`daskdag.running.prepared`) keeps a DAG's checked plan, packed functions
+and graph for the next calls; it must not keep the user's functions alive (nor what they close
+over) once the user lets them go. Its nodes hold each function as a :class:`Weak`, which calls
+it as it is, travels as it (pickled, it is the function itself), and, when the function goes,
+tells whoever asked (:meth:`Weak.on_gone`), so that the preparation goes too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+
+class Weak:
+    """A user's function (or other callable) held weakly, where it can be (a function that
+    cannot be weakly referenced, a builtin, is held as it is: such functions live as long as
+    their modules anyway). Called, it calls the function."""
+
+    __slots__ = ("_ref", "_gone", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._gone: list[Callable[[], None]] = []
+        try:
+            self._ref: Callable[[], Any] = weakref.ref(fn, self._died)
+        except TypeError:
+            self._ref = _Held(fn)
+
+    @property
+    def target(self) -> Any:
+        """The function itself (None once it is gone)."""
+        return self._ref()
+
+    def on_gone(self, call: Callable[[], None]) -> None:
+        """Call ``call()`` when the function goes."""
+        self._gone.append(call)
+
+    def _died(self, _: Any) -> None:
+        for call in self._gone:
+            call()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._ref()
+        if fn is None:  # (its preparation goes with it: no call reaches here)
+            raise ReferenceError("a node's function is gone")
+        return fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # (its name, its docstring... for messages)
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(self._ref(), name)
+
+    def __reduce__(self) -> tuple:
+        return _itself, (self._ref(),)
+
+    def __repr__(self) -> str:
+        return f"Weak({self._ref()!r})"
+
+
+def held(fn: Any) -> Any:
+    """The function a :class:`Weak` holds, or ``fn`` itself."""
+    return fn.target if isinstance(fn, Weak) else fn
+
+
+class _Held:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _itself(obj: Any) -> Any:
+    return obj
