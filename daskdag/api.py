@@ -332,10 +332,13 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
 @dataclass(frozen=True)
 class Pushforward:
     """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
-    forward mode and packed where it must be, and its stages."""
+    forward mode and packed where it must be, its stages, and for calls in this process their
+    graphs (a :class:`~daskdag.running.local.Template` per number of directions, made when
+    first needed)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
+    templates: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
@@ -358,10 +361,22 @@ def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Se
     values = input_values(plan.spec, x)
     flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
     info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
-    return Job(plan, lambda place, stop: jvp_graph.build(plan, values, flat, k, remote=remote,
-                                                           place=place, stop=stop, travel=travel,
-                                                           stages=made.stages),
-               partial(_jvp_results, outputs, info), "compute_jvps")
+
+    def make(place: Any, stop: Any) -> Any:
+        if travel:
+            return jvp_graph.build(plan, values, flat, k, remote=remote, place=place, stop=stop,
+                                   travel=travel, stages=made.stages)
+        template = made.templates.get(k)
+        if template is None:
+            template = made.templates[k] = Template(jvp_graph.build(
+                plan, {i: slot("input", i) for i in values},
+                {i: slot("tangent", i) for i in flat}, k, stop=slot("stop"), travel=False,
+                stages=made.stages))
+        return template.fill({**{slot("input", i): v for i, v in values.items()},
+                              **{slot("tangent", i): t for i, t in flat.items()},
+                              slot("stop"): stop})
+
+    return Job(plan, make, partial(_jvp_results, outputs, info), "compute_jvps")
 
 
 def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]

@@ -4,8 +4,8 @@
 A Jacobian is pulled back row by row (reverse mode, the graph of :func:`daskdag.compute_grads`
 seeded with the rows of the identity) or pushed forward column by column (forward mode, the
 graph of :func:`daskdag.compute_jvps` seeded with the identity's columns as directions).
-``mode="auto"`` takes the one with fewer passes, as OpenMDAO's ``compute_totals`` does. A
-sparse Jacobian's rows (or columns) are grouped by colour (:mod:`daskdag.model.colouring`): one
+``mode="auto"`` takes the one with fewer passes, forward on a tie, as OpenMDAO's
+``compute_totals`` does. A sparse Jacobian's rows (or columns) are grouped by colour (:mod:`daskdag.model.colouring`): one
 pass per colour, the entries recovered from the pattern. Either way the result has
 ``jax.jacrev``'s layout, or is ``scipy.sparse``.
 """
@@ -40,6 +40,7 @@ from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
+from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.transport.packing import ship
 MODES = ("auto", "rev", "fwd")
@@ -78,10 +79,12 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
             columns of the identity over the inputs' elements forward through each node's
             JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
             inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
-            takes the one with fewer passes, reverse on a tie. To count the outputs'
-            elements it traces the nodes with ``jax.eval_shape`` (no arithmetic; an eager
-            node's Python code runs once more, on abstract values); where a node cannot be
-            traced, reverse.
+            takes the one with fewer passes, forward on a tie (as OpenMDAO does; forward
+            keeps no residuals and runs one task per stage). To count the outputs' elements
+            it traces the nodes with ``jax.eval_shape`` once (no arithmetic; an eager node's
+            Python code runs once more, on abstract values; later calls with the same DAG and
+            shapes reuse the count); where a node cannot be traced, reverse. The mode taken
+            is ``Result.info.mode``.
         sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
             (forward): those a greedy colouring groups, sharing no column (row). A boolean
             array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
@@ -240,6 +243,7 @@ class Jacobian:
     rows: Rows | None = None
     templates: dict | None = None
     tangents: dict | None = None
+    graph: Template | None = None  # a call in this process: its graph, inputs in slots
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -263,7 +267,10 @@ class Jacobian:
         if mode == "rev":
             rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in
                                           (colours.rows.items() if patterns is not None else ())))
-            return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size, rows=rows)
+            made = cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source,
+                       chunk_size, rows=rows)
+            return made if travel else replace(made, graph=Template(made.build(
+                {i: slot("input", i) for i in values}, slot("stop"), False, False, None)))
         templates = _templates(plan, values)
         dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
         seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype) if patterns is None else
@@ -277,27 +284,43 @@ class Jacobian:
                                           leaf.dtype))
                 start += width
             tangents[i] = tuple(leaves)
-        return cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size,
+        made = cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size,
                    templates=templates, tangents=tangents)
+        return made if travel else replace(made, graph=Template(made.build(
+            {i: slot("input", i) for i in values}, slot("stop"), False, False, None)))
+
+    @property
+    def directions(self) -> int:
+        """Forward mode: the passes, one per column (per colour when sparse)."""
+        tangents = self.tangents or {}
+        return len(next(iter(tangents.values()))[0]) if tangents else 0
+
+    def build(self, values: dict, stop: Any, remote: bool, travel: bool, place: Any) -> dict:
+        """The call's graph (:func:`daskdag.graph.build.build`, seeded with rows, or
+        :func:`daskdag.graph.forward.build`, with the identity's columns)."""
+        if self.mode == "rev":
+            return build(self.plan, values, {}, remote=remote, place=place, stop=stop,
+                         rows=self.rows, travel=travel, stages=self.stages)
+        return jvp_graph.build(self.plan, values, self.tangents or {}, self.directions,
+                               remote=remote, place=place, stop=stop, travel=travel,
+                               chunk=self.chunk_size, stages=self.stages)
 
     def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], remote: bool,
             travel: bool, info: CallInfo) -> Job:
-        plan, chunk = self.plan, self.chunk_size
+        graph = self.graph
+
+        def make(place: Any, stop: Any) -> Any:
+            if graph is not None:
+                return graph.fill({**{slot("input", i): v for i, v in values.items()},
+                                   slot("stop"): stop})
+            return self.build(values, stop, remote, travel, place)
+
         if self.mode == "rev":
-            def make(place: Any, stop: Any) -> dict:
-                return build(plan, values, {}, remote=remote, place=place, stop=stop,
-                             rows=self.rows, travel=travel, stages=self.stages)
             finish = partial(self._reverse_results, sparse, outputs, info)
         else:
-            tangents = self.tangents or {}
-            k = len(next(iter(tangents.values()))[0]) if tangents else 0
-
-            def make(place: Any, stop: Any) -> dict:
-                return jvp_graph.build(plan, values, tangents, k, remote=remote,
-                                       place=place, stop=stop, travel=travel, chunk=chunk,
-                                       stages=self.stages)
-            finish = partial(self._forward_results, sparse, outputs, replace(info, passes=k), k)
-        return Job(plan, make, finish, "jacobian")
+            finish = partial(self._forward_results, sparse, outputs,
+                             replace(info, passes=self.directions), self.directions)
+        return Job(self.plan, make, finish, "jacobian")
 
     def _reverse_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
                          computed: dict) -> Any:
@@ -532,9 +555,8 @@ def _rows(block: np.ndarray, template: PyTree) -> PyTree:
             out.append(None)
             continue
         n = int(np.prod(leaf.shape))
-        # (``block`` is this call's own array: JAX may take its buffer rather than copy it)
-        out.append(jnp.asarray(block[:, start:start + n].reshape(len(block), *leaf.shape),
-                               leaf.dtype, copy=False))
+        out.append(block[:, start:start + n].reshape(len(block), *leaf.shape).astype(
+            leaf.dtype, copy=False))
         start += n
     return treedef.unflatten(out)
 
@@ -556,8 +578,10 @@ def _by_output(value: PyTree, jacs: dict) -> PyTree:
 def _jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.rules.seeds.basis`)."""
+    elsewhere; see :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from the
+    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched)."""
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
     out_leaves, out_def = jax.tree.flatten(value)
     per_leaf: list = []
     start = 0
@@ -566,10 +590,9 @@ def _jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
             per_leaf.append(None)
             continue
         n = int(np.size(leaf))
-        per_leaf.append(in_def.unflatten([  # (a whole stack is not sliced: that would copy it)
+        per_leaf.append(in_def.unflatten([
             None if r is None else
-            jnp.reshape(r if (start, n) == (0, len(r)) else r[start:start + n],
-                        (*jnp.shape(leaf), *r.shape[1:]))
+            jnp.asarray(r[start:start + n].reshape(*np.shape(leaf), *r.shape[1:]))
             for r in in_leaves]))
         start += n
     return out_def.unflatten(per_leaf)

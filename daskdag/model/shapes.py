@@ -66,8 +66,8 @@ def eval_shape(fn, args) -> Any:
 
 def signature(value) -> tuple:
     """What a call's preparation may depend on in an input, as a hashable key: its pytree
-    structure and, per leaf, the type, shape and dtype of an array (a JAX array's weak type
-    too), the value of an integer, boolean or string (held constant, it may set a shape), the
+    structure and, per leaf, the shape and JAX dtype of an array, NumPy's or JAX's (a JAX
+    array's weak type too), the value of an integer, boolean or string (held constant, it may set a shape), the
     type of a float (differentiated: its value changes nothing prepared), and any other object
     itself (a function held constant: by its equality, which for a function is identity)."""
     leaves, treedef = jax.tree.flatten(value)
@@ -75,10 +75,11 @@ def signature(value) -> tuple:
 
 
 def _leaf_signature(leaf) -> tuple:
+    # (A NumPy array and a JAX array of one shape and JAX dtype are alike to every node.)
     if isinstance(leaf, jax.Array):
         return jax.Array, leaf.shape, leaf.dtype, leaf.weak_type
-    if isinstance(leaf, np.ndarray):
-        return np.ndarray, leaf.shape, leaf.dtype
+    if isinstance(leaf, np.ndarray) and not leaf.dtype.hasobject:
+        return jax.Array, leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype), False
     kind = type(leaf)
     if kind in (float, complex) or (isinstance(leaf, np.generic) and
                                     np.issubdtype(leaf.dtype, np.inexact)):

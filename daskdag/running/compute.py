@@ -27,7 +27,7 @@ from dask.diagnostics import ProgressBar
 
 from daskdag.errors import DAGError
 from daskdag.running.cluster import Watch
-from daskdag.running.local import SCHEDULERS, Filled
+from daskdag.running.local import SCHEDULERS, Filled, threads
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
 # The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them, to the ones
@@ -71,8 +71,9 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
     cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
     dsk: dict = {}
+    known: dict = {}
     if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
-        dsk, keys, structure = graph.dsk, graph.keys, graph.structure
+        dsk, keys, structure, known = graph.dsk, graph.keys, graph.structure, graph.functions
     else:
         delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
         keys = delayed
@@ -83,7 +84,9 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
         # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
-                computed = SCHEDULERS[local or "threads"](dsk, keys)
+                run: Any = SCHEDULERS[local or "threads"]
+                computed = (run(dsk, keys, functions=known) if run is threads else
+                            run(dsk, keys))
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:
                 stop.set()

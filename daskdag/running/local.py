@@ -52,17 +52,18 @@ register("learned durations of local tasks", _durations.clear)
 _threads: list = []  # the pool, once made
 
 
-def threads(dsk: dict, keys: list, **kwargs):
+def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
     """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool; or, when every forward
     task of the call but one at most was short recently (two long ones could run side by
     side; one alone gains nothing from threads), :func:`in_order`. (Called from another thread
     than the main one, plain ``dask.threaded.get``, which gives each calling thread a pool of
-    its own.)"""
+    its own.) ``functions``: each forward task's :func:`functions_of`, where known already (a
+    :class:`Template`'s)."""
     if threading.current_thread() is not threading.main_thread():
         return dask.threaded.get(dsk, keys, **kwargs)
-    timer = _Timer(keys[0])
-    if not Callback.active and \
-            sum(not _known_short(task) for key, task in dsk.items() if kind_of(key) in FORWARD) <= 1:
+    timer = _Timer(keys[0], functions or {})
+    if not Callback.active and sum(not _known_short(timer.functions(key, task))
+                                   for key, task in dsk.items() if kind_of(key) in FORWARD) <= 1:
         return in_order(dsk, keys, timer)  # (a progress bar, a Dask callback, needs Dask's)
     with Callback(start_state=timer.watch):
         return dask.threaded.get(dsk, keys, pool=Inline(_pool(), timer), **kwargs)
@@ -108,22 +109,25 @@ class Template:
         leaves, self.structure = jax.tree.flatten(built)  # (Delayed objects are leaves)
         self.dsk = dict(leaves[0].dask)
         self.keys = [d.key for d in leaves]
+        self.functions = {k: functions_of(t) for k, t in self.dsk.items()
+                          if kind_of(k) in FORWARD}
 
     def fill(self, values: dict[TaskRef, Any]) -> "Filled":
         """The graph of one call, ``values`` in their slots (``{slot: value}``)."""
         dsk = {ref.key: DataNode(ref.key, value) for ref, value in values.items()}
         dsk.update(self.dsk)  # (after the slots: in_order runs a graph in its order)
-        return Filled(dsk, self.keys, self.structure)
+        return Filled(dsk, self.keys, self.structure, self.functions)
 
 
 class Filled:
-    """A :class:`Template` filled for one call: its graph as a dict, the keys it computes, and
-    their ``{output: (value, {name: grad})}`` structure."""
+    """A :class:`Template` filled for one call: its graph as a dict, the keys it computes,
+    their ``{output: (value, {name: grad})}`` structure, and its forward tasks'
+    :func:`functions_of`."""
 
-    __slots__ = ("dsk", "keys", "structure")
+    __slots__ = ("dsk", "keys", "structure", "functions")
 
-    def __init__(self, dsk: dict, keys: list, structure) -> None:
-        self.dsk, self.keys, self.structure = dsk, keys, structure
+    def __init__(self, dsk: dict, keys: list, structure, functions: dict) -> None:
+        self.dsk, self.keys, self.structure, self.functions = dsk, keys, structure, functions
 
 
 class _Timer:
@@ -132,17 +136,21 @@ class _Timer:
     (``start_state``), gives it the threaded scheduler's state; ``key``: one of the call's
     keys, to tell its own scheduler from another thread's (callbacks are global)."""
 
-    def __init__(self, key):
-        self.key, self.state = key, None
+    def __init__(self, key, functions: dict):
+        self.key, self.state, self.known = key, None, functions
         self.took: dict = {}  # key -> seconds, for this call's forward tasks
 
     def watch(self, dsk, state):
         if self.key in dsk:
             self.state = state
 
+    def functions(self, key, task) -> tuple:
+        known = self.known.get(key)
+        return known if known is not None else functions_of(task)
+
     def record(self, key, task, seconds: float) -> None:
         self.took[key] = seconds
-        _remember(_functions(task), seconds)
+        _remember(self.functions(key, task), seconds)
 
 
 class Inline:
@@ -191,16 +199,16 @@ class Inline:
             took = self.timer.took
             fwd = next((a.key for a in task.args if isinstance(a, TaskRef) and a.key in took), None)
             return fwd is not None and took[fwd] < SHORT
-        return kind in FORWARD and _known_short(task)
+        return kind in FORWARD and _known_short(self.timer.functions(key, task))
 
 
-def _known_short(task) -> bool:
-    """A forward task whose node functions took less than :data:`SHORT` recently."""
-    recent = _durations.get(_functions(task))
+def _known_short(functions: tuple) -> bool:
+    """Node ``functions`` (a forward task's) that took less than :data:`SHORT` recently."""
+    recent = _durations.get(functions)
     return recent is not None and min(recent) < SHORT
 
 
-def _functions(task) -> tuple:
+def functions_of(task) -> tuple:
     """What identifies the node functions a forward task runs (its args hold the stage's
     nodes): their ids, as the user made them (a function packed for this call, or a node with
     its own derivatives, is a new object each call)."""

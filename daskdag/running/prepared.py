@@ -71,6 +71,7 @@ class Watch:
         self.watched: list[tuple[str, Any, Fingerprint]] = []
         self.refused: list[str] = []
         self.held: list[Weak] = []
+        self._prints: dict[int, Fingerprint | None] = {}  # (each function watched once)
 
     def hold(self, fn: Any) -> Weak:
         weak = Weak(fn)
@@ -78,7 +79,9 @@ class Watch:
         return weak
 
     def __call__(self, name: str, fn: Any) -> Fingerprint | None:
-        print_ = fingerprint(fn)
+        if id(fn) in self._prints:
+            return self._prints[id(fn)]
+        print_ = self._prints[id(fn)] = fingerprint(fn)
         if print_ is None:
             self.refuse(f"node {name!r}: its function holds something a fingerprint cannot "
                         f"read (a lock, a file, a generator...)")
