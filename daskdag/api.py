@@ -189,9 +189,10 @@ class Gradients:
         return cls(plan, stages, template)
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, remote: bool, travel: bool,
-            info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None) -> Job:
+            info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None,
+            keep: Any = None) -> Job:
         """``seeded``: the cotangents are those the template was built with (default: when
-        none is given)."""
+        none is given); ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
         plan, values = self.plan, input_values(self.plan.spec, x)
         cts = cotangents_for(plan.outputs, cotangents)
         if seeded is None:
@@ -205,7 +206,8 @@ class Gradients:
             return build(plan, values, cts, remote=remote, place=place, stop=stop, travel=travel,
                          stages=self.stages)
 
-        return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads")
+        return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads",
+                   keep=keep)
 
 
 def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -219,7 +221,12 @@ def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
                                      travel))
     info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
                     where=where)
-    return made.job(x, cotangents, remote, travel, info, outputs)
+    return made.job(x, cotangents, remote, travel, info, outputs, keep=entries(dag))
+
+
+def entries(dag: Mapping[str, Any]) -> tuple:
+    """The DAG's entries, for a lazy call to keep (:class:`~daskdag.running.jobs.Job`)."""
+    return tuple(dag.values())
 
 
 def names_key(names: Any) -> Any:
@@ -376,7 +383,8 @@ def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Se
                               **{slot("tangent", i): t for i, t in flat.items()},
                               slot("stop"): stop})
 
-    return Job(plan, make, partial(_jvp_results, outputs, info), "compute_jvps")
+    return Job(plan, make, partial(_jvp_results, outputs, info), "compute_jvps",
+               keep=entries(dag))
 
 
 def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from distributed import Client
 
-from daskdag.api import LAZY, Gradients, input_values, names_key
+from daskdag.api import LAZY, Gradients, entries, input_values, names_key
 from daskdag.errors import DAGError
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
 from daskdag.model.plan import Plan, make_plan
@@ -192,7 +192,7 @@ def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[
     job = made.gradients.job(lifted_x, _seeds(plan, cts), remote, travel, info, outputs,
                              seeded=not any(c is not None for c in cts.values()))
     return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
-               "compute_hvps")
+               "compute_hvps", keep=entries(dag))
 
 
 @dataclass(frozen=True)

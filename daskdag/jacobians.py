@@ -24,7 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 from distributed import Client
 
-from daskdag.api import LAZY, Result, input_values, names_key, one_input, watched
+from daskdag.api import LAZY, Result, entries, input_values, names_key, one_input, watched
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import build
@@ -224,7 +224,8 @@ def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
         partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, remote, travel))
     info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None, why,
                     where)
-    return made.job(input_values(made.plan.spec, x), sparse, outputs, remote, travel, info)
+    return replace(made.job(input_values(made.plan.spec, x), sparse, outputs, remote, travel,
+                            info), keep=entries(dag))
 
 
 @dataclass(frozen=True)

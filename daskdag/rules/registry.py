@@ -16,6 +16,7 @@ from typing import Callable
 from daskdag.model.spec import Node
 from daskdag.rules import jvp as jax_jvp, vjp as jax_vjp
 from daskdag.transport.packing import unwrap
+from daskdag.transport.weak import held
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,14 @@ def register(kind: type, **rules: Callable) -> None:
     RULES[kind] = Rules(**rules)
 
 
+def function_of(node: Node):
+    """``node``'s function itself: unpacked, and not as a preparation holds it (weakly)."""
+    return held(unwrap(node.fn))
+
+
 def rules_of(node: Node) -> Rules | None:
     """The rules registered for the kind of ``node``'s function, else None (JAX code)."""
-    for kind in type(unwrap(node.fn)).__mro__:
+    for kind in type(function_of(node)).__mro__:
         if kind in RULES:
             return RULES[kind]
     return None
@@ -58,7 +64,7 @@ def linearizer(node: Node) -> Callable:
     rules = rules_of(node)
     if rules is None or rules.linearize is None:
         return partial(jax_vjp.linearize, node)
-    return partial(rules.linearize, unwrap(node.fn), node)
+    return partial(rules.linearize, function_of(node), node)
 
 
 def jvp_rule(node: Node) -> Callable:
@@ -66,7 +72,7 @@ def jvp_rule(node: Node) -> Callable:
     rules = rules_of(node)
     if rules is None or rules.push is None:
         return partial(jax_jvp.jvp, node)
-    return partial(rules.push, unwrap(node.fn), node)
+    return partial(rules.push, function_of(node), node)
 
 
 def has_rules(node: Node) -> bool:
@@ -80,4 +86,4 @@ def element_of(node: Node) -> tuple[Node, tuple | None]:
     rules = rules_of(node)
     if rules is None or rules.element is None:
         return node, None
-    return rules.element(unwrap(node.fn))
+    return rules.element(function_of(node))

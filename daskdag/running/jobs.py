@@ -73,6 +73,9 @@ class Job:
     make: Callable[[Any, Any], dict]
     finish: Callable[[dict], Any]
     kind: str = "compute_grads"
+    #: What a lazy call keeps alive while it lives: the DAG's entries, whose functions a
+    #: preparation holds only weakly (:mod:`daskdag.transport.weak`).
+    keep: Any = None
 
 
 def run(job: Job, client, local: str | None, progress: bool):
@@ -92,4 +95,4 @@ def run(job: Job, client, local: str | None, progress: bool):
 
 def as_collection(job: Job) -> Call:
     """The job as a Dask collection, computed when Dask computes it."""
-    return Call.of(job.plan, job.make(None, None), job.finish)
+    return Call.of(job.plan, job.make(None, None), job.finish, job.keep)

@@ -36,24 +36,28 @@ class Call(DaskMethodsMixin):
     tangents) are taken with respect to. ``.compute()`` returns ``{output: Result}`` (one
     ``Result`` for a single output name), as the eager function does."""
 
-    __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan", "_persisted_")
+    __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan", "_persisted_", "_keep")
 
     def __init__(self, dsk: Any, keys: list, finish: Callable[[dict], Any], plan: Plan, name: str,
-                 persisted: bool = False) -> None:
+                 persisted: bool = False, keep: Any = None) -> None:
         self._dask, self._keys, self._finish, self._plan, self._name = dsk, keys, finish, plan, name
         self._persisted_ = persisted  # its results are computed and held (dask.persist)
+        self._keep = keep  # the DAG's entries: their functions live while the call does
 
     @classmethod
-    def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any]) -> "Call":
+    def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any], keep: Any = None
+           ) -> "Call":
         """From :func:`daskdag.graph.build.build`'s ``{output: (value, {name: grad})}`` and
-        ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed."""
+        ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed;
+        ``keep``: what the call keeps alive (its DAG's entries)."""
         keys = []
         for value, grads in built.values():
             keys.append(value.key)
             keys.extend(g.key for g in grads.values())
         structure = [(o, list(grads)) for o, (_, grads) in built.items()]
         dsk = next(iter(built.values()))[0].dask  # (one graph, which they all share)
-        return cls(dsk, keys, _Finish(structure, finish), plan, f"daskdag-call-{keys[0]}")
+        return cls(dsk, keys, _Finish(structure, finish), plan, f"daskdag-call-{keys[0]}",
+                   keep=keep)
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -96,7 +100,8 @@ class Call(DaskMethodsMixin):
 
     def _persisted(self, dsk: Any, *, rename: dict | None = None) -> "Call":
         keys = [rename.get(k, k) for k in self._keys] if rename else self._keys
-        return Call(dsk, keys, self._finish, self._plan, self._name, persisted=True)
+        return Call(dsk, keys, self._finish, self._plan, self._name, persisted=True,
+                    keep=self._keep)
 
     def visualize(self, filename: str | None = "daskdag",  # type: ignore[override]
                   format: str | None = None, **kwargs: Any) -> Any:

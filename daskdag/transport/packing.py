@@ -48,7 +48,7 @@ from daskdag import config
 from daskdag.caches import ByObject, register
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint, is_user_module
-from daskdag.transport.weak import held
+from daskdag.transport.weak import Weak, held
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
 
@@ -78,7 +78,8 @@ class Packed:
         return self._token
 
     def load(self):
-        if self._value is _UNSET:
+        if self._value is _UNSET or (isinstance(self._value, Weak) and self._value.target is None):
+            # (held weakly by a preparation, and gone: a lazy call's graph outlives its DAG)
             self._value = _Unpickler(io.BytesIO(self.skeleton), self.arrays).load()
         return self._value
 
