@@ -9,7 +9,7 @@
 - :mod:`~daskdag.graph.sparsity`: a DAG's Jacobian sparsity patterns, composed node by node.
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
-:mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`. In: a plan, input values,
-cotangents (or tangents). Out: ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one
-graph; nothing runs until Dask runs it.
+:mod:`daskdag.caches`, :mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`. In:
+a plan, input values, cotangents (or tangents). Out: ``{output: (value, {name: grad})}`` of
+``Delayed`` sharing one graph; nothing runs until Dask runs it.
 """

@@ -10,6 +10,6 @@
 - :mod:`~daskdag.model.request`: one check of every entry point's arguments (and the CLI's).
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
-:mod:`daskdag.transport`. In: the user's DAG, inputs, outputs and options. Out: a spec, a plan,
-a request; or a :class:`~daskdag.DAGError` naming the culprit.
+:mod:`daskdag.caches`, :mod:`daskdag.transport`. In: the user's DAG, inputs, outputs and
+options. Out: a spec, a plan, a request; or a :class:`~daskdag.DAGError` naming the culprit.
 """

@@ -9,8 +9,8 @@
 - :mod:`~daskdag.rules.sparsity`: a function's Jacobian sparsity pattern, read off its jaxpr.
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
-:mod:`daskdag.transport`, :mod:`daskdag.model`. In: a node, its args, which are differentiated. Out: primals and
-pullbacks (or tangents).
+:mod:`daskdag.caches`, :mod:`daskdag.transport`, :mod:`daskdag.model`. In: a node, its args,
+which are differentiated. Out: primals and pullbacks (or tangents).
 """
 
 from daskdag.rules import custom  # (registers the user's rules)

@@ -1,8 +1,12 @@
 """Running a call's graph: here, on Dask's local schedulers, or on a ``distributed`` cluster.
 
-- :mod:`~daskdag.running.jobs`: a call prepared, run now or made a Dask collection;
+- :mod:`~daskdag.running.jobs`: a call ready to run, now or as a Dask collection, and
+  :class:`~daskdag.CallInfo`, how it was computed;
+- :mod:`~daskdag.running.prepared`: what a call works out before it runs, kept for the next
+  calls while nothing it relies on changes;
 - :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
-- :mod:`~daskdag.running.local`: the threaded scheduler of a local call;
+- :mod:`~daskdag.running.local`: the threaded scheduler of a local call, and a prepared
+  call's graph built once (:class:`~daskdag.running.local.Template`);
 - :mod:`~daskdag.running.lazy`: a call as a Dask collection (:class:`~daskdag.Call`);
 - :mod:`~daskdag.running.cluster`: what a cluster must offer (workers, resources, versions);
 - :mod:`~daskdag.running.resident`: a call's inputs and nodes kept on the cluster for the next;
@@ -10,7 +14,7 @@
 - :mod:`~daskdag.running.log`: what is logged of each call.
 
 May import: every layer below: :mod:`daskdag.errors`, :mod:`daskdag.config`,
-:mod:`daskdag.cancel`, :mod:`daskdag.transport`, :mod:`daskdag.model`, :mod:`daskdag.rules`,
-:mod:`daskdag.graph`. In: a graph and where to run it. Out: its computed values, or the error
-that stopped it, with nothing left running.
+:mod:`daskdag.cancel`, :mod:`daskdag.caches`, :mod:`daskdag.transport`, :mod:`daskdag.model`,
+:mod:`daskdag.rules`, :mod:`daskdag.graph`. In: a graph and where to run it. Out: its computed
+values, or the error that stopped it, with nothing left running.
 """

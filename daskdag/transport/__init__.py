@@ -2,10 +2,15 @@
 
 - :mod:`~daskdag.transport.packing`: the user's functions and values, pickled by value under
   content tokens (so a cluster need not import the user's code, and an in-place change is seen);
+- :mod:`~daskdag.transport.fingerprints`: whose code travels by value, and a function's
+  fingerprint: what packing would see of it, compared without pickling it again;
+- :mod:`~daskdag.transport.weak`: how what is kept between calls holds the user's functions
+  (weakly);
 - :mod:`~daskdag.transport.programs`: a pullback's backward pass as an exported XLA program;
 - :mod:`~daskdag.transport.protocol`: Dask's tables (tokens, sizes, serializers), registered in
   one place, each family of daskdag's objects once (:func:`~daskdag.transport.protocol.travels`).
 
-May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`. In: Python
+May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
+:mod:`daskdag.caches`. In: Python
 objects. Out: bytes and frames, tokens, sizes.
 """
