@@ -20,7 +20,10 @@ same VJP plumbing by hand),
 itself: ``compute_grads`` of a wide DAG and ``sweep_grads`` against hand-written Dask graphs,
 as efficiency against the ideal), ``remat`` (a 16-node chain with 200 MB of residuals per node
 on 2 workers of 1.5 GB: ``Node(remat=True)`` against spilling and an unlimited run; peak worker
-memory and time). Each times its methods against baselines in the same run,
+memory and time), ``repeat_calls`` (repeated calls as an optimiser makes them: four models
+against OpenMDAO's ``compute_totals`` on the same JAX components and ``jax.jit``, SLSQP against
+OpenMDAO's ``ScipyOptimizeDriver``, a 200-step loop on the default cluster with its bytes per
+step, the seed DAG in a 1,000-call loop). Each times its methods against baselines in the same run,
 interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
 ``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart. The scenarios
 of ``OWN_CLUSTERS`` use none of those: they run after those clusters are closed.
@@ -46,7 +49,8 @@ from pathlib import Path
 
 from . import common, report
 SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
-             "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat")
+             "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat",
+             "repeat_calls")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
 # use none of common.CLUSTERS (scale_out and remat start their own; the others run on this
 # process's threads)

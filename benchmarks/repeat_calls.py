@@ -3,8 +3,8 @@
 Four models, each built twice from the same JAX component functions: as a daskdag DAG (every
 node ``jit=True``; eager nodes as a column of their own) and as an OpenMDAO model (one
 ``ExplicitComponent`` per node: ``compute`` calls the jitted function, ``compute_partials``
-``jax.jit(jax.jacrev(...))`` of it, exact partials, sparse ones declared where the model is
-banded):
+``jax.jit(jax.jacrev(...))`` of it, exact partials, declared sparse (rows and columns) where
+under half their entries can be nonzero, as for elementwise maps and stencils):
 
 dense:          a small dense design model: 8 components, 20 inputs, a Jacobian 23 x 20.
 many_to_few:    1,000 inputs -> 2 scalars (4 components): reverse mode's case.
@@ -38,7 +38,8 @@ Two more cases:
 seed loop:      the seed question's DAG (eager nodes), ``compute_grads`` in a loop of 1,000 calls
                 on Dask's threads against the question's hand-written VJP plumbing.
 cluster loop:   a 200-step gradient descent on the default 2-worker cluster with the dense
-                model's ``value_and_grad`` of a scalar loss, the parameters new every step: the
+                model's ``value_and_grad`` of a scalar loss (float32, as the workers compute
+                unless told otherwise), the parameters new every step: the
                 bytes each step sends (distributed's own counter of what the client writes to
                 the scheduler, and what daskdag placed), and the time per step against the same
                 loop on threads.
@@ -70,6 +71,7 @@ import numpy as np
 
 import daskdag
 from daskdag import Node
+from daskdag.transport import packing
 
 from . import common
 
@@ -176,50 +178,51 @@ def openmdao_problem(functions: dict, outputs: list[str], x0: np.ndarray, banded
     ``jax.jit(jax.jacrev(...))``, declared sparse on a banded model), set up once."""
     import openmdao.api as om
 
-    sizes = {"x": int(np.size(x0))}
     shapes = {"x": jnp.asarray(x0)}
     for name, (fn, deps) in functions.items():
         shapes[name] = jax.eval_shape(fn, *(shapes[d] for d in deps))
-        sizes[name] = int(np.prod(shapes[name].shape))
+    shapes = {name: tuple(s.shape) for name, s in shapes.items()}
 
     prob = om.Problem(reports=False)
     model = prob.model
     model.add_subsystem("inputs", om.IndepVarComp("x", val=np.asarray(x0, float)), promotes=["*"])
     for name, (fn, deps) in functions.items():
-        model.add_subsystem(name, _component(fn, deps, name, sizes, banded), promotes=["*"])
-    prob.model.add_design_var("x")
-    for o in outputs:
-        prob.model.add_constraint(o, lower=-1e30)  # (responses for compute_totals and coloring)
-    if banded:
-        prob.driver = om.ScipyOptimizeDriver(optimizer="SLSQP")
-        prob.driver.declare_coloring()
+        model.add_subsystem(name, _component(fn, deps, name, shapes, banded), promotes=["*"])
     prob.setup(mode="auto", force_alloc_complex=False)
     prob.set_val("x", np.asarray(x0, float))
     prob.run_model()
-    if banded:
-        from openmdao.utils.coloring import compute_total_coloring
-        prob.driver._coloring_info.coloring = compute_total_coloring(prob)
-    return prob
+    coloring = None
+    if banded:  # the total colouring, computed once, as a driver would
+        from openmdao.utils.coloring import ColoringMeta, compute_total_coloring
+        coloring = ColoringMeta()
+        coloring.coloring = compute_total_coloring(prob, of=outputs, wrt=["x"])
+        coloring.dynamic = False
+    return prob, coloring
 
 
-def _component(fn, deps, name, sizes, banded):
+def _component(fn, deps, name, shapes, banded):
+    """An ``ExplicitComponent`` of ``fn`` (its inputs ``deps``, its output ``name``, their
+    ``shapes``): values from ``jax.jit(fn)``, partials from ``jax.jit(jax.jacrev(fn))``."""
     import openmdao.api as om
 
     value = jax.jit(fn)
     partials = jax.jit(jax.jacrev(fn, argnums=tuple(range(len(deps)))))
+    sizes = {k: int(np.prod(s)) for k, s in shapes.items()}
 
     class Component(om.ExplicitComponent):
         def setup(self):
             for d in dict.fromkeys(deps):
-                self.add_input(d, shape=sizes[d])
-            self.add_output(name, shape=sizes[name])
+                self.add_input(d, shape=shapes[d] or 1)
+            self.add_output(name, shape=shapes[name] or 1)
 
         def setup_partials(self):
+            # Sparse where the partials are (elementwise maps, stencils), as an OpenMDAO user
+            # declares them: the pattern of the Jacobian at a random point.
             self._declared = {}
+            point = [np.random.default_rng(0).uniform(0.1, 1, shapes[e]) for e in deps]
             for d in dict.fromkeys(deps):
-                if banded:  # its Jacobian's pattern, at a random point
-                    point = [np.random.default_rng(0).uniform(-1, 1, sizes[e]) for e in deps]
-                    rows, cols = np.nonzero(self._block(partials(*point), d))
+                rows, cols = np.nonzero(self._block(partials(*point), d))
+                if len(rows) < 0.5 * sizes[name] * sizes[d]:
                     self._declared[d] = rows, cols
                     self.declare_partials(name, d, rows=rows, cols=cols)
                 else:
@@ -230,22 +233,24 @@ def _component(fn, deps, name, sizes, banded):
                        for e, b in zip(deps, blocks) if e == d)
 
         def compute(self, inputs, outputs):
-            outputs[name] = np.asarray(value(*(inputs[d] for d in deps))).reshape(-1)
+            outputs[name] = np.asarray(value(*(inputs[d].reshape(shapes[d]) for d in deps)))
 
         def compute_partials(self, inputs, jac):
-            blocks = partials(*(inputs[d] for d in deps))
+            blocks = partials(*(inputs[d].reshape(shapes[d]) for d in deps))
             for d in dict.fromkeys(deps):
                 block = self._block(blocks, d)
-                jac[name, d] = block[self._declared[d]] if banded else block
+                jac[name, d] = block[self._declared[d]] if d in self._declared else block
 
     Component.__name__ = f"Component_{name}"
     return Component()
 
 
-def openmdao_call(prob, outputs: list[str], x: np.ndarray):
+def openmdao_call(problem, outputs: list[str], x: np.ndarray):
+    prob, coloring = problem
     prob.set_val("x", x)
     prob.run_model()
-    totals = prob.compute_totals(of=outputs, wrt=["x"], return_format="flat_dict")
+    totals = prob.compute_totals(of=outputs, wrt=["x"], return_format="flat_dict",
+                                 coloring_info=coloring)
     return ({o: np.asarray(prob.get_val(o)) for o in outputs},
             {o: np.asarray(totals[o, "x"]) for o in outputs})
 
@@ -399,7 +404,7 @@ def cluster_case(cfg: Config, client) -> dict:
     step_size = 0.02
 
     def descend(f, steps):
-        x = np.asarray(x0, float)
+        x = np.asarray(x0, np.float32)
         for _ in range(steps):
             loss, grad = f(x)
             x = x - step_size * np.asarray(grad)
@@ -410,9 +415,9 @@ def cluster_case(cfg: Config, client) -> dict:
     want = descend(plain, cfg.steps)
     got = {"threads": descend(on_threads, cfg.steps), "cluster": descend(on_cluster, cfg.steps)}
     diff = max(common.worst_difference(g, want) for g in got.values())
-    if diff > 1e-9:
+    if diff > 1e-4:
         raise AssertionError(f"{TITLE}, cluster loop: disagrees with JAX by {diff}")
-    x = np.asarray(x0, float)
+    x = np.asarray(x0, np.float32)
     steps = []  # the bytes of each step of a fresh run of the loop on the cluster
     for k in range(min(cfg.steps, 20)):
         sent = common.bytes_sent(client, partial(on_cluster, x + 0.001 * k))
@@ -430,7 +435,11 @@ def cluster_case(cfg: Config, client) -> dict:
         bytes_per_step={"to_scheduler": statistics.median(s["to_scheduler"] for s in steps[1:]),
                         "placed_by_daskdag": statistics.median(s["daskdag"] for s in steps[1:]),
                         "messages": statistics.median(s["messages"] for s in steps[1:]),
-                        "first_step": steps[0]})
+                        "first_step": steps[0],
+                        # (each under 64 KiB: they travel inside the tasks that run them)
+                        "node_functions_inline": sum(
+                            len(packing.pack(node.fn, as_function=True).skeleton)
+                            for node in dag.values())})
 
 
 # --- SLSQP, daskdag against OpenMDAO's driver ------------------------------------------------------
@@ -464,10 +473,10 @@ def optimisation_case(cfg: Config) -> dict:
     prob = om.Problem(reports=False)
     model = prob.model
     model.add_subsystem("inputs", om.IndepVarComp("design", val=m.START), promotes=["*"])
-    sizes = {"design": 2 * m.SEGMENTS, "inertia": m.SEGMENTS, "volume": 1, "stress": m.SEGMENTS,
-             "tip": 1}
+    shapes = {"design": (2 * m.SEGMENTS,), "inertia": (m.SEGMENTS,), "volume": (),
+              "stress": (m.SEGMENTS,), "tip": ()}
     for name, (fn, deps) in functions.items():
-        model.add_subsystem(name, _component(fn, deps, name, sizes, False), promotes=["*"])
+        model.add_subsystem(name, _component(fn, deps, name, shapes, False), promotes=["*"])
     model.add_subsystem("margins", om.ExecComp(
         ["stress_margin = 1.0 - stress / smax", "tip_margin = 1.0 - tip / tmax",
          "aspect_margin = amax * design[:5] / design[5:] - 1.0"],
@@ -484,8 +493,8 @@ def optimisation_case(cfg: Config) -> dict:
     prob.setup()
     start = time.perf_counter()
     prob.run_driver()
-    results["openmdao"] = {"seconds": time.perf_counter() - start,
-                           "iterations": int(prob.driver.result.nit),
+    result = prob.driver._scipy_optimize_result  # (SciPy's OptimizeResult, as the driver got it)
+    results["openmdao"] = {"seconds": time.perf_counter() - start, "iterations": int(result.nit),
                            "calls": int(prob.driver.iter_count),
                            "optimum": float(prob.get_val("volume")[0])}
     gap = abs(results["openmdao"]["optimum"] - results["daskdag"]["optimum"]) / results["daskdag"]["optimum"]
@@ -508,8 +517,8 @@ def run(quick: bool, clients: dict) -> dict:
                  model_case(cfg, "few_to_many", *few_to_many_model()),
                  model_case(cfg, "banded", *banded_model(cfg.banded_n), banded=True),
                  optimisation_case(cfg)]
-        if "2w" in clients:
-            cases.append(cluster_case(cfg, clients["2w"]))
+    if "2w" in clients:  # (in float32: the cluster's workers compute as JAX does by default)
+        cases.append(cluster_case(cfg, clients["2w"]))
     cases.append(seed_case(cfg))
     models = ("dense", "many_to_few", "few_to_many", "banded")
     wanted = ([{"case": c, "ratio": "daskdag/openmdao", "op": "<=", "bound": 0.5,

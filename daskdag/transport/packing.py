@@ -207,12 +207,15 @@ def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
     its :class:`~daskdag.transport.fingerprints.Fingerprint` is the same as when it was last
     packed: what it closes over and the globals it uses are read again and compared, NumPy
     arrays by content, and anything changed packs it anew. A function whose fingerprint cannot
-    be taken is packed on every call. ``prints``: fingerprints taken already in this call, by
+    be taken is packed on every call, and so is every function while ``dask.config``'s
+    ``daskdag.prepared-calls`` is 0. ``prints``: fingerprints taken already in this call, by
     ``id`` (this one is added when it is not there)."""
     prints = {} if prints is None else prints
     if id(fn) not in prints:
         prints[id(fn)] = fingerprint(fn)
     fp, target = prints[id(fn)], held(fn)
+    if config.get("prepared-calls") <= 0:  # (nothing prepared is kept: packed anew too)
+        fp = None
     hit = _packed_functions.get(target)
     if fp is not None and hit is not None and hit[0] == fp:
         token, skeleton, arrays = hit[2]
