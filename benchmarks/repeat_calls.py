@@ -202,12 +202,23 @@ def openmdao_problem(functions: dict, outputs: list[str], x0: np.ndarray, banded
 
 def _component(fn, deps, name, shapes, banded):
     """An ``ExplicitComponent`` of ``fn`` (its inputs ``deps``, its output ``name``, their
-    ``shapes``): values from ``jax.jit(fn)``, partials from ``jax.jit(jax.jacrev(fn))``."""
+    ``shapes``): values from ``jax.jit(fn)``, partials from ``jax.jit(jax.jacrev(fn))``, or
+    where they are sparse, from ``jax.jvp`` pushed along one seed per colour of their columns
+    (a compressed Jacobian, as a user who knows JAX would compute them)."""
     import openmdao.api as om
+    from daskdag.model import colouring
 
     value = jax.jit(fn)
     partials = jax.jit(jax.jacrev(fn, argnums=tuple(range(len(deps)))))
     sizes = {k: int(np.prod(s)) for k, s in shapes.items()}
+
+    @partial(jax.jit, static_argnums=0)
+    def pushed(d, args, seeds):  # (colours, output elements): fn's jvp along each seed of dep d
+        def push(seed):
+            tangents = [seed.reshape(shapes[d]) if e == d else jnp.zeros_like(a)
+                        for e, a in zip(deps, args)]
+            return jax.jvp(fn, tuple(args), tuple(tangents))[1].reshape(-1)
+        return jax.vmap(push)(seeds)
 
     class Component(om.ExplicitComponent):
         def setup(self):
@@ -218,12 +229,15 @@ def _component(fn, deps, name, shapes, banded):
         def setup_partials(self):
             # Sparse where the partials are (elementwise maps, stencils), as an OpenMDAO user
             # declares them: the pattern of the Jacobian at a random point.
-            self._declared = {}
+            self._declared, self._seeds = {}, {}
             point = [np.random.default_rng(0).uniform(0.1, 1, shapes[e]) for e in deps]
             for d in dict.fromkeys(deps):
-                rows, cols = np.nonzero(self._block(partials(*point), d))
+                block = self._block(partials(*point), d)
+                rows, cols = np.nonzero(block)
                 if len(rows) < 0.5 * sizes[name] * sizes[d]:
-                    self._declared[d] = rows, cols
+                    colours = colouring.colour_columns(block != 0)
+                    self._declared[d] = rows, cols, colours[cols]
+                    self._seeds[d] = jnp.asarray(colouring.seeds(colours, np.float64))
                     self.declare_partials(name, d, rows=rows, cols=cols)
                 else:
                     self.declare_partials(name, d)
@@ -236,10 +250,15 @@ def _component(fn, deps, name, shapes, banded):
             outputs[name] = np.asarray(value(*(inputs[d].reshape(shapes[d]) for d in deps)))
 
         def compute_partials(self, inputs, jac):
-            blocks = partials(*(inputs[d].reshape(shapes[d]) for d in deps))
+            args = [inputs[d].reshape(shapes[d]) for d in deps]
+            dense = [d for d in dict.fromkeys(deps) if d not in self._declared]
+            blocks = partials(*args) if dense else None
             for d in dict.fromkeys(deps):
-                block = self._block(blocks, d)
-                jac[name, d] = block[self._declared[d]] if d in self._declared else block
+                if d in self._declared:
+                    rows, cols, colour = self._declared[d]
+                    jac[name, d] = np.asarray(pushed(d, args, self._seeds[d]))[colour, rows]
+                else:
+                    jac[name, d] = self._block(blocks, d)
 
     Component.__name__ = f"Component_{name}"
     return Component()

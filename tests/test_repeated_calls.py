@@ -183,10 +183,28 @@ def test_a_change_prepares_the_call_anew_on_threads(case, jit):
 @pytest.mark.timeout(300)
 def test_a_change_prepares_the_call_anew_on_a_cluster(cli_client):
     """The same changes, the calls on a cluster that cannot import this module: what each
-    change touches travels again, under new keys, and the workers compute with it."""
+    change touches travels again, under new keys, and the workers compute with it; and new
+    shapes, a setting changed, and a detected pattern after a constant changed in place."""
     for case in CASES.values():
         for jit in (True, False):
             _stays_right(*case(jit), client=cli_client)
+    dag = {"H": Node(jnp.tanh, ["x"], jit=True), "L": (jnp.sum, ["H"])}
+    daskdag.compute_grads(dag, X, "L", client=cli_client)
+    wider = daskdag.compute_grads(dag, jnp.linspace(0.0, 1.0, 7), "L", client=cli_client)
+    assert not wider.info.prepared and "shapes" in wider.info.why
+    check(wider, dag, jnp.linspace(0.0, 1.0, 7))
+    with dask.config.set({"daskdag.fuse-chains": False}):
+        res = daskdag.compute_grads(dag, X, "L", client=cli_client)
+    assert not res.info.prepared and "a setting changed" in res.info.why
+    check(res, dag, X)
+    M = np.eye(4, dtype=np.float32)
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.asarray(M) @ a, ["A"])}
+    x = jnp.linspace(0.1, 0.4, 4)
+    daskdag.jacobian(dag, x, "B", sparsity="detect", client=cli_client)
+    M[0, 3] = 1.0
+    res = daskdag.jacobian(dag, x, "B", sparsity="detect", client=cli_client)
+    assert not res.info.prepared and res.info.colours == 2
+    assert_tree_close(res.grad, jax.jacrev(lambda x: jnp.asarray(M) @ jnp.sin(x))(x))
 
 
 USER_MODULE = '''

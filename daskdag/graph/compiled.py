@@ -67,7 +67,7 @@ class Compiled:
         parts = split(args, active)
         if parts is None:
             return None
-        forward, backward, kept, _ = _programs(self)
+        forward, backward, kept, _, rows = _programs(self)
         static, traced = (*parts[0], self.in_axes, active), parts[1]
         out = forward(static, traced)
         if active is None:
@@ -80,7 +80,8 @@ class Compiled:
         vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
         pullback = JaxPullback(Node(self.fn, ()), active, diff_counts(args, active),
                                jax.tree_util.Partial(backward, vjp_fn), tuple(args),
-                               ct_avals(differentiable_leaves(primal)), batching=COMPILED)
+                               ct_avals(differentiable_leaves(primal)), batching=COMPILED,
+                               rows=rows)
         return primal, pullback
 
 
@@ -112,7 +113,7 @@ register("compiled programs of fused stages and jit nodes", lambda: _clear(_cach
 
 
 def _programs(compiled: Compiled) -> tuple:
-    """The jitted ``(forward, backward, kept, gradients)`` of a function. jax.jit caches
+    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function. jax.jit caches
     compilations by function identity, so they are kept per node function (the one object a
     process uses for its content, :func:`~daskdag.transport.packing.current`), for as long as it lives:
     across chunks and sweeps, not past an in-place change to what it closes over. A
@@ -175,8 +176,10 @@ def _make_programs(fn_of) -> tuple:
             out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
         return fn(*args), out
 
+    # (rows: a Jacobian's stacked cotangents, each pulled back, as one program compiled once)
     return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,
-            jax.jit(gradients, static_argnums=0))
+            jax.jit(gradients, static_argnums=0),
+            jax.jit(jax.vmap(lambda vjp_fn, ct: vjp_fn(ct), in_axes=(None, 0))))
 
 
 def rebuild(treedef, consts, dynamic):

@@ -219,6 +219,16 @@ class FusedPullback(Pullback):
         with node_errors(self.stage.name, "backward"):
             return self.pullback(tuple(flat), deps)
 
+    def rows(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        """Each row of ``cts`` pulled back: by the inner pullback's own rows (a compiled
+        program's: a batched program compiled once), exposed nodes no row reaches in zeros."""
+        n = next(len(leaf) for ct in cts if ct is not None for leaf in ct)
+        flat = [leaf for ct, avals in zip(cts, self.avals)
+                for leaf in (ct if ct is not None else [jnp.zeros((n, *a[0]), a[1])
+                                                         for a in avals])]
+        with node_errors(self.stage.name, "backward"):
+            return self.pullback.rows(tuple(flat), deps, dropped)
+
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching

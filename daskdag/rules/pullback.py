@@ -14,6 +14,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from daskdag.transport.protocol import travels
@@ -73,6 +74,13 @@ class Pullback(abc.ABC):
     def __call__(self, ct: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
                  ) -> tuple:
         ...
+
+    def rows(self, cts: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
+             ) -> tuple:
+        """The pullback of each row of ``cts`` (each leaf stacked over rows, a Jacobian's):
+        under ``jax.vmap`` (a pullback that cannot be vmapped raises, and is pulled back row by
+        row instead); a compiled program's, by a program of its own, compiled once."""
+        return jax.vmap(lambda ct: self(ct, inputs, dropped))(cts)
 
     def materialize(self, inputs: Sequence[Any]) -> "Pullback":
         """The pullback a backward task calls, once per cotangent, on these ``inputs``: itself;

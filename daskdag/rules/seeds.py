@@ -88,7 +88,7 @@ def basis(output: str, primal, colours=None) -> tuple:
         size = int(np.size(leaf))
         eye = np.zeros((n, size), jnp.result_type(leaf))
         eye[rows[start:start + size], np.arange(size)] = 1
-        seeds.append(jnp.asarray(eye.reshape(n, *jnp.shape(leaf))))
+        seeds.append(eye.reshape(n, *jnp.shape(leaf)))  # (NumPy: a program takes it as it is)
         start += size
     return tuple(seeds)
 

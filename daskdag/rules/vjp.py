@@ -32,16 +32,22 @@ class JaxPullback(Pullback):
     exported (a host callback inside) arrives as a :class:`RedonePullback` instead.
     """
 
-    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals")
+    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_rows")
 
     def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn,
-                 args, ct_avals, batching: Batching | None = None):
+                 args, ct_avals, batching: Batching | None = None, rows=None):
         self._node, self.active, self.counts = node, active, counts
         self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
         self.batching = batching if batching is not None or node.jit else EAGER
+        self._rows = rows  # (a compiled program's: its rows' program, ``rows(vjp_fn, cts)``)
 
     def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
         return by_arg(self._vjp(list(ct)), self.active, self.counts)
+
+    def rows(self, cts: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
+        if self._rows is None:
+            return super().rows(cts, inputs, dropped)
+        return by_arg(self._rows(self._vjp, list(cts)), self.active, self.counts)
 
     def residual_nbytes(self) -> int:
         inputs = {id(leaf) for leaf in jax.tree.leaves(self._args)}

@@ -41,7 +41,7 @@ from daskdag.graph.build import kind_of
 from daskdag.transport.packing import unwrap
 from daskdag.model.spec import Node
 
-SHORT = 2e-3  # seconds: a task shorter than this gains nothing from a thread of its own
+SHORT = 5e-3  # seconds: a task shorter than this gains nothing from a thread of its own
 CHEAP = (tasks.pick, tasks.cotangents_of, tasks.gradient)  # they pick or sum values: always short
 KNOWN = 4096  # node functions whose durations are remembered (the most recent ones)
 SAMPLES = 8  # durations remembered per node functions
