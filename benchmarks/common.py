@@ -28,6 +28,7 @@ second with it as without it, and 1.0 pinned), so XLA_FLAGS is left unset everyw
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ import platform
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import dask
@@ -53,6 +55,15 @@ def dask_setup(worker) -> None:
     cpu = int(worker.name) % os.cpu_count()
     for tid in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(tid), {cpu})
+
+
+def example(name: str):
+    """``examples/<name>.py`` loaded as a module (under a name of its own)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"daskdag_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- Timing -------------------------------------------------------------------------------------

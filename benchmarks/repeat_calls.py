@@ -56,13 +56,12 @@ model ``daskdag_detect/daskdag`` <= 1.1; seed loop ``daskdag/hand_written`` <= 1
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
+import tempfile
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 
 import dask
 import jax
@@ -278,12 +277,11 @@ def openmdao_call(problem, outputs: list[str], x: np.ndarray):
 
 def daskdag_call(dag, outputs, x, **kwargs):
     res = daskdag.jacobian(dag, x, outputs, **kwargs)
-    return {o: res[o].value for o in outputs}, {o: _dense(res[o].grad) for o in outputs}
+    return {o: res[o].value for o in outputs}, {o: res[o].grad for o in outputs}
 
 
 def prepared_call(f, x):
-    values, jacs = f(x)
-    return values, {o: _dense(j) for o, j in jacs.items()}
+    return f(x)
 
 
 def unprepared_call(dag, outputs, x, **kwargs):
@@ -463,19 +461,11 @@ def cluster_case(cfg: Config, client) -> dict:
 
 # --- SLSQP, daskdag against OpenMDAO's driver ------------------------------------------------------
 
-def _cantilever():
-    path = Path(__file__).resolve().parent.parent / "examples" / "design_optimisation.py"
-    spec = importlib.util.spec_from_file_location("daskdag_design_optimisation", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def optimisation_case(cfg: Config) -> dict:
     import openmdao.api as om
 
     print(f"{TITLE}, optimisation", flush=True)
-    m = _cantilever()
+    m = common.example("design_optimisation")
     f = daskdag.value_and_jacobian(m.dag, ["volume", *m.MARGINS])
     results = {}
     start = time.perf_counter()
@@ -530,6 +520,8 @@ def optimisation_case(cfg: Config) -> dict:
 def run(quick: bool, clients: dict) -> dict:
     """``clients["2w"]``: the default 2-worker cluster, for the cluster loop."""
     cfg = QUICK if quick else FULL
+    # (OpenMDAO writes its problems' files, colourings among them, under its work dir)
+    os.environ.setdefault("OPENMDAO_WORKDIR", tempfile.mkdtemp(prefix="daskdag-openmdao-"))
     with float64():
         cases = [model_case(cfg, "dense", *dense_model()),
                  model_case(cfg, "many_to_few", *many_to_few_model()),

@@ -37,10 +37,8 @@ Targets (issue 21): seed ``daskdag_threads/hand_written <= 1.5``; layered N=20,0
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,16 +71,7 @@ QUICK = Config(nodes=(1000, 5000), reps=(3, 3), seed_reps=5, seed_inner=20)
 
 # --- The seed question's DAG -------------------------------------------------------------------
 
-def _seed_example():
-    """``examples/cli_dag.py``, the seed question's DAG with its concrete functions."""
-    path = Path(__file__).resolve().parent.parent / "examples" / "cli_dag.py"
-    spec = importlib.util.spec_from_file_location("daskdag_seed_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SEED = _seed_example()
+SEED = common.example("cli_dag")  # the seed question's DAG with its concrete functions
 x_to_A, A_to_B, B_to_C, C_to_D, B_to_E = (SEED.x_to_A, SEED.A_to_B, SEED.B_to_C, SEED.C_to_D,
                                           SEED.B_to_E)
 SEED_DAG = SEED.dag
