@@ -122,7 +122,8 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     if key is None:  # (a malformed DAG or unhashable options: make() says what is wrong)
         return make(Watch()), "its arguments cannot key a preparation"
     pins = _pins.get()
-    hit = PREPARED.get(key)
+    keeping = config.get("prepared-calls") > 0
+    hit = PREPARED.get(key) if keeping else None  # (0: none is kept, nor used)
     if hit is None and pins is not None:
         hit = pins.get(key)
     if hit is not None:
@@ -138,7 +139,7 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     note = None
     if watch.refused:
         note = "; ".join(watch.refused) + ": such a call is prepared anew each time"
-    elif config.get("prepared-calls") > 0 or pins is not None:
+    elif keeping or pins is not None:
         made = Preparation(value, tuple(watch.watched), key)
         for weak in watch.held:  # (the ids in the key stay the functions' while it lasts)
             weak.on_gone(partial(_forget, key, made, pins))
