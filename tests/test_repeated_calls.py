@@ -193,6 +193,7 @@ def test_a_change_prepares_the_call_anew_on_a_cluster(cli_client):
     wider = daskdag.compute_grads(dag, jnp.linspace(0.0, 1.0, 7), "L", client=cli_client)
     assert not wider.info.prepared and "shapes" in wider.info.why
     check(wider, dag, jnp.linspace(0.0, 1.0, 7))
+    assert daskdag.compute_grads(dag, X, "L", client=cli_client).info.prepared  # (kept)
     with dask.config.set({"daskdag.fuse-chains": False}):
         res = daskdag.compute_grads(dag, X, "L", client=cli_client)
     assert not res.info.prepared and "a setting changed" in res.info.why
