@@ -445,7 +445,8 @@ def cluster_case(cfg: Config, client) -> dict:
     times = common.interleaved(runs, max(2, cfg.reps // 3), "cluster loop: ")
     per_step = {m: [t / cfg.steps for t in ts] for m, ts in times.items()}
     return common.case(
-        "cluster loop", {"steps": cfg.steps, "parameters_bytes": int(np.asarray(x0).nbytes)},
+        "cluster loop", {"steps": cfg.steps,
+                         "parameters_bytes": int(np.asarray(x0, np.float32).nbytes)},
         per_step, {"cluster_2w/threads": ("cluster_2w", "threads"),
                    "threads/jax_jit": ("threads", "jax_jit")},
         baseline="threads", max_rel_diff=diff,

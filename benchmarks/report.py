@@ -401,8 +401,33 @@ def generic(s: dict) -> str:
     return "\n\n".join(parts)
 
 
+def repeat_calls(s: dict) -> str:
+    """The generic tables, then what the cluster loop sent per step and what SLSQP did."""
+    parts = [generic(s)]
+    cases = {c["case"]: c for c in s["cases"]}
+    loop = cases.get("cluster loop")
+    if loop and "bytes_per_step" in loop:
+        b = loop["bytes_per_step"]
+        parts.append(
+            f"Cluster loop, each step after the first: {b['to_scheduler']:,.0f} bytes to the "
+            f"scheduler in {b['messages']:.0f} messages (distributed's count), and "
+            f"{b['placed_by_daskdag']:,.0f} bytes placed by daskdag: the parameters "
+            f"({loop['params']['parameters_bytes']} bytes) and the task graph, which carries "
+            f"the nodes' packed functions inline ({b['node_functions_inline']:,} bytes: each "
+            f"under 64 KiB, so the tasks that take them can go to any worker); no input, node "
+            f"or residual is sent again.")
+    opt = next((c for c in s["cases"] if c["case"].startswith("optimisation")), None)
+    if opt and "runs" in opt:
+        runs = opt["runs"]
+        parts.append("SLSQP on the stepped cantilever: " + "; ".join(
+            f"`{m}` {r['iterations']} iterations, {r['calls']} calls, {r['seconds']:.2f} s, "
+            f"volume {r['optimum']:,.2f} cm³" for m, r in runs.items())
+            + f" (optima within {opt['optimum_gap']:.1e} of each other, relatively).")
+    return "\n\n".join(parts)
+
+
 SECTIONS = {"k_heads": k_heads, "overhead": overhead, "sweeps": sweeps, "portable": portable,
-            "scale_out": scale_out, "tiny_nodes": tiny_nodes}
+            "scale_out": scale_out, "tiny_nodes": tiny_nodes, "repeat_calls": repeat_calls}
 
 
 def clusters_paragraph(clusters: dict) -> str:
