@@ -40,6 +40,7 @@ from daskdag.graph import tasks
 from daskdag.model.plan import Plan
 from daskdag.graph.run import itself
 from daskdag.graph.stages import abbreviate, make_stages
+from daskdag.rules.seeds import basis_size
 from daskdag.transport.packing import pack_for, unpack
 from daskdag import config
 
@@ -151,6 +152,8 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
                     for o in plan.outputs}
     wiring.val = {i: wiring.carry.value("input", i, f"input {i!r}", v) for i, v in values.items()}
     wiring.close_stages()
+    if not batched:
+        wiring.densify_stages(values)
     wiring.forward()
     wiring.backward()
     return wiring.carry.graph.delayed(wiring.gradients(), wiring.carry.call)
@@ -175,6 +178,8 @@ class _Wiring:
         self.closed: dict = {}
         self.forward_task: dict = {}
         self.bwd: dict = {}
+        self.dense: set = set()  # stages whose backward pass travels as their Jacobian
+        self.sources: dict = {}  # ident -> a backward task, or its nested task (dense stages)
 
     def close_stages(self) -> None:
         """A stage whose gradients all start at its own outputs (none comes from a later stage)
@@ -189,6 +194,25 @@ class _Wiring:
                 self.closed[s] = tuple(tuple(self.seeds[o] if n == o else None for n in s.outputs)
                                        for o in through[s])
 
+    def densify_stages(self, values: dict) -> None:
+        """On a cluster, the open stages whose backward pass travels as their dense Jacobian
+        (:mod:`daskdag.graph.dense`) and runs inside the tasks that take their cotangents: those
+        (no ``remat`` node among them) whose differentiated deps are the call's inputs, at most
+        ``daskdag.dense-inputs`` elements in all. A closed stage all of whose deps are inputs
+        or nodes of such stages hands its cotangents over inside those tasks too."""
+        most = config.get("dense-inputs")
+        if not (self.carry.remote and most):
+            return
+        nodes = self.plan.spec.nodes
+        for s in self.stages:
+            if not s.has_pullback or s in self.closed or not self.through[s] or any(
+                    nodes[n].remat for n in s.nodes):
+                continue
+            active = [d for d, on in zip(s.deps, s.dep_active()) if on]
+            if all(d in values and not isinstance(values[d], TaskRef) for d in active) and sum(
+                    basis_size(values[d]) for d in active) <= most:
+                self.dense.add(s)
+
     def forward(self) -> None:
         """Each stage once (its nodes under jax.vjp where they depend on a differentiated
         input); ``val`` tasks take its values apart from its pullback, so that later stages
@@ -199,14 +223,21 @@ class _Wiring:
             closed = self.closed.get(s)
             # (A Jacobian's rows change only what a closed stage's task computes: the others
             # are the same forward tasks as for gradients, shared when both run together.)
+            dense = s in self.dense
             k = carry.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
-                          closed, rows if closed else None)
-            run = (tasks.forward,) if closed is None else (tasks.forward_backward, closed, rows)
+                          closed, rows if closed else None, *(["dense"] if dense else []))
+            run = ((tasks.forward_dense if dense else tasks.forward,) if closed is None else
+                   (tasks.forward_backward, closed, rows))
             fwd = self.g.task(k, dict(s.needs), run[0], s, self.stop, *run[1:], *sent,
                               *(val[d] for d in s.deps), root=is_root(s, spec))
             if closed is not None:
-                self.bwd[s] = self.g.task(key("bwd", self._label(s), token_of(k)), dict(s.needs),
-                                          tasks.cotangents_of, fwd)
+                label = self._label(s)
+                if self.dense and all(self.stage_of[d] in self.dense for d in s.deps
+                                      if d in self.stage_of):
+                    self._source(s, Inline(nested(tasks.cotangents_of, fwd), f"{label}-{token_of(k)}"))
+                else:
+                    self._source(s, self.g.task(key("bwd", label, token_of(k)), dict(s.needs),
+                                                tasks.cotangents_of, fwd))
             elif s.has_pullback:
                 self.forward_task[s] = fwd
             self._values(s, fwd, token_of(k))
@@ -215,11 +246,12 @@ class _Wiring:
         for e, n in enumerate(s.outputs):
             if s.bare:
                 self.val[n] = fwd
-            elif self.carry.travel or n in self.plan.outputs:  # (consumers never fetch residuals)
+            elif n in self.plan.outputs or (self.carry.travel and s not in self.dense):
+                # (consumers never fetch residuals)
                 self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
                                           s.has_pullback, e)
-            else:  # here, nothing travels: a consumer picks the value out itself, a task less
-                self.val[n] = Inline(Task(None, tasks.pick, fwd, s.has_pullback, e), None)
+            else:  # nothing travels, or what does is small: a consumer picks the value itself
+                self.val[n] = Inline(nested(tasks.pick, fwd, s.has_pullback, e), f"{token}.{e}")
 
     def backward(self) -> None:
         """One task per stage, for every output whose gradient passes through it (their
@@ -234,9 +266,18 @@ class _Wiring:
                 flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
             k = self.carry.key("bwd", self._label(s), self.forward_task[s].key, flows, list(sources),
                                self.rows)
-            self.bwd[s] = self.g.task(k, dict(s.needs), tasks.backward, s, self.stop, tuple(flows),
-                                      self.rows, self.forward_task[s],
-                                      *(self.val[d] for d in s.deps), *map(TaskRef, sources))
+            args = (s, self.stop, tuple(flows), self.rows, self.forward_task[s],
+                    *(self.val[d] for d in s.deps), *(self.sources[src] for src in sources))
+            if s in self.dense:  # (run inside each task that takes its cotangents)
+                self._source(s, Inline(nested(tasks.backward, *args), token_of(k)))
+            else:
+                self._source(s, self.g.task(k, dict(s.needs), tasks.backward, *args))
+
+    def _source(self, s, bwd) -> None:
+        """``bwd``, stage ``s``'s backward task (or the nested task that stands for it), as the
+        source its consumers take their shares from."""
+        self.bwd[s] = bwd
+        self.sources[ident(bwd)] = bwd
 
     def _flow(self, s, n: str, o: str, sources: dict):
         """Where output ``o``'s cotangent at node ``n`` of stage ``s`` comes from, or None."""
@@ -262,23 +303,28 @@ class _Wiring:
                                    own, self.rows)
                 grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in picks),
                                        self.val[i], output, self.seeds[o] if self.rows else None,
-                                       own, *map(TaskRef, sources))
+                                       own, *(self.sources[src] for src in sources))
             results[o] = (self.val[o], grads)
         return results
 
     def _shares(self, name: str, output: str, sources: dict, within=None) -> tuple:
         """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
         position)`` for each stage that consumes it, other than its own stage ``within``.
-        ``sources`` maps the keys of those stages' backward tasks, in the order they are the
+        ``sources`` maps the idents of those stages' backward tasks, in the order they are the
         task's arguments, to ``source``, their index; new ones are added."""
         picks = []
         for s in _feeding(self.plan.consumers(name, output), self.stage_of, within):
-            source = sources.setdefault(self.bwd[s].key, len(sources))
+            source = sources.setdefault(ident(self.bwd[s]), len(sources))
             picks.append((source, self.through[s].index(output), s.deps.index(name)))
         return tuple(picks)
 
     def _label(self, s) -> str:
         return f"{s.name}[{abbreviate(self.through[s])}]"
+
+
+def nested(fn, *args) -> Task:
+    """``fn(*args)`` as a task run inside the task that takes it (:class:`Inline` s unwrapped)."""
+    return Task(None, fn, *(a.arg if isinstance(a, Inline) else a for a in args))
 
 
 def token_of(task_key: str) -> str:

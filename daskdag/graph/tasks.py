@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.cancel import Cancelled, dropped
-from daskdag.graph import run
+from daskdag.graph import dense, run
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.rules.seeds import as_gradient, basis, basis_rows, check_scalar, seed, total
@@ -37,6 +37,15 @@ def forward(stage: Stage, stop, *args):
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0] if stage.bare else out
+
+
+def forward_dense(stage: Stage, stop, *args):
+    """:func:`forward`, its pullback made the stage's dense Jacobian where that is small
+    (:func:`daskdag.graph.dense.densify`): ``(exposed values, pullback)``."""
+    nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
+    dropped = dropped_of(stage, stop)
+    values, pullback = run.linearize(stage, nodes, deps, dropped)
+    return values, dense.densify(pullback, values, deps, _pull_rows, dropped)
 
 
 def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
