@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.model.leaves import differentiable_leaves
-from daskdag.rules.pullback import COMPILED, Pullback
+from daskdag.rules.pullback import Pullback
 from daskdag.rules.seeds import basis
 
 #: The most rows (elements of a stage's exposed values) a dense Jacobian is made from: each row
@@ -46,8 +46,8 @@ def densify(pullback: Pullback, values: Sequence[Any], deps: Sequence[Any], pull
     (a backward task's, :func:`daskdag.graph.tasks.backward` for a Jacobian)."""
     sizes = [sum(int(np.size(leaf)) for leaf in differentiable_leaves(v)) for v in values]
     rows = sum(sizes)
-    if not rows or rows > MOST_ROWS or any(np.iscomplexobj(leaf) for v in values
-                                           for leaf in differentiable_leaves(v)):
+    if not rows or rows > MOST_ROWS or not all(_single_or_double(leaf) for v in (*values, *deps)
+                                               for leaf in differentiable_leaves(v)):
         return pullback
     in_bytes = sum(int(np.size(leaf)) * jnp.result_type(leaf).itemsize
                    for d in deps for leaf in differentiable_leaves(d))
@@ -60,14 +60,19 @@ def densify(pullback: Pullback, values: Sequence[Any], deps: Sequence[Any], pull
     return DensePullback(tuple(jax.tree.map(np.asarray, block) for block in jacobian))
 
 
+def _single_or_double(leaf) -> bool:
+    """A real dtype of 32 or 64 bits: a contraction's sums may round otherwise than the
+    pullback's by an ulp, which half precision would show."""
+    dtype = jnp.result_type(leaf)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
+
+
 class DensePullback(Pullback):
     """A stage's pullback as its Jacobian: ``jacobian[e][i]``, for exposed value ``e`` and dep
     ``i``, a tuple of the dep's differentiable leaves, each stacked over the rows of ``e``'s
     elements (``None`` for a dep held constant; ``jacobian[e]`` is None for a value with no
     differentiable leaf). Called as any :class:`~daskdag.rules.pullback.Pullback`: a
     cotangent's leaves, flattened in order, contract with the rows."""
-
-    batching = COMPILED  # several cotangents at once: one contraction (rows)
 
     __slots__ = ("jacobian",)
 
@@ -81,25 +86,23 @@ class DensePullback(Pullback):
         return self._contract(cts, lead=1)
 
     def _contract(self, cts: tuple, lead: int) -> tuple:
-        """``lead``: 1 when each cotangent leaf is stacked over rows."""
-        out: list = [None] * len(next(j for j in self.jacobian if j is not None))
+        """``lead``: 1 when each cotangent leaf is stacked over rows. In NumPy: a few small
+        products, where each JAX op would cost its dispatch (the gradient task turns the sums
+        into JAX arrays)."""
+        zeros = next(j for j in self.jacobian if j is not None)
+        head = next((np.shape(c[0])[:lead] for c in cts if c is not None), (0,) * lead)
+        out: list = [None] * len(zeros)
         for ct, block in zip(cts, self.jacobian):
             if ct is None or block is None:
                 continue
-            head = jnp.shape(ct[0])[:lead]
-            flat = jnp.concatenate([jnp.reshape(c, (*head, -1)) for c in ct], axis=-1)
+            flat = np.concatenate([np.reshape(np.asarray(c), (*head, -1)) for c in ct], axis=-1)
             for i, leaves in enumerate(block):
                 if leaves is None:
                     continue
-                share = tuple(jnp.tensordot(flat.astype(j.dtype), j, axes=1) for j in leaves)
-                out[i] = share if out[i] is None else tuple(a + b for a, b in zip(out[i], share))
-        zeros = next(j for j in self.jacobian if j is not None)
-        head = ()
-        if lead:
-            head = next(jnp.shape(c[0])[:1] for c in cts if c is not None) if any(
-                c is not None for c in cts) else (0,)
-        return tuple(o if o is not None or leaves is None else
-                     tuple(jnp.zeros((*head, *j.shape[1:]), j.dtype) for j in leaves)
+                share = [np.tensordot(flat.astype(j.dtype, copy=False), j, axes=1) for j in leaves]
+                out[i] = share if out[i] is None else [a + b for a, b in zip(out[i], share)]
+        return tuple(None if leaves is None else tuple(
+            np.zeros((*head, *j.shape[1:]), j.dtype) for j in leaves) if o is None else tuple(o)
                      for o, leaves in zip(out, zeros))
 
     def residual_nbytes(self) -> int:

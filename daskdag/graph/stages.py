@@ -42,9 +42,11 @@ from daskdag.model.custom import is_custom
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.registry import element_of
+from daskdag.transport.protocol import token_kept
 
 
 
+@token_kept()  # (its fields are names, indices and flags)
 @dataclass(frozen=True)
 class Stage:
     """Nodes run in one task. ``sources[j][k]`` says where node ``j``'s ``k``-th dep comes from:

@@ -18,11 +18,13 @@ from dask.sizeof import sizeof
 from daskdag import config
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
-from daskdag.transport.protocol import travels
+from daskdag.transport.protocol import token_kept, travels
 from daskdag.transport.packing import Function, current, pack, unwrap
 
 
 @travels(lambda node: sizeof(node.fn))  # (a node is as large as its function, packed)
+@token_kept(lambda node: all(f is None or isinstance(f, Function) for f in (
+    node.fn, node.vjp, node.fwd, node.bwd, node.jvp)))  # (packed functions: content fixed)
 @dataclass(frozen=True)
 class Node:
     """One node: ``fn(*values of deps)``. A DAG entry ``(fn, deps)`` is ``Node(fn, deps)``.

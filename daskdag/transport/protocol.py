@@ -10,6 +10,7 @@ place.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -39,6 +40,27 @@ def _normalize_jax_array(a):
     key = id(a)
     _jax_tokens[key] = (weakref.ref(a, lambda _: _jax_tokens.pop(key, None)), token)
     return "jax.Array", token
+
+
+def token_kept(fixed: Callable[[Any], bool] = lambda obj: True):
+    """Register a frozen dataclass with Dask's ``tokenize``: its fields' token, computed once
+    per object and kept on it, for the objects ``fixed(obj)`` says cannot change (their
+    fields hold nothing mutable); others are tokenized afresh each time."""
+    def register(cls: type) -> type:
+        names = [f.name for f in dataclasses.fields(cls)]
+
+        @normalize_token.register(cls)
+        def _normalize(obj):
+            token = obj.__dict__.get("_token")
+            if token is None:
+                token = tokenize(*(getattr(obj, n) for n in names))
+                if fixed(obj):
+                    object.__setattr__(obj, "_token", token)
+            return cls.__name__, token
+
+        return cls
+
+    return register
 
 
 # -- sizes ----------------------------------------------------------------------------------------
