@@ -273,78 +273,122 @@ def portable(s: dict) -> str:
 
 
 def scale_out(s: dict) -> str:
-    """Efficiency per W (ideal / median) of each method, the spread of the wide case's branch
-    tasks over the workers and its timeline, then the medians and ratios per case."""
+    """A column per cluster shape: each case's efficiencies (ideal / median), the ratio to its
+    baseline, the spread of the branch tasks; then the wide and deep tails, broken into their
+    parts; then the medians per case."""
     cfg = s["config"]
-    by_w: dict[int, dict] = {}
+    shapes: dict[str, dict] = {}
     for c in s["cases"]:
-        by_w.setdefault(c["params"]["W"], {})[c["case"].split(",")[0]] = c
+        kind, shape = c["case"].split(", ", 1)
+        shapes.setdefault(shape, {})[kind] = c
+    names = list(shapes)
 
-    def eff(c, m):
-        return f"{c['methods'][m]['efficiency']:.2f}" if c and m in c["methods"] else "–"
+    def eff(kind, m):
+        def cell(d):
+            c = d.get(kind)
+            return f"{c['methods'][m]['efficiency']:.2f}" if c and m in c["methods"] else "–"
+        return cell
 
-    def spread(c, m):
-        calls = ((c or {}).get("branch_tasks") or {}).get(m, {}).get("calls") or []
-        if not calls or not any(sum(k["per_worker"]) for k in calls):
-            return "–"
-        return ", ".join(f"{max(k['per_worker'])}/{min(k['per_worker'])}" for k in calls)
+    def ratio(kind, r):
+        def cell(d):
+            c = d.get(kind)
+            return f"{c['ratios'][r]:.2f}" if c and r in c.get("ratios", {}) else "–"
+        return cell
 
-    def timeline(c, m):
-        calls = ((c or {}).get("branch_tasks") or {}).get(m, {}).get("calls") or []
-        calls = [k for k in calls if "branches_s" in k]
-        if not calls:
-            return "–"
-        med = sorted(calls, key=lambda k: k["before_first_s"] + k["branches_s"]
-                     + k["after_last_s"])[len(calls) // 2]
-        return " / ".join(seconds(med[p]) for p in ("before_first_s", "branches_s",
-                                                      "after_last_s"))
+    def spread(kind, m):
+        def cell(d):
+            calls = (((d.get(kind) or {}).get("branch_tasks") or {}).get(m) or {}).get("calls", [])
+            calls = [k for k in calls if sum(k["per_worker"])]
+            return ", ".join(f"{max(k['per_worker'])}/{min(k['per_worker'])}" for k in calls) or "–"
+        return cell
 
-    rows = [[f"W={w}", eff(d.get("wide"), "daskdag"), eff(d.get("wide"), "hand_written"),
-             eff(d.get("sweeps"), "daskdag"), eff(d.get("sweeps"), "delayed"),
-             spread(d.get("wide"), "daskdag"), spread(d.get("wide"), "hand_written")]
-            for w, d in sorted(by_w.items())]
-    wide_ideal = cfg["branches_per_worker"] * cfg["wide_wait_s"]
-    sweep_ideal = cfg["items_per_worker"] * cfg["item_wait_s"]
-    head = ("For each W, a default W-worker process `LocalCluster` that the scenario starts "
-            "(one at a time; start-up took "
-            + ", ".join(f"{float(t):.0f} s at W={w}" for w, t in s.get("cluster_start_s", {}).items())
-            + f"). wide: {cfg['branches_per_worker']}W branches that each wait "
-            f"{cfg['wide_wait_s']:g} s, summed by one scalar head, against the same work as a "
-            f"hand-written `dask.delayed` graph; sweeps: {cfg['items_per_worker']}W items that "
-            f"each wait {cfg['item_wait_s'] * 1e3:g} ms, `sweep_grads` against `dask.delayed` "
-            f"over the same chunks. Efficiency = ideal / median of {cfg['reps']} runs, the ideal "
-            f"being the waiting spread evenly over the W workers (wide {wide_ideal:g} s, sweeps "
-            f"{sweep_ideal:g} s): 1 is perfect. Branches per worker: for each timed call, the "
-            f"most and the fewest of the wide case's branches (daskdag: their forward tasks) "
-            f"that ran on one worker; even is {cfg['branches_per_worker']}/"
-            f"{cfg['branches_per_worker']}.")
-    table = _table(["W", "wide: daskdag", "wide: hand_written", "sweeps: daskdag",
-                    "sweeps: delayed", "wide, daskdag: branches per worker (most/fewest)",
-                    "wide, hand_written: branches per worker (most/fewest)"], rows)
-    line_rows = [[f"W={w}", timeline(d.get("wide"), "daskdag"),
-                  timeline(d.get("wide"), "hand_written")] for w, d in sorted(by_w.items())]
-    lines = ("The wide case's timeline (the median call): from the call's start to the first "
-             "branch task's start, from there to the last branch's end, and from that to the "
-             "call's end.\n\n" + _table(["W", "daskdag", "hand_written"], line_rows))
+    rows = [("wide: daskdag", eff("wide", "daskdag")),
+            ("wide: hand_written (folded)", eff("wide", "hand_written")),
+            ("wide: daskdag / hand_written", ratio("wide", "daskdag/hand_written")),
+            ("wide: tail, daskdag / hand_written", ratio("wide", "tail_ratio")),
+            ("wide: branches per worker, daskdag", spread("wide", "daskdag")),
+            ("wide: branches per worker, hand_written", spread("wide", "hand_written")),
+            ("deep: daskdag", eff("deep", "daskdag")),
+            ("deep: two_phase", eff("deep", "two_phase")),
+            ("deep: daskdag / two_phase", ratio("deep", "daskdag/two_phase")),
+            ("deep: tail, daskdag / two_phase", ratio("deep", "tail_ratio")),
+            ("deep: branches per worker, daskdag", spread("deep", "daskdag")),
+            ("deep: branches per worker, two_phase", spread("deep", "two_phase")),
+            ("sweeps: daskdag", eff("sweeps", "daskdag")),
+            ("sweeps: delayed", eff("sweeps", "delayed")),
+            ("sweeps: daskdag / delayed", ratio("sweeps", "daskdag/delayed"))]
+    table = _table(["", *names], [[label, *(cell(shapes[n]) for n in names)]
+                                   for label, cell in rows])
+    head = ("For each shape (`W=k`: k single-thread workers; `wxt`: w workers of t threads), a "
+            "default process `LocalCluster` that the scenario starts (one at a time; start-up "
+            "took " + ", ".join(f"{float(t):.0f} s for {w}" for w, t in
+                                 s.get("cluster_start_s", {}).items())
+            + f"). W = slots (workers x threads). wide: {cfg['branches_per_slot']}W branches "
+            f"that each wait {cfg['wide_wait_s']:g} s, summed by one scalar head, against the "
+            f"folded hand-written graph (one `value_and_grad` task per branch, one sum); deep: "
+            f"{cfg['layers']} layers of {cfg['branches_per_slot']}W branches that each wait "
+            f"{cfg['deep_wait_s']:g} s, fan-in between layers, two outputs, against the "
+            f"two-phase hand-written graph (forward tasks keeping each node's `jax.vjp`, "
+            f"backward tasks pulling back, pinned round-robin); sweeps: "
+            f"{cfg['items_per_slot']}W items that each wait {cfg['item_wait_s'] * 1e3:g} ms, "
+            f"`sweep_grads` against `dask.delayed` over the same chunks. Efficiency = ideal / "
+            f"median of {cfg['reps']} runs, the ideal being the waiting spread evenly over the W "
+            f"slots: 1 is perfect. Branches per worker: for each timed call, the most and the "
+            f"fewest branch (forward) tasks one worker ran; even is "
+            f"{cfg['branches_per_slot']} per thread ({cfg['layers']} times that for deep).")
+    tails = []
+    for kind, base in (("wide", "hand_written"), ("deep", "two_phase")):
+        tail_rows = []
+        for n in names:
+            c = shapes[n].get(kind)
+            for m in ("daskdag", base):
+                entry = _median_call(c, m)
+                if entry is None:
+                    continue
+                parts = "; ".join(
+                    f"`{what}` x{p['tasks']} {p['start_s'] * 1e3:+.0f}..{p['end_s'] * 1e3:+.0f} ms"
+                    f" (compute {p['compute_s'] * 1e3:.0f}, transfer {p['transfer_s'] * 1e3:.0f})"
+                    for what, p in entry.get("tail", {}).items())
+                tail_rows.append([n, m, seconds(entry["before_first_s"]),
+                                  seconds(entry["branches_s"]), seconds(entry["after_last_s"]),
+                                  parts or "–", seconds(entry.get("return_s", 0.0))])
+        tails.append(
+            f"The {kind} case's median call: before the first branch, the branches, and the "
+            f"tail after the last branch's end, in its parts: each kind of task that ran after "
+            f"that end (daskdag's by key kind; the hand-written graph's by function), when the "
+            f"first of them started and the last ended relative to it, and their compute and "
+            f"transfer time summed; `return`: from the last task's end to the call's end.\n\n"
+            + _table(["shape", "method", "before", "branches", "tail", "tail's parts",
+                      "return"], tail_rows))
 
     def med(c, m):
         return seconds(c["methods"][m]["median_s"]) if m in c["methods"] else "–"
 
     case_rows = []
     for c in s["cases"]:
-        base = "hand_written" if "hand_written" in c["methods"] else "delayed"
-        ratio = f"daskdag/{base}"
+        base = next(m for m in c["methods"] if m != "daskdag")
+        r = f"daskdag/{base}"
         floor = seconds(c["cpu_floor_s"]) if "cpu_floor_s" in c else "–"
         case_rows.append([c["case"], med(c, "daskdag"), f"{med(c, base)} (`{base}`)",
                           seconds(c["ideal_s"]),
-                          f"{c['ratios'][ratio]:.2f}" if ratio in c["ratios"] else "–",
+                          f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–",
                           str(c["params"].get("chunk_size", "–")), floor])
     cases = ("Median times per case; `CPU floor` (sweeps): the delayed method's own JAX work "
              "per item, without the waiting, timed in this process, times N over the "
              "machine's cores, a bound the waiting does not set.\n\n"
              + _table(["case", "daskdag", "baseline", "ideal", "daskdag / baseline", "chunk",
                        "CPU floor"], case_rows))
-    return "\n\n".join([head, table, lines, cases])
+    return "\n\n".join([head, table, *tails, cases])
+
+
+def _median_call(c: dict | None, m: str) -> dict | None:
+    """Of a case's timed calls of method ``m``, the one with the median time (its timeline)."""
+    calls = [k for k in (((c or {}).get("branch_tasks") or {}).get(m) or {}).get("calls", [])
+             if "branches_s" in k]
+    if not calls:
+        return None
+    return sorted(calls, key=lambda k: k["before_first_s"] + k["branches_s"]
+                  + k["after_last_s"])[len(calls) // 2]
 
 
 def tiny_nodes(s: dict) -> str:
@@ -559,40 +603,41 @@ def _generic_plot(s: dict, ax_row) -> None:
 
 
 def _scale_out_plot(s: dict, ax_row) -> None:
-    ax, spread_ax = ax_row
-    lines = [("wide", "daskdag"), ("wide", "hand_written"), ("sweeps", "daskdag"),
-             ("sweeps", "delayed")]
+    ax, tail_ax = ax_row
+    shapes = list(dict.fromkeys(c["case"].split(", ", 1)[1] for c in s["cases"]))
+    lines = [("wide", "daskdag"), ("wide", "hand_written"), ("deep", "daskdag"),
+             ("deep", "two_phase"), ("sweeps", "daskdag"), ("sweeps", "delayed")]
     for j, (kind, m) in enumerate(lines):
-        have = [c for c in s["cases"] if c["case"].startswith(kind) and m in c["methods"]]
-        ax.plot([c["params"]["W"] for c in have], [c["methods"][m]["efficiency"] for c in have],
-                marker="o", label=f"{kind}: {m}", color=f"C{j}",
-                linestyle="-" if m == "daskdag" else "--")
+        pts = [(shapes.index(c["case"].split(", ", 1)[1]), c["methods"][m]["efficiency"])
+               for c in s["cases"] if c["case"].startswith(kind) and m in c["methods"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{kind}: {m}", color=f"C{j // 2}",
+                    linestyle="-" if m == "daskdag" else "--")
     ax.axhline(1, color="black", linewidth=0.8)
-    ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":", label="wide target (0.85)")
-    ax.set_xscale("log", base=2)
-    ws = sorted({c["params"]["W"] for c in s["cases"]})
-    ax.set_xticks(ws, [str(w) for w in ws])
+    ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":", label="target (0.85)")
+    ax.set_xticks(range(len(shapes)), shapes)
     ax.set_ylim(0, 1.1)
-    ax.set_xlabel("workers W")
+    ax.set_xlabel("cluster shape")
     ax.set_ylabel("efficiency (ideal / median)")
     ax.set_title("efficiency")
     ax.legend(fontsize=7)
-    for j, m in enumerate(("daskdag", "hand_written")):
-        pts = [(c["params"]["W"], max(k["per_worker"]))
-               for c in s["cases"] if c["case"].startswith("wide")
-               for k in (c.get("branch_tasks") or {}).get(m, {}).get("calls", [])
-               if sum(k["per_worker"])]
-        if pts:
-            spread_ax.scatter(*zip(*pts), label=m, color=f"C{j}", alpha=0.7)
-    spread_ax.axhline(s["config"]["branches_per_worker"], color="black", linewidth=0.8,
-                      label="even")
-    spread_ax.set_xscale("log", base=2)
-    spread_ax.set_xticks(ws, [str(w) for w in ws])
-    spread_ax.set_ylim(bottom=0)
-    spread_ax.set_xlabel("workers W")
-    spread_ax.set_ylabel("branches on the busiest worker")
-    spread_ax.set_title("wide: spread of the branches (each call)")
-    spread_ax.legend(fontsize=7)
+    width = 0.2
+    for j, (kind, base) in enumerate((("wide", "hand_written"), ("deep", "two_phase"))):
+        for k, m in enumerate(("daskdag", base)):
+            pts = []
+            for i, shape in enumerate(shapes):
+                c = next((c for c in s["cases"] if c["case"] == f"{kind}, {shape}"), None)
+                entry = _median_call(c, m)
+                if entry is not None:
+                    pts.append((i + (2 * j + k - 1.5) * width, entry["after_last_s"]))
+            if pts:
+                tail_ax.bar(*zip(*pts), width=width, label=f"{kind}: {m}", color=f"C{j}",
+                            alpha=1.0 if m == "daskdag" else 0.5)
+    tail_ax.set_xticks(range(len(shapes)), shapes)
+    tail_ax.set_xlabel("cluster shape")
+    tail_ax.set_ylabel("seconds after the last branch")
+    tail_ax.set_title("the tail (median call)")
+    tail_ax.legend(fontsize=7)
 
 
 def _tiny_nodes_plot(s: dict, ax_row) -> None:

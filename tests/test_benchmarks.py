@@ -76,20 +76,23 @@ def test_quick_run_writes_json_markdown_and_plots(run):
         assert c["passes_equal_colours"] and c["passes"]["sparse"] == c["colours"][c["mode"]]
         assert c["passes"]["dense"] == c["params"]["n"]
         assert "sparse/dense" in c["ratios"] and "detect_and_sparse/dense" in c["ratios"]
-    scale = results["scenarios"]["scale_out"]  # a wide and a sweeps case per W, on W workers
-    assert [c["params"]["W"] for c in scale["cases"]] == [
-        w for w in scale["config"]["workers"] for _ in ("wide", "sweeps")]
+    scale = results["scenarios"]["scale_out"]  # a wide, a deep and a sweeps case per shape
+    assert [(c["params"]["workers"], c["params"]["threads"]) for c in scale["cases"]] == [
+        tuple(shape) for shape in scale["config"]["shapes"] for _ in ("wide", "deep", "sweeps")]
     for c in scale["cases"]:
         for m, record in c["methods"].items():
             assert record["efficiency"] == pytest.approx(c["ideal_s"] / record["median_s"])
             assert c["ratios"][f"efficiency_{m}"] == pytest.approx(record["efficiency"])
-        if c["case"].startswith("wide"):  # every hand-written branch task seen, on some worker
+        if c["case"].startswith(("wide", "deep")):  # every baseline branch task seen, on some worker
+            base = "hand_written" if c["case"].startswith("wide") else "two_phase"
             spread = c["branch_tasks"]
-            for call in spread["hand_written"]["calls"]:
-                assert len(call["per_worker"]) == c["params"]["W"]
-                assert sum(call["per_worker"]) == c["params"]["branches"]
+            for call in spread[base]["calls"]:
+                assert len(call["per_worker"]) == c["params"]["workers"]
+                assert sum(call["per_worker"]) == c["params"]["branches"] * c["params"].get("layers", 1)
+                assert call["after_last_s"] >= call.get("return_s", 0.0) >= 0.0
             for call in spread["daskdag"]["calls"]:  # (unknown if daskdag's key format changed)
-                assert sum(call["per_worker"]) <= c["params"]["branches"]
+                assert sum(call["per_worker"]) <= c["params"]["branches"] * c["params"].get("layers", 1)
+            assert "tail_ratio" in c["ratios"]
     tiny = results["scenarios"]["tiny_nodes"]["cases"]
     assert tiny[0]["case"] == "seed DAG" and "daskdag_threads/hand_written" in tiny[0]["ratios"]
     for c in tiny[1:]:

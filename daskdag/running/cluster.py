@@ -168,14 +168,15 @@ class Watch:
         self.since: float | None = None  # since when the cluster cannot run the call
         self.lost = 0  # the most workers seen meanwhile gone
 
-    def check(self) -> None:
-        problem: str | None
-        try:
-            found = workers(self.client)
-        except (OSError, TimeoutError) as e:  # the scheduler is unreachable
-            found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
-        else:
-            problem = self._problem(found)
+    def check(self, found: dict | None = None) -> None:
+        """``found``: the workers (:func:`workers`) just asked of the scheduler, else it asks."""
+        problem: str | None = None
+        if found is None:
+            try:
+                found = workers(self.client)
+            except (OSError, TimeoutError) as e:  # the scheduler is unreachable
+                found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
+        problem = problem or self._problem(found)
         if problem is None:
             self.since = None
             return

@@ -196,8 +196,11 @@ class Cluster:
         new workers join (distributed 2026.8 looks for another only while some worker runs).
         A chunk is taken for stranded when none of the workers there when it was sent is left.
         And give up once the cluster has had no worker for ``daskdag.worker-wait``."""
-        found = self._workers()
-        self.watch.check()
+        try:
+            found = self._workers()
+        except (OSError, TimeoutError):  # (the watch asks again, and says what happened)
+            found = None
+        self.watch.check(found)
         if found:
             for c in chunks:
                 if c.worker is not None and not c.cohort & found.keys() \
@@ -265,7 +268,10 @@ RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep f
 class Lost(Exception):
     """A chunk of several items lost with the workers that ran it (``KilledWorker``): the
     sweep runs its items again one by one (:func:`daskdag.sweeps.sweep._run_chunks`)."""
-LIST_EVERY = WAIT  # seconds a list of the workers is used for before the scheduler is asked again
+# Seconds a list of the workers is used for before the scheduler is asked again (a list of
+# every worker's state: on a large cluster, asking each time the progress bar is refreshed
+# takes the scheduler's time from the chunks).
+LIST_EVERY = 1.0
 
 
 class _Chunk:
