@@ -24,19 +24,20 @@ from daskdag.caches import clear_caches
 from daskdag.running.jobs import CallInfo
 from daskdag.transforms import (Prepared, value_and_grad, value_and_jacobian, value_and_jvp,
                                 value_grad_and_hvp)
-from daskdag.errors import ClusterError, DAGError, GradientCheckError, NodeError, TotalCheckError
+from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, StoreError,
+                            TotalCheckError)
 from daskdag.running.lazy import Call
 from daskdag.model.spec import Node
 
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
 for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError,
-                NodeError, TotalCheckError, CallInfo, Prepared):
+                NodeError, StoreError, TotalCheckError, CallInfo, Prepared):
     _public.__module__ = __name__
 del _public
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
            "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",
-           "DAGError", "NodeError", "ClusterError", "GradientCheckError", "check_totals",
+           "DAGError", "NodeError", "ClusterError", "StoreError", "GradientCheckError", "check_totals",
            "TotalCheckError", "value_and_grad", "value_and_jacobian", "value_and_jvp",
            "value_grad_and_hvp", "Prepared", "CallInfo", "clear_caches"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).

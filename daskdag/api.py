@@ -5,6 +5,8 @@ their lazy forms, and the results they return (Jacobians: :mod:`daskdag.jacobian
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -398,7 +400,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise") -> Result: ...
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                ) -> Result: ...
 
 
 @overload
@@ -406,14 +409,16 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise") -> dict[str, Result]: ...
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                ) -> dict[str, Result]: ...
 
 
 def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise") -> Result | dict[str, Result]:
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                ) -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
     Args:
@@ -436,6 +441,14 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         errors: ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
             item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.
+        store: a directory (made if missing) where each chunk's values, gradients and failed
+            items are written as the chunk finishes, durably, so that the sweep outlives this
+            process: the same call with the same store computes only the chunks it does not
+            hold, and returns what an uninterrupted sweep returns. A store holding another
+            sweep (another DAG, other inputs, outputs or settings) raises
+            :class:`~daskdag.StoreError` naming what changed, and so does one another sweep is
+            writing to. Its chunk size is the store's. Arrays in memory only (not dask arrays).
+            See the sweeps guide, "Durable sweeps".
 
     Returns:
         ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
@@ -471,6 +484,9 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         spec, names, values = parsed(dag, xs, outputs)
         batched = batched_names(values, batched)
         if arrays.holds_dask(values, batched):
+            if store is not None:
+                raise ValueError("store= takes items in memory (NumPy or JAX arrays); for "
+                                 "dask-array items, write the lazy results with da.to_zarr")
             return _results(spec, outputs, arrays.sweep_grads(
                 spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
                 chunk_size=chunk_size, client=client, progress=progress, errors=errors))
@@ -481,7 +497,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         inputs=sweep.item_signature(dag, xs, batched))
     spec = made.plan.spec
     computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,
-                                   local, progress, errors)
+                                   local, progress, errors, store=store, dag=dag)
     info = CallInfo("sweep_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
                     where=where_in_words(client, local))
     return _results(spec, outputs, computed, failed, info)

@@ -114,6 +114,12 @@ class ClusterError(RuntimeError):
     message names the client, the node or the workers."""
 
 
+class StoreError(RuntimeError):
+    """A durable sweep's store refuses the call: it holds another sweep (the DAG, its inputs,
+    outputs or settings changed: the message says which), or another sweep is writing to it.
+    Nothing in it was changed."""
+
+
 @contextlib.contextmanager
 def node_errors(node: str, phase: str) -> Iterator[None]:
     """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a

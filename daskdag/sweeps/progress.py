@@ -95,6 +95,12 @@ class Progress:
             if chunk in self.partial:
                 self.partial[chunk] = fraction * (chunk[1] - chunk[0])
 
+    def already(self, items: int):
+        """``items`` were done before the sweep started (a resumed sweep's)."""
+        with self.lock:
+            self.done += items
+        self.refresh()
+
     def close_chunk(self, chunk: tuple[int, int], finished: int):
         """The chunk is no longer running; ``finished`` of its items count as done."""
         with self.lock:

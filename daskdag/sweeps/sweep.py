@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from daskdag.sweeps.chunked import Chunked, chunk_of
 from daskdag.sweeps.engines import Cluster, Lost, Threads
@@ -43,6 +44,7 @@ from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
+from daskdag.sweeps.store import Store, identity, items_hash, read
 
 
 @dataclass(frozen=True)
@@ -141,18 +143,32 @@ def item(value):
 
 
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
-          progress: bool, errors: str):
+          progress: bool, errors: str, store=None, dag=None):
     """:func:`daskdag.sweep_grads` over arrays in memory, prepared (:func:`prepare`): ``(computed,
     failed)`` as :func:`run` returns them, chunks of ``chunk_size`` items (default
-    :func:`default_chunk_size`) on ``client``'s cluster or this process's ``local`` threads."""
+    :func:`default_chunk_size`, or the store's) on ``client``'s cluster or this process's
+    ``local`` threads. ``store``: a directory where each chunk's results are kept as it
+    finishes, and where a sweep of the same ``dag`` resumes (:mod:`daskdag.sweeps.store`)."""
     size = batch_size(values, tuple(planned.batched))
     planned = replace(planned, values=values, size=size,
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
     found = cluster.check(client, planned.plan) if client is not None else None
     slots = parallelism(found) if local != "sync" else 1
-    chunk_size = chunk_size or default_chunk_size(planned, slots)
-    return run(planned, chunk_size, client, in_flight=2 * slots if client else slots,
-               progress=progress, errors=errors, workers=found)
+    default = default_chunk_size(planned, slots)
+    kept = None
+    if store is not None:
+        shared = {i: v for i, v in values.items() if i not in planned.batched}
+        kept = Store(store, {**identity(dag, planned.plan.outputs, planned.plan.wrt,
+                                        planned.batched, size, shared, planned.cotangents),
+                             "errors": errors}, chunk_size, default)
+        chunk_size = kept.chunk_size
+    try:
+        return run(planned, chunk_size or default, client,
+                   in_flight=2 * slots if client else slots, progress=progress, errors=errors,
+                   workers=found, store=kept)
+    finally:
+        if kept is not None:
+            kept.close()
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
@@ -205,7 +221,7 @@ VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk,
 
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
-        workers: dict | None = None):
+        workers: dict | None = None, store: Store | None = None):
     """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
     ``workers``: ``client``'s workers as just listed (:func:`daskdag.running.cluster.workers`), if known.
 
@@ -223,15 +239,45 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     failed: dict[int, NodeError] = {}
     if sweep.size:
         bar = Progress(sweep.size) if progress else None
+        done = np.zeros(sweep.size, bool)  # items a store had already
+        keep = None
+        if store is not None:
+            done = _resume(store, sweep, stacked, failed)
+            if bar:
+                bar.already(int(done.sum()))
+
+            def keep(chunk, computed, fails):
+                store.write(*chunk, chunk_hash(sweep, *chunk), computed, fails)
         try:
-            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers)
+            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
+                     done, keep)
         finally:
             if bar:
                 bar.close()
     return _finish(sweep, stacked), failed
 
 
-def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers):
+def _resume(store: Store, sweep: Sweep, stacked: dict, failed: dict) -> np.ndarray:
+    """The complete chunks of ``store`` (their inputs checked against the call's) in
+    ``stacked`` and ``failed``; returns which items they hold."""
+    done = np.zeros(sweep.size, bool)
+    for (start, stop), pkl in store.complete(lambda a, b: chunk_hash(sweep, a, b)).items():
+        computed, fails = read(pkl)
+        if computed:
+            _store(stacked, sweep, start, stop, computed)
+        failed.update(fails)
+        done[start:stop] = True
+    return done
+
+
+def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
+    """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.store.items_hash`)."""
+    return items_hash({i: jax.tree.map(lambda a: a[start:stop] if is_array(a) else a,
+                                       sweep.values[i]) for i in sweep.batched})
+
+
+def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
+             keep):
     """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
     shared inputs and the chunk graph are kept for later calls
     (:func:`~daskdag.running.resident.placing`)."""
@@ -243,18 +289,32 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
             shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
             engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
-        _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine)
+        _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine, done,
+                    keep)
 
 
-def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine):
+def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
+                done=None, keep=None):
     """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
     ahead of new chunks, to name its failing items and keep the others; so is one lost with the
     workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
     no new chunk starts after a failure; the error raised is that of the lowest failing item,
-    once everything before it is known to have succeeded."""
+    once everything before it is known to have succeeded.
+
+    ``done``: items a store had already; a chunk all of whose items are done is not run (one
+    that is run anew forgets what the store said of its items' failures). ``keep(chunk,
+    computed, failed)``: called with each chunk's results, and each failed item's error under
+    ``errors='collect'``, before they count (a store writes them)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
-        chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
+        chunks = deque()
+        for s in range(0, sweep.size, chunk_size):
+            c = (s, min(s + chunk_size, sweep.size))
+            if done is not None and done[c[0]:c[1]].all():
+                continue
+            chunks.append(c)
+            for i in range(*c):
+                failed.pop(i, None)
         reruns: deque
         broken: list
         pending: dict
@@ -279,7 +339,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 break
             for fut in engine.wait_any(list(pending)):
                 c = pending.pop(fut)
-                err = _collect(engine, fut, sweep, c, stacked)
+                err = _collect(engine, fut, sweep, c, stacked, keep)
                 if bar:
                     bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
@@ -287,6 +347,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 if isinstance(err, Lost):  # item by item, ahead of new chunks
                     reruns.extend(_items(c))
                 elif c[1] - c[0] == 1:  # an item: named
+                    if keep is not None and errors == "collect":
+                        keep(c, None, {c[0]: err})
                     failed[c[0]] = err
                 elif errors == "raise":
                     bisect.insort(broken, c)
@@ -324,9 +386,11 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked) -> NodeError | Lost | None:
-    """Store a finished chunk's results; return its error instead if it failed, or ``Lost`` if
-    the workers that ran it kept dying."""
+def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, keep=None
+             ) -> NodeError | Lost | None:
+    """Store a finished chunk's results (first ``keep(chunk, results, None)`` them, when
+    given); return its error instead if it failed, or ``Lost`` if the workers that ran it kept
+    dying."""
     try:
         computed = engine.result(fut)
     except NodeError as e:
@@ -335,6 +399,8 @@ def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked) -> NodeError |
         return e
     finally:
         engine.release(fut)
+    if keep is not None:
+        keep(chunk, computed, None)
     _store(stacked, sweep, *chunk, computed)
     return None
 
