@@ -1,0 +1,299 @@
+"""Durable sweeps (``sweep_grads(store=...)``, :mod:`daskdag.sweeps.store`): results on disk as
+chunks finish, a resume that computes only what is missing and returns what an uninterrupted
+sweep returns bit for bit, a store that refuses another sweep, and clients killed mid-sweep.
+
+Items are counted at the node: the node appends a line to a file for each item it computes
+(a file, not a Python counter, so that workers' counts show, and so that the node's function,
+whose content a store records, stays the same between calls).
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import dask.array as da
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import daskdag
+
+from .conftest import local_client
+
+N, CHUNK = 60, 8
+XS = np.random.default_rng(0).uniform(0.1, 1.5, (N, 4)).astype(np.float32)
+W = jnp.linspace(0.5, 1.5, 4)
+
+DAG_MODULE = '''
+import os, time
+import jax.numpy as jnp
+
+COUNT = {count!r}
+PAUSE = {pause!r}
+FAIL = {fail!r}
+
+
+def h(x, w, i):
+    time.sleep(PAUSE)
+    with open(COUNT, "a") as f:
+        f.write(str(int(i)) + "\\n")
+    if int(i) in FAIL:
+        raise ValueError("a failing item")
+    return jnp.tanh(x * w)
+
+
+def loss(h):
+    return jnp.sum(h ** 2)
+
+
+DAG = {{"h": (h, ["x", "w", "i"]), "loss": (loss, ["h"])}}
+'''
+
+
+def dag_module(tmp_path: Path, pause: float = 0.0, fail: tuple = ()):
+    """The sweep's DAG in a module of its own (as users write it), its node counting items into
+    ``tmp_path/count`` (by index, ``i``) and failing on the items ``fail``."""
+    name = f"sweepdag_{abs(hash((str(tmp_path), pause, fail)))}"
+    (tmp_path / f"{name}.py").write_text(DAG_MODULE.format(count=str(tmp_path / "count"),
+                                                             pause=pause, fail=fail))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def counted(tmp_path: Path) -> list[int]:
+    """Each item computed so far, by its index."""
+    f = tmp_path / "count"
+    return [int(v) for v in f.read_text().split()] if f.exists() else []
+
+
+def inputs(xs=XS, w=W):
+    return {"x": xs, "w": w, "i": np.arange(len(xs))}
+
+
+def sweep(dag, store, xs=XS, **kw):
+    return daskdag.sweep_grads(dag, inputs(xs), "loss", batched=["x", "i"], store=store,
+                               **{"chunk_size": CHUNK, **kw})
+
+
+def assert_same(res, ref):
+    """Bit for bit."""
+    np.testing.assert_array_equal(np.asarray(res.value), np.asarray(ref.value))
+    np.testing.assert_array_equal(np.asarray(res.grad["x"]), np.asarray(ref.grad["x"]))
+    assert sorted(res.failed) == sorted(ref.failed)
+
+
+def test_a_stored_sweep_is_the_sweep_and_resumes_computing_nothing(tmp_path):
+    m = dag_module(tmp_path)
+    ref = sweep(m.DAG, None)
+    before = len(counted(tmp_path))
+    first = sweep(m.DAG, tmp_path / "store")
+    assert len(counted(tmp_path)) - before == N
+    assert_same(first, ref)
+    chunks = sorted((tmp_path / "store" / "chunks").glob("*.done"))
+    assert len(chunks) == -(-N // CHUNK)
+    again = sweep(m.DAG, tmp_path / "store", chunk_size=None)  # (the store's chunk size)
+    assert len(counted(tmp_path)) - before == N  # nothing computed again
+    assert_same(again, ref)
+
+
+def test_lost_or_damaged_chunks_are_computed_again_never_returned(tmp_path):
+    m = dag_module(tmp_path)
+    ref = sweep(m.DAG, None)
+    store = tmp_path / "store"
+    sweep(m.DAG, store)
+    files = sorted((store / "chunks").glob("*.pkl"))
+    (files[1].with_suffix(".done")).unlink()  # a crash before it was marked complete
+    with open(files[3], "r+b") as f:  # truncated
+        f.truncate(20)
+    body = bytearray(files[5].read_bytes())  # one byte flipped
+    body[len(body) // 2] ^= 0xFF
+    files[5].write_bytes(bytes(body))
+    before = counted(tmp_path)
+    assert_same(sweep(m.DAG, store), ref)
+    again = counted(tmp_path)[len(before):]
+    assert sorted(again) == [i for k in (1, 3, 5) for i in range(k * CHUNK, (k + 1) * CHUNK)]
+
+
+@pytest.mark.parametrize("change, what", [
+    ("inputs", "the inputs of items 8 to 15"),
+    ("shared", "the shared inputs ['w'] differ"),
+    ("dag", "the DAG's nodes ['loss'] differ"),
+    ("outputs", "outputs was"),
+    ("chunk_size", "chunk_size was 8, is now 5"),
+    ("x64", "x64 was False, is now True"),
+])
+def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, what):
+    m = dag_module(tmp_path)
+    store = tmp_path / "store"
+    sweep(m.DAG, store)
+    listing = sorted(p.name for p in (store / "chunks").iterdir())
+    xs, dag, kw = XS.copy(), m.DAG, {}
+    if change == "inputs":
+        xs[9, 2] += 1.0
+    elif change == "dag":
+        dag = {**m.DAG, "loss": (lambda h: jnp.sum(h ** 3), ["h"])}
+    elif change == "chunk_size":
+        kw["chunk_size"] = 5
+    if change == "shared":
+        call = lambda: daskdag.sweep_grads(dag, inputs(xs, W * 2), "loss", batched=["x", "i"],
+                                           store=store)
+    elif change == "outputs":
+        call = lambda: daskdag.sweep_grads(dag, inputs(xs), ["loss", "h"], batched=["x", "i"],
+                                           cotangents={"h": jnp.ones(4)}, store=store)
+    else:
+        call = lambda: sweep(dag, store, xs, **kw)
+    if change == "x64":
+        import jax
+        with jax.enable_x64(True):
+            with pytest.raises(daskdag.StoreError, match=what.replace("[", r"\[").replace("]", r"\]")):
+                call()
+    else:
+        with pytest.raises(daskdag.StoreError, match=what.replace("[", r"\[").replace("]", r"\]")):
+            call()
+    assert sorted(p.name for p in (store / "chunks").iterdir()) == listing  # nothing changed
+
+
+def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
+    m = dag_module(tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        f = open({str(store / 'lock')!r}, "a+")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        f.write("pid holding it"); f.flush()
+        print("held", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(daskdag.StoreError, match="in use by another sweep"):
+            sweep(m.DAG, store)
+        assert counted(tmp_path) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    sweep(m.DAG, store)  # free again
+    assert len(counted(tmp_path)) == N
+
+
+def test_failed_items_are_kept_and_returned_on_resume(tmp_path):
+    m = dag_module(tmp_path, fail=(3, 17))
+    ref = sweep(m.DAG, None, errors="collect")
+    assert sorted(ref.failed) == [3, 17]
+    store = tmp_path / "store"
+    first = sweep(m.DAG, store, errors="collect")
+    before = len(counted(tmp_path))
+    again = sweep(m.DAG, store, errors="collect")
+    assert len(counted(tmp_path)) == before
+    for res in (first, again):
+        assert_same(res, ref)
+        assert res.failed[17].node == "h" and "a failing item" in str(res.failed[17])
+        assert np.isnan(np.asarray(res.value)[17])
+
+
+def test_dask_array_items_are_refused_with_a_clear_error(tmp_path):
+    m = dag_module(tmp_path)
+    with pytest.raises(ValueError, match="store= takes items in memory"):
+        sweep(m.DAG, tmp_path / "store", da.from_array(XS, chunks=10))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_on_a_cluster_the_store_resumes_what_is_missing(tmp_path):
+    m = dag_module(tmp_path)
+    ref = sweep(m.DAG, None)
+    store = tmp_path / "store"
+    with local_client(2) as client:
+        first = sweep(m.DAG, store, client=client)
+        assert_same(first, ref)
+        dones = sorted((store / "chunks").glob("*.done"))
+        for d in dones[2:4]:
+            d.unlink()
+        before = counted(tmp_path)
+        again = sweep(m.DAG, store, client=client)
+    assert_same(again, ref)
+    recomputed = counted(tmp_path)[len(before):]
+    assert sorted(recomputed) == list(range(2 * CHUNK, 4 * CHUNK))
+    # (a store made on a cluster resumes on threads, and the other way round)
+    assert_same(sweep(m.DAG, store), ref)
+
+
+RUNNER = '''
+import sys
+import numpy as np
+import jax.numpy as jnp
+import daskdag
+sys.path.insert(0, {path!r})
+import {module} as m
+xs = np.load({xs!r})
+res = daskdag.sweep_grads(m.DAG, {{"x": xs, "w": jnp.linspace(0.5, 1.5, 4),
+                                  "i": np.arange(len(xs))}}, "loss",
+                          batched=["x", "i"], chunk_size={chunk}, store={store!r})
+np.savez({out!r}, value=np.asarray(res.value), grad=np.asarray(res.grad["x"]))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
+    """SIGKILL at random moments into a sweep in another process; run again until it ends.
+    The result is the uninterrupted sweep's, bit for bit, and no chunk complete when the client
+    died is computed again."""
+    m = dag_module(tmp_path, pause=0.02)
+    items = 400
+    xs = np.random.default_rng(1).uniform(0.1, 1.5, (items, 4)).astype(np.float32)
+    np.save(tmp_path / "xs.npy", xs)
+    store, out = tmp_path / "store", tmp_path / "out.npz"
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER.format(path=str(tmp_path), module=m.__name__, xs=str(tmp_path / "xs.npy"),
+                                    chunk=CHUNK, store=str(store), out=str(out)))
+    ref = daskdag.sweep_grads(m.DAG, inputs(xs), "loss", batched=["x", "i"], chunk_size=CHUNK)
+    (tmp_path / "count").unlink()
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(4):
+        proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.DEVNULL)
+        if attempt < 3:  # killed at a random moment of the sweep; the last run goes to the end
+            target = len(counted(tmp_path)) + rng.randint(5, 120)
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and len(counted(tmp_path)) < target \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if proc.poll() is None:
+                complete = {p.stem for p in (store / "chunks").glob("*.done")}
+                seen = len(counted(tmp_path))
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                kills += 1
+                # every chunk complete before the kill is still complete and is not computed again
+                after = {p.stem for p in (store / "chunks").glob("*.done")}
+                assert complete <= after
+                (tmp_path / f"complete-{attempt}").write_text("\n".join(sorted(complete)))
+                (tmp_path / f"seen-{attempt}").write_text(str(seen))
+                continue
+        assert proc.wait(timeout=240) == 0
+        break
+    assert kills >= 1, "no run was killed mid-sweep"
+    assert any((tmp_path / f"complete-{a}").exists() and (tmp_path / f"complete-{a}").read_text()
+               for a in range(3)), "no run was killed after a chunk was complete"
+    got = np.load(out)
+    np.testing.assert_array_equal(got["value"], np.asarray(ref.value))
+    np.testing.assert_array_equal(got["grad"], np.asarray(ref.grad["x"]))
+    # Every item computed; those of chunks complete at a kill not computed after it.
+    computed = counted(tmp_path)
+    assert set(computed) == set(range(items))
+    for attempt in range(3):
+        f = tmp_path / f"complete-{attempt}"
+        if not f.exists():
+            continue
+        done_items = {i for stem in f.read_text().split() for i in range(*map(int, stem.split("-")))}
+        later = computed[int((tmp_path / f"seen-{attempt}").read_text()):]
+        assert not done_items & set(later), "a chunk complete before the kill was computed again"
