@@ -3,7 +3,8 @@
     daskdag run MODULE[:DAG] --inputs IN.npz --outputs D,E [--wrt a,b] [--cotangents CT.npz]
                 [--scheduler ADDRESS [--tls DIR] [--timeout S]] [--progress] --out RESULT.npz
     daskdag sweep MODULE[:DAG] --inputs ITEMS.npz --outputs D,E [--batched a,b] [--wrt a,b]
-                [--chunk-size N] [--errors raise|collect] [--scheduler ...] --out RESULT.npz
+                [--chunk-size N] [--errors raise|collect] [--store DIR] [--scheduler ...]
+                --out RESULT.npz
     daskdag certs DIR [--host NAME ...] [--days N] [--force]
 
 ``run`` and ``sweep`` load the DAG dict (``MODULE`` a module name or a ``.py`` file, ``DAG`` the
@@ -16,7 +17,8 @@ or on ``--scheduler`` (``tcp://``/``tls://`` address or a scheduler ``.json`` fi
 ``<output>.failed``. Exit codes: 0 success; 1 a node failed (``NodeError``; or an unexpected
 error, with its traceback); 2 bad usage, DAG module or inputs (``DAGError``); 3 the cluster
 (an unreachable scheduler, ``ClusterError``); 4 a sweep with ``--errors collect`` in which some
-items failed (results written); 130 Ctrl-C.
+items failed (results written); 5 a sweep's ``--store`` that refuses it (``StoreError``); 130
+Ctrl-C.
 
 ``daskdag certs DIR`` writes the TLS files a secured Dask cluster needs.
 
@@ -57,7 +59,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import daskdag
-from daskdag.errors import ClusterError, DAGError, NodeError
+from daskdag.errors import ClusterError, DAGError, NodeError, StoreError
 from daskdag.model.spec import parse
 from daskdag.running.compute import active_client
 
@@ -210,6 +212,7 @@ def security(directory: str | os.PathLike[str]) -> distributed.Security:
 # daskdag run / daskdag sweep
 
 EXIT_OK, EXIT_NODE, EXIT_USAGE, EXIT_CLUSTER, EXIT_ITEMS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_STORE = 5
 
 EXIT_CODES = """exit codes:
   0    success (RESULT.npz written)
@@ -220,6 +223,8 @@ EXIT_CODES = """exit codes:
        --cotangents)
   3    cluster problems: a scheduler that does not answer within --timeout, daskdag.ClusterError
   4    (sweep --errors collect) some items failed: RESULT.npz is written, with <output>.failed
+  5    (sweep --store) the store holds another sweep, or another sweep is writing to it
+       (daskdag.StoreError: what changed)
   130  interrupted (Ctrl-C)"""
 
 TARGET_HELP = ("an importable module (pkg.mod, looked up from the current directory "
@@ -624,7 +629,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             results = daskdag.sweep_grads(dag, xs, outputs, batched=batched, wrt=wrt, cotangents=cts,
                                           chunk_size=args.chunk_size, client=client,
-                                          progress=not args.quiet, errors=args.errors)
+                                          progress=not args.quiet, errors=args.errors,
+                                          store=args.store)
     finally:
         if client is not None:
             client.close(timeout=10)
@@ -764,6 +770,10 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--errors", choices=("raise", "collect"), default="raise",
                        help="raise: stop at the first failing item (exit 1); collect: keep going, "
                             "save the failed items' indices as <output>.failed, exit 4")
+    sweep.add_argument("--store", metavar="DIR",
+                       help="keep each chunk's results in DIR as it finishes; run the same "
+                            "command again to resume a sweep that was cut short (it computes "
+                            "only what DIR lacks); a DIR holding another sweep exits 5")
     return top
 
 
@@ -807,6 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     " (run with --traceback for the traceback)"), e)
     except (Unreachable, ClusterError) as e:
         return fail(EXIT_CLUSTER, str(e), e)
+    except StoreError as e:
+        return fail(EXIT_STORE, str(e), e)
 
 
 if __name__ == "__main__":

@@ -297,3 +297,38 @@ def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
         done_items = {i for stem in f.read_text().split() for i in range(*map(int, stem.split("-")))}
         later = computed[int((tmp_path / f"seen-{attempt}").read_text()):]
         assert not done_items & set(later), "a chunk complete before the kill was computed again"
+
+
+@pytest.mark.timeout(240)
+def test_the_command_line_resumes_from_its_store(tmp_path):
+    m = dag_module(tmp_path)
+    root = Path(__file__).resolve().parent.parent
+    np.savez(tmp_path / "in.npz", x=XS, w=np.asarray(W), i=np.arange(N))
+    target = f"{tmp_path / (m.__name__ + '.py')}:DAG"
+
+    def cli(*more, inputs="in.npz", out="res.npz"):
+        return subprocess.run(
+            [sys.executable, "-m", "daskdag.cli", "sweep", target, "--inputs", inputs,
+             "--batched", "x,i", "--outputs", "loss", "--chunk-size", str(CHUNK), "--quiet",
+             "--store", str(tmp_path / "store"), "--out", out, *more],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+            capture_output=True, text=True, timeout=200)
+
+    first = cli()
+    assert first.returncode == 0, first.stderr
+    assert len(counted(tmp_path)) == N
+    second = cli(out="again.npz")
+    assert second.returncode == 0, second.stderr
+    assert len(counted(tmp_path)) == N  # resumed: nothing computed again
+    a, b = np.load(tmp_path / "res.npz"), np.load(tmp_path / "again.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k])
+    ref = sweep(m.DAG, None)
+    np.testing.assert_array_equal(a["loss.value"], np.asarray(ref.value))
+    changed = XS.copy()
+    changed[2, 0] += 1.0
+    np.savez(tmp_path / "changed.npz", x=changed, w=np.asarray(W), i=np.arange(N))
+    refused = cli(inputs="changed.npz", out="no.npz")
+    assert refused.returncode == 5 and "items 0 to 7" in refused.stderr, refused.stderr
+    assert not (tmp_path / "no.npz").exists()
