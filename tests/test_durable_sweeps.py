@@ -332,3 +332,39 @@ def test_the_command_line_resumes_from_its_store(tmp_path):
     refused = cli(inputs="changed.npz", out="no.npz")
     assert refused.returncode == 5 and "items 0 to 7" in refused.stderr, refused.stderr
     assert not (tmp_path / "no.npz").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (where this machine lets the tests mount one)."""
+    d = tmp_path / "small_disk"
+    d.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)],
+                          capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {made.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path, small_disk):
+    m = dag_module(tmp_path)
+    big = np.random.default_rng(2).uniform(0.1, 1.5, (64, 2048)).astype(np.float32)
+    w = jnp.linspace(0.5, 1.5, 2048)
+    call = lambda store: daskdag.sweep_grads(
+        m.DAG, {"x": big, "w": w, "i": np.arange(64)}, "loss", batched=["x", "i"], chunk_size=4,
+        store=store)
+    ref = call(None)
+    store = small_disk / "store"
+    with pytest.raises(daskdag.StoreError, match="is full .* complete and stay usable"):
+        call(store)
+    complete = sorted(p.stem for p in (store / "chunks").glob("*.done"))
+    assert 0 < len(complete) < 16
+    done_items = {i for stem in complete for i in range(*map(int, stem.split("-")))}
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    before = len(counted(tmp_path))
+    res = call(store)
+    np.testing.assert_array_equal(np.asarray(res.value), np.asarray(ref.value))
+    np.testing.assert_array_equal(np.asarray(res.grad["x"]), np.asarray(ref.grad["x"]))
+    assert set(counted(tmp_path)[before:]) == set(range(64)) - done_items

@@ -24,6 +24,7 @@ trust, as you would a pickle.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -121,9 +122,18 @@ class Store:
         body = pickle.dumps({"results": _numpy(results or {}), "failed": _picklable(failed or {})},
                             protocol=5)
         name = f"{start:012d}-{stop:012d}"
-        _write(self.path / "chunks" / f"{name}.pkl", body)
-        _write(self.path / "chunks" / f"{name}.done",
-               json.dumps({"sha256": _sha256(body), "items": items_hash}).encode())
+        try:
+            _write(self.path / "chunks" / f"{name}.pkl", body)
+            _write(self.path / "chunks" / f"{name}.done",
+                   json.dumps({"sha256": _sha256(body), "items": items_hash}).encode())
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            kept = len(list((self.path / "chunks").glob("*.done")))
+            raise StoreError(f"store {self.path} is full ({e.strerror}) while writing items "
+                             f"{start} to {stop - 1}: the {kept} chunks written before are "
+                             f"complete and stay usable; free some space and run the same call "
+                             f"again to resume") from e
 
     def close(self) -> None:
         if self._lock is not None:
