@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -368,3 +369,100 @@ def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path
     np.testing.assert_array_equal(np.asarray(res.value), np.asarray(ref.value))
     np.testing.assert_array_equal(np.asarray(res.grad["x"]), np.asarray(ref.grad["x"]))
     assert set(counted(tmp_path)[before:]) == set(range(64)) - done_items
+
+
+def wait_for_chunks(store: Path, least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list((store / "chunks").glob("*.done"))) < least:
+        assert time.monotonic() < deadline, f"fewer than {least} chunks complete in {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_the_scheduler_killed_mid_sweep_then_run_again_on_a_new_cluster(tmp_path):
+    """The scheduler (``dask scheduler``, workers that cannot import the test's modules) SIGKILLed
+    mid-sweep: the call says what happened within ``daskdag.worker-wait``; the same call on a
+    new cluster completes from the store, computing no chunk that was complete."""
+    import dask
+    from distributed import Client
+
+    from .conftest import DaskCLI, bounded
+
+    m = dag_module(tmp_path, pause=0.05)
+    items = 160
+    xs = np.random.default_rng(3).uniform(0.1, 1.5, (items, 4)).astype(np.float32)
+    ref = sweep(m.DAG, None, xs)
+    (tmp_path / "count").unlink()
+    store = tmp_path / "store"
+    first = DaskCLI(tmp_path)
+    try:
+        scheduler = first.scheduler()
+        first.worker()
+        first.worker()
+        with dask.config.set({"daskdag.worker-wait": "5s"}), \
+                Client(scheduler, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+
+            def killed_mid_sweep():
+                wait_for_chunks(store, 3)
+                first.procs[0].kill()  # the scheduler
+
+            killer = threading.Thread(target=killed_mid_sweep, daemon=True)
+            killer.start()
+            with pytest.raises(Exception) as lost:
+                bounded(lambda: sweep(m.DAG, store, xs, client=client), 90, "the sweep whose "
+                        "scheduler died")
+            killer.join()
+            print(f"the call said: {type(lost.value).__name__}: {lost.value}")
+    finally:
+        first.stop()
+    complete = sorted(p.stem for p in (store / "chunks").glob("*.done"))
+    assert 3 <= len(complete) < items // CHUNK
+    done_items = {i for stem in complete for i in range(*map(int, stem.split("-")))}
+    before = len(counted(tmp_path))
+    (tmp_path / "again").mkdir()
+    second = DaskCLI(tmp_path / "again")
+    try:
+        scheduler = second.scheduler()
+        second.worker()
+        second.worker()
+        with Client(scheduler, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            res = sweep(m.DAG, store, xs, client=client)
+    finally:
+        second.stop()
+    assert_same(res, ref)
+    assert set(counted(tmp_path)[before:]) == set(range(items)) - done_items
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_every_worker_killed_mid_sweep_the_sweep_completes_into_its_store(tmp_path):
+    import dask
+    from distributed import Client
+
+    from .conftest import KEEP_NANNIES, bounded, local_cluster, sigkill, worker_pids
+
+    m = dag_module(tmp_path, pause=0.05)
+    items = 160
+    xs = np.random.default_rng(4).uniform(0.1, 1.5, (items, 4)).astype(np.float32)
+    ref = sweep(m.DAG, None, xs)
+    store = tmp_path / "store"
+    with dask.config.set(KEEP_NANNIES), local_cluster() as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        client.wait_for_workers(2, timeout=120)
+        pids = worker_pids(client)
+
+        def kill_all():
+            wait_for_chunks(store, 3)
+            sigkill(pids.values())
+
+        killer = threading.Thread(target=kill_all, daemon=True)
+        killer.start()
+        res, took = bounded(lambda: sweep(m.DAG, store, xs, client=client), 120,
+                            "the sweep whose workers died")
+        killer.join()
+    assert_same(res, ref)
+    assert len(list((store / "chunks").glob("*.done"))) == items // CHUNK
+    assert_same(sweep(m.DAG, store, xs), ref)  # read back from the store
