@@ -23,7 +23,8 @@ on 2 workers of 1.5 GB: ``Node(remat=True)`` against spilling and an unlimited r
 memory and time), ``repeat_calls`` (repeated calls as an optimiser makes them: four models
 against OpenMDAO's ``compute_totals`` on the same JAX components and ``jax.jit``, SLSQP against
 OpenMDAO's ``ScipyOptimizeDriver``, a 200-step loop on the default cluster with its bytes per
-step, the seed DAG in a 1,000-call loop). Each times its methods against baselines in the same run,
+step, the seed DAG in a 1,000-call loop), ``durable_sweeps`` (``sweep_grads(store=...)`` against
+the same sweep in memory, and resuming a sweep that died at 90%). Each times its methods against baselines in the same run,
 interleaved, and reports medians, ratios and its targets. Cluster methods run on the default clusters of
 ``common.CLUSTERS``; those ending in ``_tuned`` on the tuned one, reported apart. The scenarios
 of ``OWN_CLUSTERS`` use none of those: they run after those clusters are closed.
@@ -50,7 +51,7 @@ from pathlib import Path
 from . import common, report
 SCENARIOS = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
              "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat",
-             "repeat_calls")
+             "repeat_calls", "durable_sweeps")
 ONE_WORKER = {"sweeps", "large_sweep"}  # the scenarios that also use the 1-worker cluster
 # use none of common.CLUSTERS (scale_out and remat start their own; the others run on this
 # process's threads)

@@ -315,6 +315,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
             chunks.append(c)
             for i in range(*c):
                 failed.pop(i, None)
+        if done is not None and done.any() and not sweep.vectorized:
+            chunks = _spread(chunks, chunk_size, in_flight)
         reruns: deque
         broken: list
         pending: dict
@@ -358,6 +360,17 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 bar.refresh()
     finally:
         engine.close()
+
+
+def _spread(chunks: deque, chunk_size: int, in_flight: int) -> deque:
+    """A resumed sweep's remaining chunks, cut smaller where they are too few to keep every slot
+    busy (``in_flight`` chunks at once). Only for item-by-item sweeps: each item is computed on
+    its own there, so the pieces give the numbers the chunks would have."""
+    missing = sum(b - a for a, b in chunks)
+    piece = max(1, -(-missing // in_flight))
+    if piece >= chunk_size:
+        return chunks
+    return deque((s, min(s + piece, b)) for a, b in chunks for s in range(a, b, piece))
 
 
 def chunk_steps(plan: Plan, items: int) -> int:
