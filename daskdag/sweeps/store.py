@@ -63,6 +63,8 @@ class Store:
         self.path = Path(os.fspath(path))
         (self.path / "chunks").mkdir(parents=True, exist_ok=True)
         self._lock = _lock(self.path / "lock")
+        for left in self.path.glob("**/.*.tmp"):  # (half-written by a sweep that died)
+            left.unlink(missing_ok=True)
         try:
             self.identity = self._agree(identity, chunk_size, default)
         except BaseException:

@@ -247,7 +247,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 bar.already(int(done.sum()))
 
             def keep(chunk, computed, fails):
-                store.write(*chunk, chunk_hash(sweep, *chunk), computed, fails)
+                store.write(chunk[0], chunk[1], chunk_hash(sweep, *chunk), computed, fails)
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
                      done, keep)
@@ -307,7 +307,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     ``errors='collect'``, before they count (a store writes them)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
-        chunks = deque()
+        chunks: deque[tuple[int, int]] = deque()
         for s in range(0, sweep.size, chunk_size):
             c = (s, min(s + chunk_size, sweep.size))
             if done is not None and done[c[0]:c[1]].all():
