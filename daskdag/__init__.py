@@ -28,10 +28,11 @@ from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeErro
                             TotalCheckError)
 from daskdag.running.lazy import Call
 from daskdag.model.spec import Node
+from daskdag.sweeps.store import SweepStore
 
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
 for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError,
-                NodeError, StoreError, TotalCheckError, CallInfo, Prepared):
+                NodeError, StoreError, TotalCheckError, CallInfo, Prepared, SweepStore):
     _public.__module__ = __name__
 del _public
 
@@ -39,6 +40,6 @@ __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_gr
            "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",
            "DAGError", "NodeError", "ClusterError", "StoreError", "GradientCheckError", "check_totals",
            "TotalCheckError", "value_and_grad", "value_and_jacobian", "value_and_jvp",
-           "value_grad_and_hvp", "Prepared", "CallInfo", "clear_caches"]
+           "value_grad_and_hvp", "Prepared", "CallInfo", "clear_caches", "SweepStore"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

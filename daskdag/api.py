@@ -29,6 +29,7 @@ from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, sweep
+from daskdag.sweeps.store import SweepStore
 from daskdag.transport.packing import ship
 
 if TYPE_CHECKING:
@@ -400,7 +401,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
                 ) -> Result: ...
 
 
@@ -409,7 +410,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
                 ) -> dict[str, Result]: ...
 
 
@@ -417,7 +418,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
                 ) -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
@@ -441,14 +442,14 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         errors: ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
             item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.
-        store: a directory (made if missing) where each chunk's values, gradients and failed
-            items are written as the chunk finishes, durably, so that the sweep outlives this
-            process: the same call with the same store computes only the chunks it does not
-            hold, and returns what an uninterrupted sweep returns. A store holding another
-            sweep (another DAG, other inputs, outputs or settings) raises
-            :class:`~daskdag.StoreError` naming what changed, and so does one another sweep is
-            writing to. Its chunk size is the store's. Arrays in memory only (not dask arrays).
-            See the sweeps guide, "Durable sweeps".
+        store: a directory (made if missing), or a :class:`~daskdag.SweepStore`, where each
+            chunk's values, gradients and failed items are written as the chunk finishes,
+            durably, so that the sweep outlives this process: the same call with the same store
+            computes only the chunks it does not hold, and returns what an uninterrupted sweep
+            returns. A store holding another sweep (another DAG, other inputs, outputs or
+            settings) raises :class:`~daskdag.StoreError` naming what changed, and so does one
+            another sweep is writing to. Its chunk size is the store's. Arrays in memory only
+            (not dask arrays). See the sweeps guide, "Durable sweeps".
 
     Returns:
         ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays

@@ -466,3 +466,22 @@ def test_every_worker_killed_mid_sweep_the_sweep_completes_into_its_store(tmp_pa
     assert_same(res, ref)
     assert len(list((store / "chunks").glob("*.done"))) == items // CHUNK
     assert_same(sweep(m.DAG, store, xs), ref)  # read back from the store
+
+
+def test_changed_items_recomputed_when_asked(tmp_path):
+    m = dag_module(tmp_path)
+    store = tmp_path / "store"
+    sweep(m.DAG, store)
+    xs = XS.copy()
+    xs[9, 2] += 1.0
+    xs[50, 0] -= 0.5
+    ref = sweep(m.DAG, None, xs)
+    before = len(counted(tmp_path))
+    with pytest.raises(daskdag.StoreError, match="changed_items='recompute'"):
+        sweep(m.DAG, store, xs)
+    res = sweep(m.DAG, daskdag.SweepStore(store, changed_items="recompute"), xs)
+    assert_same(res, ref)
+    assert sorted(counted(tmp_path)[before:]) == [*range(8, 16), *range(48, 56)]
+    assert_same(sweep(m.DAG, store, xs), ref)  # the store now holds the new items
+    with pytest.raises(ValueError, match="changed_items must be"):
+        daskdag.SweepStore(store, changed_items="ignore")

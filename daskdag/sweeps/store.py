@@ -32,6 +32,7 @@ import os
 import pickle
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +50,41 @@ from daskdag.transport.packing import pack_function
 FORMAT = 1
 
 
+@dataclass(frozen=True)
+class SweepStore:
+    """Where a durable sweep keeps its chunks, and what it does with items whose inputs
+    changed since they were stored: ``sweep_grads(..., store=SweepStore(path, ...))``. A plain
+    path is ``SweepStore(path)``.
+
+    Args:
+        path: the store's directory, made if missing.
+        changed_items: ``"raise"``: a :class:`~daskdag.StoreError` naming the items whose
+            inputs are not those their chunk was computed from; ``"recompute"``: compute those
+            chunks again (and only those), replacing what the store held for them.
+    """
+
+    path: str | os.PathLike
+    changed_items: str = "raise"
+
+    def __post_init__(self):
+        if self.changed_items not in ("raise", "recompute"):
+            raise ValueError(f"changed_items must be 'raise' or 'recompute', not "
+                             f"{self.changed_items!r}")
+
+
 class Store:
     """An open store (see the module's docstring), locked for this process until :meth:`close`.
 
     Args:
-        path: the store's directory, made if missing.
+        where: a :class:`SweepStore`, or its path.
         identity: what the sweep is (:func:`identity`), without its chunk size.
         chunk_size: items per chunk, or None: the stored sweep's, else ``default``.
         default: the chunk size of a new store when ``chunk_size`` is None.
     """
 
-    def __init__(self, path, identity: dict, chunk_size: int | None, default: int):
-        self.path = Path(os.fspath(path))
+    def __init__(self, where, identity: dict, chunk_size: int | None, default: int):
+        where = where if isinstance(where, SweepStore) else SweepStore(where)
+        self.path, self.changed_items = Path(os.fspath(where.path)), where.changed_items
         (self.path / "chunks").mkdir(parents=True, exist_ok=True)
         self._lock = _lock(self.path / "lock")
         for left in self.path.glob("**/.*.tmp"):  # (half-written by a sweep that died)
@@ -109,12 +133,17 @@ class Store:
                     f.unlink(missing_ok=True)
                 continue
             if mark["items"] != hashes(start, stop):
+                if self.changed_items == "recompute":  # (computed again, written anew)
+                    for f in (done, data):
+                        f.unlink(missing_ok=True)
+                    continue
                 changed.append(f"{start} to {stop - 1}")
             found[(start, stop)] = data
         if changed:
             raise StoreError(f"store {self.path}: the inputs of items {', '.join(changed)} are not "
-                             f"those the store computed them from. Use another store, or delete "
-                             f"this one to start afresh")
+                             f"those the store computed them from. Use another store, delete "
+                             f"this one to start afresh, or pass store=daskdag.SweepStore(path, "
+                             f"changed_items='recompute') to compute those items again")
         return found
 
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
