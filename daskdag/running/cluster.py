@@ -27,13 +27,16 @@ VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
 
 
-def workers(client) -> dict[str, dict]:
-    """``{address: info}`` of the cluster's workers, asked of the scheduler now.
+def workers(client, timeout: float | None = None) -> dict[str, dict]:
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now; ``timeout``:
+    seconds to wait for its answer (default: distributed's connect timeout, 30 s) before
+    ``TimeoutError``.
 
     (``client.scheduler_info()`` can return a cached copy without workers, which a background
     refresh may have just written.)
     """
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    return client.sync(client.scheduler.identity, n_workers=-1,
+                       callback_timeout=timeout)["workers"]
 
 
 def check(client, plan: Plan) -> dict[str, dict]:
@@ -165,6 +168,8 @@ class Watch:
     def __init__(self, client, plan: Plan | None = None):
         self.client, self.plan = client, plan
         self.wait = parse_timedelta(config.get("worker-wait"), default="s")
+        # how long a question to the scheduler may take (a loaded one answers slowly)
+        self.ask = max(self.wait, VERSIONS_WAIT)
         self.since: float | None = None  # since when the cluster cannot run the call
         self.lost = 0  # the most workers seen meanwhile gone
 
@@ -173,7 +178,7 @@ class Watch:
         problem: str | None = None
         if found is None:
             try:
-                found = workers(self.client)
+                found = workers(self.client, timeout=self.ask)
             except (OSError, TimeoutError) as e:  # the scheduler is unreachable
                 found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
         problem = problem or self._problem(found)

@@ -25,7 +25,7 @@ import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
 
 from daskdag.sweeps import progress
-from daskdag.running.cluster import Watch, workers
+from daskdag.running.cluster import Watch, describe, workers
 from daskdag.running.compute import Arrivals
 from daskdag.graph.build import key
 from daskdag.errors import ClusterError
@@ -125,7 +125,13 @@ class Cluster:
 
     def _send(self, sent: list[_Chunk]):
         """Each chunk's task, its items in it, pinned to the worker with the fewest chunks."""
-        found = self._workers() if self.pin else {}
+        try:
+            found = self._workers() if self.pin else {}
+        except (OSError, TimeoutError) as e:  # (its chunks in a store stay there)
+            raise ClusterError(
+                f"{describe(self.client)}: its scheduler cannot be reached ({type(e).__name__}: "
+                f"{e}), so the sweep's chunks cannot be sent: it stops here. Start the cluster "
+                f"again; a sweep with a store= resumes from it") from e
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
@@ -159,7 +165,7 @@ class Cluster:
         adaptive cluster) each chunk asks again."""
         now = time.monotonic()
         if fresh or not self.found or now - self.listed > LIST_EVERY:
-            self.found, self.listed = workers(self.client), now
+            self.found, self.listed = workers(self.client, timeout=self.watch.ask), now
         return self.found
 
     def _graph(self, sweep) -> distributed.Future:
