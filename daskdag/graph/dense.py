@@ -89,9 +89,9 @@ class DensePullback(Pullback):
         """``lead``: 1 when each cotangent leaf is stacked over rows. In NumPy: a few small
         products, where each JAX op would cost its dispatch (the gradient task turns the sums
         into JAX arrays)."""
-        zeros = next(j for j in self.jacobian if j is not None)
+        shapes = next(j for j in self.jacobian if j is not None)  # (of each dep's zeros)
         head = next((np.shape(c[0])[:lead] for c in cts if c is not None), (0,) * lead)
-        out: list = [None] * len(zeros)
+        out: list = [None] * len(shapes)
         for ct, block in zip(cts, self.jacobian):
             if ct is None or block is None:
                 continue
@@ -103,7 +103,7 @@ class DensePullback(Pullback):
                 out[i] = share if out[i] is None else [a + b for a, b in zip(out[i], share)]
         return tuple(None if leaves is None else tuple(
             np.zeros((*head, *j.shape[1:]), j.dtype) for j in leaves) if o is None else tuple(o)
-                     for o, leaves in zip(out, zeros))
+                     for o, leaves in zip(out, shapes))
 
     def residual_nbytes(self) -> int:
         return sum(j.nbytes for block in self.jacobian if block is not None

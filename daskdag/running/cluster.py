@@ -39,6 +39,11 @@ def workers(client, timeout: float | None = None) -> dict[str, dict]:
                        callback_timeout=timeout)["workers"]
 
 
+def unreachable(e: Exception) -> str:
+    """What asking the scheduler raised (``OSError``, ``TimeoutError``), as a problem."""
+    return f"its scheduler cannot be reached ({type(e).__name__}: {e})"
+
+
 def check(client, plan: Plan) -> dict[str, dict]:
     """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
     return the workers found (:func:`workers`).
@@ -173,15 +178,15 @@ class Watch:
         self.since: float | None = None  # since when the cluster cannot run the call
         self.lost = 0  # the most workers seen meanwhile gone
 
-    def check(self, found: dict | None = None) -> None:
-        """``found``: the workers (:func:`workers`) just asked of the scheduler, else it asks."""
-        problem: str | None = None
-        if found is None:
+    def check(self, found: dict | None = None, failed: Exception | None = None) -> None:
+        """``found``: the workers (:func:`workers`) just asked of the scheduler, or ``failed``:
+        what asking raised; else it asks."""
+        if found is None and failed is None:
             try:
                 found = workers(self.client, timeout=self.ask)
-            except (OSError, TimeoutError) as e:  # the scheduler is unreachable
-                found, problem = {}, f"its scheduler cannot be reached ({type(e).__name__}: {e})"
-        problem = problem or self._problem(found)
+            except (OSError, TimeoutError) as e:
+                failed = e
+        problem = unreachable(failed) if failed is not None else self._problem(found or {})
         if problem is None:
             self.since = None
             return

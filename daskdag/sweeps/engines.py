@@ -25,7 +25,7 @@ import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
 
 from daskdag.sweeps import progress
-from daskdag.running.cluster import Watch, describe, workers
+from daskdag.running.cluster import Watch, describe, unreachable, workers
 from daskdag.running.compute import Arrivals
 from daskdag.graph.build import key
 from daskdag.errors import ClusterError
@@ -129,9 +129,9 @@ class Cluster:
             found = self._workers() if self.pin else {}
         except (OSError, TimeoutError) as e:  # (its chunks in a store stay there)
             raise ClusterError(
-                f"{describe(self.client)}: its scheduler cannot be reached ({type(e).__name__}: "
-                f"{e}), so the sweep's chunks cannot be sent: it stops here. Start the cluster "
-                f"again; a sweep with a store= resumes from it") from e
+                f"{describe(self.client)}: {unreachable(e)}, so the sweep's chunks cannot be "
+                f"sent: it stops here. Start the cluster again; a sweep with a store= resumes "
+                f"from it") from e
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
@@ -202,11 +202,12 @@ class Cluster:
         new workers join (distributed 2026.8 looks for another only while some worker runs).
         A chunk is taken for stranded when none of the workers there when it was sent is left.
         And give up once the cluster has had no worker for ``daskdag.worker-wait``."""
+        found, failed = None, None
         try:
             found = self._workers()
-        except (OSError, TimeoutError):  # (the watch asks again, and says what happened)
-            found = None
-        self.watch.check(found)
+        except (OSError, TimeoutError) as e:
+            failed = e
+        self.watch.check(found, failed)
         if found:
             for c in chunks:
                 if c.worker is not None and not c.cohort & found.keys() \

@@ -34,7 +34,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -114,37 +114,39 @@ class Store:
                              f"another store, or delete this one to start afresh")
         return stored
 
-    def complete(self, hashes) -> dict[tuple[int, int], Path]:
-        """The complete chunks, ``{(start, stop): its .pkl}``; ``hashes(start, stop)``: the hash
-        of the call's input items there, which must be the stored one (else
-        :class:`~daskdag.StoreError` names the items whose inputs changed). Files a crash or a
-        corruption left incomplete are removed."""
-        found, changed = {}, []
+    def complete(self, hashes) -> Iterator[tuple[int, int, dict, dict[int, NodeError]]]:
+        """The complete chunks, each read once: ``(start, stop, results, failed)``.
+        ``hashes(start, stop)``: the hash of the call's input items there, which must be the
+        stored one (else, once every chunk was looked at, :class:`~daskdag.StoreError` names
+        the items whose inputs changed; with ``changed_items="recompute"`` their chunks are
+        removed, to be computed again). Files a crash or a corruption left incomplete are
+        removed."""
+        changed = []
         for done in sorted((self.path / "chunks").glob("*.done")):
             data = done.with_suffix(".pkl")
             try:
                 start, stop = map(int, done.stem.split("-"))
                 mark = json.loads(done.read_text())
-                ok = data.exists() and _sha256(data.read_bytes()) == mark["sha256"]
+                body = data.read_bytes()
+                ok = _sha256(body) == mark["sha256"]
             except (OSError, ValueError, KeyError):
                 ok = False
+            if ok and mark["items"] != hashes(start, stop):
+                if self.changed_items == "raise":
+                    changed.append(f"{start} to {stop - 1}")
+                    continue
+                ok = False  # (computed again, written anew)
             if not ok:  # never returned: computed again
                 for f in (done, data):
                     f.unlink(missing_ok=True)
                 continue
-            if mark["items"] != hashes(start, stop):
-                if self.changed_items == "recompute":  # (computed again, written anew)
-                    for f in (done, data):
-                        f.unlink(missing_ok=True)
-                    continue
-                changed.append(f"{start} to {stop - 1}")
-            found[(start, stop)] = data
+            chunk = pickle.loads(body)
+            yield start, stop, chunk["results"], chunk["failed"]
         if changed:
             raise StoreError(f"store {self.path}: the inputs of items {', '.join(changed)} are not "
                              f"those the store computed them from. Use another store, delete "
                              f"this one to start afresh, or pass store=daskdag.SweepStore(path, "
                              f"changed_items='recompute') to compute those items again")
-        return found
 
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
               failed: dict[int, NodeError] | None = None) -> None:
@@ -172,18 +174,13 @@ class Store:
             self._lock = None
 
 
-def read(pkl: Path) -> tuple[dict, dict[int, NodeError]]:
-    """A complete chunk's ``(results, failed)``."""
-    body = pickle.loads(pkl.read_bytes())
-    return body["results"], body["failed"]
-
-
-def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents) -> dict:
+def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
+             ) -> dict:
     """What a sweep is, as a store records it: each node's content token (its functions packed
     as they travel to a cluster, closed-over arrays by value), the outputs, ``wrt``, the
     batched inputs, the number of items, the hashes of the shared inputs and of the cotangents,
-    the settings the numbers depend on (``dask.config``'s ``daskdag.*`` and JAX's x64), and the
-    versions of daskdag and JAX."""
+    ``errors`` (what becomes of failing items), the settings the numbers depend on
+    (``dask.config``'s ``daskdag.*`` and JAX's x64), and the versions of daskdag and JAX."""
     from daskdag import __version__
 
     spec = parse(dag)
@@ -196,7 +193,8 @@ def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents) ->
     return {"format": FORMAT, "daskdag": __version__, "jax": jax.__version__, "dag": nodes,
             "outputs": list(outputs), "wrt": list(wrt), "batched": sorted(batched),
             "items": size, "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
-            "cotangents": hash_tree(cotangents), "x64": x64, "settings": dict(ours)}
+            "cotangents": hash_tree(cotangents), "errors": errors, "x64": x64,
+            "settings": dict(ours)}
 
 
 def hash_tree(tree) -> str:

@@ -44,7 +44,7 @@ from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
-from daskdag.sweeps.store import Store, identity, items_hash, read
+from daskdag.sweeps.store import Store, identity, items_hash
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,9 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     kept = None
     if store is not None:
         shared = {i: v for i, v in values.items() if i not in planned.batched}
-        kept = Store(store, {**identity(dag, planned.plan.outputs, planned.plan.wrt,
-                                        planned.batched, size, shared, planned.cotangents),
-                             "errors": errors}, chunk_size, default)
+        kept = Store(store, identity(dag, planned.plan.outputs, planned.plan.wrt,
+                                     planned.batched, size, shared, planned.cotangents, errors),
+                     chunk_size, default)
         chunk_size = kept.chunk_size
     try:
         return run(planned, chunk_size or default, client,
@@ -239,8 +239,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     failed: dict[int, NodeError] = {}
     if sweep.size:
         bar = Progress(sweep.size) if progress else None
-        done = np.zeros(sweep.size, bool)  # items a store had already
-        keep = None
+        done = keep = None
         if store is not None:
             done = _resume(store, sweep, stacked, failed)
             if bar:
@@ -261,8 +260,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict, failed: dict) -> np.ndarr
     """The complete chunks of ``store`` (their inputs checked against the call's) in
     ``stacked`` and ``failed``; returns which items they hold."""
     done = np.zeros(sweep.size, bool)
-    for (start, stop), pkl in store.complete(lambda a, b: chunk_hash(sweep, a, b)).items():
-        computed, fails = read(pkl)
+    for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b)):
         if computed:
             _store(stacked, sweep, start, stop, computed)
         failed.update(fails)
@@ -307,16 +305,14 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     ``errors='collect'``, before they count (a store writes them)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
-        chunks: deque[tuple[int, int]] = deque()
-        for s in range(0, sweep.size, chunk_size):
-            c = (s, min(s + chunk_size, sweep.size))
-            if done is not None and done[c[0]:c[1]].all():
-                continue
-            chunks.append(c)
-            for i in range(*c):
-                failed.pop(i, None)
-        if done is not None and done.any() and not sweep.vectorized:
-            chunks = _spread(chunks, chunk_size, in_flight)
+        chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
+        if done is not None:  # (a store's: what it holds is not run again)
+            chunks = deque(c for c in chunks if not done[c[0]:c[1]].all())
+            for c in chunks:
+                for i in range(*c):
+                    failed.pop(i, None)
+            if done.any() and not sweep.vectorized:
+                chunks = _spread(chunks, chunk_size, in_flight)
         reruns: deque
         broken: list
         pending: dict
