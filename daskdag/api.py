@@ -484,18 +484,16 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     if arrays.holds_dask({"": xs}, [""]):  # lazily, over dask arrays (daskdag.sweeps.arrays)
         spec, names, values = parsed(dag, xs, outputs)
         batched = batched_names(values, batched)
-        if arrays.holds_dask(values, batched):
-            if store is not None:
-                raise ValueError("store= takes items in memory (NumPy or JAX arrays); for "
-                                 "dask-array items, write the lazy results with da.to_zarr")
+        if arrays.holds_dask(values, batched) and store is None:
             return _results(spec, outputs, arrays.sweep_grads(
                 spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
                 chunk_size=chunk_size, client=client, progress=progress, errors=errors))
     remote = client is not None
+    like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
     made, why = prepared.get(
-        "sweep", dag, xs, (names_key(outputs), names_key(batched), names_key(wrt), remote),
-        partial(sweep.prepare, dag, xs, outputs, batched, wrt, cotangents, remote),
-        inputs=sweep.item_signature(dag, xs, batched))
+        "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), remote),
+        partial(sweep.prepare, dag, like, outputs, batched, wrt, cotangents, remote),
+        inputs=sweep.item_signature(dag, like, batched))
     spec = made.plan.spec
     computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,
                                    local, progress, errors, store=store, dag=dag)

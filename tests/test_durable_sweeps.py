@@ -84,6 +84,17 @@ def sweep(dag, store, xs=XS, **kw):
                                **{"chunk_size": CHUNK, **kw})
 
 
+def complete(store: Path) -> list[str]:
+    """The store's complete pieces, ``"start-stop"`` (its ``done`` groups)."""
+    done = store / "done"
+    return sorted(p.name for p in done.iterdir() if (p / "zarr.json").exists()) \
+        if done.exists() else []
+
+
+def items_of(pieces) -> set[int]:
+    return {i for name in pieces for i in range(*map(int, name.split("-")))}
+
+
 def assert_same(res, ref):
     """Bit for bit."""
     np.testing.assert_array_equal(np.asarray(res.value), np.asarray(ref.value))
@@ -98,8 +109,7 @@ def test_a_stored_sweep_is_the_sweep_and_resumes_computing_nothing(tmp_path):
     first = sweep(m.DAG, tmp_path / "store")
     assert len(counted(tmp_path)) - before == N
     assert_same(first, ref)
-    chunks = sorted((tmp_path / "store" / "chunks").glob("*.done"))
-    assert len(chunks) == -(-N // CHUNK)
+    assert len(complete(tmp_path / "store")) == -(-N // CHUNK)
     again = sweep(m.DAG, tmp_path / "store", chunk_size=None)  # (the store's chunk size)
     assert len(counted(tmp_path)) - before == N  # nothing computed again
     assert_same(again, ref)
@@ -110,17 +120,25 @@ def test_lost_or_damaged_chunks_are_computed_again_never_returned(tmp_path):
     ref = sweep(m.DAG, None)
     store = tmp_path / "store"
     sweep(m.DAG, store)
-    files = sorted((store / "chunks").glob("*.pkl"))
-    (files[1].with_suffix(".done")).unlink()  # a crash before it was marked complete
-    with open(files[3], "r+b") as f:  # truncated
+    pieces = complete(store)
+    import shutil
+    shutil.rmtree(store / "done" / pieces[1])  # a crash before it was marked complete
+    grads = store / "grads" / "loss" / "x" / "0" / "c"
+    with open(grads / "3" / "0", "r+b") as f:  # truncated
         f.truncate(20)
-    body = bytearray(files[5].read_bytes())  # one byte flipped
+    values = store / "values" / "loss" / "0" / "c"
+    body = bytearray((values / "5").read_bytes())  # one byte flipped
     body[len(body) // 2] ^= 0xFF
-    files[5].write_bytes(bytes(body))
+    (values / "5").write_bytes(bytes(body))
+    (values / "6").unlink()  # lost
     before = counted(tmp_path)
     assert_same(sweep(m.DAG, store), ref)
     again = counted(tmp_path)[len(before):]
-    assert sorted(again) == [i for k in (1, 3, 5) for i in range(k * CHUNK, (k + 1) * CHUNK)]
+    assert sorted(again) == [i for k in (1, 3, 5, 6) for i in range(k * CHUNK, (k + 1) * CHUNK)]
+
+
+def files(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
 
 
 @pytest.mark.parametrize("change, what", [
@@ -135,7 +153,7 @@ def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, wha
     m = dag_module(tmp_path)
     store = tmp_path / "store"
     sweep(m.DAG, store)
-    listing = sorted(p.name for p in (store / "chunks").iterdir())
+    listing = files(store)
     xs, dag, kw = XS.copy(), m.DAG, {}
     if change == "inputs":
         xs[9, 2] += 1.0
@@ -159,7 +177,7 @@ def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, wha
     else:
         with pytest.raises(daskdag.StoreError, match=what.replace("[", r"\[").replace("]", r"\]")):
             call()
-    assert sorted(p.name for p in (store / "chunks").iterdir()) == listing  # nothing changed
+    assert files(store) == listing  # nothing changed
 
 
 def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
@@ -167,10 +185,9 @@ def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, sys, time
-        f = open({str(store / 'lock')!r}, "a+")
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        f.write("pid holding it"); f.flush()
+        import fcntl, os, time
+        fd = os.open({str(store)!r}, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         print("held", flush=True)
         time.sleep(60)
         """)], stdout=subprocess.PIPE, text=True)
@@ -201,10 +218,66 @@ def test_failed_items_are_kept_and_returned_on_resume(tmp_path):
         assert np.isnan(np.asarray(res.value)[17])
 
 
-def test_dask_array_items_are_refused_with_a_clear_error(tmp_path):
+def dask_inputs(xs=XS, chunks=CHUNK):
+    return {"x": da.from_array(xs, chunks=(chunks, -1)), "w": W,
+            "i": da.from_array(np.arange(len(xs)), chunks=chunks)}
+
+
+def test_dask_array_items_go_through_the_store_and_come_back_lazily(tmp_path):
     m = dag_module(tmp_path)
-    with pytest.raises(ValueError, match="store= takes items in memory"):
-        sweep(m.DAG, tmp_path / "store", da.from_array(XS, chunks=10))
+    ref = sweep(m.DAG, None)
+    store = tmp_path / "store"
+    call = lambda where, **kw: daskdag.sweep_grads(m.DAG, dask_inputs(), "loss",
+                                                   batched=["x", "i"], store=where, **kw)
+    lazy = call(store)
+    assert isinstance(lazy.value, da.Array) and isinstance(lazy.grad["x"], da.Array)
+    assert_same(lazy, ref)
+    assert len(complete(store)) == -(-N // CHUNK)  # (the dask arrays' chunks)
+    before = len(counted(tmp_path))
+    assert before == 2 * N  # (the reference, then the stored sweep)
+    assert_same(call(store), ref)
+    assert len(counted(tmp_path)) == before  # resumed: nothing computed again
+    eager = call(daskdag.SweepStore(store, lazy=False))
+    assert isinstance(eager.value, np.ndarray)
+    assert_same(eager, ref)
+    # NumPy items, results left in the store
+    lazy_numpy = sweep(m.DAG, daskdag.SweepStore(tmp_path / "other", lazy=True))
+    assert isinstance(lazy_numpy.grad["x"], da.Array)
+    assert_same(lazy_numpy, ref)
+
+
+def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_path):
+    import zarr
+    import zarr.storage
+
+    from daskdag.sweeps.store import _Keys
+
+    m = dag_module(tmp_path, fail=(5,))
+    ref = sweep(m.DAG, None, errors="collect")
+    where = zarr.storage.MemoryStore()
+    assert_same(sweep(m.DAG, where, errors="collect"), ref)
+    group = zarr.open_group(where, mode="r")
+    np.testing.assert_array_equal(group["values/loss/0"][:], np.asarray(ref.value))
+    np.testing.assert_array_equal(group["grads/loss/x/0"][:], np.asarray(ref.grad["x"]))
+    assert group.attrs["daskdag"]["outputs"] == ["loss"]
+    before = len(counted(tmp_path))
+    again = sweep(m.DAG, where, errors="collect")
+    assert_same(again, ref)
+    assert len(counted(tmp_path)) == before and "a failing item" in str(again.failed[5])
+    other = _Keys(where, "the test's")
+    other.hold()
+    try:
+        with pytest.raises(daskdag.StoreError, match="in use by another sweep"):
+            sweep(m.DAG, where, errors="collect")
+    finally:
+        other.release()
+    assert_same(sweep(m.DAG, where, errors="collect"), ref)
+    # a lease its holder stopped renewing (a client killed) is taken over
+    lapsed = _Keys(where, "the test's")
+    lapsed.LEASE = -1.0
+    lapsed.hold()
+    lapsed._stop.set()
+    assert_same(sweep(m.DAG, where, errors="collect"), ref)
 
 
 @pytest.mark.cluster
@@ -216,9 +289,9 @@ def test_on_a_cluster_the_store_resumes_what_is_missing(tmp_path):
     with local_client(2) as client:
         first = sweep(m.DAG, store, client=client)
         assert_same(first, ref)
-        dones = sorted((store / "chunks").glob("*.done"))
-        for d in dones[2:4]:
-            d.unlink()
+        import shutil
+        for piece in complete(store)[2:4]:
+            shutil.rmtree(store / "done" / piece)
         before = counted(tmp_path)
         again = sweep(m.DAG, store, client=client)
     assert_same(again, ref)
@@ -269,15 +342,14 @@ def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
                     and time.monotonic() < deadline:
                 time.sleep(0.01)
             if proc.poll() is None:
-                complete = {p.stem for p in (store / "chunks").glob("*.done")}
+                done_before = set(complete(store))
                 seen = len(counted(tmp_path))
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
                 # every chunk complete before the kill is still complete and is not computed again
-                after = {p.stem for p in (store / "chunks").glob("*.done")}
-                assert complete <= after
-                (tmp_path / f"complete-{attempt}").write_text("\n".join(sorted(complete)))
+                assert done_before <= set(complete(store))
+                (tmp_path / f"complete-{attempt}").write_text("\n".join(sorted(done_before)))
                 (tmp_path / f"seen-{attempt}").write_text(str(seen))
                 continue
         assert proc.wait(timeout=240) == 0
@@ -295,7 +367,7 @@ def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
         f = tmp_path / f"complete-{attempt}"
         if not f.exists():
             continue
-        done_items = {i for stem in f.read_text().split() for i in range(*map(int, stem.split("-")))}
+        done_items = items_of(f.read_text().split())
         later = computed[int((tmp_path / f"seen-{attempt}").read_text()):]
         assert not done_items & set(later), "a chunk complete before the kill was computed again"
 
@@ -360,9 +432,9 @@ def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path
     store = small_disk / "store"
     with pytest.raises(daskdag.StoreError, match="is full .* complete and stay usable"):
         call(store)
-    complete = sorted(p.stem for p in (store / "chunks").glob("*.done"))
-    assert 0 < len(complete) < 16
-    done_items = {i for stem in complete for i in range(*map(int, stem.split("-")))}
+    pieces = complete(store)
+    assert 0 < len(pieces) < 16
+    done_items = items_of(pieces)
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
     before = len(counted(tmp_path))
     res = call(store)
@@ -373,7 +445,7 @@ def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path
 
 def wait_for_chunks(store: Path, least: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while len(list((store / "chunks").glob("*.done"))) < least:
+    while len(complete(store)) < least:
         assert time.monotonic() < deadline, f"fewer than {least} chunks complete in {timeout} s"
         time.sleep(0.02)
 
@@ -420,9 +492,9 @@ def test_the_scheduler_killed_mid_sweep_then_run_again_on_a_new_cluster(tmp_path
             assert took < 30, f"the call took {took:.0f} s to say its scheduler was gone"
     finally:
         first.stop()
-    complete = sorted(p.stem for p in (store / "chunks").glob("*.done"))
-    assert 3 <= len(complete) < items // CHUNK
-    done_items = {i for stem in complete for i in range(*map(int, stem.split("-")))}
+    pieces = complete(store)
+    assert 3 <= len(pieces) < items // CHUNK
+    done_items = items_of(pieces)
     before = len(counted(tmp_path))
     (tmp_path / "again").mkdir()
     second = DaskCLI(tmp_path / "again")
@@ -467,7 +539,7 @@ def test_every_worker_killed_mid_sweep_the_sweep_completes_into_its_store(tmp_pa
                             "the sweep whose workers died")
         killer.join()
     assert_same(res, ref)
-    assert len(list((store / "chunks").glob("*.done"))) == items // CHUNK
+    assert items_of(complete(store)) == set(range(items))
     assert_same(sweep(m.DAG, store, xs), ref)  # read back from the store
 
 

@@ -67,7 +67,7 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
     inputs, chunks, size = aligned(values, batched, chunk_size)
-    stand_ins = {i: _stand_in(v) if i in batched else v for i, v in values.items()}
+    stand_ins = {i: stand_in(v) if i in batched else v for i, v in values.items()}
     wrt = wrt_names(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
     with_rules(make_plan(spec, names, wrt))
     cts = cotangents_for(names, cotangents)
@@ -107,7 +107,7 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
     return {i: jax.tree.map(leaf_of, values[i]) for i in batched}, tuple(items), size  # type: ignore[arg-type]
 
 
-def _stand_in(tree):
+def stand_in(tree):
     """``tree`` with each dask array leaf as a NumPy array of its shape and dtype that holds no
     memory (one zero, broadcast): for the checks and shapes that look at an input's arrays."""
     return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape)

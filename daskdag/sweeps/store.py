@@ -1,29 +1,37 @@
-"""Durable sweeps: each chunk's results on disk as the chunk finishes, so that a sweep outlives
-its client, and the same call resumes it.
+"""Durable sweeps: each chunk's results written to a Zarr store as the chunk finishes, so that a
+sweep outlives its client, and the same call resumes it.
 
-A store is a directory:
+A store is a Zarr (v3) hierarchy, in a local directory or in any store Zarr can open (an object
+store, say), readable with Zarr alone:
 
 ```text
-sweep.json                what the sweep is (identity): format, daskdag's version, each node's
-                          content token, outputs, wrt, batched inputs, items, chunk size, the
-                          shared inputs' and cotangents' hashes, the settings numbers depend on
-lock                      held (``fcntl.flock``) while a sweep writes; says which process
-chunks/S-E.pkl            items S to E-1: ``{"results": {output: (value, {input: grad})},
-                          "failed": {item: NodeError}}``, pickled, NumPy leaves
-chunks/S-E.done           written after its ``.pkl`` is on disk (fsync, then an atomic rename):
-                          the ``.pkl``'s SHA-256 and the SHA-256 of the chunk's input items
+zarr.json                      the root group; its attribute "daskdag" is what the sweep is
+                               (identity): format, daskdag's and JAX's versions, each node's
+                               content token, outputs, wrt, batched inputs, items, chunk size, the
+                               shared inputs' and cotangents' hashes, the settings numbers depend
+                               on; "trees" is each result's pytree structure (pickled)
+values/<output>/<k>            an array per leaf k of the output's value: (items, *leaf shape),
+                               chunked by the sweep's chunk size along items
+grads/<output>/<input>/<k>     the same for each gradient leaf
+done/<start>-<stop>            a group written once items start..stop-1 are durable (local
+                               files: synced): the hash of their input items, the hash of
+                               their rows in every array, and the errors of failed items
+                               (pickled)
+lock                           (another store than local files) a lease group while a sweep writes
 ```
 
-A chunk is complete when its ``.done`` is there and the ``.pkl``'s bytes match its hash: a crash
-at any instant leaves each chunk complete or absent, and a truncated or corrupted file is
-computed again, never returned. A resumed sweep runs the chunks that are not complete; the
-identity and each complete chunk's input items must be those of the call, else
-:class:`~daskdag.StoreError` names what changed. The files are pickles: open only stores you
-trust, as you would a pickle.
+Rows of items that never arrived (failed) hold NaN (0 where the dtype has none). Items are
+complete when a ``done`` group covers them and their rows still hash as it says: a crash at any
+instant leaves each piece complete or absent, and a truncated or corrupted chunk is computed
+again, never returned. A resumed sweep runs the pieces that are not complete; the identity and
+each complete piece's input items must be those of the call, else
+:class:`~daskdag.StoreError` names what changed. The trees and errors are pickles: open only
+stores you trust, as you would a pickle.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
 import hashlib
@@ -31,147 +39,465 @@ import json
 import os
 import pickle
 import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote
 
+import dask.array as da
 import jax
 import numpy as np
+import zarr
+import zarr.storage
 from dask.base import tokenize
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from daskdag.errors import NodeError, StoreError
 from daskdag.model.leaves import is_array
 from daskdag.model.spec import parse
 from daskdag.running.prepared import settings
-from daskdag.sweeps.chunked import Items, stacked
 from daskdag.transport.packing import pack_function
 
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
 class SweepStore:
-    """Where a durable sweep keeps its chunks, and what it does with items whose inputs
-    changed since they were stored: ``sweep_grads(..., store=SweepStore(path, ...))``. A plain
-    path is ``SweepStore(path)``.
+    """Where a durable sweep keeps its results, and how it uses them:
+    ``sweep_grads(..., store=SweepStore(location, ...))``. A plain path or Zarr store is
+    ``SweepStore(it)``.
 
     Args:
-        path: the store's directory, made if missing.
+        location: a directory (made if missing), or a Zarr store object
+            (``zarr.storage.LocalStore``, ``FsspecStore``, ``ObjectStore``, ...).
         changed_items: ``"raise"``: a :class:`~daskdag.StoreError` naming the items whose
-            inputs are not those their chunk was computed from; ``"recompute"``: compute those
-            chunks again (and only those), replacing what the store held for them.
+            inputs are not those their results were computed from; ``"recompute"``: compute
+            those chunks again (and only those), replacing what the store held for them.
+        lazy: return dask arrays reading the store (``da.from_zarr``) instead of NumPy arrays
+            in memory, so that a sweep larger than memory keeps none of its results in this
+            process; default: lazy where the items are dask arrays.
     """
 
-    path: str | os.PathLike
+    location: str | os.PathLike | ZarrStore
     changed_items: str = "raise"
+    lazy: bool | None = None
 
     def __post_init__(self):
         if self.changed_items not in ("raise", "recompute"):
             raise ValueError(f"changed_items must be 'raise' or 'recompute', not "
                              f"{self.changed_items!r}")
+        if not isinstance(self.location, (str, os.PathLike, ZarrStore)):
+            raise TypeError(f"a sweep's store is a directory or a Zarr store, not "
+                            f"{type(self.location).__name__}")
+
+
+def store_of(given) -> SweepStore:
+    """``sweep_grads``'s ``store=`` as a :class:`SweepStore`."""
+    return given if isinstance(given, SweepStore) else SweepStore(given)
 
 
 class Store:
-    """An open store (see the module's docstring), locked for this process until :meth:`close`.
+    """An open store (see the module's docstring), held by this process until :meth:`close`.
 
     Args:
-        where: a :class:`SweepStore`, or its path.
+        where: a :class:`SweepStore`, a path or a Zarr store.
         identity: what the sweep is (:func:`identity`), without its chunk size.
         chunk_size: items per chunk, or None: the stored sweep's, else ``default``.
         default: the chunk size of a new store when ``chunk_size`` is None.
     """
 
     def __init__(self, where, identity: dict, chunk_size: int | None, default: int):
-        where = where if isinstance(where, SweepStore) else SweepStore(where)
-        self.path, self.changed_items = Path(os.fspath(where.path)), where.changed_items
-        (self.path / "chunks").mkdir(parents=True, exist_ok=True)
-        self._lock = _lock(self.path / "lock")
-        for left in self.path.glob("**/.*.tmp"):  # (half-written by a sweep that died)
-            left.unlink(missing_ok=True)
+        where = store_of(where)
+        self.changed_items, self.lazy = where.changed_items, where.lazy
+        self.keys = _keys(where.location)
+        self.name = self.keys.name
+        self.keys.hold()
         try:
+            self.root = zarr.open_group(self.keys.store, mode="a", zarr_format=3)
+            if "done" not in self.root:
+                self.root.create_group("done")
             self.identity = self._agree(identity, chunk_size, default)
         except BaseException:
             self.close()
             raise
         self.chunk_size: int = self.identity["chunk_size"]
+        self.trees: dict = self.root.attrs.get("trees", {})
 
     def _agree(self, identity: dict, chunk_size: int | None, default: int) -> dict:
-        file = self.path / "sweep.json"
-        if not file.exists():
+        stored = self.root.attrs.get("daskdag")
+        if stored is None:
             mine = {**identity, "chunk_size": chunk_size or default}
-            _write(file, json.dumps(mine, indent=1, sort_keys=True).encode())
+            self.root.attrs["daskdag"] = mine
+            self.keys.synced(["zarr.json"])
             return mine
-        try:
-            stored = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise StoreError(f"store {self.path}: its sweep.json cannot be read ({e}); delete the "
-                             f"store to start afresh") from None
         mine = {**identity, "chunk_size": chunk_size or stored.get("chunk_size")}
         changed = _differences(stored, mine)
         if changed:
-            raise StoreError(f"store {self.path} holds another sweep: {'; '.join(changed)}. Use "
+            raise StoreError(f"store {self.name} holds another sweep: {'; '.join(changed)}. Use "
                              f"another store, or delete this one to start afresh")
         return stored
 
-    def complete(self, hashes) -> Iterator[tuple[int, int, dict, dict[int, NodeError]]]:
-        """The complete chunks, each read once: ``(start, stop, results, failed)``.
+    def complete(self, hashes, read: bool = True
+                 ) -> Iterator[tuple[int, int, dict | None, dict[int, NodeError]]]:
+        """The complete pieces, each checked once: ``(start, stop, results, failed)``,
+        ``results`` (``{output: (value, {input: grad})}``, NumPy rows) only when ``read``.
         ``hashes(start, stop)``: the hash of the call's input items there, which must be the
-        stored one (else, once every chunk was looked at, :class:`~daskdag.StoreError` names
-        the items whose inputs changed; with ``changed_items="recompute"`` their chunks are
-        removed, to be computed again). Files a crash or a corruption left incomplete are
-        removed."""
+        stored one (else, once every piece was looked at, :class:`~daskdag.StoreError` names
+        the items whose inputs changed; with ``changed_items="recompute"`` their marks are
+        removed, to be computed again). Pieces a crash or a corruption left incomplete are
+        removed. One chunk of every array is in memory at a time."""
+        marks = self._marks()
         changed = []
-        for done in sorted((self.path / "chunks").glob("*.done")):
-            data = done.with_suffix(".pkl")
-            try:
-                start, stop = map(int, done.stem.split("-"))
-                mark = json.loads(done.read_text())
-                body = data.read_bytes()
-                ok = _sha256(body) == mark["sha256"]
-            except (OSError, ValueError, KeyError):
-                ok = False
-            if ok and mark["items"] != hashes(start, stop):
-                if self.changed_items == "raise":
-                    changed.append(f"{start} to {stop - 1}")
+        arrays = self._arrays()
+        size = self.chunk_size
+        for k in sorted({start // size for start, _ in marks}):
+            rows = {path: _read_chunk(self.keys, a, path, k, size) for path, a in arrays.items()}
+            for start, stop in sorted(m for m in marks if m[0] // size == k):
+                mark = self._mark(start, stop)
+                lo, hi = start - k * size, stop - k * size
+                ok = mark is not None and mark.get("rows") == _rows_hash(
+                    {p: None if r is None else r[lo:hi] for p, r in rows.items()},
+                    mark.get("arrays", []))
+                if ok and mark["items"] != hashes(start, stop):
+                    if self.changed_items == "raise":
+                        changed.append(f"{start} to {stop - 1}")
+                        continue
+                    ok = False  # (computed again, written anew)
+                if not ok:  # never returned: computed again
+                    self.keys.delete(_mark_key(start, stop))
                     continue
-                ok = False  # (computed again, written anew)
-            if not ok:  # never returned: computed again
-                for f in (done, data):
-                    f.unlink(missing_ok=True)
-                continue
-            chunk = pickle.loads(body)
-            yield start, stop, chunk["results"], chunk["failed"]
+                results = self._results({p: r[lo:hi] for p, r in rows.items() if r is not None}
+                                        ) if read and mark["arrays"] else None
+                failed = pickle.loads(base64.b64decode(mark["failed"])) if mark["failed"] else {}
+                yield start, stop, results, failed
         if changed:
-            raise StoreError(f"store {self.path}: the inputs of items {', '.join(changed)} are not "
+            raise StoreError(f"store {self.name}: the inputs of items {', '.join(changed)} are not "
                              f"those the store computed them from. Use another store, delete "
                              f"this one to start afresh, or pass store=daskdag.SweepStore(path, "
                              f"changed_items='recompute') to compute those items again")
 
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
               failed: dict[int, NodeError] | None = None) -> None:
-        """Items ``start:stop``'s results (``{output: (value, {input: grad})}``) and failures,
-        made durable, then marked complete."""
-        body = pickle.dumps({"results": _numpy(results or {}), "failed": _picklable(failed or {})},
-                            protocol=5)
-        name = f"{start:012d}-{stop:012d}"
+        """Items ``start:stop``'s results (``{output: (value, {input: grad})}``, stacked NumPy
+        rows) and failures, made durable, then marked complete."""
         try:
-            _write(self.path / "chunks" / f"{name}.pkl", body)
-            _write(self.path / "chunks" / f"{name}.done",
-                   json.dumps({"sha256": _sha256(body), "items": items_hash}).encode())
+            rows = self._put(start, stop, results) if results else {}
+            self.keys.synced([_chunk_key(self._arrays()[p], p, start // self.chunk_size)
+                              for p in rows])
+            failures = base64.b64encode(pickle.dumps(_picklable(failed), protocol=5)).decode() \
+                if failed else None
+            self.keys.set_json(_mark_key(start, stop), _group({
+                "items": items_hash, "arrays": sorted(rows),
+                "rows": _rows_hash(rows, sorted(rows)), "failed": failures}))
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            kept = len(list((self.path / "chunks").glob("*.done")))
-            raise StoreError(f"store {self.path} is full ({e.strerror}) while writing items "
-                             f"{start} to {stop - 1}: the {kept} chunks written before are "
-                             f"complete and stay usable; free some space and run the same call "
-                             f"again to resume") from e
+            raise StoreError(f"store {self.name} is full ({e.strerror}) while writing items "
+                             f"{start} to {stop - 1}: the {len(self._marks())} pieces written "
+                             f"before are complete and stay usable; free some space and run "
+                             f"the same call again to resume") from e
+
+    def view(self, shapes) -> dict:
+        """The results as dask arrays reading the store: ``{output: (value, {input: grad})}``.
+        ``shapes()``: one item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct``
+        trees, for results no item gave (their arrays are made, all NaN); a value whose shape
+        is unknown is ``None``."""
+        identity = self.identity
+        known = None
+        out = {}
+        for o in identity["outputs"]:
+            trees = self.trees.get(o)
+            if trees is None:
+                known = known or shapes()
+                self._create(o, known[0][o], {i: known[1][i] for i in identity["wrt"]})
+                trees = self.trees[o]
+            value = self._tree(trees["value"], f"values/{_q(o)}")
+            grads = {i: self._tree(t, f"grads/{_q(o)}/{_q(i)}") for i, t in trees["grads"].items()}
+            out[o] = (value, grads)
+        return out
 
     def close(self) -> None:
-        if self._lock is not None:
-            self._lock.close()  # (releases the flock)
-            self._lock = None
+        if getattr(self, "keys", None) is not None:
+            self.keys.release()
+            self.keys = None  # type: ignore[assignment]
+
+    # -- arrays and marks
+
+    def _put(self, start: int, stop: int, results: dict) -> dict[str, np.ndarray]:
+        """Write ``results``' rows; returns them by array path."""
+        rows = {}
+        for o, (value, grads) in results.items():
+            if o not in self.trees:
+                self._create(o, _one(value), {i: _one(g) for i, g in grads.items()})
+            for path, leaf in self._leaves(o, value, grads):
+                a = self._arrays()[path]
+                leaf = np.ascontiguousarray(np.asarray(leaf, a.dtype))
+                a[start:stop] = leaf
+                rows[path] = leaf
+        return rows
+
+    def _create(self, output: str, value, grads: dict) -> None:
+        """The arrays of ``output``'s value and gradients, shaped by one item's (trees of
+        arrays or ``ShapeDtypeStruct``; a ``None`` value stays unknown)."""
+        def make(prefix: str, tree):
+            leaves, treedef = jax.tree.flatten(tree)
+            for k, leaf in enumerate(leaves):
+                dtype = np.dtype(leaf.dtype)
+                self.root.create_array(
+                    f"{prefix}/{k}", shape=(self.identity["items"], *leaf.shape),
+                    chunks=(self.chunk_size, *leaf.shape), dtype=dtype,
+                    fill_value=np.nan if np.issubdtype(dtype, np.inexact) else 0, overwrite=True)
+            return _encode(treedef)
+
+        trees = {"value": None if value is None else make(f"values/{_q(output)}", value),
+                 "grads": {i: make(f"grads/{_q(output)}/{_q(i)}", g) for i, g in grads.items()}}
+        self.trees = {**self.trees, output: trees}
+        self.root.attrs["trees"] = self.trees
+        self._arrays_cache = None
+        self.keys.synced(["zarr.json"])
+
+    def _leaves(self, o: str, value, grads: dict):
+        yield from ((f"values/{_q(o)}/{k}", leaf) for k, leaf in enumerate(jax.tree.leaves(value)))
+        for i, g in grads.items():
+            yield from ((f"grads/{_q(o)}/{_q(i)}/{k}", leaf)
+                        for k, leaf in enumerate(jax.tree.leaves(g)))
+
+    def _results(self, rows: dict[str, np.ndarray]) -> dict:
+        out = {}
+        for o, trees in self.trees.items():
+            def tree(encoded, prefix):
+                treedef = _decode(encoded)
+                return treedef.unflatten([rows[f"{prefix}/{k}"] for k in range(treedef.num_leaves)])
+            value = None if trees["value"] is None else tree(trees["value"], f"values/{_q(o)}")
+            out[o] = (value, {i: tree(t, f"grads/{_q(o)}/{_q(i)}")
+                              for i, t in trees["grads"].items()})
+        return out
+
+    def _tree(self, encoded, prefix: str):
+        if encoded is None:
+            return None
+        treedef = _decode(encoded)
+        arrays = self._arrays()
+        return treedef.unflatten([da.from_zarr(arrays[f"{prefix}/{k}"])
+                                  for k in range(treedef.num_leaves)])
+
+    _arrays_cache: dict | None = None
+
+    def _arrays(self) -> dict[str, Any]:
+        """Every result array, by path."""
+        if self._arrays_cache is None:
+            self._arrays_cache = {}
+            for o, trees in self.trees.items():
+                for prefix, encoded in [(f"values/{_q(o)}", trees["value"]),
+                                        *((f"grads/{_q(o)}/{_q(i)}", t)
+                                          for i, t in trees["grads"].items())]:
+                    for k in range(0 if encoded is None else _decode(encoded).num_leaves):
+                        self._arrays_cache[f"{prefix}/{k}"] = self.root[f"{prefix}/{k}"]
+        return self._arrays_cache
+
+    def _marks(self) -> list[tuple[int, int]]:
+        out = []
+        for name in self.keys.children("done"):
+            try:
+                start, stop = map(int, name.split("-"))
+            except ValueError:
+                continue
+            out.append((start, stop))
+        return out
+
+    def _mark(self, start: int, stop: int) -> dict | None:
+        data = self.keys.get_json(_mark_key(start, stop))
+        try:
+            mark = data["attributes"]
+            return mark if {"items", "rows", "arrays", "failed"} <= set(mark) else None
+        except (TypeError, KeyError):
+            return None
+
+
+def _read_chunk(keys: _Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
+    """Chunk ``k`` of ``array`` (rows ``k*size`` on), or None where it cannot be decoded (then
+    removed, so that writes into it start afresh)."""
+    try:
+        return np.asarray(array[k * size:(k + 1) * size])
+    except Exception:
+        keys.delete(_chunk_key(array, path, k))
+        return None
+
+
+def _chunk_key(array, path: str, k: int) -> str:
+    return f"{path}/" + array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))
+
+
+def _mark_key(start: int, stop: int) -> str:
+    return f"done/{start:012d}-{stop:012d}/zarr.json"
+
+
+def _group(attributes: dict) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+
+
+def _rows_hash(rows: dict[str, np.ndarray | None], paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        r = rows.get(p)
+        if r is None:
+            return ""
+        h.update(f"{p}{r.dtype.str}{r.shape}".encode())
+        h.update(np.ascontiguousarray(r).tobytes())
+    return h.hexdigest()
+
+
+def _one(tree):
+    """One item's shapes in rows ``tree``."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], np.asarray(a).dtype),
+                        tree)
+
+
+def _q(name: str) -> str:
+    return quote(name, safe="")
+
+
+def _encode(treedef) -> str:
+    return base64.b64encode(pickle.dumps(treedef)).decode()
+
+
+def _decode(encoded: str):
+    return pickle.loads(base64.b64decode(encoded))
+
+
+# -- where the keys are
+
+
+class _Keys:
+    """A Zarr store's keys, as a durable sweep uses them: JSON read and written whole,
+    children listed, and the store held by one sweep at a time (a lease group, renewed while
+    held)."""
+
+    LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
+
+    def __init__(self, store: ZarrStore, name: str):
+        self.store, self.name = store, name
+        self._stop = threading.Event()
+        self._me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
+
+    def get_json(self, key: str):
+        buf = sync(self.store.get(key, prototype=default_buffer_prototype()))
+        if buf is None:
+            return None
+        try:
+            return json.loads(buf.to_bytes())
+        except ValueError:
+            return None
+
+    def set_json(self, key: str, data: dict) -> None:
+        self._set(key, json.dumps(data).encode())
+        self.synced([key])
+
+    def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
+        buf = default_buffer_prototype().buffer.from_bytes(body)
+        sync(self.store.set_if_not_exists(key, buf) if exclusive else self.store.set(key, buf))
+
+    def delete(self, key: str) -> None:
+        sync(self.store.delete(key))
+
+    def children(self, prefix: str) -> list[str]:
+        async def names():
+            return [n async for n in self.store.list_dir(prefix)]
+        return sync(names())
+
+    def synced(self, keys) -> None:
+        """Keys just written, made durable (an object store's writes are)."""
+
+    def hold(self) -> None:
+        lease = {"holder": self._me, "until": time.time() + self.LEASE}
+        self._set("lock/zarr.json", _json(_group(lease)), exclusive=True)
+        held = (self.get_json("lock/zarr.json") or {}).get("attributes", {})
+        if held.get("holder") != self._me:
+            if held.get("until", 0) > time.time():
+                raise StoreError(f"store {self.name} is in use by another sweep "
+                                 f"({held.get('holder', 'another process')}); wait for it to "
+                                 f"end, or use another store")
+            self._set("lock/zarr.json", _json(_group(lease)))  # (its holder stopped renewing)
+        threading.Thread(target=self._renew, daemon=True, name="daskdag-store-lease").start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.LEASE / 3):
+            self._set("lock/zarr.json", _json(_group({"holder": self._me,
+                                                       "until": time.time() + self.LEASE})))
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            self.delete("lock/zarr.json")
+        except Exception:  # (the lease lapses by itself)
+            pass
+
+
+class _Directory(_Keys):
+    """A store in a local directory: writes synced to disk, held with ``flock`` on the
+    directory (released when this process ends, however it ends)."""
+
+    def __init__(self, path: Path):
+        path.mkdir(parents=True, exist_ok=True)
+        super().__init__(zarr.storage.LocalStore(path), str(path))
+        self.path, self._fd = path, None
+
+    def synced(self, keys) -> None:
+        dirs = set()
+        for key in keys:
+            file = self.path / key
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(file.parent)
+        for d in dirs:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def hold(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"store {self.name} is in use by another sweep; wait for it to "
+                             f"end, or use another store") from None
+        self._fd = fd
+        for left in self.path.glob("**/*.partial"):  # (half-written by a sweep that died)
+            left.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # (releases the flock)
+            self._fd = None
+
+
+def _keys(location) -> _Keys:
+    if isinstance(location, zarr.storage.LocalStore):
+        return _Directory(Path(location.root))
+    if isinstance(location, ZarrStore):
+        return _Keys(location, str(location))
+    return _Directory(Path(os.fspath(location)))
+
+
+def _json(data) -> bytes:
+    return json.dumps(data).encode()
+
+
+# -- what a sweep is
 
 
 def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
@@ -194,7 +520,12 @@ def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, er
             "outputs": list(outputs), "wrt": list(wrt), "batched": sorted(batched),
             "items": size, "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
             "cotangents": hash_tree(cotangents), "errors": errors, "x64": x64,
-            "settings": dict(ours)}
+            "settings": _plain(dict(ours))}
+
+
+def _plain(data):
+    """``data`` as JSON keeps it (tuples as lists), so that a stored identity compares equal."""
+    return json.loads(json.dumps(data, default=repr))
 
 
 def hash_tree(tree) -> str:
@@ -231,15 +562,6 @@ def _differences(stored: dict, mine: dict) -> list[str]:
     return out
 
 
-def _numpy(results: dict) -> dict:
-    """Results with NumPy leaves, an output's items stacked."""
-    def leaves(tree):
-        return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a,
-                            stacked(tree) if isinstance(tree, Items) else tree)
-    return {o: (leaves(v), {i: leaves(g) for i, g in grads.items()})
-            for o, (v, grads) in results.items()}
-
-
 def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
     out = {}
     for item, e in failed.items():
@@ -250,49 +572,6 @@ def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
             out[item] = NodeError(e.node, e.phase, RuntimeError(f"{type(e.original).__name__}: "
                                                                 f"{e.original}"), item=e.item)
     return out
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, all or nothing: written beside it, synced, renamed over it, and the
-    directory synced."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _lock(path: Path):
-    """The store's lock, held by this process (open file); :class:`~daskdag.StoreError` when
-    another sweep holds it."""
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise StoreError(f"store {path.parent} is in use by another sweep ({holder}); wait for "
-                         f"it to end, or use another store") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    f.flush()
-    return f
 
 
 def items_hash(values: dict[str, Any]) -> str:

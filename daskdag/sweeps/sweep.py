@@ -23,10 +23,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import dask.array as da
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.sweeps.chunked import Chunked, chunk_of
+from daskdag.sweeps.chunked import Chunked, Items, chunk_of, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.errors import NodeError
 from daskdag.graph.build import build
@@ -44,7 +45,7 @@ from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
-from daskdag.sweeps.store import Store, identity, items_hash
+from daskdag.sweeps.store import Store, identity, items_hash, store_of
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,18 @@ class Sweep:
         """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
         inputs differentiated per item broadcast. Array leaves carry the items; other leaves
         (functions...) are shared."""
+        def part(a):
+            if isinstance(a, da.Array):  # (a store's dask-array items: read chunk by chunk here)
+                return np.asarray(a[start:stop])
+            if not is_array(a):
+                return a
+            return rows(a, start, stop) if self.remote else a[start:stop]  # (packed if remote)
+
         values = {}
         for i in self.carried():
             v = self.values[i]
-            if i in self.batched and self.remote:  # they will be packed
-                values[i] = jax.tree.map(lambda a: rows(a, start, stop) if is_array(a) else a, v)
-            elif i in self.batched:
-                values[i] = jax.tree.map(lambda a: a[start:stop] if is_array(a) else a, v)
+            if i in self.batched:
+                values[i] = jax.tree.map(part, v)
             else:
                 values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
                                          if is_array(a) else a, v)
@@ -158,10 +164,14 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     kept = None
     if store is not None:
         shared = {i: v for i, v in values.items() if i not in planned.batched}
+        blocks = [leaf.chunks[0][0] for i in planned.batched
+                  for leaf in jax.tree.leaves(values[i]) if isinstance(leaf, da.Array)]
         kept = Store(store, identity(dag, planned.plan.outputs, planned.plan.wrt,
                                      planned.batched, size, shared, planned.cotangents, errors),
-                     chunk_size, default)
+                     chunk_size, blocks[0] if blocks else default)
         chunk_size = kept.chunk_size
+        if kept.lazy is None:  # (dask-array items: the results stay in the store)
+            kept.lazy = bool(blocks)
     try:
         return run(planned, chunk_size or default, client,
                    in_flight=2 * slots if client else slots, progress=progress, errors=errors,
@@ -231,8 +241,9 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
     failing item's error raises. Whatever way it ends, nothing of the sweep stays running or
     held, here or on the cluster.
     """
-    stacked = {o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
-               for o in sweep.plan.outputs}
+    stacked = None if store is not None and store.lazy else {
+        o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
+        for o in sweep.plan.outputs}
     logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
                 list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
                 where(client, None))
@@ -246,21 +257,26 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 bar.already(int(done.sum()))
 
             def keep(chunk, computed, fails):
-                store.write(chunk[0], chunk[1], chunk_hash(sweep, *chunk), computed, fails)
+                store.write(chunk[0], chunk[1], chunk_hash(sweep, *chunk),
+                            computed and _rows(sweep, *chunk, computed), fails)
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
                      done, keep)
         finally:
             if bar:
                 bar.close()
+    if stacked is None:  # (a lazy store's: its results as dask arrays reading it)
+        return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched)), failed
     return _finish(sweep, stacked), failed
 
 
-def _resume(store: Store, sweep: Sweep, stacked: dict, failed: dict) -> np.ndarray:
+def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> np.ndarray:
     """The complete chunks of ``store`` (their inputs checked against the call's) in
-    ``stacked`` and ``failed``; returns which items they hold."""
+    ``stacked`` (unless None: a lazy store's stay there) and ``failed``; returns which items
+    they hold."""
     done = np.zeros(sweep.size, bool)
-    for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b)):
+    for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
+                                                       read=stacked is not None):
         if computed:
             _store(stacked, sweep, start, stop, computed)
         failed.update(fails)
@@ -270,7 +286,8 @@ def _resume(store: Store, sweep: Sweep, stacked: dict, failed: dict) -> np.ndarr
 
 def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
     """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.store.items_hash`)."""
-    return items_hash({i: jax.tree.map(lambda a: a[start:stop] if is_array(a) else a,
+    return items_hash({i: jax.tree.map(lambda a: np.asarray(a[start:stop])
+                                       if is_array(a) or isinstance(a, da.Array) else a,
                                        sweep.values[i]) for i in sweep.batched})
 
 
@@ -437,7 +454,21 @@ def _detached(e: NodeError, item: int | None) -> NodeError:
     return NodeError(e.node, e.phase, e.original, item=item)
 
 
+def _rows(sweep, start: int, stop: int, computed: dict) -> dict:
+    """A chunk's ``computed`` results as rows, one per item: items stacked, values the same
+    for every item broadcast."""
+    def rows_of(tree, carries: bool):
+        if isinstance(tree, Items):
+            return jax.tree.map(np.asarray, stack_items(tree))
+        return jax.tree.map(lambda a: np.asarray(a) if carries else
+                            np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
+    return {o: (rows_of(v, o in sweep.carrying), {i: rows_of(g, True) for i, g in grads.items()})
+            for o, (v, grads) in computed.items()}
+
+
 def _store(stacked, sweep, start, stop, computed):
+    if stacked is None:  # (a lazy store's results are written there only)
+        return
     for o, (value, grads) in computed.items():
         stacked[o][0].put(start, stop, value, o in sweep.carrying)
         for i, g in grads.items():
