@@ -33,6 +33,8 @@ from daskdag.sweeps.store import SweepStore
 from daskdag.transport.packing import ship
 
 if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
+
     from daskdag.model.spec import Spec
 
 LAZY = "lazy (where Dask computes it)"  # a lazy call's CallInfo.where
@@ -401,7 +403,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result: ...
 
 
@@ -410,7 +412,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> dict[str, Result]: ...
 
 
@@ -418,7 +420,7 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | None = None
+                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
@@ -442,14 +444,16 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         errors: ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
             item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.
-        store: a directory (made if missing), or a :class:`~daskdag.SweepStore`, where each
-            chunk's values, gradients and failed items are written as the chunk finishes,
-            durably, so that the sweep outlives this process: the same call with the same store
-            computes only the chunks it does not hold, and returns what an uninterrupted sweep
-            returns. A store holding another sweep (another DAG, other inputs, outputs or
-            settings) raises :class:`~daskdag.StoreError` naming what changed, and so does one
-            another sweep is writing to. Its chunk size is the store's. Arrays in memory only
-            (not dask arrays). See the sweeps guide, "Durable sweeps".
+        store: a directory (made if missing), a Zarr store object (an object store...), or a
+            :class:`~daskdag.SweepStore`, where each chunk's values, gradients and failed items
+            are written as the chunk finishes, durably, so that the sweep outlives this
+            process: the same call with the same store computes only the chunks it does not
+            hold, and returns what an uninterrupted sweep returns. A store holding another
+            sweep (another DAG, other inputs, outputs or settings) raises
+            :class:`~daskdag.StoreError` naming what changed, and so does one another sweep is
+            writing to. Its chunk size is the store's. With dask-array items, or
+            ``SweepStore(..., lazy=True)``, the results are dask arrays reading the store. See
+            the sweeps guide, "Durable sweeps".
 
     Returns:
         ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays

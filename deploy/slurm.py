@@ -31,7 +31,9 @@ than ``SLURMCluster.scale`` or ``adapt``, which know one kind only.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,10 +89,15 @@ class CPUGPUCluster:
 
     slurm: SLURMCluster  # the scheduler, and the template of the CPU jobs
     gpu_spec: dict = field(repr=False)  # the template of the GPU jobs, for the same scheduler
+    _stop_keeping: threading.Event | None = field(default=None, repr=False)
 
     def scale(self, cpu_jobs: int, gpu_jobs: int) -> None:
-        """Run ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs: submit or cancel the difference."""
+        """Run ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs: submit or cancel the difference.
+        Jobs that ended (time limit reached, cancelled, node lost) count as gone: calling it
+        again with the same numbers replaces them (:meth:`keep` does so every few seconds)."""
         spec = self.slurm.worker_spec
+        for name in self.ended():
+            del spec[name]
         gpu = [n for n in spec if self._is_gpu(n)]
         cpu = [n for n in spec if not self._is_gpu(n)]
         for name in cpu[cpu_jobs:] + gpu[gpu_jobs:]:
@@ -103,6 +110,38 @@ class CPUGPUCluster:
                 i += 1
             spec[f"{self.slurm.name}-gpu-{i}"] = self.gpu_spec
         self.slurm.scale(jobs=len(spec))  # the spec is complete: this submits and cancels jobs
+
+    def ended(self) -> list[str]:
+        """The jobs submitted that Slurm no longer lists (``squeue``), by worker name."""
+        started = {name: job.job_id for name, job in self.slurm.workers.items()
+                   if name in self.slurm.worker_spec and getattr(job, "job_id", None)}
+        if not started:
+            return []
+        listed = subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True,
+                                text=True, timeout=30)
+        if listed.returncode:  # (Slurm not answering: nothing is known to have ended)
+            return []
+        alive = set(listed.stdout.split())
+        return [name for name, job_id in started.items() if job_id not in alive]
+
+    def keep(self, cpu_jobs: int, gpu_jobs: int, every: float = 10.0) -> None:
+        """Keep ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs running until :meth:`close`:
+        every ``every`` seconds, jobs that ended (their ``--time`` reached) are replaced by new
+        ones. A sweep with a ``store=`` goes on through the change of jobs, computing again only
+        the chunks that were running in the jobs that ended."""
+        self.scale(cpu_jobs, gpu_jobs)
+        stop = threading.Event()
+        self._stop_keeping = stop
+
+        def keeping():
+            while not stop.wait(every):
+                try:
+                    if self.ended():
+                        self.slurm.loop.add_callback(self.scale, cpu_jobs, gpu_jobs)
+                except Exception as e:  # (squeue hung, or the cluster closing): next time
+                    print(f"CPUGPUCluster.keep: {e!r}", file=sys.stderr)
+
+        threading.Thread(target=keeping, daemon=True, name="slurm-keep").start()
 
     def _is_gpu(self, name) -> bool:
         return self.slurm.worker_spec[name] is self.gpu_spec
@@ -119,6 +158,8 @@ class CPUGPUCluster:
 
     def close(self) -> None:
         """Cancel every job and stop the scheduler."""
+        if self._stop_keeping is not None:
+            self._stop_keeping.set()
         self.slurm.close()
 
 

@@ -631,3 +631,181 @@ def test_slurm_scale_keeps_cpu_and_gpu_jobs_apart(certs, monkeypatch):
     finally:
         monkeypatch.undo()
         cluster.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real Slurm: slurmctld and slurmd on this machine (Debian's slurm-wlm and munge, which
+# .ci/run installs), jobs submitted with sbatch by CPUGPUCluster, killed at their --time.
+
+SLURM_CONF = """\
+ClusterName=daskdag-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser={user}
+SlurmdUser={user}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={dir}/munge.socket
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+OverTimeLimit=0
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=8000 State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+@pytest.fixture
+def slurm_daemons(tmp_path, monkeypatch):
+    """munged, slurmctld and slurmd for this test alone (own sockets, ports, state), as root;
+    ``SLURM_CONF`` set so that sbatch, squeue and scancel talk to them."""
+    tools = {t: shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin")
+             for t in ("munged", "slurmctld", "slurmd", "sbatch", "squeue")}
+    missing = [t for t, p in tools.items() if p is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing; .ci/run installs "
+                    f"Debian's slurm-wlm and munge)")
+    if os.geteuid() != 0:
+        pytest.skip("slurmd must run as root to start jobs")
+    d = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True)
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(
+        host=socket.gethostname().split(".")[0], user="root", dir=d, ctld_port=free_port(),
+        d_port=free_port(), node="daskdagnode", cpus=os.cpu_count() or 2))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    started = []
+    try:
+        started.append(subprocess.Popen(
+            [tools["munged"], "--foreground", "--force", f"--socket={d}/munge.socket",
+             f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
+             f"--log-file={d}/munged.log"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 20
+        while not (d / "munge.socket").exists():
+            if started[0].poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"munged does not start here: {started[0].stderr.read().decode()[-300:]}")
+            time.sleep(0.1)
+        for daemon, extra in (("slurmctld", ["-i"]), ("slurmd", ["-N", "daskdagnode"])):
+            started.append(subprocess.Popen([tools[daemon], "-D", "-f", str(conf), *extra],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while True:
+            out = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True,
+                                 text=True)
+            if out.returncode == 0 and out.stdout.strip() == "idle":
+                break
+            if time.monotonic() > deadline or any(p.poll() is not None for p in started):
+                log = "".join((d / f).read_text()[-400:] for f in ("slurmctld.log", "slurmd.log")
+                              if (d / f).exists())
+                pytest.skip(f"Slurm does not start here: {out.stderr.strip()} {log}")
+            time.sleep(0.5)
+        yield d
+    finally:
+        subprocess.run(["scancel", "--full", "--partition=test"], capture_output=True)
+        for p in reversed(started):
+            p.terminate()
+        for p in reversed(started):
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+SLURM_SWEEP_DAG = '''
+import os, time
+import jax.numpy as jnp
+
+
+def h(x, w, i):
+    time.sleep(0.3)
+    with open({count!r}, "a") as f:
+        f.write(f"{{int(i)}} {{os.environ.get('SLURM_JOB_ID', 'none')}}\\n")
+    return jnp.tanh(x * w)
+
+
+def loss(h):
+    return jnp.sum(h ** 2)
+
+
+DAG = {{"h": (h, ["x", "w", "i"]), "loss": (loss, ["h"])}}
+'''
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_a_durable_sweep_outlives_its_slurm_jobs_time_limit(certs, slurm_daemons, tmp_path):
+    """Real sbatch jobs with ``--time=1`` (minute) run a 2-minute sweep: Slurm kills them at
+    their limit mid-sweep, ``CPUGPUCluster.keep`` submits new ones, and the same call completes;
+    the same call again reads everything from the store and computes nothing."""
+    import dask
+    import numpy as np
+
+    slurm = _import_slurm()
+    count = tmp_path / "count"
+    (tmp_path / "slurm_sweep_dag.py").write_text(SLURM_SWEEP_DAG.format(count=str(count)))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import slurm_sweep_dag as m
+    finally:
+        sys.path.remove(str(tmp_path))
+    items = 800
+    xs = np.random.default_rng(5).uniform(0.1, 1.5, (items, 4)).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 4, dtype=np.float32)
+    logs = tmp_path / "jobs"
+    cluster = slurm.make_cluster(
+        certs, interface="lo", scheduler_options={"dashboard_address": "127.0.0.1:0"},
+        cpu_job=dict(cores=1, memory="2GB", walltime="00:01:00", log_directory=str(logs)))
+
+    def run(client):
+        return daskdag.sweep_grads(m.DAG, {"x": xs, "w": w, "i": np.arange(items)}, "loss",
+                                   batched=["x", "i"], chunk_size=8, client=client,
+                                   store=tmp_path / "store")
+
+    try:
+        cluster.keep(2, 0, every=2.0)
+        with cluster.client() as client, dask.config.set({"daskdag.worker-wait": "120s"}):
+            client.wait_for_workers(2, timeout=120)
+            res = run(client)
+            lines = count.read_text().split("\n")
+            again = run(client)  # everything from the store
+    finally:
+        cluster.close()
+    assert count.read_text().split("\n") == lines, "the second call computed again"
+    np.testing.assert_array_equal(np.asarray(again.value), np.asarray(res.value))
+    np.testing.assert_array_equal(np.asarray(again.grad["x"]), np.asarray(res.grad["x"]))
+    ref = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(jnp.tanh(x * w) ** 2)))(xs)
+    np.testing.assert_allclose(np.asarray(res.value), np.asarray(ref[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.grad["x"]), np.asarray(ref[1]), rtol=1e-5, atol=1e-6)
+    runs = [line.split() for line in lines if line]
+    jobs = {job for _, job in runs}
+    limited = {f.name.rsplit("-", 1)[-1].split(".")[0] for f in logs.glob("*.err")
+               if "DUE TO TIME LIMIT" in f.read_text(errors="replace")}
+    assert limited & jobs, "no job reached its time limit mid-sweep"
+    assert jobs - limited, f"no new jobs were submitted: items ran in jobs {sorted(jobs)}"
+    assert {int(i) for i, _ in runs} == set(range(items))
+    # Computed twice: only items whose chunk was running in a job that reached its limit, at
+    # most the chunks in flight (2 per worker thread, 4 here) each time.
+    first: dict[int, str] = {}
+    twice = []
+    for i, job in runs:
+        if int(i) in first:
+            twice.append(int(i))
+            assert first[int(i)] in limited, f"item {i} computed again, though its job lived"
+        first.setdefault(int(i), job)
+    assert len(twice) <= len(limited) * 4 * 8, f"{len(twice)} items computed again"

@@ -6,7 +6,7 @@ core, which knows nothing of it.
   rules, registered with :mod:`daskdag.rules.registry`;
 - :mod:`~daskdag.sweeps.engines`: where chunks run (threads, a cluster);
 - :mod:`~daskdag.sweeps.results`: the values and gradients stacked over the items;
-- :mod:`~daskdag.sweeps.store`: durable sweeps, each chunk's results on disk as it finishes;
+- :mod:`~daskdag.sweeps.store`: durable sweeps, each chunk's results in a Zarr store as it finishes;
 - :mod:`~daskdag.sweeps.arrays`: sweeps over dask arrays, lazily;
 - :mod:`~daskdag.sweeps.progress`: the progress bar over items.
 

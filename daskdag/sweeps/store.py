@@ -44,24 +44,25 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 from urllib.parse import quote
+
+import sys
+from typing import TYPE_CHECKING
 
 import dask.array as da
 import jax
 import numpy as np
-import zarr
-import zarr.storage
 from dask.base import tokenize
-from zarr.abc.store import Store as ZarrStore
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 
 from daskdag.errors import NodeError, StoreError
 from daskdag.model.leaves import is_array
 from daskdag.model.spec import parse
 from daskdag.running.prepared import settings
 from daskdag.transport.packing import pack_function
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
 
 FORMAT = 2
 
@@ -91,9 +92,16 @@ class SweepStore:
         if self.changed_items not in ("raise", "recompute"):
             raise ValueError(f"changed_items must be 'raise' or 'recompute', not "
                              f"{self.changed_items!r}")
-        if not isinstance(self.location, (str, os.PathLike, ZarrStore)):
+        if not isinstance(self.location, (str, os.PathLike)) and not _is_zarr(self.location):
             raise TypeError(f"a sweep's store is a directory or a Zarr store, not "
                             f"{type(self.location).__name__}")
+
+
+def _is_zarr(location) -> bool:
+    """A Zarr store object (Zarr, imported only where a store is used, is loaded if the user
+    made one)."""
+    abc = sys.modules.get("zarr.abc.store")
+    return abc is not None and isinstance(location, abc.Store)
 
 
 def store_of(given) -> SweepStore:
@@ -118,6 +126,8 @@ class Store:
         self.name = self.keys.name
         self.keys.hold()
         try:
+            import zarr
+
             self.root = zarr.open_group(self.keys.store, mode="a", zarr_format=3)
             if "done" not in self.root:
                 self.root.create_group("done")
@@ -126,11 +136,12 @@ class Store:
             self.close()
             raise
         self.chunk_size: int = self.identity["chunk_size"]
-        self.trees: dict = self.root.attrs.get("trees", {})
+        trees = self.root.attrs.get("trees")
+        self.trees: dict = trees if isinstance(trees, dict) else {}
 
     def _agree(self, identity: dict, chunk_size: int | None, default: int) -> dict:
         stored = self.root.attrs.get("daskdag")
-        if stored is None:
+        if not isinstance(stored, dict):
             mine = {**identity, "chunk_size": chunk_size or default}
             self.root.attrs["daskdag"] = mine
             self.keys.synced(["zarr.json"])
@@ -160,16 +171,16 @@ class Store:
             for start, stop in sorted(m for m in marks if m[0] // size == k):
                 mark = self._mark(start, stop)
                 lo, hi = start - k * size, stop - k * size
-                ok = mark is not None and mark.get("rows") == _rows_hash(
-                    {p: None if r is None else r[lo:hi] for p, r in rows.items()},
-                    mark.get("arrays", []))
-                if ok and mark["items"] != hashes(start, stop):
+                if mark is None or mark["rows"] != _rows_hash(
+                        {p: None if r is None else r[lo:hi] for p, r in rows.items()},
+                        mark["arrays"]):  # never returned: computed again
+                    self.keys.delete(_mark_key(start, stop))
+                    continue
+                if mark["items"] != hashes(start, stop):
                     if self.changed_items == "raise":
                         changed.append(f"{start} to {stop - 1}")
-                        continue
-                    ok = False  # (computed again, written anew)
-                if not ok:  # never returned: computed again
-                    self.keys.delete(_mark_key(start, stop))
+                    else:  # computed again, written anew
+                        self.keys.delete(_mark_key(start, stop))
                     continue
                 results = self._results({p: r[lo:hi] for p, r in rows.items() if r is not None}
                                         ) if read and mark["arrays"] else None
@@ -341,7 +352,7 @@ def _group(attributes: dict) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
 
 
-def _rows_hash(rows: dict[str, np.ndarray | None], paths) -> str:
+def _rows_hash(rows: Mapping[str, np.ndarray | None], paths) -> str:
     h = hashlib.sha256()
     for p in paths:
         r = rows.get(p)
@@ -381,12 +392,16 @@ class _Keys:
     LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
 
     def __init__(self, store: ZarrStore, name: str):
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
         self.store, self.name = store, name
+        self._buffers, self._sync = default_buffer_prototype(), sync
         self._stop = threading.Event()
         self._me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
 
     def get_json(self, key: str):
-        buf = sync(self.store.get(key, prototype=default_buffer_prototype()))
+        buf = self._sync(self.store.get(key, prototype=self._buffers))
         if buf is None:
             return None
         try:
@@ -399,16 +414,17 @@ class _Keys:
         self.synced([key])
 
     def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
-        buf = default_buffer_prototype().buffer.from_bytes(body)
-        sync(self.store.set_if_not_exists(key, buf) if exclusive else self.store.set(key, buf))
+        buf = self._buffers.buffer.from_bytes(body)
+        self._sync(self.store.set_if_not_exists(key, buf) if exclusive
+                   else self.store.set(key, buf))
 
     def delete(self, key: str) -> None:
-        sync(self.store.delete(key))
+        self._sync(self.store.delete(key))
 
     def children(self, prefix: str) -> list[str]:
         async def names():
             return [n async for n in self.store.list_dir(prefix)]
-        return sync(names())
+        return self._sync(names())
 
     def synced(self, keys) -> None:
         """Keys just written, made durable (an object store's writes are)."""
@@ -443,9 +459,12 @@ class _Directory(_Keys):
     directory (released when this process ends, however it ends)."""
 
     def __init__(self, path: Path):
+        from zarr.storage import LocalStore
+
         path.mkdir(parents=True, exist_ok=True)
-        super().__init__(zarr.storage.LocalStore(path), str(path))
-        self.path, self._fd = path, None
+        super().__init__(LocalStore(path), str(path))
+        self.path = path
+        self._fd: int | None = None
 
     def synced(self, keys) -> None:
         dirs = set()
@@ -486,9 +505,11 @@ class _Directory(_Keys):
 
 
 def _keys(location) -> _Keys:
-    if isinstance(location, zarr.storage.LocalStore):
-        return _Directory(Path(location.root))
-    if isinstance(location, ZarrStore):
+    if _is_zarr(location):
+        from zarr.storage import LocalStore
+
+        if isinstance(location, LocalStore):
+            return _Directory(Path(location.root))
         return _Keys(location, str(location))
     return _Directory(Path(os.fspath(location)))
 

@@ -258,14 +258,14 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
 
             def keep(chunk, computed, fails):
                 store.write(chunk[0], chunk[1], chunk_hash(sweep, *chunk),
-                            computed and _rows(sweep, *chunk, computed), fails)
+                            computed and _as_rows(sweep, chunk[0], chunk[1], computed), fails)
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
                      done, keep)
         finally:
             if bar:
                 bar.close()
-    if stacked is None:  # (a lazy store's: its results as dask arrays reading it)
+    if stacked is None and store is not None:  # (a lazy store's: dask arrays reading it)
         return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched)), failed
     return _finish(sweep, stacked), failed
 
@@ -454,7 +454,7 @@ def _detached(e: NodeError, item: int | None) -> NodeError:
     return NodeError(e.node, e.phase, e.original, item=item)
 
 
-def _rows(sweep, start: int, stop: int, computed: dict) -> dict:
+def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
     """A chunk's ``computed`` results as rows, one per item: items stacked, values the same
     for every item broadcast."""
     def rows_of(tree, carries: bool):
