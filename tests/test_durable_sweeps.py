@@ -37,13 +37,15 @@ import jax.numpy as jnp
 COUNT = {count!r}
 PAUSE = {pause!r}
 FAIL = {fail!r}
+FAILING_NOW = {failing_now!r}  # (a file of more items that fail, read at each call)
 
 
 def h(x, w, i):
     time.sleep(PAUSE)
     with open(COUNT, "a") as f:
         f.write(str(int(i)) + "\\n")
-    if int(i) in FAIL:
+    if int(i) in FAIL or (os.path.exists(FAILING_NOW)
+                          and str(int(i)) in open(FAILING_NOW).read().split()):
         raise ValueError("a failing item")
     return jnp.tanh(x * w)
 
@@ -60,8 +62,9 @@ def dag_module(tmp_path: Path, pause: float = 0.0, fail: tuple = ()):
     """The sweep's DAG in a module of its own (as users write it), its node counting items into
     ``tmp_path/count`` (by index, ``i``) and failing on the items ``fail``."""
     name = f"sweepdag_{abs(hash((str(tmp_path), pause, fail)))}"
-    (tmp_path / f"{name}.py").write_text(DAG_MODULE.format(count=str(tmp_path / "count"),
-                                                             pause=pause, fail=fail))
+    (tmp_path / f"{name}.py").write_text(DAG_MODULE.format(
+        count=str(tmp_path / "count"), pause=pause, fail=fail,
+        failing_now=str(tmp_path / "failing_now")))
     sys.path.insert(0, str(tmp_path))
     try:
         return __import__(name)
@@ -246,7 +249,42 @@ def test_dask_array_items_go_through_the_store_and_come_back_lazily(tmp_path):
     assert_same(lazy_numpy, ref)
 
 
-def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_path):
+def test_a_value_shared_by_every_item_and_failed_items_read_back_as_in_memory(tmp_path):
+    """An output of the shared inputs alone (the same for every item), and items that failed:
+    resumed, in memory and lazily, they are what a sweep without a store returns, even where
+    the store held other numbers for those rows before (``changed_items="recompute"``)."""
+    m = dag_module(tmp_path, fail=(9,))
+    dag = {**m.DAG, "reg": (lambda w: jnp.sum(w ** 2), ["w"])}
+    call = lambda where, xs=XS: daskdag.sweep_grads(
+        dag, inputs(xs), ["loss", "reg"], batched=["x", "i"], wrt=["x"], store=where,
+        chunk_size=CHUNK, errors="collect")
+    ref = call(None)
+    store = tmp_path / "store"
+    call(store)
+    for res in (call(store), call(daskdag.SweepStore(store, lazy=True))):
+        for o in ("loss", "reg"):
+            np.testing.assert_array_equal(np.asarray(res[o].value), np.asarray(ref[o].value))
+            np.testing.assert_array_equal(np.asarray(res[o].grad["x"]), np.asarray(ref[o].grad["x"]))
+        assert sorted(res["loss"].failed) == [9]
+    # item 12 fails now, where the store held its numbers: they read as NaN, not as before
+    (tmp_path / "failing_now").write_text("12")
+    xs = XS.copy()
+    xs[12] += 0.25
+    ref = call(None, xs)
+    lazy = call(daskdag.SweepStore(store, changed_items="recompute", lazy=True), xs)
+    assert sorted(lazy["loss"].failed) == [9, 12] and np.isnan(np.asarray(lazy["loss"].value)[12])
+    for res in (lazy, call(store, xs)):
+        for o in ("loss", "reg"):
+            np.testing.assert_array_equal(np.asarray(res[o].value), np.asarray(ref[o].value))
+            np.testing.assert_array_equal(np.asarray(res[o].grad["x"]), np.asarray(ref[o].grad["x"]))
+
+
+@pytest.mark.parametrize("kind", ["MemoryStore", "FsspecStore"])
+def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_path, kind):
+    """Any Zarr store: Zarr's own in-memory store, and fsspec's (as over S3 or GCS, whose
+    create-if-absent is not atomic) on its in-memory filesystem."""
+    import uuid
+
     import zarr
     import zarr.storage
 
@@ -254,7 +292,8 @@ def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_p
 
     m = dag_module(tmp_path, fail=(5,))
     ref = sweep(m.DAG, None, errors="collect")
-    where = zarr.storage.MemoryStore()
+    where = zarr.storage.MemoryStore() if kind == "MemoryStore" else \
+        zarr.storage.FsspecStore.from_url(f"memory://daskdag-test-{uuid.uuid4().hex}")
     assert_same(sweep(m.DAG, where, errors="collect"), ref)
     group = zarr.open_group(where, mode="r")
     np.testing.assert_array_equal(group["values/loss/0"][:], np.asarray(ref.value))
@@ -297,6 +336,11 @@ def test_on_a_cluster_the_store_resumes_what_is_missing(tmp_path):
     assert_same(again, ref)
     recomputed = counted(tmp_path)[len(before):]
     assert sorted(recomputed) == list(range(2 * CHUNK, 4 * CHUNK))
+    with local_client(2) as client:  # dask-array items, through the cluster into a store
+        lazy = daskdag.sweep_grads(m.DAG, dask_inputs(), "loss", batched=["x", "i"],
+                                   store=tmp_path / "lazy", client=client)
+        assert isinstance(lazy.value, da.Array)
+        assert_same(lazy, ref)
     # (a store made on a cluster resumes on threads, and the other way round)
     assert_same(sweep(m.DAG, store), ref)
 

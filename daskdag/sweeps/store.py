@@ -31,6 +31,7 @@ stores you trust, as you would a pickle.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import errno
 import fcntl
@@ -42,6 +43,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -122,6 +124,8 @@ class Store:
     def __init__(self, where, identity: dict, chunk_size: int | None, default: int):
         where = store_of(where)
         self.changed_items, self.lazy = where.changed_items, where.lazy
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
         self.keys = _keys(where.location)
         self.name = self.keys.name
         self.keys.hold()
@@ -182,10 +186,16 @@ class Store:
                     else:  # computed again, written anew
                         self.keys.delete(_mark_key(start, stop))
                     continue
-                results = self._results({p: r[lo:hi] for p, r in rows.items() if r is not None}
-                                        ) if read and mark["arrays"] else None
-                failed = pickle.loads(base64.b64decode(mark["failed"])) if mark["failed"] else {}
-                yield start, stop, results, failed
+                if mark["failed"]:  # (an item that failed: its rows are NaN)
+                    yield start, stop, None, pickle.loads(base64.b64decode(mark["failed"]))
+                    continue
+                try:
+                    piece = {p: rows[p][lo:hi] for p in mark["arrays"]}  # type: ignore[index]
+                    results = self._results(piece.__getitem__) if read else None
+                except KeyError:  # (an array the piece does not cover: computed again)
+                    self.keys.delete(_mark_key(start, stop))
+                    continue
+                yield start, stop, results, {}
         if changed:
             raise StoreError(f"store {self.name}: the inputs of items {', '.join(changed)} are not "
                              f"those the store computed them from. Use another store, delete "
@@ -197,7 +207,7 @@ class Store:
         """Items ``start:stop``'s results (``{output: (value, {input: grad})}``, stacked NumPy
         rows) and failures, made durable, then marked complete."""
         try:
-            rows = self._put(start, stop, results) if results else {}
+            rows = self._put(start, stop, results) if results else self._blank(start, stop)
             self.keys.synced([_chunk_key(self._arrays()[p], p, start // self.chunk_size)
                               for p in rows])
             failures = base64.b64encode(pickle.dumps(_picklable(failed), protocol=5)).decode() \
@@ -213,26 +223,47 @@ class Store:
                              f"before are complete and stay usable; free some space and run "
                              f"the same call again to resume") from e
 
+    def later(self, write) -> None:
+        """Run ``write()`` (a :meth:`write`) on the store's writer thread, in order, so that the
+        sweep goes on meanwhile; the error of an earlier write raises here, else in
+        :meth:`flush`."""
+        self._raise_failed()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="daskdag-store")
+        self._pending.append(self._writer.submit(write))
+
+    def flush(self, raise_errors: bool = True) -> None:
+        """Wait for the writes :meth:`later` took; raise the first one's error (unless
+        ``raise_errors`` is False: an error already on its way)."""
+        wait(self._pending)
+        if raise_errors:
+            self._raise_failed()
+        self._pending = []
+
+    def _raise_failed(self) -> None:
+        for f in self._pending:
+            if f.done() and f.exception() is not None:
+                self._pending = []
+                raise f.exception()  # type: ignore[misc]
+        self._pending = [f for f in self._pending if not f.done()]
+
     def view(self, shapes) -> dict:
         """The results as dask arrays reading the store: ``{output: (value, {input: grad})}``.
         ``shapes()``: one item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct``
         trees, for results no item gave (their arrays are made, all NaN); a value whose shape
         is unknown is ``None``."""
-        identity = self.identity
-        known = None
-        out = {}
-        for o in identity["outputs"]:
-            trees = self.trees.get(o)
-            if trees is None:
-                known = known or shapes()
-                self._create(o, known[0][o], {i: known[1][i] for i in identity["wrt"]})
-                trees = self.trees[o]
-            value = self._tree(trees["value"], f"values/{_q(o)}")
-            grads = {i: self._tree(t, f"grads/{_q(o)}/{_q(i)}") for i, t in trees["grads"].items()}
-            out[o] = (value, grads)
-        return out
+        missing = [o for o in self.identity["outputs"] if o not in self.trees]
+        if missing:
+            values, grads = shapes()
+            for o in missing:
+                self._create(o, values[o], {i: grads[i] for i in self.identity["wrt"]})
+        arrays = self._arrays()
+        return self._results(lambda path: da.from_zarr(arrays[path]))
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         if getattr(self, "keys", None) is not None:
             self.keys.release()
             self.keys = None  # type: ignore[assignment]
@@ -246,11 +277,26 @@ class Store:
             if o not in self.trees:
                 self._create(o, _one(value), {i: _one(g) for i, g in grads.items()})
             for path, leaf in self._leaves(o, value, grads):
-                a = self._arrays()[path]
-                leaf = np.ascontiguousarray(np.asarray(leaf, a.dtype))
-                a[start:stop] = leaf
-                rows[path] = leaf
+                rows[path] = np.ascontiguousarray(np.asarray(leaf, self._arrays()[path].dtype))
+        return self._set_rows(start, stop, rows)
+
+    def _set_rows(self, start: int, stop: int, rows: dict[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+        """``rows`` written into their arrays at once (one trip to Zarr's event loop)."""
+        arrays = self._arrays()
+
+        async def put():
+            await asyncio.gather(*(arrays[p].async_array.setitem(slice(start, stop), r)
+                                   for p, r in rows.items()))
+        self.keys.run(put())
         return rows
+
+    def _blank(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows ``start:stop`` of every array as they are when never written (NaN, or 0), so
+        that items that failed read as they do in memory, whatever the store held there."""
+        return self._set_rows(start, stop, {
+            path: np.full((stop - start, *a.shape[1:]), a.fill_value, a.dtype)
+            for path, a in self._arrays().items()})
 
     def _create(self, output: str, value, grads: dict) -> None:
         """The arrays of ``output``'s value and gradients, shaped by one item's (trees of
@@ -273,42 +319,31 @@ class Store:
         self.keys.synced(["zarr.json"])
 
     def _leaves(self, o: str, value, grads: dict):
+        """``(array path, rows)`` of each leaf of ``o``'s results."""
         yield from ((f"values/{_q(o)}/{k}", leaf) for k, leaf in enumerate(jax.tree.leaves(value)))
         for i, g in grads.items():
             yield from ((f"grads/{_q(o)}/{_q(i)}/{k}", leaf)
                         for k, leaf in enumerate(jax.tree.leaves(g)))
 
-    def _results(self, rows: dict[str, np.ndarray]) -> dict:
-        out = {}
-        for o, trees in self.trees.items():
-            def tree(encoded, prefix):
-                treedef = _decode(encoded)
-                return treedef.unflatten([rows[f"{prefix}/{k}"] for k in range(treedef.num_leaves)])
-            value = None if trees["value"] is None else tree(trees["value"], f"values/{_q(o)}")
-            out[o] = (value, {i: tree(t, f"grads/{_q(o)}/{_q(i)}")
-                              for i, t in trees["grads"].items()})
-        return out
-
-    def _tree(self, encoded, prefix: str):
-        if encoded is None:
-            return None
-        treedef = _decode(encoded)
-        arrays = self._arrays()
-        return treedef.unflatten([da.from_zarr(arrays[f"{prefix}/{k}"])
-                                  for k in range(treedef.num_leaves)])
+    def _results(self, leaf) -> dict:
+        """``{output: (value, {input: grad})}`` with each array's leaf ``leaf(path)``."""
+        def tree(encoded, prefix):
+            if encoded is None:
+                return None
+            treedef = _decode(encoded)
+            return treedef.unflatten([leaf(f"{prefix}/{k}") for k in range(treedef.num_leaves)])
+        return {o: (tree(t["value"], f"values/{_q(o)}"),
+                    {i: tree(g, f"grads/{_q(o)}/{_q(i)}") for i, g in t["grads"].items()})
+                for o, t in self.trees.items()}
 
     _arrays_cache: dict | None = None
 
     def _arrays(self) -> dict[str, Any]:
         """Every result array, by path."""
         if self._arrays_cache is None:
-            self._arrays_cache = {}
-            for o, trees in self.trees.items():
-                for prefix, encoded in [(f"values/{_q(o)}", trees["value"]),
-                                        *((f"grads/{_q(o)}/{_q(i)}", t)
-                                          for i, t in trees["grads"].items())]:
-                    for k in range(0 if encoded is None else _decode(encoded).num_leaves):
-                        self._arrays_cache[f"{prefix}/{k}"] = self.root[f"{prefix}/{k}"]
+            paths: list[str] = []
+            self._results(paths.append)
+            self._arrays_cache = {p: self.root[p] for p in paths}
         return self._arrays_cache
 
     def _marks(self) -> list[tuple[int, int]]:
@@ -390,6 +425,7 @@ class _Keys:
     held)."""
 
     LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
+    CONFIRM = 0.2  # seconds between taking a lease and reading it again
 
     def __init__(self, store: ZarrStore, name: str):
         from zarr.core.buffer import default_buffer_prototype
@@ -399,6 +435,10 @@ class _Keys:
         self._buffers, self._sync = default_buffer_prototype(), sync
         self._stop = threading.Event()
         self._me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
+
+    def run(self, coroutine):
+        """``coroutine`` run to its end on Zarr's event loop."""
+        return self._sync(coroutine)
 
     def get_json(self, key: str):
         buf = self._sync(self.store.get(key, prototype=self._buffers))
@@ -430,15 +470,22 @@ class _Keys:
         """Keys just written, made durable (an object store's writes are)."""
 
     def hold(self) -> None:
-        lease = {"holder": self._me, "until": time.time() + self.LEASE}
-        self._set("lock/zarr.json", _json(_group(lease)), exclusive=True)
-        held = (self.get_json("lock/zarr.json") or {}).get("attributes", {})
-        if held.get("holder") != self._me:
-            if held.get("until", 0) > time.time():
-                raise StoreError(f"store {self.name} is in use by another sweep "
-                                 f"({held.get('holder', 'another process')}); wait for it to "
-                                 f"end, or use another store")
-            self._set("lock/zarr.json", _json(_group(lease)))  # (its holder stopped renewing)
+        """Take the lease, or :class:`~daskdag.StoreError` when another sweep holds it. Stores
+        whose create-if-absent is not atomic (``FsspecStore``) let two sweeps both write it: the
+        lease is read again after :data:`CONFIRM` seconds, and the sweep whose write lost
+        refuses."""
+        lease = _json(_group({"holder": self._me, "until": time.time() + self.LEASE}))
+        self._set("lock/zarr.json", lease, exclusive=True)
+        for attempt in range(2):
+            held = (self.get_json("lock/zarr.json") or {}).get("attributes", {})
+            if held.get("holder") != self._me:
+                if held.get("until", 0) > time.time():
+                    raise StoreError(f"store {self.name} is in use by another sweep "
+                                     f"({held.get('holder', 'another process')}); wait for it "
+                                     f"to end, or use another store")
+                self._set("lock/zarr.json", lease)  # (its holder stopped renewing)
+            if attempt == 0:
+                time.sleep(self.CONFIRM)
         threading.Thread(target=self._renew, daemon=True, name="daskdag-store-lease").start()
 
     def _renew(self) -> None:
@@ -485,6 +532,22 @@ class _Directory(_Keys):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+    def set_json(self, key: str, data: dict) -> None:
+        """Written beside, synced, renamed over, the directory synced: all or nothing."""
+        path = self.path / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_json(data))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.synced([key])
 
     def hold(self) -> None:
         fd = os.open(self.path, os.O_RDONLY)

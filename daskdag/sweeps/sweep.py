@@ -256,12 +256,21 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             if bar:
                 bar.already(int(done.sum()))
 
-            def keep(chunk, computed, fails):
-                store.write(chunk[0], chunk[1], chunk_hash(sweep, *chunk),
-                            computed and _as_rows(sweep, chunk[0], chunk[1], computed), fails)
+            def keep(chunk, computed, fails):  # (written while the sweep goes on)
+                start, stop = chunk
+                store.later(lambda: store.write(
+                    start, stop, chunk_hash(sweep, start, stop),
+                    computed and _as_rows(sweep, start, stop, computed), fails))
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
                      done, keep)
+        except BaseException:
+            if store is not None:  # (what was computed is kept; the error raised is the sweep's)
+                store.flush(raise_errors=False)
+            raise
+        else:
+            if store is not None:
+                store.flush()
         finally:
             if bar:
                 bar.close()
@@ -278,7 +287,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
     for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
                                                        read=stacked is not None):
         if computed:
-            _store(stacked, sweep, start, stop, computed)
+            _store(stacked, sweep, start, stop, computed, rows=True)
         failed.update(fails)
         done[start:stop] = True
     return done
@@ -319,7 +328,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     ``done``: items a store had already; a chunk all of whose items are done is not run (one
     that is run anew forgets what the store said of its items' failures). ``keep(chunk,
     computed, failed)``: called with each chunk's results, and each failed item's error under
-    ``errors='collect'``, before they count (a store writes them)."""
+    ``errors='collect'``, before they count (a store takes them to write)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
@@ -466,11 +475,13 @@ def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
             for o, (v, grads) in computed.items()}
 
 
-def _store(stacked, sweep, start, stop, computed):
-    if stacked is None:  # (a lazy store's results are written there only)
+def _store(stacked, sweep, start, stop, computed, rows: bool = False):
+    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone).
+    ``rows``: every value has a row per item (:func:`_as_rows`), as a store's have."""
+    if stacked is None:
         return
     for o, (value, grads) in computed.items():
-        stacked[o][0].put(start, stop, value, o in sweep.carrying)
+        stacked[o][0].put(start, stop, value, rows or o in sweep.carrying)
         for i, g in grads.items():
             stacked[o][1][i].put(start, stop, g, True)
 
