@@ -46,7 +46,7 @@ from distributed import Client
 
 from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
-from daskdag.graph.build import Carry, _Graph, ident, key, token_of
+from daskdag.graph.build import Carry, TaskGraph, ident, key, token_of
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable, on_differentiable
 from daskdag.rules.registry import linearizer
@@ -241,7 +241,7 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
 
 def _points_graph(forward: Plan, points: list[dict], remote: bool, place: Any, stop: Any) -> dict:
     """The DAG evaluated plainly at each of ``points`` (input values): ``{"e:output": value}``."""
-    g = _Graph()
+    g = TaskGraph()
     carry = Carry(g, remote, remote, place)
     sent = {n: carry.node(n, forward.spec.nodes[n]) for n in forward.needed}
     out: dict = {}
@@ -262,7 +262,7 @@ def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps:
     for each ``checked`` node, whose forward pass also gives the node's value to the nodes after
     it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
     once to linearize and twice per projection and differentiated dep, and no more."""
-    g = _Graph()
+    g = TaskGraph()
     carry = Carry(g, remote, remote, place)
     value_of = {i: carry.value("input", i, f"input {i!r}", values[i])
                 for i in plan.spec.inputs if i in values}

@@ -31,7 +31,20 @@ def hint(original: BaseException) -> str:
 
 
 class DAGError(ValueError):
-    """The DAG, its inputs, outputs or options are malformed. The message names the culprit."""
+    """The DAG, its inputs, outputs or options are malformed. The message names the culprit.
+
+    Args:
+        message: what is wrong, naming the node, input or output concerned.
+        argument: the call's argument the mistake is in (``"cotangents"``), where a front end
+            names it its own way (the command line's ``--cotangents``); else None.
+    """
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
+
+    def __reduce__(self) -> tuple:  # (raised on a worker: the argument travels too)
+        return type(self), (str(self), self.argument)
 
 
 class NodeError(RuntimeError):

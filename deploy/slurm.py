@@ -35,11 +35,12 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import dask
 from dask_jobqueue import SLURMCluster
 from distributed import Client, Security
+
+from daskdag.cli import tls
 
 CERTS = "~/.daskdag/certs"
 
@@ -72,15 +73,7 @@ GPU_JOB = dict(
 def security(certs=CERTS) -> Security:
     """Mutual TLS for every role (the scheduler here, the workers in the jobs, the client), all
     with the one certificate ``daskdag certs`` writes."""
-    d = Path(certs).expanduser().resolve()
-    ca, cert, key = (str(d / f) for f in ("ca.pem", "cert.pem", "key.pem"))
-    for f in (ca, cert, key):
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"{f} is missing: create the certificates with `daskdag certs {d}`")
-    return Security(tls_ca_file=ca, require_encryption=True,
-                    tls_scheduler_cert=cert, tls_scheduler_key=key,
-                    tls_worker_cert=cert, tls_worker_key=key,
-                    tls_client_cert=cert, tls_client_key=key)
+    return tls.security(certs, roles=tls.ROLES)
 
 
 @dataclass

@@ -238,8 +238,9 @@ def test_run_and_sweep_on_a_cli_started_cluster(cli_client, cli_cluster, pipelin
     ("{pipeline}:dag", {"y": X}, "D", "no value for 'x'"),
     ("{pipeline}:dag", {"x": X, "extra": X}, "D", "extra"),
     ("{pipeline}:dag", {"x": X}, "D,Q", "'Q'"),
+    ("{pipeline}:dag", {"x": X}, "A", "output 'A' is not a real scalar"),  # (DAGError.argument)
 ], ids=["file missing", "module missing", "attribute missing", "not a dict", "input missing",
-        "extra input", "unknown output"])
+        "extra input", "unknown output", "cotangents needed"])
 def test_usage_errors_are_exit_2_naming_the_culprit(pipeline, tmp_path, capsys, target, inputs,
                                                     outputs, culprit):
     np.savez(tmp_path / "in.npz", **inputs)
@@ -251,6 +252,8 @@ def test_usage_errors_are_exit_2_naming_the_culprit(pipeline, tmp_path, capsys, 
     assert err.startswith("daskdag run: error: ") and culprit in err and "Traceback" not in err
     if "missing" in culprit or "no value" in culprit:
         assert "its keys: y" in err  # and what the file has
+    if "scalar" in culprit:  # the call's argument, as the command line names it
+        assert "(here: --cotangents FILE.npz, one key per output)" in err
 
 
 @pytest.mark.timeout(30)

@@ -95,6 +95,31 @@ def test_imports_follow_the_layers_and_have_no_cycles():
     assert not problems, "\n".join(problems)
 
 
+def test_no_module_reaches_into_another_modules_private_names():
+    """``from daskdag.x import _name`` and ``x._name`` (``x`` an imported daskdag module) are
+    refused: what another module uses is public in the module that holds it."""
+    problems = []
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(ROOT.parent)
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("daskdag"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        problems.append(f"{where}:{node.lineno}: imports {node.module}.{alias.name}")
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                imported.update(a.asname or a.name.split(".")[0] for a in node.names
+                                if a.name.startswith("daskdag"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in imported and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                problems.append(f"{where}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    assert not problems, "\n".join(problems)
+
+
 def test_every_subpackage_says_what_it_holds_and_may_import():
     for init in ROOT.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""

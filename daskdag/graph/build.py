@@ -92,9 +92,9 @@ class Carry:
     content tokens. A value of at most :data:`INLINE_BYTES` goes inline, a nested task
     unpacking it, in each task that takes it; a larger one is a task of its own: kept on the
     cluster by ``place(key, fn, payload, needs) -> Future`` (:mod:`daskdag.running.resident`) when
-    given, else a task of the graph (``graph``, a :class:`_Graph`)."""
+    given, else a task of the graph (``graph``, a :class:`TaskGraph`)."""
 
-    def __init__(self, graph: "_Graph", travel: bool, remote: bool = False, place=None):
+    def __init__(self, graph: "TaskGraph", travel: bool, remote: bool = False, place=None):
         self.graph, self.travel, self.remote, self.place = graph, travel, remote, place
         self.call = None if travel else uuid.uuid4().hex
 
@@ -146,7 +146,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     the Jacobian's rows, see :mod:`daskdag.graph.tasks`), else ``None``. ``stages``: the plan's
     stages (:func:`~daskdag.graph.stages.make_stages`), when a prepared call made them already.
     """
-    wiring = _Wiring(plan, Carry(_Graph(), travel, remote, place), stop, rows, stages)
+    wiring = _Wiring(plan, Carry(TaskGraph(), travel, remote, place), stop, rows, stages)
     wiring.seeds = {o: tasks.Seed(o, cotangents.get(o), batched) if rows is None else
                     tasks.Basis(o, rows.colours_of(o))
                     for o in plan.outputs}
@@ -344,7 +344,7 @@ def _feeding(uses, stage_of, within=None) -> list:
     return [s for s in dict.fromkeys(stage_of[c] for c, _ in uses) if s is not within]
 
 
-class _Graph:
+class TaskGraph:
     """Tasks in the order they are made, each after its dependencies, as layers of consecutive
     tasks that need the same resources: a layer's annotation places its tasks on distributed's
     workers. So the layers form a chain, each depending on the one before."""

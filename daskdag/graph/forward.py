@@ -43,7 +43,7 @@ from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
-from daskdag.graph.build import Carry, _Graph, ident, is_root, key, token_of
+from daskdag.graph.build import Carry, TaskGraph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import Cancelled
 from daskdag.model.leaves import differentiable_leaves, on_differentiable
@@ -161,7 +161,7 @@ def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote
     ``k``: the number of directions, or None; ``chunk``: at most that many per call.
     ``remote``, ``place``, ``stop``, ``travel`` and ``stages`` as for
     :func:`daskdag.graph.build.build`."""
-    spec, g = plan.spec, _Graph()
+    spec, g = plan.spec, TaskGraph()
     carry = Carry(g, travel, remote, place)
     needed = spec.ancestors(plan.outputs)
     val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}

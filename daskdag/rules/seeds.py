@@ -13,8 +13,8 @@ from functools import reduce, singledispatch
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import treedef_is_leaf
 
+from daskdag.errors import DAGError
 from daskdag.model.colouring import count
 from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable
 
@@ -37,31 +37,32 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
     if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
             i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
-        raise ValueError(f"cotangent for output {output!r} is {describe(ct)}, "
-                         f"but the output is {describe(primal, batched)}")
+        raise DAGError(f"cotangent for output {output!r} is {describe(ct)}, "
+                       f"but the output is {describe(primal, batched)}", argument="cotangents")
     seeds = []
     for c, i, p in zip(ct_leaves, item, leaves):
         if i is None:  # a leaf held constant carries no cotangent
             continue
         if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
-            raise ValueError(f"cotangent for output {output!r} is complex, but the output is real "
-                             f"({i.dtype}): its imaginary part would be dropped")
+            raise DAGError(f"cotangent for output {output!r} is complex, but the output is real "
+                           f"({i.dtype}): its imaginary part would be dropped",
+                           argument="cotangents")
         c = jnp.asarray(c, i.dtype)
         seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
     return tuple(seeds)
 
 
 def check_scalar(primal, output: str, batched: bool = False) -> None:
-    """Raise the ``ValueError`` that says ``output`` needs a cotangent, unless it is a real
+    """Raise the :class:`~daskdag.DAGError` that says ``output`` needs a cotangent, unless it is a real
     scalar (per item, ``batched``), which starts from 1."""
     leaves = jax.tree.leaves(primal)
     leaf = leaves[0] if len(leaves) == 1 else None
     shape = () if leaf is None else tuple(np.shape(leaf))
     if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
             and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
-        raise ValueError(f"output {output!r} is not a real scalar: it is "
-                         f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
-                         f"with ct shaped like it")
+        raise DAGError(f"output {output!r} is not a real scalar: it is "
+                       f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
+                       f"with ct shaped like it", argument="cotangents")
 
 
 def basis(output: str, primal, colours=None) -> tuple:
@@ -75,8 +76,8 @@ def basis(output: str, primal, colours=None) -> tuple:
     leaves = differentiable_leaves(primal)
     for leaf in leaves:
         if jnp.iscomplexobj(leaf):
-            raise ValueError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
-                             f"Jacobian needs real outputs, as jax.jacrev does")
+            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                           f"Jacobian needs real outputs, as jax.jacrev does")
     size_all = basis_size(primal)
     if colours is not None and len(colours) != size_all:
         raise ValueError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "

@@ -72,7 +72,7 @@ def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
     """The values of ``keys``: ``dsk``'s tasks run one after another in this thread, in the
     order the graph holds them (daskdag makes each task after the tasks it takes: see
-    ``daskdag.graph.build._Graph``), each value let go once no later task takes it; ``timer`` times
+    ``daskdag.graph.build.TaskGraph``), each value let go once no later task takes it; ``timer`` times
     the forward tasks. For a call of short tasks only: Dask's synchronous scheduler orders the
     graph and keeps its books per task, ~0.1 ms a task, as much as a tiny node's work."""
     takers = Counter(d for task in dsk.values() for d in task.dependencies)

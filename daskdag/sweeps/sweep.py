@@ -45,7 +45,7 @@ from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.sweeps.results import Stacked, item_shapes
-from daskdag.sweeps.store import Store, identity, items_hash, store_of
+from daskdag.sweeps.store import Store, identity, items_hash
 
 
 @dataclass(frozen=True)

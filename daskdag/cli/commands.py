@@ -1,0 +1,303 @@
+"""The commands ``daskdag run``, ``daskdag sweep`` and ``daskdag certs``, their parser, and
+:func:`main`, which maps what they raise to exit codes (:mod:`daskdag.cli.usage`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import daskdag
+from daskdag.cli.connecting import connect
+from daskdag.cli.loading import TARGET_HELP, load_dag
+from daskdag.cli.npz import NPZ_LAYOUT, to_jax, load_npz, result_arrays, save, summary
+from daskdag.cli.tls import DEFAULT_HOSTS, write_certs
+from daskdag.cli.usage import (EXIT_CLUSTER, EXIT_CODES, EXIT_INTERRUPTED, EXIT_ITEMS_FAILED,
+                               EXIT_NODE, EXIT_OK, EXIT_STORE, EXIT_USAGE, Unreachable,
+                               UsageError)
+from daskdag.errors import ClusterError, DAGError, NodeError, StoreError
+from daskdag.model.spec import parse
+from daskdag.running.compute import active_client
+
+def _names(text: str | None, option: str) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"{option} names nothing: give comma-separated names")
+    return names
+
+
+def _output_path(text: str) -> Path:
+    p = Path(text).expanduser()
+    if p.is_dir():
+        raise UsageError(f"--out {text!r} is a directory; name the .npz file to write")
+    if not p.parent.is_dir():
+        raise UsageError(f"--out {text!r}: no directory {str(p.parent)!r}")
+    return p
+
+
+def _prepare(args: argparse.Namespace, command: str) -> tuple:
+    """What ``run`` and ``sweep`` share. In: the parsed command line and the command's name. Out:
+    ``(--out path, DAG dict, its Spec, outputs, wrt, x, cotangents)``, ``x`` and the cotangents
+    as JAX arrays; ``UsageError`` for a bad option, module or file, ``DAGError`` (the parser's)
+    for a malformed DAG."""
+    out = _output_path(args.out)
+    dag = load_dag(args.target)
+    spec = parse(dag)
+    outputs: list[str] = _names(args.outputs, "--outputs")  # type: ignore[assignment]  # (required)
+    wrt = _names(args.wrt, "--wrt")
+    for o in outputs:
+        if o not in spec.nodes:
+            kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
+            raise UsageError(f"--outputs names {o!r}, which is {kind}; nodes: {', '.join(spec.nodes)}")
+    needed = spec.ancestors(outputs)
+    values = load_npz(args.inputs, spec.inputs, "inputs",
+                      needed=[i for i in spec.inputs if i in needed], single_ok=True)
+    cts = None
+    if args.cotangents:
+        cts = to_jax(load_npz(args.cotangents, outputs, "cotangents"))
+    x = values[spec.inputs[0]] if len(spec.inputs) == 1 else values
+    if args.scheduler is None:
+        _refuse_import_client(command)
+    return out, dag, spec, outputs, wrt, to_jax(x), cts
+
+
+def _refuse_import_client(command: str) -> None:
+    """In: the command's name. Out: nothing; ``UsageError`` where importing the DAG module
+    started a ``distributed`` client, which a local run (no --scheduler) would not use."""
+    c = active_client()
+    if c is not None:
+        raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
+                         f"daskdag {command} runs locally unless --scheduler is given: pass "
+                         f"its address there, or do not start a client at import")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import dask
+
+
+    out, dag, spec, outputs, wrt, x, cts = _prepare(args, "run")
+    client = connect(args)
+    try:
+        # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
+        with contextlib.redirect_stdout(sys.stderr), dask.config.set(scheduler="threads"):
+            results = daskdag.compute_grads(dag, x, outputs, wrt=wrt, cotangents=cts,
+                                            client=client, progress=args.progress)
+    finally:
+        if client is not None:
+            client.close(timeout=10)
+    arrays = result_arrays(results, spec.inputs, wrt)
+    save(out, arrays)
+    if not args.quiet:
+        print(summary(arrays, outputs))
+        print(f"wrote {out}")
+    return EXIT_OK
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import numpy as np
+
+
+    out, dag, spec, outputs, wrt, xs, cts = _prepare(args, "sweep")
+    batched = _names(args.batched, "--batched")
+    client = connect(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            results = daskdag.sweep_grads(dag, xs, outputs, batched=batched, wrt=wrt, cotangents=cts,
+                                          chunk_size=args.chunk_size, client=client,
+                                          progress=not args.quiet, errors=args.errors,
+                                          store=args.store)
+    finally:
+        if client is not None:
+            client.close(timeout=10)
+    arrays = result_arrays(results, spec.inputs, wrt)
+    failed = {o: sorted(r.failed) for o, r in results.items()}
+    if args.errors == "collect":
+        for o in outputs:
+            arrays[f"{o}.failed"] = np.asarray(failed[o], dtype=np.int64)
+    save(out, arrays)
+    for o, r in results.items():
+        if r.value is None:
+            print(f"daskdag sweep: note: no value saved for {o!r} (no item gave one, and its "
+                  f"shape could not be traced)", file=sys.stderr)
+    if not args.quiet:
+        print(summary(arrays, outputs, failed if args.errors == "collect" else None))
+        print(f"wrote {out}")
+    errors: dict = {}  # item -> its error (the same for every output)
+    for r in results.values():
+        errors.update(r.failed)
+    if errors:
+        print(f"daskdag sweep: {len(errors)} item{'s' if len(errors) != 1 else ''} failed "
+              f"(rows of NaN; indices in <output>.failed):", file=sys.stderr)
+        for item in sorted(errors)[:10]:
+            print(f"  {_one_line(errors[item])}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
+        return EXIT_ITEMS_FAILED
+    return EXIT_OK
+
+
+# The command line's word for the argument a DAGError names (DAGError.argument).
+OPTIONS = {"cotangents": "--cotangents FILE.npz, one key per output"}
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).splitlines() or [type(e).__name__]
+    return lines[0]
+
+
+def _node_message(e: BaseException) -> str:
+    """A NodeError's first line, and its hint if any."""
+    lines = str(e).splitlines()
+    hint = [ln for ln in lines[1:] if ln.startswith("Hint:")]
+    return "\n".join(lines[:1] + hint[-1:])
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return v
+    return parse
+
+
+def _common(p: argparse.ArgumentParser, sweep: bool) -> None:
+    p.add_argument("target", metavar="MODULE[:DAG]", help=TARGET_HELP)
+    p.add_argument("--inputs", required=True, metavar="FILE.npz",
+                   help="input values, one key per free input of the DAG" +
+                        (" (batched ones with a leading item axis)" if sweep else ""))
+    p.add_argument("--outputs", required=True, metavar="D,E", help="node names, comma-separated")
+    p.add_argument("--wrt", metavar="a,b", help="inputs (or nodes) to differentiate, comma-separated; "
+                   "default: every " + ("batched " if sweep else "given ") + "input with a "
+                   "floating-point leaf")
+    p.add_argument("--cotangents", metavar="FILE.npz",
+                   help="seeds for outputs that are not real scalars, keyed by output name"
+                        + (" (one item's, for every item)" if sweep else ""))
+    p.add_argument("--out", required=True, metavar="RESULT.npz", help="where to write the results")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="a distributed scheduler: tcp://HOST:8786, tls://HOST:8786, or a scheduler "
+                        "file (*.json); default: Dask's local threaded scheduler, in this process")
+    p.add_argument("--tls", metavar="DIR", help="TLS files (ca.pem, cert.pem, key.pem) written by "
+                   "`daskdag certs DIR`; the address gets tls:// if it has no scheme")
+    p.add_argument("--timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+                   help="how long to try to reach the scheduler (default 30)")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print no summary" + (" and no progress bar" if sweep else ""))
+    p.add_argument("--traceback", action="store_true", help="print the traceback of errors")
+
+
+def _wrap(text: str) -> str:
+    """``text``'s first paragraph wrapped to 79 columns, the rest (examples) kept as is."""
+    import textwrap
+
+    first, sep, rest = text.partition("\n\n")
+    return textwrap.fill(first, 79) + sep + rest
+
+
+def parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    top = argparse.ArgumentParser(
+        prog="daskdag", description="daskdag's command line.", epilog=EXIT_CODES,
+        formatter_class=fmt)
+    commands = top.add_subparsers(dest="command", required=True, metavar="{certs,run,sweep}")
+    certs = commands.add_parser(
+        "certs", help="write a CA and a certificate/key for a TLS-secured Dask cluster",
+        description="Write ca.pem, cert.pem and key.pem (one certificate for scheduler, workers "
+                    "and clients, signed by a new CA whose key is discarded) into DIR.")
+    certs.add_argument("directory", metavar="DIR")
+    certs.add_argument("--host", action="append", default=[], metavar="NAME",
+                       help="another host name or IP address for the certificate (repeatable); "
+                            f"always included: {', '.join(DEFAULT_HOSTS)}")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--force", action="store_true", help="replace existing files")
+
+    run = commands.add_parser(
+        "run", help="values and gradients of a DAG's outputs (daskdag.compute_grads) into an .npz",
+        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
+        description=_wrap(
+                    "Load the DAG, read its inputs, compute the outputs' values and gradients "
+                    "with daskdag.compute_grads, each node once, and write them to RESULT.npz; "
+                    "print a summary (output, value shape, gradient shapes) to stdout. Progress "
+                    "bars and the nodes' prints go to stderr.\n\n"
+                    "  daskdag run pipeline.py:dag --inputs in.npz --outputs D,E --out res.npz\n"
+                    "  daskdag run mypkg.pipe:make_dag --inputs in.npz --outputs D --wrt x \\\n"
+                    "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz"))
+    _common(run, sweep=False)
+    run.add_argument("--progress", action="store_true",
+                     help="show Dask's progress bar over the call's tasks (on stderr)")
+
+    sweep = commands.add_parser(
+        "sweep", help="the same over many items (daskdag.sweep_grads), with a progress bar",
+        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
+        description=_wrap(
+                    "Load the DAG, read the items' inputs (batched inputs with a leading item "
+                    "axis), compute every item's values and gradients with daskdag.sweep_grads "
+                    "and write them, stacked, to RESULT.npz. A progress bar over items goes to "
+                    "stderr unless --quiet.\n\n"
+                    "  daskdag sweep pipeline.py --inputs items.npz --outputs D,E --out res.npz\n"
+                    "  daskdag sweep pipeline.py --inputs items.npz --batched x --outputs D \\\n"
+                    "      --errors collect --scheduler scheduler.json --out res.npz"))
+    _common(sweep, sweep=True)
+    sweep.add_argument("--batched", metavar="a,b",
+                       help="the inputs that carry the item axis (default: all given); the others "
+                            "are shared by every item")
+    sweep.add_argument("--chunk-size", type=_positive(int), metavar="N",
+                       help="items per chunk (default: daskdag's choice)")
+    sweep.add_argument("--errors", choices=("raise", "collect"), default="raise",
+                       help="raise: stop at the first failing item (exit 1); collect: keep going, "
+                            "save the failed items' indices as <output>.failed, exit 4")
+    sweep.add_argument("--store", metavar="DIR",
+                       help="keep each chunk's results in DIR as it finishes; run the same "
+                            "command again to resume a sweep that was cut short (it computes "
+                            "only what DIR lacks); a DIR holding another sweep exits 5")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
+
+    if args.command == "certs":
+        try:
+            paths = write_certs(args.directory, args.host, days=args.days, force=args.force)
+        except FileExistsError as e:
+            top.exit(1, f"daskdag certs: {e}\n")
+        for p in paths.values():
+            print(p)
+        return EXIT_OK
+
+    name = f"daskdag {args.command}"
+
+    def fail(code: int, message: str, e: BaseException) -> int:
+        if args.traceback:
+            import traceback
+
+            traceback.print_exception(e)
+        sys.stderr.write(f"{name}: error: {message}\n")
+        return code
+
+    try:
+        return (cmd_run if args.command == "run" else cmd_sweep)(args)
+    except KeyboardInterrupt as e:
+        return fail(EXIT_INTERRUPTED, "interrupted", e)
+    except NodeError as e:
+        return fail(EXIT_NODE, _node_message(e) + ("" if args.traceback else
+                    "\n(run with --traceback for the full traceback)"), e)
+    except (UsageError, DAGError) as e:
+        option = OPTIONS.get(getattr(e, "argument", None) or "")
+        return fail(EXIT_USAGE, f"{e}" + (f" (here: {option})" if option else ""), e)
+    except ValueError as e:  # (what a node raises is a NodeError: this is daskdag's own word)
+        return fail(EXIT_USAGE, f"{e}" + ("" if args.traceback else
+                    " (run with --traceback for the traceback)"), e)
+    except (Unreachable, ClusterError) as e:
+        return fail(EXIT_CLUSTER, str(e), e)
+    except StoreError as e:
+        return fail(EXIT_STORE, str(e), e)
