@@ -1,4 +1,4 @@
-"""daskdag's worker plugin (``daskdag/_workers.py``) measured: a sweep on one default nanny
+"""daskdag's worker plugin (``daskdag/running/workers.py``) measured: a sweep on one default nanny
 worker, with and without the plugin, against the same ``jax.vjp`` loop in this process.
 
     python -m benchmarks.worker_malloc [--reps 5]

@@ -578,8 +578,8 @@ def _by_output(value: PyTree, jacs: dict) -> PyTree:
 
 def _to_jax(a: np.ndarray) -> jax.Array:
     """A JAX array of ``a``, this call's own array, which nothing changes after: a large one put
-    on the device as it is, its buffer taken where JAX can (``jnp.asarray`` of 32 MB took 11 ms,
-    this 3 ms), a small one by ``jnp.asarray`` (the cheaper call)."""
+    on the device as it is, its buffer taken where JAX can (``jnp.asarray`` would copy it), a
+    small one by ``jnp.asarray`` (the cheaper call)."""
     return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
 
 

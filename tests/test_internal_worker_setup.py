@@ -1,4 +1,4 @@
-"""daskdag's worker plugin (daskdag/_workers.py): glibc's malloc thresholds raised in workers
+"""daskdag's worker plugin (daskdag/running/workers.py): glibc's malloc thresholds raised in workers
 that distributed's nanny started with MALLOC_TRIM_THRESHOLD_, on every worker, later ones too,
 and not at all when turned off."""
 

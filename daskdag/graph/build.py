@@ -20,8 +20,8 @@ concurrent calls on one cluster share their keys. Each key is a function of its 
 same key never names two tasks that differ (distributed's "different `run_spec`").
 
 The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
-tasks), not through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
-which made building quadratic in the number of nodes (2 s for a 1,000-node chain).
+tasks), never through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
+so building that way is quadratic in the number of nodes.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ INLINE_BYTES = 64 * 1024
 
 def key(kind: str, label: str, token: str) -> str:
     """A task key: ``fwd:B+C-<token>``. Dask's prefix of it (``dask.utils.key_split``) is
-    ``fwd:B+C``, everything before the token, whatever the node names hold (a prefix stops at
-    the first later ``-``-separated word that is not all letters: ``fwd-n9`` would be ``fwd``)."""
+    ``fwd:B+C``, everything before the token, unless a node name holds a ``-`` before a word
+    that is not all letters: the prefix stops there (node ``x-1``: ``fwd:x``)."""
     return f"{kind}:{label}-{token}"
 
 

@@ -9,7 +9,6 @@ nothing, and an in-place change to what it closes over (a new content) compiles 
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Sequence
 
@@ -17,7 +16,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from daskdag.caches import register
+from daskdag.caches import ByObject
 from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import COMPILED
@@ -107,9 +106,7 @@ def split(args, active):
 
 
 _TRACED = object()  # in a program's constants: the place of a traced leaf
-_lock = threading.RLock()  # (re-entrant: a weakref callback may run while it is held)
-_cache: dict[int, tuple] = {}  # id(owner) -> (weakref to owner, its programs)
-register("compiled programs of fused stages and jit nodes", lambda: _clear(_cache, _lock))
+_cache: ByObject[tuple] = ByObject("compiled programs of fused stages and jit nodes", 4096)
 
 
 def _programs(compiled: Compiled) -> tuple:
@@ -119,27 +116,16 @@ def _programs(compiled: Compiled) -> tuple:
     across chunks and sweeps, not past an in-place change to what it closes over. A
     function that cannot be weakly referenced gets them per :class:`Compiled`."""
     fn = current(compiled.fn)
-    with _lock:
-        for owner in (fn, compiled):
-            hit = _cache.get(id(owner))
-            if hit is not None and hit[0]() is owner:
-                return hit[1]
-        key = id(fn)
-        try:
-            ref = weakref.ref(fn, lambda r: _forget(key, r))
-            programs = _make_programs(ref)
-        except TypeError:  # not weakly referenceable
-            key = id(compiled)
-            ref = weakref.ref(compiled, lambda r: _forget(key, r))
-            programs = _make_programs(lambda: current(ref().fn))  # type: ignore[union-attr]
-        _cache[key] = (ref, programs)
-        return programs
-
-
-def _forget(key, ref):
-    with _lock:
-        if _cache.get(key, (None,))[0] is ref:
-            del _cache[key]
+    for owner in (fn, compiled):
+        hit = _cache.get(owner)
+        if hit is not None:
+            return hit
+    try:
+        programs = _make_programs(weakref.ref(fn))
+        return _cache.put(fn, programs)
+    except TypeError:  # not weakly referenceable
+        ref = weakref.ref(compiled)
+        return _cache.put(compiled, _make_programs(lambda: current(ref().fn)))  # type: ignore[union-attr]
 
 
 def _make_programs(fn_of) -> tuple:
@@ -166,9 +152,9 @@ def _make_programs(fn_of) -> tuple:
         args = rebuild(treedef, consts, dynamic)
         fn = _replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
         # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
-        # between them, as in jit(value_and_grad) of each. (One vjp of all the values, its
-        # passes vmapped with zeros where they do not start, took 1.2x as long: XLA cannot
-        # drop the products with those zeros.)
+        # between them, as in jit(value_and_grad) of each. (Not one vjp of all the values with
+        # its passes vmapped: XLA cannot drop the products with the zeros where a pass does not
+        # start.)
         out = []
         for ones in seeded:
             picked = [e for e, on in enumerate(ones) if on]
@@ -207,7 +193,3 @@ def _replay(fn, treedef, consts, dynamic):
 
     return replayed
 
-
-def _clear(cache: dict, lock) -> None:
-    with lock:
-        cache.clear()

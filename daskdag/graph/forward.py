@@ -31,14 +31,13 @@ direction.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from daskdag.caches import register
+from daskdag.caches import ByObject
 from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
@@ -93,9 +92,7 @@ def forward(stage: Stage, stop, k: int | None, chunk: int | None, *args):
     return (tuple(values[j] for j in stage.exposed), tuple(tangents[j] for j in stage.exposed))
 
 
-_lock = threading.Lock()
-_programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Fused -> its jvp program
-register("compiled jvp programs of fused stages", _programs.clear)
+_programs: ByObject = ByObject("compiled jvp programs of fused stages", 1024)  # Fused -> program
 
 
 def _fused(stage: Stage, nodes, deps, dep_tangents, k, chunk):
@@ -122,17 +119,16 @@ def _jvp_of(fn, args, tangents, active, k, chunk=None):
 
 
 def _program(fused):
-    with _lock:
-        program = _programs.get(fused)
-        if program is None:
-            ref = weakref.ref(fused)  # (the cache keeps no Fused alive)
+    program = _programs.get(fused)
+    if program is None:
+        ref = weakref.ref(fused)  # (the cache keeps no Fused alive)
 
-            def run(static, dynamic, tangents):
-                treedef, consts, active, k, chunk = static
-                return _jvp_of(ref(), rebuild(treedef, consts, dynamic), tangents, active, k, chunk)
+        def run(static, dynamic, tangents):
+            treedef, consts, active, k, chunk = static
+            return _jvp_of(ref(), rebuild(treedef, consts, dynamic), tangents, active, k, chunk)
 
-            program = _programs[fused] = jax.jit(run, static_argnums=0)
-        return program
+        program = _programs.put(fused, jax.jit(run, static_argnums=0))
+    return program
 
 
 def pick_tangent(out, k: int):

@@ -21,7 +21,6 @@ How each kind of stage runs:
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from functools import partial
 from typing import Any, Sequence
@@ -41,7 +40,7 @@ from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
 from daskdag.rules.seeds import add
 from daskdag.rules.vjp import ct_avals
 from daskdag.rules.vjp import linearize as vjp_linearize
-from daskdag.caches import Cache, register
+from daskdag.caches import Cache
 from daskdag.transport.packing import Function, current
 
 
@@ -282,9 +281,8 @@ def _in_axes(stage: Stage, elements) -> tuple:
     return tuple(in_axes)
 
 
-_fused_lock = threading.Lock()
-_fused: dict = {}  # (stage, ids of fns) -> (its compiled function, Fused), while its functions live
-register("fused stages' functions", _fused.clear)
+# (stage, ids of fns) -> (its compiled function, Fused), while its functions live
+_fused: Cache[tuple] = Cache("fused stages' functions", 1024)
 
 
 _by_nodes: Cache = Cache("fused stages by their node objects", 256)  # ids of nodes -> (nodes, stage, fn)
@@ -310,20 +308,18 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]):
     elements = [element_of(n) for n in nodes]
     fns = [current(element.fn) for element, _ in elements]
     key = (stage, tuple(map(id, fns)))
-    with _fused_lock:
-        hit = _fused.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
-            return hit[0]
+    hit = _fused.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
+        return hit[0]
     fused = Fused(stage, fns, weakly=True)
     batch = next((rules_of(n).batch  # type: ignore[union-attr]
                   for n, (_, axes) in zip(nodes, elements) if axes is not None), None)
     in_axes = _in_axes(stage, elements)
     function = batch(fused, in_axes, True) if batch is not None else Compiled(fused, in_axes)
-    with _fused_lock:
-        _fused[key] = function, fused
-        for f in fns:  # the entry goes with the first of its functions to go
-            with contextlib.suppress(TypeError):
-                weakref.finalize(f, _fused.pop, key, None)
+    _fused.put(key, (function, fused))
+    for f in fns:  # the entry goes with the first of its functions to go
+        with contextlib.suppress(TypeError):
+            weakref.finalize(f, _fused.pop, key, None)
     return function
 
 

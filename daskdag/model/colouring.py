@@ -12,12 +12,11 @@ Out: :func:`colour_rows`, a colour per row such that no two rows of one colour s
 from __future__ import annotations
 
 import hashlib
-import threading
 
 import numpy as np
 import scipy.sparse as sp
 
-from daskdag.caches import register
+from daskdag.caches import Cache
 
 
 def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
@@ -40,20 +39,13 @@ def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     csr.sort_indices()
     digest = hashlib.sha1(np.asarray(csr.shape).tobytes() + csr.indptr.tobytes()
                           + csr.indices.tobytes()).hexdigest()
-    with _lock:
-        found = _coloured.get(digest)
+    found = _coloured.get(digest)
     if found is None:
-        found = _greedy(csr)
-        with _lock:
-            _coloured[digest] = found
-            while len(_coloured) > 64:
-                _coloured.pop(next(iter(_coloured)))
+        found = _coloured.put(digest, _greedy(csr))
     return found.copy()
 
 
-_lock = threading.Lock()
-_coloured: dict[str, np.ndarray] = {}  # content digest -> colours, the latest 64
-register("colourings of sparsity patterns", _coloured.clear)
+_coloured: Cache[np.ndarray] = Cache("colourings of sparsity patterns", 64)  # content digest ->
 
 
 def _greedy(csr: sp.csr_array) -> np.ndarray:

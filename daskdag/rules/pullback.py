@@ -37,11 +37,10 @@ class Batching:
             for per_output in cts) <= self.most_elements
 
 
-# A compiled program's batched trace is cached, so it gains from 2 cotangents. vmap of an eager
-# pullback traces it anew each call, 5 to 20 ms; it pays where dispatching op by op costs more
-# than the ops, for many small cotangents. Measured (2 cores, a stage of 4 tanh-of-matmul nodes,
-# vmap against a loop over the cotangents): 32x256 cotangents, 0.54x at 8 and 0.28x at 16;
-# 128x256, 0.83x at 8; 400x256, 1.3x at 8; 512x512, 1.36x at 8 and 1.23x at 16.
+# A compiled program's batched trace is cached, so batching gains from 2 cotangents on. vmap of
+# an eager pullback traces it anew each call: it pays only for many small cotangents, where
+# dispatching op by op costs more than the ops (the figures: docs/performance.md, "Measurements
+# behind the code").
 COMPILED = Batching(2)
 EAGER = Batching(8, 2 ** 15)
 

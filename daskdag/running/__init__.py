@@ -7,6 +7,8 @@
 - :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
 - :mod:`~daskdag.running.local`: the threaded scheduler of a local call, and a prepared
   call's graph built once (:class:`~daskdag.running.local.Template`);
+- :mod:`~daskdag.running.dask_local`: what it reads of Dask's threaded scheduler that Dask
+  does not document, in one place;
 - :mod:`~daskdag.running.lazy`: a call as a Dask collection (:class:`~daskdag.Call`);
 - :mod:`~daskdag.running.cluster`: what a cluster must offer (workers, resources, versions);
 - :mod:`~daskdag.running.resident`: a call's inputs and nodes kept on the cluster for the next;

@@ -81,7 +81,7 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
             dsk, keys = dict(delayed[0].dask), [d.key for d in delayed]
     if client is None:
         # The graph as it is, to the scheduler's own function: it is fused into stages
-        # already, and dask.compute's collection optimizations cost ~1 ms a call for nothing.
+        # already, so dask.compute's collection optimizations would cost a call for nothing.
         try:
             with ProgressBar() if progress else contextlib.nullcontext():
                 run: Any = SCHEDULERS[local or "threads"]

@@ -1,10 +1,9 @@
 """Running a call's graph in this process: Dask's threaded scheduler, with tasks too short to gain
 from a thread of their own run in the calling thread.
 
-A task handed to a pool thread, and its result handed back, costs two thread wake-ups; under
-the GIL, with JAX's eager dispatch holding it between ops, that took ~0.3 ms a task, against
-a tiny node's ~0.1-1 ms of work: the seed DAG ran 2.2x, and a DAG of 1,000 tiny nodes 2x, as
-slow as the same ``jax.vjp`` plumbing in a loop. Threads pay off for nodes that wait or release
+A task handed to a pool thread, and its result handed back, costs two thread wake-ups, which
+under the GIL, with JAX's eager dispatch holding it between ops, cost as much as a tiny node's
+work (docs/performance.md, "Measurements behind the code"). Threads pay off for nodes that wait or release
 the GIL for long (a solver, I/O, ``time.sleep``, large NumPy or SciPy work). So
 :class:`Inline`, the pool a call's tasks are submitted to, runs a task in the calling thread
 when it is the only task running (nothing could run beside it anyway), or when it is known to
@@ -38,6 +37,7 @@ from daskdag.caches import register
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
 from daskdag.graph.build import kind_of
+from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unwrap
 from daskdag.model.spec import Node
 
@@ -157,11 +157,10 @@ class Inline:
     """The pool of one call (see the module's docstring), whose forward tasks ``timer`` times."""
 
     def __init__(self, pool, timer: _Timer):
-        self.pool, self._max_workers, self.timer = pool, pool._max_workers, timer
+        self.pool, self._max_workers, self.timer = pool, threads_of(pool), timer
 
     def submit(self, fn, *args):
-        # dask.local submits batch_execute_tasks(args) with args [(key, (task, data), ...)]
-        if not self._here(args[0]):
+        if not self._here(batch_tasks(args)):
             return self.pool.submit(self._timed, fn, args)
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         try:
@@ -171,25 +170,25 @@ class Inline:
         return done
 
     def _timed(self, fn, args):
-        # Tasks running side by side share the GIL: a task that holds it took about as many
-        # times longer as there were (a tiny node's 0.6 ms measured 3 ms, and its stages never
-        # left the pool), so its time is divided by them. (A task that waits, which threads are
-        # for, is then under-estimated as much: it still counts as long from 2 ms x threads.)
+        # Tasks running side by side share the GIL: a task that holds it takes about as many
+        # times longer as there are, so its time is divided by them. (A task that waits, which
+        # threads are for, is then under-estimated as much: it still counts as long from 2 ms
+        # x threads.)
         state = self.timer.state
-        alongside = min(len(state["running"]), self._max_workers + 1) if state is not None else 1
+        alongside = min(running(state), self._max_workers + 1) if state is not None else 1
         start = time.perf_counter()
         out = fn(*args)
-        batch = args[0]
+        batch = batch_tasks(args)
         if len(batch) == 1 and kind_of(batch[0][0]) in FORWARD:  # (one task at a time)
             took = (time.perf_counter() - start) / max(1, alongside)
-            self.timer.record(batch[0][0], batch[0][1][0], took)
+            self.timer.record(*batch[0], took)
         return out
 
     def _here(self, batch) -> bool:
         state = self.timer.state
-        if state is not None and len(state["running"]) == 1:
+        if state is not None and running(state) == 1:
             return True
-        return all(self._short(key, task) for key, (task, _), *_ in batch)
+        return all(self._short(key, task) for key, task in batch)
 
     def _short(self, key, task) -> bool:
         if task.func in CHEAP:

@@ -471,15 +471,15 @@ class _user_modules_by_value:
     then restore it (the registry is process-wide; the caller holds ``_lock``). Meanwhile,
     cloudpickle's look for the submodules a function reaches through a package it uses
     (``jnp`` for ``jax.numpy``) is answered from what it found before, as long as no module came
-    or went: it walks all of ``sys.modules`` for each such package of each function, two thirds
-    of the ~1 ms a function cost to pickle in a process that imported a lot (jax, torch)."""
+    or went: it walks all of ``sys.modules`` for each such package of each function, most of
+    what pickling a function costs in a process that imported a lot (jax, torch)."""
 
     _scanned: tuple = (None, [])  # (state of sys.modules, the user's modules) when scanned
     _submodules: dict = {}  # (code, ids of its packages) -> its submodules, for that state
 
     def __enter__(self):
-        # A scan costs ~5 ms: redo it only when modules came or went since (an import appends
-        # to sys.modules, so its size or its last entry changes).
+        # The scan walks all of sys.modules: redo it only when modules came or went since (an
+        # import appends to sys.modules, so its size or its last entry changes).
         state = (len(sys.modules), next(reversed(sys.modules)))
         seen, found = _user_modules_by_value._scanned
         if seen != state:

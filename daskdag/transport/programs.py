@@ -16,25 +16,16 @@ import jax
 import jaxlib
 from jax import export as jax_export
 
-from daskdag.caches import register
+from daskdag.caches import Cache
 from daskdag.errors import ClusterError
 
 # Exported for both, so a pullback made on a GPU worker can run on a CPU one and back.
 PLATFORMS = ("cpu", "cuda")
 
-_lock = threading.Lock()
-_exported: dict[str, bytes] = {}  # key -> serialized program, made in this process
-_compiled: dict[str, Callable] = {}  # key -> compiled program, loaded in this process
+_lock = threading.Lock()  # (one export or compilation of a key at a time, and the counts)
+_exported: Cache[bytes] = Cache("exported backward programs", 4096)  # key -> serialized program
+_compiled: Cache[Callable] = Cache("loaded backward programs", 4096)  # key -> compiled program
 _stats = {"exported": 0, "compiled": 0, "cache_hits": 0}
-
-
-def _clear() -> None:
-    with _lock:
-        _exported.clear()
-        _compiled.clear()
-
-
-register("exported backward programs", _clear)
 
 
 def versions() -> dict[str, str]:
@@ -69,9 +60,9 @@ def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
     const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in closed_jaxpr.consts]
     key = hashlib.sha256(repr((str(closed_jaxpr.jaxpr), ct_avals, const_avals,
                                sorted(versions().items()))).encode()).hexdigest()
-    with _lock:
-        if key in _exported:
-            return key, _exported[key]
+    data = _exported.get(key)
+    if data is not None:
+        return key, data
     jaxpr, n_ct = closed_jaxpr.jaxpr, len(ct_avals)
 
     def backward_program(*args):
@@ -83,8 +74,8 @@ def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
     except Exception:  # a lowering rule missing for some platform: this one's will do
         exported = jax_export.export(jax.jit(backward_program))(*ct_avals, *const_avals)
     data = bytes(exported.serialize())
+    _exported.put(key, data)
     with _lock:
-        _exported[key] = data
         _stats["exported"] += 1
     return key, data
 
@@ -98,7 +89,7 @@ def load(key: str, data: bytes) -> Callable:
             return program
         exported = jax_export.deserialize(bytearray(data))
         program = jax.jit(exported.call).lower(*exported.in_avals).compile()
-        _compiled[key] = program
+        _compiled.put(key, program)
         _stats["compiled"] += 1
         return program
 
