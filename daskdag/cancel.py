@@ -28,6 +28,12 @@ class Stop:
         return Stop, ()
 
 
+def check(dropped: Callable[[], bool] | None, node: str) -> None:
+    """:class:`Cancelled` before ``node`` runs, when ``dropped()`` says no one waits any more."""
+    if dropped is not None and dropped():
+        raise Cancelled(f"the call no longer waits for node {node!r}")
+
+
 def dropped(stop: Stop | None = None) -> Callable[[], bool]:
     """For the task this thread runs: whether no one waits for it any more. On a ``distributed``
     worker, once the worker dropped the task (its client cancelled or released it); elsewhere,

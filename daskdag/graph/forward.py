@@ -44,7 +44,7 @@ from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
 from daskdag.graph.build import Carry, TaskGraph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
-from daskdag.cancel import Cancelled
+from daskdag.cancel import check
 from daskdag.model.leaves import differentiable_leaves, on_differentiable
 from daskdag.rules.jvp import directions, jvp_leaves
 from daskdag.rules.registry import jvp_rule
@@ -69,12 +69,12 @@ def forward(stage: Stage, stop, k: int | None, chunk: int | None, *args):
     dropped = tasks.dropped_of(stage, stop)
     values: list = []
     tangents: list = []
-    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
-        if values and dropped is not None and dropped():
-            raise Cancelled(f"the call no longer waits for node {name!r}")
-        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+    for j, (name, node, active) in enumerate(zip(stage.nodes, nodes, stage.active)):
+        if values:
+            check(dropped, name)
+        inputs = stage.inputs(j, deps, values)
         tins: list | tuple
-        tins = [dep_tangents[i] if kind == "dep" else tangents[i] for kind, i in sources]
+        tins = stage.inputs(j, dep_tangents, tangents)
         on = tuple(a and t is not None for a, t in zip(active, tins))
         tins = tuple(t if o else None for t, o in zip(tins, on))
         with node_errors(name, "forward"):

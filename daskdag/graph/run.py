@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from dask.sizeof import sizeof
 
-from daskdag.cancel import Cancelled
+from daskdag.cancel import check
 from daskdag.errors import node_errors
 from daskdag.graph.compiled import Compiled
 from daskdag.graph.stages import Stage
@@ -47,7 +47,7 @@ from daskdag.transport.packing import Function, current
 def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
     """Run the stage's ``nodes`` on the values of its ``deps``. Returns the exposed values (a
     tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
-    pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`Cancelled`)."""
+    pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`~daskdag.cancel.Cancelled`)."""
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
     if len(nodes) > 1 and stage.has_pullback:
@@ -63,10 +63,10 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
     """Node by node, each under its own rule: a :class:`StagePullback`."""
     values: list = []
     pullbacks: list = []
-    for name, node, sources, active in zip(stage.nodes, nodes, stage.sources, stage.active):
-        if values and dropped is not None and dropped():
-            raise Cancelled(f"the call no longer waits for node {name!r}")
-        inputs = [deps[i] if kind == "dep" else values[i] for kind, i in sources]
+    for j, (name, node, active) in enumerate(zip(stage.nodes, nodes, stage.active)):
+        if values:
+            check(dropped, name)
+        inputs = stage.inputs(j, deps, values)
         with node_errors(name, "forward"):
             if any(active) and node.remat:
                 primal, pullback = remat.forward(node, inputs, active)
@@ -113,9 +113,9 @@ class StagePullback(Pullback):
         for j in reversed(range(len(stage.nodes))):
             if self.pullbacks[j] is None or outgrads[j] is None:  # held constant, or none flows
                 continue
-            if ran and dropped is not None and dropped():
-                raise Cancelled(f"the call no longer waits for node {stage.nodes[j]!r}")
-            inputs = [deps[i] if kind == "dep" else self.values[i] for kind, i in stage.sources[j]]
+            if ran:
+                check(dropped, stage.nodes[j])
+            inputs = stage.inputs(j, deps, self.values)
             with node_errors(stage.nodes[j], "backward"):
                 shares = self.pullbacks[j](outgrads[j], inputs)
             ran = True
@@ -130,12 +130,10 @@ class StagePullback(Pullback):
         node's forward pass redone), for one backward task."""
         stage, pullbacks = self.stage, list(self.pullbacks)
         for j, pb in enumerate(pullbacks):
-            if isinstance(pb, remat.RematPullback):
-                inputs = [deps[i] if kind == "dep" else self.values[i]
-                          for kind, i in stage.sources[j]]
+            if pb is not None:
                 with node_errors(stage.nodes[j], "backward"):
-                    pullbacks[j] = pb.materialize(inputs)
-        return self if pullbacks == list(self.pullbacks) else StagePullback(
+                    pullbacks[j] = pb.materialize(stage.inputs(j, deps, self.values))
+        return self if all(a is b for a, b in zip(pullbacks, self.pullbacks)) else StagePullback(
             stage, pullbacks, self.values)
 
     @property
@@ -165,7 +163,7 @@ class Fused:
     tuple) out, each node called once, in order. ``fns``: the nodes' plain functions (one
     element's, over a batch); ``weakly``: held weakly where they can be, so that a cached
     ``Fused`` (and JAX's compilations of it) keeps no user function alive. ``dropped()``, asked
-    between two nodes, stops it (:class:`Cancelled`)."""
+    between two nodes, stops it (:class:`~daskdag.cancel.Cancelled`)."""
 
     def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
@@ -177,11 +175,11 @@ class Fused:
 
     def __call__(self, *deps):
         values: list = []
-        for name, fn, sources in zip(self.stage.nodes, self.fns, self.stage.sources):
-            if values and self.dropped is not None and self.dropped():
-                raise Cancelled(f"the call no longer waits for node {name!r}")
+        for j, (name, fn) in enumerate(zip(self.stage.nodes, self.fns)):
+            if values:
+                check(self.dropped, name)
             with node_errors(name, "forward"):
-                values.append(fn(*[deps[i] if kind == "dep" else values[i] for kind, i in sources]))
+                values.append(fn(*self.stage.inputs(j, deps, values)))
             _not_none(name, values[-1])
         return tuple(values[j] for j in self.stage.exposed)
 

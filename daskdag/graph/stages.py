@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import graphlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from daskdag import config
 from daskdag.model.custom import is_custom
@@ -84,6 +84,11 @@ class Stage:
         """The forward task's result is its one exposed value itself (no pullback, no tuple), so
         later stages read it directly."""
         return not self.has_pullback and len(self.exposed) == 1
+
+    def inputs(self, j: int, deps: Sequence[Any], values: Sequence[Any]) -> list:
+        """Node ``j``'s inputs: from ``deps`` (the stage's deps) and ``values`` (its own
+        nodes'), as :attr:`sources` says."""
+        return [deps[i] if kind == "dep" else values[i] for kind, i in self.sources[j]]
 
     def dep_active(self) -> tuple[bool, ...]:
         """Per dep: differentiated by some node of the stage."""
