@@ -71,7 +71,7 @@ from daskdag import Node
 from daskdag.transport import programs
 from daskdag.graph.build import build
 from daskdag.model.request import prepare
-from daskdag.transport.packing import ship
+from daskdag.model.plan import ship
 from daskdag.graph.build import kind_of
 from daskdag.rules.vjp import linearize
 

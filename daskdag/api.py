@@ -30,7 +30,7 @@ from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, sweep
 from daskdag.sweeps.store import SweepStore
-from daskdag.transport.packing import ship
+from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
@@ -246,7 +246,7 @@ def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
 
 
 def watched(plan: Plan, travel: bool, watch: prepared.Watch) -> dict[int, Any]:
-    """The fingerprints of the node functions :func:`~daskdag.transport.packing.ship` packs for
+    """The fingerprints of the node functions :func:`~daskdag.model.plan.ship` packs for
     ``plan`` (every one when the call travels, else the ``jit=True`` ones), by ``id``, each
     taken through ``watch``."""
     prints: dict[int, Any] = {}

@@ -53,7 +53,7 @@ from daskdag.rules.registry import linearizer
 from daskdag.model.request import nodes_in_wrt, prepare
 from daskdag.running.compute import where
 from daskdag.running.jobs import Job, run
-from daskdag.transport.packing import ship
+from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
     from daskdag.model.plan import Plan

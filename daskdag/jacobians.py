@@ -42,7 +42,7 @@ from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
-from daskdag.transport.packing import ship
+from daskdag.model.plan import ship
 MODES = ("auto", "rev", "fwd")
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from daskdag.transport import packing
+from daskdag.transport import packing, pickler
 from daskdag.transport.fingerprints import by_reference, fingerprint
 from daskdag.transport.weak import Weak
 
@@ -104,8 +104,8 @@ def test_a_fingerprint_keeps_nothing_of_its_function_alive():
 
 def test_packed_functions_are_pickled_again_only_when_changed(monkeypatch):
     dumped = []
-    dump = packing._Pickler.dump
-    monkeypatch.setattr(packing._Pickler, "dump", lambda self, obj: dumped.append(obj) or dump(self, obj))
+    dump = pickler.Pickler.dump
+    monkeypatch.setattr(pickler.Pickler, "dump", lambda self, obj: dumped.append(obj) or dump(self, obj))
     W = np.ones(3)
     fn = lambda x: W * x  # noqa: E731
     first = packing.pack_function("f", fn, remote=False)
@@ -123,3 +123,12 @@ def test_atoms_and_immutable_containers_by_value(value):
     print_ = fingerprint(fn)
     holder[0] = type(value)(value) if not isinstance(value, np.generic) else np.float32(1.5)
     assert fingerprint(fn) == print_  # (an equal value: nothing packing would see changed)
+
+
+def test_cloudpickles_private_submodule_finder_is_there():
+    """:class:`daskdag.transport.pickler.user_modules_by_value` answers cloudpickle's private
+    ``_find_imported_submodules`` from its last scan of ``sys.modules``: a cloudpickle release
+    that renames it fails here, instead of packing silently getting slower."""
+    import cloudpickle.cloudpickle as cp
+
+    assert callable(getattr(cp, "_find_imported_submodules", None))

@@ -281,11 +281,11 @@ def test_remat_from_the_setting_is_honoured_after_a_change():
 def test_a_repeated_call_packs_and_traces_nothing(monkeypatch):
     """The second call of a jit=True DAG pickles no function and traces no node (the first one
     did both: packed them, and traced their shapes for mode="auto", then compiled them)."""
-    from daskdag.transport import packing
+    from daskdag.transport import pickler
 
     pickled = []
-    dumps = packing._Pickler.dump
-    monkeypatch.setattr(packing._Pickler, "dump",
+    dumps = pickler.Pickler.dump
+    monkeypatch.setattr(pickler.Pickler, "dump",
                         lambda self, obj: pickled.append(obj) or dumps(self, obj))
     traces = TraceLog()
 

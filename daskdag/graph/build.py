@@ -113,7 +113,7 @@ class Carry:
         return self._carried(kind, name, packed, Task(None, unpack, packed), unpack, packed)
 
     def node(self, name: str, node):
-        """A node (its function packed by :func:`~daskdag.transport.packing.ship` when travelling) as
+        """A node (its function packed by :func:`~daskdag.model.plan.ship` when travelling) as
         the forward task of its stage takes it."""
         if not self.travel:
             return Inline(node, None)
@@ -139,7 +139,7 @@ def build(plan: Plan, values: dict, cotangents: dict, batched: bool = False, rem
     ``travel`` and ``place``: see :class:`Carry`.
 
     The plan's node functions are packed already where they travel
-    (:func:`daskdag.transport.packing.ship`). ``stop``: for a local call, a
+    (:func:`daskdag.model.plan.ship`). ``stop``: for a local call, a
     ``daskdag.cancel.Stop`` whose setting (by :func:`daskdag.running.compute.compute`, on Ctrl-C) stops
     running stages at their next node. ``rows``: a :class:`daskdag.graph.tasks.Rows` for a Jacobian
     (each output starts from the rows of the identity over its elements, and its "gradients" are

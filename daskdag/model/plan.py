@@ -1,15 +1,17 @@
 """What one call needs: which nodes run, which run under ``jax.vjp``, which feed each gradient.
 
 In:  a :class:`~daskdag.model.spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
-Out: a :class:`Plan`. Nothing here runs a node.
+Out: a :class:`Plan`, and the plan with its node functions packed to travel (:func:`ship`).
+Nothing here runs a node.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from daskdag.model.spec import Spec
+from daskdag.transport.packing import pack_function
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,26 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
         on_path = spec.ancestors([o])
         backward[o] = tuple(n for n in needed if n in active and n in on_path)
     return Plan(spec, outputs, wrt, needed, active, backward)
+
+
+def ship(plan, remote: bool, travel: bool = True, prints: dict | None = None):
+    """``plan`` with the function of every node it runs packed (:func:`pack_function`), each
+    distinct function once, and each distinct array they hold hashed once (an array several
+    functions close over: a node's forward and backward rules, nodes sharing weights). The
+    arrays live through the call, so their ids name them. ``travel=False`` (an eager call in
+    this process): only the functions of ``jit=True`` nodes, whose compiled programs are cached
+    by their content (:func:`current`); the others are called as they are. ``prints``: the
+    functions' fingerprints already taken in this call, by ``id`` (added to)."""
+    packed: dict[int, object] = {}
+    tokens: dict[int, str] = {}
+    prints = {} if prints is None else prints
+    nodes = dict(plan.spec.nodes)
+    for n in plan.needed:
+        fn = nodes[n].fn
+        if not (travel or nodes[n].jit):
+            continue
+        if id(fn) not in packed:
+            packed[id(fn)] = pack_function(f"node {n!r}: its function", fn, remote, tokens,
+                                           prints)
+        nodes[n] = replace(nodes[n], fn=packed[id(fn)])
+    return replace(plan, spec=replace(plan.spec, nodes=nodes))

@@ -40,7 +40,9 @@ from daskdag.running import cluster
 from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
-from daskdag.transport.packing import pack_function, rows, ship
+from daskdag.model.plan import ship
+from daskdag.transport.packing import pack_function
+from daskdag.transport.pickler import JaxArray
 from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
@@ -179,6 +181,15 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     finally:
         if kept is not None:
             kept.close()
+
+
+def rows(a, start: int, stop: int):
+    """Rows ``start:stop`` of the array ``a``, to be packed: a JAX array's as a view of its NumPy
+    value (slicing the JAX array would dispatch a copy, and packing copy it out again), a JAX
+    array again on arrival."""
+    if isinstance(a, jax.Array):
+        return JaxArray(np.asarray(a)[start:stop])
+    return a[start:stop]
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,

@@ -2,6 +2,9 @@
 
 - :mod:`~daskdag.transport.packing`: the user's functions and values, pickled by value under
   content tokens (so a cluster need not import the user's code, and an in-place change is seen);
+- :mod:`~daskdag.transport.pickler`: how they are pickled (cloudpickle, arrays out of band, the
+  user's classes imported or rebuilt where they arrive), and the one place that reaches into
+  cloudpickle's internals;
 - :mod:`~daskdag.transport.fingerprints`: whose code travels by value, and a function's
   fingerprint: what packing would see of it, compared without pickling it again;
 - :mod:`~daskdag.transport.weak`: how what is kept between calls holds the user's functions
