@@ -17,8 +17,9 @@ import pytest
 
 import daskdag
 
-from .conftest import (KEEP_NANNIES, assert_tree_close, bounded, local_client, not_a_mismatch,
-                       scheduler_tasks, sigkill, wait_only_kept_left)
+from .support.clusters import local_client, scheduler_tasks, wait_only_kept_left
+from .support.faults import KEEP_NANNIES, bounded, not_a_mismatch, sigkill
+from .support.numbers import assert_tree_close
 
 WORKERS = 6
 KILL_EVERY = 3.0  # seconds between two kills

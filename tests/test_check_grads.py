@@ -12,7 +12,8 @@ from daskdag import GradientCheckError, Node, NodeError
 from daskdag.checks import PROJECTIONS
 from daskdag.model.spec import parse
 
-from .conftest import Counted, local_client
+from .support.clusters import local_client
+from .support.numbers import Counted
 
 RTOL32 = 2 * float(np.finfo(np.float32).eps) ** (1 / 3)  # check_grads' defaults
 RTOL64 = 2 * float(np.finfo(np.float64).eps) ** (1 / 3)

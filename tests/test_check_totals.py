@@ -8,7 +8,8 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, local_client, seed_functions
+from .support.clusters import local_client
+from .support.numbers import Counted, seed_functions
 
 X = jnp.linspace(0.1, 1.0, 5)
 

@@ -18,7 +18,8 @@ import pytest
 
 from daskdag.cli import main
 
-from .conftest import free_port, seed_functions
+from .support.clusters import free_port
+from .support.numbers import seed_functions
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout, whose daskdag the CLI must run
 

@@ -12,8 +12,9 @@ from distributed import Client
 
 import daskdag
 from daskdag import ClusterError, Node, NodeError
-from .conftest import (DaskCLI, assert_tree_close, eventually, free_port, interrupt, live_workers,
-                       local_client)
+from .support.clusters import DaskCLI, eventually, free_port, live_workers, local_client
+from .support.interrupts import interrupt
+from .support.numbers import assert_tree_close
 
 pytestmark = pytest.mark.cluster
 

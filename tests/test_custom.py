@@ -14,7 +14,8 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-from .conftest import Counted, RunLog, assert_tree_close, compute_split, live_workers
+from .support.clusters import RunLog, compute_split, live_workers
+from .support.numbers import Counted, assert_tree_close
 
 N = 4
 

@@ -16,7 +16,8 @@ from distributed import Client
 
 import daskdag
 from daskdag import DAGError, NodeError
-from .conftest import assert_tree_close, local_client
+from .support.clusters import local_client
+from .support.numbers import assert_tree_close
 
 CHUNKS = (5, 5, 1, 5)  # uneven, N = 16
 

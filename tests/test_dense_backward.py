@@ -18,7 +18,8 @@ import pytest
 import daskdag
 from daskdag import Node
 
-from .conftest import assert_tree_close, key_kind, key_label
+from .support.keys import key_kind, key_label
+from .support.numbers import assert_tree_close
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -185,7 +186,7 @@ def test_a_remat_node_keeps_its_backward_task(client):
 def test_a_large_output_keeps_its_pullback_and_the_numbers():
     """More rows than a dense Jacobian is made from (:data:`daskdag.graph.dense.MOST_ROWS`):
     the stage's pullback travels to the gradient task instead, with the same numbers."""
-    from .conftest import local_client
+    from .support.clusters import local_client
 
     big = lambda x: jnp.outer(jnp.sin(x), jnp.arange(200.0))
     dag = {"Big": (big, ["x"]), "M": (lambda Big: Big[:, :3] * 2.0, ["Big"]),

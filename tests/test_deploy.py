@@ -43,7 +43,8 @@ import daskdag
 from daskdag import Node
 from daskdag.cli import security
 
-from .conftest import assert_tree_close, free_port, live_workers
+from .support.clusters import free_port, live_workers
+from .support.numbers import assert_tree_close
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

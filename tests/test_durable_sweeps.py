@@ -24,7 +24,7 @@ import pytest
 
 import daskdag
 
-from .conftest import local_client
+from .support.clusters import local_client
 
 N, CHUNK = 60, 8
 XS = np.random.default_rng(0).uniform(0.1, 1.5, (N, 4)).astype(np.float32)
@@ -504,7 +504,8 @@ def test_the_scheduler_killed_mid_sweep_then_run_again_on_a_new_cluster(tmp_path
     import dask
     from distributed import Client
 
-    from .conftest import DaskCLI, bounded
+    from .support.clusters import DaskCLI
+    from .support.faults import bounded
 
     m = dag_module(tmp_path, pause=0.05)
     items = 160
@@ -561,7 +562,8 @@ def test_every_worker_killed_mid_sweep_the_sweep_completes_into_its_store(tmp_pa
     import dask
     from distributed import Client
 
-    from .conftest import KEEP_NANNIES, bounded, local_cluster, sigkill, worker_pids
+    from .support.clusters import local_cluster
+    from .support.faults import KEEP_NANNIES, bounded, sigkill, worker_pids
 
     m = dag_module(tmp_path, pause=0.05)
     items = 160

@@ -10,7 +10,8 @@ import pytest
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-from .conftest import Counted, assert_tree_close, interrupt
+from .support.interrupts import interrupt
+from .support.numbers import Counted, assert_tree_close
 
 X = jnp.arange(3.0)
 ok = lambda a: a * 2

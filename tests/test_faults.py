@@ -28,9 +28,9 @@ from distributed import Client
 
 import daskdag
 
-from .conftest import (KEEP_NANNIES, DaskCLI, assert_tree_close, bounded, eventually, live_workers,
-                       local_cluster, not_a_mismatch, scheduler_tasks, sigkill, wait_only_kept_left,
-                       worker_pids)
+from .support.clusters import DaskCLI, eventually, live_workers, local_cluster, scheduler_tasks, wait_only_kept_left
+from .support.faults import KEEP_NANNIES, bounded, not_a_mismatch, sigkill, worker_pids
+from .support.numbers import assert_tree_close
 
 CALL_BOUND = 60.0  # seconds a call may take, killed workers and their restart included
 NODE_PAUSE = 1.0  # seconds each node of an eager call sleeps: A+B, then C and E, ~3 s in all

@@ -7,7 +7,7 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from .conftest import assert_tree_close
+from .support.numbers import assert_tree_close
 
 
 def test_seed_dag(seed, x5):

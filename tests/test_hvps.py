@@ -12,7 +12,8 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, assert_tree_close, compute_split, local_client, seed_functions
+from .support.clusters import compute_split, local_client
+from .support.numbers import Counted, assert_tree_close, seed_functions
 
 X = jnp.linspace(0.1, 1.0, 5)
 V = jnp.arange(5.0) - 2.0

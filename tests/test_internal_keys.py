@@ -18,7 +18,8 @@ from dask.core import get_dependencies
 
 import daskdag
 
-from .conftest import key_kind, key_label, key_outputs, seed_functions
+from .support.keys import key_kind, key_label, key_outputs
+from .support.numbers import seed_functions
 
 V5 = jnp.array([0.3, -1.0, 0.5, 2.0, 0.1], dtype=jnp.float32)
 

@@ -15,7 +15,9 @@ from daskdag import ClusterError, Node
 from daskdag.transport import programs
 from daskdag.rules.vjp import linearize, received
 
-from .conftest import TraceLog, assert_tree_close, compute_split, key_kind, key_label, live_workers
+from .support.clusters import compute_split, live_workers
+from .support.keys import key_kind, key_label
+from .support.numbers import TraceLog, assert_tree_close
 from .test_internal_stages import _composed, _jit_dag
 
 pytestmark = pytest.mark.cluster

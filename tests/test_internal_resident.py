@@ -11,8 +11,9 @@ import daskdag
 from daskdag.running import resident
 from daskdag.sweeps import engines
 from daskdag.transport import programs
-from .conftest import (assert_tree_close, eventually, key_kind, key_label, local_client,
-                       scheduler_tasks, wait_only_kept_left)
+from .support.clusters import eventually, local_client, scheduler_tasks, wait_only_kept_left
+from .support.keys import key_kind, key_label
+from .support.numbers import assert_tree_close
 from .test_sweep import encode, energy, mixed_dag, mixed_inputs
 
 pytestmark = pytest.mark.cluster

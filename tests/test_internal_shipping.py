@@ -16,7 +16,8 @@ import pytest
 
 import daskdag
 from daskdag.transport import packing as shipping
-from .conftest import assert_tree_close, compute_split, live_workers
+from .support.clusters import compute_split, live_workers
+from .support.numbers import assert_tree_close
 
 USER_MODULE = '''
 import jax

@@ -9,7 +9,8 @@ import pytest
 import daskdag
 from daskdag import Node
 
-from .conftest import TraceLog, assert_tree_close, key_kind, key_label
+from .support.keys import key_kind, key_label
+from .support.numbers import TraceLog, assert_tree_close
 
 
 def _keys(dag, x, outputs, **kw) -> list[str]:

@@ -20,8 +20,9 @@ import daskdag
 from daskdag.sweeps import engines
 from daskdag.errors import ClusterError
 
-from .conftest import (assert_tree_close, eventually, key_kind, key_label, local_client,
-                       scheduler_tasks, wait_only_kept_left)
+from .support.clusters import eventually, local_client, scheduler_tasks, wait_only_kept_left
+from .support.keys import key_kind, key_label
+from .support.numbers import assert_tree_close
 
 ITEMS, SIZE = 8, 16384  # items of float32[16384]: 64 KB each
 

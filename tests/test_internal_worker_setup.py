@@ -12,7 +12,8 @@ import pytest
 
 import daskdag
 from daskdag.running import workers as worker_setup
-from .conftest import DaskCLI, assert_tree_close, local_client
+from .support.clusters import DaskCLI, local_client
+from .support.numbers import assert_tree_close
 
 X = jnp.linspace(-1.0, 1.0, 5)
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"

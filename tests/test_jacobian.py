@@ -9,7 +9,8 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, assert_tree_close, compute_split, local_client
+from .support.clusters import compute_split, local_client
+from .support.numbers import Counted, assert_tree_close
 
 W = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32) / 3)
 

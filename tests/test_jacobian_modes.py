@@ -12,7 +12,9 @@ import scipy.sparse as sp
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, assert_tree_close, compute_split, key_kind, local_client
+from .support.clusters import compute_split, local_client
+from .support.keys import key_kind
+from .support.numbers import Counted, assert_tree_close
 from .test_jacobian import X, chain, composed
 
 

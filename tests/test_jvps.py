@@ -13,7 +13,8 @@ from daskdag.rules.registry import RULES, register
 from daskdag.model.plan import make_plan
 from daskdag.model.spec import parse
 
-from .conftest import Counted, TraceLog, assert_tree_close, local_client
+from .support.clusters import local_client
+from .support.numbers import Counted, TraceLog, assert_tree_close
 
 V5 = jnp.array([0.3, -1.0, 0.5, 2.0, 0.1], dtype=jnp.float32)
 

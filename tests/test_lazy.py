@@ -17,7 +17,8 @@ from distributed import Client
 
 import daskdag
 from daskdag import ClusterError, DAGError, Node
-from .conftest import Counted, RunLog, assert_tree_close, seed_functions
+from .support.clusters import RunLog
+from .support.numbers import Counted, assert_tree_close, seed_functions
 
 F = seed_functions()
 X = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])

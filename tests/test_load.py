@@ -14,8 +14,8 @@ import pytest
 
 import daskdag
 
-from .conftest import (assert_tree_close, local_client, scheduler_tasks, seed_functions,
-                       wait_only_kept_left)
+from .support.clusters import local_client, scheduler_tasks, wait_only_kept_left
+from .support.numbers import assert_tree_close, seed_functions
 
 THREADS = 8
 PER_THREAD = 25

@@ -12,7 +12,7 @@ import pytest
 
 import daskdag
 
-from .conftest import local_client
+from .support.clusters import local_client
 
 DAG = {"A": (jnp.sin, ["x"]), "B": (jnp.cumsum, ["A"]), "L": (jnp.sum, ["B"])}
 X = jnp.arange(3.0)

@@ -15,8 +15,8 @@ from distributed import Client
 
 import daskdag
 
-from .conftest import (assert_tree_close, eventually, scheduler_tasks, seed_functions,
-                       wait_only_kept_left)
+from .support.clusters import eventually, scheduler_tasks, wait_only_kept_left
+from .support.numbers import assert_tree_close, seed_functions
 
 pytestmark = pytest.mark.cluster
 

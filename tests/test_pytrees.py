@@ -13,7 +13,8 @@ import pytest
 
 import daskdag
 
-from .conftest import assert_tree_close, compute_split, live_workers
+from .support.clusters import compute_split, live_workers
+from .support.numbers import assert_tree_close
 
 
 def test_float_leaves_differentiated_int_leaves_held():

@@ -17,7 +17,8 @@ from distributed.protocol import deserialize, serialize
 import daskdag
 from daskdag import DAGError, Node
 from daskdag.rules.remat import RematPullback
-from .conftest import Counted, RunLog, assert_tree_close, compute_split, local_client
+from .support.clusters import RunLog, compute_split, local_client
+from .support.numbers import Counted, assert_tree_close
 
 W = jnp.asarray(np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32) / 3)
 X = jnp.linspace(-1.0, 1.5, 6)

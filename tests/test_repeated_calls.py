@@ -18,7 +18,7 @@ import pytest
 
 import daskdag
 from daskdag import Node
-from .conftest import Counted, TraceLog, assert_tree_close
+from .support.numbers import Counted, TraceLog, assert_tree_close
 
 X = jnp.linspace(0.2, 1.0, 3)
 
@@ -503,7 +503,7 @@ def test_a_prepared_function_keeps_its_preparation_whatever_else_runs():
 def test_prepared_functions_on_a_cluster_and_another_cluster(cli_client):
     """On a cluster, then on another one (a fresh local cluster): the same prepared function
     serves both, each cluster gets what it lacks, and the answers stay right."""
-    from .conftest import local_client
+    from .support.clusters import local_client
 
     dag, W = _loss_dag()
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}

@@ -13,7 +13,8 @@ from distributed import Client
 
 import daskdag
 
-from .conftest import RunLog, assert_tree_close
+from .support.clusters import RunLog
+from .support.numbers import assert_tree_close
 
 
 def _dag(log: RunLog | None = None):

@@ -8,7 +8,7 @@ import pytest
 
 import daskdag
 from daskdag import DAGError, Node
-from .conftest import Counted, assert_tree_close, seed_functions
+from .support.numbers import Counted, assert_tree_close, seed_functions
 
 F = seed_functions()
 

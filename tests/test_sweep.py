@@ -11,7 +11,7 @@ import pytest
 
 import daskdag
 from daskdag import Node, NodeError
-from .conftest import assert_tree_close
+from .support.numbers import assert_tree_close
 
 
 def encode(x, w):

@@ -20,8 +20,8 @@ import daskdag
 from daskdag import Node, NodeError
 from daskdag.sweeps import engines
 from daskdag.sweeps import progress
-from .conftest import (assert_tree_close, eventually, kept_keys, local_client, only_kept_left,
-                       scheduler_tasks)
+from .support.clusters import eventually, kept_keys, local_client, only_kept_left, scheduler_tasks
+from .support.numbers import assert_tree_close
 
 
 def encode(x, w):

@@ -14,7 +14,7 @@ import daskdag
 from daskdag import Node
 from daskdag.sweeps.chunked import Chunked
 
-from .conftest import TraceLog, assert_tree_close
+from .support.numbers import TraceLog, assert_tree_close
 
 
 def encode(p, w):  # a pytree input: p = {"x": float[4], "k": int[]}, w shared

@@ -1,0 +1,1 @@
+"""The tests' harnesses, one module per concern (``tests/conftest.py`` holds only fixtures)."""
