@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 
-
-CTRL_C_CHILD = Path(__file__).with_name("ctrl_c_child.py")
+CTRL_C_CHILD = Path(__file__).parent.parent / "ctrl_c_child.py"
 
 
 def interrupt(target: str, tmp_path, progress: bool = False):

@@ -1,8 +1,6 @@
 """daskdag's task keys read apart, as the tests look at them."""
 
 
-
-
 def key_kind(key) -> str:
     """The kind of a daskdag task key, ``fwd:B+C-<token>`` -> ``fwd`` (``bwd``, ``val``,
     ``grad``, ``jvp``, ``tan``, ``input``, ``node``, ...); ``""`` for another key."""
