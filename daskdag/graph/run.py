@@ -36,7 +36,7 @@ from daskdag.model.leaves import differentiable_leaves
 from daskdag.model.spec import Node
 from daskdag.rules import remat
 from daskdag.rules.pullback import Pullback
-from daskdag.rules.registry import element_of, has_rules, linearizer, rules_of
+from daskdag.rules.registry import element_of, has_rules, rules_of
 from daskdag.rules.seeds import add
 from daskdag.rules.vjp import ct_avals
 from daskdag.rules.vjp import linearize as vjp_linearize
@@ -68,10 +68,8 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
             check(dropped, name)
         inputs = stage.inputs(j, deps, values)
         with node_errors(name, "forward"):
-            if any(active) and node.remat:
-                primal, pullback = remat.forward(node, inputs, active)
-            elif any(active):
-                primal, pullback = linearizer(node)(inputs, active)
+            if any(active):
+                primal, pullback = remat.rule(node)(inputs, active)
             else:
                 primal, pullback = node.callable()(*inputs), None
         _not_none(name, primal)

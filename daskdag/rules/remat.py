@@ -11,11 +11,19 @@ deps are differentiated: Dask counts it as nothing, and it moves between workers
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.registry import linearizer
+
+
+def rule(node: Node) -> Callable:
+    """``f(args, active) -> (primal, pullback)`` for ``node`` as a forward task runs it: its own
+    rule (:func:`~daskdag.rules.registry.linearizer`), or for a ``remat`` node :func:`forward`,
+    which keeps no residuals."""
+    return partial(forward, node) if node.remat else linearizer(node)
 
 
 def forward(node: Node, inputs: Sequence[Any], active: tuple[bool, ...]):
