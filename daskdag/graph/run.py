@@ -47,7 +47,8 @@ from daskdag.transport.packing import Function, current
 def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
     """Run the stage's ``nodes`` on the values of its ``deps``. Returns the exposed values (a
     tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
-    pullback)``. ``dropped()``, asked between two nodes, stops it (:class:`~daskdag.cancel.Cancelled`)."""
+    pullback)``. ``dropped()``, asked between two nodes, stops it
+    (:class:`~daskdag.cancel.Cancelled`)."""
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
     if len(nodes) > 1 and stage.has_pullback:
