@@ -403,7 +403,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
+                progress: bool = False, errors: str = "raise",
+                store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result: ...
 
 
@@ -412,7 +413,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: Sequence[str], *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
+                progress: bool = False, errors: str = "raise",
+                store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> dict[str, Result]: ...
 
 
@@ -420,7 +422,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
                 client: Client | None = None, scheduler: str | Client | None = None,
-                progress: bool = False, errors: str = "raise", store: str | os.PathLike | SweepStore | ZarrStore | None = None
+                progress: bool = False, errors: str = "raise",
+                store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result | dict[str, Result]:
     """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
 
