@@ -301,6 +301,8 @@ class Store:
     def _create(self, output: str, value, grads: dict) -> None:
         """The arrays of ``output``'s value and gradients, shaped by one item's (trees of
         arrays or ``ShapeDtypeStruct``; a ``None`` value stays unknown)."""
+        made = ["zarr.json"]  # (the metadata written, made durable before any mark needs it)
+
         def make(prefix: str, tree):
             leaves, treedef = jax.tree.flatten(tree)
             for k, leaf in enumerate(leaves):
@@ -309,6 +311,8 @@ class Store:
                     f"{prefix}/{k}", shape=(self.identity["items"], *leaf.shape),
                     chunks=(self.chunk_size, *leaf.shape), dtype=dtype,
                     fill_value=np.nan if np.issubdtype(dtype, np.inexact) else 0, overwrite=True)
+                parts = f"{prefix}/{k}".split("/")
+                made.extend("/".join([*parts[:n], "zarr.json"]) for n in range(1, len(parts) + 1))
             return _encode(treedef)
 
         trees = {"value": None if value is None else make(f"values/{_q(output)}", value),
@@ -316,7 +320,7 @@ class Store:
         self.trees = {**self.trees, output: trees}
         self.root.attrs["trees"] = self.trees
         self._arrays_cache = None
-        self.keys.synced(["zarr.json"])
+        self.keys.synced(dict.fromkeys(made))
 
     def _leaves(self, o: str, value, grads: dict):
         """``(array path, rows)`` of each leaf of ``o``'s results."""
