@@ -454,7 +454,7 @@ class _Keys:
             return None
 
     def set_json(self, key: str, data: dict) -> None:
-        self._set(key, json.dumps(data).encode())
+        self._set(key, _json(data))
         self.synced([key])
 
     def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
@@ -478,7 +478,7 @@ class _Keys:
         whose create-if-absent is not atomic (``FsspecStore``) let two sweeps both write it: the
         lease is read again after :data:`CONFIRM` seconds, and the sweep whose write lost
         refuses."""
-        lease = _json(_group({"holder": self._me, "until": time.time() + self.LEASE}))
+        lease = self._lease()
         self._set("lock/zarr.json", lease, exclusive=True)
         for attempt in range(2):
             held = (self.get_json("lock/zarr.json") or {}).get("attributes", {})
@@ -494,8 +494,11 @@ class _Keys:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.LEASE / 3):
-            self._set("lock/zarr.json", _json(_group({"holder": self._me,
-                                                       "until": time.time() + self.LEASE})))
+            self._set("lock/zarr.json", self._lease())
+
+    def _lease(self) -> bytes:
+        """This sweep's lease, lasting :data:`LEASE` seconds from now."""
+        return _json(_group({"holder": self._me, "until": time.time() + self.LEASE}))
 
     def release(self) -> None:
         self._stop.set()
