@@ -127,11 +127,8 @@ class Cluster:
         """Each chunk's task, its items in it, pinned to the worker with the fewest chunks."""
         try:
             found = self._workers() if self.pin else {}
-        except (OSError, TimeoutError) as e:  # (its chunks in a store stay there)
-            raise ClusterError(
-                f"{describe(self.client)}: {unreachable(e)}, so the sweep's chunks cannot be "
-                f"sent: it stops here. Start the cluster again; a sweep with a store= resumes "
-                f"from it") from e
+        except (OSError, TimeoutError) as e:
+            raise self._scheduler_gone(e) from e
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
                 c.future = self.client.compute(c.sweep.chunk(*c.chunk))
@@ -226,6 +223,19 @@ class Cluster:
                 if chunk.chunk[1] - chunk.chunk[0] > 1:  # smaller pieces stand a better chance
                     raise Lost(*chunk.chunk) from e
                 self._resend(chunk)
+            except (OSError, TimeoutError) as e:  # a connection broke while gathering it
+                try:
+                    self._workers(fresh=True)
+                except (OSError, TimeoutError) as gone:  # the scheduler's
+                    raise self._scheduler_gone(gone) from e
+                self._resend(chunk)  # a worker's, with its results: computed again
+
+    def _scheduler_gone(self, e: Exception) -> ClusterError:
+        """What the sweep says when its scheduler cannot be reached (``e``, asking it): it
+        stops; its chunks in a store stay there."""
+        return ClusterError(
+            f"{describe(self.client)}: {unreachable(e)}, so the sweep cannot go on: it stops "
+            f"here. Start the cluster again; a sweep with a store= resumes from it")
 
     def _resend(self, chunk: _Chunk):
         chunk.resent += 1
