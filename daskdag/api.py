@@ -16,7 +16,7 @@ from distributed import Client
 
 from daskdag.errors import NodeError
 from daskdag.graph import forward as jvp_graph
-from daskdag.graph.build import build
+from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, make_plan
@@ -30,6 +30,8 @@ from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, sweep
 from daskdag.sweeps.store import SweepStore
+from daskdag.transport import transports
+from daskdag.transport.transports import Transport
 from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
@@ -132,8 +134,8 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     ```
     """
     client, local = where(client, scheduler)
-    return run(_grads(dag, x, outputs, wrt, cotangents, client is not None,
-                      travel=client is not None, where=where_in_words(client, local)),
+    return run(_grads(dag, x, outputs, wrt, cotangents, transports.for_call(client),
+                      where=where_in_words(client, local)),
                client, local, progress)
 
 
@@ -161,40 +163,40 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     print(res.grad, total)
     ```
     """
-    return as_collection(_grads(dag, x, outputs, wrt, cotangents, active_client() is not None,
-                                where=LAZY))
+    return as_collection(_grads(dag, x, outputs, wrt, cotangents,
+                                transports.for_call(active_client(), lazy=True), where=LAZY))
 
 
 @dataclass(frozen=True)
 class Gradients:
     """:func:`compute_grads` prepared (:mod:`daskdag.running.prepared`): the checked plan, its
-    node functions packed where they must be, its stages, and for a call in this process its
+    node functions packed for its ``transport``, its stages, and for a call in this process its
     graph (a :class:`~daskdag.running.local.Template`; with cotangents given, it is built at
     each call, since they seed its tasks)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
     template: Template | None
+    transport: Transport
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-             travel: bool, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None,
+             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
+             transport: Transport, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None,
              hold: bool = True) -> Gradients:
         """``seeds``: the cotangents the template's graph is built with (default none: each
         output's seed of 1); a call whose cotangents are these runs it. ``hold``: the DAG's
         functions are the user's, held weakly (:meth:`~daskdag.running.prepared.Watch.hold`);
         False for a DAG of daskdag's own making, which holds the user's functions itself."""
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
-        plan = ship(request.plan, remote, travel, watched(request.plan, travel, watch))
-        stages = make_stages(plan, fan_in=not travel)
-        template = None if travel else Template(build(
-            plan, {i: slot("input", i) for i in request.values}, dict(seeds or {}),
-            stop=slot("stop"), travel=False, stages=stages))
-        return cls(plan, stages, template)
+        plan = ship(request.plan, transport, watched(request.plan, transport, watch))
+        stages = make_stages(plan, fan_in=not transport.packs)
+        template = None if transport.packs else Template(build(
+            plan, {i: slot("input", i) for i in request.values},
+            GradientSeeding(dict(seeds or {})), transport, stop=slot("stop"), stages=stages))
+        return cls(plan, stages, template, transport)
 
-    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, remote: bool, travel: bool,
-            info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None,
+    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None,
             keep: Any = None) -> Job:
         """``seeded``: the cotangents are those the template was built with (default: when
         none is given); ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
@@ -208,25 +210,24 @@ class Gradients:
             if template is not None:
                 return template.fill({**{slot("input", i): v for i, v in values.items()},
                                       slot("stop"): stop})
-            return build(plan, values, cts, remote=remote, place=place, stop=stop, travel=travel,
-                         stages=self.stages)
+            return build(plan, values, GradientSeeding(cts), self.transport, place=place,
+                         stop=stop, stages=self.stages)
 
         return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads",
                    keep=keep)
 
 
 def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-           wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-           travel: bool = True, where: str = "") -> Job:
-    """The call, prepared (or its preparation reused) for these inputs. ``remote``: its graph
-    goes to a cluster (everything must pickle); ``travel``: its inputs and nodes are packed
-    under content keys, as for a cluster or a lazy call (:class:`daskdag.graph.build.Carry`)."""
-    made, why = prepared.get("grads", dag, x, (names_key(outputs), names_key(wrt), remote, travel),
-                             partial(Gradients.make, dag, x, outputs, wrt, cotangents, remote,
-                                     travel))
+           wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
+           transport: Transport, where: str = "") -> Job:
+    """The call, prepared (or its preparation reused) for these inputs, to go by ``transport``
+    (:mod:`daskdag.transport.transports`)."""
+    made, why = prepared.get("grads", dag, x, (names_key(outputs), names_key(wrt), transport),
+                             partial(Gradients.make, dag, x, outputs, wrt, cotangents,
+                                     transport))
     info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
                     where=where)
-    return made.job(x, cotangents, remote, travel, info, outputs, keep=entries(dag))
+    return made.job(x, cotangents, info, outputs, keep=entries(dag))
 
 
 def entries(dag: Mapping[str, Any]) -> tuple:
@@ -245,14 +246,13 @@ def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
     return {spec.inputs[0]: x} if len(spec.inputs) == 1 else dict(x)
 
 
-def watched(plan: Plan, travel: bool, watch: prepared.Watch) -> dict[int, Any]:
+def watched(plan: Plan, transport: Transport, watch: prepared.Watch) -> dict[int, Any]:
     """The fingerprints of the node functions :func:`~daskdag.model.plan.ship` packs for
-    ``plan`` (every one when the call travels, else the ``jit=True`` ones), by ``id``, each
-    taken through ``watch``."""
+    ``plan`` and ``transport``, by ``id``, each taken through ``watch``."""
     prints: dict[int, Any] = {}
     for n in plan.needed:
         node = plan.spec.nodes[n]
-        if (travel or node.jit) and id(node.fn) not in prints:
+        if transport.packs_function(node.jit) and id(node.fn) not in prints:
             prints[id(node.fn)] = watch(n, node.fn)
     return prints
 
@@ -318,8 +318,8 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     ```
     """
     client, local = where(client, scheduler)
-    return run(_jvps(dag, x, tangents, outputs, batched, client is not None,
-                     travel=client is not None, where=where_in_words(client, local)),
+    return run(_jvps(dag, x, tangents, outputs, batched, transports.for_call(client),
+                     where=where_in_words(client, local)),
                client, local, progress)
 
 
@@ -337,52 +337,53 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
     print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
     ```
     """
-    return as_collection(_jvps(dag, x, tangents, outputs, batched, active_client() is not None,
-                               where=LAZY))
+    return as_collection(_jvps(dag, x, tangents, outputs, batched,
+                               transports.for_call(active_client(), lazy=True), where=LAZY))
 
 
 @dataclass(frozen=True)
 class Pushforward:
     """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
-    forward mode and packed where it must be, its stages, and for calls in this process their
-    graphs (a :class:`~daskdag.running.local.Template` per number of directions, made when
-    first needed)."""
+    forward mode and packed for its ``transport``, its stages, and for calls in this process
+    their graphs (a :class:`~daskdag.running.local.Template` per number of directions, made
+    when first needed)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
+    transport: Transport
     templates: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
-             outputs: str | Sequence[str], batched: bool, remote: bool, travel: bool,
+             outputs: str | Sequence[str], batched: bool, transport: Transport,
              watch: prepared.Watch) -> Pushforward:
         spec, names, values = parsed(dag, x, outputs, watch.hold)
         flat, _ = input_tangents(spec, values, tangents, bool(batched))
         plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
-        plan = ship(plan, remote, travel, watched(plan, travel, watch))
-        return cls(plan, make_stages(plan, fan_in=not travel))
+        plan = ship(plan, transport, watched(plan, transport, watch))
+        return cls(plan, make_stages(plan, fan_in=not transport.packs), transport)
 
 
 def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
-          batched: bool, remote: bool, travel: bool = True, where: str = "") -> Job:
+          batched: bool, transport: Transport, where: str = "") -> Job:
     made, why = prepared.get(
         "jvps", dag, x, (names_key(outputs), tuple(tangents) if isinstance(tangents, Mapping)
-                         else None, bool(batched), remote, travel),
-        partial(Pushforward.make, dag, x, tangents, outputs, batched, remote, travel))
+                         else None, bool(batched), transport),
+        partial(Pushforward.make, dag, x, tangents, outputs, batched, transport))
     plan = made.plan
     values = input_values(plan.spec, x)
     flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
     info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
 
     def make(place: Any, stop: Any) -> Any:
-        if travel:
-            return jvp_graph.build(plan, values, flat, k, remote=remote, place=place, stop=stop,
-                                   travel=travel, stages=made.stages)
+        if made.transport.packs:
+            return jvp_graph.build(plan, values, flat, made.transport, k, place=place, stop=stop,
+                                   stages=made.stages)
         template = made.templates.get(k)
         if template is None:
             template = made.templates[k] = Template(jvp_graph.build(
                 plan, {i: slot("input", i) for i in values},
-                {i: slot("tangent", i) for i in flat}, k, stop=slot("stop"), travel=False,
+                {i: slot("tangent", i) for i in flat}, made.transport, k, stop=slot("stop"),
                 stages=made.stages))
         return template.fill({**{slot("input", i): v for i, v in values.items()},
                               **{slot("tangent", i): t for i, t in flat.items()},
@@ -495,11 +496,11 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
             return _results(spec, outputs, arrays.sweep_grads(
                 spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
                 chunk_size=chunk_size, client=client, progress=progress, errors=errors))
-    remote = client is not None
+    transport = transports.for_call(client)
     like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
     made, why = prepared.get(
-        "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), remote),
-        partial(sweep.prepare, dag, like, outputs, batched, wrt, cotangents, remote),
+        "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), transport),
+        partial(sweep.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
         inputs=sweep.item_signature(dag, like, batched))
     spec = made.plan.spec
     computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,

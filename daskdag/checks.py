@@ -46,7 +46,9 @@ from distributed import Client
 
 from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
-from daskdag.graph.build import Carry, TaskGraph, ident, key, token_of
+from daskdag.graph.assembly import Carry, TaskGraph, ident, key, token_of
+from daskdag.transport import transports
+from daskdag.transport.transports import Transport
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable, on_differentiable
 from daskdag.rules.registry import linearizer
@@ -125,9 +127,9 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
         return {}
     # The nodes' functions, packed where they travel; each node runs in its check task (its
     # value taken from there by the nodes after it), or plainly when it is not checked.
-    remote = client is not None
-    forward = ship(make_plan(spec, plan.needed, ()), remote, travel=remote)
-    graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, remote)
+    transport = transports.for_call(client)
+    forward = ship(make_plan(spec, plan.needed, ()), transport)
+    graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, transport)
     found = run(Job(forward, graph, lambda found: found, "check_grads"), client, local, False)
     failed = [n for n in checked if found[n][0][1]]
     if failed:
@@ -201,9 +203,9 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
             v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, leaves[i]), leaves[i])]
             plus, minus, moves[-1][i] = _perturbed(values[i], v, step)
             points += [{**values, i: minus}, {**values, i: plus}]
-    remote = client is not None
-    forward = ship(make_plan(spec, plan.outputs, ()), remote, travel=remote)
-    evaluated = run(Job(forward, partial(_points_graph, forward, points, remote),
+    transport = transports.for_call(client)
+    forward = ship(make_plan(spec, plan.outputs, ()), transport)
+    evaluated = run(Job(forward, partial(_points_graph, forward, points, transport),
                         lambda found: found, "check_totals"), client, local, False)
     at = [{o: differentiable_leaves(evaluated[f"{e}:{o}"][0]) for o in plan.outputs}
           for e in range(len(points))]
@@ -239,10 +241,11 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     return worst
 
 
-def _points_graph(forward: Plan, points: list[dict], remote: bool, place: Any, stop: Any) -> dict:
+def _points_graph(forward: Plan, points: list[dict], transport: Transport, place: Any, stop: Any
+                  ) -> dict:
     """The DAG evaluated plainly at each of ``points`` (input values): ``{"e:output": value}``."""
     g = TaskGraph()
-    carry = Carry(g, remote, remote, place)
+    carry = Carry(g, transport, place)
     sent = {n: carry.node(n, forward.spec.nodes[n]) for n in forward.needed}
     out: dict = {}
     for e, point in enumerate(points):
@@ -257,13 +260,13 @@ def _points_graph(forward: Plan, points: list[dict], remote: bool, place: Any, s
 
 
 def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps: float | None,
-           rtol: float | None, remote: bool, place: Any, stop: Any) -> dict:
+           rtol: float | None, transport: Transport, place: Any, stop: Any) -> dict:
     """The graph of the checks, node by node in topological order: a :func:`check_node` task
     for each ``checked`` node, whose forward pass also gives the node's value to the nodes after
     it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
     once to linearize and twice per projection and differentiated dep, and no more."""
     g = TaskGraph()
-    carry = Carry(g, remote, remote, place)
+    carry = Carry(g, transport, place)
     value_of = {i: carry.value("input", i, f"input {i!r}", values[i])
                 for i in plan.spec.inputs if i in values}
     checks: dict = {}

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from distributed import Client
 
 from daskdag.api import LAZY, Gradients, entries, input_values, names_key
+from daskdag.transport import transports
+from daskdag.transport.transports import Transport
 from daskdag.errors import DAGError
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
 from daskdag.model.plan import Plan, make_plan
@@ -117,8 +119,8 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     ```
     """
     client, local = where(client, scheduler)
-    return run(_hvps(dag, x, v, outputs, wrt, cotangents, client is not None,
-                     travel=client is not None, where=where_in_words(client, local)),
+    return run(_hvps(dag, x, v, outputs, wrt, cotangents, transports.for_call(client),
+                     where=where_in_words(client, local)),
                client, local, progress)
 
 
@@ -136,8 +138,8 @@ def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[s
     print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
     ```
     """
-    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents, active_client() is not None,
-                               where=LAZY))
+    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents,
+                               transports.for_call(active_client(), lazy=True), where=LAZY))
 
 
 @jax.tree_util.register_dataclass
@@ -174,11 +176,10 @@ def lifted(fn: Callable[..., Any], active: tuple[bool, ...], *args: Any) -> Pair
 
 
 def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str],
-          wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-          travel: bool = True, where: str = "") -> Job:
-    made, why = prepared.get("hvps", dag, x, (names_key(outputs), names_key(wrt), remote, travel),
-                             partial(Lifted.make, dag, x, outputs, wrt, cotangents, remote,
-                                     travel))
+          wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
+          transport: Transport, where: str = "") -> Job:
+    made, why = prepared.get("hvps", dag, x, (names_key(outputs), names_key(wrt), transport),
+                             partial(Lifted.make, dag, x, outputs, wrt, cotangents, transport))
     spec, plan = made.spec, made.plan
     values = input_values(spec, x)
     cts = cotangents_for(plan.outputs, cotangents)
@@ -189,7 +190,7 @@ def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[
                                                                            values[spec.inputs[0]])
     info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
                     why=why, where=where)
-    job = made.gradients.job(lifted_x, _seeds(plan, cts), remote, travel, info, outputs,
+    job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs,
                              seeded=not any(c is not None for c in cts.values()))
     return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
                "compute_hvps", keep=entries(dag))
@@ -206,8 +207,8 @@ class Lifted:
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None, remote: bool,
-             travel: bool, watch: prepared.Watch) -> Lifted:
+             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
+             transport: Transport, watch: prepared.Watch) -> Lifted:
         spec, names, values = parsed(dag, x, outputs, watch.hold)
         wrt = wrt_names(spec, values, wrt, candidates=values)
         refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")
@@ -237,7 +238,7 @@ class Lifted:
                     pairs.get(spec.inputs[0], values[spec.inputs[0]]))
         seeds = _seeds(plan, {})
         return cls(spec, plan, Gradients.make(lifted_dag, lifted_x, outputs, list(wrt), seeds,
-                                              remote, travel, watch, seeds=seeds, hold=False))
+                                              transport, watch, seeds=seeds, hold=False))
 
 
 def _seeds(plan: Plan, cotangents: Mapping[str, Any]) -> dict[str, Any]:

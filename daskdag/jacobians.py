@@ -27,7 +27,9 @@ from distributed import Client
 from daskdag.api import LAZY, Result, entries, input_values, names_key, one_input, watched
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
-from daskdag.graph.build import build
+from daskdag.graph.build import JacobianSeeding, build
+from daskdag.transport import transports
+from daskdag.transport.transports import Transport
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
@@ -126,8 +128,8 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     """
     client, local = where(client, scheduler)
     return run(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                         client is not None, travel=client is not None,
-                         where=where_in_words(client, local)), client, local, progress)
+                         transports.for_call(client), where=where_in_words(client, local)),
+               client, local, progress)
 
 
 def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -147,7 +149,7 @@ def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *
     ```
     """
     return as_collection(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                                   active_client() is not None, where=LAZY))
+                                   transports.for_call(active_client(), lazy=True), where=LAZY))
 
 
 def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -214,28 +216,29 @@ def _plan(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
 
 def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
               wrt: Sequence[str] | None, mode: str, sparsity: Any, sparse: bool,
-              chunk_size: int | None, remote: bool, travel: bool = True, where: str = "") -> Job:
+              chunk_size: int | None, transport: Transport, where: str = "") -> Job:
     check_chunk_size(chunk_size)
     if mode not in MODES:
         raise DAGError(f"mode must be one of {MODES}, got {mode!r}")
     made, why = prepared.get(
         "jacobian", dag, x, (names_key(outputs), names_key(wrt), mode, pattern_key(sparsity),
-                             chunk_size, remote, travel),
-        partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, remote, travel))
+                             chunk_size, transport),
+        partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, transport))
     info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None, why,
                     where)
-    return replace(made.job(input_values(made.plan.spec, x), sparse, outputs, remote, travel,
-                            info), keep=entries(dag))
+    return replace(made.job(input_values(made.plan.spec, x), sparse, outputs, info),
+                   keep=entries(dag))
 
 
 @dataclass(frozen=True)
 class Jacobian:
-    """:func:`jacobian` prepared: its plan (packed, checked for its mode), stages, mode,
-    patterns and their colours (``source``: ``"given"``, ``"detected"``, ``"probed"``, or
-    None when dense), and the seeds of its passes: ``rows`` (reverse), or the inputs'
-    ``templates`` and ``tangents`` (forward)."""
+    """:func:`jacobian` prepared: its plan (packed for its ``transport``, checked for its
+    mode), stages, mode, patterns and their colours (``source``: ``"given"``, ``"detected"``,
+    ``"probed"``, or None when dense), and the seeds of its passes: ``rows`` (reverse), or the
+    inputs' ``templates`` and ``tangents`` (forward)."""
 
     plan: Plan
+    transport: Transport
     stages: tuple
     mode: str
     colours: _Colours
@@ -249,7 +252,7 @@ class Jacobian:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, mode: str, sparsity: Any, chunk_size: int | None,
-             remote: bool, travel: bool, watch: prepared.Watch) -> Jacobian:
+             transport: Transport, watch: prepared.Watch) -> Jacobian:
         plan, values = _plan(dag, x, outputs, wrt, watch.hold)
         patterns, source = None, None
         if isinstance(sparsity, str) and sparsity == "detect":
@@ -262,16 +265,16 @@ class Jacobian:
             for n in plan.needed:
                 watch(n, plan.spec.nodes[n].fn)
         # (Packed first, as the user's functions are now: the mode's trace of them comes after.)
-        plan = ship(plan, remote, travel, watched(plan, travel, watch))
+        plan = ship(plan, transport, watched(plan, transport, watch))
         mode = _mode(plan, values, mode, colours)
         plan = with_rules(plan, forward=mode == "fwd")
         if mode == "rev":
             rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in
                                           (colours.rows.items() if patterns is not None else ())))
-            made = cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source,
-                       chunk_size, rows=rows)
-            return made if travel else replace(made, graph=Template(made.build(
-                {i: slot("input", i) for i in values}, slot("stop"), False, False, None)))
+            made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode,
+                       colours, source, chunk_size, rows=rows)
+            return made if transport.packs else replace(made, graph=Template(made.build(
+                {i: slot("input", i) for i in values}, slot("stop"), None)))
         templates = _templates(plan, values)
         dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
         seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype) if patterns is None else
@@ -285,10 +288,10 @@ class Jacobian:
                                           leaf.dtype))
                 start += width
             tangents[i] = tuple(leaves)
-        made = cls(plan, make_stages(plan, fan_in=not travel), mode, colours, source, chunk_size,
-                   templates=templates, tangents=tangents)
-        return made if travel else replace(made, graph=Template(made.build(
-            {i: slot("input", i) for i in values}, slot("stop"), False, False, None)))
+        made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode, colours,
+                   source, chunk_size, templates=templates, tangents=tangents)
+        return made if transport.packs else replace(made, graph=Template(made.build(
+            {i: slot("input", i) for i in values}, slot("stop"), None)))
 
     @property
     def directions(self) -> int:
@@ -296,25 +299,26 @@ class Jacobian:
         tangents = self.tangents or {}
         return len(next(iter(tangents.values()))[0]) if tangents else 0
 
-    def build(self, values: dict, stop: Any, remote: bool, travel: bool, place: Any) -> dict:
+    def build(self, values: dict, stop: Any, place: Any) -> dict:
         """The call's graph (:func:`daskdag.graph.build.build`, seeded with rows, or
         :func:`daskdag.graph.forward.build`, with the identity's columns)."""
         if self.mode == "rev":
-            return build(self.plan, values, {}, remote=remote, place=place, stop=stop,
-                         rows=self.rows, travel=travel, stages=self.stages)
-        return jvp_graph.build(self.plan, values, self.tangents or {}, self.directions,
-                               remote=remote, place=place, stop=stop, travel=travel,
-                               chunk=self.chunk_size, stages=self.stages)
+            assert self.rows is not None
+            return build(self.plan, values, JacobianSeeding(self.rows), self.transport,
+                         place=place, stop=stop, stages=self.stages)
+        return jvp_graph.build(self.plan, values, self.tangents or {}, self.transport,
+                               self.directions, place=place, stop=stop, chunk=self.chunk_size,
+                               stages=self.stages)
 
-    def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], remote: bool,
-            travel: bool, info: CallInfo) -> Job:
+    def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], info: CallInfo
+            ) -> Job:
         graph = self.graph
 
         def make(place: Any, stop: Any) -> Any:
             if graph is not None:
                 return graph.fill({**{slot("input", i): v for i, v in values.items()},
                                    slot("stop"): stop})
-            return self.build(values, stop, remote, travel, place)
+            return self.build(values, stop, place)
 
         if self.mode == "rev":
             finish = partial(self._reverse_results, sparse, outputs, info)

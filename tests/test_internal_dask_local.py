@@ -11,7 +11,7 @@ from dask.callbacks import Callback
 from dask.task_spec import Task, TaskRef
 from dask.utils import key_split
 
-from daskdag.graph.build import key, kind_of
+from daskdag.graph.assembly import key, kind_of
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 
 
@@ -43,7 +43,7 @@ def test_the_threaded_schedulers_batches_and_state_read_as_daskdag_reads_them():
 def test_dask_takes_a_keys_prefix_as_daskdag_names_it():
     """Dask learns durations and balances tasks by a key's prefix (``key_split``): for
     daskdag's keys, the stage it runs; a node name with ``-`` before a word that is not all
-    letters is cut there (:func:`daskdag.graph.build.key`)."""
+    letters is cut there (:func:`daskdag.graph.assembly.key`)."""
     for label in ("B+C", "n0+998more+n999", "layer_2", "pre-processing"):
         k = key("fwd", label, "0123abcd")
         assert kind_of(k) == "fwd"

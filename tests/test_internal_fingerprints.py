@@ -108,11 +108,11 @@ def test_packed_functions_are_pickled_again_only_when_changed(monkeypatch):
     monkeypatch.setattr(pickler.Pickler, "dump", lambda self, obj: dumped.append(obj) or dump(self, obj))
     W = np.ones(3)
     fn = lambda x: W * x  # noqa: E731
-    first = packing.pack_function("f", fn, remote=False)
-    second = packing.pack_function("f", fn, remote=False)
+    first = packing.pack_function("f", fn, strict=False)
+    second = packing.pack_function("f", fn, strict=False)
     assert len(dumped) == 1 and first.token == second.token
     W[0] = 2.0
-    third = packing.pack_function("f", fn, remote=False)
+    third = packing.pack_function("f", fn, strict=False)
     assert len(dumped) == 2 and third.token != first.token
 
 

@@ -33,7 +33,7 @@ from daskdag.rules.seeds import basis
 #: is a pullback of the stage's residuals, so this bounds what making it costs.
 MOST_ROWS = 256
 #: The largest dense Jacobian kept, in bytes: no more than a small value carried in a task
-#: (:data:`daskdag.graph.build.INLINE_BYTES`).
+#: (:data:`daskdag.graph.assembly.INLINE_BYTES`).
 MOST_BYTES = 64 * 1024
 
 

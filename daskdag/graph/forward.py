@@ -42,13 +42,14 @@ from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
-from daskdag.graph.build import Carry, TaskGraph, ident, is_root, key, token_of
+from daskdag.graph.assembly import Carry, TaskGraph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import check
 from daskdag.model.leaves import differentiable_leaves, on_differentiable
 from daskdag.rules.jvp import directions, jvp_leaves
 from daskdag.rules.registry import jvp_rule
 from daskdag.graph.stages import Stage, make_stages
+from daskdag.transport.transports import Transport
 
 TANGENT = "tangent"  # the one "gradient" each output of the graph carries
 
@@ -149,16 +150,15 @@ def output_tangent(value, flat, k: int | None):
 
 # -- the graph -------------------------------------------------------------------------------------
 
-def build(plan: Plan, values: dict, tangents: dict, k: int | None = None, remote: bool = False,
-          place=None, stop=None, travel: bool = True, chunk: int | None = None,
-          stages=None) -> dict:
+def build(plan: Plan, values: dict, tangents: dict, transport: Transport, k: int | None = None,
+          place=None, stop=None, chunk: int | None = None, stages=None) -> dict:
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
     ``k``: the number of directions, or None; ``chunk``: at most that many per call.
-    ``remote``, ``place``, ``stop``, ``travel`` and ``stages`` as for
+    ``values``, ``transport``, ``place``, ``stop`` and ``stages`` as for
     :func:`daskdag.graph.build.build`."""
     spec, g = plan.spec, TaskGraph()
-    carry = Carry(g, travel, remote, place)
+    carry = Carry(g, transport, place)
     needed = spec.ancestors(plan.outputs)
     val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
     tan = {i: carry.value("tan", i, f"the tangent of input {i!r}", tangents[i])

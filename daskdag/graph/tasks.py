@@ -2,9 +2,11 @@
 output whose gradient passes through it), one gradient task per (output, input). See
 :mod:`daskdag.graph.stages` for what a stage is.
 
-For a Jacobian (:func:`daskdag.jacobian`) every cotangent is a stack of rows: an output starts
-from the rows of the identity over its elements (:func:`basis`), and each pullback maps a
-stack to a stack, ``rows`` (a :class:`Rows`) at a time under ``jax.vmap``.
+How cotangents are pulled back is one strategy, a task's ``pull``: :data:`PER_OUTPUT` for
+gradients (one cotangent per output), or, for a Jacobian (:func:`daskdag.jacobian`), a
+:class:`Rows`: every cotangent is a stack of rows (an output starts from the rows of the
+identity over its elements, :class:`Basis`), and each pullback maps a stack to a stack, some
+rows at a time under ``jax.vmap``.
 
 A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 """
@@ -12,7 +14,7 @@ A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +50,14 @@ def forward_dense(stage: Stage, stop, *args):
     return values, dense.densify(pullback, values, deps, _pull_rows, dropped)
 
 
-def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
+def forward_backward(stage: Stage, stop, flows: tuple, pull, *args):
     """Forward and backward of a stage whose cotangents are all seeds of its own outputs
-    (``flows`` and ``rows`` as for :func:`backward`, without sources): ``(exposed values, per
+    (``flows`` and ``pull`` as for :func:`backward`, without sources): ``(exposed values, per
     output the deps' cotangents)``. A fused stage runs as one program, as
     ``jax.jit(jax.value_and_grad)`` does, its residuals never leaving XLA; others, seeds given
     by the user and Jacobians' rows, run as :func:`forward` then :func:`backward`."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    if stage.fused and rows is None and all(f is None or (isinstance(f, Seed) and f.ct is None)
+    if stage.fused and not pull.stacked and all(f is None or (isinstance(f, Seed) and f.ct is None)
                                             for per_output in flows for f in per_output):
         seeded = tuple(tuple(f is not None for f in per_output) for per_output in flows)
         out = run.gradients(stage, nodes, deps, seeded)
@@ -67,7 +69,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, rows, *args):
                         check_scalar(value, flow.output, flow.batched)
             return values, cts
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
-    return out[0], backward(stage, stop, flows, rows, out, *deps)
+    return out[0], backward(stage, stop, flows, pull, out, *deps)
 
 
 def cotangents_of(out) -> list:
@@ -80,7 +82,7 @@ def pick(out, has_pullback: bool, k: int):
     return (out[0] if has_pullback else out)[k]
 
 
-def backward(stage: Stage, stop, flows: tuple, rows, forward_out, *args) -> list:
+def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list:
     """Pull the cotangents of the stage's exposed nodes back to the stage's deps, for each
     output whose gradient passes through the stage. Returns, per output, a tuple aligned with
     the stage's deps: each dep's cotangent, ``None`` where none flows.
@@ -91,25 +93,15 @@ def backward(stage: Stage, stop, flows: tuple, rows, forward_out, *args) -> list
     output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere; else a
     :class:`Seed`, :class:`Basis` or :class:`Shares`. ``stop``: as for :func:`forward`.
 
-    Several outputs are pulled back at once, their cotangents stacked, under ``jax.vmap``
-    (one pass through the stage's pullbacks instead of one per output), where that pays
-    (:data:`BATCH_FROM`, by the pullback's ``batching``); else, and where the pullback cannot
-    be vmapped (a host callback), one by one.
-
-    ``rows``: for a Jacobian, a :class:`Rows`: each cotangent is a stack of rows (an output
-    starts from its :class:`Basis`), and so is each result (:func:`_pull_rows`).
+    ``pull``: how the cotangents are pulled back, :data:`PER_OUTPUT` or a Jacobian's
+    :class:`Rows`.
     """
     values, pullback = forward_out
     deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
     pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task only)
     cts = [tuple(None if flow is None else flow.cotangent(value, sources)
                  for value, flow in zip(values, per_output)) for per_output in flows]
-    dropped = dropped_of(stage, stop)
-    if rows is not None:
-        return _pull_rows(pullback, cts, values, deps, dropped, rows.chunk)
-    if pullback.batching is not None and pullback.batching.worth(cts):
-        return _batched(pullback, cts, values, deps, dropped)
-    return [pullback(c, deps, dropped) for c in cts]
+    return pull.pull(pullback, cts, values, deps, dropped_of(stage, stop))
 
 
 # -- where a cotangent comes from -----------------------------------------------------------------
@@ -154,6 +146,27 @@ class Shares:
         return total(sources[s][k][i] for s, k, i in self.picks)
 
 
+# -- how cotangents are pulled back ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PerOutput:
+    """One cotangent per output (gradients). Several outputs' are pulled back at once, stacked,
+    under ``jax.vmap`` (one pass through the stage's pullbacks instead of one per output) where
+    that pays (by the pullback's ``batching``); else, and where the pullback cannot be vmapped
+    (a host callback), one by one."""
+
+    stacked: ClassVar[bool] = False
+
+    def pull(self, pullback, cts: list, values, deps, dropped) -> list:
+        """Per output, its cotangents (``cts[k]``, per exposed node) pulled back to the deps."""
+        if pullback.batching is not None and pullback.batching.worth(cts):
+            return _batched(pullback, cts, values, deps, dropped)
+        return [pullback(c, deps, dropped) for c in cts]
+
+
+PER_OUTPUT = PerOutput()
+
+
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
     """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``: each output's
     cotangents a stack of one row (:func:`_pull_rows`)."""
@@ -165,16 +178,21 @@ def _batched(pullback, cts: list, values, deps, dropped) -> list:
 
 @dataclass(frozen=True)
 class Rows:
-    """Cotangents are stacks of rows (a Jacobian's), pulled back at most ``chunk`` rows per
-    ``jax.vmap`` call (``None``: all at once), to bound the memory a pass takes. ``colours``:
-    ``((output, its elements' colours), ...)`` for the outputs whose rows are compressed (a
-    sparse Jacobian's, :class:`Basis`)."""
+    """Cotangents are stacks of rows (a Jacobian's), and so is each result: pulled back at most
+    ``chunk`` rows per ``jax.vmap`` call (``None``: all at once), to bound the memory a pass
+    takes. ``colours``: ``((output, its elements' colours), ...)`` for the outputs whose rows
+    are compressed (a sparse Jacobian's, :class:`Basis`)."""
 
     chunk: int | None = None
     colours: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    stacked: ClassVar[bool] = True
 
     def colours_of(self, output: str) -> tuple[int, ...] | None:
         return dict(self.colours).get(output)
+
+    def pull(self, pullback, cts: list, values, deps, dropped) -> list:
+        """As :meth:`PerOutput.pull`, each cotangent a stack of rows."""
+        return _pull_rows(pullback, cts, values, deps, dropped, self.chunk)
 
 
 def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
@@ -241,18 +259,18 @@ def dropped_of(stage: Stage, stop):
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(picks: tuple, x, output, rows, own, *sources):
+def gradient(picks: tuple, x, output, basis, own, *sources):
     """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
     its shares ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) and of
     ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
-    each leaf is stacked over its rows (``rows``, its :class:`Basis`); else it is ``None``. Each leaf is a JAX
+    each leaf is stacked over its rows (``basis``, its :class:`Basis`); else it is ``None``. Each leaf is a JAX
     array of its input leaf's JAX dtype, whoever computed it (JAX, or a node's own NumPy rule:
     a Python float's gradient is float32, as ``jax.grad`` gives it). A value over a sweep's
     chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
-    lead = () if output is None else (rows.rows(output),)
+    lead = () if output is None else (basis.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([own.cotangent(x, ())] if own else [])
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))

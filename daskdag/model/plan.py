@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from daskdag.model.spec import Spec
-from daskdag.transport.packing import pack_function
+from daskdag.transport.transports import Transport
 
 
 @dataclass(frozen=True)
@@ -50,24 +50,24 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
     return Plan(spec, outputs, wrt, needed, active, backward)
 
 
-def ship(plan, remote: bool, travel: bool = True, prints: dict | None = None):
-    """``plan`` with the function of every node it runs packed (:func:`pack_function`), each
-    distinct function once, and each distinct array they hold hashed once (an array several
-    functions close over: a node's forward and backward rules, nodes sharing weights). The
-    arrays live through the call, so their ids name them. ``travel=False`` (an eager call in
-    this process): only the functions of ``jit=True`` nodes, whose compiled programs are cached
-    by their content (:func:`current`); the others are called as they are. ``prints``: the
-    functions' fingerprints already taken in this call, by ``id`` (added to)."""
+def ship(plan, transport: Transport, prints: dict | None = None):
+    """``plan`` with the function of every node it runs packed for ``transport``
+    (:meth:`~daskdag.transport.transports.Transport.packs_function`: every one, or in this
+    process only those of ``jit=True`` nodes; the others are called as they are), each distinct
+    function once, and each distinct array they hold hashed once (an array several functions
+    close over: a node's forward and backward rules, nodes sharing weights). The arrays live
+    through the call, so their ids name them. ``prints``: the functions' fingerprints already
+    taken in this call, by ``id`` (added to)."""
     packed: dict[int, object] = {}
     tokens: dict[int, str] = {}
     prints = {} if prints is None else prints
     nodes = dict(plan.spec.nodes)
     for n in plan.needed:
         fn = nodes[n].fn
-        if not (travel or nodes[n].jit):
+        if not transport.packs_function(nodes[n].jit):
             continue
         if id(fn) not in packed:
-            packed[id(fn)] = pack_function(f"node {n!r}: its function", fn, remote, tokens,
-                                           prints)
+            packed[id(fn)] = transport.pack_function(f"node {n!r}: its function", fn, tokens,
+                                                     prints)
         nodes[n] = replace(nodes[n], fn=packed[id(fn)])
     return replace(plan, spec=replace(plan.spec, nodes=nodes))

@@ -26,7 +26,7 @@ from dask.base import DaskMethodsMixin, get_scheduler
 from dask.highlevelgraph import HighLevelGraph
 
 from daskdag.running import cluster
-from daskdag.graph.build import kind_of
+from daskdag.graph.assembly import kind_of
 from daskdag.model.plan import Plan
 
 

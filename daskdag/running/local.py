@@ -36,7 +36,7 @@ from dask.threaded import ContextAwareThreadPoolExecutor
 from daskdag.caches import register
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
-from daskdag.graph.build import kind_of
+from daskdag.graph.assembly import kind_of
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unwrap
 from daskdag.model.spec import Node
@@ -72,7 +72,7 @@ def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
     """The values of ``keys``: ``dsk``'s tasks run one after another in this thread, in the
     order the graph holds them (daskdag makes each task after the tasks it takes: see
-    ``daskdag.graph.build.TaskGraph``), each value let go once no later task takes it; ``timer`` times
+    ``daskdag.graph.assembly.TaskGraph``), each value let go once no later task takes it; ``timer`` times
     the forward tasks. For a call of short tasks only: Dask's synchronous scheduler orders the
     graph and keeps its books per task, ~0.1 ms a task, as much as a tiny node's work."""
     takers = Counter(d for task in dsk.values() for d in task.dependencies)

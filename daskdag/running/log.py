@@ -14,7 +14,7 @@ import logging
 
 import jax
 
-from daskdag.graph.build import kind_of
+from daskdag.graph.assembly import kind_of
 from daskdag.running.local import Filled
 
 logger = logging.getLogger("daskdag")

@@ -37,12 +37,13 @@ from daskdag.running import cluster
 from daskdag.sweeps import sweep
 from daskdag.sweeps.chunked import Items
 from daskdag.sweeps.engines import chunk_graph, item_key
-from daskdag.graph.build import key
+from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.plan import make_plan
 from daskdag.model.request import batch_size, cotangents_for, with_rules, wrt_names
 from daskdag.model.leaves import is_array
-from daskdag.transport.packing import pack_for, unpack
+from daskdag.transport.packing import unpack
+from daskdag.transport import transports
 from daskdag.sweeps.results import item_shapes
 
 
@@ -71,12 +72,12 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
     wrt = wrt_names(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
     with_rules(make_plan(spec, names, wrt))
     cts = cotangents_for(names, cotangents)
-    remote = client is not None  # (api resolved it: the client in effect, or None here)
-    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, remote=remote,
-                               travel=True)  # (computed later, wherever the arrays are)
+    # (api resolved the client in effect, or None; computed later, wherever the arrays are)
+    transport = transports.for_call(client, lazy=True)
+    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, transport)
     if client is not None:
         cluster.check(client, planned.plan)
-    return _block_graph(planned, inputs, chunks, _shapes(planned, spec), remote)
+    return _block_graph(planned, inputs, chunks, _shapes(planned, spec))
 
 
 def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:
@@ -179,7 +180,7 @@ def _loaded(deferred: _Deferred):
     return deferred.get()
 
 
-def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict], remote: bool) -> dict:
+def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]) -> dict:
     """``{output: (value, {input: grad})}`` as trees of dask arrays over the blocks (see the
     module's docstring)."""
     values, grads = shapes
@@ -188,7 +189,7 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
     shared = [i for i in planned.values if planned.shared(i)]
     broadcast = [i for i in planned.carried() if i in planned.broadcast]
     for i in (*shared, *broadcast):  # one task each, the value packed as graph.build packs inputs
-        packed = pack_for(f"input {i!r}", planned.values[i], remote)
+        packed = planned.transport.pack(f"input {i!r}", planned.values[i])
         keys[i] = key("input", i, tokenize(packed))  # (the key compute_grads keeps it under)
         layer[keys[i]] = Task(keys[i], unpack, packed)
     arrays: list = []
@@ -199,7 +200,7 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
             return _Slot(len(arrays) - 1)
         return leaf
 
-    templates = {i: pack_for(f"input {i!r}", jax.tree.map(slot, inputs[i]), remote)
+    templates = {i: planned.transport.pack(f"input {i!r}", jax.tree.map(slot, inputs[i]))
                  for i in planned.carried() if i in planned.batched}
     layout = [(o, o in planned.carrying, jax.tree.leaves(values[o]),
                [(i, jax.tree.leaves(grads[i])) for i in planned.plan.wrt])

@@ -27,9 +27,10 @@ from dask.task_spec import DataNode, Task, TaskRef
 from daskdag.sweeps import progress
 from daskdag.running.cluster import Watch, describe, unreachable, workers
 from daskdag.running.compute import Arrivals
-from daskdag.graph.build import key
+from daskdag.graph.assembly import key
 from daskdag.errors import ClusterError
-from daskdag.transport.packing import pack_for, unpack
+from daskdag.transport.packing import unpack
+from daskdag.transport.transports import CLUSTER
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
 
@@ -141,7 +142,7 @@ class Cluster:
                 c.worker, c.cohort = self._least_busy(found), frozenset(found)
                 graph = self._graph(c.sweep)
                 # Unhashed: a chunk's items are keyed by the chunk, so no one asks for their token.
-                items = {item_key(n): pack_for(f"input {n!r}", v, remote=True, hashed=False)
+                items = {item_key(n): CLUSTER.pack(f"input {n!r}", v, hashed=False)
                          for n, v in c.sweep.items(*c.chunk).items()}
                 report = None if self.bar is None else [self.id, *c.chunk]
                 c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
@@ -312,7 +313,7 @@ def place_shared(place, name: str, value) -> distributed.Future:
     value, so it survives the loss of its worker, where a scattered value would fail every
     chunk needing it. The value travels packed, as every input does (:mod:`daskdag.transport.packing`).
     """
-    packed = pack_for(f"input {name!r}", value, remote=True)
+    packed = CLUSTER.pack(f"input {name!r}", value)
     return place(key("input", name, tokenize(packed)), unpack, packed)
 
 

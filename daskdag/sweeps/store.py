@@ -61,7 +61,7 @@ from daskdag.errors import NodeError, StoreError
 from daskdag.model.leaves import is_array
 from daskdag.model.spec import parse
 from daskdag.running.prepared import settings
-from daskdag.transport.packing import pack_function
+from daskdag.transport.transports import CLUSTER
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
@@ -603,7 +603,7 @@ def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, er
     spec = parse(dag)
     nodes = {}
     for n, node in spec.nodes.items():
-        fns = [None if f is None else pack_function(f"node {n!r}: its function", f, True).token
+        fns = [None if f is None else CLUSTER.pack_function(f"node {n!r}: its function", f).token
                for f in (node.fn, node.vjp, node.fwd, node.bwd, node.jvp)]
         nodes[n] = tokenize(fns, list(node.deps), node.jit, node.vmap, node.remat)
     x64, ours = settings()

@@ -30,7 +30,7 @@ import numpy as np
 from daskdag.sweeps.chunked import Chunked, Items, chunk_of, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.errors import NodeError
-from daskdag.graph.build import build
+from daskdag.graph.build import GradientSeeding, build
 from daskdag.running.log import logger, where
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import (batch_size, batched_names, cotangents_for, parsed,
@@ -41,7 +41,7 @@ from daskdag.sweeps.progress import Progress
 from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
 from daskdag.model.plan import ship
-from daskdag.transport.packing import pack_function
+from daskdag.transport.transports import Transport
 from daskdag.transport.pickler import JaxArray
 from daskdag.model.spec import Node, Spec
 from daskdag.graph.run import chain_of_elements
@@ -61,8 +61,7 @@ class Sweep:
     carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
     cotangents: dict[str, Any]
     size: int
-    remote: bool  # chunks go to a cluster
-    travel: bool  # the chunk graph is packed under content keys (daskdag.graph.build.Carry)
+    transport: Transport  # how chunk graphs take in their values (daskdag.transport.transports)
 
     @property
     def vectorized(self) -> bool:
@@ -87,7 +86,7 @@ class Sweep:
                 return np.asarray(a[start:stop])
             if not is_array(a):
                 return a
-            return rows(a, start, stop) if self.remote else a[start:stop]  # (packed if remote)
+            return rows(a, start, stop) if self.transport.remote else a[start:stop]
 
         values = {}
         for i in self.carried():
@@ -110,11 +109,11 @@ class Sweep:
         Nothing else in it depends on which items, or how many, the chunk holds: items enter
         only as these inputs, and the seeds of the outputs' cotangents take the item count
         from the outputs when they run (:func:`daskdag.rules.seeds.seed`)."""
-        return build(self.plan, {**self.values, **values}, self.cotangents, batched=True,
-                     remote=self.remote, travel=self.travel)
+        return build(self.plan, {**self.values, **values},
+                     GradientSeeding(self.cotangents, batched=True), self.transport)
 
 
-def prepare(dag, xs, outputs, batched, wrt, cotangents, remote: bool, watch) -> Sweep:
+def prepare(dag, xs, outputs, batched, wrt, cotangents, transport: Transport, watch) -> Sweep:
     """:func:`daskdag.sweep_grads` prepared (:mod:`daskdag.running.prepared`): the arguments
     checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
     values, their number and the cotangents, which :func:`sweep` puts in. ``watch`` takes the
@@ -126,7 +125,7 @@ def prepare(dag, xs, outputs, batched, wrt, cotangents, remote: bool, watch) -> 
     with_rules(make_plan(spec, names, wrt))
     cotangents_for(names, cotangents)
     prints = {id(spec.nodes[n].fn): watch(n, spec.nodes[n].fn) for n in spec.order}
-    return plan_sweep(spec, names, {}, batched, wrt, {}, 0, remote=remote, prints=prints)
+    return plan_sweep(spec, names, {}, batched, wrt, {}, 0, transport, prints=prints)
 
 
 def item_signature(dag, xs, batched) -> tuple | None:
@@ -192,12 +191,11 @@ def rows(a, start: int, stop: int):
     return a[start:stop]
 
 
-def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remote: bool,
-               travel: bool | None = None, prints: dict | None = None) -> Sweep:
-    """What every chunk shares. ``remote``: chunks go to a cluster; ``travel``: the chunk graph
-    is packed under content keys, as it must be for a cluster or a graph computed later,
-    anywhere (default ``remote``); ``prints``: the node functions' fingerprints, by ``id``, as
-    a preparation took them."""
+def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, transport: Transport,
+               prints: dict | None = None) -> Sweep:
+    """What every chunk shares. ``transport``: how chunk graphs take in their values
+    (:mod:`daskdag.transport.transports`); ``prints``: the node functions' fingerprints, by
+    ``id``, as a preparation took them."""
     prints = {} if prints is None else prints
     broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
     carrying = set(batched) | broadcast
@@ -209,14 +207,13 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, remo
             carrying.add(n)
             # Its function packed inside too: its content token keys the chunk's compiled
             # programs (shipping.current), so a change in place compiles anew.
-            inner = replace(node, fn=pack_function(f"node {n!r}: its function", node.fn, remote,
-                                                   prints=prints))
+            inner = replace(node, fn=transport.pack_function(f"node {n!r}: its function", node.fn,
+                                                             prints=prints))
             node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
         nodes[n] = node
-    travel = remote if travel is None else travel
-    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), remote, travel)
+    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), transport)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
-                 remote, travel)
+                 transport)
 
 
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:

@@ -1,5 +1,7 @@
 """What crosses a process boundary, and how.
 
+- :mod:`~daskdag.transport.transports`: the three ways a call's graph takes in its values
+  (in-process, lazy, cluster), one chosen per call;
 - :mod:`~daskdag.transport.packing`: the user's functions and values, pickled by value under
   content tokens (so a cluster need not import the user's code, and an in-place change is seen);
 - :mod:`~daskdag.transport.pickler`: how they are pickled (cloudpickle, arrays out of band, the

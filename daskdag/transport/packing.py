@@ -143,14 +143,15 @@ def unpack(value):
     return value.load() if isinstance(value, Packed) else value
 
 
-def pack_for(what: str, obj, remote: bool, as_function: bool = False, hashed: bool = True,
+def pack_for(what: str, obj, strict: bool, as_function: bool = False, hashed: bool = True,
              tokens: dict | None = None):
-    """:func:`pack` of ``obj``. Where pickling fails: on a cluster (``remote``) a
-    :class:`~daskdag.DAGError` naming ``what``; locally, where nothing travels, ``obj`` itself."""
+    """:func:`pack` of ``obj``. Where pickling fails: ``strict`` (it must leave this process,
+    :data:`~daskdag.transport.transports.CLUSTER`) a :class:`~daskdag.DAGError` naming
+    ``what``; else ``obj`` itself, which a scheduler in this process can still run."""
     try:
         return pack(obj, as_function, hashed, tokens)
     except Exception as e:
-        if remote:
+        if strict:
             raise DAGError(f"{what} cannot be sent to the cluster: pickling it failed with "
                            f"{type(e).__name__}: {e}") from e
         return obj
@@ -169,7 +170,7 @@ def _clear_received() -> None:
 register("functions received and current", _clear_received)
 
 
-def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
+def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
                   prints: dict | None = None):
     """``fn`` packed as a :class:`Function` (:func:`pack_for`), without pickling it again while
     its :class:`~daskdag.transport.fingerprints.Fingerprint` is the same as when it was last
@@ -188,7 +189,7 @@ def pack_function(what: str, fn, remote: bool, tokens: dict | None = None,
     if fp is not None and hit is not None and hit[0] == fp:
         token, skeleton, arrays = hit[2]
         return Function(token, skeleton, arrays, fn)
-    packed = pack_for(what, target, remote, as_function=True, tokens=tokens)
+    packed = pack_for(what, target, strict, as_function=True, tokens=tokens)
     if not isinstance(packed, Function):
         return fn
     token = packed.token

@@ -1,0 +1,188 @@
+"""Assembling a call's Dask graph: task keys, how a graph takes in values it does not compute
+(:class:`Carry`), and the graph itself (:class:`TaskGraph`). The reverse-mode builder
+(:mod:`daskdag.graph.build`), the forward-mode one (:mod:`daskdag.graph.forward`) and the checks'
+(:mod:`daskdag.checks`) all assemble their graphs from these.
+
+Keys are readable, and their prefix (:func:`key`) names the stage, so that Dask learns how long
+each stage takes (it learns per prefix, ``dask.utils.key_split``): ``fwd:B+C-<token>``. Keys
+are read back only through :func:`kind_of` and :func:`token_of`, here. Each key is a function
+of its whole task: the same key never names two tasks that differ (distributed's "different
+`run_spec`").
+
+The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
+tasks), never through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
+so building that way is quadratic in the number of nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import dask
+from dask.base import tokenize
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
+from dask.sizeof import sizeof
+from dask.task_spec import Task, TaskRef
+
+from daskdag.graph.run import itself
+from daskdag.transport.packing import unpack
+from daskdag.transport.transports import Transport
+
+# A packed input or node of at most this many bytes travels inside each task that takes it, as
+# Dask's own graphs carry small arguments: a task whose inputs are all small then depends on no
+# other task, and the scheduler spreads such tasks over the workers (it places a task with
+# dependencies beside them). A larger one is a task of its own, sent once.
+INLINE_BYTES = 64 * 1024
+
+
+def key(kind: str, label: str, token: str) -> str:
+    """A task key: ``fwd:B+C-<token>``. Dask's prefix of it (``dask.utils.key_split``) is
+    ``fwd:B+C``, everything before the token, unless a node name holds a ``-`` before a word
+    that is not all letters: the prefix stops there (node ``x-1``: ``fwd:x``)."""
+    return f"{kind}:{label}-{token}"
+
+
+def kind_of(task_key) -> str:
+    """The kind of a daskdag key (``fwd``, ``bwd``, ``val``, ``grad``, ...), else ``""``."""
+    head = str(task_key).partition("-")[0]
+    return head.partition(":")[0] if ":" in head else ""
+
+
+class Inline:
+    """A value that tasks take inside their own spec: ``arg``, the value itself or a nested task
+    unpacking it; ``token`` identifies it in the keys of the tasks that take it."""
+
+    __slots__ = ("arg", "token")
+
+    def __init__(self, arg, token: str | None):
+        self.arg, self.token = arg, token
+
+
+def ident(ref) -> str | None:
+    """What identifies a task's argument in its key: a task's key, or an inline value's token."""
+    return ref.token if isinstance(ref, Inline) else ref.key
+
+
+class Carry:
+    """How one call's graph takes in what it does not compute, its inputs and nodes, and the
+    tokens of its keys, as its ``transport`` says (:mod:`daskdag.transport.transports`).
+
+    In this process (:data:`~daskdag.transport.transports.IN_PROCESS`) values go in as they
+    are, and every key carries one token of the call. Otherwise values are packed and keys are
+    content tokens: a value of at most :data:`INLINE_BYTES` goes inline, a nested task
+    unpacking it, in each task that takes it; a larger one is a task of its own: kept on the
+    cluster by ``place(key, fn, payload, needs) -> Future`` (:mod:`daskdag.running.resident`)
+    when given, else a task of the graph (``graph``, a :class:`TaskGraph`)."""
+
+    def __init__(self, graph: "TaskGraph", transport: Transport, place=None):
+        self.graph, self.transport, self.place = graph, transport, place
+        self.call = None if transport.packs else uuid.uuid4().hex
+
+    def key(self, kind: str, label: str, *content) -> str:
+        """A key for a task that ``content`` identifies (where values are packed; else the
+        call does)."""
+        return key(kind, label, self.call or tokenize(*content))
+
+    def value(self, kind: str, name: str, what: str, value):
+        """An input value (or a tangent) as tasks take it: an :class:`Inline` or a reference.
+        ``what`` names it in an error. A ``TaskRef`` is a value already on the cluster."""
+        if isinstance(value, TaskRef):
+            return value
+        if not self.transport.packs:
+            return Inline(value, None)
+        packed = self.transport.pack(what, value)
+        return self._carried(kind, name, packed, Task(None, unpack, packed), unpack, packed)
+
+    def node(self, name: str, node):
+        """A node (its function packed by :func:`~daskdag.model.plan.ship` where values are
+        packed) as the forward task of its stage takes it."""
+        if not self.transport.packs:
+            return Inline(node, None)
+        return self._carried("node", name, node, node, itself, node, node.needs)
+
+    def _carried(self, kind: str, name: str, content, inline, fn, payload, needs=None):
+        """``fn(payload)`` inline (as ``inline``) when small, else a task of its own, keyed by the
+        token of ``content``."""
+        token = tokenize(content)
+        if sizeof(payload) <= INLINE_BYTES:
+            return Inline(inline, token)
+        k = key(kind, name, token)
+        if self.place is not None:
+            return self.place(k, fn, payload, needs)
+        return self.graph.task(k, dict(needs or {}), fn, payload)
+
+
+def nested(fn, *args) -> Task:
+    """``fn(*args)`` as a task run inside the task that takes it (:class:`Inline` s unwrapped)."""
+    return Task(None, fn, *(a.arg if isinstance(a, Inline) else a for a in args))
+
+
+def token_of(task_key: str) -> str:
+    """The token of a daskdag key (:func:`key`): what follows its last ``-``."""
+    return task_key.rpartition("-")[2]
+
+
+def is_root(stage, spec) -> bool:
+    """A stage that takes only the call's inputs (no other stage's values) and needs no
+    resources: a root of the graph, which any worker can run as soon as the call starts."""
+    return not stage.needs and not any(d in spec.nodes for d in stage.deps)
+
+
+class TaskGraph:
+    """Tasks in the order they are made, each after its dependencies, as layers of consecutive
+    tasks that need the same resources: a layer's annotation places its tasks on distributed's
+    workers. So the layers form a chain, each depending on the one before."""
+
+    def __init__(self):
+        self.layers: list[tuple[dict | None, dict]] = []  # (resources, {key: task})
+        self.layer_of: dict = {}  # key -> index of its layer
+
+    def task(self, key: str, needs: dict | None, fn, *args, root: bool = False) -> TaskRef:
+        """``fn(*args)``, where any :class:`TaskRef` among ``args`` is replaced by its value, and
+        an :class:`Inline` by what it carries. ``root``: a task that computes from the call's
+        inputs alone (:func:`is_root`)."""
+        args = tuple(a.arg if isinstance(a, Inline) else a for a in args)
+        # Marked as Dask marks the tasks that read its arrays' chunks (dask.array.from_array):
+        # distributed then queues such tasks and hands each to the next worker with a free
+        # thread, whatever the estimates of their durations, so independent branches spread
+        # evenly from the first call on (it places other tasks by estimates, learned per
+        # prefix, which a first call's compilations throw off).
+        return self._add(key, needs, Task(key, fn, *args, _data_producer=root))
+
+    def _add(self, key, needs, task) -> TaskRef:
+        needs = needs or None  # no resources, however spelled
+        if not self.layers or self.layers[-1][0] != needs:
+            self.layers.append((needs, {}))
+        self.layers[-1][1][key] = task
+        self.layer_of[key] = len(self.layers) - 1
+        return TaskRef(key)
+
+    def delayed(self, results: dict, token: str | None = None, base: HighLevelGraph | None = None
+                ) -> dict:
+        """``results`` with every reference to a task of this graph made a ``Delayed``. The
+        layers are named by ``token``, or else by a hash of every key; ``base``: another call's
+        graph that these tasks take values from."""
+        ambient = dask.get_annotations()  # a dask.annotate around the call still applies
+        if token is None:
+            digest = hashlib.sha1()
+            for _, layer in self.layers:
+                digest.update("\0".join(map(str, layer)).encode())
+            token = digest.hexdigest()
+        names = [f"daskdag-{k}-{token}" for k in range(len(self.layers))]
+        layers: dict[str, Layer]
+        layers = {name: MaterializedLayer(tasks, annotations={**ambient, "resources": needs}
+                                          if needs else ambient or None)
+                  for name, (needs, tasks) in zip(names, self.layers)}
+        below = set(base.layers) if base is not None else set()
+        dependencies = {name: set(names[k - 1:k]) if k else below for k, name in enumerate(names)}
+        if base is not None:
+            layers, dependencies = {**base.layers, **layers}, {**base.dependencies, **dependencies}
+        graph = HighLevelGraph(layers, dependencies)
+
+        def wrap(ref):
+            return Delayed(ref.key, graph, layer=names[self.layer_of[ref.key]])
+
+        return {o: (wrap(v), {i: wrap(g) for i, g in grads.items()})
+                for o, (v, grads) in results.items()}
