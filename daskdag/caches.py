@@ -48,6 +48,13 @@ class Cache(Generic[V]):
                 self._entries.popitem(last=False)
         return value
 
+    def setdefault(self, key: Hashable, make: Callable[[], V]) -> V:
+        """The entry for ``key``, made by ``make()`` and kept when there is none (for a cache
+        of ``size`` 0, made and not kept)."""
+        with self._lock:
+            value = self.get(key, _MISSING)
+            return self.put(key, make()) if value is _MISSING else value
+
     def pop(self, key: Hashable, default: Any = None) -> V | Any:
         with self._lock:
             return self._entries.pop(key, default)

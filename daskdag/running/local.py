@@ -21,7 +21,7 @@ import atexit
 import concurrent.futures
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from typing import Any
 
 import dask
@@ -33,7 +33,7 @@ from dask.system import CPU_COUNT
 from dask.task_spec import DataNode, TaskRef
 from dask.threaded import ContextAwareThreadPoolExecutor
 
-from daskdag.caches import register
+from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
 from daskdag.graph.assembly import kind_of
@@ -47,8 +47,8 @@ KNOWN = 4096  # node functions whose durations are remembered (the most recent o
 SAMPLES = 8  # durations remembered per node functions
 
 _lock = threading.Lock()
-_durations: OrderedDict = OrderedDict()  # ids of a stage's node functions -> its recent durations
-register("learned durations of local tasks", _durations.clear)
+# ids of a stage's node functions -> its recent durations
+_durations: Cache[deque] = Cache("learned durations of local tasks", KNOWN)
 _threads: list = []  # the pool, once made
 
 
@@ -223,14 +223,7 @@ def _remember(functions: tuple, seconds: float) -> None:
     """Keep the last :data:`SAMPLES` durations: the shortest of them is what the functions
     take (a task is slowed by the machine, not sped up: one stalled 2.1 ms sample of the
     20,000 stages sharing one function sent them all to the pool, 1.6x slower)."""
-    with _lock:
-        recent = _durations.get(functions)
-        if recent is None:
-            recent = _durations[functions] = deque(maxlen=SAMPLES)
-        recent.append(seconds)
-        _durations.move_to_end(functions)
-        while len(_durations) > KNOWN:
-            _durations.popitem(last=False)
+    _durations.setdefault(functions, lambda: deque(maxlen=SAMPLES)).append(seconds)
 
 
 def _pool():

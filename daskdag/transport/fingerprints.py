@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from daskdag.caches import register
+from daskdag.caches import Cache, register
 from daskdag.transport.weak import Weak
 
 LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
@@ -263,8 +263,7 @@ def _installed_roots() -> tuple[str, ...]:
     return tuple(os.path.realpath(r) + os.sep for r in roots if r)
 
 
-_decided: dict[tuple[str, str | None], bool] = {}
-register("whose modules are the user's", _decided.clear)
+_decided: Cache[bool] = Cache("whose modules are the user's", 4096)  # (name, file) -> decided
 register("names read by code objects", lambda: names.cache_clear())
 
 
@@ -276,8 +275,5 @@ def is_user_module(name: str) -> bool:
         return True
     module = sys.modules.get(name)
     file: Any = getattr(module, "__file__", None)
-    key = (name, file)
-    if key not in _decided:
-        _decided[key] = bool(file) and name.partition(".")[0] != "daskdag" and \
-            not os.path.realpath(file).startswith(_installed_roots())
-    return _decided[key]
+    return _decided.setdefault((name, file), lambda: bool(file) and name.partition(".")[0] !=
+                               "daskdag" and not os.path.realpath(file).startswith(_installed_roots()))

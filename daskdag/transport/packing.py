@@ -28,13 +28,12 @@ from __future__ import annotations
 import io
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 from dask.base import tokenize
 
 from daskdag import config
-from daskdag.caches import ByObject, register
+from daskdag.caches import ByObject, Cache
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint
 from daskdag.transport.pickler import (Pickler, Unpickler, array_token, travelling,
@@ -42,11 +41,11 @@ from daskdag.transport.pickler import (Pickler, Unpickler, array_token, travelli
 from daskdag.transport.weak import Weak, held
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
+# token -> the Function this process keeps for it
+_received: Cache[Function] = Cache("functions received", RECEIVED_FUNCTIONS)
 
 _UNSET = object()
 _lock = threading.RLock()  # cloudpickle's by-value registry is process-wide: one pack at a time
-_received: OrderedDict[str, "Function"] = OrderedDict()
-_current: dict[int, "_Current"] = {}  # id of a user's function -> it, as it is now (current)
 
 
 class Packed:
@@ -93,10 +92,7 @@ class Function(Packed):
         new = self._value is _UNSET
         fn = super().load()
         if new:  # a process that received it: reuse it for the same token from now on
-            with _lock:
-                _received[self.token] = self
-                while len(_received) > RECEIVED_FUNCTIONS:
-                    _received.popitem(last=False)
+            _received.put(self.token, self)
         return fn
 
     def __reduce__(self):
@@ -105,12 +101,8 @@ class Function(Packed):
 
 def _receive_function(token, skeleton, arrays) -> Function:
     """The function this process keeps for ``token``, else a new one from what travelled."""
-    with _lock:
-        hit = _received.get(token)
-        if hit is not None:
-            _received.move_to_end(token)
-            return hit
-    return Function(token, skeleton, arrays)
+    hit = _received.get(token)
+    return Function(token, skeleton, arrays) if hit is None else hit
 
 
 def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | None = None) -> Packed:
@@ -159,15 +151,10 @@ def pack_for(what: str, obj, strict: bool, as_function: bool = False, hashed: bo
 
 PACKED_FUNCTIONS = 4096  # the most packed functions a process remembers (see pack_function)
 _packed_functions: ByObject = ByObject("packed functions", PACKED_FUNCTIONS)
+# a user's function -> it, as it is now (current)
+_current: ByObject[_Current] = ByObject("functions as they are now", PACKED_FUNCTIONS)
 
 
-def _clear_received() -> None:
-    with _lock:
-        _received.clear()
-        _current.clear()
-
-
-register("functions received and current", _clear_received)
 
 
 def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
@@ -221,14 +208,13 @@ def current(fn):
     if not isinstance(fn, Function):
         return fn
     loaded = fn.load()
-    with _lock:
-        if _received.get(fn.token) is fn:
-            return loaded
-        loaded = held(loaded)  # (the function itself: every preparation's hold on it shares it)
-        hit = _current.get(id(loaded))
-        if hit is None or hit.fn is not loaded or hit.token != fn.token:
-            hit = _current[id(loaded)] = _Current(loaded, fn.token)
-        return hit
+    if _received.get(fn.token) is fn:
+        return loaded
+    loaded = held(loaded)  # (the function itself: every preparation's hold on it shares it)
+    hit = _current.get(loaded)
+    if hit is None or hit.token != fn.token:
+        hit = _current.put(loaded, _Current(loaded, fn.token))
+    return hit
 
 
 class _Current:
@@ -240,8 +226,7 @@ class _Current:
     def __init__(self, fn, token: str):
         self.token = token
         try:
-            key = id(fn)
-            self._ref: Callable[[], Any] = weakref.ref(fn, lambda _: _forget_current(key, self))
+            self._ref: Callable[[], Any] = weakref.ref(fn)
         except TypeError:  # not weakly referenceable: held (and kept alive) as it is
             self._ref = lambda: fn
 
@@ -252,8 +237,3 @@ class _Current:
     def __call__(self, *args, **kwargs):
         return self._ref()(*args, **kwargs)
 
-
-def _forget_current(key: int, stale: _Current) -> None:
-    with _lock:
-        if _current.get(key) is stale:
-            del _current[key]
