@@ -109,14 +109,15 @@ def measure(quick: bool, only: list[str], out: Path) -> dict:
                        "started": datetime.datetime.now().isoformat(timespec="seconds")},
                "scenarios": {}}
     names = [s for s in SCENARIOS if s in only]
-    missing = [s for s in names if importlib.util.find_spec(f".{s}", __package__) is None]
+    missing = [s for s in names
+               if importlib.util.find_spec(f".scenarios.{s}", __package__) is None]
     for name in missing:
-        print(f"skipping {name}: benchmarks/{name}.py is not there", flush=True)
-        results.setdefault("skipped", {})[name] = f"benchmarks/{name}.py is not there"
+        print(f"skipping {name}: benchmarks/scenarios/{name}.py is not there", flush=True)
+        results.setdefault("skipped", {})[name] = f"benchmarks/scenarios/{name}.py is not there"
     names = [s for s in names if s not in missing]
 
     def run(name: str, clients: dict) -> None:
-        scenario = importlib.import_module(f".{name}", __package__)
+        scenario = importlib.import_module(f".scenarios.{name}", __package__)
         t = time.perf_counter()
         results["scenarios"][name] = scenario.run(quick, clients)
         results["scenarios"][name]["wall_s"] = time.perf_counter() - t

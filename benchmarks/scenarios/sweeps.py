@@ -77,7 +77,7 @@ import numpy as np
 
 import daskdag
 from daskdag.transport import programs
-from . import common
+from .. import common
 TITLE = "Sweeps"
 TARGETS = [{"ratio": "sweep_1w/sweep_2w", "op": ">=", "bound": 1.7, "source": "issue 4"},
            {"ratio": "loop/sweep_2w", "op": ">=", "bound": 1.6, "source": "issue 4"},

@@ -50,7 +50,7 @@ import scipy.sparse as sp
 import daskdag
 from daskdag.model import colouring
 
-from . import common
+from .. import common
 TITLE = "Sparse Jacobian through a 5-node DAG"
 BLOCK = 4
 ATOL = 1e-5

@@ -46,7 +46,7 @@ import psutil
 
 import daskdag
 
-from . import common
+from .. import common
 
 TITLE = "Memory-bounded backward passes: remat on workers of 1.5 GB"
 RTOL = 1e-4

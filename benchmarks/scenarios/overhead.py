@@ -48,7 +48,7 @@ from dask.task_spec import DataNode, Task, TaskRef
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Per-node overhead"
 RTOL = 1e-5
 SHAPES = ("chain", "fan_out")

@@ -63,7 +63,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "K heads over a shared trunk"
 RTOL = 1e-4
 RTOL_TORCH = 1e-3  # other kernels, other summation orders

@@ -75,7 +75,7 @@ from daskdag.model.plan import ship
 from daskdag.graph.build import kind_of
 from daskdag.rules.vjp import linearize
 
-from . import common
+from .. import common
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
     """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
     daskdag builds it for a cluster or a lazy call, without computing it."""

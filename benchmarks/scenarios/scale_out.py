@@ -83,7 +83,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Scale-out to W slots (nodes that wait)"
 RTOL = 1e-5
 STEP = 1e-3  # each repetition's input is the warm-up's plus rep * STEP

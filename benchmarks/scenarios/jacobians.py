@@ -35,7 +35,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Jacobian of a 64-output chain"
 RTOL = 1e-4
 RTOL_TORCH = 1e-3

@@ -46,7 +46,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 from .overhead import jax_loop
 
 TITLE = "Tiny nodes on threads"

@@ -33,7 +33,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 
 TITLE = "Durable sweeps (results on disk, resumed)"
 WHERE = "the runner's default 2-worker cluster (2w); stores under the system's temporary directory"

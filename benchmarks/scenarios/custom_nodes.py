@@ -30,7 +30,7 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Nodes with the user's own VJP (NumPy) against JAX nodes"
 RTOL = 1e-4
 

@@ -72,7 +72,7 @@ import daskdag
 from daskdag import Node
 from daskdag.transport import packing
 
-from . import common
+from .. import common
 
 TITLE = "Repeated calls"
 RTOL = 1e-9
@@ -550,7 +550,8 @@ def run(quick: bool, clients: dict) -> dict:
             "targets": common.targets(cases, wanted)}
 
 
-if __name__ == "__main__":  # (one case, for a quick look: python -m benchmarks.repeat_calls)
+# (one case, for a quick look: python -m benchmarks.scenarios.repeat_calls)
+if __name__ == "__main__":
     with float64():
         print(model_case(QUICK, "dense", *dense_model())["ratios"])
     os._exit(0)

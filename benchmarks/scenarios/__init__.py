@@ -1,0 +1,1 @@
+"""The benchmark scenarios, one module each."""
