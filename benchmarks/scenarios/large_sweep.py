@@ -108,6 +108,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from .. import common
 from . import sweeps
 TITLE = "Large-item sweep"
+DESCRIPTION = "a sweep of large items against two plain processes"
+CLUSTERS = ("1w", "2w", "2w_tuned")  # sweep_1w, sweep_2w (2w_tuned: up, unused)
 TARGETS = (("loop/sweep_1w", 0.9, "0.61"), ("two_processes/sweep_2w", 0.85, "0.44"))  # issue 11
 RTOL = 1e-4
 RATIOS = {"loop/sweep_1w": ("loop", "sweep_1w"),
