@@ -1,6 +1,6 @@
 """The benchmark runner: every scenario, one run, one report.
 
-    python -m benchmarks [--quick] [--only k_heads,overhead,...] [--out DIR] [--update-docs]
+    python -m benchmarks [--quick] [--only NAME,NAME,...] [--out DIR] [--update-docs]
     python -m benchmarks --from-json DIR/latest.json [--out DIR] [--update-docs]
 
 Scenarios: the modules of ``benchmarks/scenarios/``, one each, in report order (its
