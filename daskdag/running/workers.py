@@ -12,7 +12,7 @@ most on 64-bit glibc: an mmap threshold of 32 MiB (``DEFAULT_MMAP_THRESHOLD_MAX`
 threshold of twice that, as the rule sets it. So large temporaries come from the heap and
 are reused, as in a plain process; at most 64 MiB of free heap per malloc arena is kept
 rather than returned to the OS, which is also what a plain process may keep. Measured with
-``benchmarks/worker_malloc.py`` (48 items of 400 KB float32, eager nodes, one worker on a
+``benchmarks/tools/worker_malloc.py`` (48 items of 400 KB float32, eager nodes, one worker on a
 loaded 2-core machine), loop time / sweep time: 0.65 with the nanny's setting, 0.72 with only
 the mmap threshold raised, 0.72 with only the trim threshold raised, 0.86 with both; with and
 without this plugin in one run, 0.75 and 0.59 (see that script).

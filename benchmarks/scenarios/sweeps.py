@@ -77,8 +77,10 @@ import numpy as np
 
 import daskdag
 from daskdag.transport import programs
-from . import common
+from .. import common, report
 TITLE = "Sweeps"
+DESCRIPTION = "``sweep_grads`` against a loop and ``jit(vmap)``"
+CLUSTERS = ("1w", "2w", "2w_tuned")  # its sweep_<cluster> methods run on each
 TARGETS = [{"ratio": "sweep_1w/sweep_2w", "op": ">=", "bound": 1.7, "source": "issue 4"},
            {"ratio": "loop/sweep_2w", "op": ">=", "bound": 1.6, "source": "issue 4"},
            {"ratio": "sweep_vmap_2w/jit_vmap", "op": "<=", "bound": 1.3, "was": "3.9",
@@ -338,3 +340,55 @@ def vectorized_at_scale(quick: bool, client, reps: int) -> dict:
     return common.case(f"N={cfg.items}, vectorized", {"items": cfg.items}, times,
                        {"sweep_vmap_2w/jit_vmap": ("sweep_vmap_2w", "jit_vmap")},
                        baseline="jit_vmap", checks={"sweep_vmap_2w": {"worst_relative": worst}})
+
+
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+# Its methods in the order its table and plot show them.
+COLUMNS = ("loop", "sweep_threads", "sweep_1w", "sweep_2w", "sweep_2w_tuned", "sweep_vmap_2w",
+           "jit_vmap")
+
+
+def section(s: dict) -> str:
+    """A row per method: its median and the loop's time over it; then the vectorized sweep
+    over more items."""
+    c, *more = s["cases"]
+    cols = report.columns([c], COLUMNS)
+    loop = report.baseline(c)
+    cfg = s["config"]
+    vector_reps = (f" ({cfg['vector_reps']} for `jit_vmap` and `sweep_vmap_2w`, timed "
+                   f"interleaved in a loop of their own)" if "vector_reps" in cfg else "")
+    head = (f"N = {cfg['items']} items of x float32[{cfg['rows']}, {cfg['width']}], two outputs, "
+            f"chunks of {cfg['chunk_size']}; eager nodes with Python control flow, except "
+            f"`sweep_vmap_2w` and `jit_vmap` (the jittable variant). Median of {cfg['reps']} "
+            f"runs{vector_reps}. `loop / method` is the loop's time over the method's: above 1, "
+            f"the method is faster than the loop.")
+    rows = [[m, report.seconds(c["methods"][m]["median_s"]),
+             f"{loop / c['methods'][m]['median_s']:.2f}"] for m in cols]
+    parts = [head, report.table(["method", "median", "loop / method"], rows),
+             report.ratio_table([c])]
+    if more:  # the vectorized sweep over more items (vectorized_at_scale)
+        parts.append("The vectorized sweep over more items, with its default chunks: part of "
+                     "what the cluster adds to the program is a fixed cost per sweep.")
+        parts.append(report.table(
+            ["case", "jit_vmap", "sweep_vmap_2w", "sweep_vmap_2w / jit_vmap"],
+            [[m["case"], report.seconds(m["methods"]["jit_vmap"]["median_s"]),
+              report.seconds(m["methods"]["sweep_vmap_2w"]["median_s"]),
+              f"{m['ratios']['sweep_vmap_2w/jit_vmap']:.2f}"] for m in more]))
+    return "\n\n".join(parts)
+
+
+def plot(s: dict, ax_row) -> None:
+    """Each method's speed-up over the loop."""
+    c = s["cases"][0]  # (the vectorized case at scale is in the text report only)
+    cols = report.columns([c], COLUMNS)
+    loop = report.baseline(c)
+    (ax,) = ax_row
+    ax.barh(cols, [loop / c["methods"][m]["median_s"] for m in cols])
+    ax.axvline(1, color="black", linewidth=0.8)
+    report.log_axis(ax.xaxis)
+    ax.set_xlabel("speed-up over the loop (log)")
+    ax.set_title(f"{c['case']}")
+
+
+PLOT_AXES = 1  # the axes, in a row, that plot draws on

@@ -63,8 +63,11 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common, report
 TITLE = "K heads over a shared trunk"
+DESCRIPTION = ("K outputs over a shared trunk: daskdag against naive JAX, the hand-written "
+               "VJP plumbing, jitted JAX and PyTorch autograd; bytes sent per call")
+CLUSTERS = ("2w", "2w_tuned")  # its daskdag_<cluster> methods run on each
 RTOL = 1e-4
 RTOL_TORCH = 1e-3  # other kernels, other summation orders
 MODES = ("eager", "jit")
@@ -242,7 +245,6 @@ RATIOS = {"daskdag_threads/hand_written": ("daskdag_threads", "hand_written"),
           "daskdag_threads/torch": ("daskdag_threads", "torch"),
           "torch/hand_written": ("torch", "hand_written"),
           "daskdag_threads/jax_jit_all": ("daskdag_threads", "jax_jit_all")}
-CLUSTERS = ("2w", "2w_tuned")  # the clusters the methods run on
 
 
 def check(runs: dict, label: str) -> dict[str, float]:
@@ -300,3 +302,84 @@ def run(quick: bool, clients: dict) -> dict:
                      "not installed: pip install -e '.[bench]'",
             "bytes_per_call": {"case": f"K={BYTES_K}, eager", "cluster": "2w", **sent},
             "cases": cases, "targets": common.targets(cases, TARGETS)}
+
+
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+# Its methods in the order its table and plot show them.
+COLUMNS = ("naive", "hand_written", "jax_jit_all", "daskdag_threads", "daskdag_2w",
+           "daskdag_2w_tuned", "torch")
+
+
+def section(s: dict) -> str:
+    """Each case's medians relative to ``hand_written``, its ratios, then the bytes per call."""
+    cases = s["cases"]
+    cols = report.columns(cases, COLUMNS)
+
+    def cell(c, m):
+        if m not in c["methods"]:
+            return "–"
+        t, base = c["methods"][m]["median_s"], report.baseline(c)
+        return f"{report.seconds(t)} ({t / base:.2f}×)"
+
+    rows = [[c["case"]] + [cell(c, m) for m in cols] for c in cases]
+    cfg = s["config"]
+    head = (f"Trunk of {cfg['depth']} nodes `tanh(h @ W)` on {cfg['width']}×{cfg['width']} float32, "
+            f"K cheap heads; median of {cfg['reps']} runs, in parentheses relative to "
+            f"`hand_written` (the seed question's VJP plumbing). PyTorch: {s['torch']}.")
+    ratios = [r for r in ("daskdag_threads/hand_written", "naive/daskdag_threads",
+                          "daskdag_2w/daskdag_threads", "daskdag_2w_tuned/daskdag_threads",
+                          "daskdag_threads/torch", "daskdag_threads/jax_jit_all")
+              if any(r in c["ratios"] for c in cases)]
+    parts = [head, report.table(["case", *cols], rows), report.ratio_table(cases, ratios)]
+    if "bytes_per_call" in s:
+        parts.append(bytes_section(s["bytes_per_call"]))
+    return "\n\n".join(parts)
+
+
+def bytes_section(b: dict) -> str:
+    """The bytes sent per call (:func:`bytes_per_call`) and whether the goal holds."""
+    calls = [("first call", "first"), ("repeated, weights unchanged", "repeat"),
+             ("after one weight changed in place", "after_change"),
+             ("repeated after that", "repeat_after_change")]
+    rows = [[label, report.nbytes(b[k]["daskdag"]), report.nbytes(b[k]["to_scheduler"]),
+             str(b[k]["messages"])] for label, k in calls if k in b]
+    head = (f"Bytes sent per call, {b['case']}, on the {b['cluster']} cluster (a model with "
+            f"fresh weights): `placed by daskdag` is what daskdag counted as sent to keep on the "
+            f"cluster (as its log says, logger `daskdag`), `client → scheduler` what distributed's client wrote "
+            f"to the scheduler (its batched stream's byte count: every graph, kept values "
+            f"included). One weight matrix is {report.nbytes(b['weight'])}, all of them "
+            f"{report.nbytes(b['weights'])}, x {report.nbytes(b['x'])}.")
+    repeat, change = b["repeat"], b["after_change"]
+    resent = repeat["daskdag"] > 0 or repeat["to_scheduler"] >= b["weight"]
+    sent_change = change["daskdag"] >= b["weight"] and change["to_scheduler"] >= b["weight"]
+    goal = (f"Goal (issue 11), no weights re-sent on a repeated call: "
+            f"**{'not met' if resent else 'met'}** ({report.nbytes(repeat['daskdag'])} placed, "
+            f"{report.nbytes(repeat['to_scheduler'])} to the scheduler). The changed weight is "
+            f"sent again after the in-place change: **{'yes' if sent_change else 'no'}**.")
+    return "\n\n".join([head, report.table(["call", "placed by daskdag", "client → scheduler",
+                                             "messages"], rows), goal])
+
+
+def plot(s: dict, ax_row) -> None:
+    """Each method's time over ``hand_written`` per K, one axes per mode."""
+    cases = s["cases"]
+    for ax, mode in zip(ax_row, ("eager", "jit")):
+        mine = [c for c in cases if c["params"]["mode"] == mode]
+        cols = report.columns(mine, COLUMNS)
+        width = 0.8 / len(cols)
+        for j, m in enumerate(cols):
+            xs = [i + j * width for i in range(len(mine))]
+            ys = [c["methods"][m]["median_s"] / report.baseline(c)
+                  if m in c["methods"] else 0 for c in mine]
+            ax.bar(xs, ys, width, label=m, color=report.color(m, COLUMNS))
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))],
+                      [f"K={c['params']['K']}" for c in mine])
+        report.log_axis(ax.yaxis)
+        ax.axhline(1, color="black", linewidth=0.8)
+        ax.set_title(f"{mode} nodes")
+        ax.set_ylabel("time / hand_written (log)")
+        ax.legend(fontsize=7, loc="upper left")
+
+
+PLOT_AXES = 2  # the axes, in a row, that plot draws on

@@ -75,7 +75,9 @@ from daskdag.model.plan import ship
 from daskdag.graph.build import kind_of
 from daskdag.rules.vjp import linearize
 
-from . import common
+from .. import common, report
+
+
 def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
     """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
     daskdag builds it for a cluster or a lazy call, without computing it."""
@@ -83,7 +85,12 @@ def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, row
     plan = ship(request.plan, remote)
     return request.spec, plan, build(plan, request.values, request.cotangents, remote=remote,
                                      rows=rows)
+
+
 TITLE = "Portable pullbacks"
+DESCRIPTION = "pullbacks moved between processes"
+CLUSTERS = ("2w", "2w_tuned")  # moved / one_step on 2w (2w_tuned: up, unused)
+RATIO_NOTE = "portable's `shipped/...` are ratios of bytes"  # (the report's ratio rule)
 N = 1024  # the arrays' base size
 GROWTH = 32  # the most rows or columns a repetition adds (see make_base)
 RTOL = 1e-4  # moved pullbacks' results against the local ones
@@ -336,3 +343,52 @@ def run(quick: bool, clients: dict) -> dict:
     return {"title": TITLE, "config": {**asdict(cfg), "cluster_modes": {
                 m: {"forward_on": f, "rest_on": r} for m, (f, r) in MODES.items()}},
             "cases": cases}
+
+
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+def section(s: dict) -> str:
+    """A row per kind of node: times in this process, bytes shipped, the cluster's ratios."""
+    cases = s["cases"]
+    head = ("A pullback serialized in one process and called in another: median times in this "
+            "process, bytes shipped against the residuals, and on the default 2-worker cluster "
+            "(`2w`) a one-node DAG whose backward task runs on the other worker (`moved`) "
+            "against the same DAG on one worker (`one_step`); the receiving worker compiles "
+            "each backward program once and then finds it in its cache.")
+    rows = []
+    for c in cases:
+        t = {k: v["median_s"] for k, v in c["methods"].items()}
+        b = c["bytes"]
+        rows.append([c["case"], report.seconds(t["local_call"]),
+                     report.seconds(t["serialize_first"]), report.seconds(t["serialize_cached"]),
+                     report.seconds(t["deserialize_first"] + t["call_after_first"]),
+                     report.seconds(t["deserialize_cached"] + t["call_cached"]),
+                     f"{b['shipped'] / 1024:.1f}", f"{b['residuals'] / 1024:.1f}",
+                     f"{c['ratios']['shipped/residual']:.2f}",
+                     f"{c['ratios']['moved/one_step']:.2f}",
+                     "{compiled} / {cache_hits}".format(**c["cluster"]["programs_on_b"])])
+    return head + "\n\n" + report.table(
+        ["kind", "local call", "serialize (export)", "serialize (cached)",
+         "deserialize+call (compile)", "deserialize+call (cached)", "shipped KiB",
+         "residuals KiB", "shipped/residual", "moved/one_step", "compiled / cache hits"], rows)
+
+
+def plot(s: dict, ax_row) -> None:
+    """Each kind's local call against serializing and calling elsewhere."""
+    cases = s["cases"]
+    bars = {"local call": lambda t: t["local_call"],
+            "deserialize+call (cached)": lambda t: t["deserialize_cached"] + t["call_cached"],
+            "deserialize+call (compile)": lambda t: t["deserialize_first"] + t["call_after_first"],
+            "serialize (export)": lambda t: t["serialize_first"]}
+    (ax,) = ax_row
+    width = 0.8 / len(bars)
+    for j, (label, f) in enumerate(bars.items()):
+        ys = [f({k: v["median_s"] * 1e3 for k, v in c["methods"].items()}) for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [c["case"] for c in cases])
+    report.log_axis(ax.yaxis)
+    ax.set_ylabel("ms (log)")
+    ax.legend(fontsize=8)
+
+
+PLOT_AXES = 1  # the axes, in a row, that plot draws on

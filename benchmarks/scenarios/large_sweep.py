@@ -1,9 +1,9 @@
 """Scenario: a sweep of large items on default clusters, against the machine's own limit.
 
-    python -m benchmarks.large_sweep [--quick]
+    python -m benchmarks.scenarios.large_sweep [--quick]
 
-Workload: the DAG of ``benchmarks/sweeps.py`` (eager nodes, ``tanh`` of matmuls, a Python branch
-on a value, two scalar outputs, gradients with respect to ``x``) over N items of x
+Workload: the DAG of ``benchmarks/scenarios/sweeps.py`` (eager nodes, ``tanh`` of matmuls, a
+Python branch on a value, two scalar outputs, gradients with respect to ``x``) over N items of x
 float32[400, 256] (400 KB each; N = 96, 24 with ``--quick``), w float32[256, 256] shared.
 ``sweep_grads`` runs with its default chunk size, as a user calls it.
 
@@ -105,8 +105,11 @@ import distributed
 import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from . import common, sweeps
+from .. import common
+from . import sweeps
 TITLE = "Large-item sweep"
+DESCRIPTION = "a sweep of large items against two plain processes"
+CLUSTERS = ("1w", "2w", "2w_tuned")  # sweep_1w, sweep_2w (2w_tuned: up, unused)
 TARGETS = (("loop/sweep_1w", 0.9, "0.61"), ("two_processes/sweep_2w", 0.85, "0.44"))  # issue 11
 RTOL = 1e-4
 RATIOS = {"loop/sweep_1w": ("loop", "sweep_1w"),

@@ -72,9 +72,15 @@ import daskdag
 from daskdag import Node
 from daskdag.transport import packing
 
-from . import common
+from .. import common, report
 
 TITLE = "Repeated calls"
+DESCRIPTION = ("repeated calls as an optimiser makes them: four models against OpenMDAO's "
+               "``compute_totals`` on the same JAX components and ``jax.jit``, SLSQP "
+               "against OpenMDAO's ``ScipyOptimizeDriver``, a 200-step loop on the "
+               "default cluster with its bytes per step, the seed DAG in a 1,000-call "
+               "loop")
+CLUSTERS = ("2w", "2w_tuned")  # its cluster loop on 2w (2w_tuned: up, unused)
 RTOL = 1e-9
 
 
@@ -550,7 +556,35 @@ def run(quick: bool, clients: dict) -> dict:
             "targets": common.targets(cases, wanted)}
 
 
-if __name__ == "__main__":  # (one case, for a quick look: python -m benchmarks.repeat_calls)
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+def section(s: dict) -> str:
+    """The generic tables, then what the cluster loop sent per step and what SLSQP did."""
+    parts = [report.generic(s)]
+    cases = {c["case"]: c for c in s["cases"]}
+    loop = cases.get("cluster loop")
+    if loop and "bytes_per_step" in loop:
+        b = loop["bytes_per_step"]
+        parts.append(
+            f"Cluster loop, each step after the first: {b['to_scheduler']:,.0f} bytes to the "
+            f"scheduler in {b['messages']:.0f} messages (distributed's count), and "
+            f"{b['placed_by_daskdag']:,.0f} bytes placed by daskdag: the parameters "
+            f"({loop['params']['parameters_bytes']} bytes) and the task graph, which carries "
+            f"the nodes' packed functions inline ({b['node_functions_inline']:,} bytes: each "
+            f"under 64 KiB, so the tasks that take them can go to any worker); no input, node "
+            f"or residual is sent again.")
+    opt = next((c for c in s["cases"] if c["case"].startswith("optimisation")), None)
+    if opt and "runs" in opt:
+        runs = opt["runs"]
+        parts.append("SLSQP on the stepped cantilever: " + "; ".join(
+            f"`{m}` {r['iterations']} iterations, {r['calls']} calls, {r['seconds']:.2f} s, "
+            f"volume {r['optimum']:,.2f} cm³" for m, r in runs.items())
+            + f" (optima within {opt['optimum_gap']:.1e} of each other, relatively).")
+    return "\n\n".join(parts)
+
+
+# (one case, for a quick look: python -m benchmarks.scenarios.repeat_calls)
+if __name__ == "__main__":
     with float64():
         print(model_case(QUICK, "dense", *dense_model())["ratios"])
     os._exit(0)

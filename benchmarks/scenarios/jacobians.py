@@ -35,8 +35,11 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Jacobian of a 64-output chain"
+DESCRIPTION = ("``daskdag.jacobian`` of a 64-output chain against ``jax.jacrev`` and "
+               "PyTorch")
+CLUSTERS = ("2w", "2w_tuned")  # up while it runs, unused: its methods run in this process
 RTOL = 1e-4
 RTOL_TORCH = 1e-3
 TARGETS = [{"case": "jit", "ratio": "daskdag_threads/jacrev", "op": "<=", "bound": 1.2,

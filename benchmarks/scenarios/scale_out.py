@@ -83,8 +83,12 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common, report
 TITLE = "Scale-out to W slots (nodes that wait)"
+DESCRIPTION = ("nodes that wait, on default clusters of W = 4, 8, 16 workers that it starts "
+               "itself: ``compute_grads`` of a wide DAG and ``sweep_grads`` against "
+               "hand-written Dask graphs, as efficiency against the ideal")
+CLUSTERS = None  # starts a cluster of its own per shape
 RTOL = 1e-5
 STEP = 1e-3  # each repetition's input is the warm-up's plus rep * STEP
 WHERE = "a default LocalCluster the scenario starts (workers x threads as the case says)"
@@ -596,3 +600,167 @@ def run(quick: bool, clients: dict) -> dict:
             "cluster_start_s": started,
             "where": {m: WHERE for m in ("daskdag", "hand_written", "two_phase", "delayed")},
             "targets": common.targets(cases, wanted(cfg.shapes))}
+
+
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+def section(s: dict) -> str:
+    """A column per cluster shape: each case's efficiencies (ideal / median), the ratio to its
+    baseline, the spread of the branch tasks; then the wide and deep tails, broken into their
+    parts; then the medians per case."""
+    cfg = s["config"]
+    shapes: dict[str, dict] = {}
+    for c in s["cases"]:
+        kind, shape = c["case"].split(", ", 1)
+        shapes.setdefault(shape, {})[kind] = c
+    names = list(shapes)
+
+    def eff(kind, m):
+        def cell(d):
+            c = d.get(kind)
+            return f"{c['methods'][m]['efficiency']:.2f}" if c and m in c["methods"] else "–"
+        return cell
+
+    def ratio(kind, r):
+        def cell(d):
+            c = d.get(kind)
+            return f"{c['ratios'][r]:.2f}" if c and r in c.get("ratios", {}) else "–"
+        return cell
+
+    def spread(kind, m):
+        def cell(d):
+            calls = (((d.get(kind) or {}).get("branch_tasks") or {}).get(m) or {}).get("calls", [])
+            calls = [k for k in calls if sum(k["per_worker"])]
+            return ", ".join(f"{max(k['per_worker'])}/{min(k['per_worker'])}" for k in calls) or "–"
+        return cell
+
+    rows = [("wide: daskdag", eff("wide", "daskdag")),
+            ("wide: hand_written (folded)", eff("wide", "hand_written")),
+            ("wide: daskdag / hand_written", ratio("wide", "daskdag/hand_written")),
+            ("wide: tail, daskdag / hand_written", ratio("wide", "tail_ratio")),
+            ("wide: branches per worker, daskdag", spread("wide", "daskdag")),
+            ("wide: branches per worker, hand_written", spread("wide", "hand_written")),
+            ("deep: daskdag", eff("deep", "daskdag")),
+            ("deep: two_phase", eff("deep", "two_phase")),
+            ("deep: daskdag / two_phase", ratio("deep", "daskdag/two_phase")),
+            ("deep: tail, daskdag / two_phase", ratio("deep", "tail_ratio")),
+            ("deep: branches per worker, daskdag", spread("deep", "daskdag")),
+            ("deep: branches per worker, two_phase", spread("deep", "two_phase")),
+            ("sweeps: daskdag", eff("sweeps", "daskdag")),
+            ("sweeps: delayed", eff("sweeps", "delayed")),
+            ("sweeps: daskdag / delayed", ratio("sweeps", "daskdag/delayed"))]
+    table = report.table(["", *names], [[label, *(cell(shapes[n]) for n in names)]
+                                        for label, cell in rows])
+    head = ("For each shape (`W=k`: k single-thread workers; `wxt`: w workers of t threads), a "
+            "default process `LocalCluster` that the scenario starts (one at a time; start-up "
+            "took " + ", ".join(f"{float(t):.0f} s for {w}" for w, t in
+                                 s.get("cluster_start_s", {}).items())
+            + f"). W = slots (workers x threads). wide: {cfg['branches_per_slot']}W branches "
+            f"that each wait {cfg['wide_wait_s']:g} s, summed by one scalar head, against the "
+            f"folded hand-written graph (one `value_and_grad` task per branch, one sum); deep: "
+            f"{cfg['layers']} layers of {cfg['branches_per_slot']}W branches that each wait "
+            f"{cfg['deep_wait_s']:g} s, fan-in between layers, two outputs, against the "
+            f"two-phase hand-written graph (forward tasks keeping each node's `jax.vjp`, "
+            f"backward tasks pulling back, pinned round-robin); sweeps: "
+            f"{cfg['items_per_slot']}W items that each wait {cfg['item_wait_s'] * 1e3:g} ms, "
+            f"`sweep_grads` against `dask.delayed` over the same chunks. Efficiency = ideal / "
+            f"median of {cfg['reps']} runs, the ideal being the waiting spread evenly over the W "
+            f"slots: 1 is perfect. Branches per worker: for each timed call, the most and the "
+            f"fewest branch (forward) tasks one worker ran; even is "
+            f"{cfg['branches_per_slot']} per thread ({cfg['layers']} times that for deep).")
+    tails = []
+    for kind, base in (("wide", "hand_written"), ("deep", "two_phase")):
+        tail_rows = []
+        for n in names:
+            c = shapes[n].get(kind)
+            for m in ("daskdag", base):
+                entry = _median_call(c, m)
+                if entry is None:
+                    continue
+                parts = "; ".join(
+                    f"`{what}` x{p['tasks']} {p['start_s'] * 1e3:+.0f}..{p['end_s'] * 1e3:+.0f} ms"
+                    f" (compute {p['compute_s'] * 1e3:.0f}, transfer {p['transfer_s'] * 1e3:.0f})"
+                    for what, p in entry.get("tail", {}).items())
+                tail_rows.append([n, m, report.seconds(entry["before_first_s"]),
+                                  report.seconds(entry["branches_s"]),
+                                  report.seconds(entry["after_last_s"]), parts or "–",
+                                  report.seconds(entry.get("return_s", 0.0))])
+        tails.append(
+            f"The {kind} case's median call: before the first branch, the branches, and the "
+            f"tail after the last branch's end, in its parts: each kind of task that ran after "
+            f"that end (daskdag's by key kind; the hand-written graph's by function), when the "
+            f"first of them started and the last ended relative to it, and their compute and "
+            f"transfer time summed; `return`: from the last task's end to the call's end.\n\n"
+            + report.table(["shape", "method", "before", "branches", "tail", "tail's parts",
+                            "return"], tail_rows))
+
+    def med(c, m):
+        return report.seconds(c["methods"][m]["median_s"]) if m in c["methods"] else "–"
+
+    case_rows = []
+    for c in s["cases"]:
+        base = next(m for m in c["methods"] if m != "daskdag")
+        r = f"daskdag/{base}"
+        floor = report.seconds(c["cpu_floor_s"]) if "cpu_floor_s" in c else "–"
+        case_rows.append([c["case"], med(c, "daskdag"), f"{med(c, base)} (`{base}`)",
+                          report.seconds(c["ideal_s"]),
+                          f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–",
+                          str(c["params"].get("chunk_size", "–")), floor])
+    cases = ("Median times per case; `CPU floor` (sweeps): the delayed method's own JAX work "
+             "per item, without the waiting, timed in this process, times N over the "
+             "machine's cores, a bound the waiting does not set.\n\n"
+             + report.table(["case", "daskdag", "baseline", "ideal", "daskdag / baseline",
+                             "chunk", "CPU floor"], case_rows))
+    return "\n\n".join([head, table, *tails, cases])
+
+
+def _median_call(c: dict | None, m: str) -> dict | None:
+    """Of a case's timed calls of method ``m``, the one with the median time (its timeline)."""
+    calls = [k for k in (((c or {}).get("branch_tasks") or {}).get(m) or {}).get("calls", [])
+             if "branches_s" in k]
+    if not calls:
+        return None
+    return sorted(calls, key=lambda k: k["before_first_s"] + k["branches_s"]
+                  + k["after_last_s"])[len(calls) // 2]
+
+
+def plot(s: dict, ax_row) -> None:
+    """Efficiency per cluster shape; the median call's tail, wide and deep."""
+    ax, tail_ax = ax_row
+    shapes = list(dict.fromkeys(c["case"].split(", ", 1)[1] for c in s["cases"]))
+    lines = [("wide", "daskdag"), ("wide", "hand_written"), ("deep", "daskdag"),
+             ("deep", "two_phase"), ("sweeps", "daskdag"), ("sweeps", "delayed")]
+    for j, (kind, m) in enumerate(lines):
+        pts = [(shapes.index(c["case"].split(", ", 1)[1]), c["methods"][m]["efficiency"])
+               for c in s["cases"] if c["case"].startswith(kind) and m in c["methods"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{kind}: {m}", color=f"C{j // 2}",
+                    linestyle="-" if m == "daskdag" else "--")
+    ax.axhline(1, color="black", linewidth=0.8)
+    ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":", label="target (0.85)")
+    ax.set_xticks(range(len(shapes)), shapes)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("cluster shape")
+    ax.set_ylabel("efficiency (ideal / median)")
+    ax.set_title("efficiency")
+    ax.legend(fontsize=7)
+    width = 0.2
+    for j, (kind, base) in enumerate((("wide", "hand_written"), ("deep", "two_phase"))):
+        for k, m in enumerate(("daskdag", base)):
+            pts = []
+            for i, shape in enumerate(shapes):
+                c = next((c for c in s["cases"] if c["case"] == f"{kind}, {shape}"), None)
+                entry = _median_call(c, m)
+                if entry is not None:
+                    pts.append((i + (2 * j + k - 1.5) * width, entry["after_last_s"]))
+            if pts:
+                tail_ax.bar(*zip(*pts), width=width, label=f"{kind}: {m}", color=f"C{j}",
+                            alpha=1.0 if m == "daskdag" else 0.5)
+    tail_ax.set_xticks(range(len(shapes)), shapes)
+    tail_ax.set_xlabel("cluster shape")
+    tail_ax.set_ylabel("seconds after the last branch")
+    tail_ax.set_title("the tail (median call)")
+    tail_ax.legend(fontsize=7)
+
+
+PLOT_AXES = 2  # the axes, in a row, that plot draws on

@@ -33,9 +33,12 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 
 TITLE = "Durable sweeps (results on disk, resumed)"
+DESCRIPTION = ("``sweep_grads(store=...)`` against the same sweep in memory, and resuming "
+               "a sweep that died at 90%")
+CLUSTERS = ("2w", "2w_tuned")  # its sweeps on 2w (2w_tuned: up, unused)
 WHERE = "the runner's default 2-worker cluster (2w); stores under the system's temporary directory"
 
 

@@ -48,8 +48,10 @@ from dask.task_spec import DataNode, Task, TaskRef
 
 import daskdag
 
-from . import common
+from .. import common, report
 TITLE = "Per-node overhead"
+DESCRIPTION = "per-node cost against hand-written Dask graphs"
+CLUSTERS = ("2w", "2w_tuned")  # 2w: its *_2w methods; 2w_tuned: daskdag_2w_tuned
 RTOL = 1e-5
 SHAPES = ("chain", "fan_out")
 
@@ -208,3 +210,51 @@ def run(quick: bool, clients: dict) -> dict:
                "was": "1.5-1.6", "source": "issue 11"} for n in cfg.nodes]
     return {"title": TITLE, "config": asdict(cfg), "cases": cases,
             "targets": common.targets(cases, wanted)}
+
+
+# --- Its report (benchmarks/report.py draws the rest) ---------------------------------------------
+
+# Its methods in the order its table and plot show them.
+COLUMNS = ("noop_threads", "noop_2w", "jax_loop", "dask_threads", "daskdag_threads", "dask_2w",
+           "daskdag_2w", "daskdag_2w_tuned")
+
+
+def section(s: dict) -> str:
+    """Microseconds per node, a column per method, then the ratios to the hand-written graph."""
+    cases = s["cases"]
+    cols = report.columns(cases, COLUMNS)
+    ratios = [r for r in ("daskdag_threads/dask_threads", "daskdag_2w/dask_2w",
+                          "daskdag_2w_tuned/dask_2w") if any(r in c["ratios"] for c in cases)]
+
+    def cell(c, m):
+        return f"{c['methods'][m]['us_per_node']:.0f}" if m in c["methods"] else "–"
+
+    rows = [[c["case"]] + [cell(c, m) for m in cols]
+            + [f"{c['ratios'][r]:.2f}" if r in c["ratios"] else "–" for r in ratios]
+            for c in cases]
+    head = (f"Microseconds per node (median of {s['config']['reps']} runs / N) for one scalar "
+            f"output's value and gradient; `dask_*` is the same arithmetic as a hand-written "
+            f"Dask graph, `noop_*` that graph's shape with tasks that do nothing: the "
+            f"scheduler's own cost. `daskdag_2w/dask_2w` is the tiny-node chain's headline on "
+            f"distributed.")
+    return head + "\n\n" + report.table(["case", *cols, *ratios], rows)
+
+
+def plot(s: dict, ax_row) -> None:
+    """Microseconds per node against N, one axes per shape."""
+    for ax, shape in zip(ax_row, ("chain", "fan_out")):
+        mine = [c for c in s["cases"] if c["params"]["shape"] == shape]
+        for m in report.columns(mine, COLUMNS):
+            have = [c for c in mine if m in c["methods"]]
+            ax.plot([c["params"]["nodes"] for c in have],
+                    [c["methods"][m]["us_per_node"] for c in have], marker="o", label=m,
+                    color=report.color(m, COLUMNS))
+        report.log_axis(ax.xaxis)
+        report.log_axis(ax.yaxis)
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("µs per node (log)")
+        ax.set_title(shape)
+    ax_row[-1].legend(fontsize=8)
+
+
+PLOT_AXES = 2  # the axes, in a row, that plot draws on

@@ -2,7 +2,7 @@
 
 Run on a machine with an NVIDIA GPU and JAX's CUDA build (``pip install 'jax[cuda13]'``):
 
-    python benchmarks/gpu_check.py
+    python benchmarks/tools/gpu_check.py
 
 It starts a scheduler and two worker processes on 127.0.0.1: ``gpu`` (``JAX_PLATFORMS=cuda``,
 advertising ``GPU=1``) and ``cpu`` (``JAX_PLATFORMS=cpu``). The DAG's heavy node is marked

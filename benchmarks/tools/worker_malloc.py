@@ -1,11 +1,11 @@
 """daskdag's worker plugin (``daskdag/running/workers.py``) measured: a sweep on one default nanny
 worker, with and without the plugin, against the same ``jax.vjp`` loop in this process.
 
-    python -m benchmarks.worker_malloc [--reps 5]
+    python -m benchmarks.tools.worker_malloc [--reps 5]
 
-Workload: the DAG of ``benchmarks/sweeps.py`` (eager nodes, ``tanh`` of matmuls, a Python branch
-on a value, two scalar outputs) over 48 items of x float32[400, 256] (400 KB each), w
-float32[256, 256], default chunk size. Methods, timed interleaved, medians:
+Workload: the DAG of ``benchmarks/scenarios/sweeps.py`` (eager nodes, ``tanh`` of matmuls, a
+Python branch on a value, two scalar outputs) over 48 items of x float32[400, 256] (400 KB
+each), w float32[256, 256], default chunk size. Methods, timed interleaved, medians:
 
 - loop:          ``sweeps.loop``, the hand-written ``jax.vjp`` loop, in this process.
 - plugin:        ``sweep_grads`` on a default ``LocalCluster(n_workers=1, threads_per_worker=1,
@@ -32,7 +32,8 @@ import dask
 import distributed
 
 from daskdag.running import workers as worker_setup
-from . import common, sweeps
+from .. import common
+from ..scenarios import sweeps
 CFG = sweeps.Config(items=48, rows=400, width=256, reps=5, chunk_size=0)
 
 

@@ -30,8 +30,11 @@ import numpy as np
 
 import daskdag
 
-from . import common
+from .. import common
 TITLE = "Nodes with the user's own VJP (NumPy) against JAX nodes"
+DESCRIPTION = ("nodes of NumPy code with the user's own VJP against JAX nodes and "
+               "hand-written loops")
+CLUSTERS = ("2w", "2w_tuned")  # up while it runs, unused: its methods run in this process
 RTOL = 1e-4
 
 

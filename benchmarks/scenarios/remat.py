@@ -46,9 +46,13 @@ import psutil
 
 import daskdag
 
-from . import common
+from .. import common
 
 TITLE = "Memory-bounded backward passes: remat on workers of 1.5 GB"
+DESCRIPTION = ("a 16-node chain with 200 MB of residuals per node on 2 workers of 1.5 GB: "
+               "``Node(remat=True)`` against spilling and an unlimited run; peak worker "
+               "memory and time")
+CLUSTERS = None  # starts its own clusters of 2 workers
 RTOL = 1e-4
 
 

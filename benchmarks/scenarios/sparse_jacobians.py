@@ -50,8 +50,13 @@ import scipy.sparse as sp
 import daskdag
 from daskdag.model import colouring
 
-from . import common
+from .. import common
 TITLE = "Sparse Jacobian through a 5-node DAG"
+DESCRIPTION = ("a block-diagonal and a banded n x n Jacobian through a 5-node DAG of eager "
+               "nodes: ``daskdag.jacobian`` dense, with a sparsity pattern (one pass per "
+               "colour, passes counted) and with ``sparsity=\"detect\"``, against "
+               "``jax.jacrev``; on this process's threads, no cluster")
+CLUSTERS = None  # on this process's threads
 BLOCK = 4
 ATOL = 1e-5
 TARGETS = [{"case": case, "ratio": "sparse/dense", "op": "<=", "bound": 0.1, "source": "issue 23"}
