@@ -69,22 +69,23 @@ from distributed.protocol import deserialize, serialize
 
 from daskdag import Node
 from daskdag.transport import programs
-from daskdag.graph.build import build
+from daskdag.graph.build import GradientSeeding, build
 from daskdag.model.request import prepare
 from daskdag.model.plan import ship
-from daskdag.graph.build import kind_of
+from daskdag.graph.assembly import kind_of
+from daskdag.transport.transports import LAZY
 from daskdag.rules.vjp import linearize
 
 from .. import common, report
 
 
-def build_graph(dag, x, outputs, *, wrt=None, cotangents=None, remote=False, rows=None):
+def build_graph(dag, x, outputs, *, wrt=None, cotangents=None):
     """A call's spec, plan and graph (``{output: (value, {input: grad})}`` of ``Delayed``), as
-    daskdag builds it for a cluster or a lazy call, without computing it."""
+    daskdag builds it for a lazy call, without computing it."""
     request = prepare(dag, x, outputs, wrt, cotangents)
-    plan = ship(request.plan, remote)
-    return request.spec, plan, build(plan, request.values, request.cotangents, remote=remote,
-                                     rows=rows)
+    plan = ship(request.plan, LAZY)
+    return request.spec, plan, build(plan, request.values, GradientSeeding(request.cotangents),
+                                     LAZY)
 
 
 TITLE = "Portable pullbacks"
