@@ -108,25 +108,108 @@ def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
     is one program; else it joins one of them, and the others stay tasks of their own, which a
     cluster can run side by side. (A call in this process takes the first: its tasks run on
     one machine, where XLA spreads a large op over the cores anyway.)"""
-    spec, needed = plan.spec, set(plan.needed)
-    fuse = config.get("fuse-chains")
-    groups: list[list[str]] = []
-    group_of: dict[str, int] = {}
-    jittable: dict[int, bool] = {}
-    # A remat node is a stage of its own, run node by node: its backward task then redoes that
-    # node alone, and no joint vjp of a chain, nor a fused program, keeps its residuals. (Inside
-    # a fused program, jax.checkpoint would do too; a stage of its own is simpler, and costs a
-    # task, little beside a node large enough to be worth recomputing.)
-    alone: dict[int, bool] = {}
-    takes: dict[int, set[int]] = {}  # group -> the groups it takes values from
+    grouping = _Grouping(plan, fan_in)
+    for n in plan.needed:
+        grouping.add(n)
+    needed = set(plan.needed)
 
     def consumers(d):
-        return {c for c, _ in spec.uses.get(d, ()) if c in needed}
+        return {c for c, _ in plan.spec.uses.get(d, ()) if c in needed}
 
-    def everywhere(d):
-        return {c for c, _ in spec.uses.get(d, ())}
+    return tuple(_stage(plan, tuple(nodes), fused, consumers) for nodes, fused in grouping.ordered())
 
-    def comes_after(e, g):  # group e takes values from g, directly or not
+
+class _Grouping:
+    """The groups of nodes that become stages, made node by node in topological order
+    (:meth:`add`): ``groups[g]``, its nodes; ``group_of``, each node's group; ``jittable[g]``, a
+    group of jittable nodes; ``alone[g]``, a ``remat`` node's group, which takes no other node;
+    ``takes[g]``, the groups it takes values from.
+
+    A remat node is a stage of its own, run node by node: its backward task then redoes that
+    node alone, and no joint vjp of a chain, nor a fused program, keeps its residuals."""
+
+    def __init__(self, plan: Plan, fan_in: bool):
+        self.plan, self.spec, self.fan_in = plan, plan.spec, fan_in
+        self.fuse = config.get("fuse-chains")
+        self.groups: list[list[str]] = []
+        self.group_of: dict[str, int] = {}
+        self.jittable: dict[int, bool] = {}
+        self.alone: dict[int, bool] = {}
+        self.takes: dict[int, set[int]] = {}
+        self.position = {n: k for k, n in enumerate(plan.needed)}
+
+    def add(self, n: str) -> None:
+        """Node ``n`` into a fused group, the chain of its dep, or a group of its own."""
+        node = self.spec.nodes[n]
+        deps = [d for d in dict.fromkeys(node.deps) if d in self.group_of]
+        kind = _jittable(node)
+        joined = None
+        if self.fuse and not node.remat:
+            joined = self._fused(n, deps) if kind else self._chain(n, deps)
+        if joined is None:
+            joined = len(self.groups)
+            self.groups.append([])
+            self.jittable[joined], self.takes[joined] = kind, set()
+            self.alone[joined] = bool(node.remat)
+        self.groups[joined].append(n)
+        self.group_of[n] = joined
+        self.takes[joined] |= {self.group_of[e] for e in deps} - {joined}
+
+    def ordered(self):
+        """``(nodes, fused)`` of each group, ordered by what they take from each other (a group
+        may grow past a later group's start: D joining B's in a diamond A->B,C->D)."""
+        for g in graphlib.TopologicalSorter(self.takes).static_order():
+            if self.groups[g]:
+                yield self.groups[g], self.jittable[g] and len(self.groups[g]) > 1
+
+    def _fused(self, n: str, deps: list[str]) -> int | None:
+        """The connected jittable group ``n`` joins without a cycle (no group outside it
+        taking from it and feeding ``n``); with ``fan_in``, every such group merged."""
+        members: list[int] = []
+        for g in dict.fromkeys(self.group_of[d] for d in deps):
+            if not self._fusable(g, n, deps):
+                continue
+            trial = {*members, g}
+            if not any(self._comes_after(h, m) for h in self._merged_takes(trial, deps)
+                       for m in trial):
+                members.append(g)
+                if not self.fan_in:
+                    break
+        return self._merge(members) if members else None
+
+    def _chain(self, n: str, deps: list[str]) -> int | None:
+        """The chain of an eager node's dep ``d`` that ``n`` follows: ``d`` is its group's last
+        node, no output, and ``n`` its one consumer in the whole DAG (so that calls that need
+        different parts of it cut the chains they share alike, and calls computed together
+        share those stages' tasks); and ``n`` takes nothing the group does not wait for
+        already (a stage starts once all its deps are there: a fan-in node joining one
+        branch's chain would hold that branch back until the others are done)."""
+        spec, node = self.spec, self.spec.nodes[n]
+        for d in deps:
+            g = self.group_of[d]
+            if spec.nodes[d].needs != node.needs or self.jittable[g] or self.alone[g]:
+                continue
+            if self._holds_wrt(g, deps):
+                continue
+            others = {self.group_of[e] for e in deps} - {g}
+            if self.groups[g][-1] == d and d not in self.plan.outputs \
+                    and {c for c, _ in spec.uses.get(d, ())} == {n} and others <= self.takes[g]:
+                return g
+        return None
+
+    def _holds_wrt(self, g: int, deps: list[str]) -> bool:
+        """A node in ``wrt`` among ``deps`` in group ``g``: its cotangent must leave its stage
+        (see :func:`_stage`), so nothing joins it there."""
+        return any(e in self.plan.wrt for e in deps if self.group_of[e] == g)
+
+    def _fusable(self, g: int, n: str, deps: list[str]) -> bool:
+        node = self.spec.nodes[n]
+        return (self.jittable[g] == _jittable(node) and not self.alone[g]
+                and all(self.spec.nodes[m].needs == node.needs for m in self.groups[g][:1])
+                and not self._holds_wrt(g, deps))
+
+    def _comes_after(self, e: int, g: int) -> bool:
+        """Group ``e`` takes values from ``g``, directly or not."""
         seen, stack = set(), [e]
         while stack:
             h = stack.pop()
@@ -134,84 +217,30 @@ def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
                 return True
             if h not in seen:
                 seen.add(h)
-                stack.extend(takes[h])
+                stack.extend(self.takes[h])
         return False
 
-    def fusable(g, n, deps) -> bool:  # group g may take node n in
-        node = spec.nodes[n]
-        return (jittable[g] == _jittable(node) and not alone[g]
-                and all(spec.nodes[m].needs == node.needs for m in groups[g][:1])
-                # (a node in wrt: its cotangent must leave its stage, see _stage)
-                and not any(e in plan.wrt for e in deps if group_of[e] == g))
+    def _merged_takes(self, members: set[int], deps) -> set[int]:
+        return set().union(*(self.takes[m] for m in members),
+                           {self.group_of[e] for e in deps}) - members
 
-    def merged_takes(members: set[int], deps) -> set[int]:
-        return set().union(*(takes[m] for m in members), {group_of[e] for e in deps}) - members
-
-    def merge(members: list[int]) -> int:
+    def _merge(self, members: list[int]) -> int:
         """Groups ``members`` as one (the first), its nodes in topological order."""
         into, rest = members[0], set(members[1:])
         everyone = set(members)
         for m in rest:
-            for name in groups[m]:
-                group_of[name] = into
-            groups[into].extend(groups[m])
-            groups[m] = []
-        groups[into].sort(key=position.__getitem__)
-        takes[into] = set().union(*(takes[m] for m in everyone)) - everyone
+            for name in self.groups[m]:
+                self.group_of[name] = into
+            self.groups[into].extend(self.groups[m])
+            self.groups[m] = []
+        self.groups[into].sort(key=self.position.__getitem__)
+        self.takes[into] = set().union(*(self.takes[m] for m in everyone)) - everyone
         for m in rest:
-            takes[m] = set()
-        for h, taken in takes.items():  # (the groups that took from a merged one take from it)
+            self.takes[m] = set()
+        for h, taken in self.takes.items():  # (the groups that took from a merged one take from it)
             if taken & rest:
-                takes[h] = (taken - rest) | {into} - {h}
+                self.takes[h] = (taken - rest) | {into} - {h}
         return into
-
-    position = {n: k for k, n in enumerate(plan.needed)}
-    for n in plan.needed:
-        node, deps = spec.nodes[n], [d for d in dict.fromkeys(spec.nodes[n].deps) if d in group_of]
-        kind = _jittable(node)
-        joined = None
-        if kind and fuse and not node.remat:
-            # fused: a connected jittable group it can join without a cycle (no group outside
-            # it taking from it and feeding n); with fan_in, every such group
-            members: list[int] = []
-            for g in dict.fromkeys(group_of[d] for d in deps):
-                if not fusable(g, n, deps):
-                    continue
-                trial = {*members, g}
-                if not any(comes_after(h, m) for h in merged_takes(trial, deps) for m in trial):
-                    members.append(g)
-                    if not fan_in:
-                        break
-            if members:
-                joined = merge(members)
-        for d in deps if fuse and not node.remat and not kind else ():
-            g = group_of[d]
-            if spec.nodes[d].needs != node.needs or jittable[g] != kind or alone[g]:
-                continue
-            if any(e in plan.wrt for e in deps if group_of[e] == g):
-                continue  # (a node in wrt: its cotangent must leave its stage, see _stage)
-            others = {group_of[e] for e in deps} - {g}
-            # chain: n follows d, its one consumer in the whole DAG (so that calls that need
-            # different parts of it cut the chains they share alike, and calls computed
-            # together share those stages' tasks), and takes nothing g does not wait for
-            # already (a stage starts once all its deps are there: a fan-in node joining one
-            # branch's chain would hold that branch back until the others are done)
-            if groups[g][-1] == d and d not in plan.outputs and everywhere(d) == {n} \
-                    and others <= takes[g]:
-                joined = g
-                break
-        if joined is None:
-            joined = len(groups)
-            groups.append([])
-            jittable[joined], takes[joined], alone[joined] = kind, set(), bool(node.remat)
-        groups[joined].append(n)
-        group_of[n] = joined
-        takes[joined] |= {group_of[e] for e in deps} - {joined}
-    # A group may grow past a later group's start (D joining B's in a diamond A->B,C->D): order
-    # the groups by what they take from each other.
-    order = graphlib.TopologicalSorter(takes).static_order()
-    return tuple(_stage(plan, tuple(groups[g]), jittable[g] and len(groups[g]) > 1, consumers)
-                 for g in order if groups[g])
 
 
 def _jittable(node: Node) -> bool:
