@@ -16,9 +16,10 @@
 
 from importlib import metadata as _metadata
 
-from daskdag.api import JVPResult, Result, compute_grads, compute_jvps, grads, jvps, sweep_grads
+from daskdag.api import Result, compute_grads, grads, sweep_grads
+from daskdag.forward_mode import JVPResult, compute_jvps, jvps
 from daskdag.hessians import HVPResult, compute_hvps, hvps
-from daskdag.jacobians import jacobian, jacobian_sparsity, jacobians
+from daskdag.full_jacobians import jacobian, jacobian_sparsity, jacobians
 from daskdag.checks import check_grads, check_totals
 from daskdag.caches import clear_caches
 from daskdag.running.jobs import CallInfo

@@ -1,5 +1,5 @@
-"""The public entry points: :func:`compute_grads`, :func:`compute_jvps`, :func:`sweep_grads`,
-their lazy forms, and the results they return (Jacobians: :mod:`daskdag.jacobians`). Each checks its arguments
+"""The public entry points of reverse mode: :func:`compute_grads`, :func:`sweep_grads`,
+their lazy forms, and the results they return (Jacobians: :mod:`daskdag.full_jacobians`). Each checks its arguments
 (:mod:`daskdag.model.request`), builds its graph (:mod:`daskdag.graph`) and runs it
 (:mod:`daskdag.running`; sweeps, :mod:`daskdag.sweeps`)."""
 
@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any, overload
 from distributed import Client
 
 from daskdag.errors import NodeError
-from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import PyTree
-from daskdag.model.plan import Plan, make_plan
+from daskdag.model.plan import Plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
-                                   cotangents_for, input_tangents, parsed, prepare, with_rules)
+                                   cotangents_for, one_input, parsed, prepare)
 from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import CallInfo, Job, as_collection, run
@@ -61,18 +60,6 @@ class Result:
     def __repr__(self) -> str:
         failed = f", failed={dict(self.failed)!r}" if self.failed else ""
         return f"Result(value={self.value!r}, grad={self.grad!r}{failed}, info={self.info!r})"
-
-
-@dataclass(frozen=True)
-class JVPResult:
-    """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
-    :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
-    constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
-    directions. ``info``: how the call was computed (:class:`~daskdag.CallInfo`)."""
-
-    value: Any
-    tangent: Any
-    info: CallInfo | None = None
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -258,148 +245,6 @@ def watched(plan: Plan, transport: Transport, watch: prepared.Watch) -> dict[int
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
-def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str,
-                 *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
-                 ) -> JVPResult: ...
-
-
-@overload
-def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: Sequence[str],
-                 *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
-                 ) -> dict[str, JVPResult]: ...
-
-
-def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
-                 *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
-                 ) -> JVPResult | dict[str, JVPResult]:
-    """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
-    computed once.
-
-    Args:
-        dag: as for :func:`compute_grads`.
-        x: as for :func:`compute_grads`.
-        outputs: as for :func:`compute_grads`.
-        client: as for :func:`compute_grads`.
-        scheduler: as for :func:`compute_grads`.
-        progress: as for :func:`compute_grads`.
-        tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
-            leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
-            bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
-            inputs left out are held constant.
-        batched: every tangent leaf has a leading axis of K directions, and so has every
-            output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
-            directions' axis first: ``(K, *output shape)``). Each node's jvp runs
-            under ``jax.vmap`` over the directions (its function still runs once); a node
-            whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
-            direction.
-
-    Returns:
-        ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
-        ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
-        no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
-        whose structure, shape or dtype does not match its input, naming it; a tangent for a name
-        that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
-        differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
-        ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
-        the same call, not computed yet.
-
-    For example:
-
-    ```python
-    import jax.numpy as jnp
-    import daskdag
-
-    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
-    res = daskdag.compute_jvps(dag, jnp.arange(3.0), jnp.ones(3), "B")
-    print(res.value, res.tangent)  # the directional derivative along ones
-    ```
-    """
-    client, local = where(client, scheduler)
-    return run(_jvps(dag, x, tangents, outputs, batched, transports.for_call(client),
-                     where=where_in_words(client, local)),
-               client, local, progress)
-
-
-def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
-         batched: bool = False) -> Call:
-    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is.
-
-    For example:
-
-    ```python
-    import jax.numpy as jnp
-    import daskdag
-
-    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
-    print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
-    ```
-    """
-    return as_collection(_jvps(dag, x, tangents, outputs, batched,
-                               transports.for_call(active_client(), lazy=True), where=LAZY))
-
-
-@dataclass(frozen=True)
-class Pushforward:
-    """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
-    forward mode and packed for its ``transport``, its stages, and for calls in this process
-    their graphs (a :class:`~daskdag.running.local.Template` per number of directions, made
-    when first needed)."""
-
-    plan: Plan
-    stages: tuple[Stage, ...]
-    transport: Transport
-    templates: dict = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
-             outputs: str | Sequence[str], batched: bool, transport: Transport,
-             watch: prepared.Watch) -> Pushforward:
-        spec, names, values = parsed(dag, x, outputs, watch.hold)
-        flat, _ = input_tangents(spec, values, tangents, bool(batched))
-        plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
-        plan = ship(plan, transport, watched(plan, transport, watch))
-        return cls(plan, make_stages(plan, fan_in=not transport.packs), transport)
-
-
-def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
-          batched: bool, transport: Transport, where: str = "") -> Job:
-    made, why = prepared.get(
-        "jvps", dag, x, (names_key(outputs), tuple(tangents) if isinstance(tangents, Mapping)
-                         else None, bool(batched), transport),
-        partial(Pushforward.make, dag, x, tangents, outputs, batched, transport))
-    plan = made.plan
-    values = input_values(plan.spec, x)
-    flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
-    info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
-
-    def make(place: Any, stop: Any) -> Any:
-        if made.transport.packs:
-            return jvp_graph.build(plan, values, flat, made.transport, k, place=place, stop=stop,
-                                   stages=made.stages)
-        template = made.templates.get(k)
-        if template is None:
-            template = made.templates[k] = Template(jvp_graph.build(
-                plan, {i: slot("input", i) for i in values},
-                {i: slot("tangent", i) for i in flat}, made.transport, k, stop=slot("stop"),
-                stages=made.stages))
-        return template.fill({**{slot("input", i): v for i, v in values.items()},
-                              **{slot("tangent", i): t for i, t in flat.items()},
-                              slot("stop"): stop})
-
-    return Job(plan, make, partial(_jvp_results, outputs, info), "compute_jvps",
-               keep=entries(dag))
-
-
-def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]
-                 ) -> JVPResult | dict[str, JVPResult]:
-    results = {o: JVPResult(v, t[jvp_graph.TANGENT], info) for o, (v, t) in computed.items()}
-    return results[outputs] if isinstance(outputs, str) else results
-
-
-@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
 def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str, *,
                 batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
                 cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
@@ -508,11 +353,6 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     info = CallInfo("sweep_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
                     where=where_in_words(client, local))
     return _results(spec, outputs, computed, failed, info)
-
-
-def one_input(spec: Spec, grads: dict) -> bool:
-    """The DAG has one free input and it is all that was differentiated: its gradient alone."""
-    return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)
 
 
 def _results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],

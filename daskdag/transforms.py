@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 from distributed import Client
 
-from daskdag.api import compute_grads, compute_jvps
+from daskdag.api import compute_grads
+from daskdag.forward_mode import compute_jvps
 from daskdag.hessians import compute_hvps
-from daskdag.jacobians import jacobian
+from daskdag.full_jacobians import jacobian
 from daskdag.model.leaves import PyTree
 from daskdag.running import prepared
 from daskdag.running.jobs import CallInfo

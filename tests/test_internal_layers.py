@@ -18,7 +18,7 @@ LAYERS = (
     ("daskdag.running",),
     ("daskdag.sweeps",),
     ("daskdag.api", "daskdag.checks"),
-    ("daskdag.jacobians", "daskdag.hessians"),
+    ("daskdag.full_jacobians", "daskdag.hessians", "daskdag.forward_mode"),
     ("daskdag.transforms",),
     ("daskdag.cli", "daskdag"),
 )

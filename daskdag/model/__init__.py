@@ -7,6 +7,10 @@
 - :mod:`~daskdag.model.plan`: which nodes a call runs, and which run under vjp;
 - :mod:`~daskdag.model.shapes`: the shapes of its values, traced abstractly;
 - :mod:`~daskdag.model.colouring`: a sparse Jacobian's rows or columns grouped by colour;
+- :mod:`~daskdag.model.patterns`: a sparse Jacobian's patterns as the user gives them, checked,
+  and their colours;
+- :mod:`~daskdag.model.jacobian_layout`: a Jacobian's results laid out as ``jax.jacrev`` does,
+  or as ``scipy.sparse`` blocks;
 - :mod:`~daskdag.model.request`: one check of every entry point's arguments (and the CLI's).
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,

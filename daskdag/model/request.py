@@ -258,3 +258,8 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
 def _is_lazy_array(leaf) -> bool:
     """A lazy array (a dask array): it has a shape and chunks, and no values yet."""
     return hasattr(leaf, "chunks") and isinstance(getattr(leaf, "shape", None), tuple)
+
+
+def one_input(spec: Spec, grads: Mapping) -> bool:
+    """The DAG has one free input and it is all that was differentiated: its gradient alone."""
+    return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)

@@ -2,7 +2,7 @@
 the next calls of the same kind, DAG, outputs, options and input shapes, for as long as nothing
 it relies on has changed.
 
-Each kind of call prepares itself (:mod:`daskdag.api`, :mod:`daskdag.jacobians`,
+Each kind of call prepares itself (:mod:`daskdag.api`, :mod:`daskdag.full_jacobians`,
 :mod:`daskdag.hessians`): it parses and checks the DAG, plans it, groups its stages, packs the
 functions that need packing, traces nodes for a mode or a sparsity pattern, colours patterns.
 What a preparation may rely on, and how a call checks it:

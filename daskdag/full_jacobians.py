@@ -12,10 +12,9 @@ pass per colour, the entries recovered from the pattern. Either way the result h
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property, partial
+from functools import partial
 from typing import Any, overload
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 import scipy.sparse as sp
 from distributed import Client
 
-from daskdag.api import LAZY, Result, entries, input_values, names_key, one_input, watched
+from daskdag.api import LAZY, Result, entries, input_values, names_key, watched
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import JacobianSeeding, build
@@ -35,7 +34,11 @@ from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan, make_plan
-from daskdag.model.request import check_chunk_size, nodes_in_wrt, parsed, wrt_names, with_rules
+from daskdag.model.patterns import Colours, pattern_key, user_patterns
+from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
+                                           row_template, split_columns)
+from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, wrt_names,
+                                   with_rules)
 from daskdag.model.shapes import UNKNOWN
 from daskdag.graph.stages import make_stages
 from daskdag.running import prepared
@@ -178,7 +181,7 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
                            partial(_detected, dag, x, outputs, wrt))
     plan, patterns = made
     widths = {i: size(t) for i, t in _templates(plan, input_values(plan.spec, x)).items()}
-    out = {o: _split_columns(p, plan.wrt, widths) for o, p in patterns.items()}
+    out = {o: split_columns(p, plan.wrt, widths) for o, p in patterns.items()}
     out = {o: p[plan.wrt[0]] if len(plan.wrt) == 1 else p for o, p in out.items()}
     return out[outputs] if isinstance(outputs, str) else out
 
@@ -241,7 +244,7 @@ class Jacobian:
     transport: Transport
     stages: tuple
     mode: str
-    colours: _Colours
+    colours: Colours
     source: str | None
     chunk_size: int | None
     rows: Rows | None = None
@@ -259,8 +262,9 @@ class Jacobian:
             patterns = _detect(plan, values, watch)
             source = "probed" if watch.refused else "detected"
         elif sparsity is not None:
-            patterns, source = _user_patterns(plan, values, sparsity, outputs), "given"
-        colours = _Colours(patterns)
+            widths = {i: size(values[i]) for i in plan.wrt if i in values}
+            patterns, source = user_patterns(plan, widths, sparsity, outputs), "given"
+        colours = Colours(patterns)
         if mode == "auto" and patterns is None:  # (the mode comes from the nodes' traced shapes)
             for n in plan.needed:
                 watch(n, plan.spec.nodes[n].fn)
@@ -335,14 +339,14 @@ class Jacobian:
         results = {}
         for o, (value, per_name) in computed.items():
             if patterns is None and not sparse:
-                jacs = {i: _jacrev_layout(value, r) for i, r in per_name.items()}
-                results[o] = Result(value, _joined(plan, value, jacs), info=info)
+                jacs = {i: jacrev_layout(value, r) for i, r in per_name.items()}
+                results[o] = Result(value, joined(plan, value, jacs), info=info)
                 continue
-            flat = np.hstack([_flat_rows(per_name[i]) for i in plan.wrt])
+            flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
             full = (sp.csr_array(flat) if patterns is None else
                     colouring.from_rows(patterns[o], self.colours.rows[o], flat,
                                         dense=not sparse))
-            results[o] = _result(plan, value, full, {i: _row_template(r) for i, r in
+            results[o] = _result(plan, value, full, {i: row_template(r) for i, r in
                                                      per_name.items()}, sparse, info)
         return results[outputs] if isinstance(outputs, str) else results
 
@@ -371,36 +375,15 @@ class Jacobian:
         return results[outputs] if isinstance(outputs, str) else results
 
 
-class _Colours:
-    """A call's patterns (``{output: pattern over every wrt name}``, or None: dense), and
-    their colours, found once each when asked: ``rows`` per output (reverse), ``columns``
-    (forward, one colouring for all outputs)."""
-
-    def __init__(self, patterns: dict[str, sp.csr_array] | None) -> None:
-        self.patterns: Any = patterns  # (rows and columns are asked for only where it is not None)
-        self.used: str | None = None  # which were used: "rows" or "columns"
-
-    @cached_property
-    def rows(self) -> dict:
-        self.used = "rows"
-        return {o: colouring.colour_rows(p) for o, p in self.patterns.items()}
-
-    @cached_property
-    def columns(self) -> np.ndarray:
-        self.used = "columns"
-        return colouring.colour_columns(sp.vstack(list(self.patterns.values())))
-
-    @property
-    def total(self) -> int | None:
-        """The colours the chosen mode takes (one pass each); None when dense."""
-        if self.patterns is None:
-            return None
-        if self.used == "columns":
-            return colouring.count(self.columns)
-        return sum(colouring.count(c) for c in self.rows.values())
+def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
+            info: CallInfo) -> Result:
+    """One output's :class:`~daskdag.Result` from its Jacobian over every wrt name's elements
+    (:func:`~daskdag.model.jacobian_layout.laid_out`)."""
+    widths = {i: size(t) for i, t in templates.items()}
+    return Result(value, laid_out(plan, value, full, templates, widths, sparse), info=info)
 
 
-def _mode(plan: Plan, values: dict, mode: str, colours: _Colours) -> str:
+def _mode(plan: Plan, values: dict, mode: str, colours: Colours) -> str:
     """The mode asked for, checked, or for ``"auto"`` the one with fewer passes."""
     why_not = {"fwd": nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
                or _rules_missing(plan, forward=True),
@@ -437,173 +420,3 @@ def _templates(plan: Plan, values: dict) -> dict:
     """Per wrt input, its differentiable leaves' shapes and dtypes (``None`` elsewhere)."""
     return {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
                             if is_differentiable(a) else None, values[i]) for i in plan.wrt}
-
-
-def pattern_key(sparsity: Any) -> Any:
-    """A ``sparsity`` argument as (part of) a preparation's key: by content (a pattern given as
-    an array can change in place), ``"detect"`` or None as they are."""
-    if sparsity is None or isinstance(sparsity, str):
-        return sparsity
-    if isinstance(sparsity, Mapping):
-        return tuple((k, pattern_key(v)) for k, v in sparsity.items())
-    if sp.issparse(sparsity):
-        csr = sp.csr_array(sparsity)
-        parts: tuple = (csr.indptr, csr.indices, csr.data)
-        shape = csr.shape
-    else:
-        try:
-            dense = np.asarray(sparsity)
-        except Exception:
-            return ("object", id(sparsity))
-        if dense.dtype.hasobject:
-            return ("object", id(sparsity))
-        parts, shape = (np.ascontiguousarray(dense),), dense.shape
-    digest = hashlib.sha1(repr((shape, [(p.dtype.str, p.shape) for p in parts])).encode())
-    for p in parts:
-        digest.update(np.ascontiguousarray(p).data)
-    return digest.hexdigest()
-
-
-# -- reverse and forward: the gradient graph seeded with rows, the JVP graph with columns ------------
-
-def _flat_rows(rows: PyTree) -> np.ndarray:
-    """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
-    leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
-    return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
-
-
-def _row_template(rows: PyTree) -> PyTree:
-    """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
-    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
-
-
-# -- patterns --------------------------------------------------------------------------------------
-
-def _user_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str]
-                   ) -> dict[str, sp.csr_array]:
-    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given."""
-    one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
-        isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)
-    per_output = {o: sparsity for o in plan.outputs} if one else sparsity
-    if not isinstance(per_output, Mapping):
-        raise DAGError(f"sparsity for several outputs must be a dict {{output: pattern}}, got "
-                       f"{type(sparsity).__name__}")
-    out = {}
-    for o in plan.outputs:
-        if o not in per_output:
-            raise DAGError(f"sparsity gives no pattern for output {o!r}; it has {list(per_output)}")
-        given = per_output[o]
-        blocks = given if isinstance(given, Mapping) else (
-            {plan.wrt[0]: given} if len(plan.wrt) == 1 else None)
-        if blocks is None:
-            raise DAGError(f"sparsity for output {o!r}: with several inputs {list(plan.wrt)}, "
-                           f"give a dict {{input: pattern}}")
-        parts = []
-        for i in plan.wrt:
-            if i not in blocks:
-                raise DAGError(f"sparsity for output {o!r} gives no pattern for {i!r}; it has "
-                               f"{list(blocks)}")
-            try:
-                block = colouring.as_pattern(blocks[i])
-            except (TypeError, ValueError) as e:
-                raise DAGError(f"sparsity for output {o!r} and {i!r}: {e}") from None
-            if block.ndim != 2:
-                raise DAGError(f"sparsity for output {o!r} and {i!r} must be 2-D (output "
-                               f"elements, input elements)")
-            if i in values and block.shape[1] != size(values[i]):
-                raise DAGError(f"sparsity for output {o!r} and input {i!r} has {block.shape[1]} "
-                               f"columns, but the input has {size(values[i])} elements")
-            parts.append(block)
-        if len({p.shape[0] for p in parts}) > 1:
-            raise DAGError(f"sparsity for output {o!r}: the patterns disagree on its number of "
-                           f"elements: {[p.shape[0] for p in parts]}")
-        out[o] = sp.hstack(parts, format="csr")
-    return out
-
-
-def _split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
-                   ) -> dict[str, sp.csr_array]:
-    out, start = {}, 0
-    for i in names:
-        out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
-        start += widths[i]
-    return out
-
-
-# -- layout ----------------------------------------------------------------------------------------
-
-def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
-            info: CallInfo) -> Result:
-    """One output's Result from its Jacobian over every wrt name's elements (``full``, dense
-    NumPy or ``scipy.sparse``): as ``scipy.sparse`` per name, or in ``jax.jacrev``'s layout."""
-    widths = {i: size(t) for i, t in templates.items()}
-    if sparse:
-        parts = _split_columns(sp.csr_array(full), plan.wrt, widths)
-        return Result(value, parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts,
-                      info=info)
-    dense = full.toarray() if sp.issparse(full) else np.asarray(full)
-    jacs, start = {}, 0
-    for i in plan.wrt:
-        block = dense[:, start:start + widths[i]]
-        start += widths[i]
-        jacs[i] = _jacrev_layout(value, _rows(block, templates[i]))
-    return Result(value, _joined(plan, value, jacs), info=info)
-
-
-def _rows(block: np.ndarray, template: PyTree) -> PyTree:
-    """``block`` ``(output elements, name elements)`` as stacked rows in the name's structure."""
-    leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
-    out: list = []
-    start = 0
-    for leaf in leaves:
-        if leaf is None:
-            out.append(None)
-            continue
-        n = int(np.prod(leaf.shape))
-        out.append(block[:, start:start + n].reshape(len(block), *leaf.shape).astype(
-            leaf.dtype, copy=False))
-        start += n
-    return treedef.unflatten(out)
-
-
-def _joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
-    """One name's Jacobian alone when the DAG has one free input and it is all that was
-    differentiated, else the output's structure of ``{name: ...}``."""
-    return jacs[plan.wrt[0]] if one_input(plan.spec, jacs) else _by_output(value, jacs)
-
-
-def _by_output(value: PyTree, jacs: dict) -> PyTree:
-    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
-    out_def = jax.tree.structure(value)
-    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
-    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
-                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
-
-
-def _to_jax(a: np.ndarray) -> jax.Array:
-    """A JAX array of ``a``, this call's own array, which nothing changes after: a large one put
-    on the device as it is, its buffer taken where JAX can (``jnp.asarray`` would copy it), a
-    small one by ``jnp.asarray`` (the cheaper call)."""
-    return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
-
-
-def _jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
-    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
-    input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from the
-    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched)."""
-    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
-    out_leaves, out_def = jax.tree.flatten(value)
-    per_leaf: list = []
-    start = 0
-    for leaf in out_leaves:
-        if not is_differentiable(leaf):
-            per_leaf.append(None)
-            continue
-        n = int(np.size(leaf))
-        per_leaf.append(in_def.unflatten([
-            None if r is None else _to_jax(r[start:start + n].reshape(*np.shape(leaf), *r.shape[1:]))
-            for r in in_leaves]))
-        start += n
-    return out_def.unflatten(per_leaf)

@@ -1,0 +1,115 @@
+"""A Jacobian's results laid out: from one matrix over every differentiated name's elements
+(rows per output element) to ``jax.jacrev``'s layout (the output's structure of the inputs'
+structures), or to ``scipy.sparse`` blocks per name. In: NumPy or ``scipy.sparse`` matrices.
+Out: pytrees of JAX arrays, or ``scipy.sparse`` arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+from daskdag.model.leaves import PyTree, is_differentiable
+from daskdag.model.plan import Plan
+from daskdag.model.request import one_input
+
+
+def flat_rows(rows: PyTree) -> np.ndarray:
+    """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
+    leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
+    return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
+
+
+def row_template(rows: PyTree) -> PyTree:
+    """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
+    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
+
+
+def split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
+                  ) -> dict[str, sp.csr_array]:
+    """``matrix``'s columns, ``widths[i]`` for each of ``names`` in turn, one matrix per name."""
+    out, start = {}, 0
+    for i in names:
+        out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
+        start += widths[i]
+    return out
+
+
+def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict[str, int],
+             sparse: bool) -> PyTree:
+    """One output's Jacobian over every wrt name's elements (``full``, dense NumPy or
+    ``scipy.sparse``; ``widths``: each name's elements, ``templates``: its leaves' shapes and
+    dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or ``jax.jacrev``'s layout."""
+    if sparse:
+        parts = split_columns(sp.csr_array(full), plan.wrt, widths)
+        return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
+    dense = full.toarray() if sp.issparse(full) else np.asarray(full)
+    jacs, start = {}, 0
+    for i in plan.wrt:
+        block = dense[:, start:start + widths[i]]
+        start += widths[i]
+        jacs[i] = jacrev_layout(value, stacked_rows(block, templates[i]))
+    return joined(plan, value, jacs)
+
+
+def stacked_rows(block: np.ndarray, template: PyTree) -> PyTree:
+    """``block`` ``(output elements, name elements)`` as stacked rows in the name's structure."""
+    leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
+    out: list = []
+    start = 0
+    for leaf in leaves:
+        if leaf is None:
+            out.append(None)
+            continue
+        n = int(np.prod(leaf.shape))
+        out.append(block[:, start:start + n].reshape(len(block), *leaf.shape).astype(
+            leaf.dtype, copy=False))
+        start += n
+    return treedef.unflatten(out)
+
+
+def joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
+    """One name's Jacobian alone when the DAG has one free input and it is all that was
+    differentiated, else the output's structure of ``{name: ...}``."""
+    return jacs[plan.wrt[0]] if one_input(plan.spec, jacs) else by_output(value, jacs)
+
+
+def by_output(value: PyTree, jacs: dict) -> PyTree:
+    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
+    out_def = jax.tree.structure(value)
+    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
+    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
+                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
+
+
+def to_jax(a: np.ndarray) -> jax.Array:
+    """A JAX array of ``a``, this call's own array, which nothing changes after: a large one put
+    on the device as it is, its buffer taken where JAX can (``jnp.asarray`` would copy it), a
+    small one by ``jnp.asarray`` (the cheaper call)."""
+    return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
+
+
+def jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
+    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
+    input's structure, each differentiable leaf stacked over the output's elements, ``None``
+    elsewhere; see :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from the
+    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched)."""
+    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
+    out_leaves, out_def = jax.tree.flatten(value)
+    per_leaf: list = []
+    start = 0
+    for leaf in out_leaves:
+        if not is_differentiable(leaf):
+            per_leaf.append(None)
+            continue
+        n = int(np.size(leaf))
+        per_leaf.append(in_def.unflatten([
+            None if r is None else to_jax(r[start:start + n].reshape(*np.shape(leaf), *r.shape[1:]))
+            for r in in_leaves]))
+        start += n
+    return out_def.unflatten(per_leaf)
