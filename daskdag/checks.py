@@ -46,7 +46,7 @@ from distributed import Client
 
 from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
-from daskdag.graph.assembly import Carry, TaskGraph, ident, key, token_of
+from daskdag.graph.assembly import Intake, TaskGraph, ident, key, token_of
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 from daskdag.model.plan import make_plan
@@ -245,18 +245,18 @@ def _points_graph(forward: Plan, points: list[dict], transport: Transport, place
                   ) -> dict:
     """The DAG evaluated plainly at each of ``points`` (input values): ``{"e:output": value}``."""
     g = TaskGraph()
-    carry = Carry(g, transport, place)
-    sent = {n: carry.node(n, forward.spec.nodes[n]) for n in forward.needed}
+    intake = Intake(g, transport, place)
+    sent = {n: intake.node(n, forward.spec.nodes[n]) for n in forward.needed}
     out: dict = {}
     for e, point in enumerate(points):
-        value_of = {i: carry.value("input", i, f"input {i!r}", v) for i, v in point.items()}
+        value_of = {i: intake.value("input", i, f"input {i!r}", v) for i, v in point.items()}
         for n in forward.needed:
             node = forward.spec.nodes[n]
             deps = [value_of[d] for d in node.deps]
-            k = carry.key("fwd", f"{n}@{e}", ident(sent[n]), [ident(d) for d in deps])
+            k = intake.key("fwd", f"{n}@{e}", ident(sent[n]), [ident(d) for d in deps])
             value_of[n] = g.task(k, dict(node.needs), _value, n, sent[n], *deps)
         out.update({f"{e}:{o}": (value_of[o], {}) for o in forward.outputs})
-    return g.delayed(out, carry.call)
+    return g.delayed(out, intake.call)
 
 
 def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps: float | None,
@@ -266,24 +266,24 @@ def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps:
     it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
     once to linearize and twice per projection and differentiated dep, and no more."""
     g = TaskGraph()
-    carry = Carry(g, transport, place)
-    value_of = {i: carry.value("input", i, f"input {i!r}", values[i])
+    intake = Intake(g, transport, place)
+    value_of = {i: intake.value("input", i, f"input {i!r}", values[i])
                 for i in plan.spec.inputs if i in values}
     checks: dict = {}
     for n in plan.needed:
         node, needs = forward.spec.nodes[n], dict(forward.spec.nodes[n].needs)
-        sent = carry.node(n, node)
+        sent = intake.node(n, node)
         deps = [value_of[d] for d in node.deps]
         if n not in checked:
-            k = carry.key("fwd", n, ident(sent), [ident(d) for d in deps])
+            k = intake.key("fwd", n, ident(sent), [ident(d) for d in deps])
             value_of[n] = g.task(k, needs, _value, n, sent, *deps)
             continue
         active = tuple(d in plan.wrt or d in plan.active for d in node.deps)
-        k = carry.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
+        k = intake.key("check", n, ident(sent), active, eps, rtol, [ident(d) for d in deps])
         task = g.task(k, needs, check_node, n, sent, active, eps, rtol, *deps)
         checks[n] = (g.task(key("checked", n, token_of(k)), None, operator.getitem, task, 0), {})
         value_of[n] = g.task(key("val", n, token_of(k)), needs, operator.getitem, task, 1)
-    return g.delayed(checks, carry.call)
+    return g.delayed(checks, intake.call)
 
 
 def _value(name: str, node: Node, *deps: Any) -> Any:

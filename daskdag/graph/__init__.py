@@ -4,7 +4,7 @@
 - :mod:`~daskdag.graph.run`: a stage's forward pass, and the pullback it leaves;
 - :mod:`~daskdag.graph.compiled`: a fused stage as compiled programs (``jit``, ``vmap``);
 - :mod:`~daskdag.graph.tasks`: the functions Dask runs: forward, backward, gradient tasks;
-- :mod:`~daskdag.graph.assembly`: task keys, how a graph takes in its values (``Carry``), the
+- :mod:`~daskdag.graph.assembly`: task keys, how a graph takes in its values (``Intake``), the
   task graph itself; every builder assembles its graph from these;
 - :mod:`~daskdag.graph.build`: the graph of a call (reverse mode, Jacobians), seeded by a
   ``GradientSeeding`` or a ``JacobianSeeding``;

@@ -1,5 +1,5 @@
 """Assembling a call's Dask graph: task keys, how a graph takes in values it does not compute
-(:class:`Carry`), and the graph itself (:class:`TaskGraph`). The reverse-mode builder
+(:class:`Intake`), and the graph itself (:class:`TaskGraph`). The reverse-mode builder
 (:mod:`daskdag.graph.build`), the forward-mode one (:mod:`daskdag.graph.forward`) and the checks'
 (:mod:`daskdag.checks`) all assemble their graphs from these.
 
@@ -26,7 +26,7 @@ from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
 from dask.sizeof import sizeof
 from dask.task_spec import Task, TaskRef
 
-from daskdag.graph.run import itself
+from daskdag.graph.run import identity
 from daskdag.transport.packing import unpack
 from daskdag.transport.transports import Transport
 
@@ -65,7 +65,7 @@ def ident(ref) -> str | None:
     return ref.token if isinstance(ref, Inline) else ref.key
 
 
-class Carry:
+class Intake:
     """How one call's graph takes in what it does not compute, its inputs and nodes, and the
     tokens of its keys, as its ``transport`` says (:mod:`daskdag.transport.transports`).
 
@@ -100,7 +100,7 @@ class Carry:
         packed) as the forward task of its stage takes it."""
         if not self.transport.packs:
             return Inline(node, None)
-        return self._carried("node", name, node, node, itself, node, node.needs)
+        return self._carried("node", name, node, node, identity, node, node.needs)
 
     def _carried(self, kind: str, name: str, content, inline, fn, payload, needs=None):
         """``fn(payload)`` inline (as ``inline``) when small, else a task of its own, keyed by the

@@ -26,7 +26,7 @@ from dask.task_spec import TaskRef
 
 from daskdag import config
 from daskdag.graph import tasks
-from daskdag.graph.assembly import Carry, Inline, TaskGraph, ident, is_root, key, nested, token_of
+from daskdag.graph.assembly import Intake, Inline, TaskGraph, ident, is_root, key, nested, token_of
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
 from daskdag.rules.seeds import basis_size
@@ -73,7 +73,7 @@ def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
         seeding: where the outputs' cotangents start: :class:`GradientSeeding` or
             :class:`JacobianSeeding`.
         transport: how the graph takes in values and functions
-            (:class:`~daskdag.graph.assembly.Carry`).
+            (:class:`~daskdag.graph.assembly.Intake`).
         place: keeps large values on the cluster (:mod:`daskdag.running.resident`), or None.
         stop: for a call in this process, a ``daskdag.cancel.Stop`` whose setting (on Ctrl-C,
             :func:`daskdag.running.compute.compute`) stops running stages at their next node.
@@ -83,8 +83,8 @@ def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
     Returns:
         ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph.
     """
-    carry = Carry(TaskGraph(), transport, place)
-    return _Wiring(plan, values, seeding, carry, stop, stages).graph()
+    intake = Intake(TaskGraph(), transport, place)
+    return _Wiring(plan, values, seeding, intake, stop, stages).graph()
 
 
 class _Wiring:
@@ -96,8 +96,8 @@ class _Wiring:
     Constructed whole: its seeds, inputs, closed and dense stages are settled here, and
     :meth:`graph` makes the tasks."""
 
-    def __init__(self, plan: Plan, values: dict, seeding, carry: Carry, stop, stages=None):
-        self.plan, self.carry, self.g, self.stop = plan, carry, carry.graph, stop
+    def __init__(self, plan: Plan, values: dict, seeding, intake: Intake, stop, stages=None):
+        self.plan, self.intake, self.g, self.stop = plan, intake, intake.graph, stop
         self.seeding, self.pull = seeding, seeding.pull
         self.stages = make_stages(plan) if stages is None else stages
         self.stage_of = {n: s for s in self.stages for n in s.nodes}
@@ -105,7 +105,7 @@ class _Wiring:
         self.through = {s: tuple(o for o in plan.outputs if self.paths[o] & set(s.outputs))
                         for s in self.stages}
         self.seeds = {o: seeding.seed(o) for o in plan.outputs}
-        self.val: dict = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items()}
+        self.val: dict = {i: intake.value("input", i, f"input {i!r}", v) for i, v in values.items()}
         self.forward_task: dict = {}
         self.bwd: dict = {}
         self.sources: dict = {}  # ident -> a backward task, or its nested task (dense stages)
@@ -117,7 +117,7 @@ class _Wiring:
         """The call's results (:meth:`gradients`) as ``Delayed`` over the whole graph."""
         self.forward()
         self.backward()
-        return self.g.delayed(self.gradients(), self.carry.call)
+        return self.g.delayed(self.gradients(), self.intake.call)
 
     def _closed_stages(self) -> dict:
         """A stage whose gradients all start at its own outputs (none comes from a later stage)
@@ -142,7 +142,7 @@ class _Wiring:
         or nodes of such stages hands its cotangents over inside those tasks too."""
         dense: set = set()
         most = config.get("dense-inputs")
-        if not (self.carry.transport.remote and most):
+        if not (self.intake.transport.remote and most):
             return dense
         nodes = self.plan.spec.nodes
         for s in self.stages:
@@ -159,14 +159,14 @@ class _Wiring:
         """Each stage once (its nodes under jax.vjp where they depend on a differentiated
         input); ``val`` tasks take its values apart from its pullback, so that later stages
         never fetch residuals."""
-        spec, carry, val = self.plan.spec, self.carry, self.val
+        spec, intake, val = self.plan.spec, self.intake, self.val
         for s in self.stages:
-            sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
+            sent = [intake.node(n, spec.nodes[n]) for n in s.nodes]
             closed = self.closed.get(s)
             # (A Jacobian's rows change only what a closed stage's task computes: the others
             # are the same forward tasks as for gradients, shared when both run together.)
             dense = s in self.dense
-            k = carry.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
+            k = intake.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
                           closed, self.pull if closed else None, *(["dense"] if dense else []))
             run = ((tasks.forward_dense if dense else tasks.forward,) if closed is None else
                    (tasks.forward_backward, closed, self.pull))
@@ -186,9 +186,9 @@ class _Wiring:
 
     def _values(self, s, fwd, token: str) -> None:
         for e, n in enumerate(s.outputs):
-            if s.bare:
+            if s.value_only:
                 self.val[n] = fwd
-            elif n in self.plan.outputs or (self.carry.transport.packs and s not in self.dense):
+            elif n in self.plan.outputs or (self.intake.transport.packs and s not in self.dense):
                 # (consumers never fetch residuals)
                 self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
                                           s.has_pullback, e)
@@ -206,7 +206,7 @@ class _Wiring:
             flows, sources = [], {}
             for o in self.through[s]:
                 flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
-            k = self.carry.key("bwd", self._label(s), self.forward_task[s].key, flows, list(sources),
+            k = self.intake.key("bwd", self._label(s), self.forward_task[s].key, flows, list(sources),
                                self.pull)
             args = (s, self.stop, tuple(flows), self.pull, self.forward_task[s],
                     *(self.val[d] for d in s.deps), *(self.sources[src] for src in sources))
@@ -227,8 +227,8 @@ class _Wiring:
             return self.seeds[o]
         if n not in self.paths[o]:
             return None
-        picks = self._shares(n, o, sources, within=s)
-        return tasks.Shares(picks) if picks else None
+        locations = self._shares(n, o, sources, within=s)
+        return tasks.Shares(locations) if locations else None
 
     def gradients(self) -> dict:
         """``{output: (value, {name: grad})}``: each wrt name's gradient, the sum of the shares
@@ -239,11 +239,11 @@ class _Wiring:
             output = self.val[o] if self.pull.stacked else None  # (a Jacobian's zeros need rows)
             for i in self.plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
                 sources: dict = {}
-                picks = self._shares(i, o, sources)
+                locations = self._shares(i, o, sources)
                 own = self.seeds[o] if i == o else None
-                k = self.carry.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), picks,
+                k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), locations,
                                    own, self.pull)
-                grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in picks),
+                grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in locations),
                                        self.val[i], output, self.seeds[o] if output is not None else None,
                                        own, *(self.sources[src] for src in sources))
             results[o] = (self.val[o], grads)
@@ -254,11 +254,11 @@ class _Wiring:
         position)`` for each stage that consumes it, other than its own stage ``within``.
         ``sources`` maps the idents of those stages' backward tasks, in the order they are the
         task's arguments, to ``source``, their index; new ones are added."""
-        picks = []
+        locations = []
         for s in _feeding(self.plan.consumers(name, output), self.stage_of, within):
             source = sources.setdefault(ident(self.bwd[s]), len(sources))
-            picks.append((source, self.through[s].index(output), s.deps.index(name)))
-        return tuple(picks)
+            locations.append((source, self.through[s].index(output), s.deps.index(name)))
+        return tuple(locations)
 
     def _label(self, s) -> str:
         return f"{s.name}[{abbreviate(self.through[s])}]"

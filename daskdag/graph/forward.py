@@ -42,7 +42,7 @@ from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
-from daskdag.graph.assembly import Carry, TaskGraph, ident, is_root, key, token_of
+from daskdag.graph.assembly import Intake, TaskGraph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import check
 from daskdag.model.leaves import differentiable_leaves, on_differentiable
@@ -158,34 +158,34 @@ def build(plan: Plan, values: dict, tangents: dict, transport: Transport, k: int
     ``values``, ``transport``, ``place``, ``stop`` and ``stages`` as for
     :func:`daskdag.graph.build.build`."""
     spec, g = plan.spec, TaskGraph()
-    carry = Carry(g, transport, place)
+    intake = Intake(g, transport, place)
     needed = spec.ancestors(plan.outputs)
-    val = {i: carry.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
-    tan = {i: carry.value("tan", i, f"the tangent of input {i!r}", tangents[i])
+    val = {i: intake.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
+    tan = {i: intake.value("tan", i, f"the tangent of input {i!r}", tangents[i])
            for i in plan.wrt if i in needed}
 
     for s in make_stages(plan) if stages is None else stages:
-        sent = [carry.node(n, spec.nodes[n]) for n in s.nodes]
+        sent = [intake.node(n, spec.nodes[n]) for n in s.nodes]
         deps = [ident(val[d]) for d in s.deps]
         if not s.has_pullback:  # no tangent reaches it: the forward task of the gradient graph
-            fwd = g.task(carry.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
+            fwd = g.task(intake.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
                          dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps),
                          root=is_root(s, spec))
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
-            fwd = g.task(carry.key("jvp", s.name, s, [ident(n) for n in sent], deps,
+            fwd = g.task(intake.key("jvp", s.name, s, [ident(n) for n in sent], deps,
                                    [None if t is None else ident(t) for t in dep_tangents], k, chunk),
                          dict(s.needs), forward, s, stop, k, chunk, *sent, *(val[d] for d in s.deps),
                          *dep_tangents, root=is_root(s, spec))
         token = token_of(str(fwd.key))
         for e, n in enumerate(s.outputs):
-            val[n] = fwd if s.bare else g.task(key("val", n, token), dict(s.needs), tasks.pick,
+            val[n] = fwd if s.value_only else g.task(key("val", n, token), dict(s.needs), tasks.pick,
                                                fwd, s.has_pullback, e)
             if n in plan.active:
                 tan[n] = g.task(key("tan", n, token), dict(s.needs), pick_tangent, fwd, e)
 
     results = {}
     for o in plan.outputs:
-        name = carry.key("tangent", o, val[o].key, tan[o].key if o in tan else None, k)
+        name = intake.key("tangent", o, val[o].key, tan[o].key if o in tan else None, k)
         results[o] = (val[o], {TANGENT: g.task(name, None, output_tangent, val[o], tan.get(o), k)})
-    return g.delayed(results, carry.call)
+    return g.delayed(results, intake.call)

@@ -12,7 +12,7 @@ How each kind of stage runs:
   (:class:`~daskdag.graph.compiled.Compiled`; over a sweep's chunk, as its nodes' kind says,
   :attr:`~daskdag.rules.registry.Rules.batch`), leaving a :class:`FusedPullback`;
 - a chain of JAX nodes: under one ``jax.vjp`` of the chain, each node still called once, in
-  order, op by op, as the seed question's hand-written code takes the vjp of its common
+  order, op by op, as hand-written VJP plumbing takes one vjp of a shared
   pipeline (likewise item by item over a sweep's chunk);
 - any other: node by node, each under its kind's rule (:mod:`daskdag.rules.registry`),
   leaving a :class:`StagePullback` of their pullbacks.
@@ -166,7 +166,7 @@ class Fused:
 
     def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
-        self._fns = tuple(_weak(f) if weakly else partial(itself, f) for f in fns)
+        self._fns = tuple(_weak(f) if weakly else partial(identity, f) for f in fns)
 
     @property
     def fns(self) -> tuple:
@@ -190,13 +190,7 @@ def _weak(fn):
     try:
         return weakref.ref(fn)
     except TypeError:
-        return partial(itself, fn)
-
-
-def itself(x):
-    """``x``: as a task, a value kept on the cluster; bound with ``partial``, a picklable
-    function that returns it."""
-    return x
+        return partial(identity, fn)
 
 
 class FusedPullback(Pullback):
@@ -345,3 +339,10 @@ def _not_none(name: str, value) -> None:
         with node_errors(name, "forward"):
             raise TypeError("its function returned None; a node must return its value, a JAX "
                             "array or a pytree of arrays (is a `return` missing?)")
+
+
+def identity(x):
+    """``x``: as a task, a value kept on the cluster (a node, by
+    :meth:`daskdag.graph.assembly.Intake.node`); bound with ``partial``, a picklable function
+    that returns it."""
+    return x

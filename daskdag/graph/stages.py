@@ -80,7 +80,7 @@ class Stage:
         return any(any(a) for a in self.active)
 
     @property
-    def bare(self) -> bool:
+    def value_only(self) -> bool:
         """The forward task's result is its one exposed value itself (no pullback, no tuple), so
         later stages read it directly."""
         return not self.has_pullback and len(self.exposed) == 1

@@ -38,7 +38,7 @@ def forward(stage: Stage, stop, *args):
     """
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
-    return out[0] if stage.bare else out
+    return out[0] if stage.value_only else out
 
 
 def forward_dense(stage: Stage, stop, *args):
@@ -138,12 +138,12 @@ class Basis:
 @dataclass(frozen=True)
 class Shares:
     """The sum of the shares that consumer stages pulled back: ``sources[source][output
-    index][position]`` for each ``(source, output index, position)`` in ``picks``."""
+    index][position]`` for each ``(source, output index, position)`` in ``locations``."""
 
-    picks: tuple[tuple[int, int, int], ...]
+    locations: tuple[tuple[int, int, int], ...]
 
     def cotangent(self, value, sources) -> tuple:
-        return total(sources[s][k][i] for s, k, i in self.picks)
+        return total(sources[s][k][i] for s, k, i in self.locations)
 
 
 # -- how cotangents are pulled back ----------------------------------------------------------------
@@ -259,9 +259,9 @@ def dropped_of(stage: Stage, stop):
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(picks: tuple, x, output, basis, own, *sources):
+def gradient(locations: tuple, x, output, basis, own, *sources):
     """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
-    its shares ``sources[j][k][i]`` for ``(k, i)`` in ``picks`` (see :func:`backward`) and of
+    its shares ``sources[j][k][i]`` for ``(k, i)`` in ``locations`` (see :func:`backward`) and of
     ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
     itself, else None, on its differentiable leaves (zeros when the output does not use it),
     ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
@@ -271,7 +271,7 @@ def gradient(picks: tuple, x, output, basis, own, *sources):
     chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis.rows(output),)
-    shares = [s[k][i] for s, (k, i) in zip(sources, picks)] + ([own.cotangent(x, ())] if own else [])
+    shares = [s[k][i] for s, (k, i) in zip(sources, locations)] + ([own.cotangent(x, ())] if own else [])
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])

@@ -1,5 +1,5 @@
 """What the tests compare and count: trees of arrays close to each other, traces and calls
-counted, and the seed DAG's functions (the question that started the project)."""
+counted, and the functions of the example DAG (examples/seed_dag.py's shape)."""
 
 import sys
 import weakref
@@ -52,7 +52,7 @@ class Counted:
 
 
 def seed_functions():
-    """The seed question's DAG with concrete functions (x -> A -> B -> C -> D, B -> E)."""
+    """The example DAG (the shape of examples/seed_dag.py) with concrete functions (x -> A -> B -> C -> D, B -> E)."""
     return {
         "x_to_A": lambda x: jnp.sin(x) * 2.0,
         "A_to_B": lambda A: A ** 2 + 1.0,
