@@ -8,7 +8,7 @@ differentiable leaf, in ``jax.tree.leaves`` order; no pytree structure travels w
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import Any, Callable, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,25 @@ def is_array(leaf) -> bool:
 def is_numeric(leaf) -> bool:
     """An array or a number: a leaf JAX can trace (others are functions, strings...)."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def partition(tree, kind: Callable[[Any], int], kinds: int = 2) -> tuple[list[list], Callable]:
+    """``tree``'s leaves in ``kinds`` groups, by ``kind(leaf)`` (0, 1, ...), and ``combine(*groups)``,
+    the tree again from groups like them (iterables, each read in turn): equinox's
+    ``partition``/``combine``, on flat groups. An array is its own one leaf (no pytree walk:
+    the common case, paid per node per call)."""
+    leaves, treedef = ([tree], None) if isinstance(tree, ARRAYS) else jax.tree.flatten(tree)
+    which = [kind(leaf) for leaf in leaves]
+    groups: list[list] = [[] for _ in range(kinds)]
+    for leaf, k in zip(leaves, which):
+        groups[k].append(leaf)
+
+    def combine(*parts):
+        its = [iter(p) for p in parts]
+        new = [next(its[k]) for k in which]
+        return new[0] if treedef is None else treedef.unflatten(new)
+
+    return groups, combine
 
 
 def differentiable_leaves(tree) -> list:

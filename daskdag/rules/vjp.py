@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.model.leaves import ARRAYS, differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric, partition
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import EAGER, Batching, Pullback
 from daskdag.transport import programs
@@ -143,42 +143,38 @@ def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
     output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
     output as ``fn`` returned it."""
-    # (An arg that is an array is its own one leaf: no pytree walk for the common case, a cost
-    # paid per node per call.)
-    flat_args = [([a], None) if isinstance(a, ARRAYS) else jax.tree.flatten(a) for a in args]
-    masks = [tuple(map(is_differentiable, leaves)) if on else () for on, (leaves, _) in
-             zip(active, flat_args)]
-    diff = [leaf for (leaves, _), mask in zip(flat_args, masks) for leaf, m in zip(leaves, mask) if m]
+    parts = [partition(a, _differentiated) if on else ([[], [a]], _itself)
+             for a, on in zip(args, active)]
+    diff = [leaf for (taken, _), _ in parts for leaf in taken]
     out: dict = {}
 
-    def arg(a, on, flat, mask, it):
-        if not on:
-            return a
-        leaves, treedef = flat
-        if treedef is None:
-            return next(it) if mask[0] else a
-        return treedef.unflatten([next(it) if m else leaf for leaf, m in zip(leaves, mask)])
-
     def fn_of_diff(*diff_leaves):
-        it = iter(diff_leaves)
-        result = fn(*[arg(a, on, flat, mask, it)
-                      for a, on, flat, mask in zip(args, active, flat_args, masks)])
-        leaves, out["treedef"] = jax.tree.flatten(result)
-        out["mask"] = mask = tuple(map(is_differentiable, leaves))
+        leaves = iter(diff_leaves)  # (shared: each arg's combine takes its own in turn)
+        (taken, held, static), out["combine"] = partition(
+            fn(*[combine(leaves, rest) for (_, rest), combine in parts]), _held_or_static, 3)
         # Arrays held constant go through the aux (they may depend on traced inputs); other
         # leaves (functions, strings) cannot be traced and are kept as they are.
-        out["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return ([leaf for leaf, m in zip(leaves, mask) if m],
-                [leaf for leaf, m in zip(leaves, mask) if not m and is_numeric(leaf)])
+        out["static"] = static
+        return taken, held
 
     def rebuild(out_diff, held):
-        d, h = iter(out_diff), iter(held)
-        return out["treedef"].unflatten([next(d) if m else (next(h) if s is None else s)
-                                         for m, s in zip(out["mask"], out["static"])])
+        return out["combine"](out_diff, held, out["static"])
 
     return diff, fn_of_diff, rebuild
 
 
+def _differentiated(leaf) -> int:
+    return 0 if is_differentiable(leaf) else 1
+
+
+def _held_or_static(leaf) -> int:
+    """An output's leaf: 0, differentiated; 1, numeric but held constant; 2, anything else."""
+    return 0 if is_differentiable(leaf) else 1 if is_numeric(leaf) else 2
+
+
+def _itself(_, rest):
+    """The combine of an arg that is held whole: the arg."""
+    return rest[0]
 
 
 def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
