@@ -27,7 +27,7 @@ from daskdag.running.jobs import CallInfo, Job, as_collection, run
 from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
-from daskdag.sweeps import arrays, sweep
+from daskdag.sweeps import arrays, planning, sweep
 from daskdag.sweeps.store import SweepStore
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
@@ -345,8 +345,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
     made, why = prepared.get(
         "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), transport),
-        partial(sweep.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
-        inputs=sweep.item_signature(dag, like, batched))
+        partial(planning.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
+        inputs=planning.item_signature(dag, like, batched))
     spec = made.plan.spec
     computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,
                                    local, progress, errors, store=store, dag=dag)

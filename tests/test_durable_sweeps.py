@@ -288,7 +288,7 @@ def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_p
     import zarr
     import zarr.storage
 
-    from daskdag.sweeps.store import _Keys
+    from daskdag.sweeps.keys import Keys
 
     m = dag_module(tmp_path, fail=(5,))
     ref = sweep(m.DAG, None, errors="collect")
@@ -303,7 +303,7 @@ def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_p
     again = sweep(m.DAG, where, errors="collect")
     assert_same(again, ref)
     assert len(counted(tmp_path)) == before and "a failing item" in str(again.failed[5])
-    other = _Keys(where, "the test's")
+    other = Keys(where, "the test's")
     other.hold()
     try:
         with pytest.raises(daskdag.StoreError, match="in use by another sweep"):
@@ -312,7 +312,7 @@ def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_p
         other.release()
     assert_same(sweep(m.DAG, where, errors="collect"), ref)
     # a lease its holder stopped renewing (a client killed) is taken over
-    lapsed = _Keys(where, "the test's")
+    lapsed = Keys(where, "the test's")
     lapsed.LEASE = -1.0
     lapsed.hold()
     lapsed._stop.set()

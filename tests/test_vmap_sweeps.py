@@ -141,21 +141,22 @@ def test_internal_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory()
     """(Internals.) An item-by-item sweep has about four chunks per parallel slot; a ``vmap=True``
     one too, but each of at least 16 MiB of items (a chunk is one program, with a fixed cost)
     unless a slot would have none, and at most 64 MiB."""
-    from daskdag.sweeps import sweep
+    from daskdag.sweeps import planning
     from daskdag.model.spec import parse
+    from daskdag.transport.transports import IN_PROCESS
 
     def planned(vmap, n, width=4):
         dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),
                "L": Node(lambda h: jnp.sum(h ** 2), ["H"], vmap=vmap)}
         xs = np.broadcast_to(np.float32(1), (n, width))  # (nbytes as if full, no memory)
-        return sweep.plan_sweep(parse(dag), ("L",), {"x": xs}, ["x"], ["x"], {}, n, remote=False)
+        return planning.plan_sweep(parse(dag), ("L",), {"x": xs}, ["x"], ["x"], {}, n, IN_PROCESS)
 
-    assert sweep.default_chunk_size(planned(False, 1000), 2) == 125  # four per slot
+    assert planning.default_chunk_size(planned(False, 1000), 2) == 125  # four per slot
     # 16-byte items: 16 MiB of them would be a million, more than a slot's share
-    assert sweep.default_chunk_size(planned(True, 1000), 2) == 500
+    assert planning.default_chunk_size(planned(True, 1000), 2) == 500
     kib = 256  # 1 KiB items: four chunks per slot of 16 Ki items each, at least 16 MiB
-    assert sweep.default_chunk_size(planned(True, 2 ** 17, width=kib), 2) == 2 ** 14
-    assert sweep.default_chunk_size(planned(True, 2 ** 15, width=kib), 2) == 2 ** 14
+    assert planning.default_chunk_size(planned(True, 2 ** 17, width=kib), 2) == 2 ** 14
+    assert planning.default_chunk_size(planned(True, 2 ** 15, width=kib), 2) == 2 ** 14
     big = 2 ** 20  # 4 MiB items: 64 MiB of items per chunk at most
-    assert sweep.default_chunk_size(planned(True, 400, width=big), 2) == 16
-    assert sweep.default_chunk_size(planned(True, 1), 2) == 1
+    assert planning.default_chunk_size(planned(True, 400, width=big), 2) == 16
+    assert planning.default_chunk_size(planned(True, 1), 2) == 1

@@ -1,12 +1,17 @@
 """Sweeps: one DAG over many inputs, in chunks, on threads or a cluster; a layer above the
 core, which knows nothing of it.
 
-- :mod:`~daskdag.sweeps.sweep`: the plan every chunk shares, and the loop over chunks;
+- :mod:`~daskdag.sweeps.planning`: the plan every chunk shares, and the chunk sizes;
+- :mod:`~daskdag.sweeps.sweep`: the loop over chunks, in flight, failed items rerun;
 - :mod:`~daskdag.sweeps.chunked`: a node over a chunk of items (``Chunked``, ``Items``), and its
   rules, registered with :mod:`daskdag.rules.registry`;
 - :mod:`~daskdag.sweeps.engines`: where chunks run (threads, a cluster);
 - :mod:`~daskdag.sweeps.results`: the values and gradients stacked over the items;
 - :mod:`~daskdag.sweeps.store`: durable sweeps, each chunk's results in a Zarr store as it finishes;
+- :mod:`~daskdag.sweeps.identity`: what a durable sweep is, as its store records it, and the
+  hashes of its items and rows;
+- :mod:`~daskdag.sweeps.keys`: a store's keys read, written, synced, and held by one sweep at
+  a time;
 - :mod:`~daskdag.sweeps.arrays`: sweeps over dask arrays, lazily;
 - :mod:`~daskdag.sweeps.progress`: the progress bar over items.
 

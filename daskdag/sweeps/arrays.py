@@ -34,7 +34,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import DataNode, Task, TaskRef
 
 from daskdag.running import cluster
-from daskdag.sweeps import sweep
+from daskdag.sweeps import planning
 from daskdag.sweeps.chunked import Items
 from daskdag.sweeps.engines import chunk_graph, item_key
 from daskdag.graph.assembly import key
@@ -74,7 +74,7 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
     cts = cotangents_for(names, cotangents)
     # (api resolved the client in effect, or None; computed later, wherever the arrays are)
     transport = transports.for_call(client, lazy=True)
-    planned = sweep.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, transport)
+    planned = planning.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, transport)
     if client is not None:
         cluster.check(client, planned.plan)
     return _block_graph(planned, inputs, chunks, _shapes(planned, spec))

@@ -1,6 +1,6 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
-An engine takes chunks (a :class:`~daskdag.sweeps.sweep.Sweep` and each chunk's ``(start, stop)``),
+An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start, stop)``),
 waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
 grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
 :meth:`close` stops everything it started: queued chunks never start, running ones stop at
@@ -327,7 +327,7 @@ def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     to the chunk's items under :func:`item_key`, and to the shared inputs by ``shared``,
     ``{input: TaskRef}`` (plain references: a ``Future`` in it would start a client wherever it
     is unpickled); neither has a task in it, :func:`_run_chunk` adds them as data. Nothing in it
-    depends on which items a chunk holds, or how many (:meth:`daskdag.sweeps.sweep.Sweep.graph`)."""
+    depends on which items a chunk holds, or how many (:meth:`daskdag.sweeps.planning.Sweep.graph`)."""
     items = {n: TaskRef(item_key(n)) for n in sweep.carried()}
     results = sweep.graph({**shared, **items})
     flat = [d for value, grads in results.values() for d in (value, *grads.values())]

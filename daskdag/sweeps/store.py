@@ -27,6 +27,9 @@ again, never returned. A resumed sweep runs the pieces that are not complete; th
 each complete piece's input items must be those of the call, else
 :class:`~daskdag.StoreError` names what changed. The trees and errors are pickles: open only
 stores you trust, as you would a pickle.
+
+What a sweep is and the hashes checked: :mod:`daskdag.sweeps.identity`; the store's keys read,
+written, synced, and held by one sweep at a time: :mod:`daskdag.sweeps.keys`.
 """
 
 from __future__ import annotations
@@ -34,39 +37,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-import fcntl
-import hashlib
-import json
 import os
 import pickle
-import socket
-import threading
-import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import quote
-
-import sys
-from typing import TYPE_CHECKING
 
 import dask.array as da
 import jax
 import numpy as np
-from dask.base import tokenize
 
 from daskdag.errors import NodeError, StoreError
-from daskdag.model.leaves import is_array
-from daskdag.model.spec import parse
-from daskdag.running.prepared import settings
-from daskdag.transport.transports import CLUSTER
+from daskdag.sweeps.identity import differences, rows_hash
+from daskdag.sweeps.keys import Keys, group, is_zarr, keys_of
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
-
-FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -94,16 +81,9 @@ class SweepStore:
         if self.changed_items not in ("raise", "recompute"):
             raise ValueError(f"changed_items must be 'raise' or 'recompute', not "
                              f"{self.changed_items!r}")
-        if not isinstance(self.location, (str, os.PathLike)) and not _is_zarr(self.location):
+        if not isinstance(self.location, (str, os.PathLike)) and not is_zarr(self.location):
             raise TypeError(f"a sweep's store is a directory or a Zarr store, not "
                             f"{type(self.location).__name__}")
-
-
-def _is_zarr(location) -> bool:
-    """A Zarr store object (Zarr, imported only where a store is used, is loaded if the user
-    made one)."""
-    abc = sys.modules.get("zarr.abc.store")
-    return abc is not None and isinstance(location, abc.Store)
 
 
 def store_of(given) -> SweepStore:
@@ -116,7 +96,8 @@ class Store:
 
     Args:
         where: a :class:`SweepStore`, a path or a Zarr store.
-        identity: what the sweep is (:func:`identity`), without its chunk size.
+        identity: what the sweep is (:func:`~daskdag.sweeps.identity.identity`), without
+            its chunk size.
         chunk_size: items per chunk, or None: the stored sweep's, else ``default``.
         default: the chunk size of a new store when ``chunk_size`` is None.
     """
@@ -126,7 +107,7 @@ class Store:
         self.changed_items, self.lazy = where.changed_items, where.lazy
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        self.keys = _keys(where.location)
+        self.keys = keys_of(where.location)
         self.name = self.keys.name
         self.keys.hold()
         try:
@@ -151,7 +132,7 @@ class Store:
             self.keys.synced(["zarr.json"])
             return mine
         mine = {**identity, "chunk_size": chunk_size or stored.get("chunk_size")}
-        changed = _differences(stored, mine)
+        changed = differences(stored, mine)
         if changed:
             raise StoreError(f"store {self.name} holds another sweep: {'; '.join(changed)}. Use "
                              f"another store, or delete this one to start afresh")
@@ -175,7 +156,7 @@ class Store:
             for start, stop in sorted(m for m in marks if m[0] // size == k):
                 mark = self._mark(start, stop)
                 lo, hi = start - k * size, stop - k * size
-                if mark is None or mark["rows"] != _rows_hash(
+                if mark is None or mark["rows"] != rows_hash(
                         {p: None if r is None else r[lo:hi] for p, r in rows.items()},
                         mark["arrays"]):  # never returned: computed again
                     self.keys.delete(_mark_key(start, stop))
@@ -212,9 +193,9 @@ class Store:
                               for p in rows])
             failures = base64.b64encode(pickle.dumps(_picklable(failed), protocol=5)).decode() \
                 if failed else None
-            self.keys.set_json(_mark_key(start, stop), _group({
+            self.keys.set_json(_mark_key(start, stop), group({
                 "items": items_hash, "arrays": sorted(rows),
-                "rows": _rows_hash(rows, sorted(rows)), "failed": failures}))
+                "rows": rows_hash(rows, sorted(rows)), "failed": failures}))
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -369,7 +350,7 @@ class Store:
             return None
 
 
-def _read_chunk(keys: _Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
+def _read_chunk(keys: Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
     """Chunk ``k`` of ``array`` (rows ``k*size`` on), or None where it cannot be decoded (then
     removed, so that writes into it start afresh)."""
     try:
@@ -385,21 +366,6 @@ def _chunk_key(array, path: str, k: int) -> str:
 
 def _mark_key(start: int, stop: int) -> str:
     return f"done/{start:012d}-{stop:012d}/zarr.json"
-
-
-def _group(attributes: dict) -> dict:
-    return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
-
-
-def _rows_hash(rows: Mapping[str, np.ndarray | None], paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        r = rows.get(p)
-        if r is None:
-            return ""
-        h.update(f"{p}{r.dtype.str}{r.shape}".encode())
-        h.update(np.ascontiguousarray(r).tobytes())
-    return h.hexdigest()
 
 
 def _one(tree):
@@ -420,239 +386,6 @@ def _decode(encoded: str):
     return pickle.loads(base64.b64decode(encoded))
 
 
-# -- where the keys are
-
-
-class _Keys:
-    """A Zarr store's keys, as a durable sweep uses them: JSON read and written whole,
-    children listed, and the store held by one sweep at a time (a lease group, renewed while
-    held)."""
-
-    LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
-    CONFIRM = 0.2  # seconds between taking a lease and reading it again
-
-    def __init__(self, store: ZarrStore, name: str):
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
-        self.store, self.name = store, name
-        self._buffers, self._sync = default_buffer_prototype(), sync
-        self._stop = threading.Event()
-        self._me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
-
-    def run(self, coroutine):
-        """``coroutine`` run to its end on Zarr's event loop."""
-        return self._sync(coroutine)
-
-    def get_json(self, key: str):
-        buf = self._sync(self.store.get(key, prototype=self._buffers))
-        if buf is None:
-            return None
-        try:
-            return json.loads(buf.to_bytes())
-        except ValueError:
-            return None
-
-    def set_json(self, key: str, data: dict) -> None:
-        self._set(key, _json(data))
-        self.synced([key])
-
-    def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
-        buf = self._buffers.buffer.from_bytes(body)
-        self._sync(self.store.set_if_not_exists(key, buf) if exclusive
-                   else self.store.set(key, buf))
-
-    def delete(self, key: str) -> None:
-        self._sync(self.store.delete(key))
-
-    def children(self, prefix: str) -> list[str]:
-        async def names():
-            return [n async for n in self.store.list_dir(prefix)]
-        return self._sync(names())
-
-    def synced(self, keys) -> None:
-        """Keys just written, made durable (an object store's writes are)."""
-
-    def hold(self) -> None:
-        """Take the lease, or :class:`~daskdag.StoreError` when another sweep holds it. Stores
-        whose create-if-absent is not atomic (``FsspecStore``) let two sweeps both write it: the
-        lease is read again after :data:`CONFIRM` seconds, and the sweep whose write lost
-        refuses."""
-        lease = self._lease()
-        self._set("lock/zarr.json", lease, exclusive=True)
-        for attempt in range(2):
-            held = (self.get_json("lock/zarr.json") or {}).get("attributes", {})
-            if held.get("holder") != self._me:
-                if held.get("until", 0) > time.time():
-                    raise StoreError(f"store {self.name} is in use by another sweep "
-                                     f"({held.get('holder', 'another process')}); wait for it "
-                                     f"to end, or use another store")
-                self._set("lock/zarr.json", lease)  # (its holder stopped renewing)
-            if attempt == 0:
-                time.sleep(self.CONFIRM)
-        threading.Thread(target=self._renew, daemon=True, name="daskdag-store-lease").start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.LEASE / 3):
-            self._set("lock/zarr.json", self._lease())
-
-    def _lease(self) -> bytes:
-        """This sweep's lease, lasting :data:`LEASE` seconds from now."""
-        return _json(_group({"holder": self._me, "until": time.time() + self.LEASE}))
-
-    def release(self) -> None:
-        self._stop.set()
-        try:
-            self.delete("lock/zarr.json")
-        except Exception:  # (the lease lapses by itself)
-            pass
-
-
-class _Directory(_Keys):
-    """A store in a local directory: writes synced to disk, held with ``flock`` on the
-    directory (released when this process ends, however it ends)."""
-
-    def __init__(self, path: Path):
-        from zarr.storage import LocalStore
-
-        path.mkdir(parents=True, exist_ok=True)
-        super().__init__(LocalStore(path), str(path))
-        self.path = path
-        self._fd: int | None = None
-
-    def synced(self, keys) -> None:
-        dirs = set()
-        for key in keys:
-            file = self.path / key
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            dirs.add(file.parent)
-        for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def set_json(self, key: str, data: dict) -> None:
-        """Written beside, synced, renamed over, the directory synced: all or nothing."""
-        path = self.path / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_json(data))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self.synced([key])
-
-    def hold(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StoreError(f"store {self.name} is in use by another sweep; wait for it to "
-                             f"end, or use another store") from None
-        self._fd = fd
-        for left in self.path.glob("**/*.partial"):  # (half-written by a sweep that died)
-            left.unlink(missing_ok=True)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # (releases the flock)
-            self._fd = None
-
-
-def _keys(location) -> _Keys:
-    if _is_zarr(location):
-        from zarr.storage import LocalStore
-
-        if isinstance(location, LocalStore):
-            return _Directory(Path(location.root))
-        return _Keys(location, str(location))
-    return _Directory(Path(os.fspath(location)))
-
-
-def _json(data) -> bytes:
-    return json.dumps(data).encode()
-
-
-# -- what a sweep is
-
-
-def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
-             ) -> dict:
-    """What a sweep is, as a store records it: each node's content token (its functions packed
-    as they travel to a cluster, closed-over arrays by value), the outputs, ``wrt``, the
-    batched inputs, the number of items, the hashes of the shared inputs and of the cotangents,
-    ``errors`` (what becomes of failing items), the settings the numbers depend on
-    (``dask.config``'s ``daskdag.*`` and JAX's x64), and the versions of daskdag and JAX."""
-    from daskdag import __version__
-
-    spec = parse(dag)
-    nodes = {}
-    for n, node in spec.nodes.items():
-        fns = [None if f is None else CLUSTER.pack_function(f"node {n!r}: its function", f).token
-               for f in (node.fn, node.vjp, node.fwd, node.bwd, node.jvp)]
-        nodes[n] = tokenize(fns, list(node.deps), node.jit, node.vmap, node.remat)
-    x64, ours = settings()
-    return {"format": FORMAT, "daskdag": __version__, "jax": jax.__version__, "dag": nodes,
-            "outputs": list(outputs), "wrt": list(wrt), "batched": sorted(batched),
-            "items": size, "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
-            "cotangents": hash_tree(cotangents), "errors": errors, "x64": x64,
-            "settings": _plain(dict(ours))}
-
-
-def _plain(data):
-    """``data`` as JSON keeps it (tuples as lists), so that a stored identity compares equal."""
-    return json.loads(json.dumps(data, default=repr))
-
-
-def hash_tree(tree) -> str:
-    """SHA-256 of a pytree of arrays and Python scalars: structure, dtypes, shapes and bytes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    h = hashlib.sha256(str(treedef).encode())
-    for leaf in leaves:
-        if is_array(leaf) or isinstance(leaf, (int, float, complex, bool, np.generic)):
-            a = np.ascontiguousarray(np.asarray(leaf))
-            h.update(f"{a.dtype.str}{a.shape}".encode())
-            h.update(a.tobytes())
-        else:  # (a function or a static field: its token)
-            h.update(tokenize(leaf).encode())
-    return h.hexdigest()
-
-
-def _differences(stored: dict, mine: dict) -> list[str]:
-    out = []
-    for k in sorted(set(stored) | set(mine)):
-        a, b = stored.get(k), mine.get(k)
-        if a == b:
-            continue
-        if k == "dag" and isinstance(a, dict) and isinstance(b, dict):
-            nodes = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the DAG's nodes {nodes} differ (added, removed, or their functions, "
-                       f"what those hold, deps or options changed)")
-        elif k == "shared" and isinstance(a, dict) and isinstance(b, dict):
-            names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the shared inputs {names} differ")
-        elif k == "cotangents":
-            out.append("the cotangents differ")
-        else:
-            out.append(f"{k} was {a!r}, is now {b!r}")
-    return out
-
-
 def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
     out = {}
     for item, e in failed.items():
@@ -663,8 +396,3 @@ def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
             out[item] = NodeError(e.node, e.phase, RuntimeError(f"{type(e.original).__name__}: "
                                                                 f"{e.original}"), item=e.item)
     return out
-
-
-def items_hash(values: dict[str, Any]) -> str:
-    """The hash of one chunk's input items (``Sweep.items``: the batched inputs' rows)."""
-    return hash_tree({k: values[k] for k in sorted(values)})

@@ -1,8 +1,7 @@
 """Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
 
-Each chunk of items is the graph :func:`daskdag.graph.build.build` makes for one call, over a spec
-whose node functions take a whole chunk (:class:`~daskdag.sweeps.chunked.Chunked`): vectorized with
-``jax.vmap`` for ``Node(vmap=True)``, else item by item. Chunks run on threads or a cluster
+Each chunk of items is the graph of the sweep's plan (:mod:`daskdag.sweeps.planning`: what every
+chunk shares, and the chunk sizes). Chunks run on threads or a cluster
 (:mod:`daskdag.sweeps.engines`; on a cluster a chunk is one task on one worker, its items sent
 straight to that worker and its results straight back, and shared inputs are placed on the
 cluster once). A few chunks are in flight at a time; their results are written into the
@@ -15,147 +14,39 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 import os
 import traceback
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-import jax
 import dask.array as da
-import jax.numpy as jnp
+import jax
 import numpy as np
 
-from daskdag.sweeps.chunked import Chunked, Items, chunk_of, stacked as stack_items
-from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.errors import NodeError
-from daskdag.graph.build import GradientSeeding, build
-from daskdag.running.log import logger, where
-from daskdag.model.plan import Plan, make_plan
-from daskdag.model.request import (batch_size, batched_names, cotangents_for, parsed,
-                                   with_rules, wrt_names)
-from daskdag.model.shapes import signature
-from daskdag.running import cluster
-from daskdag.sweeps.progress import Progress
-from daskdag.running.resident import placing
 from daskdag.model.leaves import is_array
-from daskdag.model.plan import ship
-from daskdag.transport.transports import Transport
-from daskdag.transport.pickler import JaxArray
-from daskdag.model.spec import Node, Spec
-from daskdag.graph.run import chain_of_elements
-from daskdag.graph.stages import Stage, make_stages
+from daskdag.model.request import batch_size, cotangents_for
+from daskdag.running import cluster
+from daskdag.running.log import logger, where
+from daskdag.running.resident import placing
+from daskdag.sweeps.chunked import Items, stacked as stack_items
+from daskdag.sweeps.engines import Cluster, Lost, Threads
+from daskdag.sweeps.identity import identity, items_hash
+from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size
+from daskdag.sweeps.progress import Progress
 from daskdag.sweeps.results import Stacked, item_shapes
-from daskdag.sweeps.store import Store, identity, items_hash
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What every chunk shares: the plan over the chunked spec, and which names carry items."""
-
-    plan: Plan
-    values: dict[str, Any]  # inputs as given
-    batched: frozenset[str]  # inputs that carry the item axis
-    broadcast: frozenset[str]  # shared inputs differentiated per item: broadcast in each chunk
-    carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
-    cotangents: dict[str, Any]
-    size: int
-    transport: Transport  # how chunk graphs take in their values (daskdag.transport.transports)
-
-    @property
-    def vectorized(self) -> bool:
-        """Every node that carries items runs as ``jit(vmap)`` over a chunk."""
-        return all(chunk.node.vmap for n in self.plan.needed
-                   if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
-
-    def shared(self, name: str) -> bool:
-        return name not in self.batched and name not in self.broadcast
-
-    def carried(self) -> list[str]:
-        """The inputs that carry items (the keys of :meth:`items`): batched ones, and shared ones
-        differentiated per item."""
-        return [i for i in self.values if not self.shared(i)]
-
-    def items(self, start: int, stop: int) -> dict[str, Any]:
-        """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
-        inputs differentiated per item broadcast. Array leaves carry the items; other leaves
-        (functions...) are shared."""
-        def part(a):
-            if isinstance(a, da.Array):  # (a store's dask-array items: read chunk by chunk here)
-                return np.asarray(a[start:stop])
-            if not is_array(a):
-                return a
-            return rows(a, start, stop) if self.transport.remote else a[start:stop]
-
-        values = {}
-        for i in self.carried():
-            v = self.values[i]
-            if i in self.batched:
-                values[i] = jax.tree.map(part, v)
-            else:
-                values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
-                                         if is_array(a) else a, v)
-        return values
-
-    def chunk(self, start: int, stop: int):
-        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``, the
-        items' values inside it."""
-        return self.graph(self.items(start, stop))
-
-    def graph(self, values: dict):
-        """The Dask graph of a chunk whose :meth:`carried` inputs (and any others given) are
-        ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
-        Nothing else in it depends on which items, or how many, the chunk holds: items enter
-        only as these inputs, and the seeds of the outputs' cotangents take the item count
-        from the outputs when they run (:func:`daskdag.rules.seeds.seed`)."""
-        return build(self.plan, {**self.values, **values},
-                     GradientSeeding(self.cotangents, batched=True), self.transport)
-
-
-def prepare(dag, xs, outputs, batched, wrt, cotangents, transport: Transport, watch) -> Sweep:
-    """:func:`daskdag.sweep_grads` prepared (:mod:`daskdag.running.prepared`): the arguments
-    checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
-    values, their number and the cotangents, which :func:`sweep` puts in. ``watch`` takes the
-    fingerprints of the functions packed."""
-    spec, names, values = parsed(dag, xs, outputs, watch.hold)
-    batched = batched_names(values, batched)
-    batch_size(values, batched)
-    wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
-    with_rules(make_plan(spec, names, wrt))
-    cotangents_for(names, cotangents)
-    prints = {id(spec.nodes[n].fn): watch(n, spec.nodes[n].fn) for n in spec.order}
-    return plan_sweep(spec, names, {}, batched, wrt, {}, 0, transport, prints=prints)
-
-
-def item_signature(dag, xs, batched) -> tuple | None:
-    """The inputs' structure and one item's shapes, as a preparation's key (the number of
-    items changes nothing prepared); None where the arguments are not those of a sweep."""
-    try:
-        spec = {d for entry in dag.values() for d in (entry.deps if isinstance(entry, Node)
-                                                      else entry[1])} - set(dag)
-        values = {next(iter(spec)): xs} if len(spec) == 1 else dict(xs)
-        names = batched_names(values, batched)
-        return tuple((i, name in names, signature(item(v) if name in names else v))
-                     for i, (name, v) in enumerate(values.items()))
-    except Exception:
-        return None
-
-
-def item(value):
-    """One item's stand-in: each array leaf's first row (a view, or its shape where it has
-    none)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-                        if is_array(a) and a.ndim else a, value)
+from daskdag.sweeps.store import Store
 
 
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
           progress: bool, errors: str, store=None, dag=None):
-    """:func:`daskdag.sweep_grads` over arrays in memory, prepared (:func:`prepare`): ``(computed,
-    failed)`` as :func:`run` returns them, chunks of ``chunk_size`` items (default
-    :func:`default_chunk_size`, or the store's) on ``client``'s cluster or this process's
-    ``local`` threads. ``store``: a directory where each chunk's results are kept as it
-    finishes, and where a sweep of the same ``dag`` resumes (:mod:`daskdag.sweeps.store`)."""
+    """:func:`daskdag.sweep_grads` over arrays in memory, prepared
+    (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed)`` as :func:`run` returns
+    them, chunks of ``chunk_size`` items (default
+    :func:`~daskdag.sweeps.planning.default_chunk_size`, or the store's) on ``client``'s
+    cluster or this process's ``local`` threads. ``store``: a directory where each chunk's
+    results are kept as it finishes, and where a sweep of the same ``dag`` resumes
+    (:mod:`daskdag.sweeps.store`)."""
     size = batch_size(values, tuple(planned.batched))
     planned = replace(planned, values=values, size=size,
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
@@ -180,62 +71,6 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     finally:
         if kept is not None:
             kept.close()
-
-
-def rows(a, start: int, stop: int):
-    """Rows ``start:stop`` of the array ``a``, to be packed: a JAX array's as a view of its NumPy
-    value (slicing the JAX array would dispatch a copy, and packing copy it out again), a JAX
-    array again on arrival."""
-    if isinstance(a, jax.Array):
-        return JaxArray(np.asarray(a)[start:stop])
-    return a[start:stop]
-
-
-def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, transport: Transport,
-               prints: dict | None = None) -> Sweep:
-    """What every chunk shares. ``transport``: how chunk graphs take in their values
-    (:mod:`daskdag.transport.transports`); ``prints``: the node functions' fingerprints, by
-    ``id``, as a preparation took them."""
-    prints = {} if prints is None else prints
-    broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
-    carrying = set(batched) | broadcast
-    nodes = {}
-    for n in spec.order:
-        node = spec.nodes[n]
-        in_axes = tuple(0 if d in carrying else None for d in node.deps)
-        if 0 in in_axes:  # nodes of shared inputs alone stay as they are: one key, run once
-            carrying.add(n)
-            # Its function packed inside too: its content token keys the chunk's compiled
-            # programs (shipping.current), so a change in place compiles anew.
-            inner = replace(node, fn=transport.pack_function(f"node {n!r}: its function", node.fn,
-                                                             prints=prints))
-            node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
-        nodes[n] = node
-    plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), transport)
-    return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
-                 transport)
-
-
-def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
-    """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
-    per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
-    program over its items): also about four per slot, so that items and results travel while
-    other chunks compute, but none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's
-    fixed cost, tens of milliseconds on a cluster, would outweigh it) unless that leaves a slot
-    without a chunk, and none over ``[1]``, to bound memory. (2-worker cluster, 2 cores,
-    items of 32 KiB: 256 items ran fastest in 2 chunks, 2048 items in 4 to 8.)"""
-    size = sweep.size
-    if not sweep.vectorized:
-        return max(1, min(256, math.ceil(size / (4 * parallelism))))
-    batch_bytes = sum(leaf.nbytes for i in sweep.batched
-                      for leaf in jax.tree.leaves(sweep.values[i]) if is_array(leaf))
-    item_bytes = max(1.0, batch_bytes / max(size, 1))
-    least, most = (int(b // item_bytes) for b in VECTOR_CHUNK_BYTES)
-    chunk = min(max(math.ceil(size / (4 * parallelism)), least), math.ceil(size / parallelism))
-    return max(1, min(chunk, most))
-
-
-VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk, at least / at most
 
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
@@ -302,7 +137,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
 
 
 def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
-    """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.store.items_hash`)."""
+    """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.identity.items_hash`)."""
     return items_hash({i: jax.tree.map(lambda a: np.asarray(a[start:stop])
                                        if is_array(a) or isinstance(a, da.Array) else a,
                                        sweep.values[i]) for i in sweep.batched})
@@ -401,28 +236,6 @@ def _spread(chunks: deque, chunk_size: int, in_flight: int) -> deque:
     if piece >= chunk_size:
         return chunks
     return deque((s, min(s + piece, b)) for a, b in chunks for s in range(a, b, piece))
-
-
-def chunk_steps(plan: Plan, items: int) -> int:
-    """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each stage's
-    forward pass item by item (:func:`steps_per_item`), and its backward pass
-    (for all outputs at once) where a gradient passes through it."""
-    steps = 0
-    for s in make_stages(plan):
-        per_item = steps_per_item(s, [plan.spec.nodes[n] for n in s.nodes])
-        backward = any(set(s.nodes) & set(plan.backward[o]) for o in plan.outputs)
-        steps += per_item * (2 if backward else 1)
-    return items * steps
-
-
-def steps_per_item(stage: Stage, nodes) -> int:
-    """How often a chunk's forward pass of ``stage`` steps from one item to the next
-    (:func:`~daskdag.sweeps.progress.checkpoint`): once per item-by-item node, or once for a
-    chain of them linearized as one (:func:`daskdag.graph.run.linearize`)."""
-    by_item = [n for n in nodes if (c := chunk_of(n)) is not None and not c.node.vmap]
-    if len(nodes) > 1 and stage.has_pullback and by_item and chain_of_elements(nodes) is not None:
-        return 1
-    return len(by_item)
 
 
 def _items(chunk):
