@@ -16,7 +16,8 @@ its deps' values and, at that point:
 
 - linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`: ``jax.vjp``, or a
   registered linearizer such as a user-supplied VJP), once;
-- per projection (:data:`PROJECTIONS`), draws a random unit cotangent ``u`` over the output's
+- per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), draws a random
+  unit cotangent ``u`` over the output's
   differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``
   over that dep's differentiable leaves (a random direction, each leaf's elements then of
   about the leaf's RMS magnitude), and evaluates the node's function (``node.callable()``, on
@@ -39,7 +40,6 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from distributed import Client
@@ -50,8 +50,9 @@ from daskdag.graph.assembly import Intake, TaskGraph, ident, key, token_of
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 from daskdag.model.plan import make_plan
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable, on_differentiable
-from daskdag.rules.registry import linearizer
+from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
+from daskdag.rules.finite_differences import (PROJECTIONS, ROUNDING, check_node, compare,
+                                              dtype_of, inner, magnitude, perturbed, unit, wide)
 from daskdag.model.request import nodes_in_wrt, prepare
 from daskdag.running.compute import where
 from daskdag.running.jobs import Job, run
@@ -61,10 +62,6 @@ if TYPE_CHECKING:
     from daskdag.model.plan import Plan
     from daskdag.model.spec import Node
 
-PROJECTIONS = 2  # random (u, v) pairs per node and dep
-# The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
-# relative error of about ROUNDING machine epsilons (several ops' worth), see check_grads.
-ROUNDING = 4.0
 
 
 def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -159,7 +156,7 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
         client: as for :func:`~daskdag.compute_grads`.
         scheduler: as for :func:`~daskdag.compute_grads`.
 
-    Per projection (:data:`PROJECTIONS`), a random unit cotangent ``u`` over each output's
+    Per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), a random unit cotangent ``u`` over each output's
     differentiable leaves and a random tangent ``v`` per input (each leaf's elements of about
     its RMS magnitude): ``<u, J v>`` by central differences (the DAG evaluated at ``x + eps v``
     and ``x - eps v``, every evaluation a task graph of its own, all in one Dask graph) against
@@ -192,7 +189,7 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
         raise DAGError(refused)
     rng = np.random.default_rng(0)
     leaves = {i: differentiable_leaves(values[i]) for i in plan.wrt}
-    machine = max(float(jnp.finfo(_dtype(leaf)).eps) for ls in leaves.values() for leaf in ls)
+    machine = max(float(jnp.finfo(dtype_of(leaf)).eps) for ls in leaves.values() for leaf in ls)
     step = float(eps) if eps is not None else machine ** (1 / 3)
     moves: list[dict]
     points, moves = [values], []  # the point, then x -/+ eps v per projection and input
@@ -200,8 +197,8 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
         moves.append({})
         for i in plan.wrt:
             size = np.sqrt(sum(np.size(leaf) for leaf in leaves[i]))
-            v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, leaves[i]), leaves[i])]
-            plus, minus, moves[-1][i] = _perturbed(values[i], v, step)
+            v = [t * size * magnitude(leaf) for t, leaf in zip(unit(rng, leaves[i]), leaves[i])]
+            plus, minus, moves[-1][i] = perturbed(values[i], v, step)
             points += [{**values, i: minus}, {**values, i: plus}]
     transport = transports.for_call(client)
     forward = ship(make_plan(spec, plan.outputs, ()), transport)
@@ -209,29 +206,29 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
                         lambda found: found, "check_totals"), client, local, False)
     at = [{o: differentiable_leaves(evaluated[f"{e}:{o}"][0]) for o in plan.outputs}
           for e in range(len(points))]
-    machine = max([machine] + [float(jnp.finfo(_dtype(leaf)).eps) for ls in at[0].values()
+    machine = max([machine] + [float(jnp.finfo(dtype_of(leaf)).eps) for ls in at[0].values()
                                for leaf in ls])
     rtol = float(rtol) if rtol is not None else 2 * machine ** (1 / 3)
     worst = {o: 0.0 for o in plan.outputs}
     failures: dict = {}
     for p in range(PROJECTIONS):
-        us = {o: _unit(rng, at[0][o]) for o in plan.outputs}
+        us = {o: unit(rng, at[0][o]) for o in plan.outputs}
         value_of = {o: evaluated[f"0:{o}"][0] for o in plan.outputs}
-        cts = {o: on_differentiable(value_of[o], [np.conj(u).astype(_dtype(leaf)) for u, leaf
+        cts = {o: on_differentiable(value_of[o], [np.conj(u).astype(dtype_of(leaf)) for u, leaf
                                                   in zip(us[o], at[0][o])]) for o in plan.outputs}
         grads = compute_grads(dag, x, list(plan.outputs), wrt=list(plan.wrt), cotangents=cts,
                               client=client, scheduler=scheduler)
         for o in plan.outputs:
-            u = [np.conj(_wide(c)) for c in differentiable_leaves(cts[o])]
-            f = [_wide(leaf) for leaf in at[0][o]]
+            u = [np.conj(wide(c)) for c in differentiable_leaves(cts[o])]
+            f = [wide(leaf) for leaf in at[0][o]]
             noise = ROUNDING * machine / step * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
                                                             for a, b in zip(u, f)))
             for k, i in enumerate(plan.wrt):
                 e = 1 + 2 * (p * len(plan.wrt) + k)
-                jv = [(_wide(a) - _wide(b)) / (2 * step) for a, b in zip(at[e + 1][o], at[e][o])]
+                jv = [(wide(a) - wide(b)) / (2 * step) for a, b in zip(at[e + 1][o], at[e][o])]
                 grad = grads[o].grad if len(spec.inputs) == 1 else grads[o].grad[i]
-                ad = _inner(moves[p][i], [np.conj(_wide(g)) for g in differentiable_leaves(grad)])
-                relative, failure = _compare(_inner(jv, u), ad, jv, f, rtol, noise)
+                ad = inner(moves[p][i], [np.conj(wide(g)) for g in differentiable_leaves(grad)])
+                relative, failure = compare(inner(jv, u), ad, jv, f, rtol, noise)
                 worst[o] = max(worst[o], float(relative))
                 if failure is not None and relative >= failures.get((o, i), (-1,))[0]:
                     failures[(o, i)] = (relative, failure)
@@ -290,150 +287,3 @@ def _value(name: str, node: Node, *deps: Any) -> Any:
     """A node that is not checked, run plainly: its value."""
     with node_errors(name, "forward"):
         return node.callable()(*deps)
-
-
-def check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | None,
-               rtol: float | None, *deps: Any) -> tuple[tuple[float, dict | None], Any]:
-    """The check task of node ``name`` (see the module's docstring) at its deps' values.
-
-    Returns ``((largest relative error, failure), value)``: ``failure`` is ``None``, or for the
-    first failing dep (by position; its worst projection) the keyword arguments of
-    :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``; ``value``, the
-    node's output, for the nodes after it."""
-    inputs = list(deps)
-    with node_errors(name, "forward"):
-        primal, pullback = linearizer(node)(inputs, active)
-    outs = differentiable_leaves(primal)
-    leaves = {k: differentiable_leaves(inputs[k]) for k, on in enumerate(active) if on}
-    leaves = {k: ls for k, ls in leaves.items() if ls}
-    if not outs or not leaves:  # nothing differentiable flows through this node
-        return (0.0, None), primal
-    machine = max(float(jnp.finfo(_dtype(leaf)).eps)
-                  for leaf in [*outs, *(leaf for ls in leaves.values() for leaf in ls)])
-    eps = float(eps) if eps is not None else machine ** (1 / 3)
-    rtol = float(rtol) if rtol is not None else 2 * machine ** (1 / 3)
-    fn, rng = node.callable(), np.random.default_rng(0)
-    f = [_wide(o) for o in outs]
-    failures: dict
-    worst, failures = 0.0, {}
-    for _ in range(PROJECTIONS):
-        # u in the outputs' own dtypes, as the VJP gets it; conj as jax.test_util.check_vjp
-        ct = tuple(jnp.asarray(np.conj(u).astype(_dtype(o)))
-                   for u, o in zip(_unit(rng, outs), outs))
-        u = [np.conj(_wide(c)) for c in ct]
-        with node_errors(name, "backward"):
-            pulled = pullback(ct, inputs)
-        noise = ROUNDING * machine / eps * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
-                                                       for a, b in zip(u, f)))
-        for k, dep_leaves in leaves.items():
-            # A random direction, each leaf's elements then of about its RMS magnitude: the
-            # step moves every element by about eps of its size (a unit vector over N elements
-            # would move each by eps / sqrt(N), drowning a large leaf's step in rounding).
-            size = np.sqrt(sum(np.size(leaf) for leaf in dep_leaves))
-            v = [t * size * _magnitude(leaf) for t, leaf in zip(_unit(rng, dep_leaves), dep_leaves)]
-            plus, minus, v = _perturbed(inputs[k], v, eps)
-            with node_errors(name, "finite-difference"):
-                up = fn(*inputs[:k], plus, *inputs[k + 1:])
-                down = fn(*inputs[:k], minus, *inputs[k + 1:])
-                up, down = _outputs_like(primal, up), _outputs_like(primal, down)
-            jv = [(_wide(a) - _wide(b)) / (2 * eps) for a, b in zip(up, down)]
-            fd = _inner(jv, u)
-            shares = pulled[k] if pulled[k] is not None else [np.zeros_like(t) for t in v]
-            ad = _inner(v, [np.conj(_wide(s)) for s in shares])
-            relative, failure = _compare(fd, ad, jv, f, rtol, noise)
-            if failure is not None and (k not in failures or relative > failures[k][0]):
-                failures[k] = (relative, dict(position=k, eps=eps, **failure))
-            worst = max(worst, float(relative))
-    return (worst, failures[min(failures)][1] if failures else None), primal
-
-
-def _compare(fd: float, ad: float, jv: list, f: list, rtol: float, noise: float
-             ) -> tuple[float, dict | None]:
-    """``<u, J v>`` by finite differences (``fd``; ``jv``: ``J v`` itself) against the VJP's
-    (``ad``), ``f`` the node's outputs: ``(error relative to the tolerance, times rtol;
-    the failure's fd, ad, error and tolerance, or None where it passed)``."""
-    n = sum(a.size * (2 if np.iscomplexobj(a) else 1) for a in f)
-    scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
-    tolerance = rtol * scale + noise
-    error = abs(fd - ad)
-    relative = error / (tolerance / rtol) if tolerance > 0 else 0.0 if error == 0 else np.inf
-    if error <= tolerance:
-        return relative, None
-    return (np.inf if np.isnan(relative) else relative,  # (NaN fails)
-            dict(fd=float(fd), ad=float(ad), error=float(error), tolerance=float(tolerance)))
-
-
-def _dtype(leaf: Any) -> np.dtype:
-    """The dtype a leaf is computed in: an array's own; a Python number's as JAX takes it."""
-    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.dtype(jnp.result_type(leaf))
-
-
-def _wide(a: Any) -> np.ndarray:
-    """``a`` as float64 (complex128) NumPy, for sums that add no rounding of their own."""
-    a = np.asarray(a)
-    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-
-
-def _unit(rng: np.random.Generator, leaves: Sequence[Any]) -> list[np.ndarray]:
-    """Random normal arrays shaped like ``leaves`` (complex where they are), of norm 1 in all."""
-    out = []
-    for leaf in leaves:
-        shape = np.shape(leaf)
-        r = rng.standard_normal(shape)
-        out.append(r + 1j * rng.standard_normal(shape) if np.iscomplexobj(leaf) else r)
-    norm = np.sqrt(sum(np.sum(np.abs(r) ** 2) for r in out))
-    return [r / norm for r in out] if norm > 0 else out
-
-
-def _magnitude(leaf: Any) -> float:
-    """A leaf's RMS magnitude, the scale of its step; 1 where it is all zeros (or not finite)."""
-    a = _wide(leaf)
-    rms = float(np.sqrt(np.mean(np.abs(a) ** 2))) if a.size else 0.0
-    return rms if rms > 0 and np.isfinite(rms) else 1.0
-
-
-def _perturbed(tree: PyTree, v: list[np.ndarray], eps: float) -> tuple[PyTree, PyTree, list]:
-    """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each computed in the
-    leaf's own dtype and given back as the leaf's kind (JAX array, NumPy array or scalar,
-    Python number); and the tangent that really happened, ``(plus - minus) / (2 eps)`` (the
-    leaves' rounding included), in float64."""
-    leaves, treedef = jax.tree.flatten(tree)
-    steps = iter(v)
-    plus, minus, happened = [], [], []
-    for leaf in leaves:
-        if not is_differentiable(leaf):
-            plus.append(leaf)
-            minus.append(leaf)
-            continue
-        dtype = _dtype(leaf)
-        x, step = np.asarray(leaf, dtype), np.asarray(eps * next(steps)).astype(dtype)
-        up, down = x + step, x - step
-        happened.append((_wide(up) - _wide(down)) / (2 * eps))
-        plus.append(_like(leaf, up))
-        minus.append(_like(leaf, down))
-    return treedef.unflatten(plus), treedef.unflatten(minus), happened
-
-
-def _like(leaf: Any, a: np.ndarray) -> Any:
-    if isinstance(leaf, jax.Array):
-        return jnp.asarray(a)
-    if isinstance(leaf, np.ndarray):
-        return a
-    if isinstance(leaf, np.generic):
-        return a[()]
-    return type(leaf)(a[()])  # a Python float or complex
-
-
-def _outputs_like(primal: PyTree, out: PyTree) -> list:
-    """``out``'s differentiable leaves, checked to be shaped as ``primal``'s."""
-    got, want = differentiable_leaves(out), differentiable_leaves(primal)
-    if [np.shape(a) for a in got] != [np.shape(a) for a in want]:
-        raise ValueError(f"at a perturbed input it returned differentiable leaves shaped "
-                         f"{[np.shape(a) for a in got]}, where its linearization returned "
-                         f"{[np.shape(a) for a in want]}")
-    return got
-
-
-def _inner(a: list, b: list) -> float:
-    """``real(sum(conj(a) * b))`` over lists of arrays, as ``jax.test_util``'s inner product."""
-    return float(sum(np.real(np.sum(np.conj(x) * y)) for x, y in zip(a, b)))

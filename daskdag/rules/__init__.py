@@ -6,7 +6,9 @@
 - :mod:`~daskdag.rules.registry`: one registry of the rules, by the kind of a node's function;
 - :mod:`~daskdag.rules.seeds`: where cotangents start (seeds, a Jacobian's rows) and their sums;
 - :mod:`~daskdag.rules.remat`: a ``remat`` node's pullback, which redoes its forward pass;
-- :mod:`~daskdag.rules.sparsity`: a function's Jacobian sparsity pattern, read off its jaxpr.
+- :mod:`~daskdag.rules.sparsity`: a function's Jacobian sparsity pattern, read off its jaxpr;
+- :mod:`~daskdag.rules.finite_differences`: a node's VJP checked against central differences
+  (the numerics of :mod:`daskdag.checks`).
 
 May import: :mod:`daskdag.errors`, :mod:`daskdag.config`, :mod:`daskdag.cancel`,
 :mod:`daskdag.caches`, :mod:`daskdag.transport`, :mod:`daskdag.model`. In: a node, its args,
@@ -15,4 +17,5 @@ which are differentiated. Out: primals and pullbacks (or tangents).
 
 from daskdag.rules import custom  # (registers the user's rules)
 
-__all__ = ["custom", "jvp", "pullback", "registry", "remat", "seeds", "sparsity", "vjp"]
+__all__ = ["custom", "finite_differences", "jvp", "pullback", "registry", "remat", "seeds",
+           "sparsity", "vjp"]
