@@ -1,6 +1,6 @@
-"""sweep_grads as users run it: failed sweeps leave nothing behind, shared inputs survive a killed
-worker, sweeps with no items or no successful item keep their shapes, the progress bar moves per
-item, and Ctrl-C stops a sweep promptly, on threads and on a cluster."""
+"""sweep_grads as users run it: failed sweeps leave nothing behind, sweeps with no items or no
+successful item keep their shapes, the progress bar moves per item, and Ctrl-C stops a sweep
+promptly, on threads and on a cluster."""
 
 import gc
 import os
@@ -22,6 +22,7 @@ from daskdag.sweeps import engines
 from daskdag.sweeps import progress
 from .support.clusters import eventually, kept_keys, local_client, only_kept_left, scheduler_tasks
 from .support.numbers import assert_tree_close
+from .support.progress import Recorded
 
 
 def encode(x, w):
@@ -85,41 +86,6 @@ def test_kept_errors_hold_no_frames_on_threads():
         chain = [err, err.original]
         assert all(e.__traceback__ is None for e in chain)
         assert "in flaky" in "".join(err.original.__notes__)
-
-
-# -- 2. shared inputs survive the loss of their worker --------------------------------------------
-
-@pytest.mark.cluster
-@pytest.mark.timeout(240)
-def test_internal_shared_input_survives_its_holder_being_killed(monkeypatch):
-    """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
-    so no other worker has a copy: the scheduler has to compute it again."""
-    dag = {"H": Node(encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
-    xs = jax.random.normal(jax.random.key(0), (16, 3))
-    w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
-    killed = []
-    with local_client() as client:
-        place = engines.place_shared
-
-        def place_then_kill_holder(client_, name, value):
-            fut = place(client_, name, value)
-            fut.result()  # it is in memory on one worker
-            (holder,) = client.who_has([fut])[fut.key]
-            pid = client.run(os.getpid, workers=[holder])[holder]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(fut.key)
-            return fut
-
-        monkeypatch.setattr(engines, "place_shared", place_then_kill_holder)
-        res = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "E", batched=["x"], chunk_size=2,
-                                  client=client)
-        story = client.run_on_scheduler(lambda dask_scheduler, key=killed[0]: [
-            t[2] for t in dask_scheduler.story(key) if len(t) > 2])
-    assert len(killed) == 1
-    assert story.count("memory") >= 2, story  # computed, lost with its worker, computed again
-    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(encode(x, w) ** 2)))(xs)
-    assert_tree_close(res.value, value)
-    assert_tree_close(res.grad["x"], grad)
 
 
 # -- 3 and 4. no items, no successful item ----------------------------------------------------------
@@ -197,17 +163,6 @@ def test_collect_where_every_item_fails_returns_nan_rows():
 
 # -- 5. progress per item ---------------------------------------------------------------------------
 
-class Recorded(progress.tqdm):
-    """The bar, recording its count at every update."""
-
-    counts: list = []
-
-    def update(self, n=1):
-        out = super().update(n)
-        Recorded.counts.append(self.n)
-        return out
-
-
 def slow_square(x):
     time.sleep(0.05)
     return jnp.sum(x ** 2)
@@ -234,16 +189,6 @@ def test_progress_advances_per_item_on_threads(monkeypatch):
 def test_progress_advances_per_item_on_a_cluster(monkeypatch):
     with local_client() as client:
         check_progress_per_item(monkeypatch, client)
-
-
-def test_internal_progress_final_count_is_exact_with_failures(monkeypatch):
-    monkeypatch.setattr(progress, "tqdm", Recorded)
-    Recorded.counts = []
-    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
-    xs = jnp.linspace(-1.0, 1.0, 10)[:, None] * jnp.ones((10, 3))
-    res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
-                              errors="collect", progress=True)
-    assert res.failed and Recorded.counts[-1] == 10 and max(Recorded.counts) == 10
 
 
 # -- 6. Ctrl-C ------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# check_grads' default tolerances, float32 and float64 (the cube root of machine epsilon, twice)
+RTOL32 = 2 * float(np.finfo(np.float32).eps) ** (1 / 3)
+RTOL64 = 2 * float(np.finfo(np.float64).eps) ** (1 / 3)
+
+
 def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6):
     """Same pytree structure, leaves equal within tolerance."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
