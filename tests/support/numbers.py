@@ -65,3 +65,15 @@ def seed_functions():
         "C_to_D": lambda C: jnp.sum(jnp.log(C)),
         "B_to_E": lambda B: jnp.sum(jnp.sqrt(B) * jnp.arange(B.shape[0])),
     }
+
+
+def two_node_dag():
+    """x -> A = 2 sin x -> B = sum(A ** 2): a small DAG for tests about where and whether a call
+    runs. Its functions are made inside a function, so cloudpickle ships them by value to worker
+    processes."""
+    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+def two_node_grad(x):
+    """The gradient of :func:`two_node_dag`'s B, by jax.grad of the composed function."""
+    return jax.grad(lambda x: jnp.sum((jnp.sin(x) * 2) ** 2))(x)

@@ -1,13 +1,10 @@
-"""sweep_grads as users run it: failed sweeps leave nothing behind, sweeps with no items or no
-successful item keep their shapes, the progress bar moves per item, and Ctrl-C stops a sweep
-promptly, on threads and on a cluster."""
+"""A sweep's failed items, as users meet them: a failed sweep (items collected as failed, or the
+first one raised) leaves nothing behind on the cluster or in its errors' frames; a sweep with no
+items, or where every item fails (NaN rows), keeps its results' shapes; and the progress bar
+counts item by item, on threads and on a cluster. (A lost worker: test_lost_workers.py and
+test_internal_sweep_datapath.py; Ctrl-C: test_interrupts.py.)"""
 
 import gc
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import distributed
@@ -17,8 +14,7 @@ import numpy as np
 import pytest
 
 import daskdag
-from daskdag import Node, NodeError
-from daskdag.sweeps import engines
+from daskdag import NodeError
 from daskdag.sweeps import progress
 from .support.clusters import eventually, kept_keys, local_client, only_kept_left, scheduler_tasks
 from .support.numbers import assert_tree_close
@@ -88,7 +84,7 @@ def test_kept_errors_hold_no_frames_on_threads():
         assert "in flaky" in "".join(err.original.__notes__)
 
 
-# -- 3 and 4. no items, no successful item ----------------------------------------------------------
+# -- 2 and 3. no items, no successful item ----------------------------------------------------------
 
 def pytree_dag():
     """A pytree input, a shared input and a pytree output that is not a scalar."""
@@ -161,7 +157,7 @@ def test_collect_where_every_item_fails_returns_nan_rows():
                 assert a.shape == (5, *b.shape) and a.dtype == b.dtype and np.isnan(a).all()
 
 
-# -- 5. progress per item ---------------------------------------------------------------------------
+# -- 4. progress per item ---------------------------------------------------------------------------
 
 def slow_square(x):
     time.sleep(0.05)
@@ -189,91 +185,3 @@ def test_progress_advances_per_item_on_threads(monkeypatch):
 def test_progress_advances_per_item_on_a_cluster(monkeypatch):
     with local_client() as client:
         check_progress_per_item(monkeypatch, client)
-
-
-# -- 6. Ctrl-C ------------------------------------------------------------------------------------
-
-CHILD = textwrap.dedent("""
-    import sys, time
-    import jax.numpy as jnp
-    import daskdag
-
-    def hook(*exc):  # when the KeyboardInterrupt reaches the top, before the interpreter's teardown
-        print(f"uncaught at {time.time()!r}", file=sys.stderr, flush=True)
-        sys.__excepthook__(*exc)
-
-    sys.excepthook = hook
-
-    def slow(x):
-        time.sleep(0.3)
-        print("item", flush=True)
-        return jnp.sum(x ** 2)
-
-    client = None
-    if len(sys.argv) > 1:
-        from distributed import Client
-        client = Client(sys.argv[1])
-    print("started", flush=True)
-    daskdag.sweep_grads({"L": (slow, ["x"])}, jnp.ones((400, 3)), "L", client=client)
-""")
-
-
-def start_child(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def assert_stopped_by_ctrl_c(child):
-    """SIGINT the child: its sweep must stop and raise KeyboardInterrupt within 2 s, and the
-    process end with it.
-
-    Timed to the exception reaching the top of the child: the interpreter's teardown after it
-    (module finalization, 0.4 s here when idle) took up to 2 s more on this loaded 2-core box.
-    """
-    sent = time.time()
-    child.send_signal(signal.SIGINT)
-    child.wait(timeout=60)
-    ended = time.time() - sent
-    err = child.stderr.read()
-    assert "KeyboardInterrupt" in err and child.returncode == -signal.SIGINT, err[-3000:]
-    stopped = float(err.split("uncaught at ")[1].split()[0]) - sent
-    print(f"KeyboardInterrupt raised {stopped:.2f} s after Ctrl-C; process ended after {ended:.2f} s")
-    assert stopped < 2.0, f"took {stopped:.2f} s to stop"
-
-
-@pytest.mark.timeout(120)
-def test_ctrl_c_stops_a_threaded_sweep():
-    child = start_child()
-    try:
-        while child.stdout.readline().strip() != "item":  # an item done: chunks are running
-            assert child.poll() is None, child.stderr.read()
-        assert_stopped_by_ctrl_c(child)
-    finally:
-        child.kill()
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(180)
-def test_ctrl_c_stops_a_sweep_on_a_cluster():
-    with local_client() as client:
-        def processing():
-            return client.run_on_scheduler(
-                lambda dask_scheduler: sum(len(ws.processing) for ws in dask_scheduler.workers.values()))
-
-        def executing():
-            return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
-
-        child = start_child(client.cluster.scheduler_address)
-        try:
-            eventually(lambda: processing() > 0 and executing() > 0, 90,
-                       "the child's sweep processing and executing on the workers")
-            time.sleep(1.0)  # into the chunks' items
-            assert_stopped_by_ctrl_c(child)
-            stopped = time.monotonic()
-            eventually(lambda: processing() == 0 and executing() == 0, 10,
-                       "the workers idle after the sweep's process ended",
-                       lambda: f"processing {processing()}, executing {executing()}")
-            print(f"workers idle {time.monotonic() - stopped:.2f} s after the sweep's process ended")
-        finally:
-            child.kill()
