@@ -1,40 +1,26 @@
-"""Real clusters as users run them: closed clients, no workers, nodes that raise
-KeyboardInterrupt, missing resources, replaced workers, progress and Ctrl-C."""
+"""What a call checks of its cluster, and the errors that say what is wrong, on real clusters as
+users run them: a closed client, a node's resources that no worker offers, no workers (an error
+after ``daskdag.worker-wait``; an adaptive cluster scales up instead), a worker replaced by one
+with another daskdag version; and the progress bar a call shows there. (Lost workers:
+test_lost_workers.py; Ctrl-C: test_interrupts.py.)"""
 
-import os
 import time
 
 import dask
-import jax
 import jax.numpy as jnp
 import pytest
 from distributed import Client
 
 import daskdag
-from daskdag import ClusterError, Node, NodeError
-from .support.clusters import DaskCLI, eventually, free_port, live_workers, local_client
-from .support.interrupts import interrupt
-from .support.numbers import assert_tree_close
+from daskdag import ClusterError, Node
+from .support.clusters import (DaskCLI, eventually, free_port, live_workers, local_client,
+                               task_states)
+from .support.numbers import assert_tree_close, two_node_dag, two_node_grad
 
 pytestmark = pytest.mark.cluster
 
 CLUSTER = {"n_workers": 1}  # the module's cluster (conftest's cluster and client fixtures)
 X = jnp.linspace(-1.0, 1.0, 5)
-
-
-def _dag():
-    # Made inside a function so cloudpickle ships them by value to worker processes.
-    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
-
-
-def _grad(x):
-    return jax.grad(lambda x: jnp.sum((jnp.sin(x) * 2) ** 2))(x)
-
-
-def _tasks(client) -> dict:
-    """``{key: state}`` of every task the scheduler holds."""
-    return client.run_on_scheduler(
-        lambda dask_scheduler: {str(k): ts.state for k, ts in dask_scheduler.tasks.items()})
 
 
 @pytest.mark.timeout(60)
@@ -43,23 +29,9 @@ def test_closed_client_is_named(cluster):
     client.close()
     with pytest.raises(ClusterError, match=f"client {client.id} \\(scheduler {cluster.scheduler_address}\\) "
                                            f"is closed: pass a running distributed.Client"):
-        daskdag.compute_grads(_dag(), X, "B", client=client)
+        daskdag.compute_grads(two_node_dag(), X, "B", client=client)
     with pytest.raises(ClusterError, match=f"client {client.id} .*is closed"):
-        daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
-def test_node_raising_keyboard_interrupt_or_system_exit_keeps_its_worker(client, kind):
-    def node(a):
-        raise kind("from the node")
-
-    pid = client.run(os.getpid)
-    with pytest.raises(NodeError, match=f"node 'A' failed in its forward pass: {kind.__name__}") as e:
-        daskdag.compute_grads({"A": (node, ["x"]), "B": (jnp.sum, ["A"])}, X, "B", client=client)
-    assert isinstance(e.value.__cause__, kind)
-    assert client.run(os.getpid) == pid  # the same worker process, alive
-    assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+        daskdag.sweep_grads(two_node_dag(), jnp.stack([X, X]), "B", client=client)
 
 
 @pytest.mark.timeout(60)
@@ -73,25 +45,9 @@ def test_missing_resource_suggests_the_resources_needed(client, needs, flag):
 
 @pytest.mark.timeout(60)
 def test_progress_bar_on_a_cluster(client, capsys):
-    res = daskdag.compute_grads(_dag(), X, "B", client=client, progress=True)
+    res = daskdag.compute_grads(two_node_dag(), X, "B", client=client, progress=True)
     assert "100% Completed" in capsys.readouterr().out  # distributed.progress's text bar
-    assert_tree_close(res.grad, _grad(X))
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
-def test_ctrl_c_cancels_the_call_on_the_cluster(client, tmp_path, progress):
-    took, started, later, proc = interrupt(client.scheduler.address, tmp_path, progress)
-    try:
-        assert took < 2  # KeyboardInterrupt reached the user
-        # ... and the scheduler holds none of the call's tasks, though its client is still there
-        left = {k: s for k, s in _tasks(client).items() if s in ("processing", "waiting", "queued",
-                                                                 "no-worker")}
-        assert not left
-        assert later == started < 8  # no node started after it
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
+    assert_tree_close(res.grad, two_node_grad(X))
 
 
 @pytest.mark.timeout(120)
@@ -103,16 +59,16 @@ def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds()
             start = time.monotonic()
             with pytest.raises(ClusterError, match="the scheduler has no workers, and none joined "
                                                    "within 2 s.*'daskdag.worker-wait'"):
-                daskdag.compute_grads(_dag(), X, "B", client=client)
+                daskdag.compute_grads(two_node_dag(), X, "B", client=client)
             assert 2 <= time.monotonic() - start < 30  # waited, then gave up
-            assert _tasks(client) == {}  # nothing left waiting for a worker
+            assert task_states(client) == {}  # nothing left waiting for a worker
             with pytest.raises(ClusterError, match="no workers"):
-                daskdag.sweep_grads(_dag(), jnp.stack([X, X]), "B", client=client)
+                daskdag.sweep_grads(two_node_dag(), jnp.stack([X, X]), "B", client=client)
 
         cluster.adapt(minimum=0, maximum=1)  # starts a worker only when a task waits for one
         with dask.config.set({"daskdag.worker-wait": "60s"}):
-            res = daskdag.compute_grads(_dag(), X, "B", client=client)
-        assert_tree_close(res.grad, _grad(X))
+            res = daskdag.compute_grads(two_node_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, two_node_grad(X))
 
 
 @pytest.mark.timeout(180)
@@ -129,7 +85,8 @@ def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
             client.wait_for_workers(1, timeout=60)
             (first,) = live_workers(client)
             assert first == f"tcp://127.0.0.1:{port}"
-            assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+            assert_tree_close(daskdag.compute_grads(two_node_dag(), X, "B", client=client).grad,
+                              two_node_grad(X))
 
             worker.terminate()
             worker.wait(timeout=30)
@@ -139,6 +96,6 @@ def test_worker_replaced_at_the_same_address_is_version_checked(tmp_path):
             client.wait_for_workers(1, timeout=60)
             assert list(live_workers(client)) == [first]  # the same address, a new process
             with pytest.raises(ClusterError, match=f"workers differ.*{first}.*0.0.0-other"):
-                daskdag.compute_grads(_dag(), X, "B", client=client)
+                daskdag.compute_grads(two_node_dag(), X, "B", client=client)
     finally:
         cli.stop()

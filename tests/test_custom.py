@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
@@ -193,22 +192,6 @@ def test_vectorized_user_node_gets_the_chunk_at_once():
 
 
 # -- travelling ------------------------------------------------------------------------------------
-
-def test_internal_pullback_residuals_travel_as_zero_copy_frames():
-    from daskdag.model.spec import parse
-    from daskdag.rules.registry import linearizer
-
-    node = parse({"x": Node(fwd=solve_fwd, bwd=solve_bwd, deps=["A", "b"])}).nodes["x"]
-    A, b = np.asarray(make_A(W)), np.asarray(make_b(W))
-    _, pb = linearizer(node)((A, b), (True, True))
-    header, frames = serialize(pb)
-    lu = pb.residuals.lu[0]
-    assert any(memoryview(f).nbytes == lu.nbytes and bytes(f) == lu.tobytes(order="A") for f in frames)
-    moved = deserialize(header, frames)
-    ct = np.ones(N, np.float32)
-    for got, want in zip(moved((ct,), (A, b)), pb((ct,), (A, b))):
-        assert_tree_close(got, want)
-
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)

@@ -221,9 +221,9 @@ def test_a_numpy_node_with_its_own_vjp(client):
 
 
 def test_the_fault_tests_dag_takes_the_dense_schedule(client):
-    """tests/test_faults.py kills every worker mid-call on its DAG: its first stage (A+B, of x
-    and w) is dense, so those tests hold the dense schedule through lost workers too."""
-    from .test_faults import X as FX, W as FW, check_grads, make_dag as fault_dag
+    """tests/test_lost_workers.py kills every worker mid-call on its DAG: its first stage (A+B,
+    of x and w) is dense, so those tests hold the dense schedule through lost workers too."""
+    from .test_lost_workers import X as FX, W as FW, check_grads, make_dag as fault_dag
 
     call = lambda: daskdag.compute_grads(fault_dag(0.0), {"x": FX, "w": FW}, ["C", "E"],
                                          client=client)

@@ -1,7 +1,7 @@
-"""Every user error names what it concerns; node failures keep the original as __cause__."""
+"""Every user error names what it concerns; node failures keep the original as __cause__. (A node
+that raises KeyboardInterrupt or SystemExit, and Ctrl-C: test_interrupts.py.)"""
 
 import pickle
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,6 @@ import pytest
 
 import daskdag
 from daskdag import DAGError, Node, NodeError
-from .support.interrupts import interrupt
 from .support.numbers import Counted, assert_tree_close
 
 X = jnp.arange(3.0)
@@ -153,39 +152,6 @@ def test_complex_cotangent_for_a_real_output_is_refused():
     assert_tree_close(got, jax.vjp(lambda x: jnp.exp(1j * x), X)[1](ct)[0])
 
 
-def raises(kind):
-    def node(a):
-        raise kind("from the node")
-    return node
-
-
-# KeyboardInterrupt only off the main thread: in the user's main thread, where nodes run on
-# "sync" (and on "threads" a task that runs alone), it may be a real Ctrl-C, and stays one
-# (test_ctrl_c_stops_at_the_next_node).
-@pytest.mark.parametrize("kind, scheduler, thread", [(SystemExit, "threads", "main"),
-                                                     (SystemExit, "sync", "main"),
-                                                     (KeyboardInterrupt, "threads", "other")])
-def test_node_raising_keyboard_interrupt_or_system_exit_is_a_node_error(kind, scheduler, thread):
-    dag = {"A": (raises(kind), ["x"]), "B": (jnp.sum, ["A"])}
-    raised = []
-
-    def call():
-        try:
-            daskdag.compute_grads(dag, X, "B", scheduler=scheduler)
-        except BaseException as e:
-            raised.append(e)
-
-    if thread == "main":
-        call()
-    else:
-        other = threading.Thread(target=call)
-        other.start()
-        other.join()
-    (e,) = raised
-    assert isinstance(e, NodeError) and isinstance(e.__cause__, kind)
-    assert str(e).startswith(f"node 'A' failed in its forward pass: {kind.__name__}")
-
-
 def test_progress_bar_on_threads(capsys):
     dag = {"A": (jnp.sin, ["x"]), "B": (jnp.sum, ["A"])}
     daskdag.compute_grads(dag, X, "B")
@@ -193,14 +159,3 @@ def test_progress_bar_on_threads(capsys):
     res = daskdag.compute_grads(dag, X, "B", progress=True)
     assert "100% Completed" in capsys.readouterr().out  # dask.diagnostics.ProgressBar's
     assert_tree_close(res.grad, jnp.cos(X))
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("scheduler", ["threads", "sync"])
-@pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
-def test_ctrl_c_stops_at_the_next_node(tmp_path, scheduler, progress):
-    took, started, later, proc = interrupt(scheduler, tmp_path, progress)
-    proc.stdin.close()
-    proc.wait(timeout=30)
-    assert took < 2  # KeyboardInterrupt reached the user
-    assert later == started < 8  # no node of the chain started after it

@@ -1,5 +1,7 @@
-"""Residuals that travel between worker processes, compile caching, placement, version safety."""
+"""Residuals that travel between worker processes (a node's, a custom node's as zero-copy frames, a
+sweep chunk's, item by item or vectorized), compile caching, placement, version safety."""
 
+import pickle
 
 import distributed
 import jax
@@ -12,13 +14,19 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import ClusterError, Node
-from daskdag.transport import programs
+from daskdag.model.spec import parse
+from daskdag.rules.registry import linearizer
 from daskdag.rules.vjp import linearize, received
+from daskdag.sweeps.chunked import Chunked
+from daskdag.transport import programs
 
 from .support.clusters import compute_split, live_workers
 from .support.keys import key_kind, key_label
 from .support.numbers import TraceLog, assert_tree_close
+from .test_custom import N, W as SOLVE_W, make_A, make_b, solve_bwd, solve_fwd
 from .test_internal_stages import _composed, _jit_dag
+from .test_sweep import encode as item_encode, mixed_inputs
+from .test_vmap_sweeps import encode as vmap_encode, inputs as vmap_inputs
 
 pytestmark = pytest.mark.cluster
 
@@ -299,3 +307,54 @@ def test_fused_and_chain_pullbacks_move_between_workers(client):
     want = jax.value_and_grad(lambda x: jnp.cos(_composed(x)[1]) * 3.0)(x)
     assert_tree_close(res["Q"][0], want[0], rtol=1e-5)
     assert_tree_close(res["Q"][1]["x"], want[1], rtol=1e-5)
+
+
+# -- a custom node's residuals; a sweep chunk's pullbacks ---------------------------------------------
+
+def test_pullback_residuals_travel_as_zero_copy_frames():
+    node = parse({"x": Node(fwd=solve_fwd, bwd=solve_bwd, deps=["A", "b"])}).nodes["x"]
+    A, b = np.asarray(make_A(SOLVE_W)), np.asarray(make_b(SOLVE_W))
+    _, pb = linearizer(node)((A, b), (True, True))
+    header, frames = serialize(pb)
+    lu = pb.residuals.lu[0]
+    assert any(memoryview(f).nbytes == lu.nbytes and bytes(f) == lu.tobytes(order="A") for f in frames)
+    moved = deserialize(header, frames)
+    ct = np.ones(N, np.float32)
+    for got, want in zip(moved((ct,), (A, b)), pb((ct,), (A, b))):
+        assert_tree_close(got, want)
+
+
+def test_item_pullbacks_travel_between_processes():
+    node = Node(item_encode, ("x", "w"))
+    inputs = mixed_inputs(n=3)
+    args = (inputs["x"], inputs["w"])
+    primal, pbs = Chunked(node, (0, None)).linearize(args, (True, False))
+    # The primal is Items (unstacked); its cotangent, each item's leaves in turn.
+    ct = tuple(jnp.ones_like(one) for one in primal)
+    ref = pbs(ct, args)
+    for moved in (pickle.loads(pickle.dumps(pbs)), deserialize(*serialize(pbs))):
+        got = moved(ct, args)
+        assert got[1] is None
+        assert_tree_close(got[0], ref[0])
+    expected = jax.vmap(lambda x: jax.vjp(lambda x: item_encode(x, inputs["w"]), x)[1](jnp.ones(4))[0])(inputs["x"])
+    assert_tree_close(ref[0], (expected,))
+
+
+def test_vmap_chunk_pullbacks_travel_between_processes():
+    chunk = Chunked(Node(vmap_encode, ("p", "w"), vmap=True), (0, None))
+    xs = vmap_inputs(n=3)
+    args = (xs["p"], xs["w"])
+    primal, pb = chunk.linearize(args, (True, True))
+    ct = (jnp.ones_like(primal["h"]),)  # one array per differentiable leaf: h (k is an int)
+    ref = pb(ct, args)
+    # Residuals that are the node's inputs (w, x) stay behind when it moves: the backward task
+    # has them.
+    assert 0 < pb.residual_nbytes() and pb.portable()["slots"]
+    assert sum(c.nbytes for c in pb.portable()["consts"] if c is not None) == pb.residual_nbytes()
+    for moved in (pickle.loads(pickle.dumps(pb)), deserialize(*serialize(pb))):
+        got = moved(ct, args)
+        assert_tree_close(got, ref)
+    gx, gw = jax.vmap(lambda x, k: jax.vjp(lambda x, w: vmap_encode({"x": x, "k": k}, w)["h"], x,
+                                           xs["w"])[1](jnp.ones(4)))(xs["p"]["x"], xs["p"]["k"])
+    assert_tree_close(ref[0], (gx,), rtol=1e-5)  # p's one differentiable leaf
+    assert_tree_close(ref[1], (np.sum(gw, 0),), rtol=1e-5)  # w is shared: summed over items

@@ -1,5 +1,6 @@
 """Stages: chains of eager nodes run as one task, connected jittable nodes as one XLA program;
-results as jax.grad / jax.vjp of the composed function, each node's function called once."""
+results as jax.grad / jax.vjp (and, in forward mode, jax.jvp / jax.jacfwd) of the composed
+function, each node's function called once."""
 
 import dask
 import jax
@@ -8,6 +9,9 @@ import pytest
 
 import daskdag
 from daskdag import Node
+from daskdag.graph.stages import make_stages
+from daskdag.model.plan import make_plan
+from daskdag.model.spec import parse
 
 from .support.keys import key_kind, key_label
 from .support.numbers import TraceLog, assert_tree_close
@@ -100,6 +104,46 @@ def test_fused_vmap_nodes_in_a_sweep_match_vmapped_value_and_grad():
         value, grad = jax.vmap(jax.value_and_grad(lambda x: composed(x)[k]))(xs)
         assert_tree_close(res[o].value, value, rtol=1e-5)
         assert_tree_close(res[o].grad["x"], grad, rtol=1e-5)
+
+
+def test_jit_nodes_fused_and_eager_control_flow():
+    calls = []
+
+    def branchy(a):  # Python control flow on values: eager, under jax.jvp
+        calls.append(1)
+        if jnp.sum(a) > 0:
+            return jnp.tanh(a) * 2.0
+        return a ** 3
+
+    dag = {"A": Node(lambda x: jnp.sin(x) + 2.0, ["x"], jit=True),
+           "B": Node(lambda a: a * jnp.cos(a), ["A"], jit=True),
+           "C": Node(lambda a, b: jnp.sum(a * b), ["A", "B"], jit=True),
+           "D": (branchy, ["B"]),
+           "E": (lambda d, c: d * c, ["D", "C"])}
+
+    def composed(x):
+        a = jnp.sin(x) + 2.0
+        b = a * jnp.cos(a)
+        c = jnp.sum(a * b)
+        d = jnp.tanh(b) * 2.0 if jnp.sum(b) > 0 else b ** 3
+        return {"B": b, "C": c, "E": d * c}
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    v = jnp.cos(jnp.arange(6.0))
+    spec = parse(dag)
+    assert any(s.fused for s in make_stages(make_plan(spec, ("B", "C", "E"), ("x",))))
+    res = daskdag.compute_jvps(dag, x, v, ["B", "C", "E"])
+    values, tangents = jax.jvp(composed, (x,), (v,))
+    for o in "BCE":
+        assert_tree_close(res[o].value, values[o])
+        assert_tree_close(res[o].tangent, tangents[o], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+    # batched, through the fused program and the eager branch, vs jax.jacfwd
+    res = daskdag.compute_jvps(dag, x, jnp.eye(6), ["C", "E"], batched=True)
+    jac = jax.jacfwd(composed)(x)
+    assert_tree_close(res["C"].tangent, jac["C"], atol=1e-5)
+    assert_tree_close(res["E"].tangent, jnp.moveaxis(jac["E"], -1, 0), atol=1e-5)
+    assert len(calls) == 2  # vmapped over the directions: still once per call
 
 
 def test_a_group_never_joins_one_that_comes_after_it():

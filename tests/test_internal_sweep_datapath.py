@@ -1,7 +1,9 @@
 """A sweep's data path on a cluster: a chunk's items travel inside its task (so the scheduler
 can run it again wherever it likes: nothing is scattered), its results come back as NumPy, a
 chunk killed with its worker runs again (the scheduler's doing), one lost too often is sent
-again by the sweep or fails it clearly, and nothing of the sweep stays on the cluster."""
+again by the sweep or fails it clearly, a shared input lost with its only holder is computed
+again, and nothing of the sweep stays on the cluster; and how many items a chunk holds by
+default (about four chunks per parallel slot, within bounds of memory)."""
 
 import logging
 import os
@@ -17,8 +19,9 @@ import pytest
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import daskdag
-from daskdag.sweeps import engines
+from daskdag import Node
 from daskdag.errors import ClusterError
+from daskdag.sweeps import engines
 
 from .support.clusters import eventually, local_client, scheduler_tasks, wait_only_kept_left
 from .support.keys import key_kind, key_label
@@ -206,6 +209,45 @@ def test_a_chunk_lost_too_often_is_rerun_item_by_item_or_fails_the_sweep_clearly
         wait_only_kept_left(client, before, what="the sweep")
 
 
+# -- a shared input lost with its worker ----------------------------------------------------------
+
+def matmul_encode(x, w):
+    return jnp.tanh(w @ x)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_shared_input_survives_its_holder_being_killed(monkeypatch):
+    """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
+    so no other worker has a copy: the scheduler has to compute it again."""
+    dag = {"H": Node(matmul_encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
+    xs = jax.random.normal(jax.random.key(0), (16, 3))
+    w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
+    killed = []
+    with local_client() as client:
+        place = engines.place_shared
+
+        def place_then_kill_holder(client_, name, value):
+            fut = place(client_, name, value)
+            fut.result()  # it is in memory on one worker
+            (holder,) = client.who_has([fut])[fut.key]
+            pid = client.run(os.getpid, workers=[holder])[holder]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(fut.key)
+            return fut
+
+        monkeypatch.setattr(engines, "place_shared", place_then_kill_holder)
+        res = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "E", batched=["x"], chunk_size=2,
+                                  client=client)
+        story = client.run_on_scheduler(lambda dask_scheduler, key=killed[0]: [
+            t[2] for t in dask_scheduler.story(key) if len(t) > 2])
+    assert len(killed) == 1
+    assert story.count("memory") >= 2, story  # computed, lost with its worker, computed again
+    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(matmul_encode(x, w) ** 2)))(xs)
+    assert_tree_close(res.value, value)
+    assert_tree_close(res.grad["x"], grad)
+
+
 # -- one chunk graph per sweep --------------------------------------------------------------------
 
 def mean_square(h):
@@ -301,3 +343,30 @@ def flaky(h):
     if h[0] == 1.0:  # tanh(0.5 * 40) in float32; no normal item comes near
         raise FloatingPointError("diverged")
     return energy(h)
+
+
+# -- how many items a chunk holds ------------------------------------------------------------------
+
+def test_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory():
+    """An item-by-item sweep has about four chunks per parallel slot; a ``vmap=True``
+    one too, but each of at least 16 MiB of items (a chunk is one program, with a fixed cost)
+    unless a slot would have none, and at most 64 MiB."""
+    from daskdag.sweeps import planning
+    from daskdag.transport.transports import IN_PROCESS
+    from daskdag.model.spec import parse
+
+    def planned(vmap, n, width=4):
+        dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),
+               "L": Node(lambda h: jnp.sum(h ** 2), ["H"], vmap=vmap)}
+        xs = np.broadcast_to(np.float32(1), (n, width))  # (nbytes as if full, no memory)
+        return planning.plan_sweep(parse(dag), ("L",), {"x": xs}, ["x"], ["x"], {}, n, IN_PROCESS)
+
+    assert planning.default_chunk_size(planned(False, 1000), 2) == 125  # four per slot
+    # 16-byte items: 16 MiB of them would be a million, more than a slot's share
+    assert planning.default_chunk_size(planned(True, 1000), 2) == 500
+    kib = 256  # 1 KiB items: four chunks per slot of 16 Ki items each, at least 16 MiB
+    assert planning.default_chunk_size(planned(True, 2 ** 17, width=kib), 2) == 2 ** 14
+    assert planning.default_chunk_size(planned(True, 2 ** 15, width=kib), 2) == 2 ** 14
+    big = 2 ** 20  # 4 MiB items: 64 MiB of items per chunk at most
+    assert planning.default_chunk_size(planned(True, 400, width=big), 2) == 16
+    assert planning.default_chunk_size(planned(True, 1), 2) == 1

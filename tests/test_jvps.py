@@ -4,14 +4,10 @@ function."""
 import dask
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import daskdag
 from daskdag import DAGError, JVPResult, Node, NodeError
-from daskdag.rules.registry import RULES, register
-from daskdag.model.plan import make_plan
-from daskdag.model.spec import parse
 
 from .support.clusters import local_client
 from .support.numbers import Counted, TraceLog, assert_tree_close
@@ -33,47 +29,6 @@ def test_seed_dag_matches_jax_jvp_each_node_once(seed, x5):
     single = daskdag.compute_jvps(dag, x5, V5, "E")
     assert isinstance(single, JVPResult)
     assert_tree_close(single.tangent, jax.jvp(composed["E"], (x5,), (V5,))[1])
-
-
-def test_internal_jit_nodes_fused_and_eager_control_flow():
-    calls = []
-
-    def branchy(a):  # Python control flow on values: eager, under jax.jvp
-        calls.append(1)
-        if jnp.sum(a) > 0:
-            return jnp.tanh(a) * 2.0
-        return a ** 3
-
-    dag = {"A": Node(lambda x: jnp.sin(x) + 2.0, ["x"], jit=True),
-           "B": Node(lambda a: a * jnp.cos(a), ["A"], jit=True),
-           "C": Node(lambda a, b: jnp.sum(a * b), ["A", "B"], jit=True),
-           "D": (branchy, ["B"]),
-           "E": (lambda d, c: d * c, ["D", "C"])}
-
-    def composed(x):
-        a = jnp.sin(x) + 2.0
-        b = a * jnp.cos(a)
-        c = jnp.sum(a * b)
-        d = jnp.tanh(b) * 2.0 if jnp.sum(b) > 0 else b ** 3
-        return {"B": b, "C": c, "E": d * c}
-
-    x = jnp.linspace(-1.0, 1.0, 6)
-    v = jnp.cos(jnp.arange(6.0))
-    from daskdag.graph.stages import make_stages
-    spec = parse(dag)
-    assert any(s.fused for s in make_stages(make_plan(spec, ("B", "C", "E"), ("x",))))
-    res = daskdag.compute_jvps(dag, x, v, ["B", "C", "E"])
-    values, tangents = jax.jvp(composed, (x,), (v,))
-    for o in "BCE":
-        assert_tree_close(res[o].value, values[o])
-        assert_tree_close(res[o].tangent, tangents[o], rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1
-    # batched, through the fused program and the eager branch, vs jax.jacfwd
-    res = daskdag.compute_jvps(dag, x, jnp.eye(6), ["C", "E"], batched=True)
-    jac = jax.jacfwd(composed)(x)
-    assert_tree_close(res["C"].tangent, jac["C"], atol=1e-5)
-    assert_tree_close(res["E"].tangent, jnp.moveaxis(jac["E"], -1, 0), atol=1e-5)
-    assert len(calls) == 2  # vmapped over the directions: still once per call
 
 
 def test_batched_identity_basis_is_jacfwd(seed, x5):
@@ -173,45 +128,6 @@ def test_failing_node_is_named():
     dag = {"A": Node(jnp.sin, ["x"], jit=True), "B": Node(boom, ["A"], jit=True)}  # fused
     with pytest.raises(NodeError, match=r"node 'B'"):
         daskdag.compute_jvps(dag, jnp.ones(3), jnp.ones(3), "B", batched=False)
-
-
-class NumpyTanh:
-    """NumPy code, which jax.jvp cannot trace, with its own JVP rule (test only)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, a):
-        self.calls += 1
-        return jnp.asarray(np.tanh(np.asarray(a)))
-
-
-def _numpy_tanh_jvp(fn, node, args, tangents, active):
-    primal = fn(*args)
-    (t,) = tangents[0]
-    return primal, ((1 - primal ** 2) * t,)
-
-
-def test_internal_registered_jvp_rule():
-    fn = NumpyTanh()
-    dag = {"A": (jnp.sin, ["x"]), "B": (fn, ["A"]), "C": (lambda b: jnp.sum(b ** 2), ["B"])}
-    x = jnp.linspace(-1, 1, 4)
-    v = jnp.arange(4.0)
-    composed = lambda x: jnp.sum(jnp.tanh(jnp.sin(x)) ** 2)
-    with pytest.raises(NodeError, match="node 'B'"):  # no rule: jax.jvp hands it tracers
-        daskdag.compute_jvps(dag, x, v, "C")
-    register(NumpyTanh, push=_numpy_tanh_jvp)
-    try:
-        fn.calls = 0
-        res = daskdag.compute_jvps(dag, x, v, ["B", "C"])
-        assert fn.calls == 1
-        assert_tree_close(res["B"].value, jnp.tanh(jnp.sin(x)))
-        assert_tree_close(res["C"].tangent, jax.jvp(composed, (x,), (v,))[1], rtol=1e-5)
-        # batched: the rule cannot be vmapped (NumPy), so it runs direction by direction
-        res = daskdag.compute_jvps(dag, x, jnp.eye(4), "C", batched=True)
-        assert_tree_close(res.tangent, jax.jacfwd(composed)(x), rtol=1e-5, atol=1e-6)
-    finally:
-        del RULES[NumpyTanh]
 
 
 def _cluster_dag():

@@ -200,28 +200,6 @@ def test_bounded_memory_in_the_client():
     assert results < growth + intermediates  # (keeps results referenced until here)
 
 
-def test_internal_item_pullbacks_travel_between_processes():
-    import pickle
-
-    from distributed.protocol import deserialize, serialize
-
-    from daskdag.sweeps.chunked import Chunked
-
-    node = Node(encode, ("x", "w"))
-    inputs = mixed_inputs(n=3)
-    args = (inputs["x"], inputs["w"])
-    primal, pbs = Chunked(node, (0, None)).linearize(args, (True, False))
-    # The primal is Items (unstacked); its cotangent, each item's leaves in turn.
-    ct = tuple(jnp.ones_like(one) for one in primal)
-    ref = pbs(ct, args)
-    for moved in (pickle.loads(pickle.dumps(pbs)), deserialize(*serialize(pbs))):
-        got = moved(ct, args)
-        assert got[1] is None
-        assert_tree_close(got[0], ref[0])
-    expected = jax.vmap(lambda x: jax.vjp(lambda x: encode(x, inputs["w"]), x)[1](jnp.ones(4))[0])(inputs["x"])
-    assert_tree_close(ref[0], (expected,))
-
-
 @pytest.mark.parametrize("fuse", [True, False])
 def test_item_by_item_values_feed_vectorized_nodes_and_back(fuse):
     """Item-by-item nodes pass their values on unstacked (chunked.Items); a vmap node takes

@@ -1,18 +1,15 @@
 """vmap=True nodes in sweeps: one compiled program per node function and shapes, results as
-jax.vmap(jax.value_and_grad(...)) of the composed function, pullbacks that still travel."""
+jax.vmap(jax.value_and_grad(...)) of the composed function. (How their chunks' pullbacks travel,
+and how many items a chunk holds: test_internal_pullbacks.py, test_internal_sweep_datapath.py.)"""
 
 import gc
-import pickle
 import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import Node
-from daskdag.sweeps.chunked import Chunked
 
 from .support.numbers import TraceLog, assert_tree_close
 
@@ -115,48 +112,3 @@ def test_compiled_programs_do_not_keep_the_node_function_alive():
     del fn
     gc.collect()
     assert ref() is None
-
-
-def test_internal_vmap_chunk_pullbacks_travel_between_processes():
-    chunk = Chunked(Node(encode, ("p", "w"), vmap=True), (0, None))
-    xs = inputs(n=3)
-    args = (xs["p"], xs["w"])
-    primal, pb = chunk.linearize(args, (True, True))
-    ct = (jnp.ones_like(primal["h"]),)  # one array per differentiable leaf: h (k is an int)
-    ref = pb(ct, args)
-    # Residuals that are the node's inputs (w, x) stay behind when it moves: the backward task
-    # has them.
-    assert 0 < pb.residual_nbytes() and pb.portable()["slots"]
-    assert sum(c.nbytes for c in pb.portable()["consts"] if c is not None) == pb.residual_nbytes()
-    for moved in (pickle.loads(pickle.dumps(pb)), deserialize(*serialize(pb))):
-        got = moved(ct, args)
-        assert_tree_close(got, ref)
-    gx, gw = jax.vmap(lambda x, k: jax.vjp(lambda x, w: encode({"x": x, "k": k}, w)["h"], x,
-                                           xs["w"])[1](jnp.ones(4)))(xs["p"]["x"], xs["p"]["k"])
-    assert_tree_close(ref[0], (gx,), rtol=1e-5)  # p's one differentiable leaf
-    assert_tree_close(ref[1], (np.sum(gw, 0),), rtol=1e-5)  # w is shared: summed over items
-
-
-def test_internal_default_chunks_of_a_vectorized_sweep_within_bounds_of_memory():
-    """(Internals.) An item-by-item sweep has about four chunks per parallel slot; a ``vmap=True``
-    one too, but each of at least 16 MiB of items (a chunk is one program, with a fixed cost)
-    unless a slot would have none, and at most 64 MiB."""
-    from daskdag.sweeps import planning
-    from daskdag.model.spec import parse
-    from daskdag.transport.transports import IN_PROCESS
-
-    def planned(vmap, n, width=4):
-        dag = {"H": Node(lambda x: jnp.tanh(x), ["x"], vmap=vmap),
-               "L": Node(lambda h: jnp.sum(h ** 2), ["H"], vmap=vmap)}
-        xs = np.broadcast_to(np.float32(1), (n, width))  # (nbytes as if full, no memory)
-        return planning.plan_sweep(parse(dag), ("L",), {"x": xs}, ["x"], ["x"], {}, n, IN_PROCESS)
-
-    assert planning.default_chunk_size(planned(False, 1000), 2) == 125  # four per slot
-    # 16-byte items: 16 MiB of them would be a million, more than a slot's share
-    assert planning.default_chunk_size(planned(True, 1000), 2) == 500
-    kib = 256  # 1 KiB items: four chunks per slot of 16 Ki items each, at least 16 MiB
-    assert planning.default_chunk_size(planned(True, 2 ** 17, width=kib), 2) == 2 ** 14
-    assert planning.default_chunk_size(planned(True, 2 ** 15, width=kib), 2) == 2 ** 14
-    big = 2 ** 20  # 4 MiB items: 64 MiB of items per chunk at most
-    assert planning.default_chunk_size(planned(True, 400, width=big), 2) == 16
-    assert planning.default_chunk_size(planned(True, 1), 2) == 1

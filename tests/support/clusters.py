@@ -48,6 +48,12 @@ def scheduler_tasks(client) -> int:
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
 
 
+def task_states(client) -> dict:
+    """``{key: state}`` of every task the scheduler holds."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {str(k): ts.state for k, ts in dask_scheduler.tasks.items()})
+
+
 def kept_keys(client) -> set:
     """The keys of the values ``client`` keeps on the cluster for later calls
     (:mod:`daskdag.running.resident`)."""

@@ -1,7 +1,10 @@
 """Faults: distributed's log watched for defects, calls that must end in time, workers
-killed."""
+killed (all at once, :class:`KillAt`, or one at random again and again, :class:`Chaos`)."""
 
+import os
+import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +132,45 @@ def sigkill(pids) -> list:
         except ProcessLookupError:
             pass
     return killed
+
+
+class KillAt(threading.Thread):
+    """SIGKILLs ``pids`` together, ``delay`` seconds after it starts; ``killed``: those it
+    found, ``at``: when (``time.monotonic()``)."""
+
+    def __init__(self, pids, delay):
+        super().__init__(daemon=True, name="kill-workers")
+        self.pids, self.delay, self.killed, self.at = list(pids), delay, [], None
+
+    def run(self):
+        time.sleep(self.delay)
+        self.killed = sigkill(self.pids)
+        self.at = time.monotonic()
+
+
+class Chaos(threading.Thread):
+    """Every ``every`` seconds, SIGKILLs one worker process chosen at random among those that
+    answer (``client.run``). ``kills``: the pids killed."""
+
+    def __init__(self, client, every, seed=0):
+        super().__init__(daemon=True, name="chaos")
+        self.client, self.every, self.rng = client, every, random.Random(seed)
+        self.stopped, self.kills, self.errors = threading.Event(), [], []
+
+    def run(self):
+        while not self.stopped.wait(self.every):
+            try:
+                pids = [p for p in self.client.run(os.getpid, on_error="return").values()
+                        if isinstance(p, int)]
+            except Exception as e:  # (the scheduler is busy with the dead; try at the next tick)
+                self.errors.append(e)
+                continue
+            if pids:
+                self.kills.extend(sigkill([self.rng.choice(sorted(pids))]))
+
+    def stop(self):
+        self.stopped.set()
+        self.join(30)
 
 
 def not_a_mismatch(call):

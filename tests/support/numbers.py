@@ -9,6 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# check_grads' default tolerances, float32 and float64 (the cube root of machine epsilon, twice)
+RTOL32 = 2 * float(np.finfo(np.float32).eps) ** (1 / 3)
+RTOL64 = 2 * float(np.finfo(np.float64).eps) ** (1 / 3)
+
+
 def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6):
     """Same pytree structure, leaves equal within tolerance."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
@@ -60,3 +65,15 @@ def seed_functions():
         "C_to_D": lambda C: jnp.sum(jnp.log(C)),
         "B_to_E": lambda B: jnp.sum(jnp.sqrt(B) * jnp.arange(B.shape[0])),
     }
+
+
+def two_node_dag():
+    """x -> A = 2 sin x -> B = sum(A ** 2): a small DAG for tests about where and whether a call
+    runs. Its functions are made inside a function, so cloudpickle ships them by value to worker
+    processes."""
+    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+def two_node_grad(x):
+    """The gradient of :func:`two_node_dag`'s B, by jax.grad of the composed function."""
+    return jax.grad(lambda x: jnp.sum((jnp.sin(x) * 2) ** 2))(x)

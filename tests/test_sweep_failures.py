@@ -1,13 +1,10 @@
-"""sweep_grads as users run it: failed sweeps leave nothing behind, shared inputs survive a killed
-worker, sweeps with no items or no successful item keep their shapes, the progress bar moves per
-item, and Ctrl-C stops a sweep promptly, on threads and on a cluster."""
+"""A sweep's failed items, as users meet them: a failed sweep (items collected as failed, or the
+first one raised) leaves nothing behind on the cluster or in its errors' frames; a sweep with no
+items, or where every item fails (NaN rows), keeps its results' shapes; and the progress bar
+counts item by item, on threads and on a cluster. (A lost worker: test_lost_workers.py and
+test_internal_sweep_datapath.py; Ctrl-C: test_interrupts.py.)"""
 
 import gc
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import distributed
@@ -17,11 +14,11 @@ import numpy as np
 import pytest
 
 import daskdag
-from daskdag import Node, NodeError
-from daskdag.sweeps import engines
+from daskdag import NodeError
 from daskdag.sweeps import progress
 from .support.clusters import eventually, kept_keys, local_client, only_kept_left, scheduler_tasks
 from .support.numbers import assert_tree_close
+from .support.progress import Recorded
 
 
 def encode(x, w):
@@ -87,42 +84,7 @@ def test_kept_errors_hold_no_frames_on_threads():
         assert "in flaky" in "".join(err.original.__notes__)
 
 
-# -- 2. shared inputs survive the loss of their worker --------------------------------------------
-
-@pytest.mark.cluster
-@pytest.mark.timeout(240)
-def test_internal_shared_input_survives_its_holder_being_killed(monkeypatch):
-    """The worker holding the shared input is SIGKILLed once it holds it, before any chunk ran,
-    so no other worker has a copy: the scheduler has to compute it again."""
-    dag = {"H": Node(encode, ["x", "w"]), "E": (lambda h: jnp.sum(h ** 2), ["H"])}
-    xs = jax.random.normal(jax.random.key(0), (16, 3))
-    w = jax.random.normal(jax.random.key(1), (3, 3)) / 2
-    killed = []
-    with local_client() as client:
-        place = engines.place_shared
-
-        def place_then_kill_holder(client_, name, value):
-            fut = place(client_, name, value)
-            fut.result()  # it is in memory on one worker
-            (holder,) = client.who_has([fut])[fut.key]
-            pid = client.run(os.getpid, workers=[holder])[holder]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(fut.key)
-            return fut
-
-        monkeypatch.setattr(engines, "place_shared", place_then_kill_holder)
-        res = daskdag.sweep_grads(dag, {"x": xs, "w": w}, "E", batched=["x"], chunk_size=2,
-                                  client=client)
-        story = client.run_on_scheduler(lambda dask_scheduler, key=killed[0]: [
-            t[2] for t in dask_scheduler.story(key) if len(t) > 2])
-    assert len(killed) == 1
-    assert story.count("memory") >= 2, story  # computed, lost with its worker, computed again
-    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(encode(x, w) ** 2)))(xs)
-    assert_tree_close(res.value, value)
-    assert_tree_close(res.grad["x"], grad)
-
-
-# -- 3 and 4. no items, no successful item ----------------------------------------------------------
+# -- 2 and 3. no items, no successful item ----------------------------------------------------------
 
 def pytree_dag():
     """A pytree input, a shared input and a pytree output that is not a scalar."""
@@ -195,18 +157,7 @@ def test_collect_where_every_item_fails_returns_nan_rows():
                 assert a.shape == (5, *b.shape) and a.dtype == b.dtype and np.isnan(a).all()
 
 
-# -- 5. progress per item ---------------------------------------------------------------------------
-
-class Recorded(progress.tqdm):
-    """The bar, recording its count at every update."""
-
-    counts: list = []
-
-    def update(self, n=1):
-        out = super().update(n)
-        Recorded.counts.append(self.n)
-        return out
-
+# -- 4. progress per item ---------------------------------------------------------------------------
 
 def slow_square(x):
     time.sleep(0.05)
@@ -234,101 +185,3 @@ def test_progress_advances_per_item_on_threads(monkeypatch):
 def test_progress_advances_per_item_on_a_cluster(monkeypatch):
     with local_client() as client:
         check_progress_per_item(monkeypatch, client)
-
-
-def test_internal_progress_final_count_is_exact_with_failures(monkeypatch):
-    monkeypatch.setattr(progress, "tqdm", Recorded)
-    Recorded.counts = []
-    dag = {"H": (encode, ["x", "w"]), "L": (flaky, ["H"])}
-    xs = jnp.linspace(-1.0, 1.0, 10)[:, None] * jnp.ones((10, 3))
-    res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
-                              errors="collect", progress=True)
-    assert res.failed and Recorded.counts[-1] == 10 and max(Recorded.counts) == 10
-
-
-# -- 6. Ctrl-C ------------------------------------------------------------------------------------
-
-CHILD = textwrap.dedent("""
-    import sys, time
-    import jax.numpy as jnp
-    import daskdag
-
-    def hook(*exc):  # when the KeyboardInterrupt reaches the top, before the interpreter's teardown
-        print(f"uncaught at {time.time()!r}", file=sys.stderr, flush=True)
-        sys.__excepthook__(*exc)
-
-    sys.excepthook = hook
-
-    def slow(x):
-        time.sleep(0.3)
-        print("item", flush=True)
-        return jnp.sum(x ** 2)
-
-    client = None
-    if len(sys.argv) > 1:
-        from distributed import Client
-        client = Client(sys.argv[1])
-    print("started", flush=True)
-    daskdag.sweep_grads({"L": (slow, ["x"])}, jnp.ones((400, 3)), "L", client=client)
-""")
-
-
-def start_child(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def assert_stopped_by_ctrl_c(child):
-    """SIGINT the child: its sweep must stop and raise KeyboardInterrupt within 2 s, and the
-    process end with it.
-
-    Timed to the exception reaching the top of the child: the interpreter's teardown after it
-    (module finalization, 0.4 s here when idle) took up to 2 s more on this loaded 2-core box.
-    """
-    sent = time.time()
-    child.send_signal(signal.SIGINT)
-    child.wait(timeout=60)
-    ended = time.time() - sent
-    err = child.stderr.read()
-    assert "KeyboardInterrupt" in err and child.returncode == -signal.SIGINT, err[-3000:]
-    stopped = float(err.split("uncaught at ")[1].split()[0]) - sent
-    print(f"KeyboardInterrupt raised {stopped:.2f} s after Ctrl-C; process ended after {ended:.2f} s")
-    assert stopped < 2.0, f"took {stopped:.2f} s to stop"
-
-
-@pytest.mark.timeout(120)
-def test_ctrl_c_stops_a_threaded_sweep():
-    child = start_child()
-    try:
-        while child.stdout.readline().strip() != "item":  # an item done: chunks are running
-            assert child.poll() is None, child.stderr.read()
-        assert_stopped_by_ctrl_c(child)
-    finally:
-        child.kill()
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(180)
-def test_ctrl_c_stops_a_sweep_on_a_cluster():
-    with local_client() as client:
-        def processing():
-            return client.run_on_scheduler(
-                lambda dask_scheduler: sum(len(ws.processing) for ws in dask_scheduler.workers.values()))
-
-        def executing():
-            return sum(client.run(lambda dask_worker: len(dask_worker.state.executing)).values())
-
-        child = start_child(client.cluster.scheduler_address)
-        try:
-            eventually(lambda: processing() > 0 and executing() > 0, 90,
-                       "the child's sweep processing and executing on the workers")
-            time.sleep(1.0)  # into the chunks' items
-            assert_stopped_by_ctrl_c(child)
-            stopped = time.monotonic()
-            eventually(lambda: processing() == 0 and executing() == 0, 10,
-                       "the workers idle after the sweep's process ended",
-                       lambda: f"processing {processing()}, executing {executing()}")
-            print(f"workers idle {time.monotonic() - stopped:.2f} s after the sweep's process ended")
-        finally:
-            child.kill()

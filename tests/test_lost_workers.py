@@ -1,21 +1,26 @@
-"""Workers lost mid-call: every worker of the cluster SIGKILLed at once while a call runs.
+"""Workers lost under a call: what happens to a call when its cluster's workers die while it runs.
 
-1. With nannies, which restart the workers: every entry point (compute_grads, jacobian,
-   compute_jvps, sweep_grads over NumPy, JAX and dask-array items) completes, right, in bounded
-   time, without mistaking the dead workers for a version mismatch, and leaves on the scheduler
-   nothing but what daskdag keeps for later calls. Every worker is killed early in the call
-   (~0.8 s: in the first nodes) or later (~2.5 s: the last nodes, after the first ones' results
-   were made, and lost); a dask-array sweep is also computed after its workers were killed.
-2. Without nannies, so no worker ever comes back: the call raises ClusterError, saying that the
+1. Chaos: a 6-worker cluster under nannies, one random worker SIGKILLed every 3 s (the nanny
+   restarts it), through a long sweep_grads and then a loop of compute_grads calls. Every item
+   and every call must come out right, none lost, no call may hang or mistake a dead worker for
+   a version mismatch, and afterwards the scheduler holds nothing but the values daskdag keeps
+   for later calls. (First in the file: it runs before the module's restarting cluster starts.)
+2. Every worker SIGKILLed at once, with nannies, which restart the workers: every entry point
+   (compute_grads, jacobian, compute_jvps, sweep_grads over NumPy, JAX and dask-array items)
+   completes, right, in bounded time, without mistaking the dead workers for a version mismatch,
+   and leaves on the scheduler nothing but what daskdag keeps for later calls. Every worker is
+   killed early in the call (~0.8 s: in the first nodes) or later (~2.5 s: the last nodes, after
+   the first ones' results were made, and lost); a dask-array sweep is also computed after its
+   workers were killed.
+3. Without nannies, so no worker ever comes back: the call raises ClusterError, saying that the
    workers left, within ``daskdag.worker-wait`` and some slack, instead of waiting forever.
 
-Each call under test is a repeated call (a warm-up call of the same DAG came first, as users
-call), so it finds the values daskdag keeps on the cluster, and loses them with the workers.
-Every test also fails when distributed logs a defect (conftest's ``distributed_log``).
+Each call under test in 2 and 3 is a repeated call (a warm-up call of the same DAG came first, as
+users call), so it finds the values daskdag keeps on the cluster, and loses them with the
+workers. Every test also fails when distributed logs a defect (conftest's ``distributed_log``).
 """
 
 import os
-import threading
 import time
 
 import dask
@@ -28,11 +33,106 @@ from distributed import Client
 
 import daskdag
 
-from .support.clusters import DaskCLI, eventually, live_workers, local_cluster, scheduler_tasks, wait_only_kept_left
-from .support.faults import KEEP_NANNIES, bounded, not_a_mismatch, sigkill, worker_pids
+from .support.clusters import (DaskCLI, eventually, live_workers, local_client, local_cluster,
+                               scheduler_tasks, wait_only_kept_left)
+from .support.faults import KEEP_NANNIES, Chaos, KillAt, bounded, not_a_mismatch, sigkill, worker_pids
 from .support.numbers import assert_tree_close
 
 CALL_BOUND = 60.0  # seconds a call may take, killed workers and their restart included
+
+
+# -- 1. chaos: one random worker killed every 3 s -------------------------------------------------
+
+CHAOS_WORKERS = 6
+KILL_EVERY = 3.0  # seconds between two kills
+CHAOS_ITEMS = 1000
+CHAOS_ITEM_PAUSE = 0.2  # seconds per item: 1000 items on 6 workers, 33 s of sleeping per worker
+CHAOS_CHUNK = 5  # items per chunk: ~1 s each, so a chunk is seldom caught by several kills in a row
+SWEEP_BOUND = 150.0  # seconds the sweep may take
+LOOP_FOR = 20.0  # seconds of compute_grads calls, each bounded by CALL_BOUND
+
+
+def slow_encode(x, w):
+    time.sleep(CHAOS_ITEM_PAUSE)
+    return jnp.tanh(w * x)
+
+
+def loss(h):
+    return jnp.sum(h ** 2)
+
+
+def sleeping(seconds):
+    def node(v):
+        time.sleep(seconds)
+        return jnp.sin(v) + 1.5
+
+    return node
+
+
+def loop_dag():
+    return {"A": (sleeping(0.2), ["x"]), "B": (sleeping(0.2), ["A"]),
+            "C": (lambda B: jnp.sum(jnp.log(B)), ["B"]),
+            "E": (lambda B: jnp.sum(B * jnp.arange(B.shape[0])), ["B"])}
+
+
+def loop_ref(x):
+    B = jnp.sin(jnp.sin(x) + 1.5) + 1.5
+    return {"C": jnp.sum(jnp.log(B)), "E": jnp.sum(B * jnp.arange(B.shape[0]))}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_random_worker_killed_every_3s_through_a_sweep_and_a_loop_of_calls(distributed_log):
+    w = np.linspace(0.5, 1.5, 4).astype(np.float32)
+    xs = np.random.default_rng(0).uniform(-1.0, 1.0, (CHAOS_ITEMS, 4)).astype(np.float32)
+    sweep_dag = {"H": (slow_encode, ["x", "w"]), "L": (loss, ["H"])}
+    with dask.config.set(KEEP_NANNIES), local_client(CHAOS_WORKERS) as client:
+        before = scheduler_tasks(client)
+        # a warm-up sweep (the workers import JAX), then the sweep under chaos
+        daskdag.sweep_grads(sweep_dag, {"x": xs[:2 * CHAOS_WORKERS], "w": w}, "L", batched=["x"],
+                            chunk_size=2, client=client)
+        chaos = Chaos(client, KILL_EVERY)
+        chaos.start()
+        try:
+            res, took = bounded(lambda: not_a_mismatch(lambda: daskdag.sweep_grads(
+                sweep_dag, {"x": xs, "w": w}, "L", batched=["x"], chunk_size=CHAOS_CHUNK,
+                errors="collect", client=client)), SWEEP_BOUND, "the sweep under chaos")
+            swept = len(chaos.kills)
+            print(f"sweep of {CHAOS_ITEMS} items: {took:.1f} s, {swept} workers killed")
+            assert swept >= 5, "too few kills landed during the sweep to test anything"
+            assert not res.failed, {i: str(e) for i, e in list(res.failed.items())[:5]}
+            assert not np.isnan(res.value).any() and not np.isnan(res.grad["x"]).any()
+            value, grad = jax.vmap(jax.value_and_grad(lambda x: loss(jnp.tanh(w * x))))(xs)
+            assert_tree_close(res.value, value, rtol=1e-5)
+            assert_tree_close(res.grad["x"], grad, rtol=1e-5)
+            del res
+            distributed_log.check()
+
+            # compute_grads calls, one after another, for LOOP_FOR seconds: the same input
+            # again and again (what the cluster keeps is lost and recomputed) and new ones
+            dag, x0 = loop_dag(), jnp.linspace(-1.0, 1.0, 5)
+            calls, slowest, start = 0, 0.0, time.monotonic()
+            while time.monotonic() - start < LOOP_FOR:
+                x = x0 if calls % 2 else x0 + 0.01 * calls
+                r, took = bounded(lambda: not_a_mismatch(lambda: daskdag.compute_grads(
+                    dag, x, ["C", "E"], client=client)), CALL_BOUND, f"call {calls} under chaos")
+                for o in ("C", "E"):
+                    value, grad = jax.value_and_grad(lambda x: loop_ref(x)[o])(x)
+                    assert_tree_close(r[o].value, value, rtol=1e-5)
+                    assert_tree_close(r[o].grad, grad, rtol=1e-5)
+                calls, slowest = calls + 1, max(slowest, took)
+            print(f"{calls} compute_grads calls in {time.monotonic() - start:.1f} s (slowest "
+                  f"{slowest:.1f} s), {len(chaos.kills) - swept} workers killed meanwhile")
+        finally:
+            chaos.stop()
+        assert len(chaos.kills) - swept >= 5
+        client.wait_for_workers(CHAOS_WORKERS, timeout=120)
+        distributed_log.check()
+        wait_only_kept_left(client, before, timeout=60, what="the sweep and the calls")
+
+
+# -- 2. every worker lost at once, restarted by nannies ------------------------------------------
+
 NODE_PAUSE = 1.0  # seconds each node of an eager call sleeps: A+B, then C and E, ~3 s in all
 ITEM_PAUSE = 0.05  # seconds each node sleeps per sweep item: 0.2 s an item, ~4 s a sweep
 MOMENTS = {"early": 0.8, "later": 2.5}  # seconds into the call when every worker is killed
@@ -138,20 +238,6 @@ CASES = {  # name: (call(client, warm-up?), check(result, warm-up?))
     "sweep_dask": (lambda client, warm: dask_sweep(client, XS[:8] if warm else XS),
                    lambda res, warm: check_sweep(res, XS[:8] if warm else XS)),
 }
-
-
-class KillAt(threading.Thread):
-    """SIGKILLs ``pids`` together, ``delay`` seconds after it starts; ``killed``: those it
-    found, ``at``: when (``time.monotonic()``)."""
-
-    def __init__(self, pids, delay):
-        super().__init__(daemon=True, name="kill-workers")
-        self.pids, self.delay, self.killed, self.at = list(pids), delay, [], None
-
-    def run(self):
-        time.sleep(self.delay)
-        self.killed = sigkill(self.pids)
-        self.at = time.monotonic()
 
 
 def call_while_killing(client, call, delay):
@@ -260,7 +346,7 @@ def test_a_worker_dying_as_a_call_starts_is_no_version_mismatch(fresh_client, di
     wait_only_kept_left(client, before)
 
 
-# -- 2. a cluster that never comes back -----------------------------------------------------------
+# -- 3. a cluster that never comes back -----------------------------------------------------------
 
 @pytest.fixture
 def cli_no_nanny(tmp_path, distributed_log):
