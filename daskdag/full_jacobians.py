@@ -262,8 +262,7 @@ class Jacobian:
             patterns = _detect(plan, values, watch)
             source = "probed" if watch.refused else "detected"
         elif sparsity is not None:
-            widths = {i: size(values[i]) for i in plan.wrt if i in values}
-            patterns, source = user_patterns(plan, widths, sparsity, outputs), "given"
+            patterns, source = _given_patterns(plan, values, sparsity, outputs), "given"
         colours = Colours(patterns)
         if mode == "auto" and patterns is None:  # (the mode comes from the nodes' traced shapes)
             for n in plan.needed:
@@ -357,8 +356,8 @@ class Jacobian:
         for o, (value, t) in computed.items():
             for leaf in differentiable_leaves(value):
                 if jnp.iscomplexobj(leaf):
-                    raise ValueError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
-                                     f"Jacobian needs real outputs, as jax.jacrev does")
+                    raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
+                                   f"Jacobian needs real outputs, as jax.jacrev does")
             pushed = [np.asarray(leaf).reshape(k, -1) for leaf in
                       jax.tree.leaves(t[jvp_graph.TANGENT])]
             passes = np.hstack(pushed) if pushed else np.zeros((k, 0))
@@ -366,9 +365,9 @@ class Jacobian:
                 full = passes.T
             else:
                 if patterns[o].shape[0] != passes.shape[1]:
-                    raise ValueError(f"the sparsity pattern of output {o!r} has "
-                                     f"{patterns[o].shape[0]} rows, but the output has "
-                                     f"{passes.shape[1]} elements")
+                    raise DAGError(f"the sparsity pattern of output {o!r} has "
+                                   f"{patterns[o].shape[0]} rows, but the output has "
+                                   f"{passes.shape[1]} elements", argument="sparsity")
                 full = colouring.from_columns(patterns[o], self.colours.columns, passes,
                                               dense=not sparse)
             results[o] = _result(plan, value, full, self.templates or {}, sparse, info)
@@ -381,6 +380,17 @@ def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
     (:func:`~daskdag.model.jacobian_layout.laid_out`)."""
     widths = {i: size(t) for i, t in templates.items()}
     return Result(value, laid_out(plan, value, full, templates, widths, sparse), info=info)
+
+
+def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str]
+                    ) -> dict[str, sp.csr_array]:
+    """The patterns the user gave, checked before anything runs against the inputs' elements
+    and the outputs' (from their shapes traced abstractly, where a node's code can be traced:
+    :func:`daskdag.graph.sparsity.shapes`)."""
+    widths = {i: size(values[i]) for i in plan.wrt if i in values}
+    avals = shapes(plan, values)
+    elements = {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN}
+    return user_patterns(plan, widths, elements, sparsity, outputs)
 
 
 def _mode(plan: Plan, values: dict, mode: str, colours: Colours) -> str:

@@ -52,7 +52,8 @@ class HVPResult:
     """One output's ``value``, ``grad`` and ``hvp``: the gradient and the Hessian-vector product
     of the output (of ``<ct, output>`` for a cotangent ``ct``), each shaped like ``x`` with one
     free input, else a dict ``{input: ...}``; ``tangent``, the output's Jacobian-vector product
-    along the same ``v``, in the output's structure; ``info``, how the call was computed
+    along the same ``v``, in the output's structure (zeros where no ``wrt`` input reaches it, as
+    :func:`~daskdag.compute_jvps` gives); ``info``, how the call was computed
     (:class:`~daskdag.CallInfo`)."""
 
     value: Any
@@ -89,7 +90,9 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
         x: as for :func:`~daskdag.compute_grads`.
         v: the vector, as ``tangents`` of :func:`~daskdag.compute_jvps`: with one free
             input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
-            dict ``{input: v}``; the inputs left out move by zero.
+            dict ``{input: v}``; the inputs left out move by zero. An input outside ``wrt`` is
+            held constant, so its part of ``v`` is ignored: ``hvp`` is the Hessian over the
+            ``wrt`` inputs times ``v``'s part on them.
         outputs: as for :func:`~daskdag.compute_grads`.
         wrt: as for :func:`~daskdag.compute_grads`: free inputs only.
         cotangents: as for :func:`~daskdag.compute_grads`; then ``hvp`` is the Hessian of
@@ -226,7 +229,7 @@ class Lifted:
                                           for leaf in differentiable_leaves(values[i])))
                  for i in wrt}
         lifted_dag = {}
-        for n in plan.needed:
+        for n in spec.order:  # (every node, so that the lifted DAG has the same free inputs)
             node = spec.nodes[n]
             if n in plan.active:
                 active = tuple(d in pairs or d in plan.active for d in node.deps)
@@ -257,8 +260,12 @@ def _results(spec: Spec, outputs: str | Sequence[str], computed: Any
         grads = {spec.inputs[0]: r.grad} if one else r.grad
         hvp = {i: g.primal for i, g in grads.items()}
         grad = {i: on_differentiable(g.primal, g.tangent) for i, g in grads.items()}
-        value, tangent = ((r.value.primal, on_differentiable(r.value.primal, r.value.tangent))
-                          if isinstance(r.value, Pair) else (r.value, None))
+        if isinstance(r.value, Pair):
+            value, tangent = r.value.primal, on_differentiable(r.value.primal, r.value.tangent)
+        else:  # no differentiated input reaches the output: its tangent is zeros
+            value = r.value
+            tangent = on_differentiable(value, [jnp.zeros_like(leaf)
+                                                for leaf in differentiable_leaves(value)])
         i0 = spec.inputs[0]
         results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp, tangent,
                                r.info)

@@ -3,6 +3,8 @@ jitted nodes, each run once), several inputs and pytrees with leaves held consta
 a cotangent, an equinox model, the lazy form, errors that name the node, and a process cluster
 with the pullbacks moved between workers."""
 
+import contextlib
+
 import dask
 import equinox as eqx
 import jax
@@ -133,3 +135,31 @@ def test_on_a_process_cluster_with_pullbacks_moved_between_workers():
 def test_a_cotangent_for_a_name_that_is_no_output_is_named():
     with pytest.raises(daskdag.DAGError, match="cotangents given for 'C'"):
         daskdag.compute_hvps(seed_dag(), X, V, "D", cotangents={"C": jnp.ones(5)})
+
+
+def _unused_input_dag():
+    """``y`` feeds ``B``, which no output below needs, and ``C``, which ``x`` does not reach."""
+    return {"A": (jnp.sin, ["x"]), "B": (jnp.cos, ["y"]), "C": (lambda y: jnp.sum(y), ["y"]),
+            "L": (lambda a: jnp.sum(a ** 2), ["A"])}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["threads", pytest.param("cluster", marks=pytest.mark.cluster)])
+def test_a_free_input_no_output_needs_and_an_output_no_wrt_input_reaches(where):
+    """A free input that feeds only nodes no output needs may be left out of ``x``, or given;
+    an output that no ``wrt`` input reaches has a tangent of zeros, as compute_jvps gives; a
+    ``v`` for an input outside ``wrt`` is ignored."""
+    dag, x, v = _unused_input_dag(), jnp.array([0.5, 1.0]), jnp.ones(2)
+    want = jax.jvp(jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2)), (x,), (v,))[1]
+    with local_client() if where == "cluster" else contextlib.nullcontext() as client:
+        left_out = daskdag.compute_hvps(dag, {"x": x}, {"x": v}, "L", client=client)
+        assert_tree_close(left_out.hvp["x"], want)
+        given = daskdag.compute_hvps(dag, {"x": x, "y": x}, {"x": v}, "L", client=client)
+        assert_tree_close(given.hvp, {"x": want, "y": jnp.zeros(2)})
+        only_x = daskdag.compute_hvps(dag, {"x": x, "y": x}, {"x": v, "y": 3 * v}, ["L", "C"],
+                                      wrt=["x"], client=client)
+        assert_tree_close(only_x["L"].hvp, {"x": want})
+        jvp = daskdag.compute_jvps(dag, {"x": x, "y": x}, {"x": v}, "C", client=client)
+        assert only_x["C"].tangent is not None
+        assert_tree_close(only_x["C"].tangent, jvp.tangent)
+        assert_tree_close(only_x["C"].tangent, jnp.zeros(()))

@@ -207,10 +207,45 @@ def test_bad_patterns_are_named():
     with pytest.raises(daskdag.DAGError, match="output 'P' gives no pattern for 'v'"):
         daskdag.jacobian(two, {"u": jnp.ones(3), "v": jnp.ones(3)}, "P",
                          sparsity={"u": np.eye(3, dtype=bool)})
-    with pytest.raises(ValueError, match="pattern of output 'E' has 7 rows.*200 elements"):
-        daskdag.jacobian(dag, XB, "E", mode="rev", sparsity=np.ones((7, N), bool))
-    with pytest.raises(ValueError, match="pattern of output 'E' has 7 rows.*200 elements"):
-        daskdag.jacobian(dag, XB, "E", mode="fwd", sparsity=np.ones((7, N), bool))
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_a_pattern_with_the_wrong_rows_is_named_before_anything_runs(mode):
+    """The output's elements come from its shape traced abstractly: no node runs on values."""
+    ran = []
+
+    def node(x):
+        if not isinstance(x, jax.core.Tracer):
+            ran.append(1)
+        return jnp.cumsum(jnp.sin(x))
+
+    with pytest.raises(daskdag.DAGError, match="pattern of output 'E' has 7 rows.*200 elements"
+                       ) as e:
+        daskdag.jacobian({"E": (node, ["x"])}, XB, "E", mode=mode,
+                         sparsity=np.ones((7, N), bool))
+    assert e.value.argument == "sparsity" and not ran
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_a_pattern_with_the_wrong_rows_for_numpy_code_is_a_dag_error(mode):
+    """A node of NumPy code with its own rules is never traced: its output's size is known once
+    it ran, and the error is the same."""
+    node = Node(np.sin, ["x"], vjp=lambda ct, y, x: (ct * np.cos(x),),
+                jvp=lambda args, tangents: (np.sin(args[0]), np.cos(args[0]) * tangents[0]))
+    with pytest.raises(daskdag.DAGError, match="pattern of output 'E' has 7 rows.*200 elements"):
+        daskdag.jacobian({"E": node}, np.asarray(XB), "E", mode=mode,
+                         sparsity=np.ones((7, N), bool))
+
+
+def test_patterns_are_boolean_and_their_keys_known():
+    dag = {"E": (jnp.sin, ["x"])}
+    x = jnp.ones(3)
+    with pytest.raises(daskdag.DAGError, match="must be boolean.*float64"):
+        daskdag.jacobian(dag, x, "E", sparsity=np.eye(3) * 0.5)
+    ones = daskdag.jacobian(dag, x, "E", sparsity=np.eye(3))  # (0 and 1: a pattern)
+    assert_tree_close(ones.grad, jax.jacrev(jnp.sin)(x))
+    with pytest.raises(daskdag.DAGError, match=r"names \['nope'\].*\['x'\]"):
+        daskdag.jacobian(dag, x, "E", sparsity={"nope": np.eye(3, dtype=bool)})
 
 
 @pytest.mark.cluster

@@ -75,44 +75,72 @@ def pattern_key(sparsity: Any) -> Any:
     return digest.hexdigest()
 
 
-def user_patterns(plan: Plan, widths: dict[str, int], sparsity: Any, outputs: str | Sequence[str]
-                  ) -> dict[str, sp.csr_array]:
-    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, checked
-    against ``widths``, the elements of each wrt input given (a node's are not known yet)."""
+def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], sparsity: Any,
+                  outputs: str | Sequence[str]) -> dict[str, sp.csr_array]:
+    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, each a
+    boolean pattern (or of 0 and 1) checked against ``widths``, the elements of each wrt input
+    given (a node's are not known yet), and ``elements``, those of each output whose shape is
+    known before it runs: a :class:`~daskdag.DAGError` naming the output and input otherwise."""
     one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
         isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)
     per_output = {o: sparsity for o in plan.outputs} if one else sparsity
     if not isinstance(per_output, Mapping):
         raise DAGError(f"sparsity for several outputs must be a dict {{output: pattern}}, got "
-                       f"{type(sparsity).__name__}")
+                       f"{type(sparsity).__name__}", argument="sparsity")
     out = {}
     for o in plan.outputs:
         if o not in per_output:
-            raise DAGError(f"sparsity gives no pattern for output {o!r}; it has {list(per_output)}")
-        given = per_output[o]
-        blocks = given if isinstance(given, Mapping) else (
-            {plan.wrt[0]: given} if len(plan.wrt) == 1 else None)
-        if blocks is None:
-            raise DAGError(f"sparsity for output {o!r}: with several inputs {list(plan.wrt)}, "
-                           f"give a dict {{input: pattern}}")
-        parts = []
-        for i in plan.wrt:
-            if i not in blocks:
-                raise DAGError(f"sparsity for output {o!r} gives no pattern for {i!r}; it has "
-                               f"{list(blocks)}")
-            try:
-                block = as_pattern(blocks[i])
-            except (TypeError, ValueError) as e:
-                raise DAGError(f"sparsity for output {o!r} and {i!r}: {e}") from None
-            if block.ndim != 2:
-                raise DAGError(f"sparsity for output {o!r} and {i!r} must be 2-D (output "
-                               f"elements, input elements)")
-            if i in widths and block.shape[1] != widths[i]:
-                raise DAGError(f"sparsity for output {o!r} and input {i!r} has {block.shape[1]} "
-                               f"columns, but the input has {widths[i]} elements")
-            parts.append(block)
-        if len({p.shape[0] for p in parts}) > 1:
+            raise DAGError(f"sparsity gives no pattern for output {o!r}; it has "
+                           f"{list(per_output)}", argument="sparsity")
+        blocks = _blocks(plan, o, per_output[o], one)
+        parts = [_block(o, i, blocks, widths) for i in plan.wrt]
+        rows = {p.shape[0] for p in parts}
+        if len(rows) > 1:
             raise DAGError(f"sparsity for output {o!r}: the patterns disagree on its number of "
-                           f"elements: {[p.shape[0] for p in parts]}")
+                           f"elements: {[p.shape[0] for p in parts]}", argument="sparsity")
+        if o in elements and rows != {elements[o]}:
+            raise DAGError(f"the sparsity pattern of output {o!r} has {rows.pop()} rows, but the "
+                           f"output has {elements[o]} elements", argument="sparsity")
         out[o] = sp.hstack(parts, format="csr")
     return out
+
+
+def _blocks(plan: Plan, output: str, given: Any, one: bool) -> Mapping:
+    """``{input: pattern}`` of one output's pattern as given."""
+    if not isinstance(given, Mapping):
+        if len(plan.wrt) != 1:
+            raise DAGError(f"sparsity for output {output!r}: with several inputs "
+                           f"{list(plan.wrt)}, give a dict {{input: pattern}}", argument="sparsity")
+        return {plan.wrt[0]: given}
+    unknown = [k for k in given if k not in plan.wrt]
+    if unknown:
+        read = " (read as {input: pattern} for the one output asked for)" if one else ""
+        raise DAGError(f"sparsity for output {output!r}{read} names {unknown}, which are not "
+                       f"among the inputs differentiated, {list(plan.wrt)}", argument="sparsity")
+    return given
+
+
+def _block(output: str, name: str, blocks: Mapping, widths: dict[str, int]) -> sp.csr_array:
+    """The pattern of ``output`` for ``name``, checked: 2-D, boolean, as wide as the input."""
+    if name not in blocks:
+        raise DAGError(f"sparsity for output {output!r} gives no pattern for {name!r}; it has "
+                       f"{list(blocks)}", argument="sparsity")
+    given = blocks[name]
+    values = given.data if sp.issparse(given) else np.asarray(given)
+    if values.dtype != bool and (not np.issubdtype(values.dtype, np.number)
+                                 or not np.isin(values, (0, 1)).all()):
+        raise DAGError(f"sparsity for output {output!r} and {name!r} must be boolean (True where "
+                       f"an output element may depend on an input element), or of 0 and 1; it "
+                       f"holds other {values.dtype} values", argument="sparsity")
+    try:
+        block = as_pattern(given)
+    except (TypeError, ValueError) as e:
+        raise DAGError(f"sparsity for output {output!r} and {name!r}: {e}",
+                       argument="sparsity") from None
+    if block.ndim != 2:
+        raise DAGError(f"sparsity for output {output!r} and {name!r} must be 2-D (output "
+                       f"elements, input elements)", argument="sparsity")
+    if name in widths and block.shape[1] != widths[name]:
+        raise DAGError(f"sparsity for output {output!r} and input {name!r} has {block.shape[1]} "
+                       f"columns, but the input has {widths[name]} elements", argument="sparsity")
+    return block

@@ -80,8 +80,8 @@ def basis(output: str, primal, colours=None) -> tuple:
                            f"Jacobian needs real outputs, as jax.jacrev does")
     size_all = basis_size(primal)
     if colours is not None and len(colours) != size_all:
-        raise ValueError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "
-                         f"but the output has {size_all} elements")
+        raise DAGError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "
+                       f"but the output has {size_all} elements", argument="sparsity")
     n = size_all if colours is None else basis_rows(primal, colours)
     rows = np.arange(size_all) if colours is None else np.asarray(colours)
     start, seeds = 0, []
