@@ -64,3 +64,18 @@ def test_api_page_lists_every_public_name():
                if line.startswith("::: daskdag.")}
     missing = sorted(set(daskdag.__all__) - entries)
     assert not missing, f"docs/api.md has no '::: daskdag.NAME' entry for {missing}"
+
+
+@pytest.mark.timeout(300)
+def test_a_fence_that_draws_is_skipped_where_dot_is_missing():
+    """On a machine without graphviz's ``dot`` (a fresh one, following README's Quick start),
+    the docs' fences that draw a graph are skipped, saying why, as the tests that draw are:
+    none fails (the root conftest.py)."""
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not (Path(d) / "dot").exists())
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "docs/guides/lazy.md"], cwd=ROOT, env={**os.environ, "PATH": path},
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "graphviz's `dot` program is not installed" in out.stdout
+    assert " skipped" in out.stdout.splitlines()[-1]

@@ -1,0 +1,19 @@
+"""For every test of the repository, the fences of README.md and docs/ included: a fence that
+needs a program this machine lacks is skipped, saying which, as the tests that need it are."""
+
+import shutil
+
+import pytest
+
+# program -> what a fence that needs it calls
+NEEDS = {"dot": ".visualize("}
+INSTALL = {"dot": "graphviz's `dot` program is not installed (apt-get install graphviz)"}
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = {program: INSTALL[program] for program in NEEDS if shutil.which(program) is None}
+    for item in items:
+        code = getattr(item, "code", None)  # (pytest-markdown-docs' fences carry their source)
+        for program, reason in missing.items():
+            if isinstance(code, str) and NEEDS[program] in code:
+                item.add_marker(pytest.mark.skip(reason=reason))
