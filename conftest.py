@@ -17,3 +17,9 @@ def pytest_collection_modifyitems(config, items):
         for program, reason in missing.items():
             if isinstance(code, str) and NEEDS[program] in code:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_markdown_docs_globals():
+    """A fence runs as a saved script does: ``__name__`` is ``"__main__"``, so the code under
+    ``if __name__ == "__main__":`` (a cluster's creation) runs too."""
+    return {"__name__": "__main__"}

@@ -79,3 +79,36 @@ def test_a_fence_that_draws_is_skipped_where_dot_is_missing():
     assert out.returncode == 0, out.stdout[-3000:]
     assert "graphviz's `dot` program is not installed" in out.stdout
     assert " skipped" in out.stdout.splitlines()[-1]
+
+
+def _cluster_fences() -> list:
+    """``(page, line, code)`` of every runnable ```python fence of README.md and docs/ that
+    starts a ``LocalCluster``."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        lines = page.read_text().splitlines()
+        k = 0
+        while k < len(lines):
+            if lines[k].strip() == "```python":
+                end = lines.index("```", k + 1)
+                code = "\n".join(lines[k + 1:end])
+                if "LocalCluster(" in code:
+                    found.append((page.relative_to(ROOT).as_posix(), k + 1, code))
+                k = end
+            k += 1
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page, line, code", _cluster_fences(),
+                         ids=[f"{p}:{n}" for p, n, _ in _cluster_fences()])
+def test_every_cluster_snippet_runs_as_a_saved_script(page, line, code, tmp_path):
+    """A snippet that starts a cluster, saved as a script and run with ``python``, as a user
+    would: process workers import the script again (``spawn``), which only a script whose
+    cluster starts under ``if __name__ == "__main__":`` survives."""
+    script = tmp_path / "snippet.py"
+    script.write_text(code + "\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=280)
+    assert out.returncode == 0, f"{page}:{line}\n{out.stderr[-3000:]}"
