@@ -1,18 +1,25 @@
 # Everything runs in a virtualenv this Makefile creates: `make demo`, `make test`, `make bench`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+CORE_STAMP := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test bench bench-test clean certs
 
-$(STAMP): pyproject.toml
+# daskdag and what it needs, nothing more: all `make demo` takes.
+$(CORE_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The test and docs extras too, for `make test`.
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $@
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(PY) examples/seed_dag.py
 
 test: $(STAMP)

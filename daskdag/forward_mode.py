@@ -72,8 +72,9 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
             bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
             inputs left out are held constant.
         batched: every tangent leaf has a leading axis of K directions, and so has every
-            output's tangent (the identity basis gives ``jax.jacfwd``'s Jacobian with the
-            directions' axis first: ``(K, *output shape)``). Each node's jvp runs
+            output's tangent, ``(K, *output shape)``: with the identity as the K directions,
+            row ``k`` is the Jacobian's column ``k``, so the whole is the transpose of
+            ``jax.jacfwd``'s Jacobian (which puts the output's axes first). Each node's jvp runs
             under ``jax.vmap`` over the directions (its function still runs once); a node
             whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
             direction.
