@@ -8,6 +8,7 @@ its own: pytest-markdown-docs, set up in pyproject.toml (``--markdown-docs``, ``
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,61 @@ def test_every_cluster_snippet_runs_as_a_saved_script(page, line, code, tmp_path
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=280)
     assert out.returncode == 0, f"{page}:{line}\n{out.stderr[-3000:]}"
+
+
+FRONT_PAGES = ("README.md", "docs/index.md", "docs/getting-started.md")
+
+
+def _shown_outputs() -> list:
+    """``(page, line, code, shown)`` for each ```python fence of the front pages followed, a
+    paragraph later, by a ```text fence: what running it prints (a continuation fence runs
+    after the fences before it)."""
+    found = []
+    for page in FRONT_PAGES:
+        lines = (ROOT / page).read_text().splitlines()
+        code, k = "", 0
+        while k < len(lines):
+            head = lines[k].strip()
+            if head in ("```python", "```{.python continuation}"):
+                end = lines.index("```", k + 1)
+                body = "\n".join(lines[k + 1:end])
+                code = (code + "\n" + body) if "continuation" in head else body
+                after = next((j for j in range(end + 1, min(end + 6, len(lines)))
+                              if lines[j].startswith("```")), None)
+                if after is not None and lines[after].strip() == "```text":
+                    shown = "\n".join(lines[after + 1:lines.index("```", after + 1)])
+                    found.append((page, k + 1, code, shown))
+                k = end
+            k += 1
+    return found
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(t) for t in re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", text)]
+
+
+@pytest.mark.parametrize("page, line, code, shown", _shown_outputs(),
+                         ids=[f"{p}:{n}" for p, n, _, _ in _shown_outputs()])
+def test_front_pages_show_what_their_example_prints(page, line, code, shown, tmp_path):
+    """README, the home page and Getting started share one DAG (examples/seed_dag.py's), and
+    each shows what its example prints."""
+    script = tmp_path / "example.py"
+    script.write_text(code + "\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed, expected = _numbers(out.stdout), _numbers(shown)
+    assert len(printed) == len(expected), (out.stdout, shown)
+    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(printed, expected)), \
+        (out.stdout, shown)
+
+
+def test_front_pages_share_the_demo_s_dag():
+    """The functions each front page defines are examples/seed_dag.py's (its E included)."""
+    pages = {page: (ROOT / page).read_text() for page in (*FRONT_PAGES, "examples/seed_dag.py")}
+    for page, text in pages.items():
+        for line in ("jnp.tanh(x) * 2.0", "jnp.outer(A, A) + jnp.eye(A.shape[0])",
+                     "jnp.linalg.solve(B, jnp.ones(B.shape[0]))", "jnp.sum(C ** 2)",
+                     "return jnp.log(jnp.trace(B))"):
+            assert line in text, (page, line)
+    assert len(_shown_outputs()) == len(FRONT_PAGES)
