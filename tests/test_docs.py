@@ -1,6 +1,8 @@
 """The documentation: the MkDocs site builds with ``--strict`` (every page in the nav exists,
 every link and anchor resolves, every ``:::`` API entry renders), README.md stays at most
-8 KB, and the API page lists every public name.
+8 KB, the API page lists every public name, the front pages share the demo's DAG and show what
+it prints, cluster snippets run as saved scripts, and a fence that draws is skipped without
+graphviz's ``dot``.
 
 Every ```python fence of README.md, docs/ and daskdag's docstrings also runs, each as a test of
 its own: pytest-markdown-docs, set up in pyproject.toml (``--markdown-docs``, ``testpaths``).
