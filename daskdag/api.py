@@ -43,13 +43,18 @@ LAZY = "lazy (where Dask computes it)"  # a lazy call's CallInfo.where
 
 @dataclass(frozen=True, repr=False)
 class Result:
-    """One output's ``value`` and ``grad``.
+    """One output's ``value`` and ``grad``, from [`compute_grads`][daskdag.compute_grads],
+    [`jacobian`][daskdag.jacobian] or [`sweep_grads`][daskdag.sweep_grads].
 
-    ``grad`` is shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
-    over the differentiated inputs. From :func:`sweep_grads` both are stacked over the items,
-    and ``failed`` maps each item that failed (``errors='collect'``) to its
-    :class:`~daskdag.NodeError`; its rows hold NaN. ``info`` says how the call was computed
-    (:class:`~daskdag.CallInfo`: mode, passes, whether an earlier call's preparation served it).
+    Attributes:
+        value: the output's value; from a sweep, stacked over the items.
+        grad: shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
+            over the differentiated inputs (for a Jacobian, ``jax.jacrev``'s layout); from a
+            sweep, stacked over the items.
+        failed: from a sweep with ``errors='collect'``, each item that failed and its
+            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]: mode, passes,
+            whether an earlier call's preparation served it).
     """
 
     value: Any
@@ -87,7 +92,7 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
             is no node's name is a free input.
         x: the free input's value (any pytree of arrays) when there is one, else a mapping
             ``{input_name: value}``.
-        outputs: node names; a single name returns a single :class:`Result`.
+        outputs: node names; a single name returns a single [`Result`][daskdag.Result].
         wrt: input names to differentiate; default every given input with a floating-point
             leaf. Within an input, floating-point (and complex) array leaves are
             differentiated, other leaves (ints, bools, functions) held constant. Node
@@ -100,14 +105,18 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
         progress: show Dask's progress bar over the call's tasks.
 
     Returns:
-        ``{output: Result(value, grad)}``; each gradient has its input's (or node's)
-        structure, with ``None`` at the leaves held constant, and JAX arrays of the leaves' JAX
-        dtypes (as ``jax.grad`` gives them: float32 for a Python float), whether JAX or a node's
-        own NumPy rule computed them. Raises :class:`~daskdag.DAGError` for
-        a malformed call, :class:`~daskdag.NodeError` when a node raises,
-        :class:`~daskdag.ClusterError` when the cluster cannot run the graph (a client that is not
-        running, no worker within ``daskdag.worker-wait``, a resource no worker offers, versions
-        that differ). :func:`grads` is the same call, not computed yet.
+        ``{output: Result(value, grad)}`` (a single name: one [`Result`][daskdag.Result]);
+            each gradient has its input's (or node's) structure, with ``None`` at the leaves
+            held constant, and JAX arrays of the leaves' JAX dtypes (as ``jax.grad`` gives them:
+            float32 for a Python float), whether JAX or a node's own NumPy rule computed them.
+            [`grads`][daskdag.grads] is the same call, not computed yet.
+
+    Raises:
+        DAGError: a malformed call, naming the node, input or output concerned.
+        NodeError: a node raised, in its forward or backward pass.
+        ClusterError: the cluster cannot run the graph: a client that is not running, no
+            worker within ``daskdag.worker-wait``, a resource no worker offers, versions that
+            differ.
 
     For example:
 
@@ -128,13 +137,13 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
 
 def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
           wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
-    """:func:`compute_grads`, not computed yet: a Dask collection (:class:`~daskdag.running.lazy.Call`)
-    whose ``.compute()`` returns what :func:`compute_grads` does; ``dask.compute``,
+    """[`compute_grads`][daskdag.compute_grads], not computed yet: a Dask collection (``Call``)
+    whose ``.compute()`` returns what [`compute_grads`][daskdag.compute_grads] does; ``dask.compute``,
     ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
     forward tasks of calls computed together are shared. It runs where Dask runs it: the
     default ``distributed`` client in effect at compute time (checked then, as
-    :func:`compute_grads` checks it), else the scheduler passed to ``compute``, else threads.
-    (:func:`compute_grads` on a cluster also keeps the call's inputs and nodes there for the
+    [`compute_grads`][daskdag.compute_grads] checks it), else the scheduler passed to ``compute``, else threads.
+    ([`compute_grads`][daskdag.compute_grads] on a cluster also keeps the call's inputs and nodes there for the
     next calls; a lazy call carries them in its graph.)
 
     For example:
@@ -271,10 +280,10 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 progress: bool = False, errors: str = "raise",
                 store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result | dict[str, Result]:
-    """:func:`compute_grads` for every item of a batch, spread over the cluster in chunks.
+    """[`compute_grads`][daskdag.compute_grads] for every item of a batch, spread over the cluster in chunks.
 
     Args:
-        xs: like ``x`` of :func:`compute_grads`, the ``batched`` inputs carrying a leading
+        xs: like ``x`` of [`compute_grads`][daskdag.compute_grads], the ``batched`` inputs carrying a leading
             item axis of one common length N.
         batched: the inputs that carry it (default: all given); the others are shared by every
             item and sent to each worker once.
@@ -282,32 +291,32 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
             a gradient per item; a node, its gradient per item (as for compute_grads).
         cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
             output; the same for every item.
-        client: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
-        scheduler: as for :func:`compute_grads` (``"sync"``: one chunk at a time).
+        client: as for [`compute_grads`][daskdag.compute_grads] (``"sync"``: one chunk at a time).
+        scheduler: as for [`compute_grads`][daskdag.compute_grads] (``"sync"``: one chunk at a time).
         chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
             when every node that carries items is ``vmap=True``, one chunk per worker
             thread, at most 64 MiB of items each).
             Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
         progress: show a progress bar over items (tqdm); it advances as items are done inside
             running chunks, and ends at the exact number of items computed.
-        errors: ``'raise'``: the first failing item's :class:`~daskdag.NodeError`, naming the
+        errors: ``'raise'``: the first failing item's [`NodeError`][daskdag.NodeError], naming the
             item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.
         store: a directory (made if missing), a Zarr store object (an object store...), or a
-            :class:`~daskdag.SweepStore`, where each chunk's values, gradients and failed items
+            [`SweepStore`][daskdag.SweepStore], where each chunk's values, gradients and failed items
             are written as the chunk finishes, durably, so that the sweep outlives this
             process: the same call with the same store computes only the chunks it does not
             hold, and returns what an uninterrupted sweep returns. A store holding another
             sweep (another DAG, other inputs, outputs or settings) raises
-            :class:`~daskdag.StoreError` naming what changed, and so does one another sweep is
+            [`StoreError`][daskdag.StoreError] naming what changed, and so does one another sweep is
             writing to. Its chunk size is the store's. With dask-array items, or
             ``SweepStore(..., lazy=True)``, the results are dask arrays reading the store. See
             the sweeps guide, "Durable sweeps".
 
     Returns:
         ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
-        stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``, values
-        ``(N, *item output shape)``).
+            stacked on a leading axis of length N (gradients shaped ``(N, *input item shape)``,
+            values ``(N, *item output shape)``).
 
     When no item gives a result (N = 0, or every item failed with ``errors='collect'``), the
     shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (no data;

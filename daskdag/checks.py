@@ -72,12 +72,12 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     against central finite differences of that node alone, at the point the forward pass reached.
 
     Args:
-        dag: as for :func:`daskdag.compute_grads`.
-        x: as for :func:`daskdag.compute_grads`.
-        outputs: as for :func:`daskdag.compute_grads`.
-        wrt: as for :func:`daskdag.compute_grads`.
-        client: as for :func:`daskdag.compute_grads`.
-        scheduler: as for :func:`daskdag.compute_grads`.
+        dag: as for [`daskdag.compute_grads`][daskdag.compute_grads].
+        x: as for [`daskdag.compute_grads`][daskdag.compute_grads].
+        outputs: as for [`daskdag.compute_grads`][daskdag.compute_grads].
+        wrt: as for [`daskdag.compute_grads`][daskdag.compute_grads].
+        client: as for [`daskdag.compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`daskdag.compute_grads`][daskdag.compute_grads].
         eps: the finite-difference step, relative: each element of a leaf moves by about ``eps``
             times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
             Default, by the lowest precision among the node's differentiated leaves and output
@@ -98,12 +98,15 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     variation, or constant, from failing).
 
     Returns:
-        ``{node: relative error}``: for each node checked, the largest ``|fd - ad| /
-        (scale + noise / rtol)`` over its deps and projections, so at most ``rtol`` where it passed.
-        Raises :class:`~daskdag.GradientCheckError` for the first node in topological order whose
-        VJP disagrees (after checking all of them; the error names the others that failed),
-        :class:`~daskdag.NodeError` when a node raises, and what :func:`~daskdag.compute_grads`
-        raises for a malformed call or a cluster that cannot run it.
+        ``{node: relative error}``, for each node checked the largest ``|fd - ad| / (scale +
+            noise / rtol)`` over its deps and projections, so at most ``rtol`` where it passed.
+
+    Raises:
+        GradientCheckError: the first node in topological order whose VJP disagrees (after
+            checking all of them; the error names the others that failed).
+        NodeError: a node raised.
+        DAGError: as for [`compute_grads`][daskdag.compute_grads].
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
     For example:
 
@@ -140,36 +143,40 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
                  wrt: Sequence[str] | None = None, eps: float | None = None,
                  rtol: float | None = None, client: Client | None = None,
                  scheduler: str | Client | None = None) -> dict[str, float]:
-    """Check the gradients of whole ``outputs`` (what :func:`~daskdag.compute_grads` gives)
+    """Check the gradients of whole ``outputs`` (what [`compute_grads`][daskdag.compute_grads] gives)
     against central finite differences of the composed DAG, as OpenMDAO's ``check_totals``
-    does beside its ``check_partials`` (:func:`check_grads`, node by node).
+    does beside its ``check_partials`` ([`check_grads`][daskdag.check_grads], node by node).
 
     Args:
-        dag: as for :func:`~daskdag.compute_grads`.
-        x: as for :func:`~daskdag.compute_grads`.
-        outputs: as for :func:`~daskdag.compute_grads`; any real or complex arrays or pytrees.
-        wrt: as for :func:`~daskdag.compute_grads`: free inputs only.
-        eps: as for :func:`check_grads`; its default by the lowest precision among the
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        x: as for [`compute_grads`][daskdag.compute_grads].
+        outputs: as for [`compute_grads`][daskdag.compute_grads]; any real or complex arrays or pytrees.
+        wrt: as for [`compute_grads`][daskdag.compute_grads]: free inputs only.
+        eps: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision among the
             differentiated inputs' leaves.
-        rtol: as for :func:`check_grads`; its default by the lowest precision among the
+        rtol: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision among the
             differentiated inputs' leaves and the outputs' leaves.
-        client: as for :func:`~daskdag.compute_grads`.
-        scheduler: as for :func:`~daskdag.compute_grads`.
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
 
-    Per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), a random unit cotangent ``u`` over each output's
+    Per projection (``PROJECTIONS``), a random unit cotangent ``u`` over each output's
     differentiable leaves and a random tangent ``v`` per input (each leaf's elements of about
     its RMS magnitude): ``<u, J v>`` by central differences (the DAG evaluated at ``x + eps v``
     and ``x - eps v``, every evaluation a task graph of its own, all in one Dask graph) against
-    ``<J^T u, v>`` from ``compute_grads`` seeded with ``u``, compared as :func:`check_grads`
+    ``<J^T u, v>`` from ``compute_grads`` seeded with ``u``, compared as [`check_grads`][daskdag.check_grads]
     compares them. So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and
     ``PROJECTIONS`` times under ``compute_grads``.
 
     Returns:
         ``{output: its largest relative error}`` over inputs and projections (at most
-        ``rtol`` where it passed). Raises :class:`~daskdag.TotalCheckError` (a
-        :class:`~daskdag.GradientCheckError`) naming the first output and input that disagree (and
-        the other pairs that failed), :class:`~daskdag.NodeError` when a node raises, and what
-        :func:`~daskdag.compute_grads` raises for a malformed call.
+            ``rtol`` where it passed).
+
+    Raises:
+        TotalCheckError: (a [`GradientCheckError`][daskdag.GradientCheckError]) naming the
+            first output and input that disagree, and the other pairs that failed.
+        NodeError: a node raised.
+        DAGError: as for [`compute_grads`][daskdag.compute_grads].
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
     For example:
 

@@ -50,7 +50,7 @@ class DAGError(ValueError):
 class NodeError(RuntimeError):
     """A node's function (or its pullback) raised. ``node`` names it, ``item`` the sweep item
     (else ``None``); the original exception is ``__cause__``. For JAX's tracer errors the
-    message ends with a hint (:data:`HINTS`).
+    message ends with a hint (``HINTS``).
 
     Picklable, cause included, so it survives the trip back from a ``distributed`` worker.
     """
@@ -69,13 +69,13 @@ class NodeError(RuntimeError):
 
 class GradientCheckError(AssertionError):
     """A node's VJP disagrees with central finite differences of the node alone
-    (:func:`daskdag.check_grads`). ``node`` and ``dep`` name them (``position``: the dep's index
+    ([`daskdag.check_grads`][daskdag.check_grads]). ``node`` and ``dep`` name them (``position``: the dep's index
     among the node's deps); ``fd`` and ``ad`` are ``<u, J v>`` by finite differences and from
     the VJP, for a random tangent ``v`` of the dep and cotangent ``u`` of the output; ``error``
     is ``|fd - ad|``, over ``tolerance``; ``eps`` the finite-difference step (before each leaf's
     magnitude scales it); ``others``: the names of the other nodes that failed too.
 
-    Picklable, like :class:`NodeError`.
+    Picklable, like [`NodeError`][daskdag.NodeError].
     """
 
     def __init__(self, node: str, dep: str, position: int, fd: float, ad: float, error: float,
@@ -98,8 +98,8 @@ class GradientCheckError(AssertionError):
 
 class TotalCheckError(GradientCheckError):
     """An output's gradient by an input disagrees with central finite differences of the
-    composed DAG (:func:`daskdag.check_totals`): ``output`` and ``input`` name them; ``fd``,
-    ``ad``, ``error``, ``tolerance`` and ``eps`` as for :class:`GradientCheckError`;
+    composed DAG ([`daskdag.check_totals`][daskdag.check_totals]): ``output`` and ``input`` name them; ``fd``,
+    ``ad``, ``error``, ``tolerance`` and ``eps`` as for [`GradientCheckError`][daskdag.GradientCheckError];
     ``others``: the other ``(output, input)`` pairs that failed too."""
 
     def __init__(self, output: str, input: str, fd: float, ad: float, error: float,

@@ -29,10 +29,15 @@ from daskdag.transport.transports import Transport
 
 @dataclass(frozen=True)
 class JVPResult:
-    """One output's ``value`` and ``tangent`` (its Jacobian-vector product), from
-    :func:`compute_jvps`. ``tangent`` has the output's structure, ``None`` at the leaves held
-    constant (not floating-point); with ``batched=True`` each leaf has a leading axis of
-    directions. ``info``: how the call was computed (:class:`~daskdag.CallInfo`)."""
+    """One output's ``value`` and ``tangent``, from [`compute_jvps`][daskdag.compute_jvps].
+
+    Attributes:
+        value: the output's value.
+        tangent: its Jacobian-vector product, in the output's structure, ``None`` at the leaves
+            held constant (not floating-point), zeros where no tangent reaches it; with
+            ``batched=True`` each leaf has a leading axis of directions.
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
+    """
 
     value: Any
     tangent: Any
@@ -61,12 +66,12 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     computed once.
 
     Args:
-        dag: as for :func:`compute_grads`.
-        x: as for :func:`compute_grads`.
-        outputs: as for :func:`compute_grads`.
-        client: as for :func:`compute_grads`.
-        scheduler: as for :func:`compute_grads`.
-        progress: as for :func:`compute_grads`.
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        x: as for [`compute_grads`][daskdag.compute_grads].
+        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
+        progress: as for [`compute_grads`][daskdag.compute_grads].
         tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
             leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
             bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
@@ -80,14 +85,17 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
             direction.
 
     Returns:
-        ``{output: JVPResult(value, tangent)}`` (a single name: one :class:`JVPResult`);
-        ``tangent`` has the output's structure, ``None`` at its leaves held constant, zeros where
-        no tangent reaches it. Raises :class:`~daskdag.DAGError` for a malformed call (a tangent
-        whose structure, shape or dtype does not match its input, naming it; a tangent for a name
-        that is no input), :class:`~daskdag.NodeError` when a node raises (a node that cannot be
-        differentiated by ``jax.jvp``, such as NumPy code, raises there unless it gives its own
-        ``jvp=``), :class:`~daskdag.ClusterError` as :func:`compute_grads` does. :func:`jvps` is
-        the same call, not computed yet.
+        ``{output: JVPResult(value, tangent)}`` (a single name: one
+            [`JVPResult`][daskdag.JVPResult]); ``tangent`` has the output's structure, ``None`` at
+            its leaves held constant, zeros where no tangent reaches it.
+            [`jvps`][daskdag.jvps] is the same call, not computed yet.
+
+    Raises:
+        DAGError: a malformed call: a tangent whose structure, shape or dtype does not match
+            its input (naming it), a tangent for a name that is no input.
+        NodeError: a node raised; a node that ``jax.jvp`` cannot differentiate (NumPy code)
+            raises there unless it gives its own ``jvp=``.
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
     For example:
 
@@ -108,7 +116,7 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
 
 def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
          batched: bool = False) -> Call:
-    """:func:`compute_jvps`, not computed yet: a Dask collection, as :func:`grads` is.
+    """[`compute_jvps`][daskdag.compute_jvps], not computed yet: a Dask collection, as [`grads`][daskdag.grads] is.
 
     For example:
 

@@ -75,7 +75,7 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
     function gives them, each node computed once.
 
-    Arguments as for :func:`~daskdag.compute_grads`; outputs may be any real arrays or pytrees.
+    Arguments as for [`compute_grads`][daskdag.compute_grads]; outputs may be any real arrays or pytrees.
 
     Args:
         mode: ``"rev"`` pulls back the rows of the identity over each output's elements
@@ -97,7 +97,7 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
             C order; with several outputs ``{output: ...}``, with several inputs
             ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
             a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
-            (:func:`jacobian_sparsity`). The mode then counts colours, not elements.
+            ([`jacobian_sparsity`][daskdag.jacobian_sparsity]). The mode then counts colours, not elements.
         sparse: return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
             elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
         chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
@@ -107,14 +107,19 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
             runs row by row.
 
     Returns:
-        ``{output: Result(value, jac)}``; ``jac`` has ``jax.jacrev``'s layout: the output's
-        structure, each leaf holding the input's structure with leaves shaped
-        ``output_leaf.shape + input_leaf.shape``; with several inputs (or nodes) differentiated,
-        each output leaf holds a dict ``{input: ...}`` of those, as ``jax.jacrev`` of a function of
-        the dict of inputs gives it. ``None`` where a leaf of either is held constant (integers,
-        booleans...). Raises as :func:`~daskdag.compute_grads` does, a :class:`~daskdag.DAGError`
-        for a mode or pattern that cannot serve the call (naming the node, input or output), and a
-        ``ValueError`` naming a complex output. :func:`jacobians` is the same call, not computed yet.
+        ``{output: Result(value, jac)}`` (a single name: one [`Result`][daskdag.Result]);
+            ``jac`` has ``jax.jacrev``'s layout: the output's structure, each leaf holding the
+            input's structure with leaves shaped ``output_leaf.shape + input_leaf.shape``; with
+            several inputs (or nodes) differentiated, each output leaf holds a dict
+            ``{input: ...}`` of those, as ``jax.jacrev`` of a function of the dict of inputs
+            gives it. ``None`` where a leaf of either is held constant (integers, booleans...).
+            [`jacobians`][daskdag.jacobians] is the same call, not computed yet.
+
+    Raises:
+        DAGError: as for [`compute_grads`][daskdag.compute_grads]; also a mode or pattern that
+            cannot serve the call, and a complex output, naming the node, input or output.
+        NodeError: a node raised.
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
     For example:
 
@@ -139,7 +144,7 @@ def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *
               wrt: Sequence[str] | None = None,
               mode: str = "auto", sparsity: Any = None, sparse: bool = False,
               chunk_size: int | None = None) -> Call:
-    """:func:`jacobian`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is.
+    """[`jacobian`][daskdag.jacobian], not computed yet: a Dask collection, as [`grads`][daskdag.grads] is.
 
     For example:
 
@@ -161,7 +166,7 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
     takes them: a boolean ``scipy.sparse.csr_array`` ``(output elements, input elements)``, in
     dicts ``{output: {input: ...}}`` as there (one output: no outer dict; one input: no inner).
 
-    Arguments as for :func:`~daskdag.compute_grads`. The DAG's structure composes each node's
+    Arguments as for [`compute_grads`][daskdag.compute_grads]. The DAG's structure composes each node's
     own pattern: from its jaxpr (sound: it holds at every point), or for a node that cannot be
     traced (Python control flow on values, NumPy code under its own rule) from its Jacobian at
     ``x`` and at two random points near it, which runs that node and those before it here,

@@ -49,12 +49,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class HVPResult:
-    """One output's ``value``, ``grad`` and ``hvp``: the gradient and the Hessian-vector product
-    of the output (of ``<ct, output>`` for a cotangent ``ct``), each shaped like ``x`` with one
-    free input, else a dict ``{input: ...}``; ``tangent``, the output's Jacobian-vector product
-    along the same ``v``, in the output's structure (zeros where no ``wrt`` input reaches it, as
-    :func:`~daskdag.compute_jvps` gives); ``info``, how the call was computed
-    (:class:`~daskdag.CallInfo`)."""
+    """One output's value, gradient and Hessian-vector product, from
+    [`compute_hvps`][daskdag.compute_hvps].
+
+    Attributes:
+        value: the output's value.
+        grad: its gradient (of ``<ct, output>`` for a cotangent ``ct``), shaped like ``x`` with
+            one free input, else a dict ``{input: ...}``.
+        hvp: its Hessian times ``v``, shaped as ``grad``.
+        tangent: its Jacobian-vector product along the same ``v``, in the output's structure
+            (zeros where no ``wrt`` input reaches it, as [`compute_jvps`][daskdag.compute_jvps]
+            gives).
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
+    """
 
     value: Any
     grad: Any
@@ -83,32 +90,36 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
                  progress: bool = False) -> HVPResult | dict[str, HVPResult]:
     """Values, gradients and Hessian-vector products of ``outputs`` of ``dag``, each node
     computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
-    backward pass (reverse over forward, see :mod:`daskdag.hessians`).
+    backward pass (reverse over forward, see ``daskdag.hessians``).
 
     Args:
-        dag: as for :func:`~daskdag.compute_grads`.
-        x: as for :func:`~daskdag.compute_grads`.
-        v: the vector, as ``tangents`` of :func:`~daskdag.compute_jvps`: with one free
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        x: as for [`compute_grads`][daskdag.compute_grads].
+        v: the vector, as ``tangents`` of [`compute_jvps`][daskdag.compute_jvps]: with one free
             input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
             dict ``{input: v}``; the inputs left out move by zero. An input outside ``wrt`` is
             held constant, so its part of ``v`` is ignored: ``hvp`` is the Hessian over the
             ``wrt`` inputs times ``v``'s part on them.
-        outputs: as for :func:`~daskdag.compute_grads`.
-        wrt: as for :func:`~daskdag.compute_grads`: free inputs only.
-        cotangents: as for :func:`~daskdag.compute_grads`; then ``hvp`` is the Hessian of
+        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        wrt: as for [`compute_grads`][daskdag.compute_grads]: free inputs only.
+        cotangents: as for [`compute_grads`][daskdag.compute_grads]; then ``hvp`` is the Hessian of
             ``<ct, output>`` times ``v``.
-        client: as for :func:`~daskdag.compute_grads`.
-        scheduler: as for :func:`~daskdag.compute_grads`.
-        progress: as for :func:`~daskdag.compute_grads`.
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
+        progress: as for [`compute_grads`][daskdag.compute_grads].
 
     Returns:
         ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
-        :class:`HVPResult`). Each node runs under ``jax.jvp`` inside ``jax.vjp``, so it must be
-        twice differentiable by JAX: a node with its own derivative rules (``vjp=``, ``fwd=`` /
-        ``bwd=``: NumPy code) on the way is refused with a :class:`~daskdag.DAGError` naming it,
-        and a ``jax.custom_vjp`` function inside a node fails there (JAX has no forward mode for
-        it). Raises otherwise as :func:`~daskdag.compute_grads` does. :func:`hvps` is the same call,
-        not computed yet.
+            [`HVPResult`][daskdag.HVPResult]). Each node runs under ``jax.jvp`` inside
+            ``jax.vjp``, so it must be twice differentiable by JAX.
+            [`hvps`][daskdag.hvps] is the same call, not computed yet.
+
+    Raises:
+        DAGError: as for [`compute_grads`][daskdag.compute_grads]; also a node with its own
+            derivative rules (``vjp=``, ``fwd=`` / ``bwd=``: NumPy code) on the way, naming it.
+        NodeError: a node raised; a ``jax.custom_vjp`` function inside a node fails here (JAX
+            has no forward mode for it).
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
     For example:
 
@@ -129,7 +140,7 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
 
 def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
          wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
-    """:func:`compute_hvps`, not computed yet: a Dask collection, as :func:`~daskdag.grads` is.
+    """[`compute_hvps`][daskdag.compute_hvps], not computed yet: a Dask collection, as [`grads`][daskdag.grads] is.
 
     For example:
 

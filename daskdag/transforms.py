@@ -30,9 +30,9 @@ from daskdag.running.jobs import CallInfo
 
 
 class Prepared:
-    """A DAG's call as a function of its inputs (made by :func:`value_and_grad` and its
+    """A DAG's call as a function of its inputs (made by [`value_and_grad`][daskdag.value_and_grad] and its
     siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``); ``f.info`` is the
-    :class:`~daskdag.CallInfo` of its latest call in this thread: the mode and passes, and
+    [`CallInfo`][daskdag.CallInfo] of its latest call in this thread: the mode and passes, and
     whether the call reused an earlier call's preparation, and if not, why.
     """
 
@@ -70,19 +70,20 @@ def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     composed function.
 
     Args:
-        dag: as for :func:`~daskdag.compute_grads`.
-        outputs: as for :func:`~daskdag.compute_grads`.
-        wrt: as for :func:`~daskdag.compute_grads`.
-        cotangents: as for :func:`~daskdag.compute_grads`, the same at every call.
-        client: as for :func:`~daskdag.compute_grads`; None: the default client in effect at
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        wrt: as for [`compute_grads`][daskdag.compute_grads].
+        cotangents: as for [`compute_grads`][daskdag.compute_grads], the same at every call.
+        client: as for [`compute_grads`][daskdag.compute_grads]; None: the default client in effect at
             each call, else Dask's threads.
-        scheduler: as for :func:`~daskdag.compute_grads`.
-        progress: as for :func:`~daskdag.compute_grads`.
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
+        progress: as for [`compute_grads`][daskdag.compute_grads].
 
     Returns:
-        A :class:`Prepared` function. ``f(x)`` returns ``(value, grad)`` for a single output
-        name (``grad`` shaped like ``x`` with one free input, else ``{input: grad}``), else
-        ``({output: value}, {output: grad})``. Errors as for :func:`~daskdag.compute_grads`.
+        A [`Prepared`][daskdag.Prepared] function. ``f(x)`` returns ``(value, grad)`` for a
+            single output name (``grad`` shaped like ``x`` with one free input, else
+            ``{input: grad}``), else ``({output: value}, {output: grad})``. It raises as
+            [`compute_grads`][daskdag.compute_grads] does.
 
     For example:
 
@@ -113,25 +114,25 @@ def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     ``jax.jacfwd``) of the composed function, with its values.
 
     Args:
-        dag: as for :func:`~daskdag.jacobian`.
-        outputs: as for :func:`~daskdag.jacobian`.
-        wrt: as for :func:`~daskdag.jacobian`.
-        mode: as for :func:`~daskdag.jacobian`; ``"auto"`` decides at the first call (and again
+        dag: as for [`jacobian`][daskdag.jacobian].
+        outputs: as for [`jacobian`][daskdag.jacobian].
+        wrt: as for [`jacobian`][daskdag.jacobian].
+        mode: as for [`jacobian`][daskdag.jacobian]; ``"auto"`` decides at the first call (and again
             only when the inputs' shapes or the DAG change).
-        sparsity: as for :func:`~daskdag.jacobian`; ``"detect"`` detects the pattern at the
+        sparsity: as for [`jacobian`][daskdag.jacobian]; ``"detect"`` detects the pattern at the
             first call, and later calls reuse it (unless a node's pattern had to be probed at
             the point: then at every call).
-        sparse: as for :func:`~daskdag.jacobian`.
-        chunk_size: as for :func:`~daskdag.jacobian`.
-        client: as for :func:`value_and_grad`.
-        scheduler: as for :func:`~daskdag.jacobian`.
-        progress: as for :func:`~daskdag.jacobian`.
+        sparse: as for [`jacobian`][daskdag.jacobian].
+        chunk_size: as for [`jacobian`][daskdag.jacobian].
+        client: as for [`value_and_grad`][daskdag.value_and_grad].
+        scheduler: as for [`jacobian`][daskdag.jacobian].
+        progress: as for [`jacobian`][daskdag.jacobian].
 
     Returns:
-        A :class:`Prepared` function: ``f(x)`` returns ``(value, jac)`` for a single output
-        name, else ``({output: value}, {output: jac})``, each ``jac`` in ``jax.jacrev``'s
-        layout (or ``scipy.sparse`` with ``sparse=True``), as :func:`~daskdag.jacobian`
-        gives it.
+        A [`Prepared`][daskdag.Prepared] function: ``f(x)`` returns ``(value, jac)`` for a
+            single output name, else ``({output: value}, {output: jac})``, each ``jac`` in
+            ``jax.jacrev``'s layout (or ``scipy.sparse`` with ``sparse=True``), as
+            [`jacobian`][daskdag.jacobian] gives it.
 
     For example:
 
@@ -160,17 +161,17 @@ def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     the composed function.
 
     Args:
-        dag: as for :func:`~daskdag.compute_jvps`.
-        outputs: as for :func:`~daskdag.compute_jvps`.
-        batched: as for :func:`~daskdag.compute_jvps`.
-        client: as for :func:`value_and_grad`.
-        scheduler: as for :func:`~daskdag.compute_jvps`.
-        progress: as for :func:`~daskdag.compute_jvps`.
+        dag: as for [`compute_jvps`][daskdag.compute_jvps].
+        outputs: as for [`compute_jvps`][daskdag.compute_jvps].
+        batched: as for [`compute_jvps`][daskdag.compute_jvps].
+        client: as for [`value_and_grad`][daskdag.value_and_grad].
+        scheduler: as for [`compute_jvps`][daskdag.compute_jvps].
+        progress: as for [`compute_jvps`][daskdag.compute_jvps].
 
     Returns:
-        A :class:`Prepared` function: ``f(x, tangents)`` returns ``(value, tangent)`` for a
-        single output name, else ``({output: value}, {output: tangent})``; ``tangents`` as
-        :func:`~daskdag.compute_jvps` takes them.
+        A [`Prepared`][daskdag.Prepared] function: ``f(x, tangents)`` returns ``(value,
+            tangent)`` for a single output name, else ``({output: value}, {output: tangent})``;
+            ``tangents`` as [`compute_jvps`][daskdag.compute_jvps] takes them.
 
     For example:
 
@@ -197,21 +198,21 @@ def value_grad_and_hvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
                        client: Client | None = None, scheduler: str | Client | None = None,
                        progress: bool = False) -> Prepared:
     """``dag`` as a function ``f(x, v) -> (values, grads, hvps)``: the gradients and the
-    Hessian-vector products along ``v``, as :func:`~daskdag.compute_hvps` gives them (for
+    Hessian-vector products along ``v``, as [`compute_hvps`][daskdag.compute_hvps] gives them (for
     ``scipy.optimize.minimize``'s ``hessp``, or a Newton-CG step).
 
     Args:
-        dag: as for :func:`~daskdag.compute_hvps`.
-        outputs: as for :func:`~daskdag.compute_hvps`.
-        wrt: as for :func:`~daskdag.compute_hvps`.
-        cotangents: as for :func:`~daskdag.compute_hvps`, the same at every call.
-        client: as for :func:`value_and_grad`.
-        scheduler: as for :func:`~daskdag.compute_hvps`.
-        progress: as for :func:`~daskdag.compute_hvps`.
+        dag: as for [`compute_hvps`][daskdag.compute_hvps].
+        outputs: as for [`compute_hvps`][daskdag.compute_hvps].
+        wrt: as for [`compute_hvps`][daskdag.compute_hvps].
+        cotangents: as for [`compute_hvps`][daskdag.compute_hvps], the same at every call.
+        client: as for [`value_and_grad`][daskdag.value_and_grad].
+        scheduler: as for [`compute_hvps`][daskdag.compute_hvps].
+        progress: as for [`compute_hvps`][daskdag.compute_hvps].
 
     Returns:
-        A :class:`Prepared` function: ``f(x, v)`` returns ``(value, grad, hvp)`` for a single
-        output name, else three dicts ``{output: ...}``.
+        A [`Prepared`][daskdag.Prepared] function: ``f(x, v)`` returns ``(value, grad, hvp)``
+            for a single output name, else three dicts ``{output: ...}``.
 
     For example:
 

@@ -25,7 +25,7 @@ def write_certs(directory: str | os.PathLike[str], hosts: Iterable[str] = (), da
     """Write ``ca.pem``, ``cert.pem`` and ``key.pem`` into ``directory``; return their paths.
 
     ``hosts`` (names or IP addresses) are added to the certificate's alternative names, after
-    :data:`DEFAULT_HOSTS`. Existing files are kept unless ``force``: replacing them locks out every
+    ``DEFAULT_HOSTS``. Existing files are kept unless ``force``: replacing them locks out every
     process still holding the old ones.
     """
     paths = _cert_paths(directory, force)
@@ -146,10 +146,10 @@ ROLES = ("scheduler", "worker", "client")
 
 def security(directory: str | os.PathLike[str], roles: Iterable[str] = ("client",)
              ) -> distributed.Security:
-    """A ``distributed.Security`` from a directory :func:`write_certs` filled: encryption
-    required, the CA trusted, the certificate shown for each of ``roles`` (of :data:`ROLES`; a
-    client's by default; a scheduler that starts its workers as batch jobs, as dask-jobqueue's
-    does, needs all three). Paths are absolute, as jobs started elsewhere need them.
+    """A ``distributed.Security`` from a directory [`write_certs`][daskdag.cli.write_certs]
+    filled: encryption required, the CA trusted, the certificate shown for each of ``roles`` (of
+    ``ROLES``; a client's by default; a scheduler that starts its workers as batch jobs, as
+    dask-jobqueue's does, needs all three). Paths are absolute, as jobs started elsewhere need them.
 
     >>> client = Client("tls://scheduler:8786", security=daskdag.cli.security("deploy/certs"))
     """

@@ -43,7 +43,7 @@ class Node:
             ``resources={'GPU': 1}``. Other nodes run on any worker.
         resources: ``{'NAME': amount}``: Dask resources the node's tasks need on a worker.
         vjp: for a node outside JAX (NumPy, SciPy, a simulator; it then gets NumPy values, never
-            tracers, :mod:`daskdag.rules.custom`): ``vjp(ct, out, *args)``, returning one
+            tracers, ``daskdag.rules.custom``): ``vjp(ct, out, *args)``, returning one
             cotangent per dep. With ``vmap=True`` in a sweep, every value has a leading item
             axis.
         fwd: with ``bwd``, instead of ``vjp``: ``fwd(*args) -> (out, residuals)``.
@@ -51,7 +51,7 @@ class Node:
         jvp: for forward mode, ``jvp(args, tangents) -> (out, out_tangent)``.
         remat: keep no residuals between the node's forward and backward tasks: its backward
             task runs the node's forward pass again (under its rule, the user's own ones
-            included) and pulls the cotangent back at once, as :func:`jax.checkpoint` does. It
+            included) and pulls the cotangent back at once, as ``jax.checkpoint`` does. It
             trades one more forward pass of the node for the memory its residuals would hold
             until the backward pass. ``None`` (the default) takes ``dask.config``'s
             ``daskdag.remat`` (default False) when the DAG is parsed. A remat node is a stage (a

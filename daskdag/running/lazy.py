@@ -31,7 +31,7 @@ from daskdag.model.plan import Plan
 
 
 class Call(DaskMethodsMixin):
-    """One call of :func:`daskdag.grads`, :func:`daskdag.jacobians` or :func:`daskdag.jvps`,
+    """One call of [`daskdag.grads`][daskdag.grads], [`daskdag.jacobians`][daskdag.jacobians] or [`daskdag.jvps`][daskdag.jvps],
     not computed yet. ``outputs``: the outputs it computes; ``wrt``: what their gradients (or
     tangents) are taken with respect to. ``.compute()`` returns ``{output: Result}`` (one
     ``Result`` for a single output name), as the eager function does."""
@@ -47,7 +47,7 @@ class Call(DaskMethodsMixin):
     @classmethod
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any], keep: Any = None
            ) -> "Call":
-        """From :func:`daskdag.graph.build.build`'s ``{output: (value, {name: grad})}`` and
+        """From ``daskdag.graph.build.build``'s ``{output: (value, {name: grad})}`` and
         ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed;
         ``keep``: what the call keeps alive (its DAG's entries)."""
         keys = []
@@ -108,7 +108,7 @@ class Call(DaskMethodsMixin):
         """Dask's picture of the graph (needs graphviz: ``pip install 'daskdag[viz]'`` and the
         ``dot`` program), one shape per task, labelled by its key less its token
         (``fwd:A+B``: stage A+B's forward task), forward tasks blue and backward ones orange.
-        ``filename``, ``format`` and other keywords as for :func:`dask.visualize`."""
+        ``filename``, ``format`` and other keywords as for ``dask.visualize``."""
         tasks = {k: {"label": k.rsplit("-", 1)[0], "style": "filled",
                      "fillcolor": "#f6c89f" if kind_of(k) in ("bwd", "grad") else "#b9d3ee"}
                  for k in dict(self._dask)}  # (its keys; dask.visualize asks for the graph)

@@ -65,7 +65,7 @@ class SweepStore:
     Args:
         location: a directory (made if missing), or a Zarr store object
             (``zarr.storage.LocalStore``, ``FsspecStore``, ``ObjectStore``, ...).
-        changed_items: ``"raise"``: a :class:`~daskdag.StoreError` naming the items whose
+        changed_items: ``"raise"``: a [`StoreError`][daskdag.StoreError] naming the items whose
             inputs are not those their results were computed from; ``"recompute"``: compute
             those chunks again (and only those), replacing what the store held for them.
         lazy: return dask arrays reading the store (``da.from_zarr``) instead of NumPy arrays
