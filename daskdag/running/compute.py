@@ -72,6 +72,8 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
     dsk: dict = {}
     known: dict = {}
+    # (jax.tree sorts a dict's keys: the results go back in the order the call named them)
+    order = list(graph) if isinstance(graph, dict) else plan.outputs if plan is not None else ()
     if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
         dsk, keys, structure, known = graph.dsk, graph.keys, graph.structure, graph.functions
     else:
@@ -91,15 +93,20 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
             if stop is not None:
                 stop.set()
             raise
-        return jax.tree.unflatten(structure, computed)
+        return _in_order(jax.tree.unflatten(structure, computed), order)
     futures = client.compute(keys)
     try:
         with _bar(client, futures) if progress else contextlib.nullcontext():
             wait(client, futures, Watch(client, plan))
-        return jax.tree.unflatten(structure, client.gather(futures))
+        return _in_order(jax.tree.unflatten(structure, client.gather(futures)), order)
     finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
         for f in futures:
             f.release()
+
+
+def _in_order(results: dict, order) -> dict:
+    """``results`` with the keys named in ``order`` first, in that order."""
+    return {**{k: results[k] for k in order if k in results}, **results}
 
 
 def wait(client, futures: list, watch: Watch) -> None:
