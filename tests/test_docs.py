@@ -204,3 +204,9 @@ def test_front_pages_share_the_demo_s_dag():
                      "return jnp.log(jnp.trace(B))"):
             assert line in text, (page, line)
     assert len(_shown_outputs()) == len(FRONT_PAGES)
+
+
+def test_the_site_shows_the_package_s_version():
+    import daskdag
+
+    assert f"daskdag {daskdag.__version__}," in (ROOT / "mkdocs.yml").read_text()
