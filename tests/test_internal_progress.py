@@ -7,16 +7,7 @@ import daskdag
 from daskdag.sweeps import progress
 
 from .support.progress import Recorded
-
-
-def encode(x, w):
-    return jnp.tanh(w @ x)
-
-
-def flaky(h):
-    if jnp.sum(h) > 1.0:
-        raise FloatingPointError("diverged")
-    return jnp.sum(h ** 2)
+from .test_sweep_failures import encode, flaky
 
 
 def test_progress_final_count_is_exact_with_failures(monkeypatch):
