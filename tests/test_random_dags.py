@@ -8,14 +8,11 @@ is summed into a scalar node for gradients and HVPs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import daskdag
 from .support.numbers import assert_tree_close
-
-jax.config.update("jax_enable_x64", False)
 
 UNARY = {"sin": jnp.sin, "tanh": jnp.tanh, "square": lambda a: a * a,
          "cumsum": jnp.cumsum, "scale": lambda a: 0.5 * a + 1.0}

@@ -19,7 +19,7 @@ call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from dask.delayed import Delayed
 from dask.task_spec import TaskRef
@@ -42,7 +42,7 @@ class GradientSeeding:
 
     cotangents: dict = field(default_factory=dict)
     batched: bool = False
-    pull: Any = tasks.PER_OUTPUT
+    pull: ClassVar[Any] = tasks.PER_OUTPUT
 
     def seed(self, output: str) -> tasks.Seed:
         return tasks.Seed(output, self.cotangents.get(output), self.batched)
@@ -55,7 +55,7 @@ class JacobianSeeding:
     :class:`~daskdag.graph.tasks.Rows`), and its "gradients" are the Jacobian's rows."""
 
     pull: tasks.Rows
-    batched = False
+    batched: ClassVar[bool] = False
 
     def seed(self, output: str) -> tasks.Basis:
         return tasks.Basis(output, self.pull.colours_of(output))
@@ -98,7 +98,7 @@ class _Wiring:
 
     def __init__(self, plan: Plan, values: dict, seeding, intake: Intake, stop, stages=None):
         self.plan, self.intake, self.g, self.stop = plan, intake, intake.graph, stop
-        self.seeding, self.pull = seeding, seeding.pull
+        self.pull = seeding.pull
         self.stages = make_stages(plan) if stages is None else stages
         self.stage_of = {n: s for s in self.stages for n in s.nodes}
         self.paths = {o: set(plan.backward[o]) for o in plan.outputs}
@@ -166,8 +166,9 @@ class _Wiring:
             # (A Jacobian's rows change only what a closed stage's task computes: the others
             # are the same forward tasks as for gradients, shared when both run together.)
             dense = s in self.dense
-            k = intake.key("fwd", s.name, s, [ident(n) for n in sent], [ident(val[d]) for d in s.deps],
-                          closed, self.pull if closed else None, *(["dense"] if dense else []))
+            k = intake.key("fwd", s.name, s, [ident(n) for n in sent],
+                           [ident(val[d]) for d in s.deps], closed, self.pull if closed else None,
+                           *(["dense"] if dense else []))
             run = ((tasks.forward_dense if dense else tasks.forward,) if closed is None else
                    (tasks.forward_backward, closed, self.pull))
             fwd = self.g.task(k, dict(s.needs), run[0], s, self.stop, *run[1:], *sent,
@@ -206,8 +207,8 @@ class _Wiring:
             flows, sources = [], {}
             for o in self.through[s]:
                 flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
-            k = self.intake.key("bwd", self._label(s), self.forward_task[s].key, flows, list(sources),
-                               self.pull)
+            k = self.intake.key("bwd", self._label(s), self.forward_task[s].key, flows,
+                                list(sources), self.pull)
             args = (s, self.stop, tuple(flows), self.pull, self.forward_task[s],
                     *(self.val[d] for d in s.deps), *(self.sources[src] for src in sources))
             if s in self.dense:  # (run inside each task that takes its cotangents)
@@ -241,11 +242,12 @@ class _Wiring:
                 sources: dict = {}
                 locations = self._shares(i, o, sources)
                 own = self.seeds[o] if i == o else None
-                k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources), locations,
-                                   own, self.pull)
-                grads[i] = self.g.task(k, None, tasks.gradient, tuple((k, p) for _, k, p in locations),
-                                       self.val[i], output, self.seeds[o] if output is not None else None,
-                                       own, *(self.sources[src] for src in sources))
+                k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources),
+                                    locations, own, self.pull)
+                basis = self.seeds[o] if self.pull.stacked else None
+                grads[i] = self.g.task(k, None, tasks.gradient,
+                                       tuple((k, p) for _, k, p in locations), self.val[i], output,
+                                       basis, own, *(self.sources[src] for src in sources))
             results[o] = (self.val[o], grads)
         return results
 

@@ -173,14 +173,14 @@ def build(plan: Plan, values: dict, tangents: dict, transport: Transport, k: int
                          root=is_root(s, spec))
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
-            fwd = g.task(intake.key("jvp", s.name, s, [ident(n) for n in sent], deps,
-                                   [None if t is None else ident(t) for t in dep_tangents], k, chunk),
-                         dict(s.needs), forward, s, stop, k, chunk, *sent, *(val[d] for d in s.deps),
-                         *dep_tangents, root=is_root(s, spec))
+            k_jvp = intake.key("jvp", s.name, s, [ident(n) for n in sent], deps,
+                               [None if t is None else ident(t) for t in dep_tangents], k, chunk)
+            fwd = g.task(k_jvp, dict(s.needs), forward, s, stop, k, chunk, *sent,
+                         *(val[d] for d in s.deps), *dep_tangents, root=is_root(s, spec))
         token = token_of(str(fwd.key))
         for e, n in enumerate(s.outputs):
-            val[n] = fwd if s.value_only else g.task(key("val", n, token), dict(s.needs), tasks.pick,
-                                               fwd, s.has_pullback, e)
+            val[n] = fwd if s.value_only else g.task(key("val", n, token), dict(s.needs),
+                                                     tasks.pick, fwd, s.has_pullback, e)
             if n in plan.active:
                 tan[n] = g.task(key("tan", n, token), dict(s.needs), pick_tangent, fwd, e)
 

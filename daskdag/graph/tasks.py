@@ -271,7 +271,8 @@ def gradient(locations: tuple, x, output, basis, own, *sources):
     chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis.rows(output),)
-    shares = [s[k][i] for s, (k, i) in zip(sources, locations)] + ([own.cotangent(x, ())] if own else [])
+    shares = [s[k][i] for s, (k, i) in zip(sources, locations)]
+    shares += [own.cotangent(x, ())] if own else []
     flat = iter(total(shares) if shares else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])

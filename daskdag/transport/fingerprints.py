@@ -275,5 +275,9 @@ def is_user_module(name: str) -> bool:
         return True
     module = sys.modules.get(name)
     file: Any = getattr(module, "__file__", None)
-    return _decided.setdefault((name, file), lambda: bool(file) and name.partition(".")[0] !=
-                               "daskdag" and not os.path.realpath(file).startswith(_installed_roots()))
+
+    def decide() -> bool:
+        return (bool(file) and name.partition(".")[0] != "daskdag"
+                and not os.path.realpath(file).startswith(_installed_roots()))
+
+    return _decided.setdefault((name, file), decide)
