@@ -17,7 +17,14 @@ the same objects and keeps, for each, what can change under the same name:
 - the user's functions and classes (by value): their identity, then their code, the globals
   their code names, closure cells, defaults and attributes;
 - other objects: what pickling them would save (``copyreg``'s table, else ``__reduce_ex__``),
-  else their ``__dict__``.
+  else their ``__dict__``;
+- the user's modules (:func:`is_user_module`), however they are reached (a global, a closure
+  cell, an object's attribute, a container's item, another module's attribute): their identity,
+  then each attribute that some code the walk went through may read by name (its names, and the
+  identifier-like strings among its constants, for ``getattr(module, "NAME")``), until no new
+  name or module turns up; every attribute but the dunder ones where such code names
+  ``getattr``, ``vars`` or ``__dict__`` (a name computed as it runs). Other modules are taken by
+  their identity alone.
 
 Two fingerprints of one function are equal when nothing that packing would see has changed: an
 array changed in place, a global rebound, a closure cell or an attribute set, a list or dict
@@ -51,6 +58,7 @@ _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Elli
 _CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
 _ABSENT = ("absent",)  # a name a function's code uses that its globals do not hold (yet)
 _EMPTY = ("empty cell",)
+_DYNAMIC = frozenset(("getattr", "vars", "__dict__"))  # ways code reads an attribute by a name it computes
 
 
 class Unwatchable(Exception):
@@ -82,14 +90,15 @@ def fingerprint(obj: Any) -> Fingerprint | None:
     keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it."""
     walk = _Walk(obj.target if isinstance(obj, Weak) else obj)
     try:
-        walk(walk.root)
+        walk.walk()
     except (Unwatchable, RecursionError):
         return None
     return Fingerprint(walk.facts, walk.refs)
 
 
 class _Walk:
-    __slots__ = ("facts", "refs", "seen", "walked", "root", "weakly")
+    __slots__ = ("facts", "refs", "seen", "walked", "root", "weakly", "read", "modules",
+                 "anything")
 
     def __init__(self, root):
         self.facts: list = []
@@ -98,6 +107,31 @@ class _Walk:
         self.walked: list = []  # what the walk went through: kept while it goes (ids unique)
         self.root = root
         self.weakly: set[int] = set()  # functions held weakly (Weak): not kept alive here
+        self.read: set[str] = set()  # the attribute names the code walked through may read
+        self.modules: dict[int, tuple] = {}  # id -> (a user's module reached, names read of it)
+        self.anything = False  # some code may read any attribute (getattr with a computed name)
+
+    def walk(self) -> None:
+        """The root, then the user's modules it reached, by the names its code reads, until
+        neither the names nor the modules grow (what a module's attribute holds may read more
+        names, or reach another module)."""
+        self(self.root)
+        grown = True
+        while grown:
+            grown = False
+            for module, done in list(self.modules.values()):
+                wanted = self.read
+                if self.anything:
+                    wanted = wanted | {k for k in vars(module) if not k.startswith("__")}
+                todo = sorted(wanted - done)
+                if not todo:
+                    continue
+                grown = True
+                done.update(todo)
+                self.facts.append(("module", module.__name__))
+                for attribute in todo:
+                    self.facts.append(attribute)
+                    self(getattr(module, attribute, _ABSENT))
 
     def identity(self, obj) -> None:
         if obj is self.root:
@@ -117,8 +151,13 @@ class _Walk:
         if kind is np.ndarray and not obj.dtype.hasobject:
             facts.append(("ndarray", obj.shape, obj.dtype.str, _content(obj)))
             return
-        if isinstance(obj, (jax.Array, types.CodeType, types.ModuleType)):
+        if isinstance(obj, (jax.Array, types.CodeType)):
             self.identity(obj)
+            return
+        if isinstance(obj, types.ModuleType):
+            self.identity(obj)
+            if id(obj) not in self.modules and is_user_module(obj.__name__):
+                self.modules[id(obj)] = (obj, set())  # (its attributes: read in walk())
             return
         if kind is Weak:  # (a preparation's hold on a function: the function itself)
             target = obj.target
@@ -163,19 +202,17 @@ class _Walk:
     def function(self, fn: types.FunctionType) -> None:
         code, facts = fn.__code__, self.facts
         self.identity(code)
-        namespace, read = fn.__globals__, names(code)
-        for name in read:
+        self.read.update(attributes(code))
+        if not self.anything and not _DYNAMIC.isdisjoint(names(code)):
+            self.anything = True
+        namespace = fn.__globals__
+        for name in names(code):
             value = namespace.get(name, _ABSENT)
             facts.append(name)
             if value is _ABSENT:
                 facts.append(_ABSENT)
                 continue
             self(value)
-            if isinstance(value, types.ModuleType) and is_user_module(value.__name__):
-                # (what it may read of a module of the user's: ``helpers.scale(x)``)
-                for attribute in read:
-                    facts.append(attribute)
-                    self(getattr(value, attribute, _ABSENT))
         for cell in fn.__closure__ or ():
             try:
                 contents = cell.cell_contents
@@ -232,6 +269,19 @@ def names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+@lru_cache(maxsize=8192)
+def attributes(code: types.CodeType) -> frozenset[str]:
+    """The attribute names ``code`` (and the code nested in it) may read of a module: its names,
+    and its string constants that are identifiers (``getattr(module, "SCALE")``)."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.update(attributes(const))
+        elif isinstance(const, str) and const.isidentifier():
+            found.add(const)
+    return frozenset(found)
+
+
 def by_reference(obj) -> bool:
     """An object that pickles by reference: an installed package's function, class or other
     object found under its own module and name (``jax.numpy.sin``), which the receiving side
@@ -264,7 +314,7 @@ def _installed_roots() -> tuple[str, ...]:
 
 
 _decided: Cache[bool] = Cache("whose modules are the user's", 4096)  # (name, file) -> decided
-register("names read by code objects", lambda: names.cache_clear())
+register("names read by code objects", lambda: (names.cache_clear(), attributes.cache_clear()))
 
 
 def is_user_module(name: str) -> bool:
