@@ -118,8 +118,8 @@ def register(name: str, clear: Callable[[], None]) -> None:
 
 
 def clear_caches() -> None:
-    """Drop everything daskdag keeps between calls in this process: prepared calls, packed
-    functions and their fingerprints, compiled programs, sparsity patterns and colourings,
+    """Drop everything daskdag keeps between calls in this process: prepared calls (a
+    [`Prepared`][daskdag.Prepared] function's own included), packed functions and their fingerprints, compiled programs, sparsity patterns and colourings,
     learned task durations. The next call prepares everything again, as a first call does.
     (JAX's own compilation caches are JAX's: ``jax.clear_caches()``.)
 

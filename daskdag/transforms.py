@@ -40,7 +40,7 @@ class Prepared:
                  outputs: str | Sequence[str]) -> None:
         self._name, self._call, self._unpack, self._outputs = name, call, unpack, outputs
         self._last = threading.local()
-        self._pins: dict = {}  # its latest preparation (daskdag.running.prepared.pinning)
+        self._pins = prepared.Pins()  # its latest preparation, kept whatever else runs
 
     def __call__(self, x: PyTree, *args: PyTree) -> tuple:
         with prepared.pinning(self._pins):

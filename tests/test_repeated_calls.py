@@ -391,6 +391,30 @@ def test_prepared_calls_off_prepares_every_call():
     assert not daskdag.compute_grads(dag, X, "L").info.prepared
 
 
+@pytest.mark.parametrize("make", [
+    lambda dag: (daskdag.value_and_grad(dag, "L"), (X,)),
+    lambda dag: (daskdag.value_and_jacobian(dag, "L"), (X,)),
+    lambda dag: (daskdag.value_and_jvp(dag, "L"), (X, jnp.ones(3))),
+    lambda dag: (daskdag.value_grad_and_hvp(dag, "L"), (X, jnp.ones(3)))])
+def test_prepared_functions_obey_clear_caches_and_prepared_calls_off(make):
+    """A prepared function's own preparation goes with clear_caches(), and 0 turns it off too."""
+    dag = {"A": Node(jnp.sin, ["x"], jit=True), "L": (jnp.sum, ["A"])}
+    f, args = make(dag)
+    f(*args)
+    f(*args)
+    assert f.info.prepared
+    daskdag.clear_caches()
+    f(*args)
+    assert not f.info.prepared and f.info.why == "first call"
+    with dask.config.set({"daskdag.prepared-calls": 0}):
+        for _ in range(2):
+            f(*args)
+            assert not f.info.prepared and "prepared calls are off" in f.info.why
+    f(*args)
+    f(*args)
+    assert f.info.prepared  # (on again: kept again)
+
+
 # -- results say how they were computed -------------------------------------------------------------
 
 def test_results_say_mode_passes_colours_and_preparation():

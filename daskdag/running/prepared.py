@@ -23,6 +23,7 @@ Anything new or changed prepares the call anew, and :func:`get` says why.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import dask.config
 import jax
 
 from daskdag import config
-from daskdag.caches import Cache
+from daskdag.caches import Cache, register
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
@@ -44,13 +45,29 @@ _UNSET = object()
 #: The preparations kept, by key (the least recently used out first).
 PREPARED: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
 _last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (key, note)
-_pins: ContextVar[dict | None] = ContextVar("daskdag_pins", default=None)
+_pins: ContextVar[Pins | None] = ContextVar("daskdag_pins", default=None)
+
+
+class Pins:
+    """The latest preparation of one owner (a :class:`daskdag.Prepared` function), kept
+    however many others the process keeps (``entries``: key -> preparation); emptied by
+    :func:`daskdag.clear_caches` as every other preparation is."""
+
+    __slots__ = ("entries", "__weakref__")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, Preparation] = {}
+        _all_pins.add(self)
+
+
+_all_pins: weakref.WeakSet[Pins] = weakref.WeakSet()
+register("prepared functions' own preparations",
+         lambda: [pins.entries.clear() for pins in list(_all_pins)])
 
 
 @contextlib.contextmanager
-def pinning(pins: dict) -> Iterator[None]:
-    """Within it, the latest preparation a call makes or reuses is also kept in ``pins`` (its
-    owner's: a :class:`daskdag.Prepared` function), however many others the process keeps."""
+def pinning(pins: Pins) -> Iterator[None]:
+    """Within it, the latest preparation a call makes or reuses is also kept in ``pins``."""
     token = _pins.set(pins)
     try:
         yield
@@ -121,11 +138,13 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     key = _key(kind, dag, x, options, inputs)
     if key is None:  # (a malformed DAG or unhashable options: make() says what is wrong)
         return make(Watch()), "its arguments cannot key a preparation"
+    if config.get("prepared-calls") <= 0:  # (none is kept, nor used: a pinned one neither)
+        _remember(kind, dag, key, OFF)
+        return make(Watch()), OFF
     pins = _pins.get()
-    keeping = config.get("prepared-calls") > 0
-    hit = PREPARED.get(key) if keeping else None  # (0: none is kept, nor used)
+    hit = PREPARED.get(key)
     if hit is None and pins is not None:
-        hit = pins.get(key)
+        hit = pins.entries.get(key)
     if hit is not None:
         why = hit.changed()
         if why is None:
@@ -139,32 +158,32 @@ def get(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
     note = None
     if watch.refused:
         note = "; ".join(watch.refused) + ": such a call is prepared anew each time"
-    elif keeping or pins is not None:
+    else:
         made = Preparation(value, tuple(watch.watched), key)
         for weak in watch.held:  # (the ids in the key stay the functions' while it lasts)
             weak.on_gone(partial(_forget, key, made, pins))
-        PREPARED.put(key, made)  # (a size of 0 keeps nothing)
+        PREPARED.put(key, made)
         _pin(pins, made)
-    else:
-        note = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
     _remember(kind, dag, key, note)
     return value, why
 
 
-def _forget(key: tuple, made: Preparation, pins: dict | None) -> None:
+OFF = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
+
+
+def _forget(key: tuple, made: Preparation, pins: Pins | None) -> None:
     """A function the preparation ``made`` holds is gone: so is the preparation."""
     if PREPARED is None:  # (the interpreter is shutting down)
         return
     if PREPARED.get(key) is made:
         PREPARED.pop(key)
-    if pins is not None and pins.get(key) is made:
-        pins.pop(key)
+    if pins is not None and pins.entries.get(key) is made:
+        pins.entries.pop(key)
 
 
-def _pin(pins: dict | None, made: Preparation) -> None:
-    if pins is not None and pins.get(made.key) is not made:
-        pins.clear()
-        pins[made.key] = made
+def _pin(pins: Pins | None, made: Preparation) -> None:
+    if pins is not None and pins.entries.get(made.key) is not made:
+        pins.entries = {made.key: made}
 
 
 #: daskdag's settings that each call reads as it runs: no preparation depends on them.
