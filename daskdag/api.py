@@ -20,7 +20,7 @@ from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
-                                   cotangents_for, one_input, parsed, prepare)
+                                   cotangents_for, given_values, one_input, parsed, prepare)
 from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import CallInfo, Job, as_collection, run
@@ -91,7 +91,10 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
         dag: ``{name: (fn, [deps])}`` or ``{name: daskdag.Node(fn, deps, jit=...)}``; a dep that
             is no node's name is a free input.
         x: the free input's value (any pytree of arrays) when there is one, else a mapping
-            ``{input_name: value}``.
+            ``{input_name: value}``. With one free input, a mapping with the input's name as a
+            key is that form too (``{"x": value}``), and one that reads as values for other
+            names is refused (keys that all name nodes, or one array under a single other
+            name): ``{"x": that mapping}`` gives it as the value.
         outputs: node names; a single name returns a single [`Result`][daskdag.Result].
         wrt: input names to differentiate; default every given input with a floating-point
             leaf. Within an input, floating-point (and complex) array leaves are
@@ -239,7 +242,7 @@ def names_key(names: Any) -> Any:
 def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
     """``{input: value}`` of inputs already checked (:func:`daskdag.model.request.input_values`)
     for inputs like ``x`` (a preparation's key holds their structure)."""
-    return {spec.inputs[0]: x} if len(spec.inputs) == 1 else dict(x)
+    return given_values(spec, x)
 
 
 def watched(plan: Plan, transport: Transport, watch: prepared.Watch) -> dict[int, Any]:

@@ -74,8 +74,8 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
         progress: as for [`compute_grads`][daskdag.compute_grads].
         tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
             leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
-            bools, functions). With several inputs, a dict ``{input_name: tangent}``; the
-            inputs left out are held constant.
+            bools, functions); or ``{input_name: tangent}``, read as ``x`` is. With several
+            inputs, a dict ``{input_name: tangent}``; the inputs left out are held constant.
         batched: every tangent leaf has a leading axis of K directions, and so has every
             output's tangent, ``(K, *output shape)``: with the identity as the K directions,
             row ``k`` is the Jacobian's column ``k``, so the whole is the transpose of

@@ -210,3 +210,61 @@ def test_the_site_shows_the_package_s_version():
     import daskdag
 
     assert f"daskdag {daskdag.__version__}," in (ROOT / "mkdocs.yml").read_text()
+
+
+def _layout(line: str) -> str:
+    """``line`` with each number replaced by ``#``: its layout."""
+    return re.sub(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", "#", line)
+
+
+@pytest.mark.timeout(150)
+def test_make_demo_prints_what_the_front_pages_show():
+    """``make demo`` runs examples/seed_dag.py as a script; what it prints starts with the lines
+    each front page shows its example printing, laid out the same, with the same numbers."""
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe is not None and recipe.group(1).split() == ["$(PY)", "examples/seed_dag.py"]
+    out = subprocess.run([sys.executable, "examples/seed_dag.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    printed = out.stdout.splitlines()
+    shown = _shown_outputs()
+    assert [page for page, *_ in shown] == list(FRONT_PAGES)
+    for page, _, _, block in shown:
+        lines = block.splitlines()
+        head = printed[:len(lines)]
+        assert list(map(_layout, head)) == list(map(_layout, lines)), (page, out.stdout, block)
+        got, want = _numbers("\n".join(head)), _numbers(block)
+        assert len(got) == len(want) and all(
+            abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(got, want)), (page, out.stdout)
+    assert "agrees with plain JAX" in printed[-1], out.stdout
+
+
+def _named_results() -> list:
+    """``(page, code, expressions)``: for each front page, its example (as
+    :func:`_shown_outputs` has it) and the ``res...`` expressions its prose names in ``code
+    spans``."""
+    found = []
+    for page, _, code, _ in _shown_outputs():
+        prose = re.sub(r"^```.*?^```", "", (ROOT / page).read_text(), flags=re.M | re.S)
+        spans = re.findall(r"`(res\b[^`]*)`", prose)
+        if spans:
+            found.append((page, code, spans))
+    return found
+
+
+@pytest.mark.parametrize("page, code, spans", _named_results(),
+                         ids=[p for p, _, _ in _named_results()])
+def test_front_pages_name_what_their_example_returns(page, code, spans, tmp_path):
+    """Each ``res...`` expression a front page's prose names (``res["D"].info``) evaluates
+    after its example: ``compute_grads`` of a list of outputs returns a dict, so ``res.info``
+    would not."""
+    script = tmp_path / "example.py"
+    script.write_text(code + f"\nfor expression in {spans!r}:\n    eval(expression)\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, (page, spans, out.stderr[-3000:])
+
+
+def test_the_front_pages_name_a_result():
+    """(The test above has something to check.)"""
+    assert any(page == "README.md" for page, _, _ in _named_results())

@@ -159,3 +159,132 @@ def test_progress_bar_on_threads(capsys):
     res = daskdag.compute_grads(dag, X, "B", progress=True)
     assert "100% Completed" in capsys.readouterr().out  # dask.diagnostics.ProgressBar's
     assert_tree_close(res.grad, jnp.cos(X))
+
+
+def _sum_sin2(x):
+    return jnp.sum(jnp.sin(x) ** 2)
+
+
+_T = jnp.array([1.0, -0.5, 2.0])
+_XS = jnp.arange(6.0).reshape(2, 3) / 4
+# entry point -> (call with the one input x given as `x`, its plain-JAX reference at X, or None:
+# a check that returns its errors, each within rtol)
+ONE_INPUT_CALLS = {
+    "compute_grads": (lambda dag, x: daskdag.compute_grads(dag, x, "L").grad, jax.grad(_sum_sin2)(X)),
+    "grads": (lambda dag, x: daskdag.grads(dag, x, "L").compute().grad, jax.grad(_sum_sin2)(X)),
+    "jacobian": (lambda dag, x: daskdag.jacobian(dag, x, "A").grad, jax.jacrev(jnp.sin)(X)),
+    "jacobians": (lambda dag, x: daskdag.jacobians(dag, x, "A").compute().grad,
+                  jax.jacrev(jnp.sin)(X)),
+    "compute_jvps": (lambda dag, x: daskdag.compute_jvps(dag, x, _T, "L").tangent,
+                     jax.jvp(_sum_sin2, (X,), (_T,))[1]),
+    "jvps": (lambda dag, x: daskdag.jvps(dag, x, _T, "L").compute().tangent,
+             jax.jvp(_sum_sin2, (X,), (_T,))[1]),
+    "compute_hvps": (lambda dag, x: daskdag.compute_hvps(dag, x, _T, "L").hvp,
+                     jax.jvp(jax.grad(_sum_sin2), (X,), (_T,))[1]),
+    "hvps": (lambda dag, x: daskdag.hvps(dag, x, _T, "L").compute().hvp,
+             jax.jvp(jax.grad(_sum_sin2), (X,), (_T,))[1]),
+    "sweep_grads": (lambda dag, x: daskdag.sweep_grads(dag, jax.tree.map(lambda a: _XS, x),
+                                                       "L").grad,
+                    jax.vmap(jax.grad(_sum_sin2))(_XS)),
+    "check_grads": (lambda dag, x: daskdag.check_grads(dag, x, "L"), None),
+    "check_totals": (lambda dag, x: daskdag.check_totals(dag, x, "L"), None),
+    "value_and_grad": (lambda dag, x: daskdag.value_and_grad(dag, "L")(x)[1],
+                       jax.grad(_sum_sin2)(X)),
+    "value_and_jacobian": (lambda dag, x: daskdag.value_and_jacobian(dag, "A")(x)[1],
+                           jax.jacrev(jnp.sin)(X)),
+    "value_and_jvp": (lambda dag, x: daskdag.value_and_jvp(dag, "L")(x, _T)[1],
+                      jax.jvp(_sum_sin2, (X,), (_T,))[1]),
+    "value_grad_and_hvp": (lambda dag, x: daskdag.value_grad_and_hvp(dag, "L")(x, _T)[2],
+                           jax.jvp(jax.grad(_sum_sin2), (X,), (_T,))[1]),
+}
+
+
+def _one_input_dag():
+    sin = Counted(jnp.sin)
+    return {"A": (sin, ["x"]), "L": (lambda a: jnp.sum(a ** 2), ["A"])}, sin
+
+
+@pytest.mark.parametrize("call", ONE_INPUT_CALLS)
+def test_one_free_input_given_by_name_or_under_a_wrong_name(call):
+    """With one free input, every call takes its value itself or the ``{input_name: value}``
+    form (a dict with the input's name as a key), the same; a dict of one array under another
+    name is refused, naming the input, before any node runs."""
+    run, want = ONE_INPUT_CALLS[call]
+    dag, sin = _one_input_dag()
+    for x in (X, {"x": X}):
+        got = run(dag, x)
+        if want is None:
+            assert all(e <= 1e-4 for e in got.values()), got
+        else:
+            assert_tree_close(got, want, rtol=1e-5, atol=1e-6)
+    dag, sin = _one_input_dag()
+    with pytest.raises(DAGError, match="this DAG's one free input is 'x'; you passed \\{'y': "
+                                       "\\.\\.\\.\\}: one array under the name 'y'"):
+        run(dag, {"y": X})
+    assert sin.calls == sin.abstract == 0
+
+
+def test_a_dict_is_the_one_input_s_value_unless_it_names_the_input():
+    """The two readings of a dict given for a DAG's one free input ``p``: its value (a pytree
+    the nodes index), or the ``{input_name: value}`` form when ``p`` is one of its keys; a
+    dict that reads as values for other names (nodes, or one array under another name) is
+    refused, and its message says how to give it as the value."""
+    W, b = jnp.array([0.5, -1.0, 2.0]), jnp.array(0.25)
+    loss = lambda p: jnp.sum(jnp.tanh(p["w"] * X)) + p["b"] ** 2  # noqa: E731
+    dag = {"L": (loss, ["p"])}
+    params = {"w": W, "b": b}
+    for given in (params, {"p": params}):
+        assert_tree_close(daskdag.compute_grads(dag, given, "L").grad, jax.grad(loss)(params))
+    # A dict of one dict (flax's {"params": ...}) is the value too.
+    nested = lambda v: loss(v["params"])  # noqa: E731
+    r = daskdag.compute_grads({"L": (nested, ["p"])}, {"params": params}, "L")
+    assert_tree_close(r.grad, jax.grad(nested)({"params": params}))
+    # One array under another name reads as a misnamed input; named, it is the value.
+    one = lambda p: jnp.sum(jnp.tanh(p["w"] * X))  # noqa: E731
+    with pytest.raises(DAGError, match="one free input is 'p'; you passed \\{'w': \\.\\.\\.\\}.*"
+                                       "pass \\{'p': \\{'w': \\.\\.\\.\\}\\}"):
+        daskdag.compute_grads({"L": (one, ["p"])}, {"w": W}, "L")
+    r = daskdag.compute_grads({"L": (one, ["p"])}, {"p": {"w": W}}, "L")
+    assert_tree_close(r.grad, jax.grad(one)({"w": W}))
+    # Keys that are all node names read as values for nodes; named, the dict is the value.
+    by_node = {"A": (lambda p: p["A"] * p["B"], ["p"]), "B": (lambda a: jnp.sum(a), ["A"])}
+    values = {"A": W, "B": W}
+    with pytest.raises(DAGError, match="one free input is 'p'; you passed \\{'A': \\.\\.\\., "
+                                       "'B': \\.\\.\\.\\}: 'A', 'B' are nodes of the DAG"):
+        daskdag.compute_grads(by_node, values, "B")
+    r = daskdag.compute_grads(by_node, {"p": values}, "B")
+    assert_tree_close(r.grad, jax.grad(lambda p: jnp.sum(p["A"] * p["B"]))(values))
+    # The named form gives the one input and nothing else.
+    with pytest.raises(DAGError, match="one free input is 'p'; x gives a value for 'q' too, "
+                                       "which is not a free input"):
+        daskdag.compute_grads(dag, {"p": params, "q": W}, "L")
+    with pytest.raises(DAGError, match="one free input is 'x'; tangents give a tangent for 'y' "
+                                       "too"):
+        daskdag.compute_jvps(_one_input_dag()[0], X, {"x": _T, "y": _T}, "L")
+
+
+def test_a_misspelt_dep_gets_did_you_mean():
+    """A dep misspelt becomes a free input: the error for its missing value names the node
+    that names it, the node meant, and that the node meant is then left out."""
+    G = Counted(jnp.sin)
+    dag = {"G": (G, ["x"]), "H": (lambda g: jnp.sum(g ** 2), ["Gg"])}
+    with pytest.raises(DAGError, match="2 free inputs \\['x', 'Gg'\\]: pass x as a dict.*node "
+                                       "'H' names dep 'Gg', which is no node, so it is a free "
+                                       "input: did you mean 'G'\\? As it is, node 'G' is "
+                                       "unused: no node takes it as a dep"):
+        daskdag.compute_grads(dag, X, "H")
+    with pytest.raises(DAGError, match="no value for input 'Gg' \\(used by \\['H'\\]\\); x has "
+                                       "\\['x'\\]; node 'H' names dep 'Gg'.*did you mean 'G'\\?"):
+        daskdag.compute_grads(dag, {"x": X}, "H")
+    assert G.calls == G.abstract == 0
+    # The node meant feeds another node, but none of the outputs asked for.
+    dag = {"G": (jnp.sin, ["x"]), "K": (jnp.sum, ["G"]),
+           "H": (lambda g, x: jnp.sum(g * x), ["Gg", "x"])}
+    with pytest.raises(DAGError, match="did you mean 'G'\\? As it is, node 'G' is used by none "
+                                       "of the outputs \\['H'\\]"):
+        daskdag.compute_grads(dag, {"x": X}, "H")
+    # A misspelt input.
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a, x: jnp.sum(a * x), ["A", "xx"])}
+    with pytest.raises(DAGError, match="no value for input 'xx'.*node 'B' names dep 'xx': did "
+                                       "you mean input 'x'\\?"):
+        daskdag.compute_grads(dag, {"x": X}, "B")

@@ -9,6 +9,7 @@ Out: a :class:`Request` (:func:`prepare`): the parsed spec, the output names, th
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,12 +69,34 @@ def output_names(spec, outputs) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 def input_values(spec, x, outputs) -> dict[str, Any]:
-    """``{input: value}`` for the inputs given, checking that every needed one is."""
+    """``{input: value}`` for the inputs given, checking that every needed one is.
+
+    With several free inputs, ``x`` is a mapping ``{input_name: value}``. With one, ``x`` is its
+    value, any pytree, but for two readings of a mapping: one with the input's name as a key
+    is the ``{input_name: value}`` form (other keys are then refused), and one that reads as a
+    value given under another name is refused (:func:`_misnamed`). Raises :class:`DAGError`
+    naming the input, and the node a misspelt dep comes from."""
     if len(spec.inputs) == 1:
-        return {spec.inputs[0]: x}
+        (name,) = spec.inputs
+        if _names_the_input(name, x):
+            for k in x:
+                if k != name:
+                    raise DAGError(f"this DAG's one free input is {name!r}; x gives a value for "
+                                   f"{k!r} too, which is not a free input"
+                                   + (" (a node: its value is computed, not given)"
+                                      if k in spec.nodes else "")
+                                   + f"; a dict with the key {name!r} names the input, so to "
+                                   f"give {name!r} such a dict as its value, pass "
+                                   f"{{{name!r}: value}}")
+        else:
+            wrong = _misnamed(spec, name, x)
+            if wrong:
+                raise DAGError(wrong)
+        return given_values(spec, x)
     if not isinstance(x, Mapping):
+        why = "".join(f"; {s}" for s in (_misspelt(spec, i, outputs) for i in spec.inputs) if s)
         raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: "
-                       f"pass x as a dict {{input_name: value}}, got {type(x).__name__}")
+                       f"pass x as a dict {{input_name: value}}, got {type(x).__name__}{why}")
     for k in x:
         if k not in spec.inputs:
             raise DAGError(f"x gives a value for {k!r}, which is not a free input of the DAG "
@@ -82,8 +105,70 @@ def input_values(spec, x, outputs) -> dict[str, Any]:
     for i in spec.inputs:
         if i in needed and i not in x:
             users = [n for n, node in spec.nodes.items() if i in node.deps]
-            raise DAGError(f"no value for input {i!r} (used by {users}); x has {list(x)}")
+            why = _misspelt(spec, i, outputs, given=x)
+            raise DAGError(f"no value for input {i!r} (used by {users}); x has {list(x)}"
+                           + (f"; {why}" if why else ""))
     return dict(x)
+
+
+def given_values(spec, x) -> dict[str, Any]:
+    """``{input: value}`` as :func:`input_values` reads ``x``, without its checks."""
+    if len(spec.inputs) != 1:
+        return dict(x)
+    (name,) = spec.inputs
+    return {name: x[name] if _names_the_input(name, x) else x}
+
+
+def _names_the_input(name: str, x) -> bool:
+    """``x``, for a DAG whose one free input is ``name``, is in the ``{input_name: value}``
+    form: a mapping with ``name`` as a key."""
+    return isinstance(x, Mapping) and name in x
+
+
+def _misnamed(spec, name: str, x) -> str:
+    """Why ``x``, a value for a DAG's one free input ``name`` that does not name it, reads as
+    a value given under another name: a mapping whose keys all name nodes, or one array (or
+    number) under a single key; else ''."""
+    if not isinstance(x, Mapping) or not x or not all(isinstance(k, str) for k in x):
+        return ""
+    keys = list(x)
+    shown = "{" + ", ".join(f"{k!r}: ..." for k in keys) + "}"
+    if all(k in spec.nodes for k in keys):
+        why = (f"{', '.join(map(repr, keys))} {'is a node' if len(keys) == 1 else 'are nodes'} "
+               f"of the DAG, whose values are computed, not given")
+    elif len(keys) == 1 and (is_numeric(x[keys[0]]) or _is_lazy_array(x[keys[0]])):
+        close = difflib.get_close_matches(keys[0], [name], n=1)
+        why = (f"one array under the name {keys[0]!r}, not the input's"
+               + (f" (did you mean {name!r}?)" if close else ""))
+    else:
+        return ""
+    return (f"this DAG's one free input is {name!r}; you passed {shown}: {why}. Pass the value "
+            f"of {name!r} itself, or {{{name!r}: value}}; to give {name!r} this dict as its "
+            f"value, pass {{{name!r}: {shown}}}")
+
+
+def _misspelt(spec, name: str, outputs, given=()) -> str:
+    """What to say of free input ``name`` when it looks like a misspelt name of a node (or of
+    a ``given`` input): which nodes name it, the name meant (:func:`difflib.get_close_matches`)
+    and, for a node, that nothing the call computes uses it then; else ''."""
+    users = list(dict.fromkeys(n for n, _ in spec.uses.get(name, ())))
+    named_by = " and ".join(f"node {u!r}" for u in users)
+    nodes = difflib.get_close_matches(name, list(spec.nodes), n=1)
+    if nodes:
+        (meant,) = nodes
+        if meant not in spec.uses and meant not in outputs:
+            fate = f" As it is, node {meant!r} is unused: no node takes it as a dep"
+        elif meant not in spec.ancestors(outputs):
+            fate = f" As it is, node {meant!r} is used by none of the outputs {list(outputs)}"
+        else:
+            fate = ""
+        return (f"{named_by} {'names' if len(users) == 1 else 'name'} dep {name!r}, which is no "
+                f"node, so it is a free input: did you mean {meant!r}?{fate}")
+    inputs = difflib.get_close_matches(name, [g for g in given if g != name], n=1)
+    if inputs:
+        return (f"{named_by} {'names' if len(users) == 1 else 'name'} dep {name!r}: did you "
+                f"mean input {inputs[0]!r}?")
+    return ""
 
 def wrt_names(spec, values, wrt, candidates) -> tuple[str, ...]:
     """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
@@ -187,8 +272,14 @@ def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[st
     k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
     number of directions with ``batched``, else None. ``None`` at a differentiable leaf is a zero
     tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
-    if len(spec.inputs) == 1:
-        given = {spec.inputs[0]: tangents}
+    if len(spec.inputs) == 1:  # (x's reading: a mapping with the input's name as a key names it)
+        (name,) = spec.inputs
+        if _names_the_input(name, tangents):
+            for k in tangents:
+                if k != name:
+                    raise DAGError(f"this DAG's one free input is {name!r}; tangents give a "
+                                   f"tangent for {k!r} too, which is not a free input")
+        given = given_values(spec, tangents)
     else:
         if not isinstance(tangents, Mapping):
             raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: pass "
