@@ -37,10 +37,13 @@ from daskdag.model.plan import Plan, make_plan
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
                                            row_template, split_columns)
-from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, wrt_names,
-                                   with_rules)
-from daskdag.model.shapes import UNKNOWN
+from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, rules_missing,
+                                   wrt_names, with_rules)
+from daskdag.model.shapes import UNKNOWN, Traced
 from daskdag.graph.stages import make_stages
+from daskdag.rules.jvp import why_no_jvp
+from daskdag.rules.registry import function_of
+from daskdag.rules.vjp import why_no_vjp
 from daskdag.running import prepared
 from daskdag.running.compute import active_client, where
 from daskdag.running.jobs import CallInfo, Job, as_collection, run
@@ -85,11 +88,17 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
             JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
             inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
             takes the one with fewer passes, forward on a tie (as OpenMDAO does; forward
-            keeps no residuals and runs one task per stage). To count the outputs' elements
-            it traces the nodes with ``jax.eval_shape`` once (no arithmetic; an eager node's
-            Python code runs once more, on abstract values; later calls with the same DAG and
-            shapes reuse the count); where a node cannot be traced, reverse. The mode taken
-            is ``Result.info.mode``.
+            keeps no residuals and runs one task per stage), among the modes every node can
+            take. To count the outputs' elements it traces the nodes on shapes once (no
+            arithmetic; an eager node's Python code runs once more, on abstract values; later
+            calls with the same DAG and shapes reuse the count); where a node cannot be
+            traced, reverse. The same trace says which mode a node cannot take: forward
+            through a ``jax.custom_vjp`` function, reverse through a ``jax.custom_jvp`` rule
+            that cannot be transposed (a ``jax.pure_callback``), or either without the rule
+            of your own (``vjp=``, ``jvp=``). An explicit mode checks your rules and the nodes
+            whose function is a ``jax.custom_jvp`` or ``jax.custom_vjp`` (traced with the
+            nodes before them). The mode taken is ``Result.info.mode``, why it was taken
+            ``Result.info.mode_why``.
         sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
             (forward): those a greedy colouring groups, sharing no column (row). A boolean
             array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
@@ -117,7 +126,8 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
 
     Raises:
         DAGError: as for [`compute_grads`][daskdag.compute_grads]; also a mode or pattern that
-            cannot serve the call, and a complex output, naming the node, input or output.
+            cannot serve the call (with ``"auto"``, when no mode can: naming each node and
+            what it lacks), and a complex output, naming the node, input or output.
         NodeError: a node raised.
         ClusterError: as for [`compute_grads`][daskdag.compute_grads].
 
@@ -198,14 +208,16 @@ def _detected(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     return plan, _detect(plan, values, watch)
 
 
-def _detect(plan: Plan, values: dict, watch: prepared.Watch) -> dict[str, sp.csr_array]:
+def _detect(plan: Plan, values: dict, watch: prepared.Watch,
+            traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
     """The plan's patterns, detected (:func:`daskdag.graph.sparsity.detect`) after watching
     every function they are read from; a pattern probed at this point holds for this call
-    only."""
+    only. ``traces``: filled with the nodes' jaxprs, as :func:`~daskdag.graph.sparsity.shapes`
+    traced them."""
     for n in plan.needed:
         watch(n, plan.spec.nodes[n].fn)
     probed: list[str] = []
-    patterns = detect(plan, values, probed)
+    patterns = detect(plan, values, probed, traces)
     if probed:
         watch.refuse(f"node(s) {probed}: their sparsity patterns were probed at this point (they "
                      f"could not be read off a jaxpr), so they are detected again at each call")
@@ -233,7 +245,7 @@ def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
                              chunk_size, transport),
         partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, transport))
     info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None, why,
-                    where)
+                    where, mode_why=made.mode_why)
     return replace(made.job(input_values(made.plan.spec, x), sparse, outputs, info),
                    keep=entries(dag))
 
@@ -241,14 +253,15 @@ def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
 @dataclass(frozen=True)
 class Jacobian:
     """:func:`jacobian` prepared: its plan (packed for its ``transport``, checked for its
-    mode), stages, mode, patterns and their colours (``source``: ``"given"``, ``"detected"``,
-    ``"probed"``, or None when dense), and the seeds of its passes: ``rows`` (reverse), or the
-    inputs' ``templates`` and ``tangents`` (forward)."""
+    mode), stages, mode and why it was taken, patterns and their colours (``source``:
+    ``"given"``, ``"detected"``, ``"probed"``, or None when dense), and the seeds of its passes:
+    ``rows`` (reverse), or the inputs' ``templates`` and ``tangents`` (forward)."""
 
     plan: Plan
     transport: Transport
     stages: tuple
     mode: str
+    mode_why: str
     colours: Colours
     source: str | None
     chunk_size: int | None
@@ -263,24 +276,30 @@ class Jacobian:
              transport: Transport, watch: prepared.Watch) -> Jacobian:
         plan, values = _plan(dag, x, outputs, wrt, watch.hold)
         patterns, source = None, None
+        traces: dict[str, Traced] | None = None  # (each node's jaxpr, where a pattern traced it)
         if isinstance(sparsity, str) and sparsity == "detect":
-            patterns = _detect(plan, values, watch)
+            traces = {}
+            patterns = _detect(plan, values, watch, traces)
             source = "probed" if watch.refused else "detected"
         elif sparsity is not None:
-            patterns, source = _given_patterns(plan, values, sparsity, outputs), "given"
+            traces = {}
+            patterns = _given_patterns(plan, values, sparsity, outputs, traces)
+            source = "given"
         colours = Colours(patterns)
-        if mode == "auto" and patterns is None:  # (the mode comes from the nodes' traced shapes)
+        # "auto" takes its mode from the nodes' traces (their shapes and what they can do), so
+        # it watches them; a mode asked for is only checked, and a call refused keeps nothing.
+        if mode == "auto":
             for n in plan.needed:
                 watch(n, plan.spec.nodes[n].fn)
         # (Packed first, as the user's functions are now: the mode's trace of them comes after.)
         plan = ship(plan, transport, watched(plan, transport, watch))
-        mode = _mode(plan, values, mode, colours)
+        mode, mode_why = _mode(plan, values, mode, colours, traces)
         plan = with_rules(plan, forward=mode == "fwd")
         if mode == "rev":
             rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in
                                           (colours.rows.items() if patterns is not None else ())))
             made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode,
-                       colours, source, chunk_size, rows=rows)
+                       mode_why, colours, source, chunk_size, rows=rows)
             return made if transport.packs else replace(made, graph=Template(made.build(
                 {i: slot("input", i) for i in values}, slot("stop"), None)))
         templates = _templates(plan, values)
@@ -296,8 +315,8 @@ class Jacobian:
                                           leaf.dtype))
                 start += width
             tangents[i] = tuple(leaves)
-        made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode, colours,
-                   source, chunk_size, templates=templates, tangents=tangents)
+        made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode,
+                   mode_why, colours, source, chunk_size, templates=templates, tangents=tangents)
         return made if transport.packs else replace(made, graph=Template(made.build(
             {i: slot("input", i) for i in values}, slot("stop"), None)))
 
@@ -387,48 +406,121 @@ def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
     return Result(value, laid_out(plan, value, full, templates, widths, sparse), info=info)
 
 
-def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str]
-                    ) -> dict[str, sp.csr_array]:
+def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str],
+                    traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
     """The patterns the user gave, checked before anything runs against the inputs' elements
     and the outputs' (from their shapes traced abstractly, where a node's code can be traced:
-    :func:`daskdag.graph.sparsity.shapes`)."""
+    :func:`daskdag.graph.sparsity.shapes`, which fills ``traces`` with their jaxprs)."""
     widths = {i: size(values[i]) for i in plan.wrt if i in values}
-    avals = shapes(plan, values)
+    avals = shapes(plan, values, traces)
     elements = {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN}
     return user_patterns(plan, widths, elements, sparsity, outputs)
 
 
-def _mode(plan: Plan, values: dict, mode: str, colours: Colours) -> str:
-    """The mode asked for, checked, or for ``"auto"`` the one with fewer passes."""
-    why_not = {"fwd": nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
-               or _rules_missing(plan, forward=True),
-               "rev": _rules_missing(plan, forward=False)}
+def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
+          traces: dict[str, Traced] | None) -> tuple[str, str]:
+    """The mode and why it was taken: the one asked for, or for ``"auto"`` the one with fewer
+    passes, forward on a tie (:func:`_preferred`), unless some node cannot take it
+    (:func:`_cannot`: then the other); a :class:`DAGError` when the mode asked for, or every
+    mode, cannot serve the call. ``traces``: the nodes' jaxprs where an earlier step traced
+    them all, else None. A mode's check through JAX's rules (each node's JVP or VJP traced on
+    shapes) runs only where the mode could be taken, your own rules' always."""
+    wrt_nodes = nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
+    avals = None
+    if traces is None:  # ("auto" traces every node, as it counts elements; see _explicitly)
+        traces = {}
+        avals = shapes(plan, values, traces, only=None if mode == "auto" else _explicitly(plan))
+    found: dict[tuple[str, bool], list[str]] = {}
+
+    def why_not(m: str, traced: bool = True) -> list[str]:
+        """What keeps mode ``m`` from the call; without ``traced``, only what costs no trace
+        (``wrt``, your own rules)."""
+        if (m, traced) not in found:
+            found[m, traced] = ([wrt_nodes] if m == "fwd" and wrt_nodes else []) + _cannot(
+                plan, traces if traced else {}, forward=m == "fwd")
+        return found[m, traced]
+
     if mode != "auto":
-        if why_not[mode]:
-            raise DAGError(f"mode={mode!r} cannot serve this call: {why_not[mode]}")
-        return mode
-    if why_not["fwd"] or why_not["rev"]:
-        return "rev" if not why_not["rev"] else "fwd"
+        if why_not(mode):
+            raise DAGError(f"mode={mode!r} cannot serve this call: " + "; ".join(why_not(mode)))
+        return mode, f"mode={mode!r} was asked for"
+    closed = {m: why_not(m, traced=False) for m in ("fwd", "rev")}
+    order = [m for m in ("fwd", "rev") if not closed[m]]
+    because = ""
+    if len(order) == 2:  # (both open to the call: the one with fewer passes first)
+        preferred, because = _preferred(plan, values, colours, avals)
+        order = [preferred, "rev" if preferred == "fwd" else "fwd"]
+    taken = next((m for m in order if not why_not(m)), None)
+    if taken is None:
+        raise DAGError("no mode can serve this call: forward mode (mode='fwd'): "
+                       + "; ".join(why_not("fwd")) + "; reverse mode (mode='rev'): "
+                       + "; ".join(why_not("rev")))
+    other = "rev" if taken == "fwd" else "fwd"
+    against = closed[other] or (why_not(other) if taken != order[0] else [])
+    if against:
+        because = (f"the only mode that can serve this call: {MODE_NAMES[other]} mode cannot: "
+                   + "; ".join(against))
+    if colours.patterns is not None:
+        colours.used = "columns" if taken == "fwd" else "rows"
+    return taken, because
+
+
+MODE_NAMES = {"fwd": "forward", "rev": "reverse"}
+
+
+def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
+               ) -> tuple[str, str]:
+    """The mode with fewer passes, forward on a tie, and why: per colour of a sparse
+    Jacobian's columns or rows, else per input or output element (``avals``: the values'
+    shapes where they were traced); reverse where the outputs' elements are unknown."""
     if colours.patterns is not None:
         rev = sum(colouring.count(c) for c in colours.rows.values())
-        columns = colouring.count(colours.columns)
-        mode = "fwd" if columns <= rev else "rev"
-        colours.used = "columns" if mode == "fwd" else "rows"
-        return mode
-    avals = shapes(plan, values)
+        fwd = colouring.count(colours.columns)
+        return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "colours of columns",
+                                                      "colours of rows")
+    avals = shapes(plan, values) if avals is None else avals
     if any(avals[o] is UNKNOWN for o in plan.outputs):
-        return "rev"
+        unknown = [n for n in plan.needed if avals[n] is UNKNOWN
+                   and all(avals[d] is not UNKNOWN for d in plan.spec.nodes[n].deps)]
+        return "rev", (f"reverse when the outputs' elements cannot be counted: node(s) {unknown} "
+                       f"cannot be traced on shapes")
     rev = sum(size(avals[o]) for o in plan.outputs)
     fwd = sum(size(values[i]) for i in plan.wrt)
-    return "fwd" if fwd <= rev else "rev"
+    return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "input elements", "output elements")
 
 
-def _rules_missing(plan: Plan, forward: bool) -> str | None:
-    try:
-        with_rules(plan, forward)
-    except DAGError as e:
-        return str(e)
-    return None
+def _fewer(fwd: int, rev: int, columns: str, rows: str) -> str:
+    """Why auto took the mode with fewer passes: forward's ``fwd`` passes (one per column: its
+    ``columns``) against reverse's ``rev`` (one per row)."""
+    counts = f"{fwd} passes forward ({columns}) against {rev} reverse ({rows})"
+    return f"forward on a tie: {counts}" if fwd == rev else f"fewer passes: {counts}"
+
+
+def _explicitly(plan: Plan) -> list[str]:
+    """The nodes a mode asked for traces to check that they can take it: those whose function
+    is a ``jax.custom_jvp`` or ``jax.custom_vjp``, whose rules are in question (with the nodes
+    before them, for their shapes). Other nodes' code does not run once more for the check."""
+    return [n for n in plan.needed if n in plan.active and
+            isinstance(function_of(plan.spec.nodes[n]), (jax.custom_jvp, jax.custom_vjp))]
+
+
+def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
+    """What keeps the call from forward (``forward``) or reverse mode, node by node in order:
+    a node of your own code without the rule (:func:`daskdag.model.request.rules_missing`), or
+    a node whose jaxpr (in ``traces``) JAX cannot differentiate that way (a ``jax.custom_vjp``
+    function has no forward rule; a ``jax.custom_jvp`` rule through ``jax.pure_callback``
+    cannot be transposed). A node not traced gives no verdict."""
+    missing = rules_missing(plan, forward)
+    why_no = why_no_jvp if forward else why_no_vjp
+    for n in plan.needed:
+        if n not in plan.active or n not in traces or n in missing:
+            continue
+        node, traced = plan.spec.nodes[n], traces[n]
+        active = [d in plan.wrt or d in plan.active for d in node.deps]
+        why = why_no(traced.jaxpr, [active[d] for d in traced.deps])
+        if why is not None:
+            missing[n] = f"node {n!r} {why}"
+    return [missing[n] for n in plan.needed if n in missing]
 
 
 def _templates(plan: Plan, values: dict) -> dict:

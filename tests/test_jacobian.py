@@ -120,3 +120,60 @@ def test_several_inputs_and_a_pytree_output_have_jacrev_s_layout():
     want = jax.jacrev(lambda d: p(d["x"], d["t"]))(inputs)
     assert jax.tree.structure(res.grad) == jax.tree.structure(want)
     assert_tree_close(res.grad, want)
+
+
+# -- scalar leaves ---------------------------------------------------------------------------------
+
+def _sparse_sparsities(rows: int, widths: dict) -> list:
+    """The sparsity arguments to try: none, detected, and given (every entry may be nonzero)."""
+    given = {i: np.ones((rows, w), bool) for i, w in widths.items()}
+    return [None, "detect", given if len(given) > 1 else next(iter(given.values()))]
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_a_jacobian_between_scalars_is_jacrev_s_scalar(mode):
+    """A scalar output of a scalar input: a ``()`` Jacobian as jax.jacrev gives it, dense or
+    sparse, with a pattern detected or given, and through value_and_jacobian."""
+    dag = {"y": (lambda x: jnp.sin(x) * 2.0, ["x"])}
+    x = jnp.asarray(0.5)
+    want = jax.jacrev(lambda x: jnp.sin(x) * 2.0)(x)
+    assert want.shape == ()
+    for sparsity in _sparse_sparsities(1, {"x": 1}):
+        res = daskdag.jacobian(dag, x, "y", mode=mode, sparsity=sparsity)
+        assert res.grad.shape == () and res.value.shape == ()
+        assert_tree_close(res.grad, want)
+        res = daskdag.jacobian(dag, x, "y", mode=mode, sparsity=sparsity, sparse=True)
+        assert res.grad.shape == (1, 1)
+        np.testing.assert_allclose(res.grad.toarray(), [[want]], rtol=1e-6)
+    value, jac = daskdag.value_and_jacobian(dag, "y", mode=mode)(x)
+    assert_tree_close(value, jnp.sin(x) * 2.0)
+    assert jac.shape == () and np.allclose(jac, want)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd", "auto"])
+def test_scalar_leaves_of_pytree_inputs_and_outputs_have_jacrev_s_layout(mode):
+    """A scalar input beside a vector one, and an output pytree with a scalar leaf beside a
+    vector one: each block laid out as jax.jacrev gives it (scalar by scalar: ``()``)."""
+    def p(a, s):
+        return {"t": jnp.sum(a) * s, "v": a * s}
+
+    dag = {"y": (lambda a, s: jnp.sum(a) * s, ["a", "s"]), "P": (p, ["a", "s"])}
+    inputs = {"a": jnp.arange(3.0), "s": jnp.asarray(2.0)}
+    want = {"y": jax.jacrev(lambda d: jnp.sum(d["a"]) * d["s"])(inputs),
+            "P": jax.jacrev(lambda d: p(d["a"], d["s"]))(inputs)}
+    assert want["y"]["s"].shape == () and want["P"]["t"]["s"].shape == ()
+    for sparsity in _sparse_sparsities(1, {"a": 3, "s": 1}):
+        res = daskdag.jacobian(dag, inputs, "y", mode=mode, sparsity=sparsity)
+        assert_tree_close(res.grad, want["y"])
+    res = daskdag.jacobian(dag, inputs, ["y", "P"], mode=mode)
+    for o in ("y", "P"):
+        assert jax.tree.structure(res[o].grad) == jax.tree.structure(want[o])
+        assert_tree_close(res[o].grad, want[o])
+    detected = daskdag.jacobian(dag, inputs, ["y", "P"], mode=mode, sparsity="detect")
+    assert_tree_close(detected["P"].grad, want["P"])
+    sparse = daskdag.jacobian(dag, inputs, "y", mode=mode, sparse=True)
+    np.testing.assert_allclose(sparse.grad["s"].toarray(), [[want["y"]["s"]]])
+    np.testing.assert_allclose(sparse.grad["a"].toarray(), [want["y"]["a"]])
+    values, jacs = daskdag.value_and_jacobian(dag, ["y", "P"], mode=mode)(inputs)
+    assert_tree_close(jacs["y"], want["y"])
+    assert_tree_close(jacs["P"], want["P"])

@@ -266,3 +266,168 @@ def test_sparse_and_forward_on_a_process_cluster_with_pullbacks_moved_between_wo
         assert_tree_close(moved["E"][1]["x"], want, rtol=1e-5)
         with dask.config.set({"daskdag.close-stages": False}):
             assert "jvp" in kinds(daskdag.jacobians(chain(False), X, "D", mode="fwd"))
+
+
+# -- modes the nodes can take ----------------------------------------------------------------------
+
+def _host_cos_times(x, g):
+    return (np.cos(np.asarray(x)) * np.asarray(g)).astype(np.asarray(x).dtype)
+
+
+@jax.custom_vjp
+def reverse_only(x):
+    """sin, whose backward pass calls NumPy: JAX has no forward mode for it."""
+    return jnp.sin(x)
+
+
+def _reverse_only_fwd(x):
+    return jnp.sin(x), x
+
+
+def _reverse_only_bwd(x, g):
+    return (jax.pure_callback(_host_cos_times, jax.ShapeDtypeStruct(x.shape, x.dtype), x, g,
+                              vmap_method="sequential"),)
+
+
+reverse_only.defvjp(_reverse_only_fwd, _reverse_only_bwd)
+
+
+@jax.custom_jvp
+def forward_only(x):
+    """sin, whose tangent calls NumPy: JAX cannot transpose it, so it has no reverse mode."""
+    return jnp.sin(x)
+
+
+@forward_only.defjvp
+def _forward_only_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), jax.pure_callback(_host_cos_times, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         x, t, vmap_method="sequential")
+
+
+def _own_vjp_only(a):
+    return Node(lambda x: np.sin(np.asarray(x)), a,
+                vjp=lambda ct, out, x: (np.cos(np.asarray(x)) * ct,))
+
+
+def _own_jvp_only(a):
+    return Node(lambda x: np.sin(np.asarray(x)), a,
+                jvp=lambda args, tangents: (np.sin(np.asarray(args[0])),
+                                            np.cos(np.asarray(args[0])) * tangents[0]))
+
+
+SQUARE = jnp.arange(3.0)  # 3 inputs, 3 outputs: a tie, which auto takes forward when it can
+
+
+@pytest.mark.parametrize("node", ["custom_vjp", "custom_vjp-jit", "vjp="])
+def test_auto_takes_reverse_through_a_node_with_only_a_reverse_rule(node):
+    dag = {"y": {"custom_vjp": (reverse_only, ["x"]),
+                 "custom_vjp-jit": Node(reverse_only, ["x"], jit=True),
+                 "vjp=": _own_vjp_only(["x"])}[node]}
+    want = jax.jacrev(reverse_only)(SQUARE)
+    res = daskdag.jacobian(dag, SQUARE, "y")
+    assert_tree_close(res.grad, want)
+    assert res.info.mode == "rev"
+    assert "the only mode" in res.info.mode_why and "forward mode cannot: node 'y'" in \
+        res.info.mode_why, res.info.mode_why
+    again = daskdag.jacobian(dag, SQUARE, "y")  # the mode and its reason, prepared once
+    assert again.info.prepared and again.info.mode_why == res.info.mode_why
+    f = daskdag.value_and_jacobian(dag, "y")
+    value, jac = f(SQUARE)
+    assert_tree_close(jac, want)
+    assert f.info.mode == "rev" and "node 'y'" in f.info.mode_why
+    if node != "vjp=":  # a node of JAX code: the reason is JAX's
+        assert "jax.custom_vjp" in res.info.mode_why
+
+
+@pytest.mark.parametrize("node", ["custom_vjp", "custom_vjp-jit", "vjp="])
+def test_forward_mode_through_a_node_with_only_a_reverse_rule_is_refused_before_anything_runs(node):
+    first = Counted(jnp.tanh)
+    dag = {"a": (first, ["x"]),
+           "y": {"custom_vjp": (reverse_only, ["a"]),
+                 "custom_vjp-jit": Node(reverse_only, ["a"], jit=True),
+                 "vjp=": _own_vjp_only(["a"])}[node]}
+    with pytest.raises(daskdag.DAGError, match=r"mode='fwd' cannot serve this call: node 'y' "):
+        daskdag.jacobian(dag, SQUARE, "y", mode="fwd")
+    with pytest.raises(daskdag.DAGError, match=r"mode='fwd' cannot serve this call: node 'y' "):
+        daskdag.value_and_jacobian(dag, "y", mode="fwd")(SQUARE)
+    assert first.calls == 0
+    res = daskdag.jacobian(dag, SQUARE, "y", mode="rev")
+    assert_tree_close(res.grad, jax.jacrev(lambda x: reverse_only(jnp.tanh(x)))(SQUARE))
+    assert res.info.mode_why == "mode='rev' was asked for"
+
+
+@pytest.mark.parametrize("node", ["custom_jvp", "jvp="])
+def test_a_node_with_only_a_forward_rule_takes_forward_mode_and_refuses_reverse(node):
+    """Forward even where reverse takes fewer passes (6 inputs, 2 outputs); mode="rev" is a
+    DAGError naming the node, before any node runs."""
+    first = Counted(lambda x: jnp.tanh(x)[:2])
+    dag = {"a": (first, ["x"]),
+           "y": {"custom_jvp": (forward_only, ["a"]), "jvp=": _own_jvp_only(["a"])}[node]}
+    x = jnp.linspace(-1.0, 1.0, 6)
+    want = jax.jacfwd(lambda x: forward_only(jnp.tanh(x)[:2]))(x)
+    res = daskdag.jacobian(dag, x, "y")
+    assert_tree_close(res.grad, want)
+    assert res.info.mode == "fwd"
+    assert "reverse mode cannot: node 'y'" in res.info.mode_why, res.info.mode_why
+    assert daskdag.value_and_jacobian(dag, "y")(x)[1].shape == (2, 6)
+    first.calls = 0
+    with pytest.raises(daskdag.DAGError, match=r"mode='rev' cannot serve this call: node 'y' "):
+        daskdag.jacobian(dag, x, "y", mode="rev")
+    with pytest.raises(daskdag.DAGError, match=r"mode='rev' cannot serve this call: node 'y' "):
+        daskdag.value_and_jacobian(dag, "y", mode="rev")(x)
+    assert first.calls == 0
+
+
+def test_a_dag_no_mode_can_serve_names_each_node_and_what_it_lacks():
+    first = Counted(jnp.tanh)
+    dag = {"a": (first, ["x"]), "r": (reverse_only, ["a"]), "f": (forward_only, ["a"]),
+           "v": _own_vjp_only(["a"]), "j": _own_jvp_only(["a"]),
+           "y": (lambda r, f, v, j: r + f + v + j, ["r", "f", "v", "j"])}
+    for call in (lambda: daskdag.jacobian(dag, SQUARE, "y"),
+                 lambda: daskdag.value_and_jacobian(dag, "y")(SQUARE)):
+        with pytest.raises(daskdag.DAGError) as e:
+            call()
+        message = str(e.value)
+        assert message.startswith("no mode can serve this call: forward mode (mode='fwd'): ")
+        fwd, rev = message.split("reverse mode (mode='rev'): ")
+        assert "node 'r' calls a jax.custom_vjp function" in fwd and "node 'v'" in fwd
+        assert "node 'f' has no reverse-mode rule" in rev and "node 'j'" in rev
+        assert "node 'f'" not in fwd and "node 'r'" not in rev
+    assert first.calls == 0
+
+
+def test_auto_finds_a_custom_vjp_function_inside_a_node_s_code():
+    """Under auto every node is traced on shapes, so a custom_vjp called inside a node's own
+    code is found too."""
+    dag = {"y": (lambda x: reverse_only(x) * 2.0, ["x"])}
+    res = daskdag.jacobian(dag, SQUARE, "y")
+    assert res.info.mode == "rev" and "jax.custom_vjp" in res.info.mode_why
+    assert_tree_close(res.grad, jax.jacrev(lambda x: reverse_only(x) * 2.0)(SQUARE))
+
+
+def test_auto_says_why_it_took_its_mode():
+    tie = daskdag.jacobian({"y": (jnp.sin, ["x"])}, SQUARE, "y")
+    assert tie.info.mode == "fwd"
+    assert tie.info.mode_why == ("forward on a tie: 3 passes forward (input elements) against "
+                                 "3 reverse (output elements)")
+    narrow = daskdag.jacobian({"y": (lambda x: jnp.sum(x) * x[:1], ["x"])}, SQUARE, "y")
+    assert narrow.info.mode == "rev"
+    assert narrow.info.mode_why == ("fewer passes: 3 passes forward (input elements) against "
+                                    "1 reverse (output elements)")
+    banded = daskdag.jacobian(banded_dag(), XB, "E", sparsity="detect")
+    assert banded.info.mode_why.endswith("(colours of columns) against 3 reverse (colours of rows)")
+
+
+def test_auto_takes_forward_through_a_while_loop_though_reverse_takes_fewer_passes():
+    """JAX has no reverse mode for a lax.while_loop: auto finds it in the node's own code."""
+    def grow(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.sin(c[0]) * 1.1, c[1] + 1),
+                                  (x, 0))[0][:2]
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    res = daskdag.jacobian({"y": (grow, ["x"])}, x, "y")
+    assert res.info.mode == "fwd"
+    assert "reverse mode cannot: node 'y' has no reverse-mode rule" in res.info.mode_why
+    assert "while_loop" in res.info.mode_why
+    assert_tree_close(res.grad, jax.jacfwd(grow)(x))

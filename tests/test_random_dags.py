@@ -1,25 +1,28 @@
 """Random DAGs checked against plain JAX on the composed function (hypothesis, derandomized):
 values and gradients, every Jacobian mode, JVPs, HVPs, sweeps, and outputs asked in any order.
 
-A DAG draws 2-6 nodes, each a smooth op of one or two earlier nodes or free inputs (two inputs,
-``x`` and ``y``, some of which no node may use), and 1-3 outputs among the nodes; each output
-is summed into a scalar node for gradients and HVPs."""
+A DAG draws 2-6 nodes, each a smooth op of one or two earlier nodes or free inputs (three
+inputs, vectors ``x`` and ``y`` and a scalar ``s``, some of which no node may use), and 1-3
+outputs among the nodes; an op of scalars, or a sum, gives a scalar (``()``) node, so inputs
+and outputs have scalar leaves as well as vector ones. Each output is summed into a scalar
+node for gradients and HVPs; explicit examples make sure that a scalar input reaches a scalar
+output."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import daskdag
 from .support.numbers import assert_tree_close
 
 UNARY = {"sin": jnp.sin, "tanh": jnp.tanh, "square": lambda a: a * a,
-         "cumsum": jnp.cumsum, "scale": lambda a: 0.5 * a + 1.0}
+         "cumsum": jnp.cumsum, "scale": lambda a: 0.5 * a + 1.0, "sum": jnp.sum}
 BINARY = {"mul": lambda a, b: a * b, "add": lambda a, b: a + b,
           "sin_mul": lambda a, b: jnp.sin(a) * b}
-INPUTS = ("x", "y")
-N = 3  # elements of each input
+INPUTS = ("x", "y", "s")
+N = 3  # elements of each vector input
 
 
 @st.composite
@@ -77,8 +80,12 @@ def with_sums(nodes, outputs):
     return dag, [f"L_{o}" for o in outputs]
 
 
-X = {"x": jnp.array([0.3, -0.7, 1.1]), "y": jnp.array([0.9, 0.2, -0.4])}
-V = {"x": jnp.array([1.0, -0.5, 0.25]), "y": jnp.array([0.5, 1.0, -1.0])}
+X = {"x": jnp.array([0.3, -0.7, 1.1]), "y": jnp.array([0.9, 0.2, -0.4]), "s": jnp.asarray(0.6)}
+V = {"x": jnp.array([1.0, -0.5, 0.25]), "y": jnp.array([0.5, 1.0, -1.0]), "s": jnp.asarray(-0.5)}
+#: Scalars in and out: n0 and n2 scalars of the scalar input s alone, n3 of s and x.
+SCALARS = ({"n0": (UNARY["sin"], ["s"]), "n1": (BINARY["sin_mul"], ["n0", "x"]),
+            "n2": (BINARY["mul"], ["n0", "s"]), "n3": (UNARY["sum"], ["n1"])},
+           ["n0", "n2", "n3"])
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TOL = dict(rtol=2e-4, atol=2e-5)
@@ -86,6 +93,8 @@ TOL = dict(rtol=2e-4, atol=2e-5)
 
 @SETTINGS
 @given(dags())
+@example(SCALARS)
+@example(({"n0": (UNARY["tanh"], ["s"])}, ["n0"]))
 def test_gradients_and_outputs_in_any_order(drawn):
     nodes, outputs = drawn
     dag, scalars = with_sums(nodes, outputs)
@@ -102,6 +111,10 @@ def test_gradients_and_outputs_in_any_order(drawn):
 
 @SETTINGS
 @given(dags(), st.sampled_from(["rev", "fwd", "auto"]))
+@example(SCALARS, "rev")
+@example(SCALARS, "fwd")
+@example(SCALARS, "auto")
+@example(({"n0": (UNARY["tanh"], ["s"])}, ["n0"]), "auto")
 def test_jacobians_in_every_mode(drawn, mode):
     nodes, outputs = drawn
     x = {i: X[i] for i in free_inputs(nodes)}
@@ -113,6 +126,8 @@ def test_jacobians_in_every_mode(drawn, mode):
 
 @SETTINGS
 @given(dags())
+@example(SCALARS)
+@example(({"n0": (UNARY["tanh"], ["s"])}, ["n0"]))
 def test_jvps_and_hvps(drawn):
     nodes, outputs = drawn
     x = {i: X[i] for i in free_inputs(nodes)}
@@ -132,6 +147,8 @@ def test_jvps_and_hvps(drawn):
 
 @SETTINGS
 @given(dags())
+@example(SCALARS)
+@example(({"n0": (UNARY["tanh"], ["s"])}, ["n0"]))
 def test_sweeps(drawn):
     nodes, outputs = drawn
     dag, scalars = with_sums(nodes, outputs)

@@ -18,6 +18,8 @@ happens at all of them is taken for structural).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,7 @@ import scipy.sparse as sp
 from daskdag.errors import DAGError, node_errors
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
-from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.model.shapes import UNKNOWN, Traced, abstract, abstract_values
 from daskdag.rules.registry import has_rules, linearizer
 from daskdag.rules.seeds import basis
 from daskdag.rules.sparsity import jaxpr_pattern
@@ -34,12 +36,14 @@ from daskdag.rules.sparsity import jaxpr_pattern
 PROBES = 2  # random points near the point, besides it, where a node is probed
 
 
-def detect(plan: Plan, values: dict, probed: list | None = None) -> dict[str, sp.csr_array]:
+def detect(plan: Plan, values: dict, probed: list | None = None,
+           traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
     """``{output: pattern}`` (see the module's docstring) for every output of ``plan``.
     ``probed``, when given, gets the names of the nodes whose pattern was probed (it holds at
-    this point, not at every point)."""
+    this point, not at every point); ``traces``, the jaxprs of the nodes traced for their
+    shapes (:func:`shapes`)."""
     spec = plan.spec
-    avals = shapes(plan, values)
+    avals = shapes(plan, values, traces)
     concrete: dict = {}
     if any(avals[n] is UNKNOWN for n in (*plan.needed, *plan.wrt)):
         concrete = _forward(plan, values)
@@ -69,12 +73,16 @@ def detect(plan: Plan, values: dict, probed: list | None = None) -> dict[str, sp
             sp.csr_array((size(avals[o]), width), dtype=bool) for o in plan.outputs}
 
 
-def shapes(plan: Plan, values: dict) -> dict:
+def shapes(plan: Plan, values: dict, traces: dict[str, Traced] | None = None,
+           only: Collection[str] | None = None) -> dict:
     """The inputs' and needed nodes' shapes (:func:`daskdag.model.shapes.abstract_values`),
     :data:`UNKNOWN` for a node of the user's own code: its NumPy function is never called on
-    tracers."""
-    return abstract_values(plan.spec, plan.needed, {i: abstract(v) for i, v in values.items()},
-                           lambda node: _untraced if has_rules(node) else node.callable())
+    tracers. ``traces``: filled with each traced node's jaxpr; ``only``: trace only these nodes
+    and those they depend on, leaving the others out."""
+    wanted = plan.spec.ancestors(only) if only is not None else None
+    names = [n for n in plan.needed if wanted is None or n in wanted]
+    return abstract_values(plan.spec, names, {i: abstract(v) for i, v in values.items()},
+                           lambda node: _untraced if has_rules(node) else node.callable(), traces)
 
 
 def _untraced(*args):

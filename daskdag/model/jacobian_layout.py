@@ -108,8 +108,9 @@ def jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
             per_leaf.append(None)
             continue
         n = int(np.size(leaf))
-        per_leaf.append(in_def.unflatten([
-            None if r is None else to_jax(r[start:start + n].reshape(*np.shape(leaf), *r.shape[1:]))
+        per_leaf.append(in_def.unflatten([  # (a shape as one tuple: a scalar's is empty)
+            None if r is None else to_jax(r[start:start + n].reshape((*np.shape(leaf),
+                                                                      *r.shape[1:])))
             for r in in_leaves]))
         start += n
     return out_def.unflatten(per_leaf)

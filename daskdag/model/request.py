@@ -247,18 +247,29 @@ def check_errors(errors) -> None:
 
 def with_rules(plan, forward: bool = False):
     """``plan``, checked: every node of the user's own code that it differentiates has the rule
-    it needs: a VJP, or with ``forward`` a JVP."""
+    it needs: a VJP, or with ``forward`` a JVP (else a :class:`DAGError` naming the first that
+    lacks it, :func:`rules_missing`)."""
+    missing = rules_missing(plan, forward)
+    if missing:
+        raise DAGError(next(iter(missing.values())))
+    return plan
+
+
+def rules_missing(plan, forward: bool = False) -> dict[str, str]:
+    """``{node: what it lacks}``, in order, for each node of the user's own code that ``plan``
+    differentiates without the rule it needs: a VJP, or with ``forward`` a JVP."""
+    missing = {}
     for n in plan.needed:
         fn = unwrap(plan.spec.nodes[n].fn)
         if n not in plan.active or not isinstance(fn, Custom):
             continue
         if forward and fn.jvp is None:
-            raise DAGError(f"node {n!r} carries a tangent but has no jvp= rule, which forward "
-                           f"mode needs (a VJP serves reverse mode only)")
+            missing[n] = (f"node {n!r} carries a tangent but has no jvp= rule, which forward "
+                          f"mode needs (a VJP serves reverse mode only)")
         if not forward and not fn.reverse:
-            raise DAGError(f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
-                           f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
-    return plan
+            missing[n] = (f"node {n!r} is differentiated but has no VJP, only jvp=: give it "
+                          f"vjp= or fwd=/bwd=, or leave out of wrt the inputs it depends on")
+    return missing
 
 
 def _differentiable(value) -> bool:

@@ -1,14 +1,17 @@
 """The shapes of a DAG's values, found without running a node on data.
 
 In:  a spec, the names wanted, the inputs' values (or one item's shapes), and how to call a node.
-Out: ``{name: ShapeDtypeStruct tree}``; :data:`UNKNOWN` where a node cannot be traced abstractly.
+Out: ``{name: ShapeDtypeStruct tree}``; :data:`UNKNOWN` where a node cannot be traced abstractly;
+     on request, each traced node's jaxpr (:class:`Traced`), for what its rules can do.
 
-Each node is traced with ``jax.eval_shape`` on its deps' shapes: its Python code runs once on
-abstract values (no arithmetic; a ``jit=True`` node's trace is the one its call reuses).
+Each node is traced with ``jax.eval_shape`` (or ``jax.make_jaxpr``) on its deps' shapes: its
+Python code runs once on abstract values (no arithmetic; a ``jit=True`` node's trace is the one
+its call reuses).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -21,16 +24,35 @@ from daskdag.model.spec import Node, Spec
 UNKNOWN = object()  # a node that could not be traced abstractly, or one downstream of it
 
 
-def abstract_values(spec: Spec, names, avals: dict, call: Callable[[Node], Callable] = Node.callable
-                    ) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Traced:
+    """A node traced on its deps' shapes: its ``jaxpr`` (a ``ClosedJaxpr``), whose inputs are the
+    array leaves of its deps in order, and per input the position of the dep it is a leaf of
+    (``deps``)."""
+
+    jaxpr: Any
+    deps: tuple[int, ...]
+
+
+def abstract_values(spec: Spec, names, avals: dict,
+                    call: Callable[[Node], Callable] = Node.callable,
+                    traces: dict[str, Traced] | None = None) -> dict[str, Any]:
     """``avals`` (the inputs' shapes, :func:`abstract`) with the shapes of the nodes ``names``
     (each after its deps) added: ``jax.eval_shape`` of ``call(node)`` on its deps' shapes, or
-    :data:`UNKNOWN`."""
+    :data:`UNKNOWN`. ``traces``, when given, gets each traced node's :class:`Traced` (the same
+    single trace: :func:`trace`)."""
     avals = dict(avals)
     for n in names:
         node = spec.nodes[n]
         deps = [avals[d] for d in node.deps]
-        avals[n] = UNKNOWN if any(d is UNKNOWN for d in deps) else eval_shape(call(node), deps)
+        if any(d is UNKNOWN for d in deps):
+            avals[n] = UNKNOWN
+        elif traces is None:
+            avals[n] = eval_shape(call(node), deps)
+        else:
+            avals[n], traced = trace(call(node), deps)
+            if traced is not None:
+                traces[n] = traced
     return avals
 
 
@@ -49,6 +71,17 @@ def abstract(value, batched: bool = False):
 def eval_shape(fn, args) -> Any:
     """``jax.eval_shape(fn, *args)`` over the array leaves of ``args``, the others held as they
     are; :data:`UNKNOWN` when ``fn`` cannot run on abstract values."""
+    return _traced(fn, args, jaxpr=False)[0]
+
+
+def trace(fn, args) -> tuple[Any, Traced | None]:
+    """:func:`eval_shape`'s shapes, and the jaxpr of the same trace (``jax.make_jaxpr``) as a
+    :class:`Traced`, its inputs the array leaves of ``args``; ``(UNKNOWN, None)`` when ``fn``
+    cannot run on abstract values."""
+    return _traced(fn, args, jaxpr=True)
+
+
+def _traced(fn, args, jaxpr: bool) -> tuple[Any, Traced | None]:
     leaves, tree = jax.tree.flatten(args)
     at = [k for k, a in enumerate(leaves) if isinstance(a, jax.ShapeDtypeStruct)]
 
@@ -58,10 +91,15 @@ def eval_shape(fn, args) -> Any:
             full[k] = a
         return fn(*jax.tree.unflatten(tree, full))
 
+    arrays = [leaves[k] for k in at]
     try:
-        return jax.eval_shape(on_arrays, *(leaves[k] for k in at))
+        if not jaxpr:
+            return jax.eval_shape(on_arrays, *arrays), None
+        closed, out = jax.make_jaxpr(on_arrays, return_shape=True)(*arrays)
     except Exception:  # e.g. a TracerBoolConversionError from `if` on a value
-        return UNKNOWN
+        return UNKNOWN, None
+    owner = [d for d, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+    return out, Traced(closed, tuple(owner[k] for k in at))
 
 
 def signature(value) -> tuple:

@@ -1,17 +1,25 @@
 """JAX's own rule in forward mode: a node's function under ``jax.jvp``, leaf by leaf, as
-:mod:`daskdag.rules.vjp` does for vjp, and any rule run for several directions at once."""
+:mod:`daskdag.rules.vjp` does for vjp, and any rule run for several directions at once; and
+whether a node's jaxpr can go through ``jax.jvp`` at all (:func:`why_no_jvp`), found on
+shapes."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from daskdag.cancel import Cancelled
 from daskdag.model.leaves import is_numeric
 from daskdag.model.spec import Node
-from daskdag.rules.vjp import of_leaves
+from daskdag.rules.vjp import in_brief, of_jaxpr, of_leaves
+
+#: The primitive ``jax.jvp`` leaves where a tangent goes through a ``jax.custom_vjp`` function,
+#: which has no forward-mode rule: it fails when it runs or compiles, not when it is traced.
+NO_JVP = "custom_lin"
 
 
 def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
@@ -58,3 +66,27 @@ def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None
     it = iter(numeric)
     return (box["treedef"].unflatten([next(it) if s is None else s for s in box["static"]]),
             tangent)
+
+
+def why_no_jvp(closed, active: Sequence[bool]) -> str | None:
+    """Why ``jax.jvp`` cannot go through a node's jaxpr
+    (:func:`daskdag.rules.vjp.of_jaxpr`), traced on shapes (no arithmetic); None when it can."""
+    diff, held, fn = of_jaxpr(closed, active)
+    if not diff:
+        return None
+    try:
+        pushed = jax.make_jaxpr(lambda held, diff: jax.jvp(partial(fn, held), diff, diff))(
+            held, diff)
+    except Exception as e:  # e.g. a pure_callback outside any custom rule
+        return f"has no forward-mode rule: jax.jvp fails through it ({in_brief(e)})"
+    if _holds(pushed.jaxpr, NO_JVP):
+        return ("calls a jax.custom_vjp function, which has no forward-mode rule (jax.jvp "
+                "cannot go through it)")
+    return None
+
+
+def _holds(jaxpr, primitive: str) -> bool:
+    """Some equation of ``jaxpr``, or of a jaxpr inside it, applies ``primitive``."""
+    return any(eqn.primitive.name == primitive or
+               any(_holds(sub, primitive) for sub in jcore.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)

@@ -1,14 +1,17 @@
 """JAX's own rule: a node's forward pass under ``jax.vjp``, leaf by leaf
 (:mod:`daskdag.model.leaves`), and the :class:`JaxPullback` it leaves behind, which can travel
-to another process as an exported program plus its residual arrays."""
+to another process as an exported program plus its residual arrays; and whether a node's jaxpr
+can go through ``jax.vjp`` at all (:func:`why_no_vjp`), found on shapes."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric, partition
 from daskdag.model.spec import Node
@@ -194,3 +197,45 @@ def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...
 
 def ct_avals(primal_diff) -> list:
     return [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
+
+
+def of_jaxpr(closed, active: Sequence[bool]) -> tuple[list, list, Callable]:
+    """A node's jaxpr (a ``ClosedJaxpr``: :class:`daskdag.model.shapes.Traced`) as a function of
+    its differentiated inputs, as :func:`of_leaves` makes a node's function: ``(diff, held,
+    fn)``, the shapes of the floating-point inputs where ``active`` (per input) and of the
+    others, and ``fn(held, *diff)``, the jaxpr's floating-point outputs."""
+    run = jcore.jaxpr_as_fun(closed)
+    ins = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
+    on = [bool(a) and jnp.issubdtype(s.dtype, jnp.inexact) for a, s in zip(active, ins)]
+    out_on = [jnp.issubdtype(a.dtype, jnp.inexact) for a in closed.out_avals]
+
+    def fn(held, *diff):
+        taken, kept = iter(diff), iter(held)
+        outs = run(*[next(taken) if o else next(kept) for o in on])
+        return [x for x, o in zip(outs, out_on) if o]
+
+    return [s for s, o in zip(ins, on) if o], [s for s, o in zip(ins, on) if not o], fn
+
+
+def why_no_vjp(closed, active: Sequence[bool]) -> str | None:
+    """Why ``jax.vjp`` cannot go through a node's jaxpr (:func:`of_jaxpr`): its forward pass,
+    then its pullback, traced on shapes (no arithmetic); None when it can."""
+    diff, held, fn = of_jaxpr(closed, active)
+    if not diff:
+        return None
+
+    def pulled(held, diff):
+        out, pull = jax.vjp(partial(fn, held), *diff)
+        return pull(out)
+
+    try:
+        jax.eval_shape(pulled, held, diff)
+    except Exception as e:  # e.g. a pure_callback in a custom_jvp rule: it cannot be transposed
+        return f"has no reverse-mode rule: jax.vjp fails through it ({in_brief(e)})"
+    return None
+
+
+def in_brief(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

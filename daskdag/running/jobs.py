@@ -41,6 +41,12 @@ class CallInfo:
             function changed ..."``, ``"the inputs' structure, shapes or dtypes changed"``...);
             None when one was reused.
         where: where it ran: this process's threads, a cluster, or a lazy call's Dask.
+        mode_why: why a Jacobian took its ``mode``: asked for; or, with ``mode="auto"``, the
+            passes each mode takes (``"fewer passes: 2 passes forward (input elements) against
+            6 reverse (output elements)"``, ``"forward on a tie: ..."``), or the only mode
+            every node can take (``"the only mode that can serve this call: forward mode
+            cannot: node 'f' calls a jax.custom_vjp function ..."``). None for the other calls,
+            which have one mode each.
     """
 
     call: str
@@ -51,6 +57,7 @@ class CallInfo:
     prepared: bool = False
     why: str | None = None
     where: str = ""
+    mode_why: str | None = None
 
     def __repr__(self) -> str:
         parts = [self.call, self.mode, f"{self.passes} pass{'es' if self.passes != 1 else ''}"]
