@@ -61,8 +61,14 @@ class Pins:
 
 
 _all_pins: weakref.WeakSet[Pins] = weakref.WeakSet()
-register("prepared functions' own preparations",
-         lambda: [pins.entries.clear() for pins in list(_all_pins)])
+
+
+def _unpin_all() -> None:
+    for pins in list(_all_pins):
+        pins.entries.clear()
+
+
+register("prepared functions' own preparations", _unpin_all)
 
 
 @contextlib.contextmanager

@@ -314,7 +314,12 @@ def _installed_roots() -> tuple[str, ...]:
 
 
 _decided: Cache[bool] = Cache("whose modules are the user's", 4096)  # (name, file) -> decided
-register("names read by code objects", lambda: (names.cache_clear(), attributes.cache_clear()))
+def _forget_names() -> None:
+    names.cache_clear()
+    attributes.cache_clear()
+
+
+register("names read by code objects", _forget_names)
 
 
 def is_user_module(name: str) -> bool:
