@@ -183,6 +183,46 @@ def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, wha
     assert files(store) == listing  # nothing changed
 
 
+@pytest.mark.parametrize("kind", ["folder", "zarr", "zarr object", "file"])
+def test_a_location_that_holds_something_else_is_refused_and_left_as_it_was(tmp_path, kind):
+    """As ``zarr.open_group(..., mode="w-")`` refuses a location that holds something: a
+    folder of the user's files, a Zarr hierarchy that is not a sweep's store (in a folder, or a
+    Zarr store object), a file. Nothing is computed, nothing written."""
+    import zarr
+    import zarr.storage
+
+    m = dag_module(tmp_path)
+    where = tmp_path / "data"
+    if kind == "folder":
+        (where / "runs").mkdir(parents=True)
+        (where / "results.csv").write_text("1,2\n")
+        what = r"is not empty, and is not a daskdag sweep's store: it holds results.csv, runs\."
+    elif kind == "file":
+        where.write_text("not a folder")
+        what = "is a file, not a directory"
+    else:
+        held: dict = {}  # (a Zarr store object's keys)
+        location = where if kind == "zarr" else zarr.storage.MemoryStore(store_dict=held)
+        group = zarr.open_group(location, mode="w-")
+        group.attrs["owner"] = "another project"
+        group.create_array("temperature", shape=(3,), dtype="f4")[:] = 1.0
+        what = (r"is a Zarr group that is not a daskdag sweep's store \(its zarr.json has no "
+                r"'daskdag' attribute\): it holds temperature, zarr.json\.")
+        if kind == "zarr object":
+            where = location
+
+    def content():
+        if kind == "zarr object":
+            return {k: v.to_bytes() for k, v in held.items()}
+        return where.read_text() if kind == "file" else files(where)
+
+    before = content()
+    with pytest.raises(daskdag.StoreError, match=what + ".*Nothing was written there" if
+                       kind != "file" else what):
+        sweep(m.DAG, where)
+    assert content() == before and counted(tmp_path) == []
+
+
 def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
     m = dag_module(tmp_path)
     store = tmp_path / "store"

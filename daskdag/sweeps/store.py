@@ -7,7 +7,8 @@ store, say), readable with Zarr alone:
 ```text
 zarr.json                      the root group; its attribute "daskdag" is what the sweep is
                                (identity): format, daskdag's and JAX's versions, each node's
-                               content token, outputs, wrt, batched inputs, items, chunk size, the
+                               content tokens by part (not where its source is written), deps and
+                               options, outputs, wrt, batched inputs, items, chunk size, the
                                shared inputs' and cotangents' hashes, the settings numbers depend
                                on; "trees" is each result's pytree structure (pickled)
 values/<output>/<k>            an array per leaf k of the output's value: (items, *leaf shape),
@@ -49,7 +50,7 @@ import jax
 import numpy as np
 
 from daskdag.errors import NodeError, StoreError
-from daskdag.sweeps.identity import differences, rows_hash
+from daskdag.sweeps.identity import FORMAT, differences, rows_hash
 from daskdag.sweeps.keys import Keys, group, is_zarr, keys_of
 
 if TYPE_CHECKING:
@@ -109,14 +110,12 @@ class Store:
         self._pending: list[Future] = []
         self.keys = keys_of(where.location)
         self.name = self.keys.name
+        _claim(self.keys)
         self.keys.hold()
         try:
-            import zarr
-
-            self.root = zarr.open_group(self.keys.store, mode="a", zarr_format=3)
+            self.identity = self._agree(identity, chunk_size, default)
             if "done" not in self.root:
                 self.root.create_group("done")
-            self.identity = self._agree(identity, chunk_size, default)
         except BaseException:
             self.close()
             raise
@@ -125,12 +124,26 @@ class Store:
         self.trees: dict = trees if isinstance(trees, dict) else {}
 
     def _agree(self, identity: dict, chunk_size: int | None, default: int) -> dict:
-        stored = self.root.attrs.get("daskdag")
-        if not isinstance(stored, dict):
+        """The stored sweep's identity, which must be the call's (else a StoreError saying what
+        changed); in a new store, the call's, written with the root group in one write."""
+        import zarr
+
+        stored = _recorded(self.keys)
+        if stored is None:
             mine = {**identity, "chunk_size": chunk_size or default}
-            self.root.attrs["daskdag"] = mine
+            self.root = zarr.create_group(self.keys.store, zarr_format=3,
+                                          attributes={"daskdag": mine})
             self.keys.synced(["zarr.json"])
             return mine
+        if stored.get("format") != FORMAT:
+            raise StoreError(
+                f"store {self.name} was written by daskdag {stored.get('daskdag')} in store "
+                f"format {stored.get('format')}; this daskdag ({identity['daskdag']}) reads "
+                f"format {FORMAT} only, whose record of the nodes does not depend on where "
+                f"their functions are written. Finish that sweep with daskdag "
+                f"{stored.get('daskdag')}, or use another store, or delete this one to start "
+                f"afresh")
+        self.root = zarr.open_group(self.keys.store, mode="r+", zarr_format=3)
         mine = {**identity, "chunk_size": chunk_size or stored.get("chunk_size")}
         changed = differences(stored, mine)
         if changed:
@@ -348,6 +361,31 @@ class Store:
             return mark if {"items", "rows", "arrays", "failed"} <= set(mark) else None
         except (TypeError, KeyError):
             return None
+
+
+def _recorded(keys: Keys) -> dict | None:
+    """The sweep a store records (its root group's ``daskdag`` attribute), else None."""
+    root = keys.get_json("zarr.json")
+    attributes = root.get("attributes") if isinstance(root, dict) else None
+    recorded = attributes.get("daskdag") if isinstance(attributes, dict) else None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _claim(keys: Keys) -> None:
+    """Refuse, before anything is written, a location that holds something other than a sweep's
+    store: a :class:`~daskdag.StoreError` naming what is there. Empty or missing is a new store
+    (a lease left by a sweep that died before writing is nothing)."""
+    found = [n for n in keys.top() if n != "lock"]
+    if not found or _recorded(keys) is not None:
+        return
+    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    root = keys.get_json("zarr.json")
+    kind = root.get("node_type") if isinstance(root, dict) else None
+    what = (f"is a Zarr {kind} that is not a daskdag sweep's store (its zarr.json has no "
+            f"'daskdag' attribute)" if isinstance(kind, str)
+            else "is not empty, and is not a daskdag sweep's store")
+    raise StoreError(f"store {keys.name} {what}: it holds {shown}. Nothing was written there; "
+                     f"give the sweep a new or empty location")
 
 
 def _read_chunk(keys: Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
