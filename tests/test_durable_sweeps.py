@@ -261,6 +261,31 @@ def test_failed_items_are_kept_and_returned_on_resume(tmp_path):
         assert np.isnan(np.asarray(res.value)[17])
 
 
+def test_after_a_raise_the_store_keeps_what_succeeded_and_a_resume_computes_the_rest(tmp_path):
+    """errors='raise', item 5 failing (in the chunk of items 0 to 7): the store keeps the items
+    that succeeded, the failed one's chunk-mates too, in pieces around item 5; once item 5
+    succeeds, the same call computes item 5 and what was never computed, nothing else. Pieces
+    never overlap, and every item is computed once."""
+    m = dag_module(tmp_path)
+    ref = sweep(m.DAG, None)
+    (tmp_path / "count").unlink()
+    (tmp_path / "failing_now").write_text("5")
+    store = tmp_path / "store"
+    with pytest.raises(daskdag.NodeError, match="item 5: node 'h'"):
+        sweep(m.DAG, store)
+    kept = items_of(complete(store))
+    assert set(range(8)) - {5} <= kept and 5 not in kept
+    first = counted(tmp_path)
+    (tmp_path / "failing_now").unlink()
+    assert_same(sweep(m.DAG, store), ref)
+    again = counted(tmp_path)[len(first):]
+    assert sorted(again) == sorted(set(range(N)) - kept)
+    assert sorted(first + again) == sorted([*range(N), 5])  # (item 5: once failing, once not)
+    pieces = sorted(tuple(map(int, p.split("-"))) for p in complete(store))
+    assert all(a[1] <= b[0] for a, b in zip(pieces, pieces[1:])), pieces  # no overlap
+    assert items_of(complete(store)) == set(range(N))
+
+
 def dask_inputs(xs=XS, chunks=CHUNK):
     return {"x": da.from_array(xs, chunks=(chunks, -1)), "w": W,
             "i": da.from_array(np.arange(len(xs)), chunks=chunks)}

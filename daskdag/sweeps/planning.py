@@ -159,7 +159,7 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
             # programs (shipping.current), so a change in place compiles anew.
             inner = replace(node, fn=transport.pack_function(f"node {n!r}: its function", node.fn,
                                                              prints=prints))
-            node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
+            node = replace(node, fn=Chunked(inner, in_axes, n), jit=False, vmap=False)
         nodes[n] = node
     plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), transport)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,

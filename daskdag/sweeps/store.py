@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from daskdag.errors import NodeError, StoreError
+from daskdag.sweeps.failures import picklable
 from daskdag.sweeps.identity import FORMAT, differences, rows_hash
 from daskdag.sweeps.keys import Keys, group, is_zarr, keys_of
 
@@ -180,16 +181,18 @@ class Store:
                     else:  # computed again, written anew
                         self.keys.delete(_mark_key(start, stop))
                     continue
-                if mark["failed"]:  # (an item that failed: its rows are NaN)
-                    yield start, stop, None, pickle.loads(base64.b64decode(mark["failed"]))
-                    continue
+                failed = pickle.loads(base64.b64decode(mark["failed"])) if mark["failed"] \
+                    else {}  # (the rows of failed items are NaN)
                 try:
                     piece = {p: rows[p][lo:hi] for p in mark["arrays"]}  # type: ignore[index]
                     results = self._results(piece.__getitem__) if read else None
-                except KeyError:  # (an array the piece does not cover: computed again)
-                    self.keys.delete(_mark_key(start, stop))
+                except KeyError:  # an array the piece does not cover
+                    if len(failed) == stop - start:  # (no item of it has rows to read)
+                        yield start, stop, None, failed
+                    else:  # computed again
+                        self.keys.delete(_mark_key(start, stop))
                     continue
-                yield start, stop, results, {}
+                yield start, stop, results, failed
         if changed:
             raise StoreError(f"store {self.name}: the inputs of items {', '.join(changed)} are not "
                              f"those the store computed them from. Use another store, delete "
@@ -199,12 +202,14 @@ class Store:
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
               failed: dict[int, NodeError] | None = None) -> None:
         """Items ``start:stop``'s results (``{output: (value, {input: grad})}``, stacked NumPy
-        rows) and failures, made durable, then marked complete."""
+        rows; the rows of ``failed`` items written as never computed) and failures, made
+        durable, then marked complete."""
         try:
-            rows = self._put(start, stop, results) if results else self._blank(start, stop)
+            rows = self._put(start, stop, results, failed or ()) if results else \
+                self._blank(start, stop)
             self.keys.synced([_chunk_key(self._arrays()[p], p, start // self.chunk_size)
                               for p in rows])
-            failures = base64.b64encode(pickle.dumps(_picklable(failed), protocol=5)).decode() \
+            failures = base64.b64encode(pickle.dumps({i: picklable(e) for i, e in failed.items()}, protocol=5)).decode() \
                 if failed else None
             self.keys.set_json(_mark_key(start, stop), group({
                 "items": items_hash, "arrays": sorted(rows),
@@ -264,14 +269,22 @@ class Store:
 
     # -- arrays and marks
 
-    def _put(self, start: int, stop: int, results: dict) -> dict[str, np.ndarray]:
-        """Write ``results``' rows; returns them by array path."""
+    def _put(self, start: int, stop: int, results: dict, blank=()) -> dict[str, np.ndarray]:
+        """Write ``results``' rows, those of the items ``blank`` as never written; returns
+        them by array path."""
         rows = {}
+        arrays = None
         for o, (value, grads) in results.items():
             if o not in self.trees:
                 self._create(o, _one(value), {i: _one(g) for i, g in grads.items()})
+            arrays = self._arrays()
             for path, leaf in self._leaves(o, value, grads):
-                rows[path] = np.ascontiguousarray(np.asarray(leaf, self._arrays()[path].dtype))
+                rows[path] = np.ascontiguousarray(np.asarray(leaf, arrays[path].dtype))
+        if blank and arrays is not None:
+            at = [i - start for i in blank]
+            for path, r in rows.items():
+                rows[path] = r = r.copy()  # (the caller's arrays stay as they are)
+                r[at] = arrays[path].fill_value
         return self._set_rows(start, stop, rows)
 
     def _set_rows(self, start: int, stop: int, rows: dict[str, np.ndarray]
@@ -422,15 +435,3 @@ def _encode(treedef) -> str:
 
 def _decode(encoded: str):
     return pickle.loads(base64.b64decode(encoded))
-
-
-def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
-    out = {}
-    for item, e in failed.items():
-        try:
-            pickle.dumps(e)
-            out[item] = e
-        except Exception:  # (an exception holding what cannot be pickled: its text stays)
-            out[item] = NodeError(e.node, e.phase, RuntimeError(f"{type(e.original).__name__}: "
-                                                                f"{e.original}"), item=e.item)
-    return out

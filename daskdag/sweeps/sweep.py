@@ -6,8 +6,9 @@ chunk shares, and the chunk sizes). Chunks run on threads or a cluster
 straight to that worker and its results straight back, and shared inputs are placed on the
 cluster once). A few chunks are in flight at a time; their results are written into the
 stacked outputs (:mod:`daskdag.sweeps.results`) as they finish and their intermediates released, so
-memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
-name the item and keep the rest.
+memory stays bounded however many items there are. An item that fails is kept with its chunk's
+results, which go on without it; a chunk that fails as a whole is rerun item by item, to name
+the item and keep the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import traceback
 from collections import deque
 from dataclasses import replace
 
@@ -31,6 +31,7 @@ from daskdag.running.log import logger, where
 from daskdag.running.resident import placing
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
+from daskdag.sweeps.failures import detached
 from daskdag.sweeps.identity import identity, items_hash
 from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size
 from daskdag.sweeps.progress import Progress
@@ -100,6 +101,13 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 bar.already(int(done.sum()))
 
             def keep(chunk, computed, fails):  # (written while the sweep goes on)
+                if errors == "raise" and fails:
+                    # Failures are not kept (a resume computes those items again): the items
+                    # that succeeded, in the pieces between them.
+                    for a, b in _between(chunk, fails) if computed is not None else ():
+                        store.later(lambda a=a, b=b: store.write(
+                            a, b, chunk_hash(sweep, a, b), _rows(sweep, chunk, computed, (a, b))))
+                    return
                 start, stop = chunk
                 store.later(lambda: store.write(
                     start, stop, chunk_hash(sweep, start, stop),
@@ -130,7 +138,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
     for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
                                                        read=stacked is not None):
         if computed:
-            _store(stacked, sweep, start, stop, computed, rows=True)
+            _store(stacked, sweep, start, stop, computed, rows=True, failed=fails)
         failed.update(fails)
         done[start:stop] = True
     return done
@@ -162,24 +170,26 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
 
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
                 done=None, keep=None):
-    """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
-    ahead of new chunks, to name its failing items and keep the others; so is one lost with the
-    workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
+    """Chunks in order, at most ``in_flight`` at once. A chunk that fails as a whole is rerun
+    item by item, ahead of new chunks, to name its failing items and keep the others; so is one
+    lost with the workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
     no new chunk starts after a failure; the error raised is that of the lowest failing item,
     once everything before it is known to have succeeded.
 
-    ``done``: items a store had already; a chunk all of whose items are done is not run (one
-    that is run anew forgets what the store said of its items' failures). ``keep(chunk,
-    computed, failed)``: called with each chunk's results, and each failed item's error under
-    ``errors='collect'``, before they count (a store takes them to write)."""
+    An item that fails inside a chunk is kept with the chunk's results, and the chunk's other
+    items go on (:mod:`daskdag.sweeps.chunked`): no item is computed twice to find the failing
+    ones. Only a chunk that fails as a whole (a ``vmap=True`` node's program over it, a chunk of
+    task graphs) is rerun item by item.
+
+    ``done``: items a store had already; they are not run again: a chunk runs the pieces of it
+    that are not done (pieces never overlap). ``keep(chunk, computed, failed)``: called with
+    each chunk's results and its failed items' errors before they count (a store takes them to
+    write)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
         if done is not None:  # (a store's: what it holds is not run again)
-            chunks = deque(c for c in chunks if not done[c[0]:c[1]].all())
-            for c in chunks:
-                for i in range(*c):
-                    failed.pop(i, None)
+            chunks = deque(piece for c in chunks for piece in _missing(c, done))
             if done.any() and not sweep.vectorized:
                 chunks = _spread(chunks, chunk_size, in_flight)
         reruns: deque
@@ -206,7 +216,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 break
             for fut in engine.wait_any(list(pending)):
                 c = pending.pop(fut)
-                err = _collect(engine, fut, sweep, c, stacked, keep)
+                err = _collect(engine, fut, sweep, c, stacked, failed, keep)
                 if bar:
                     bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
@@ -214,7 +224,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 if isinstance(err, Lost):  # item by item, ahead of new chunks
                     reruns.extend(_items(c))
                 elif c[1] - c[0] == 1:  # an item: named
-                    if keep is not None and errors == "collect":
+                    if keep is not None:
                         keep(c, None, {c[0]: err})
                     failed[c[0]] = err
                 elif errors == "raise":
@@ -242,46 +252,54 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, keep=None
+def _missing(chunk: tuple[int, int], done: np.ndarray) -> list[tuple[int, int]]:
+    """The pieces of ``chunk`` whose items are not ``done``: runs of them, in order."""
+    return _between(chunk, {i for i in range(*chunk) if done[i]})
+
+
+def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
+    """The pieces of ``chunk`` between the items ``left_out``: runs of the others, in order."""
+    pieces, start = [], None
+    for i in range(chunk[0], chunk[1] + 1):
+        if i < chunk[1] and i not in left_out:
+            start = i if start is None else start
+        elif start is not None:
+            pieces.append((start, i))
+            start = None
+    return pieces
+
+
+def _rows(sweep, chunk: tuple[int, int], computed: dict, piece: tuple[int, int]) -> dict:
+    """The rows of ``piece`` in a ``chunk``'s ``computed`` results, as :func:`_as_rows` makes
+    them."""
+    rows = _as_rows(sweep, *chunk, computed)
+    lo, hi = piece[0] - chunk[0], piece[1] - chunk[0]
+    return jax.tree.map(lambda a: a[lo:hi], rows)
+
+
+def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, keep=None
              ) -> NodeError | Lost | None:
-    """Store a finished chunk's results (first ``keep(chunk, results, None)`` them, when
-    given); return its error instead if it failed, or ``Lost`` if the workers that ran it kept
-    dying."""
+    """Store a finished chunk's results and its failed items (in ``failed``; first ``keep(chunk,
+    results, failures)`` them, when given); return its error instead if it failed as a whole,
+    or ``Lost`` if the workers that ran it kept dying."""
     try:
-        computed = engine.result(fut)
+        computed, fails, _ = engine.result(fut)
     except NodeError as e:
-        return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
+        return detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
     except Lost as e:
         return e
     finally:
         engine.release(fut)
+    start, stop = chunk
+    fails = {start + i: detached(e, start + i) for i, e in sorted(fails.items())}
+    if len(fails) == stop - start:  # (nothing to keep but the failures)
+        computed = None
     if keep is not None:
-        keep(chunk, computed, None)
-    _store(stacked, sweep, *chunk, computed)
+        keep(chunk, computed, fails or None)
+    if computed is not None:
+        _store(stacked, sweep, start, stop, computed, failed=fails)
+    failed.update(fails)
     return None
-
-
-def _detached(e: NodeError, item: int | None) -> NodeError:
-    """``e`` for ``item``, holding no stack frames.
-
-    A traceback holds its frames, and they every local of the calls they came through: an error
-    from a cluster arrives with a traceback rebuilt on top of this sweep's own frames, so a kept
-    error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
-    original exception's traceback (where the node raised) stays, as text in a note.
-    """
-    todo: list[BaseException | None]
-    seen, todo = set(), [e.original]
-    while todo:  # the original and the exceptions chained to it
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if x.__traceback__ is not None:
-            x.add_note("Raised at (traceback kept as text):\n"
-                       + "".join(traceback.format_tb(x.__traceback__)).rstrip())
-            x.__traceback__ = None
-        todo += [x.__cause__, x.__context__]
-    return NodeError(e.node, e.phase, e.original, item=item)
 
 
 def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
@@ -296,15 +314,20 @@ def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
             for o, (v, grads) in computed.items()}
 
 
-def _store(stacked, sweep, start, stop, computed, rows: bool = False):
-    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone).
-    ``rows``: every value has a row per item (:func:`_as_rows`), as a store's have."""
+def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=()):
+    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone),
+    but for its items that ``failed``. ``rows``: every value has a row per item
+    (:func:`_as_rows`), as a store's have."""
     if stacked is None:
         return
     for o, (value, grads) in computed.items():
         stacked[o][0].put(start, stop, value, rows or o in sweep.carrying)
         for i, g in grads.items():
             stacked[o][1][i].put(start, stop, g, True)
+    if failed:
+        for value, grads in stacked.values():
+            for s in (value, *grads.values()):
+                s.forget(failed)
 
 
 def _finish(sweep, stacked) -> dict:
