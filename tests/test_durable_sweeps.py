@@ -7,6 +7,7 @@ Items are counted at the node: the node appends a line to a file for each item i
 whose content a store records, stays the same between calls).
 """
 
+import json
 import os
 import random
 import signal
@@ -286,6 +287,28 @@ def test_after_a_raise_the_store_keeps_what_succeeded_and_a_resume_computes_the_
     assert items_of(complete(store)) == set(range(N))
 
 
+def test_without_a_chunk_size_a_store_is_written_in_pieces_sized_by_time(tmp_path, monkeypatch):
+    """No chunk_size: the first pieces hold one item, the next about PIECE_SECONDS of work (here
+    0.1 s, items of 0.02 s), none crossing a store chunk; every item computed once, and the
+    numbers bit for bit those of whole chunks."""
+    from daskdag.sweeps import sweep as sweeps
+
+    monkeypatch.setattr(sweeps, "PIECE_SECONDS", 0.1)
+    m = dag_module(tmp_path, pause=0.02)
+    ref = sweep(m.DAG, None)
+    (tmp_path / "count").unlink()
+    store = tmp_path / "store"
+    assert_same(sweep(m.DAG, store, chunk_size=None), ref)
+    assert sorted(counted(tmp_path)) == list(range(N))
+    pieces = sorted(tuple(map(int, p.split("-"))) for p in complete(store))
+    chunk = json.loads((store / "zarr.json").read_text())["attributes"]["daskdag"]["chunk_size"]
+    assert pieces[0] == (0, 1) and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert pieces[-1][1] == N and all(a // chunk == (b - 1) // chunk for a, b in pieces)
+    assert len(pieces) > -(-N // chunk)  # (smaller than chunks)
+    assert_same(sweep(m.DAG, store, chunk_size=None), ref)  # resumed: nothing computed
+    assert len(counted(tmp_path)) == N
+
+
 def dask_inputs(xs=XS, chunks=CHUNK):
     return {"x": da.from_array(xs, chunks=(chunks, -1)), "w": W,
             "i": da.from_array(np.arange(len(xs)), chunks=chunks)}
@@ -514,6 +537,43 @@ def test_the_command_line_resumes_from_its_store(tmp_path):
     refused = cli(inputs="changed.npz", out="no.npz")
     assert refused.returncode == 5 and "items 0 to 7" in refused.stderr, refused.stderr
     assert not (tmp_path / "no.npz").exists()
+
+
+@pytest.mark.timeout(240)
+def test_the_command_line_interrupted_says_what_is_saved_and_resumes(tmp_path):
+    """Ctrl-C (SIGINT) once the first piece is saved: exit 130, and the error line says how
+    many items the store holds; the same command then computes the others alone."""
+    m = dag_module(tmp_path, pause=0.1)
+    root = Path(__file__).resolve().parent.parent
+    np.savez(tmp_path / "in.npz", x=XS, w=np.asarray(W), i=np.arange(N))
+    store = tmp_path / "store"
+    # `python -m daskdag.cli`, with Ctrl-C's handler even where the test run ignores SIGINT
+    command = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, "
+               "signal.default_int_handler); runpy.run_module('daskdag.cli', "
+               "run_name='__main__', alter_sys=True)",
+               "sweep", f"{tmp_path / (m.__name__ + '.py')}:DAG", "--inputs", "in.npz",
+               "--batched", "x,i", "--outputs", "loss", "--quiet", "--store", str(store),
+               "--out", "res.npz"]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_chunks(store, 1)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    saved = items_of(complete(store))
+    assert proc.returncode == 130, err
+    assert f"daskdag sweep: error: interrupted: {len(saved)} of {N} items saved in {store}; run " \
+           f"the same call again to resume" in err, err
+    assert 0 < len(saved) < N
+    before = len(counted(tmp_path))
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=200)
+    assert again.returncode == 0, again.stderr
+    assert sorted(counted(tmp_path)[before:]) == sorted(set(range(N)) - saved)
+    np.testing.assert_array_equal(np.load(tmp_path / "res.npz")["loss.value"],
+                                  np.asarray(sweep(m.DAG, None).value))
 
 
 @pytest.fixture

@@ -52,6 +52,13 @@ class Sweep:
         return all(chunk.node.vmap for n in self.plan.needed
                    if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
 
+    @property
+    def by_item(self) -> bool:
+        """No node that carries items is ``vmap=True``: each item is computed on its own, so
+        a chunk cut into pieces gives the numbers it would have whole."""
+        return not any(chunk.node.vmap for n in self.plan.needed
+                       if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
+
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
 

@@ -146,6 +146,14 @@ class Progress:
             self.done += finished
         self.refresh()
 
+    def settle(self, items: int):
+        """The bar at ``items`` done, what a store holds, wherever it was (a sweep stopped:
+        the items of unfinished chunks count no more)."""
+        with self.lock:
+            self.done, self.partial = items, {}
+            self.bar.n = items
+        self.bar.refresh()
+
     def refresh(self):
         with self.lock:
             target = self.done + int(sum(self.partial.values()))

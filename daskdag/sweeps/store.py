@@ -109,6 +109,7 @@ class Store:
         self.changed_items, self.lazy = where.changed_items, where.lazy
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self.saved = 0  # items of the pieces written
         self.keys = keys_of(where.location)
         self.name = self.keys.name
         _claim(self.keys)
@@ -214,6 +215,7 @@ class Store:
             self.keys.set_json(_mark_key(start, stop), group({
                 "items": items_hash, "arrays": sorted(rows),
                 "rows": rows_hash(rows, sorted(rows)), "failed": failures}))
+            self.saved += stop - start
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
