@@ -251,7 +251,8 @@ def loss_over_a_chunk(g):  # (vmap=True: traced, its Python code runs once per s
 
 DAGS = {{  # a chain (one vjp per item), h used twice (node by node), a vmap=True last node
     "chain": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]), "loss": (loss, ["g", "i"])}},
-    "fan-out": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]), "loss": (loss_of_both, ["g", "h", "i"])}},
+    "fan-out": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]),
+                "loss": (loss_of_both, ["g", "h", "i"])}},
     "vmap": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]),
              "loss": daskdag.Node(loss_over_a_chunk, ["g"], vmap=True)}},
 }}

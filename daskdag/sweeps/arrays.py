@@ -292,10 +292,11 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
             except NodeError as one:
                 raise NodeError(one.node, one.phase, one.original, item=start + i) from one.original
         raise
-    if done.failed:
+    if done.failed or done.computed is None:
         first = min(done.failed)
-        e = done.failed[first]
-        raise NodeError(e.node, e.phase, e.original, item=start + first) from e.original
+        error = done.failed[first]
+        raise NodeError(error.node, error.phase, error.original,
+                        item=start + first) from error.original
     return _flat(blocks, done.computed, size)
 
 

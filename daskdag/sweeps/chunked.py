@@ -16,7 +16,8 @@ An item that fails in an item-by-item node, forward or backward, is kept with it
 item's value is :data:`SKIPPED`, which later nodes pass on without running, and which has no
 leaves to differentiate; its cotangents are zeros, and its pullbacks do not run. A ``vmap``
 node takes another item's values in the rows of the items that failed (their results are
-dropped), and a chunk none of whose items is left stops (:class:`~daskdag.sweeps.progress.NothingLeft`).
+dropped), and a chunk none of whose items is left stops
+(:class:`~daskdag.sweeps.progress.NothingLeft`).
 """
 
 from __future__ import annotations
@@ -278,14 +279,14 @@ class ItemPullbacks(Pullback):
     def __call__(self, ct, inputs, dropped=None):
         items = item_args(inputs, self.in_axes)
         at = np.cumsum([0, *self.counts])
-        cts, ran = [], None
+        cts: list[tuple] = []
+        ran: tuple | None = None  # (an item whose pullback ran: which args get cotangents)
         for i, (pb, item) in enumerate(zip(self.pullbacks, items)):
-            one = SKIPPED if pb is None else _attempt(
+            out = SKIPPED if pb is None else _attempt(
                 self.name, i, item, "backward",
                 lambda: pb(tuple(ct[at[i]:at[i + 1]]), item))  # noqa: B023 (called here)
-            if one is SKIPPED:
-                one = _zeros(item, self.active)
-            elif ran is None:
+            one: tuple = _zeros(item, self.active) if isinstance(out, Skipped) else out
+            if not isinstance(out, Skipped) and ran is None:
                 ran = one
             cts.append(_then_checkpoint(one))
         # Differentiated deps all carry items (shared ones are broadcast).

@@ -210,7 +210,8 @@ class Store:
                 self._blank(start, stop)
             self.keys.synced([_chunk_key(self._arrays()[p], p, start // self.chunk_size)
                               for p in rows])
-            failures = base64.b64encode(pickle.dumps({i: picklable(e) for i, e in failed.items()}, protocol=5)).decode() \
+            failures = base64.b64encode(pickle.dumps(
+                {i: picklable(e) for i, e in failed.items()}, protocol=5)).decode() \
                 if failed else None
             self.keys.set_json(_mark_key(start, stop), group({
                 "items": items_hash, "arrays": sorted(rows),

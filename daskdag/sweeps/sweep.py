@@ -194,9 +194,9 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 done=None, keep=None, by_time=False):
     """Chunks in order, at most ``in_flight`` at once. A chunk that fails as a whole is rerun
     item by item, ahead of new chunks, to name its failing items and keep the others; so is one
-    lost with the workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
-    no new chunk starts after a failure; the error raised is that of the lowest failing item,
-    once everything before it is known to have succeeded.
+    lost with the workers that ran it (smaller pieces stand a better chance). With
+    ``errors='raise'`` no new chunk starts after a failure; the error raised is that of the
+    lowest failing item, once everything before it is known to have succeeded.
 
     An item that fails inside a chunk is kept with the chunk's results, and the chunk's other
     items go on (:mod:`daskdag.sweeps.chunked`): no item is computed twice to find the failing

@@ -96,7 +96,7 @@ def assert_stopped_by_ctrl_c(child):
     assert stopped < 2.0, f"took {stopped:.2f} s to stop"
 
 
-# -- a sweep with a store: 200 slow items, on threads or on a cluster --------------------------------
+# -- a sweep with a store: 200 slow items, on threads or on a cluster -----------------------------
 
 STORED_SWEEP_CHILD = textwrap.dedent("""
     import signal, sys, time
@@ -128,9 +128,10 @@ STORED_ITEMS = 200
 def start_stored_sweep_child(store, log, *args):
     """Start :data:`STORED_SWEEP_CHILD` with its ``store`` and ``log`` (a line per item computed;
     ``args``: a scheduler address, or none for threads), its stdout and stderr piped."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     return subprocess.Popen([sys.executable, "-c", STORED_SWEEP_CHILD, str(store), str(log), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
 
 
 def pieces(store: Path) -> list[tuple[int, int]]:
