@@ -312,7 +312,10 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
             hold, and returns what an uninterrupted sweep returns. A store holding another
             sweep (another DAG, other inputs, outputs or settings) raises
             [`StoreError`][daskdag.StoreError] naming what changed, and so does one another sweep is
-            writing to. Its chunk size is the store's. With dask-array items, or
+            writing to, or a location that holds something else. Its chunk size is the
+            store's; without ``chunk_size``, items computed one by one (no ``vmap=True`` node)
+            are written in pieces of about 10 s of work, so that an interrupt early in a long
+            sweep finds something saved. With dask-array items, or
             ``SweepStore(..., lazy=True)``, the results are dask arrays reading the store. See
             the sweeps guide, "Durable sweeps".
 
@@ -329,7 +332,9 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     ``None``.
 
     Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
-    running ones stop after their current item, on threads and on a cluster.
+    running ones stop after their current item, on threads and on a cluster. With a store,
+    what was computed is written first, and the ``KeyboardInterrupt`` says how much: "N of M
+    items saved in STORE; run the same call again to resume".
 
     For example:
 
@@ -360,8 +365,11 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
         partial(planning.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
         inputs=planning.item_signature(dag, like, batched))
     spec = made.plan.spec
-    computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size, client,
-                                   local, progress, errors, store=store, dag=dag)
+    try:
+        computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size,
+                                       client, local, progress, errors, store=store, dag=dag)
+    except sweep.Interrupted as e:  # Ctrl-C: what is saved, without daskdag's frames
+        raise KeyboardInterrupt(str(e)) from None
     info = CallInfo("sweep_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
                     where=where_in_words(client, local))
     return _results(spec, outputs, computed, failed, info)

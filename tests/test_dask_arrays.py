@@ -162,6 +162,30 @@ def test_a_failing_item_raises_its_node_error_at_compute_time():
     np.testing.assert_allclose(res.value[:5].compute(), np.sum(xs[:5] ** 2, axis=1), rtol=1e-6)
 
 
+def test_a_block_with_a_failing_item_runs_each_of_its_items_once():
+    """The failing item's block keeps going past it rather than running its items again one by
+    one to find it: each item's node runs once, and the error names item 9."""
+    ran = []
+
+    def fragile(x, k):
+        if not isinstance(k, jax.core.Tracer):  # (jax.eval_shape traces it once: not counted)
+            ran.append(int(k))
+            if k == 9:
+                raise ValueError("item 9 fails")
+        return jnp.sum(x ** 2)
+
+    xs, _ = data()
+    res = daskdag.sweep_grads({"E": (fragile, ["x", "k"])},
+                              {"x": da.from_array(xs, chunks=(CHUNKS, 5)),
+                               "k": da.arange(16, chunks=(CHUNKS,))}, "E")
+    with pytest.raises(NodeError, match="item 9 fails") as e:
+        res.value.compute(scheduler="sync")
+    assert e.value.item == 9
+    block = next(range(a, a + n) for a, n in zip(np.cumsum((0,) + CHUNKS), CHUNKS)
+                 if a <= 9 < a + n)
+    assert sorted(i for i in ran if i in block) == list(block)  # each once, 9 too
+
+
 def test_bad_inputs():
     dag, _ = dag_of(False)
     xs, w = data()

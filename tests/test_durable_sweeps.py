@@ -7,6 +7,7 @@ Items are counted at the node: the node appends a line to a file for each item i
 whose content a store records, stays the same between calls).
 """
 
+import json
 import os
 import random
 import signal
@@ -183,6 +184,46 @@ def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, wha
     assert files(store) == listing  # nothing changed
 
 
+@pytest.mark.parametrize("kind", ["folder", "zarr", "zarr object", "file"])
+def test_a_location_that_holds_something_else_is_refused_and_left_as_it_was(tmp_path, kind):
+    """As ``zarr.open_group(..., mode="w-")`` refuses a location that holds something: a
+    folder of the user's files, a Zarr hierarchy that is not a sweep's store (in a folder, or a
+    Zarr store object), a file. Nothing is computed, nothing written."""
+    import zarr
+    import zarr.storage
+
+    m = dag_module(tmp_path)
+    where = tmp_path / "data"
+    if kind == "folder":
+        (where / "runs").mkdir(parents=True)
+        (where / "results.csv").write_text("1,2\n")
+        what = r"is not empty, and is not a daskdag sweep's store: it holds results.csv, runs\."
+    elif kind == "file":
+        where.write_text("not a folder")
+        what = "is a file, not a directory"
+    else:
+        held: dict = {}  # (a Zarr store object's keys)
+        location = where if kind == "zarr" else zarr.storage.MemoryStore(store_dict=held)
+        group = zarr.open_group(location, mode="w-")
+        group.attrs["owner"] = "another project"
+        group.create_array("temperature", shape=(3,), dtype="f4")[:] = 1.0
+        what = (r"is a Zarr group that is not a daskdag sweep's store \(its zarr.json has no "
+                r"'daskdag' attribute\): it holds temperature, zarr.json\.")
+        if kind == "zarr object":
+            where = location
+
+    def content():
+        if kind == "zarr object":
+            return {k: v.to_bytes() for k, v in held.items()}
+        return where.read_text() if kind == "file" else files(where)
+
+    before = content()
+    with pytest.raises(daskdag.StoreError, match=what + ".*Nothing was written there" if
+                       kind != "file" else what):
+        sweep(m.DAG, where)
+    assert content() == before and counted(tmp_path) == []
+
+
 def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
     m = dag_module(tmp_path)
     store = tmp_path / "store"
@@ -219,6 +260,53 @@ def test_failed_items_are_kept_and_returned_on_resume(tmp_path):
         assert_same(res, ref)
         assert res.failed[17].node == "h" and "a failing item" in str(res.failed[17])
         assert np.isnan(np.asarray(res.value)[17])
+
+
+def test_after_a_raise_the_store_keeps_what_succeeded_and_a_resume_computes_the_rest(tmp_path):
+    """errors='raise', item 5 failing (in the chunk of items 0 to 7): the store keeps the items
+    that succeeded, the failed one's chunk-mates too, in pieces around item 5; once item 5
+    succeeds, the same call computes item 5 and what was never computed, nothing else. Pieces
+    never overlap, and every item is computed once."""
+    m = dag_module(tmp_path)
+    ref = sweep(m.DAG, None)
+    (tmp_path / "count").unlink()
+    (tmp_path / "failing_now").write_text("5")
+    store = tmp_path / "store"
+    with pytest.raises(daskdag.NodeError, match="item 5: node 'h'"):
+        sweep(m.DAG, store)
+    kept = items_of(complete(store))
+    assert set(range(8)) - {5} <= kept and 5 not in kept
+    first = counted(tmp_path)
+    (tmp_path / "failing_now").unlink()
+    assert_same(sweep(m.DAG, store), ref)
+    again = counted(tmp_path)[len(first):]
+    assert sorted(again) == sorted(set(range(N)) - kept)
+    assert sorted(first + again) == sorted([*range(N), 5])  # (item 5: once failing, once not)
+    pieces = sorted(tuple(map(int, p.split("-"))) for p in complete(store))
+    assert all(a[1] <= b[0] for a, b in zip(pieces, pieces[1:])), pieces  # no overlap
+    assert items_of(complete(store)) == set(range(N))
+
+
+def test_without_a_chunk_size_a_store_is_written_in_pieces_sized_by_time(tmp_path, monkeypatch):
+    """No chunk_size: the first pieces hold one item, the next about PIECE_SECONDS of work (here
+    0.1 s, items of 0.02 s), none crossing a store chunk; every item computed once, and the
+    numbers bit for bit those of whole chunks."""
+    from daskdag.sweeps import sweep as sweeps
+
+    monkeypatch.setattr(sweeps, "PIECE_SECONDS", 0.1)
+    m = dag_module(tmp_path, pause=0.02)
+    ref = sweep(m.DAG, None)
+    (tmp_path / "count").unlink()
+    store = tmp_path / "store"
+    assert_same(sweep(m.DAG, store, chunk_size=None), ref)
+    assert sorted(counted(tmp_path)) == list(range(N))
+    pieces = sorted(tuple(map(int, p.split("-"))) for p in complete(store))
+    chunk = json.loads((store / "zarr.json").read_text())["attributes"]["daskdag"]["chunk_size"]
+    assert pieces[0] == (0, 1) and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert pieces[-1][1] == N and all(a // chunk == (b - 1) // chunk for a, b in pieces)
+    assert len(pieces) > -(-N // chunk)  # (smaller than chunks)
+    assert_same(sweep(m.DAG, store, chunk_size=None), ref)  # resumed: nothing computed
+    assert len(counted(tmp_path)) == N
 
 
 def dask_inputs(xs=XS, chunks=CHUNK):
@@ -449,6 +537,43 @@ def test_the_command_line_resumes_from_its_store(tmp_path):
     refused = cli(inputs="changed.npz", out="no.npz")
     assert refused.returncode == 5 and "items 0 to 7" in refused.stderr, refused.stderr
     assert not (tmp_path / "no.npz").exists()
+
+
+@pytest.mark.timeout(240)
+def test_the_command_line_interrupted_says_what_is_saved_and_resumes(tmp_path):
+    """Ctrl-C (SIGINT) once the first piece is saved: exit 130, and the error line says how
+    many items the store holds; the same command then computes the others alone."""
+    m = dag_module(tmp_path, pause=0.1)
+    root = Path(__file__).resolve().parent.parent
+    np.savez(tmp_path / "in.npz", x=XS, w=np.asarray(W), i=np.arange(N))
+    store = tmp_path / "store"
+    # `python -m daskdag.cli`, with Ctrl-C's handler even where the test run ignores SIGINT
+    command = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, "
+               "signal.default_int_handler); runpy.run_module('daskdag.cli', "
+               "run_name='__main__', alter_sys=True)",
+               "sweep", f"{tmp_path / (m.__name__ + '.py')}:DAG", "--inputs", "in.npz",
+               "--batched", "x,i", "--outputs", "loss", "--quiet", "--store", str(store),
+               "--out", "res.npz"]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_chunks(store, 1)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    saved = items_of(complete(store))
+    assert proc.returncode == 130, err
+    assert f"daskdag sweep: error: interrupted: {len(saved)} of {N} items saved in {store}; run " \
+           f"the same call again to resume" in err, err
+    assert 0 < len(saved) < N
+    before = len(counted(tmp_path))
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=200)
+    assert again.returncode == 0, again.stderr
+    assert sorted(counted(tmp_path)[before:]) == sorted(set(range(N)) - saved)
+    np.testing.assert_array_equal(np.load(tmp_path / "res.npz")["loss.value"],
+                                  np.asarray(sweep(m.DAG, None).value))
 
 
 @pytest.fixture

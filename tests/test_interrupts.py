@@ -16,7 +16,8 @@ import pytest
 import daskdag
 from daskdag import NodeError
 from .support.clusters import eventually, local_client, task_states
-from .support.interrupts import assert_stopped_by_ctrl_c, interrupt, start_sweep_child
+from .support.interrupts import (assert_ctrl_c_says_what_is_saved, assert_stopped_by_ctrl_c,
+                                 interrupt, start_stored_sweep_child, start_sweep_child)
 from .support.numbers import assert_tree_close, two_node_dag, two_node_grad
 
 CLUSTER = {"n_workers": 1}  # the module's cluster (conftest's cluster and client fixtures)
@@ -59,6 +60,29 @@ def test_ctrl_c_stops_a_sweep_on_a_cluster():
                        "the workers idle after the sweep's process ended",
                        lambda: f"processing {processing()}, executing {executing()}")
             print(f"workers idle {time.monotonic() - stopped:.2f} s after the sweep's process ended")
+        finally:
+            child.kill()
+
+
+# -- Ctrl-C in a sweep with a store: what is saved ----------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_in_a_stored_sweep_says_how_much_is_saved(tmp_path):
+    child = start_stored_sweep_child(tmp_path / "store", tmp_path / "log")
+    try:
+        assert_ctrl_c_says_what_is_saved(child, tmp_path / "store", tmp_path / "log")
+    finally:
+        child.kill()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_ctrl_c_in_a_stored_sweep_on_a_cluster_says_how_much_is_saved(tmp_path):
+    with local_client() as client:
+        child = start_stored_sweep_child(tmp_path / "store", tmp_path / "log",
+                                         client.cluster.scheduler_address)
+        try:
+            assert_ctrl_c_says_what_is_saved(child, tmp_path / "store", tmp_path / "log")
         finally:
             child.kill()
 

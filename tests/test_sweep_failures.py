@@ -4,7 +4,9 @@ items, or where every item fails (NaN rows), keeps its results' shapes; and the 
 counts item by item, on threads and on a cluster. (A lost worker: test_lost_workers.py and
 test_internal_sweep_datapath.py; Ctrl-C: test_interrupts.py.)"""
 
+import collections
 import gc
+import re
 import time
 
 import distributed
@@ -185,3 +187,189 @@ def test_progress_advances_per_item_on_threads(monkeypatch):
 def test_progress_advances_per_item_on_a_cluster(monkeypatch):
     with local_client() as client:
         check_progress_per_item(monkeypatch, client)
+
+
+# -- 5. each item runs once, a failing one too --------------------------------------------------
+
+COUNTING_DAG = '''
+import jax
+import jax.numpy as jnp
+
+import daskdag
+
+LOG = {log!r}
+FAIL = {fail!r}  # {{item: where it fails: "h", "loss" (forward), "g backward"}}
+
+
+def counted(what, i):
+    with open(LOG, "a") as f:
+        f.write(f"{{what}} {{int(i)}}\\n")
+    if FAIL.get(int(i)) == what:
+        raise ValueError(f"{{what}} fails on item {{int(i)}}")
+
+
+def h(x, i):
+    counted("h", i)
+    return jnp.tanh(x)
+
+
+@jax.custom_vjp
+def double(a, i):
+    return a * 2.0
+
+
+def double_fwd(a, i):
+    return a * 2.0, i
+
+
+def double_bwd(i, ct):
+    counted("g backward", i)
+    return ct * 2.0, None
+
+
+double.defvjp(double_fwd, double_bwd)
+
+
+def g(h, i):
+    counted("g", i)
+    return double(h, i)
+
+
+def loss(g, i):
+    counted("loss", i)
+    return jnp.sum(g ** 2)
+
+
+def loss_of_both(g, h, i):
+    counted("loss", i)
+    return jnp.sum(g ** 2) + 0.0 * jnp.sum(h)
+
+
+def loss_over_a_chunk(g):  # (vmap=True: traced, its Python code runs once per shapes)
+    return jnp.sum(g ** 2)
+
+
+DAGS = {{  # a chain (one vjp per item), h used twice (node by node), a vmap=True last node
+    "chain": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]), "loss": (loss, ["g", "i"])}},
+    "fan-out": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]),
+                "loss": (loss_of_both, ["g", "h", "i"])}},
+    "vmap": {{"h": (h, ["x", "i"]), "g": (g, ["h", "i"]),
+             "loss": daskdag.Node(loss_over_a_chunk, ["g"], vmap=True)}},
+}}
+'''
+
+ITEMS = 12
+XS = np.linspace(-1.0, 1.0, ITEMS * 3, dtype=np.float32).reshape(ITEMS, 3)
+
+
+def counting_module(tmp_path, fail: dict):
+    """:data:`COUNTING_DAG` as a user's module of its own (workers cannot import it): each node
+    call, and each backward call of node g, noted in ``tmp_path/log`` by item; failing where
+    ``fail`` says."""
+    import importlib.util
+    import sys
+    import uuid
+
+    name = f"counting_dag_{uuid.uuid4().hex[:8]}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(COUNTING_DAG.format(log=str(tmp_path / "log"), fail=fail))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def calls(tmp_path) -> collections.Counter:
+    """``{(what, item): times}``."""
+    log = tmp_path / "log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return collections.Counter((w.rsplit(" ", 1)[0], int(w.rsplit(" ", 1)[1])) for w in lines)
+
+
+def plain_jax():
+    """Each item's value and gradient of the composed function, in plain JAX."""
+    return jax.vmap(jax.value_and_grad(lambda x: jnp.sum((jnp.tanh(x) * 2.0) ** 2)))(XS)
+
+
+def sweep_counted(m, errors, shape="chain", **kw):
+    return daskdag.sweep_grads(m.DAGS[shape], {"x": XS, "i": np.arange(ITEMS)}, "loss",
+                               batched=["x", "i"], wrt=["x"], chunk_size=2, errors=errors, **kw)
+
+
+WHERE = ["h", "loss", "g backward"]
+
+
+def check_each_item_once(tmp_path, where, errors, store=False, shape="chain", **kw):
+    """Item 7 fails (in chunk 6-7 of 2 items): every other item is computed once, forward
+    and backward, and item 7 once up to where it fails, never after; its error names it. With
+    a store, the same call again computes nothing (the failure is kept) under 'collect'; under
+    'raise', item 7 alone (a failure is not kept)."""
+    m = counting_module(tmp_path, {7: where})
+    run = lambda: sweep_counted(m, errors, shape, store=tmp_path / "store" if store else None,  # noqa: E731
+                                **kw)
+    # (a node's backward pass fails under its stage's name where nodes run as one: 'h+g+loss')
+    node = where.split()[0] if where != "g backward" else r"(h\+)?g(\+loss)?"
+    named = (f"item 7: node '{node}' failed in its "
+             f"{'backward' if 'backward' in where else 'forward'} pass: ValueError: {where} "
+             f"fails on item 7")
+    if errors == "raise":
+        with pytest.raises(NodeError, match=named):
+            run()
+    else:
+        res = run()
+        assert sorted(res.failed) == [7] and re.match(named, str(res.failed[7]))
+        value, grad = plain_jax()
+        ok = np.arange(ITEMS) != 7
+        np.testing.assert_allclose(res.value[ok], value[ok], rtol=1e-5)
+        np.testing.assert_allclose(res.grad["x"][ok], grad[ok], rtol=1e-5, atol=1e-6)
+        assert np.isnan(res.value[7]) and np.isnan(res.grad["x"][7]).all()
+    seen = calls(tmp_path)
+    assert max(seen.values()) == 1, {k: n for k, n in seen.items() if n > 1}
+    counted = ["h", "g", "loss", "g backward"] if shape != "vmap" else ["h", "g", "g backward"]
+    reached = counted[:counted.index(where) + 1]
+    assert {w for w, i in seen if i == 7} == set(reached)
+    done = range(ITEMS) if errors == "collect" else range(7)  # (raise: at least those)
+    assert {(w, i) for w in counted for i in done if i != 7} <= set(seen)
+    if store:
+        before = calls(tmp_path)
+        if errors == "collect":
+            assert sorted(run().failed) == [7]
+            assert calls(tmp_path) == before  # nothing computed again
+        else:
+            with pytest.raises(NodeError, match="item 7"):
+                run()
+            again = calls(tmp_path) - before
+            assert {i for _, i in again} <= {7} | set(range(8, ITEMS)) - {i for _, i in before}
+            assert {(w, 7) for w in reached} <= set(again)
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["", "store"])
+@pytest.mark.parametrize("errors", ["collect", "raise"])
+@pytest.mark.parametrize("shape, where", [(shape, where) for shape in ["chain", "fan-out", "vmap"]
+                                          for where in WHERE
+                                          # (a vmap=True node runs over the chunk, not an item)
+                                          if (shape, where) != ("vmap", "loss")])
+def test_each_item_runs_once_a_failing_one_up_to_its_failure(tmp_path, shape, where, errors,
+                                                             store):
+    check_each_item_once(tmp_path, where, errors, store, shape)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("errors", ["collect", "raise"])
+def test_each_item_runs_once_on_a_cluster(tmp_path, errors):
+    with local_client() as client:
+        for where in WHERE:
+            (tmp_path / where.replace(" ", "_")).mkdir()
+            check_each_item_once(tmp_path / where.replace(" ", "_"), where, errors, store=True,
+                                 client=client)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_each_item_runs_once_on_a_cluster_that_cannot_import_the_module(tmp_path, cli_client):
+    for where in WHERE:
+        (tmp_path / where.replace(" ", "_")).mkdir()
+        check_each_item_once(tmp_path / where.replace(" ", "_"), where, "collect",
+                             client=cli_client)

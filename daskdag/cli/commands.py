@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return (cmd_run if args.command == "run" else cmd_sweep)(args)
     except KeyboardInterrupt as e:
-        return fail(EXIT_INTERRUPTED, "interrupted", e)
+        return fail(EXIT_INTERRUPTED, f"interrupted: {e}" if str(e) else "interrupted", e)
     except NodeError as e:
         return fail(EXIT_NODE, _node_message(e) + ("" if args.traceback else
                     "\n(run with --traceback for the full traceback)"), e)

@@ -4,7 +4,9 @@ core, which knows nothing of it.
 - :mod:`~daskdag.sweeps.planning`: the plan every chunk shares, and the chunk sizes;
 - :mod:`~daskdag.sweeps.sweep`: the loop over chunks, in flight, failed items rerun;
 - :mod:`~daskdag.sweeps.chunked`: a node over a chunk of items (``Chunked``, ``Items``), and its
-  rules, registered with :mod:`daskdag.rules.registry`;
+  rules, registered with :mod:`daskdag.rules.registry`; an item that fails goes on failed
+  (``SKIPPED``), the chunk's other items go on;
+- :mod:`~daskdag.sweeps.failures`: failed items' errors as a sweep keeps them;
 - :mod:`~daskdag.sweeps.engines`: where chunks run (threads, a cluster);
 - :mod:`~daskdag.sweeps.results`: the values and gradients stacked over the items;
 - :mod:`~daskdag.sweeps.store`: durable sweeps, each chunk's results in a Zarr store as it finishes;

@@ -36,7 +36,8 @@ from dask.task_spec import DataNode, Task, TaskRef
 from daskdag.running import cluster
 from daskdag.sweeps import planning
 from daskdag.sweeps.chunked import Items
-from daskdag.sweeps.engines import chunk_graph, item_key
+from daskdag.sweeps import progress
+from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
 from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.plan import make_plan
@@ -268,8 +269,10 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
     """One block: the chunk graph run by Dask's synchronous scheduler over its items (``args``:
     the shared inputs, those broadcast, then the block of each dask array). Returns the block's
     value and gradient leaves, NumPy arrays with a leading axis of its items, in the order of
-    :meth:`_Blocks.leaves`. A failing block is rerun item by item, so that its
-    :class:`~daskdag.NodeError` names the first failing item (``start`` is the block's first)."""
+    :meth:`_Blocks.leaves`. Its :class:`~daskdag.NodeError` names the first failing item
+    (``start`` is the block's first): an item that fails is kept with the block, which goes on
+    with its other items (:func:`daskdag.sweeps.progress.fail`); a block that fails as a whole
+    is rerun item by item."""
     tasks, key, blocks = loaded
     shared = dict(zip(blocks.shared.values(), args))
     bcast = dict(zip(blocks.broadcast, args[len(shared):]))
@@ -278,7 +281,8 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
     if size == 0:
         return [np.empty((0, *a.shape), a.dtype) for a in blocks.leaves()]
     try:
-        computed = _run(tasks, key, blocks, shared, bcast, data, 0, size)
+        done = run_chunk(progress.ChunkRun(0, lambda: False, items=size),
+                         lambda: _run(tasks, key, blocks, shared, bcast, data, 0, size))
     except NodeError as e:
         if size == 1 or e.item is not None:
             raise NodeError(e.node, e.phase, e.original, item=start + (e.item or 0)) from e.original
@@ -288,7 +292,12 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
             except NodeError as one:
                 raise NodeError(one.node, one.phase, one.original, item=start + i) from one.original
         raise
-    return _flat(blocks, computed, size)
+    if done.failed or done.computed is None:
+        first = min(done.failed)
+        error = done.failed[first]
+        raise NodeError(error.node, error.phase, error.original,
+                        item=start + first) from error.original
+    return _flat(blocks, done.computed, size)
 
 
 def _run(tasks, key, blocks: _Blocks, shared: dict, bcast: dict, data, lo: int, hi: int):

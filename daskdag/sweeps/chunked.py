@@ -10,10 +10,19 @@ sweep benchmarks), leaving an :class:`ItemPullbacks`. Between items they pass a
 The compiled programs are :class:`~daskdag.graph.compiled.Compiled`'s, as for a fused stage
 outside a sweep. A chunk's node kind is registered with :mod:`daskdag.rules.registry`, so the
 core runs it as it runs any node, and fuses a sweep's stages over the items (``batch``).
+
+An item that fails in an item-by-item node, forward or backward, is kept with its chunk
+(:func:`~daskdag.sweeps.progress.fail`) and the chunk goes on with its other items: the failed
+item's value is :data:`SKIPPED`, which later nodes pass on without running, and which has no
+leaves to differentiate; its cotangents are zeros, and its pullbacks do not run. A ``vmap``
+node takes another item's values in the rows of the items that failed (their results are
+dropped), and a chunk none of whose items is left stops
+(:class:`~daskdag.sweeps.progress.NothingLeft`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -21,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from daskdag.cancel import Cancelled
+from daskdag.errors import NodeError, node_errors
 from daskdag.graph.compiled import Compiled
 from daskdag.model.custom import is_custom
 from daskdag.model.leaves import differentiable_leaves, is_array
@@ -28,16 +39,36 @@ from daskdag.model.spec import Node
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.registry import linearizer, register
 from daskdag.rules.seeds import as_gradient, seed
-from daskdag.sweeps.progress import checkpoint
+from daskdag.sweeps.progress import NothingLeft, checkpoint, fail, failed_already
 from daskdag.transport.packing import unwrap
+
+
+class Skipped:
+    """The value of an item that failed in this chunk (:data:`SKIPPED`, the one instance)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+    def __reduce__(self):
+        return _skipped, ()
+
+
+SKIPPED = Skipped()
+
+
+def _skipped() -> Skipped:
+    return SKIPPED
 
 
 class Chunked:
     """A node's function over a chunk of items: args whose ``in_axes`` is 0 carry them (stacked
-    arrays, or :class:`Items` as item-by-item nodes made them), the others are shared."""
+    arrays, or :class:`Items` as item-by-item nodes made them), the others are shared.
+    ``name``: the node's (or the fused stage's), which names an item's failure."""
 
-    def __init__(self, node: Node, in_axes: tuple[int | None, ...]):
-        self.node, self.in_axes = node, in_axes
+    def __init__(self, node: Node, in_axes: tuple[int | None, ...], name: str | None = None):
+        self.node, self.in_axes, self.name = node, in_axes, name
 
     @cached_property
     def compiled(self) -> Compiled:
@@ -46,28 +77,36 @@ class Chunked:
 
     def __call__(self, *args):
         if self.node.vmap:
+            _left(args, self.in_axes)
             args = tuple(map(stacked, args))
             if is_custom(self.node.fn):  # the user's own code takes the chunk
                 return self.node.callable()(*args)
             return self.compiled(*args)
         fn = self.node.callable()
-        return Items(_then_checkpoint(fn(*item)) for item in item_args(args, self.in_axes))
+        return Items(_then_checkpoint(_attempt(self.name, i, item, "forward",
+                                               lambda: fn(*item)))  # noqa: B023 (called here)
+                     for i, item in enumerate(item_args(args, self.in_axes)))
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
         """``(primal, pullback)``: with ``vmap`` the primal stacked, else one ``jax.vjp`` per
-        item and the primal as :class:`Items`."""
+        item and the primal as :class:`Items` (:data:`SKIPPED` for the items that failed)."""
         if self.node.vmap:
-            sizes = _sizes(args)
+            _left(args, self.in_axes)
+            layout = _layout(args)
             args = tuple(map(stacked, args))
             if is_custom(self.node.fn):
                 primal, pullback = linearizer(self.node)(args, active)
             else:
                 primal, pullback = self.compiled.linearize(args, active)
-            return primal, (pullback if not any(sizes) else _ForItems(pullback, sizes))
+            return primal, (pullback if not any(layout) else _ForItems(pullback, layout))
         run = linearizer(self.node)
-        primals, pullbacks = zip(*(_then_checkpoint(run(item, active))
-                                   for item in item_args(args, self.in_axes)))
-        return Items(primals), ItemPullbacks(list(pullbacks), self.in_axes)
+        done = [_then_checkpoint(_attempt(self.name, i, item, "forward",
+                                          lambda: run(item, active)))  # noqa: B023 (called here)
+                for i, item in enumerate(item_args(args, self.in_axes))]
+        primals = [SKIPPED if d is SKIPPED else d[0] for d in done]
+        pullbacks = [None if d is SKIPPED else d[1] for d in done]
+        return Items(primals), ItemPullbacks(pullbacks, self.in_axes, active, self.name,
+                                             [len(differentiable_leaves(p)) for p in primals])
 
     def linearize_values(self, args: Sequence[Any], active: tuple[bool, ...], count: int):
         """:meth:`linearize` of an item-by-item function that returns a tuple of ``count``
@@ -76,30 +115,70 @@ class Chunked:
         in turn, each item's leaves in turn within it) and gives the args' as
         :class:`ItemPullbacks` does."""
         primals, pullback = self.linearize(args, active)
-        values = tuple(Items(p[e] for p in primals) for e in range(count))
-        leaves = [len(differentiable_leaves(v)) // max(len(primals), 1) for v in values]
-        return values, _ByValue(pullback, leaves, len(primals))
+        values = tuple(Items(SKIPPED if p is SKIPPED else p[e] for p in primals)
+                       for e in range(count))
+        one = next((p for p in primals if p is not SKIPPED), None)
+        leaves = [0 if one is None else len(differentiable_leaves(one[e])) for e in range(count)]
+        return values, _ByValue(pullback, leaves, [p is not SKIPPED for p in primals])
 
     def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
         """:meth:`~daskdag.graph.compiled.Compiled.gradients` over the chunk: the cotangents of
         args that came as :class:`Items` per item; None where it cannot be compiled."""
-        sizes = _sizes(args)
+        _left(args, self.in_axes)
+        layout = _layout(args)
         out = self.compiled.gradients(tuple(map(stacked, args)), active, seeded)
         if out is None:
             return None
         primal, cts = out
-        return primal, [per_item(c, sizes) for c in cts]
+        return primal, [per_item(c, layout) for c in cts]
+
+
+def _batch(fn, in_axes, vectorized: bool) -> Chunked:
+    """One element's function (a fused stage's nodes, :class:`daskdag.graph.run.Fused`) over a
+    chunk, named after its stage."""
+    stage = getattr(fn, "stage", None)
+    return Chunked(Node(fn, (), vmap=vectorized), in_axes, getattr(stage, "name", None))
 
 
 register(Chunked, linearize=lambda chunked, node, args, active: chunked.linearize(args, active),
-         element=lambda chunked: (chunked.node, chunked.in_axes),
-         batch=lambda fn, in_axes, vectorized: Chunked(Node(fn, (), vmap=vectorized), in_axes))
+         element=lambda chunked: (chunked.node, chunked.in_axes), batch=_batch)
 
 
 def chunk_of(node: Node) -> Chunked | None:
     """The :class:`Chunked` function of a sweep's node (its function may travel packed), else None."""
     fn = unwrap(node.fn)
     return fn if isinstance(fn, Chunked) else None
+
+
+def _attempt(name: str | None, index: int, args: tuple, phase: str, call):
+    """``call()``, item ``index``'s pass of a node (``args``: its args), or :data:`SKIPPED`:
+    where the item failed in this chunk already, or an arg of it is :data:`SKIPPED`, or it
+    fails now (kept with the chunk, :func:`~daskdag.sweeps.progress.fail`; where no chunk keeps
+    it, it raises)."""
+    if failed_already(index) or any(a is SKIPPED for a in args):
+        return SKIPPED
+    try:
+        with node_errors(name, phase) if name is not None else contextlib.nullcontext():
+            return call()
+    except NodeError as e:
+        if isinstance(e.original, Cancelled) or not fail(index, e):
+            raise
+        return SKIPPED
+
+
+def _left(args, in_axes) -> None:
+    """Raise :class:`~daskdag.sweeps.progress.NothingLeft` where every item of the chunk failed
+    before this node: nothing is left for it to run on."""
+    size = next((_count(a) for a, ax in zip(args, in_axes) if ax == 0), 0)
+    if size and all(failed_already(k) for k in range(size)):
+        raise NothingLeft("every item of the chunk failed before this node")
+
+
+def _count(arg) -> int:
+    """The number of items ``arg`` carries."""
+    if isinstance(arg, Items):
+        return len(arg)
+    return next((len(leaf) for leaf in jax.tree.leaves(arg) if is_array(leaf)), 0)
 
 
 class Items(list):
@@ -116,8 +195,9 @@ jax.tree_util.register_pytree_node(Items, lambda items: (list(items), None),
 
 @seed.register(Items)
 def _seed_items(primal: Items, output: str, ct, batched: bool = False) -> tuple:
-    """Each item's seed in turn (``ct`` is one item's)."""
-    return tuple(leaf for one in primal for leaf in seed(one, output, ct))
+    """Each item's seed in turn (``ct`` is one item's); none for the items that failed."""
+    return tuple(leaf for one in primal if one is not SKIPPED
+                 for leaf in seed(one, output, ct))
 
 
 @as_gradient.register(Items)
@@ -126,99 +206,132 @@ def _gradient_items(value: Items, grad):
 
 
 def stacked(value):
-    """``value`` with a leading item axis on its array leaves: :class:`Items` stacked."""
-    return stack(list(value)) if isinstance(value, Items) else value
+    """``value`` with a leading item axis on its array leaves: :class:`Items` stacked, each
+    item that failed (:data:`SKIPPED`) standing in as another item (its rows are dropped)."""
+    if not isinstance(value, Items):
+        return value
+    items = list(value)
+    if any(v is SKIPPED for v in items):
+        other = next((v for v in items if v is not SKIPPED), None)
+        if other is None:
+            raise NothingLeft("every item of the chunk failed")
+        items = [other if v is SKIPPED else v for v in items]
+    return stack(items)
 
 
-def _sizes(args) -> tuple:
-    """Per arg: its number of items if it is :class:`Items`, else None."""
-    return tuple(len(a) if isinstance(a, Items) else None for a in args)
+def _layout(args) -> tuple:
+    """Per arg: None where it is stacked; where it came as :class:`Items`, per item whether it
+    holds a value (not :data:`SKIPPED`)."""
+    return tuple(tuple(v is not SKIPPED for v in a) if isinstance(a, Items) else None
+                 for a in args)
 
 
-def per_item(cts: tuple, sizes: tuple) -> tuple:
+def per_item(cts: tuple, layout: tuple) -> tuple:
     """Cotangents aligned with args (as a pullback returns them) for stacked args, made the
-    cotangents of the args that came as :class:`Items` of ``sizes[i]`` items: each item's leaves
-    in turn."""
-    return tuple(c if n is None or c is None else tuple(leaf[i] for i in range(n) for leaf in c)
-                 for c, n in zip(cts, sizes))
+    cotangents of the args that came as :class:`Items` (``layout``, :func:`_layout`): each
+    item's leaves in turn, none for its items that failed."""
+    return tuple(c if held is None or c is None else
+                 tuple(leaf[i] for i, here in enumerate(held) if here for leaf in c)
+                 for c, held in zip(cts, layout))
+
+
+def _zeros(args: Sequence[Any], active: Sequence[bool]) -> tuple:
+    """Zero cotangents of ``args``, as a pullback returns them: per active arg, a zero per
+    differentiable leaf (none for :data:`SKIPPED`, each item's of :class:`Items`), else None."""
+    return tuple(tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(a)) if on else None
+                 for a, on in zip(args, active))
 
 
 class _ForItems(Pullback):
     """A vmap pullback whose args came as :class:`Items` (stacked for its program): it takes
     them as they came and gives their cotangents per item (:func:`per_item`)."""
 
-    def __init__(self, pullback, sizes: tuple):
-        self.pullback, self.sizes = pullback, sizes
+    def __init__(self, pullback, layout: tuple):
+        self.pullback, self.layout = pullback, layout
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
     def __call__(self, ct, inputs, dropped=None):
-        return per_item(self.pullback(ct, tuple(map(stacked, inputs))), self.sizes)
+        return per_item(self.pullback(ct, tuple(map(stacked, inputs))), self.layout)
 
     def residual_nbytes(self) -> int:
         return self.pullback.residual_nbytes()
 
     def __reduce__(self):
-        return _ForItems, (self.pullback, self.sizes)
+        return _ForItems, (self.pullback, self.layout)
 
 
 class ItemPullbacks(Pullback):
-    """The pullbacks of a chunk's items. Call: ``(ct, inputs)`` as for a
-    :class:`~daskdag.rules.pullback.Pullback`: ``ct`` the cotangent of the node's :class:`Items`
-    (each item's leaves in turn); it returns, for each dep that came as ``Items``, its
-    cotangent likewise, for the others (stacked) one stacked array per leaf."""
+    """The pullbacks of a chunk's items (None for an item that failed). Call: ``(ct, inputs)``
+    as for a :class:`~daskdag.rules.pullback.Pullback`: ``ct`` the cotangent of the node's
+    :class:`Items` (each item's leaves in turn, ``counts[i]`` of them for item ``i``); it
+    returns, for each dep that came as ``Items``, its cotangent likewise, for the others
+    (stacked) one stacked array per leaf. An item that failed, in this node or elsewhere in the
+    chunk (or fails here: kept with the chunk as failing in the node ``name``), gets zeros."""
 
-    def __init__(self, pullbacks: list, in_axes: tuple[int | None, ...]):
-        self.pullbacks, self.in_axes = pullbacks, in_axes
+    def __init__(self, pullbacks: list, in_axes: tuple[int | None, ...], active: tuple,
+                 name: str | None, counts: list[int]):
+        self.pullbacks, self.in_axes, self.active = pullbacks, in_axes, active
+        self.name, self.counts = name, counts
 
     def __call__(self, ct, inputs, dropped=None):
         items = item_args(inputs, self.in_axes)
-        per = len(ct) // len(self.pullbacks)  # leaves per item
-        cts = [_then_checkpoint(pb(tuple(ct[i * per:(i + 1) * per]), item))
-               for i, (pb, item) in enumerate(zip(self.pullbacks, items))]
+        at = np.cumsum([0, *self.counts])
+        cts: list[tuple] = []
+        ran: tuple | None = None  # (an item whose pullback ran: which args get cotangents)
+        for i, (pb, item) in enumerate(zip(self.pullbacks, items)):
+            out = SKIPPED if pb is None else _attempt(
+                self.name, i, item, "backward",
+                lambda: pb(tuple(ct[at[i]:at[i + 1]]), item))  # noqa: B023 (called here)
+            one: tuple = _zeros(item, self.active) if isinstance(out, Skipped) else out
+            if not isinstance(out, Skipped) and ran is None:
+                ran = one
+            cts.append(_then_checkpoint(one))
         # Differentiated deps all carry items (shared ones are broadcast).
         return tuple(None if c is None else
                      tuple(leaf for one in column for leaf in one) if isinstance(arg, Items) else
                      stack(list(column))
-                     for c, column, arg in zip(cts[0], zip(*cts), inputs))
+                     for c, column, arg in zip(cts[0] if ran is None else ran, zip(*cts), inputs))
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         """As its items' pullbacks (see :attr:`~daskdag.rules.pullback.Pullback.batching`)."""
-        return self.pullbacks[0].batching if self.pullbacks else None
+        return next((pb.batching for pb in self.pullbacks if pb is not None), None)
 
     def residual_nbytes(self) -> int:
-        return sum(pb.residual_nbytes() for pb in self.pullbacks)
+        return sum(pb.residual_nbytes() for pb in self.pullbacks if pb is not None)
 
     def __reduce__(self):
-        return ItemPullbacks, (self.pullbacks, self.in_axes)
+        return ItemPullbacks, (self.pullbacks, self.in_axes, self.active, self.name, self.counts)
 
 
 class _ByValue(Pullback):
     """An :class:`ItemPullbacks` of items that are each a tuple of values, taking its cotangent
     value by value (``ct``: value 0's leaves for every item, then value 1's...; ``leaves``: per
-    value, its differentiable leaves per item) and passing it on item by item."""
+    value, its differentiable leaves per item; ``held``: per item, whether it holds values, not
+    :data:`SKIPPED`) and passing it on item by item."""
 
-    def __init__(self, pullback: ItemPullbacks, leaves: list[int], items: int):
-        self.pullback, self.leaves, self.items = pullback, leaves, items
+    def __init__(self, pullback: ItemPullbacks, leaves: list[int], held: list[bool]):
+        self.pullback, self.leaves, self.held = pullback, leaves, held
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
     def __call__(self, ct, inputs, dropped=None):
-        starts = np.cumsum([0] + [n * self.items for n in self.leaves])
-        per_item = [leaf for i in range(self.items) for start, n in zip(starts, self.leaves)
-                    for leaf in ct[start + i * n:start + (i + 1) * n]]
+        n = sum(self.held)
+        starts = np.cumsum([0] + [m * n for m in self.leaves])
+        per_item = [leaf for k in range(n) for start, m in zip(starts, self.leaves)
+                    for leaf in ct[start + k * m:start + (k + 1) * m]]
         return self.pullback(tuple(per_item), inputs)
 
     def residual_nbytes(self) -> int:
         return self.pullback.residual_nbytes()
 
     def __reduce__(self):
-        return _ByValue, (self.pullback, self.leaves, self.items)
+        return _ByValue, (self.pullback, self.leaves, self.held)
 
 
 def _then_checkpoint(result):

@@ -1,8 +1,9 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
 An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start, stop)``),
-waits for some chunk to finish, gives a finished chunk's results (``{output: (value, {input:
-grad})}`` over its items, or raises its :class:`~daskdag.NodeError`), lets go of it, and on
+waits for some chunk to finish, gives a finished chunk's results (:class:`Done`: ``{output:
+(value, {input: grad})}`` over its items, and its items that failed; or raises its
+:class:`~daskdag.NodeError` where the chunk failed as a whole), lets go of it, and on
 :meth:`close` stops everything it started: queued chunks never start, running ones stop at
 their next item (:mod:`daskdag.sweeps.progress`), and on a cluster every future it made is released,
 whatever way the sweep ended.
@@ -35,6 +36,42 @@ from daskdag.transport.transports import CLUSTER
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
 
 
+class Done:
+    """A finished chunk: ``computed``, ``{output: (value, {input: grad})}`` over its items
+    (None when every item failed); ``failed``, ``{index in the chunk: NodeError}`` of the items
+    that failed (:func:`daskdag.sweeps.progress.fail`); ``seconds`` it ran, where known. A
+    pytree of its results (``jax.tree.map`` maps ``computed``); unpacks as its three fields."""
+
+    __slots__ = ("computed", "failed", "seconds")
+
+    def __init__(self, computed: dict | None, failed: dict, seconds: float | None = None):
+        self.computed, self.failed, self.seconds = computed, failed, seconds
+
+    def __iter__(self):
+        return iter((self.computed, self.failed, self.seconds))
+
+    def __reduce__(self):
+        return Done, (self.computed, self.failed, self.seconds)
+
+
+jax.tree_util.register_pytree_node(Done, lambda d: ((d.computed,), (d.failed, d.seconds)),
+                                   lambda rest, results: Done(results[0], *rest))
+
+
+def run_chunk(run: progress.ChunkRun, compute) -> Done:
+    """``compute()``, a chunk's graph run in this thread, under ``run`` (its items' failures
+    kept there): a chunk none of whose items is left stops (whatever its last node raised)."""
+    started = time.monotonic()
+    with run:
+        try:
+            computed = compute()
+        except Exception:
+            if not run.nothing_left():
+                raise
+            computed = None
+    return Done(computed, run.failed, time.monotonic() - started)
+
+
 class Threads:
     """Each chunk synchronously on one of ``in_flight`` threads of this process."""
 
@@ -53,8 +90,9 @@ class Threads:
         report = None if bar is None else (lambda f: bar.report(chunk, f))
 
         def job():
-            with progress.ChunkRun(steps, self.stop.is_set, report):
-                return dask.compute(graph, scheduler="sync")[0]
+            return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
+                                               items=chunk[1] - chunk[0]),
+                             lambda: dask.compute(graph, scheduler="sync")[0])
 
         return self.pool.submit(job)
 
@@ -132,7 +170,7 @@ class Cluster:
             raise self._scheduler_gone(e) from e
         if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
             for c in sent:
-                c.future = self.client.compute(c.sweep.chunk(*c.chunk))
+                c.future, c.pinned = self.client.compute(c.sweep.chunk(*c.chunk)), False
                 self.arrivals.add(c.future)
             return
         shared = {f.key: f for f in self.shared.values()}
@@ -146,8 +184,9 @@ class Cluster:
                          for n, v in c.sweep.items(*c.chunk).items()}
                 report = None if self.bar is None else [self.id, *c.chunk]
                 c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
-                                              pure=False, workers=[c.worker],
-                                              allow_other_workers=True)
+                                              c.chunk[1] - c.chunk[0], pure=False,
+                                              workers=[c.worker], allow_other_workers=True)
+                c.pinned = True
                 self.arrivals.add(c.future)
 
     def _least_busy(self, found: dict) -> str:
@@ -212,12 +251,14 @@ class Cluster:
                         and c.future.status == "pending":
                     self._resend(c)
 
-    def result(self, chunk: _Chunk):
+    def result(self, chunk: _Chunk) -> Done:
         """The chunk's results, straight from its worker; raises what the chunk raised, or
-        :class:`Lost` for a chunk of several items whose workers kept dying under it."""
+        :class:`Lost` for a chunk of several items whose workers kept dying under it. (A chunk
+        of task graphs keeps no failed items: a failing item fails it.)"""
         while True:
             try:
-                return self.client.gather(chunk.future, direct=self.direct)
+                out = self.client.gather(chunk.future, direct=self.direct)
+                return out if chunk.pinned else Done(out, {})
             except distributed.CancelledError:  # lost with its worker since it finished
                 self._resend(chunk)
             except distributed.KilledWorker as e:  # its workers died while it ran, too often
@@ -296,12 +337,13 @@ class _Chunk:
     """A chunk on the cluster: its items (``start, stop``), its task's future, the worker it was
     sent to, the workers there then, and how often it was sent again."""
 
-    __slots__ = ("sweep", "chunk", "steps", "future", "worker", "cohort", "resent")
+    __slots__ = ("sweep", "chunk", "steps", "future", "worker", "cohort", "resent", "pinned")
 
     def __init__(self, sweep, chunk: tuple[int, int], steps: int):
         self.sweep, self.chunk, self.steps = sweep, chunk, steps
         self.future: distributed.Future | None = None
         self.worker: str | None = None
+        self.pinned = False  # its task is _run_chunk (not a task graph)
         self.resent = 0
         self.cohort: frozenset = frozenset()  # the workers there when it was sent
 
@@ -347,17 +389,17 @@ def _assemble(shape: list, *flat):
     return {o: (next(it), {i: next(it) for i in inputs}) for o, inputs in shape}
 
 
-def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int, report: list | None):
-    """A whole chunk as one task, in one worker: the sweep's chunk graph (:func:`chunk_graph`;
-    unpickled once on the worker that made it, copied to others as an object) run by Dask's
-    synchronous scheduler, with the shared inputs and the chunk's packed items (``{item_key:
-    Packed}``), which distributed fetched for this task, as data. Returns the results with
-    NumPy leaves: distributed sends NumPy arrays as zero-copy frames, and the client stacks
-    them into NumPy arrays anyway."""
+def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int,
+               report: list | None, count: int) -> Done:
+    """A whole chunk of ``count`` items as one task, in one worker: the sweep's chunk graph
+    (:func:`chunk_graph`; unpickled once on the worker that made it, copied to others as an
+    object) run by Dask's synchronous scheduler, with the shared inputs and the chunk's packed
+    items (``{item_key: Packed}``), which distributed fetched for this task, as data. Returns
+    its :class:`Done`, the results with NumPy leaves: distributed sends NumPy arrays as
+    zero-copy frames, and the client stacks them into NumPy arrays anyway."""
     tasks, key = graph
     tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks, maybe at once
     for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:
         tasks[k] = DataNode(k, value)
-    with progress.worker_chunk(steps, report):
-        computed = dask.get(tasks, key)
-    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, computed)
+    done = run_chunk(progress.worker_chunk(steps, report, count), lambda: dask.get(tasks, key))
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, done)

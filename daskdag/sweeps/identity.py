@@ -9,37 +9,79 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
-from dask.base import tokenize
 
+from daskdag.errors import DAGError
 from daskdag.model.leaves import is_array
-from daskdag.model.spec import parse
+from daskdag.model.spec import Node, parse
 from daskdag.running.prepared import settings
-from daskdag.transport.transports import CLUSTER
+from daskdag.transport import content
 
-FORMAT = 2
+FORMAT = 3  # 3: node functions by what they compute (content.parts), not where they are written
+RULES = ("vjp", "fwd", "bwd", "jvp")  # a node's own rules, beside its function
 
 
 def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
              ) -> dict:
-    """What a sweep is, as a store records it: each node's content token (its functions packed
-    as they travel to a cluster, closed-over arrays by value), the outputs, ``wrt``, the
-    batched inputs, the number of items, the hashes of the shared inputs and of the cotangents,
-    ``errors`` (what becomes of failing items), the settings the numbers depend on
-    (``dask.config``'s ``daskdag.*`` and JAX's x64), and the versions of daskdag and JAX."""
+    """What a sweep is, as a store records it: each node's parts (:func:`node_parts`), the
+    outputs, ``wrt``, the batched inputs, the number of items, the hashes of the shared inputs
+    and of the cotangents, ``errors`` (what becomes of failing items), the settings the numbers
+    depend on (``dask.config``'s ``daskdag.*`` and JAX's x64), and the versions of daskdag and
+    JAX."""
     from daskdag import __version__
 
     spec = parse(dag)
-    nodes = {}
-    for n, node in spec.nodes.items():
-        fns = [None if f is None else CLUSTER.pack_function(f"node {n!r}: its function", f).token
-               for f in (node.fn, node.vjp, node.fwd, node.bwd, node.jvp)]
-        nodes[n] = tokenize(fns, list(node.deps), node.jit, node.vmap, node.remat)
+    digests: dict = {}
+    nodes = {n: node_parts(n, node, digests) for n, node in spec.nodes.items()}
     x64, ours = settings()
     return {"format": FORMAT, "daskdag": __version__, "jax": jax.__version__, "dag": nodes,
             "outputs": list(outputs), "wrt": list(wrt), "batched": sorted(batched),
             "items": size, "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
             "cotangents": hash_tree(cotangents), "errors": errors, "x64": x64,
             "settings": _plain(dict(ours))}
+
+
+def node_parts(name: str, node: Node, digests: dict | None = None) -> dict:
+    """A node as a store records it, by part: its function's content tokens
+    (:func:`daskdag.transport.content.parts`: code, each global read, each value closed over,
+    defaults, attributes; not where it is written), its rules' (``"vjp code"``...), its
+    ``"deps"`` and its ``"options"`` (``jit``, ``vmap``, ``remat``). Raises
+    :class:`~daskdag.DAGError` naming the node for a function whose content cannot be read."""
+    out: dict = {}
+    for rule, fn in (("", node.fn), *((f"{r} ", getattr(node, r)) for r in RULES)):
+        if fn is None:
+            continue
+        try:
+            found = content.parts(fn, digests)
+        except Exception as e:
+            what = f"its {rule.strip()}" if rule else "its function"
+            raise DAGError(f"node {name!r}: {what} cannot be recorded in the sweep's store: "
+                           f"pickling it failed with {type(e).__name__}: {e}") from e
+        out.update((rule + part, t) for part, t in found.items())
+    out["deps"] = list(node.deps)
+    out["options"] = f"jit={node.jit} vmap={node.vmap} remat={node.remat}"
+    return out
+
+
+def _node_differences(name: str, stored, mine) -> str:
+    """What differs in node ``name`` between a stored record and a call's (:func:`node_parts`),
+    in words."""
+    if not isinstance(stored, dict):
+        return f"node {name!r} is new"
+    if not isinstance(mine, dict):
+        return f"node {name!r} is gone"
+    words = []
+    for part in sorted(set(stored) | set(mine), key=lambda p: (p in ("deps", "options"), p)):
+        if stored.get(part) == mine.get(part):
+            continue
+        if part == "deps":
+            words.append(f"its deps (were {stored.get(part)}, are {mine.get(part)})")
+        elif part == "options":
+            words.append(f"its options (were {stored.get(part)}, are {mine.get(part)})")
+        else:
+            rule, _, rest = part.partition(" ")
+            words.append(f"{content.describe(rest)} (in its {rule})" if rule in RULES
+                         else content.describe(part))
+    return f"node {name!r}: {', '.join(words)}"
 
 
 def _plain(data):
@@ -53,11 +95,9 @@ def hash_tree(tree) -> str:
     h = hashlib.sha256(str(treedef).encode())
     for leaf in leaves:
         if is_array(leaf) or isinstance(leaf, (int, float, complex, bool, np.generic)):
-            a = np.ascontiguousarray(np.asarray(leaf))
-            h.update(f"{a.dtype.str}{a.shape}".encode())
-            h.update(a.tobytes())
-        else:  # (a function or a static field: its token)
-            h.update(tokenize(leaf).encode())
+            h.update(content.array_digest(leaf))
+        else:  # (a function or a static field: its content, wherever it is written)
+            h.update(content.token(leaf).encode())
     return h.hexdigest()
 
 
@@ -69,8 +109,8 @@ def differences(stored: dict, mine: dict) -> list[str]:
             continue
         if k == "dag" and isinstance(a, dict) and isinstance(b, dict):
             nodes = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the DAG's nodes {nodes} differ (added, removed, or their functions, "
-                       f"what those hold, deps or options changed)")
+            out.append(f"the DAG's nodes {nodes} differ ("
+                       + "; ".join(_node_differences(n, a.get(n), b.get(n)) for n in nodes) + ")")
         elif k == "shared" and isinstance(a, dict) and isinstance(b, dict):
             names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
             out.append(f"the shared inputs {names} differ")

@@ -79,6 +79,11 @@ class Keys:
             return [n async for n in self.store.list_dir(prefix)]
         return self._sync(names())
 
+    def top(self) -> list[str]:
+        """What the store holds at its top: keys and folders, by name (none where it is
+        missing)."""
+        return sorted(self.children(""))
+
     def synced(self, keys) -> None:
         """Keys just written, made durable (an object store's writes are)."""
 
@@ -124,7 +129,6 @@ class _Directory(Keys):
     def __init__(self, path: Path):
         from zarr.storage import LocalStore
 
-        path.mkdir(parents=True, exist_ok=True)
         super().__init__(LocalStore(path), str(path))
         self.path = path
         self._fd: int | None = None
@@ -165,7 +169,17 @@ class _Directory(Keys):
             raise
         self.synced([key])
 
+    def top(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        if not self.path.is_dir():
+            raise StoreError(f"store {self.name} is a file, not a directory; nothing was "
+                             f"written there. Give the sweep a directory (made if missing)")
+        return sorted(os.listdir(self.path))
+
     def hold(self) -> None:
+        """Make the directory (where missing) and hold it."""
+        self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -52,6 +52,13 @@ class Sweep:
         return all(chunk.node.vmap for n in self.plan.needed
                    if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
 
+    @property
+    def by_item(self) -> bool:
+        """No node that carries items is ``vmap=True``: each item is computed on its own, so
+        a chunk cut into pieces gives the numbers it would have whole."""
+        return not any(chunk.node.vmap for n in self.plan.needed
+                       if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
+
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
 
@@ -159,7 +166,7 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
             # programs (shipping.current), so a change in place compiles anew.
             inner = replace(node, fn=transport.pack_function(f"node {n!r}: its function", node.fn,
                                                              prints=prints))
-            node = replace(node, fn=Chunked(inner, in_axes), jit=False, vmap=False)
+            node = replace(node, fn=Chunked(inner, in_axes, n), jit=False, vmap=False)
         nodes[n] = node
     plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), transport)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,

@@ -1,9 +1,13 @@
-"""What a running sweep chunk tells the sweep (how far it got) and asks it (was it cancelled?).
+"""What a running sweep chunk tells the sweep (how far it got, which items failed) and asks it
+(was it cancelled?).
 
 A chunk runs as one task (a thread of this process, or one task on a ``distributed`` worker)
 and loops over its items inside each node (:mod:`daskdag.sweeps.chunked`). Between two items it calls
 :func:`checkpoint`, which counts the step and raises :class:`Cancelled` once the sweep stopped
-waiting for the chunk, so Ctrl-C does not wait for whole chunks to finish.
+waiting for the chunk, so Ctrl-C does not wait for whole chunks to finish. An item that fails
+is kept with its chunk (:func:`fail`) and the chunk goes on with the others: the item's later
+nodes do not run for it (:func:`failed_already`), and the chunk's result says which items
+failed, so that no item is computed twice to find out.
 
 On the client, :class:`Progress` is the progress bar over items: finished chunks count whole,
 running chunks by the fraction of their item steps done. On a cluster chunks report through
@@ -17,6 +21,8 @@ import time
 from typing import Callable
 
 from daskdag.cancel import Cancelled, dropped
+from daskdag.errors import NodeError
+from daskdag.sweeps.failures import detached, picklable
 
 from tqdm.auto import tqdm
 
@@ -27,13 +33,22 @@ _running = threading.local()  # .chunk: the ChunkRun of the chunk this thread ru
 
 
 class ChunkRun:
-    """One chunk being run in this thread: ``steps`` item steps in all (one per item for each
-    item-by-item forward and backward pass); ``report(fraction)`` hears how far it got."""
+    """One chunk of ``items`` items being run in this thread: ``steps`` item steps in all (one
+    per item for each item-by-item forward and backward pass); ``report(fraction)`` hears how
+    far it got. ``failed``: ``{index in the chunk: NodeError}`` of its items that failed so far
+    (:func:`fail`)."""
 
     def __init__(self, steps: int, cancelled: Callable[[], bool],
-                 report: Callable[[float], None] | None = None, every: float = 0.0):
+                 report: Callable[[float], None] | None = None, every: float = 0.0,
+                 items: int | None = None):
         self.steps, self.cancelled, self.report, self.every = steps, cancelled, report, every
         self.done, self.last = 0, time.monotonic()
+        self.items = items
+        self.failed: dict[int, NodeError] = {}
+
+    def nothing_left(self) -> bool:
+        """Every item of the chunk failed: nothing is left for it to compute."""
+        return self.items is not None and len(self.failed) >= self.items
 
     def __enter__(self):
         self.outer, _running.chunk = getattr(_running, "chunk", None), self
@@ -58,17 +73,40 @@ def checkpoint():
         chunk.step()
 
 
+def fail(index: int, error: NodeError) -> bool:
+    """Item ``index`` of the chunk this thread runs failed with ``error``: kept with the chunk
+    (without stack frames, picklable: it goes back from a worker), whose later nodes skip the
+    item. False where no chunk runs in this thread (a chunk of task graphs): the caller raises
+    ``error``."""
+    chunk = getattr(_running, "chunk", None)
+    if chunk is None:
+        return False
+    chunk.failed.setdefault(index, picklable(detached(error, None)))
+    return True
+
+
+def failed_already(index: int) -> bool:
+    """Whether item ``index`` of the chunk this thread runs has failed already."""
+    chunk = getattr(_running, "chunk", None)
+    return chunk is not None and index in chunk.failed
+
+
+class NothingLeft(Exception):
+    """Raised by a node over a chunk whose items all failed before it: the chunk stops, and its
+    result is its failures (the engines catch it, :meth:`ChunkRun.nothing_left`)."""
+
+
 # -- in a distributed worker ---------------------------------------------------------------------
 
-def worker_chunk(steps: int, report: list | None) -> ChunkRun:
-    """The :class:`ChunkRun` of the task this worker thread runs: cancelled once the worker
-    dropped the task (the client cancelled or released it); ``report``, ``[sweep id, start,
-    stop]``, goes with each fraction done to :data:`TOPIC`."""
+def worker_chunk(steps: int, report: list | None, items: int | None = None) -> ChunkRun:
+    """The :class:`ChunkRun` of the task this worker thread runs (of ``items`` items):
+    cancelled once the worker dropped the task (the client cancelled or released it);
+    ``report``, ``[sweep id, start, stop]``, goes with each fraction done to :data:`TOPIC`."""
     import distributed
 
     worker = distributed.get_worker()
     send = None if report is None else (lambda f: worker.log_event(TOPIC, [*report, f]))
-    return ChunkRun(steps, dropped(), send, REPORT_EVERY)
+    return ChunkRun(steps, dropped(), send, REPORT_EVERY, items)
 
 
 # -- in the client --------------------------------------------------------------------------------
@@ -107,6 +145,14 @@ class Progress:
             self.partial.pop(chunk, None)
             self.done += finished
         self.refresh()
+
+    def settle(self, items: int):
+        """The bar at ``items`` done, what a store holds, wherever it was (a sweep stopped:
+        the items of unfinished chunks count no more)."""
+        with self.lock:
+            self.done, self.partial = items, {}
+            self.bar.n = items
+        self.bar.refresh()
 
     def refresh(self):
         with self.lock:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.sweeps.chunked import Items, chunk_of
+from daskdag.sweeps.chunked import SKIPPED, Items, chunk_of
 from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
 
 
@@ -25,6 +25,8 @@ class Stacked:
     def put(self, start: int, stop: int, tree, carries_items: bool):
         if isinstance(tree, Items):  # one item at a time, straight into its row
             for i, item in enumerate(tree):
+                if item is SKIPPED:  # (failed: its row stays as never arrived)
+                    continue
                 row = jax.tree.map(lambda a: np.asarray(a)[None], item)
                 self.put(start + i, start + i + 1, row, True)
             return
@@ -41,6 +43,10 @@ class Stacked:
 
         jax.tree.map(copy, self.tree, tree)
         self.arrived[start:stop] = True
+
+    def forget(self, rows) -> None:
+        """Rows (items) that failed: as if never arrived, whatever was put there."""
+        self.arrived[list(rows)] = False
 
     def result(self, item):
         """The stacked tree; if no item arrived, NaN rows shaped by ``item`` (one item's

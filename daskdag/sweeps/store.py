@@ -7,7 +7,8 @@ store, say), readable with Zarr alone:
 ```text
 zarr.json                      the root group; its attribute "daskdag" is what the sweep is
                                (identity): format, daskdag's and JAX's versions, each node's
-                               content token, outputs, wrt, batched inputs, items, chunk size, the
+                               content tokens by part (not where its source is written), deps and
+                               options, outputs, wrt, batched inputs, items, chunk size, the
                                shared inputs' and cotangents' hashes, the settings numbers depend
                                on; "trees" is each result's pytree structure (pickled)
 values/<output>/<k>            an array per leaf k of the output's value: (items, *leaf shape),
@@ -49,7 +50,8 @@ import jax
 import numpy as np
 
 from daskdag.errors import NodeError, StoreError
-from daskdag.sweeps.identity import differences, rows_hash
+from daskdag.sweeps.failures import picklable
+from daskdag.sweeps.identity import FORMAT, differences, rows_hash
 from daskdag.sweeps.keys import Keys, group, is_zarr, keys_of
 
 if TYPE_CHECKING:
@@ -107,16 +109,15 @@ class Store:
         self.changed_items, self.lazy = where.changed_items, where.lazy
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self.saved = 0  # items of the pieces written
         self.keys = keys_of(where.location)
         self.name = self.keys.name
+        _claim(self.keys)
         self.keys.hold()
         try:
-            import zarr
-
-            self.root = zarr.open_group(self.keys.store, mode="a", zarr_format=3)
+            self.identity = self._agree(identity, chunk_size, default)
             if "done" not in self.root:
                 self.root.create_group("done")
-            self.identity = self._agree(identity, chunk_size, default)
         except BaseException:
             self.close()
             raise
@@ -125,12 +126,26 @@ class Store:
         self.trees: dict = trees if isinstance(trees, dict) else {}
 
     def _agree(self, identity: dict, chunk_size: int | None, default: int) -> dict:
-        stored = self.root.attrs.get("daskdag")
-        if not isinstance(stored, dict):
+        """The stored sweep's identity, which must be the call's (else a StoreError saying what
+        changed); in a new store, the call's, written with the root group in one write."""
+        import zarr
+
+        stored = _recorded(self.keys)
+        if stored is None:
             mine = {**identity, "chunk_size": chunk_size or default}
-            self.root.attrs["daskdag"] = mine
+            self.root = zarr.create_group(self.keys.store, zarr_format=3,
+                                          attributes={"daskdag": mine})
             self.keys.synced(["zarr.json"])
             return mine
+        if stored.get("format") != FORMAT:
+            raise StoreError(
+                f"store {self.name} was written by daskdag {stored.get('daskdag')} in store "
+                f"format {stored.get('format')}; this daskdag ({identity['daskdag']}) reads "
+                f"format {FORMAT} only, whose record of the nodes does not depend on where "
+                f"their functions are written. Finish that sweep with daskdag "
+                f"{stored.get('daskdag')}, or use another store, or delete this one to start "
+                f"afresh")
+        self.root = zarr.open_group(self.keys.store, mode="r+", zarr_format=3)
         mine = {**identity, "chunk_size": chunk_size or stored.get("chunk_size")}
         changed = differences(stored, mine)
         if changed:
@@ -167,16 +182,18 @@ class Store:
                     else:  # computed again, written anew
                         self.keys.delete(_mark_key(start, stop))
                     continue
-                if mark["failed"]:  # (an item that failed: its rows are NaN)
-                    yield start, stop, None, pickle.loads(base64.b64decode(mark["failed"]))
-                    continue
+                failed = pickle.loads(base64.b64decode(mark["failed"])) if mark["failed"] \
+                    else {}  # (the rows of failed items are NaN)
                 try:
                     piece = {p: rows[p][lo:hi] for p in mark["arrays"]}  # type: ignore[index]
                     results = self._results(piece.__getitem__) if read else None
-                except KeyError:  # (an array the piece does not cover: computed again)
-                    self.keys.delete(_mark_key(start, stop))
+                except KeyError:  # an array the piece does not cover
+                    if len(failed) == stop - start:  # (no item of it has rows to read)
+                        yield start, stop, None, failed
+                    else:  # computed again
+                        self.keys.delete(_mark_key(start, stop))
                     continue
-                yield start, stop, results, {}
+                yield start, stop, results, failed
         if changed:
             raise StoreError(f"store {self.name}: the inputs of items {', '.join(changed)} are not "
                              f"those the store computed them from. Use another store, delete "
@@ -186,16 +203,20 @@ class Store:
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
               failed: dict[int, NodeError] | None = None) -> None:
         """Items ``start:stop``'s results (``{output: (value, {input: grad})}``, stacked NumPy
-        rows) and failures, made durable, then marked complete."""
+        rows; the rows of ``failed`` items written as never computed) and failures, made
+        durable, then marked complete."""
         try:
-            rows = self._put(start, stop, results) if results else self._blank(start, stop)
+            rows = self._put(start, stop, results, failed or ()) if results else \
+                self._blank(start, stop)
             self.keys.synced([_chunk_key(self._arrays()[p], p, start // self.chunk_size)
                               for p in rows])
-            failures = base64.b64encode(pickle.dumps(_picklable(failed), protocol=5)).decode() \
+            failures = base64.b64encode(pickle.dumps(
+                {i: picklable(e) for i, e in failed.items()}, protocol=5)).decode() \
                 if failed else None
             self.keys.set_json(_mark_key(start, stop), group({
                 "items": items_hash, "arrays": sorted(rows),
                 "rows": rows_hash(rows, sorted(rows)), "failed": failures}))
+            self.saved += stop - start
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -251,14 +272,22 @@ class Store:
 
     # -- arrays and marks
 
-    def _put(self, start: int, stop: int, results: dict) -> dict[str, np.ndarray]:
-        """Write ``results``' rows; returns them by array path."""
+    def _put(self, start: int, stop: int, results: dict, blank=()) -> dict[str, np.ndarray]:
+        """Write ``results``' rows, those of the items ``blank`` as never written; returns
+        them by array path."""
         rows = {}
+        arrays = None
         for o, (value, grads) in results.items():
             if o not in self.trees:
                 self._create(o, _one(value), {i: _one(g) for i, g in grads.items()})
+            arrays = self._arrays()
             for path, leaf in self._leaves(o, value, grads):
-                rows[path] = np.ascontiguousarray(np.asarray(leaf, self._arrays()[path].dtype))
+                rows[path] = np.ascontiguousarray(np.asarray(leaf, arrays[path].dtype))
+        if blank and arrays is not None:
+            at = [i - start for i in blank]
+            for path, r in rows.items():
+                rows[path] = r = r.copy()  # (the caller's arrays stay as they are)
+                r[at] = arrays[path].fill_value
         return self._set_rows(start, stop, rows)
 
     def _set_rows(self, start: int, stop: int, rows: dict[str, np.ndarray]
@@ -350,6 +379,31 @@ class Store:
             return None
 
 
+def _recorded(keys: Keys) -> dict | None:
+    """The sweep a store records (its root group's ``daskdag`` attribute), else None."""
+    root = keys.get_json("zarr.json")
+    attributes = root.get("attributes") if isinstance(root, dict) else None
+    recorded = attributes.get("daskdag") if isinstance(attributes, dict) else None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _claim(keys: Keys) -> None:
+    """Refuse, before anything is written, a location that holds something other than a sweep's
+    store: a :class:`~daskdag.StoreError` naming what is there. Empty or missing is a new store
+    (a lease left by a sweep that died before writing is nothing)."""
+    found = [n for n in keys.top() if n != "lock"]
+    if not found or _recorded(keys) is not None:
+        return
+    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    root = keys.get_json("zarr.json")
+    kind = root.get("node_type") if isinstance(root, dict) else None
+    what = (f"is a Zarr {kind} that is not a daskdag sweep's store (its zarr.json has no "
+            f"'daskdag' attribute)" if isinstance(kind, str)
+            else "is not empty, and is not a daskdag sweep's store")
+    raise StoreError(f"store {keys.name} {what}: it holds {shown}. Nothing was written there; "
+                     f"give the sweep a new or empty location")
+
+
 def _read_chunk(keys: Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
     """Chunk ``k`` of ``array`` (rows ``k*size`` on), or None where it cannot be decoded (then
     removed, so that writes into it start afresh)."""
@@ -384,15 +438,3 @@ def _encode(treedef) -> str:
 
 def _decode(encoded: str):
     return pickle.loads(base64.b64decode(encoded))
-
-
-def _picklable(failed: dict[int, NodeError]) -> dict[int, NodeError]:
-    out = {}
-    for item, e in failed.items():
-        try:
-            pickle.dumps(e)
-            out[item] = e
-        except Exception:  # (an exception holding what cannot be pickled: its text stays)
-            out[item] = NodeError(e.node, e.phase, RuntimeError(f"{type(e.original).__name__}: "
-                                                                f"{e.original}"), item=e.item)
-    return out

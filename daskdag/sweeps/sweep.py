@@ -6,8 +6,9 @@ chunk shares, and the chunk sizes). Chunks run on threads or a cluster
 straight to that worker and its results straight back, and shared inputs are placed on the
 cluster once). A few chunks are in flight at a time; their results are written into the
 stacked outputs (:mod:`daskdag.sweeps.results`) as they finish and their intermediates released, so
-memory stays bounded however many items there are. A chunk that fails is rerun item by item, to
-name the item and keep the rest.
+memory stays bounded however many items there are. An item that fails is kept with its chunk's
+results, which go on without it; a chunk that fails as a whole is rerun item by item, to name
+the item and keep the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import traceback
+import time
 from collections import deque
 from dataclasses import replace
 
@@ -31,11 +32,19 @@ from daskdag.running.log import logger, where
 from daskdag.running.resident import placing
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
+from daskdag.sweeps.failures import detached
 from daskdag.sweeps.identity import identity, items_hash
 from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size
 from daskdag.sweeps.progress import Progress
 from daskdag.sweeps.results import Stacked, item_shapes
 from daskdag.sweeps.store import Store
+
+
+PIECE_SECONDS = 10.0  # with a store and no chunk_size given: the work of a piece, about
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a sweep with a store; its message says how many items the store holds."""
 
 
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
@@ -46,14 +55,17 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     :func:`~daskdag.sweeps.planning.default_chunk_size`, or the store's) on ``client``'s
     cluster or this process's ``local`` threads. ``store``: a directory where each chunk's
     results are kept as it finishes, and where a sweep of the same ``dag`` resumes
-    (:mod:`daskdag.sweeps.store`)."""
+    (:mod:`daskdag.sweeps.store`); there, when ``chunk_size`` is not given and items are
+    computed one by one (no ``vmap=True`` node, items in memory), chunks run in pieces sized
+    by time (``by_time``, :class:`_Pieces`), so that an interrupt early in a long sweep finds
+    something saved. Ctrl-C there raises :class:`Interrupted`, saying how much is saved."""
     size = batch_size(values, tuple(planned.batched))
     planned = replace(planned, values=values, size=size,
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
     found = cluster.check(client, planned.plan) if client is not None else None
     slots = parallelism(found) if local != "sync" else 1
     default = default_chunk_size(planned, slots)
-    kept = None
+    kept, by_time = None, False
     if store is not None:
         shared = {i: v for i, v in values.items() if i not in planned.batched}
         blocks = [leaf.chunks[0][0] for i in planned.batched
@@ -61,22 +73,24 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
         kept = Store(store, identity(dag, planned.plan.outputs, planned.plan.wrt,
                                      planned.batched, size, shared, planned.cotangents, errors),
                      chunk_size, blocks[0] if blocks else default)
+        by_time = chunk_size is None and not blocks and planned.by_item
         chunk_size = kept.chunk_size
         if kept.lazy is None:  # (dask-array items: the results stay in the store)
             kept.lazy = bool(blocks)
     try:
         return run(planned, chunk_size or default, client,
                    in_flight=2 * slots if client else slots, progress=progress, errors=errors,
-                   workers=found, store=kept)
+                   workers=found, store=kept, by_time=by_time)
     finally:
         if kept is not None:
             kept.close()
 
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
-        workers: dict | None = None, store: Store | None = None):
+        workers: dict | None = None, store: Store | None = None, by_time: bool = False):
     """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
     ``workers``: ``client``'s workers as just listed (:func:`daskdag.running.cluster.workers`), if known.
+    ``by_time``: chunks run in pieces sized by time (:class:`_Pieces`).
 
     ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
     failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no item gave any);
@@ -100,13 +114,29 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 bar.already(int(done.sum()))
 
             def keep(chunk, computed, fails):  # (written while the sweep goes on)
+                if errors == "raise" and fails:
+                    # Failures are not kept (a resume computes those items again): the items
+                    # that succeeded, in the pieces between them.
+                    for a, b in _between(chunk, fails) if computed is not None else ():
+                        store.later(lambda a=a, b=b: store.write(
+                            a, b, chunk_hash(sweep, a, b), _rows(sweep, chunk, computed, (a, b))))
+                    return
                 start, stop = chunk
                 store.later(lambda: store.write(
                     start, stop, chunk_hash(sweep, start, stop),
                     computed and _as_rows(sweep, start, stop, computed), fails))
         try:
             _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
-                     done, keep)
+                     done, keep, by_time)
+        except KeyboardInterrupt:
+            if store is None:
+                raise
+            store.flush(raise_errors=False)  # (what was computed is kept)
+            saved = int(done.sum()) + store.saved  # type: ignore[union-attr]
+            if bar:
+                bar.settle(saved)
+            raise Interrupted(f"{saved} of {sweep.size} items saved in {store.name}; run the "
+                              f"same call again to resume") from None
         except BaseException:
             if store is not None:  # (what was computed is kept; the error raised is the sweep's)
                 store.flush(raise_errors=False)
@@ -130,7 +160,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
     for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
                                                        read=stacked is not None):
         if computed:
-            _store(stacked, sweep, start, stop, computed, rows=True)
+            _store(stacked, sweep, start, stop, computed, rows=True, failed=fails)
         failed.update(fails)
         done[start:stop] = True
     return done
@@ -144,7 +174,7 @@ def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
 
 
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
-             keep):
+             keep, by_time=False):
     """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
     shared inputs and the chunk graph are kept for later calls
     (:func:`~daskdag.running.resident.placing`)."""
@@ -157,35 +187,39 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
             engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
         _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine, done,
-                    keep)
+                    keep, by_time)
 
 
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
-                done=None, keep=None):
-    """Chunks in order, at most ``in_flight`` at once. A chunk that fails is rerun item by item,
-    ahead of new chunks, to name its failing items and keep the others; so is one lost with the
-    workers that ran it (smaller pieces stand a better chance). With ``errors='raise'``
-    no new chunk starts after a failure; the error raised is that of the lowest failing item,
-    once everything before it is known to have succeeded.
+                done=None, keep=None, by_time=False):
+    """Chunks in order, at most ``in_flight`` at once. A chunk that fails as a whole is rerun
+    item by item, ahead of new chunks, to name its failing items and keep the others; so is one
+    lost with the workers that ran it (smaller pieces stand a better chance). With
+    ``errors='raise'`` no new chunk starts after a failure; the error raised is that of the
+    lowest failing item, once everything before it is known to have succeeded.
 
-    ``done``: items a store had already; a chunk all of whose items are done is not run (one
-    that is run anew forgets what the store said of its items' failures). ``keep(chunk,
-    computed, failed)``: called with each chunk's results, and each failed item's error under
-    ``errors='collect'``, before they count (a store takes them to write)."""
+    An item that fails inside a chunk is kept with the chunk's results, and the chunk's other
+    items go on (:mod:`daskdag.sweeps.chunked`): no item is computed twice to find the failing
+    ones. Only a chunk that fails as a whole (a ``vmap=True`` node's program over it, a chunk of
+    task graphs) is rerun item by item.
+
+    ``done``: items a store had already; they are not run again: a chunk runs the pieces of it
+    that are not done (pieces never overlap). ``keep(chunk, computed, failed)``: called with
+    each chunk's results and its failed items' errors before they count (a store takes them to
+    write). ``by_time``: chunks are taken in pieces sized by time (:class:`_Pieces`)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
         if done is not None:  # (a store's: what it holds is not run again)
-            chunks = deque(c for c in chunks if not done[c[0]:c[1]].all())
-            for c in chunks:
-                for i in range(*c):
-                    failed.pop(i, None)
-            if done.any() and not sweep.vectorized:
+            chunks = deque(piece for c in chunks for piece in _missing(c, done))
+            if done.any() and sweep.by_item and not by_time:
                 chunks = _spread(chunks, chunk_size, in_flight)
+        work = _Pieces(chunks, by_time)
         reruns: deque
         broken: list
         pending: dict
         reruns, broken, pending = deque(), [], {}  # broken: failed chunks held back (errors='raise')
+        began: dict = {}  # chunk -> when it was sent
         while True:
             halted = errors == "raise" and bool(failed or broken)  # no new chunks
             if halted and not pending and not reruns:  # all before the failures is known
@@ -193,20 +227,22 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 if not broken or first < broken[0][0]:
                     raise failed[first] from failed[first].original
                 reruns.extend(_items(broken.pop(0)))
-            source = reruns or (() if halted else chunks)
+            source = reruns or (() if halted else work)
             batch = [source.popleft()  # type: ignore[union-attr]  # (never from the empty tuple)
                      for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
                 sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
                                              for c in batch])
                 pending.update(zip(sent, batch))
+                began.update(dict.fromkeys(batch, time.monotonic()))
                 for c in batch if bar else ():
                     bar.open(c)
             if not pending:
                 break
             for fut in engine.wait_any(list(pending)):
                 c = pending.pop(fut)
-                err = _collect(engine, fut, sweep, c, stacked, keep)
+                err, seconds = _collect(engine, fut, sweep, c, stacked, failed, keep)
+                work.took(c, time.monotonic() - began.pop(c) if seconds is None else seconds)
                 if bar:
                     bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
@@ -214,7 +250,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 if isinstance(err, Lost):  # item by item, ahead of new chunks
                     reruns.extend(_items(c))
                 elif c[1] - c[0] == 1:  # an item: named
-                    if keep is not None and errors == "collect":
+                    if keep is not None:
                         keep(c, None, {c[0]: err})
                     failed[c[0]] = err
                 elif errors == "raise":
@@ -225,6 +261,39 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                 bar.refresh()
     finally:
         engine.close()
+
+
+class _Pieces:
+    """The chunks left to run, in order, taken (:meth:`popleft`) whole, or ``by_time`` in
+    pieces cut from their start: one item at first, then about :data:`PIECE_SECONDS` of work
+    by the time the latest pieces took per item (growing at most fourfold a piece), never more
+    than what is left of a chunk. Only for sweeps whose items are each computed on their own
+    (no ``vmap=True`` node): there a piece gives the numbers its chunk would have."""
+
+    def __init__(self, chunks: deque, by_time: bool):
+        self.chunks, self.by_time, self.size = chunks, by_time, 1
+        self.per_item: list[float] = []  # seconds per item of the latest pieces
+
+    def __len__(self) -> int:
+        """The pieces that can be taken now."""
+        if not self.by_time:
+            return len(self.chunks)
+        return sum(-(-(b - a) // self.size) for a, b in self.chunks)
+
+    def popleft(self) -> tuple[int, int]:
+        start, stop = self.chunks.popleft()
+        if self.by_time and stop - start > self.size:
+            self.chunks.appendleft((start + self.size, stop))
+            return start, start + self.size
+        return start, stop
+
+    def took(self, piece: tuple[int, int], seconds: float) -> None:
+        """``piece`` ran in ``seconds``."""
+        if not self.by_time:
+            return
+        self.per_item = [*self.per_item[-7:], seconds / (piece[1] - piece[0])]
+        typical = sorted(self.per_item)[len(self.per_item) // 2]
+        self.size = max(1, min(4 * self.size, int(PIECE_SECONDS / max(typical, 1e-6))))
 
 
 def _spread(chunks: deque, chunk_size: int, in_flight: int) -> deque:
@@ -242,46 +311,55 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, keep=None
-             ) -> NodeError | Lost | None:
-    """Store a finished chunk's results (first ``keep(chunk, results, None)`` them, when
-    given); return its error instead if it failed, or ``Lost`` if the workers that ran it kept
-    dying."""
+def _missing(chunk: tuple[int, int], done: np.ndarray) -> list[tuple[int, int]]:
+    """The pieces of ``chunk`` whose items are not ``done``: runs of them, in order."""
+    return _between(chunk, {i for i in range(*chunk) if done[i]})
+
+
+def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
+    """The pieces of ``chunk`` between the items ``left_out``: runs of the others, in order."""
+    pieces, start = [], None
+    for i in range(chunk[0], chunk[1] + 1):
+        if i < chunk[1] and i not in left_out:
+            start = i if start is None else start
+        elif start is not None:
+            pieces.append((start, i))
+            start = None
+    return pieces
+
+
+def _rows(sweep, chunk: tuple[int, int], computed: dict, piece: tuple[int, int]) -> dict:
+    """The rows of ``piece`` in a ``chunk``'s ``computed`` results, as :func:`_as_rows` makes
+    them."""
+    rows = _as_rows(sweep, *chunk, computed)
+    lo, hi = piece[0] - chunk[0], piece[1] - chunk[0]
+    return jax.tree.map(lambda a: a[lo:hi], rows)
+
+
+def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, keep=None
+             ) -> tuple[NodeError | Lost | None, float | None]:
+    """Store a finished chunk's results and its failed items (in ``failed``; first ``keep(chunk,
+    results, failures)`` them, when given). Returns ``(error, seconds)``: the chunk's error if
+    it failed as a whole, or ``Lost`` if the workers that ran it kept dying, else None; the
+    seconds it ran, where known."""
     try:
-        computed = engine.result(fut)
+        computed, fails, seconds = engine.result(fut)
     except NodeError as e:
-        return _detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None)
+        return detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None), None
     except Lost as e:
-        return e
+        return e, None
     finally:
         engine.release(fut)
+    start, stop = chunk
+    fails = {start + i: detached(e, start + i) for i, e in sorted(fails.items())}
+    if len(fails) == stop - start:  # (nothing to keep but the failures)
+        computed = None
     if keep is not None:
-        keep(chunk, computed, None)
-    _store(stacked, sweep, *chunk, computed)
-    return None
-
-
-def _detached(e: NodeError, item: int | None) -> NodeError:
-    """``e`` for ``item``, holding no stack frames.
-
-    A traceback holds its frames, and they every local of the calls they came through: an error
-    from a cluster arrives with a traceback rebuilt on top of this sweep's own frames, so a kept
-    error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
-    original exception's traceback (where the node raised) stays, as text in a note.
-    """
-    todo: list[BaseException | None]
-    seen, todo = set(), [e.original]
-    while todo:  # the original and the exceptions chained to it
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if x.__traceback__ is not None:
-            x.add_note("Raised at (traceback kept as text):\n"
-                       + "".join(traceback.format_tb(x.__traceback__)).rstrip())
-            x.__traceback__ = None
-        todo += [x.__cause__, x.__context__]
-    return NodeError(e.node, e.phase, e.original, item=item)
+        keep(chunk, computed, fails or None)
+    if computed is not None:
+        _store(stacked, sweep, start, stop, computed, failed=fails)
+    failed.update(fails)
+    return None, seconds
 
 
 def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
@@ -296,15 +374,20 @@ def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
             for o, (v, grads) in computed.items()}
 
 
-def _store(stacked, sweep, start, stop, computed, rows: bool = False):
-    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone).
-    ``rows``: every value has a row per item (:func:`_as_rows`), as a store's have."""
+def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=()):
+    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone),
+    but for its items that ``failed``. ``rows``: every value has a row per item
+    (:func:`_as_rows`), as a store's have."""
     if stacked is None:
         return
     for o, (value, grads) in computed.items():
         stacked[o][0].put(start, stop, value, rows or o in sweep.carrying)
         for i, g in grads.items():
             stacked[o][1][i].put(start, stop, g, True)
+    if failed:
+        for value, grads in stacked.values():
+            for s in (value, *grads.values()):
+                s.forget(failed)
 
 
 def _finish(sweep, stacked) -> dict:

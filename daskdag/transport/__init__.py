@@ -9,6 +9,8 @@
   cloudpickle's internals;
 - :mod:`~daskdag.transport.fingerprints`: whose code travels by value, and a function's
   fingerprint: what packing would see of it, compared without pickling it again;
+- :mod:`~daskdag.transport.content`: a function's content as tokens by part (code, globals,
+  closure, defaults) that do not depend on where its source is written, for durable records;
 - :mod:`~daskdag.transport.weak`: how what is kept between calls holds the user's functions
   (weakly);
 - :mod:`~daskdag.transport.programs`: a pullback's backward pass as an exported XLA program;

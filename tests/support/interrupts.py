@@ -94,3 +94,80 @@ def assert_stopped_by_ctrl_c(child):
     stopped = float(err.split("uncaught at ")[1].split()[0]) - sent
     print(f"KeyboardInterrupt raised {stopped:.2f} s after Ctrl-C; process ended after {ended:.2f} s")
     assert stopped < 2.0, f"took {stopped:.2f} s to stop"
+
+
+# -- a sweep with a store: 200 slow items, on threads or on a cluster -----------------------------
+
+STORED_SWEEP_CHILD = textwrap.dedent("""
+    import signal, sys, time
+    import numpy as np
+    import jax.numpy as jnp
+    import daskdag
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal)
+    STORE, LOG = sys.argv[1], sys.argv[2]
+
+    def slow(x, i):
+        time.sleep(0.2)
+        with open(LOG, "a") as f:
+            f.write(f"{int(i)}\\n")
+        return jnp.sum(x ** 2)
+
+    client = None
+    if len(sys.argv) > 3:
+        from distributed import Client
+        client = Client(sys.argv[3])
+    print("started", flush=True)
+    daskdag.sweep_grads({"L": (slow, ["x", "i"])},
+                        {"x": np.ones((ITEMS, 3), np.float32), "i": np.arange(ITEMS)}, "L",
+                        batched=["x", "i"], wrt=["x"], store=STORE, client=client, progress=True)
+""").replace("ITEMS", "200")
+STORED_ITEMS = 200
+
+
+def start_stored_sweep_child(store, log, *args):
+    """Start :data:`STORED_SWEEP_CHILD` with its ``store`` and ``log`` (a line per item computed;
+    ``args``: a scheduler address, or none for threads), its stdout and stderr piped."""
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-c", STORED_SWEEP_CHILD, str(store), str(log), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
+
+
+def pieces(store: Path) -> list[tuple[int, int]]:
+    """The store's complete pieces, ``(start, stop)``."""
+    done = store / "done"
+    return sorted(tuple(map(int, p.name.split("-"))) for p in done.iterdir()
+                  if (p / "zarr.json").exists()) if done.exists() else []
+
+
+def assert_ctrl_c_says_what_is_saved(child, store: Path, log: Path):
+    """Once the child's first piece is saved, SIGINT it. The first piece was saved after fewer
+    items than a chunk holds; the child ends with a KeyboardInterrupt saying how many items the
+    store holds (those of its complete pieces), raised from sweep_grads (no frame of daskdag's
+    own but that call's, none of threading's), and its progress bar ends at that count."""
+    import json
+    import re
+
+    assert child.stdout.readline().strip() == "started", child.stderr.read()
+    deadline = time.monotonic() + 120
+    while not pieces(store):
+        assert time.monotonic() < deadline and child.poll() is None, child.stderr.read()[-3000:]
+        time.sleep(0.02)
+    computed = len(log.read_text().split())
+    chunk = json.loads((store / "zarr.json").read_text())["attributes"]["daskdag"]["chunk_size"]
+    assert computed < chunk, (computed, chunk)  # (a piece saved early: not a whole chunk first)
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=60)
+    err = child.stderr.read()
+    saved = sum(b - a for a, b in pieces(store))
+    assert child.returncode == -signal.SIGINT, err[-3000:]
+    assert err.rstrip().endswith(f"KeyboardInterrupt: {saved} of {STORED_ITEMS} items saved in "
+                                 f"{store}; run the same call again to resume"), err[-3000:]
+    trace = err[err.rindex("Traceback (most recent call last)"):]
+    frames = re.findall(r'File "([^"]+)"', trace)
+    assert len(frames) == 2 and frames[1].endswith("daskdag/api.py"), trace  # (<string>, api)
+    assert "threading" not in trace
+    bar = re.findall(rf"(\d+)/{STORED_ITEMS} ", err)
+    assert bar and int(bar[-1]) == saved, bar[-5:]
+    assert 0 < saved < STORED_ITEMS
