@@ -142,3 +142,42 @@ def test_what_cannot_be_pickled_raises():
 
     with pytest.raises(TypeError, match="lock"):
         parts(holds_a_lock)
+
+
+HOLDERS = '''
+class Box:
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __call__(self, x):
+        return x * self.mod.SCALE
+
+
+def by_closure(mod):
+    return lambda x: x * mod.SCALE
+
+
+def by_name(mod, first, rest):
+    return lambda x: x * getattr(mod, first + rest)
+'''
+
+
+@pytest.mark.parametrize("hold, reads_all", [
+    (lambda code, params: code.by_closure(params), False),
+    (lambda code, params: code.by_closure({"m": [params]}["m"][0]), False),
+    (lambda code, params: code.Box(params), False),
+    (lambda code, params: code.by_name(params, "SC", "ALE"), True),
+])
+def test_a_module_of_the_users_counts_however_it_is_reached(hold, reads_all):
+    """A module reached through a closure, a container or an object: what the code reads of it
+    counts (all of it where a name is computed as it runs), what it does not read does not."""
+    params, code = module("SCALE = 1.5\nOTHER = 1\n"), module(HOLDERS)
+    fn = hold(code, params)
+    before = parts(fn)
+    params.OTHER = 2
+    assert (parts(fn) != before) == reads_all
+    params.OTHER = 1
+    params.SCALE = -2.0
+    assert parts(fn) != before
+    params.SCALE = 1.5
+    assert parts(fn) == before

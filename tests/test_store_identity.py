@@ -181,3 +181,53 @@ def test_a_store_of_an_older_format_is_refused_saying_so(tmp_path):
                                                  "format 3 only"):
         sweep(m, store)
     assert files(store) == kept and len(calls(tmp_path)) == before
+
+
+HOLDS_A_MODULE = '''
+import jax.numpy as jnp
+
+
+def make_g(params):
+    return lambda a, i: a * params.SCALE
+
+
+def a(x, i):
+    return jnp.sin(x) * 3.0
+
+
+def s(g, i):
+    return jnp.sum(g ** 2)
+
+
+def dag(params):
+    return {"A": (a, ["x", "i"]), "G": (make_g(params), ["A", "i"]), "S": (s, ["G", "i"])}
+'''
+
+
+def check_a_module_held_by_a_closure(tmp_path, **kw):
+    """A node that reads a module of the user's through a value it closes over: changing what
+    it reads of the module is a change, refused naming the node; the rest of the module is not."""
+    store = tmp_path / "store"
+    params = load(tmp_path / "project/params.py", "SCALE = 2.0\nUNUSED = 0\n")
+    m = load(tmp_path / "project/holder.py", HOLDS_A_MODULE)
+    first = sweep(as_script(m.dag(params)), store, **kw)
+    params.UNUSED = 1  # (no node reads it)
+    np.testing.assert_array_equal(sweep(as_script(m.dag(params)), store, **kw).value, first.value)
+    params.SCALE = 3.0
+    with pytest.raises(daskdag.StoreError, match=r"node 'G': the value it closes over, 'params'"):
+        sweep(as_script(m.dag(params)), store, **kw)
+
+
+def as_script(dag):
+    """A stand-in module holding ``dag`` as ``DAG``, for :func:`sweep`."""
+    return type("Script", (), {"DAG": dag})
+
+
+def test_a_module_held_by_a_closure_counts(tmp_path):
+    check_a_module_held_by_a_closure(tmp_path)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_module_held_by_a_closure_counts_on_a_cluster(tmp_path, cli_client):
+    check_a_module_held_by_a_closure(tmp_path, client=cli_client)

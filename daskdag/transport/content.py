@@ -10,9 +10,12 @@ What counts, as packing (:mod:`daskdag.transport.packing`) sends it to a cluster
 
 - code: the bytecode, its constants (nested functions' code too), the names it uses, its
   arguments and flags;
-- the globals its code (and the code nested in it) reads, by name, with their values; of a
-  module of the user's (:func:`~daskdag.transport.fingerprints.is_user_module`), the
-  attributes the code names;
+- the globals its code (and the code nested in it) reads, by name, with their values;
+- a module of the user's (:func:`~daskdag.transport.fingerprints.is_user_module`), however it
+  is reached (a global, a value closed over, an object's attribute, another module): the
+  attributes that the code taken into the token may read by name, until no new name or module
+  turns up, every attribute but the dunder ones where that code calls ``getattr`` or ``vars``
+  (as a fingerprint reads it, :mod:`daskdag.transport.fingerprints`);
 - the values it closes over, its defaults, its attributes (``__dict__``: ``__wrapped__`` too);
 - those values in turn: NumPy and JAX arrays by content (dtype, shape, bytes), the user's
   functions and classes as above, installed code (``jax.numpy.sin``) by its module and name,
@@ -40,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from daskdag.transport.fingerprints import by_reference, is_user_module, names
+from daskdag.transport.fingerprints import (DYNAMIC_ATTRIBUTES, attributes, by_reference,
+                                            is_user_module, names)
 from daskdag.transport.pickler import Pickler
 
 _NOT_IN_CLASS = frozenset(("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
@@ -65,14 +69,18 @@ def parts(fn, digests: dict | None = None) -> dict[str, str]:
     if type(fn) is not types.FunctionType or not _users(fn):
         return {"function": token(fn, digests)}
     state = _function_state(fn)
-    out = {"code": token(fn.__code__, digests)}
-    out.update((f"global {name}", token(value, digests))
-               for name, value in state["globals"].items())
-    out.update((f"closure {name}", token(value, digests))
-               for name, value in zip(fn.__code__.co_freevars, state["closure"]))
-    out["defaults"] = token((state["defaults"], state["kwdefaults"]), digests)
+    code = fn.__code__  # (what it reads of a module held by a part: its code names it)
+
+    def part(value) -> str:
+        return token(value, digests, reader=code)
+
+    out = {"code": token(code, digests)}
+    out.update((f"global {name}", part(value)) for name, value in state["globals"].items())
+    out.update((f"closure {name}", part(value))
+               for name, value in zip(code.co_freevars, state["closure"]))
+    out["defaults"] = part((state["defaults"], state["kwdefaults"]))
     if state["attributes"]:
-        out["attributes"] = token(state["attributes"], digests)
+        out["attributes"] = part(state["attributes"])
     return out
 
 
@@ -88,13 +96,19 @@ def describe(part: str) -> str:
             "function": "the function"}.get(part, part)
 
 
-def token(obj, digests: dict | None = None) -> str:
+def token(obj, digests: dict | None = None, reader: types.CodeType | None = None) -> str:
     """SHA-256 of ``obj`` as :class:`_Canonical` pickles it, arrays by content
-    (:func:`array_digest`; ``digests`` as for :func:`parts`)."""
+    (:func:`array_digest`; ``digests`` as for :func:`parts`), then the user's modules it
+    reaches, by the attributes that its code, and ``reader``'s (the code that holds ``obj``),
+    may read (see the module's docstring)."""
     digests = {} if digests is None else digests
     arrays: list = []
     buffer = io.BytesIO()
-    _Canonical(buffer, arrays).dump(_stable(obj))
+    pickler = _Canonical(buffer, arrays)
+    if reader is not None:
+        pickler.reads(reader)
+    pickler.dump(_stable(obj))
+    pickler.follow_modules()
     h = hashlib.sha256(buffer.getvalue())
     for a in arrays:
         kept = digests.get(id(a))
@@ -115,10 +129,39 @@ def array_digest(a) -> bytes:
 class _Canonical(Pickler):
     """daskdag's pickler (arrays out of band), which pickles code, the user's functions and
     classes, and the user's modules by what they compute, not where they are written. Its bytes
-    are hashed, never loaded."""
+    are hashed, never loaded. The user's modules it reaches are pickled as their places in
+    the order reached; :meth:`follow_modules` pickles what the code pickled may read of them."""
+
+    def __init__(self, file, arrays: list):
+        super().__init__(file, arrays)
+        self.read: set[str] = set()  # attribute names the code pickled may read
+        self.anything = False  # some of it reads attributes by names it computes
+        self.modules: dict[int, tuple] = {}  # id -> (a user's module, its place, names taken)
+
+    def reads(self, code: types.CodeType) -> None:
+        """Take the names ``code`` may read of a module (it is pickled, or holds what is)."""
+        self.read |= attributes(code)
+        self.anything = self.anything or not DYNAMIC_ATTRIBUTES.isdisjoint(names(code))
+
+    def follow_modules(self) -> None:
+        """Pickle, after the rest, each user's module's attributes that the code pickled may
+        read, by place and name, until no new name or module turns up."""
+        grown = True
+        while grown:
+            grown = False
+            for module, place, done in list(self.modules.values()):
+                wanted = self.read | ({k for k in vars(module) if not k.startswith("__")}
+                                      if self.anything else set())
+                todo = sorted(wanted - done)
+                if todo:
+                    grown = True
+                    done.update(todo)
+                    self.dump(_stable((place, {name: getattr(module, name, _missing)
+                                               for name in todo})))
 
     def reducer_override(self, obj):
         if isinstance(obj, types.CodeType):
+            self.reads(obj)
             return _code, _code_form(obj)
         if type(obj) is types.FunctionType and _users(obj):
             # Its state after it (pickle's memo then knows it): a function that reaches
@@ -130,7 +173,9 @@ class _Canonical(Pickler):
                 return _named, (obj.__module__, obj.__qualname__)
             return _class, (type(obj), obj.__name__, obj.__bases__), _stable(_class_state(obj))
         if isinstance(obj, types.ModuleType) and is_user_module(obj.__name__):
-            return _module, ()  # (reached from a function: the attributes it reads, below)
+            if id(obj) not in self.modules:
+                self.modules[id(obj)] = (obj, len(self.modules), set())
+            return _module, (self.modules[id(obj)][1],)  # (what is read of it: follow_modules)
         wrapped = getattr(obj, "__wrapped__", None) if callable(obj) else None
         if type(wrapped) is types.FunctionType and by_reference(type(obj)) \
                 and not by_reference(obj):
@@ -170,17 +215,11 @@ def _has_docstring(code: types.CodeType) -> bool:
 
 def _function_state(fn: types.FunctionType) -> dict:
     """What a user's function computes with, besides its code: the globals its code reads
-    (sorted by name; of a module of the user's, the attributes the code names), the values
-    it closes over (in ``co_freevars`` order), its defaults and attributes."""
+    (sorted by name), the values it closes over (in ``co_freevars`` order), its defaults and
+    attributes."""
     read, namespace = names(fn.__code__), fn.__globals__
-    found = {}
-    for name in read:
-        if name not in namespace:  # (a builtin, or an attribute's name)
-            continue
-        value = namespace[name]
-        if isinstance(value, types.ModuleType) and is_user_module(value.__name__):
-            value = ("module", {a: getattr(value, a) for a in read if hasattr(value, a)})
-        found[name] = value
+    found = {name: namespace[name] for name in read
+             if name in namespace}  # (else a builtin, or an attribute's name)
     closure = []
     for cell in fn.__closure__ or ():
         try:
@@ -244,7 +283,12 @@ def _class(metaclass, name, bases):
     raise NotImplementedError
 
 
-def _module():
+def _module(place):
+    raise NotImplementedError
+
+
+def _missing():
+    """An attribute a module of the user's does not hold (yet)."""
     raise NotImplementedError
 
 

@@ -58,7 +58,8 @@ _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Elli
 _CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
 _ABSENT = ("absent",)  # a name a function's code uses that its globals do not hold (yet)
 _EMPTY = ("empty cell",)
-_DYNAMIC = frozenset(("getattr", "vars", "__dict__"))  # ways code reads an attribute by a name it computes
+#: The names by which code reads an attribute whose name it computes as it runs.
+DYNAMIC_ATTRIBUTES = frozenset(("getattr", "vars", "__dict__"))
 
 
 class Unwatchable(Exception):
@@ -203,7 +204,7 @@ class _Walk:
         code, facts = fn.__code__, self.facts
         self.identity(code)
         self.read.update(attributes(code))
-        if not self.anything and not _DYNAMIC.isdisjoint(names(code)):
+        if not self.anything and not DYNAMIC_ATTRIBUTES.isdisjoint(names(code)):
             self.anything = True
         namespace = fn.__globals__
         for name in names(code):
