@@ -300,3 +300,24 @@ def test_unpicklable_node_function_is_named_on_a_cluster(cli_client):
     # Locally nothing travels, so it runs.
     r = daskdag.compute_grads(dag, jnp.ones(3), "B")
     assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(jnp.ones(3)))
+
+
+def test_a_user_module_replaced_under_its_name_still_travels_by_value(tmp_path):
+    """A module of the user's made anew under the same name (``sys.modules`` keeps its size
+    and order): its functions are pickled by value, not by a reference the workers cannot
+    import."""
+    import types
+
+    def make():
+        m = types.ModuleType("replaced_user_module")
+        m.__file__ = str(tmp_path / "replaced_user_module.py")
+        exec("def f(x):\n    return x + 1\n", m.__dict__)
+        sys.modules[m.__name__] = m
+        return m
+
+    try:
+        shipping.pack(make().f)
+        packed = shipping.pack(make().f)
+    finally:
+        sys.modules.pop("replaced_user_module", None)
+    assert pickle.loads(pickle.dumps(packed)).load()(1) == 2  # (no import of the module)

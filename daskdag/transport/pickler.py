@@ -234,7 +234,8 @@ class user_modules_by_value:
         # import appends to sys.modules, so its size or its last entry changes).
         state = (len(sys.modules), next(reversed(sys.modules)))
         seen, found = user_modules_by_value._scanned
-        if seen != state:
+        # (a module replaced under its name keeps the size and order of sys.modules)
+        if seen != state or any(sys.modules.get(m.__name__) is not m for m in found):
             found = [m for name, m in list(sys.modules.items())
                      if name != "__main__" and m is not None and is_user_module(name)]
             user_modules_by_value._scanned = (state, found)
