@@ -132,3 +132,110 @@ def test_cloudpickles_private_submodule_finder_is_there():
     import cloudpickle.cloudpickle as cp
 
     assert callable(getattr(cp, "_find_imported_submodules", None))
+
+
+# -- a fingerprint's compiled check holds exactly when a new fingerprint would be equal ----------
+
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import jax  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+class _Box:
+    """An object of the user's (pickled by value): read through its ``__dict__``."""
+
+
+_checked_modules = iter(range(10 ** 6))
+
+
+def _user_module():
+    m = types.ModuleType(f"fingerprint_check_{next(_checked_modules)}")
+    m.__file__ = f"/project/{m.__name__}.py"
+    sys.modules[m.__name__] = m
+    return m
+
+
+def _leaves():
+    return st.one_of(st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), st.text(max_size=2),
+                     st.none(), st.booleans(),
+                     st.integers(1, 40).map(lambda n: np.arange(float(n))),  # small and hashed
+                     st.just("jax").map(lambda _: jnp.ones(2)))
+
+
+def _holders(children):
+    def box(items):
+        b = _Box()
+        for k, v in enumerate(items):
+            setattr(b, f"a{k}", v)
+        return b
+
+    def module(items):
+        m = _user_module()
+        for k, v in enumerate(items):
+            setattr(m, f"a{k}", v)
+        return m
+
+    def closure(items):
+        held = list(items)
+        return lambda: held
+
+    return st.one_of(st.lists(children, max_size=3), st.lists(children, max_size=3).map(tuple),
+                     st.dictionaries(st.sampled_from("pqr"), children, max_size=3),
+                     st.lists(children, max_size=3).map(box),
+                     st.lists(children, max_size=3).map(module),
+                     st.lists(children, max_size=3).map(closure),
+                     st.lists(st.integers(0, 5), max_size=3).map(frozenset))
+
+
+def _mutables(obj, seen=None):
+    """Every place in ``obj`` that can change in place: (container, how to change it)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    found = []
+    if isinstance(obj, np.ndarray) and obj.size:
+        found.append(lambda: obj.__setitem__(0, obj[0] + 1))
+    elif type(obj) is list:
+        found.append(lambda: obj.append(7))
+        if obj:
+            found.append(lambda: obj.__setitem__(0, "changed"))
+        for v in obj:
+            found += _mutables(v, seen)
+    elif type(obj) is tuple:
+        for v in obj:
+            found += _mutables(v, seen)
+    elif type(obj) is dict:
+        found.append(lambda: obj.__setitem__("new", 1))
+        for v in list(obj.values()):
+            found += _mutables(v, seen)
+    elif isinstance(obj, (_Box, types.ModuleType)):
+        found.append(lambda: setattr(obj, "a0", "rebound"))
+        if isinstance(obj, types.ModuleType):  # (an attribute no code reads: no change)
+            found.append(lambda: setattr(obj, "unread", 1))
+        for v in list(vars(obj).values()):
+            if not isinstance(v, str):
+                found += _mutables(v, seen)
+    elif isinstance(obj, types.FunctionType):
+        for cell in obj.__closure__ or ():
+            found += _mutables(cell.cell_contents, seen)
+    return found
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.recursive(_leaves(), _holders, max_leaves=12), st.data())
+def test_the_compiled_check_agrees_with_a_new_fingerprint(world, data):
+    fn = data.draw(st.sampled_from([
+        lambda: world,  # (reads no attribute of a module by name)
+        lambda: (world, world.a0 if hasattr(world, "a0") else None),
+        lambda: (world, getattr(world, "a0", None), getattr(world, "a1", None))]))
+    before = fingerprint(fn, checked=True)
+    assert before is not None and before.holds(fn) and fingerprint(fn) == before
+    places = _mutables(world)
+    if places:
+        data.draw(st.sampled_from(places))()
+    assert before.holds(fn) == (fingerprint(fn) == before)
+    assert not before.holds(fn) or not places or fingerprint(fn) == before

@@ -104,7 +104,7 @@ class Watch:
     def __call__(self, name: str, fn: Any) -> Fingerprint | None:
         if id(fn) in self._prints:
             return self._prints[id(fn)]
-        print_ = self._prints[id(fn)] = fingerprint(fn)
+        print_ = self._prints[id(fn)] = fingerprint(fn, checked=True)
         if print_ is None:
             self.refuse(f"node {name!r}: its function holds something a fingerprint cannot "
                         f"read (a lock, a file, a generator...)")
@@ -128,7 +128,7 @@ class Preparation(Generic[P]):
     def changed(self) -> str | None:
         """Why this preparation no longer holds (a watched function changed), or None."""
         for name, fn, print_ in self.watched:
-            if fingerprint(fn) != print_:
+            if not print_.holds(fn):
                 return (f"node {name!r}: its function changed (what it closes over, a global "
                         f"it uses, or an attribute)")
         return None

@@ -43,7 +43,7 @@ import sys
 import sysconfig
 import types
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -53,6 +53,7 @@ from daskdag.transport.weak import Weak
 
 LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
 SMALL = 256  # bytes: a NumPy array up to this size is compared by its bytes, not a digest
+CHECK_LINES = 20_000  # the longest check compiled; beyond it, a fingerprint is taken anew
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
                     type(NotImplemented)))
 _CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
@@ -69,15 +70,29 @@ class Unwatchable(Exception):
 class Fingerprint:
     """What a function's behaviour depends on, at one moment (see the module's docstring).
     ``facts`` are compared; ``refs`` keep every object whose identity is a fact alive, so
-    that no id in ``facts`` can name another object while this fingerprint exists."""
+    that no id in ``facts`` can name another object while this fingerprint exists.
+    :meth:`holds` checks, without taking a new fingerprint, that one taken now would be equal."""
 
-    __slots__ = ("facts", "refs")
+    __slots__ = ("facts", "refs", "_check")
 
-    def __init__(self, facts: list, refs: list):
-        self.facts, self.refs = facts, refs
+    def __init__(self, facts: list, refs: list, check: Callable[[Any], bool] | None = None):
+        self.facts, self.refs, self._check = facts, refs, check
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fingerprint) and self.facts == other.facts
+
+    def holds(self, obj: Any) -> bool:
+        """Whether ``obj`` (the function this was taken of) would have this fingerprint now:
+        every fact read again and compared as it is read, by a check compiled when the
+        fingerprint was taken (a few attribute reads and comparisons, no new fingerprint), or
+        else by taking a new one."""
+        root = obj.target if isinstance(obj, Weak) else obj
+        if self._check is not None:
+            try:
+                return self._check(root)
+            except Exception:  # (what changed broke a read: a different shape of object)
+                return False
+        return fingerprint(obj) == self
 
     def digest(self) -> str:
         """Its facts as a hash (for a token that must differ where they do)."""
@@ -86,22 +101,31 @@ class Fingerprint:
     __hash__ = None  # type: ignore[assignment]  # (equal by content; never a key)
 
 
-def fingerprint(obj: Any) -> Fingerprint | None:
+def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
     """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read. It
-    keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it."""
-    walk = _Walk(obj.target if isinstance(obj, Weak) else obj)
+    keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it.
+    ``checked``: compile the check :meth:`Fingerprint.holds` runs (for a fingerprint kept and
+    checked again and again: compiling it costs as much as a few hundred checks)."""
+    walk = _Walk(obj.target if isinstance(obj, Weak) else obj, checked)
     try:
         walk.walk()
     except (Unwatchable, RecursionError):
         return None
-    return Fingerprint(walk.facts, walk.refs)
+    return Fingerprint(walk.facts, walk.refs, walk.compiled())
 
 
 class _Walk:
-    __slots__ = ("facts", "refs", "seen", "walked", "root", "weakly", "read", "modules",
-                 "anything")
+    """A fingerprint's walk (see the module's docstring). With ``checked``, it also writes, as
+    it goes, the source of a check of the same facts (:meth:`Fingerprint.holds`): each object
+    reached is bound to a variable of the check, read again from the root the way the walk read
+    it (``at``: that variable), and compared with what the walk found (constants in
+    ``consts``). The rules are written once, here: each fact appended has its test beside it.
+    """
 
-    def __init__(self, root):
+    __slots__ = ("facts", "refs", "seen", "walked", "root", "weakly", "read", "modules",
+                 "anything", "lines", "consts", "names_of")
+
+    def __init__(self, root, checked: bool = False):
         self.facts: list = []
         self.refs: list = []  # what facts name by identity: kept with them
         self.seen: dict[int, int] = {}
@@ -109,21 +133,29 @@ class _Walk:
         self.root = root
         self.weakly: set[int] = set()  # functions held weakly (Weak): not kept alive here
         self.read: set[str] = set()  # the attribute names the code walked through may read
-        self.modules: dict[int, tuple] = {}  # id -> (a user's module reached, names read of it)
+        # id -> (a user's module reached, its variable in the check, the names read of it)
+        self.modules: dict[int, tuple] = {}
         self.anything = False  # some code may read any attribute (getattr with a computed name)
+        # the check's source (None: none is made, or it grew too long)
+        self.lines: list[str] | None = [] if checked else None
+        self.consts: list = []
+        self.names_of: dict[int, str] = {}  # id of an object reached -> its variable
 
     def walk(self) -> None:
         """The root, then the user's modules it reached, by the names its code reads, until
         neither the names nor the modules grow (what a module's attribute holds may read more
         names, or reach another module)."""
-        self(self.root)
+        self(self.root, "root")
         grown = True
         while grown:
             grown = False
-            for module, done in list(self.modules.values()):
+            for module, at, done in list(self.modules.values()):
                 wanted = self.read
                 if self.anything:
-                    wanted = wanted | {k for k in vars(module) if not k.startswith("__")}
+                    public = _public(module)
+                    if self.lines is not None:
+                        self.test(f"_public({at}) == {self.const(public)}")
+                    wanted = wanted | public
                 todo = sorted(wanted - done)
                 if not todo:
                     continue
@@ -132,126 +164,223 @@ class _Walk:
                 self.facts.append(("module", module.__name__))
                 for attribute in todo:
                     self.facts.append(attribute)
-                    self(getattr(module, attribute, _ABSENT))
+                    self(getattr(module, attribute, _ABSENT),
+                         self.bind(f"getattr({at}, {attribute!r}, _ABSENT)"))
 
-    def identity(self, obj) -> None:
+    # -- the check's source (callers build what they write only while lines is not None) ----
+
+    def test(self, condition: str) -> None:
+        """The check returns False unless ``condition`` holds."""
+        if self.lines is not None:
+            self.lines.append(f"if not ({condition}): return False")
+
+    def const(self, value) -> str:
+        self.consts.append(value)
+        return f"K[{len(self.consts) - 1}]"
+
+    def bind(self, expr: str) -> str:
+        """A new variable of the check, holding ``expr`` (``""`` when no check is made)."""
+        lines = self.lines
+        if lines is None:
+            return ""
+        if len(lines) > CHECK_LINES:
+            self.lines = None
+            return ""
+        name = f"v{len(lines)}"
+        lines.append(f"{name} = {expr}")
+        return name
+
+    def compiled(self) -> Callable[[Any], bool] | None:
+        if self.lines is None:
+            return None
+        source = "def check(root):\n" + "".join(f"    {line}\n" for line in self.lines) + \
+            "    return True\n"
+        namespace = {"K": self.consts, **_CHECK_GLOBALS}
+        exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)
+        return namespace["check"]
+
+    # -- the walk -------------------------------------------------------------------------------
+
+    def identity(self, obj, at: str) -> None:
         if obj is self.root:
             self.facts.append("root")
+            if self.lines is not None:
+                self.test(f"{at} is root")
             return
         self.facts.append(id(obj))
-        if id(obj) not in self.weakly:  # (one held weakly goes with what holds it)
+        held = id(obj) not in self.weakly  # (one held weakly goes with what holds it)
+        if held:
             self.refs.append(obj)
+        if self.lines is not None:
+            self.test(f"{at} is {self.const(obj)}" if held else f"id({at}) == {id(obj)}")
 
-    def __call__(self, obj) -> None:
-        facts, kind = self.facts, type(obj)
+    def __call__(self, obj, at: str) -> None:
+        facts, kind, checked = self.facts, type(obj), self.lines is not None
         if len(facts) > LIMIT:
             raise Unwatchable("too large")
         if kind in _ATOMS:
             facts.append((kind, obj))
+            if checked:
+                value = self.const(obj)
+                self.test(f"type({at}) is {self.const(kind)} and ({at} is {value} or "
+                          f"{at} == {value})")
             return
         if kind is np.ndarray and not obj.dtype.hasobject:
-            facts.append(("ndarray", obj.shape, obj.dtype.str, _content(obj)))
+            content = _content(obj)
+            facts.append(("ndarray", obj.shape, obj.dtype.str, content))
+            if checked:
+                self.test(f"type({at}) is _ndarray and not {at}.dtype.hasobject and "
+                          f"{at}.shape == {obj.shape!r} and {at}.dtype.str == {obj.dtype.str!r} "
+                          f"and _content({at}) == {self.const(content)}")
             return
         if isinstance(obj, (jax.Array, types.CodeType)):
-            self.identity(obj)
+            self.identity(obj, at)
             return
         if isinstance(obj, types.ModuleType):
-            self.identity(obj)
+            self.identity(obj, at)
             if id(obj) not in self.modules and is_user_module(obj.__name__):
-                self.modules[id(obj)] = (obj, set())  # (its attributes: read in walk())
+                self.modules[id(obj)] = (obj, at, set())  # (its attributes: read in walk())
             return
         if kind is Weak:  # (a preparation's hold on a function: the function itself)
             target = obj.target
+            if checked:
+                self.test(f"type({at}) is _Weak")
             self.weakly.add(id(target))
             self.walked.append(target)
-            self(target)
+            self(target, self.bind(f"{at}.target"))
             return
-        at = self.seen.get(id(obj))
-        if at is not None:  # (a cycle, or an object reached twice: once is enough)
-            facts.append(("again", at))
+        seen = self.seen.get(id(obj))
+        if seen is not None:  # (a cycle, or an object reached twice: once is enough)
+            facts.append(("again", seen))
+            if checked:
+                self.test(f"{at} is {self.names_of[id(obj)]}")
             return
         self.seen[id(obj)] = len(self.seen)
         self.walked.append(obj)  # (so that its id stays its own while the walk goes on)
+        if checked:
+            self.names_of[id(obj)] = at
         if kind in _CONTAINERS:  # (a subclass pickles as its reduce says: below)
-            self.container(obj)
+            self.container(obj, at)
         elif kind is types.FunctionType:
-            self.identity(obj)
+            self.identity(obj, at)
             if not by_reference(obj):
-                self.function(obj)
+                self.function(obj, at)
         elif isinstance(obj, type):
-            self.identity(obj)
+            self.identity(obj, at)
             if not by_reference(obj):
-                self.cls(obj)
+                self.cls(obj, at)
         elif by_reference(obj):
-            self.identity(obj)
+            self.identity(obj, at)
         else:
-            self.instance(obj)
+            self.instance(obj, at)
 
-    def container(self, obj) -> None:
-        if type(obj) is dict:
-            self.facts.append((type(obj), len(obj)))
-            for k, v in obj.items():
-                self(k)
-                self(v)
+    def container(self, obj, at: str) -> None:
+        kind = type(obj)
+        self.facts.append((kind, len(obj)))
+        if self.lines is not None:
+            self.test(f"type({at}) is {kind.__name__} and len({at}) == {len(obj)}")
+        if kind is dict:
+            items = self.bind(f"list({at}.items())")
+            for j, (k, v) in enumerate(obj.items()):
+                self(k, self.bind(f"{items}[{j}][0]"))
+                self(v, self.bind(f"{items}[{j}][1]"))
             return
-        if type(obj) in (set, frozenset):
+        if kind in (set, frozenset):
             obj = sorted(obj, key=repr)  # (an order that does not depend on insertion)
-        self.facts.append((type(obj), len(obj)))
-        for v in obj:
-            self(v)
+            at = self.bind(f"sorted({at}, key=repr)")
+        for j, v in enumerate(obj):
+            self(v, self.bind(f"{at}[{j}]"))
 
-    def function(self, fn: types.FunctionType) -> None:
-        code, facts = fn.__code__, self.facts
-        self.identity(code)
+    def function(self, fn: types.FunctionType, at: str) -> None:
+        code, facts, bind = fn.__code__, self.facts, self.bind
+        self.identity(code, bind(f"{at}.__code__"))
         self.read.update(attributes(code))
         if not self.anything and not DYNAMIC_ATTRIBUTES.isdisjoint(names(code)):
             self.anything = True
         namespace = fn.__globals__
+        scope = bind(f"{at}.__globals__")
         for name in names(code):
             value = namespace.get(name, _ABSENT)
             facts.append(name)
+            read = bind(f"{scope}.get({name!r}, _ABSENT)")
             if value is _ABSENT:
                 facts.append(_ABSENT)
+                if self.lines is not None:
+                    self.test(f"{read} is _ABSENT")
                 continue
-            self(value)
-        for cell in fn.__closure__ or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # not yet set
+            self(value, read)
+        cells = bind(f"{at}.__closure__ or ()")
+        for j, cell in enumerate(fn.__closure__ or ()):
+            contents = _cell(cell)
+            if contents is _EMPTY:
                 facts.append(_EMPTY)
+                if self.lines is not None:
+                    self.test(f"_cell({cells}[{j}]) is _EMPTY")
             else:
-                self(contents)
-        self(fn.__defaults__)
-        self(fn.__kwdefaults__)
+                self(contents, bind(f"_cell({cells}[{j}])"))
+        self(fn.__defaults__, bind(f"{at}.__defaults__"))
+        self(fn.__kwdefaults__, bind(f"{at}.__kwdefaults__"))
+        if self.lines is not None:
+            self.test(f"bool({at}.__dict__) is {bool(fn.__dict__)}")
         if fn.__dict__:
-            self(fn.__dict__)
+            self(fn.__dict__, bind(f"{at}.__dict__"))
 
-    def cls(self, cls: type) -> None:
-        self(cls.__bases__)
-        for name, value in vars(cls).items():
-            if name not in ("__dict__", "__weakref__", "__doc__"):
-                self.facts.append(name)
-                self(value)
+    def cls(self, cls: type, at: str) -> None:
+        self(cls.__bases__, self.bind(f"{at}.__bases__"))
+        own = [(name, value) for name, value in vars(cls).items() if name not in _NOT_IN_CLASS]
+        items = self.bind(f"[(k, v) for k, v in vars({at}).items() if k not in _NOT_IN_CLASS]")
+        if self.lines is not None:
+            self.test(f"len({items}) == {len(own)}")
+        for j, (name, value) in enumerate(own):
+            self.facts.append(name)
+            if self.lines is not None:
+                self.test(f"{items}[{j}][0] == {name!r}")
+            self(value, self.bind(f"{items}[{j}][1]"))
 
-    def instance(self, obj) -> None:
-        reduce = copyreg.dispatch_table.get(type(obj))
-        try:
-            reduced = reduce(obj) if reduce is not None else obj.__reduce_ex__(5)
-        except Exception:
-            reduced = None
-        if isinstance(reduced, str):  # a global, pickled by its name
-            self.identity(obj)
+    def instance(self, obj, at: str) -> None:
+        how, reduced = _reduction(obj)
+        again = self.bind(f"_reduction({at})")
+        if self.lines is not None:
+            self.test(f"{again}[0] == {how!r}")
+        if how == "global":  # pickled by its name
+            self.identity(obj, at)
             return
-        if isinstance(reduced, tuple):
+        if how == "reduced":
             self.facts.append("reduced")
-            self(tuple(item if not isinstance(item, types.GeneratorType) and
-                       not hasattr(item, "__next__") else list(item) for item in reduced))
-            return
-        state = getattr(obj, "__dict__", None)
-        if state is None:
-            raise Unwatchable(f"cannot read a {type(obj).__qualname__}")
-        self(type(obj))
-        self(state)
+        else:
+            self(type(obj), self.bind(f"type({at})"))
+        self(reduced, self.bind(f"{again}[1]"))
+
+
+def _reduction(obj) -> tuple[str, Any]:
+    """How pickling would save ``obj``: ``("global", None)`` by its name, ``("reduced", what
+    its reduce returns)`` (iterators as lists), or ``("state", its __dict__)``; raises
+    :class:`Unwatchable` for an object none of these can read."""
+    reduce = copyreg.dispatch_table.get(type(obj))
+    try:
+        reduced = reduce(obj) if reduce is not None else obj.__reduce_ex__(5)
+    except Exception:
+        reduced = None
+    if isinstance(reduced, str):
+        return "global", None
+    if isinstance(reduced, tuple):
+        return "reduced", tuple(item if not isinstance(item, types.GeneratorType) and
+                                not hasattr(item, "__next__") else list(item) for item in reduced)
+    state = getattr(obj, "__dict__", None)
+    if state is None:
+        raise Unwatchable(f"cannot read a {type(obj).__qualname__}")
+    return "state", state
+
+
+def _cell(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not yet set
+        return _EMPTY
+
+
+def _public(module) -> frozenset:
+    return frozenset(k for k in vars(module) if not k.startswith("__"))
 
 
 def _content(a: np.ndarray) -> bytes:
@@ -337,3 +466,9 @@ def is_user_module(name: str) -> bool:
                 and not os.path.realpath(file).startswith(_installed_roots()))
 
     return _decided.setdefault((name, file), decide)
+
+
+_NOT_IN_CLASS = frozenset(("__dict__", "__weakref__", "__doc__"))
+_CHECK_GLOBALS = {"_ABSENT": _ABSENT, "_EMPTY": _EMPTY, "_Weak": Weak, "_ndarray": np.ndarray,
+                  "_content": _content, "_cell": _cell, "_public": _public,
+                  "_reduction": _reduction, "_NOT_IN_CLASS": _NOT_IN_CLASS}

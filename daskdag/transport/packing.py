@@ -160,22 +160,23 @@ _current: ByObject[_Current] = ByObject("functions as they are now", PACKED_FUNC
 def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
                   prints: dict | None = None):
     """``fn`` packed as a :class:`Function` (:func:`pack_for`), without pickling it again while
-    its :class:`~daskdag.transport.fingerprints.Fingerprint` is the same as when it was last
-    packed: what it closes over and the globals it uses are read again and compared, NumPy
-    arrays by content, and anything changed packs it anew. A function whose fingerprint cannot
-    be taken is packed on every call, and so is every function while ``dask.config``'s
-    ``daskdag.prepared-calls`` is 0. ``prints``: fingerprints taken already in this call, by
-    ``id`` (this one is added when it is not there)."""
-    prints = {} if prints is None else prints
-    if id(fn) not in prints:
-        prints[id(fn)] = fingerprint(fn)
-    fp, target = prints[id(fn)], held(fn)
-    if config.get("prepared-calls") <= 0:  # (nothing prepared is kept: packed anew too)
-        fp = None
-    hit = _packed_functions.get(target)
-    if fp is not None and hit is not None and hit[0] == fp:
+    the :class:`~daskdag.transport.fingerprints.Fingerprint` it had when it was last packed
+    still holds (:meth:`~daskdag.transport.fingerprints.Fingerprint.holds`): what it closes
+    over and the globals it uses are read again and compared, NumPy arrays by content, and
+    anything changed packs it anew. A function whose fingerprint cannot be taken is packed on
+    every call, and so is every function while ``dask.config``'s ``daskdag.prepared-calls`` is
+    0. ``prints``: fingerprints taken already in this call, by ``id`` (one taken here is
+    added)."""
+    target = held(fn)
+    keeping = config.get("prepared-calls") > 0  # (0: nothing prepared is kept: packed anew too)
+    hit = _packed_functions.get(target) if keeping else None
+    if hit is not None and hit[0].holds(target):
         token, skeleton, arrays = hit[2]
         return Function(token, skeleton, arrays, fn)
+    prints = {} if prints is None else prints
+    if id(fn) not in prints:
+        prints[id(fn)] = fingerprint(fn, checked=keeping)
+    fp = prints[id(fn)] if keeping else None
     packed = pack_for(what, target, strict, as_function=True, tokens=tokens)
     if not isinstance(packed, Function):
         return fn
