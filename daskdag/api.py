@@ -17,13 +17,15 @@ from distributed import Client
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, make_stages
+from daskdag.graph.whole import WholeGradients, whole_stage
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
                                    cotangents_for, given_values, one_input, parsed, prepare)
-from daskdag.running import prepared
-from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import CallInfo, Job, as_collection, run
+from daskdag.running import programs
+from daskdag.running.compute import where
+from daskdag.running.jobs import CallInfo, Job, call, lazy
+from daskdag.running.programs import Program
 from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.log import where as where_in_words
@@ -37,9 +39,6 @@ if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
 
     from daskdag.model.spec import Spec
-
-LAZY = "lazy (where Dask computes it)"  # a lazy call's CallInfo.where
-
 
 @dataclass(frozen=True, repr=False)
 class Result:
@@ -133,9 +132,8 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     ```
     """
     client, local = where(client, scheduler)
-    return run(_grads(dag, x, outputs, wrt, cotangents, transports.for_call(client),
-                      where=where_in_words(client, local)),
-               client, local, progress)
+    return call(Grads(dag, outputs, wrt, cotangents), x, client=client, local=local,
+                progress=progress)
 
 
 def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -162,13 +160,12 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     print(res.grad, total)
     ```
     """
-    return as_collection(_grads(dag, x, outputs, wrt, cotangents,
-                                transports.for_call(active_client(), lazy=True), where=LAZY))
+    return lazy(Grads(dag, outputs, wrt, cotangents), x)
 
 
 @dataclass(frozen=True)
 class Gradients:
-    """:func:`compute_grads` prepared (:mod:`daskdag.running.prepared`): the checked plan, its
+    """:func:`compute_grads` compiled (:mod:`daskdag.running.programs`): the checked plan, its
     node functions packed for its ``transport``, its stages, and for a call in this process its
     graph (a :class:`~daskdag.running.local.Template`; with cotangents given, it is built at
     each call, since they seed its tasks)."""
@@ -177,15 +174,16 @@ class Gradients:
     stages: tuple[Stage, ...]
     template: Template | None
     transport: Transport
+    whole: WholeGradients | None = None  # the call as one program (daskdag.graph.whole)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-             transport: Transport, watch: prepared.Watch, seeds: Mapping[str, Any] | None = None,
+             transport: Transport, watch: programs.Watch, seeds: Mapping[str, Any] | None = None,
              hold: bool = True) -> Gradients:
         """``seeds``: the cotangents the template's graph is built with (default none: each
         output's seed of 1); a call whose cotangents are these runs it. ``hold``: the DAG's
-        functions are the user's, held weakly (:meth:`~daskdag.running.prepared.Watch.hold`);
+        functions are the user's, held weakly (:meth:`~daskdag.running.programs.Watch.hold`);
         False for a DAG of daskdag's own making, which holds the user's functions itself."""
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, transport, watched(request.plan, transport, watch))
@@ -193,7 +191,10 @@ class Gradients:
         template = None if transport.packs else Template(build(
             plan, {i: slot("input", i) for i in request.values},
             GradientSeeding(dict(seeds or {})), transport, stop=slot("stop"), stages=stages))
-        return cls(plan, stages, template, transport)
+        stage = None if transport.packs else whole_stage(plan, stages)
+        whole = None if stage is None else WholeGradients(
+            plan, stage, [plan.spec.nodes[n] for n in stage.nodes])
+        return cls(plan, stages, template, transport, whole)
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None,
             keep: Any = None) -> Job:
@@ -212,21 +213,36 @@ class Gradients:
             return build(plan, values, GradientSeeding(cts), self.transport, place=place,
                          stop=stop, stages=self.stages)
 
+        whole = self.whole
+        direct = None if whole is None else partial(whole, values, cts)
         return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads",
-                   keep=keep)
+                   keep=keep, direct=direct)
 
 
-def _grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-           wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-           transport: Transport, where: str = "") -> Job:
-    """The call, prepared (or its preparation reused) for these inputs, to go by ``transport``
-    (:mod:`daskdag.transport.transports`)."""
-    made, why = prepared.get("grads", dag, x, (names_key(outputs), names_key(wrt), transport),
-                             partial(Gradients.make, dag, x, outputs, wrt, cotangents,
-                                     transport))
-    info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
-                    where=where)
-    return made.job(x, cotangents, info, outputs, keep=entries(dag))
+@dataclass(frozen=True)
+class Grads:
+    """:func:`compute_grads` as a kind of call (:class:`~daskdag.running.jobs.Kind`): its
+    program is a :class:`Gradients`; a call's data, its cotangents (given here once, as
+    [`value_and_grad`][daskdag.value_and_grad] takes them)."""
+
+    dag: Mapping[str, Any]
+    outputs: str | Sequence[str]
+    wrt: Sequence[str] | None
+    cotangents: Mapping[str, PyTree] | None
+
+    def compile(self, x: PyTree, data: tuple, transport: Transport
+                ) -> tuple[Program[Gradients], str | None]:
+        return programs.compile(
+            "grads", self.dag, x, (names_key(self.outputs), names_key(self.wrt), transport),
+            partial(Gradients.make, self.dag, x, self.outputs, self.wrt, self.cotangents,
+                    transport))
+
+    def job(self, program: Program[Gradients], x: PyTree, data: tuple, why: str | None,
+            where: str) -> Job:
+        made = program.value
+        info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None,
+                        why=why, where=where)
+        return made.job(x, self.cotangents, info, self.outputs, keep=entries(self.dag))
 
 
 def entries(dag: Mapping[str, Any]) -> tuple:
@@ -245,7 +261,7 @@ def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
     return given_values(spec, x)
 
 
-def watched(plan: Plan, transport: Transport, watch: prepared.Watch) -> dict[int, Any]:
+def watched(plan: Plan, transport: Transport, watch: programs.Watch) -> dict[int, Any]:
     """The fingerprints of the node functions :func:`~daskdag.model.plan.ship` packs for
     ``plan`` and ``transport``, by ``id``, each taken through ``watch``."""
     prints: dict[int, Any] = {}
@@ -360,10 +376,11 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 chunk_size=chunk_size, client=client, progress=progress, errors=errors))
     transport = transports.for_call(client)
     like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
-    made, why = prepared.get(
+    program, why = programs.compile(
         "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), transport),
         partial(planning.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
         inputs=planning.item_signature(dag, like, batched))
+    made = program.value
     spec = made.plan.spec
     try:
         computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size,

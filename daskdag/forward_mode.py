@@ -11,19 +11,18 @@ from typing import Any, overload
 
 from distributed import Client
 
-from daskdag.api import LAZY, entries, input_values, names_key, watched
+from daskdag.api import entries, input_values, names_key, watched
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import input_tangents, parsed, with_rules
-from daskdag.running import prepared
-from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import CallInfo, Job, as_collection, run
+from daskdag.running import programs
+from daskdag.running.compute import where
+from daskdag.running.jobs import CallInfo, Job, call, lazy
 from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
-from daskdag.running.log import where as where_in_words
-from daskdag.transport import transports
+from daskdag.running.programs import Program
 from daskdag.transport.transports import Transport
 
 
@@ -109,9 +108,8 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     ```
     """
     client, local = where(client, scheduler)
-    return run(_jvps(dag, x, tangents, outputs, batched, transports.for_call(client),
-                     where=where_in_words(client, local)),
-               client, local, progress)
+    return call(JVPs(dag, outputs, batched), x, tangents, client=client, local=local,
+                progress=progress)
 
 
 def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
@@ -128,13 +126,12 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
     print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
     ```
     """
-    return as_collection(_jvps(dag, x, tangents, outputs, batched,
-                               transports.for_call(active_client(), lazy=True), where=LAZY))
+    return lazy(JVPs(dag, outputs, batched), x, tangents)
 
 
 @dataclass(frozen=True)
 class Pushforward:
-    """:func:`compute_jvps` prepared: the plan of the inputs that carry tangents, checked for
+    """:func:`compute_jvps` compiled: the plan of the inputs that carry tangents, checked for
     forward mode and packed for its ``transport``, its stages, and for calls in this process
     their graphs (a :class:`~daskdag.running.local.Template` per number of directions, made
     when first needed)."""
@@ -147,7 +144,7 @@ class Pushforward:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, tangents: PyTree,
              outputs: str | Sequence[str], batched: bool, transport: Transport,
-             watch: prepared.Watch) -> Pushforward:
+             watch: programs.Watch) -> Pushforward:
         spec, names, values = parsed(dag, x, outputs, watch.hold)
         flat, _ = input_tangents(spec, values, tangents, bool(batched))
         plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
@@ -155,33 +152,50 @@ class Pushforward:
         return cls(plan, make_stages(plan, fan_in=not transport.packs), transport)
 
 
-def _jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
-          batched: bool, transport: Transport, where: str = "") -> Job:
-    made, why = prepared.get(
-        "jvps", dag, x, (names_key(outputs), tuple(tangents) if isinstance(tangents, Mapping)
-                         else None, bool(batched), transport),
-        partial(Pushforward.make, dag, x, tangents, outputs, batched, transport))
-    plan = made.plan
-    values = input_values(plan.spec, x)
-    flat, k = input_tangents(plan.spec, values, tangents, bool(batched))
-    info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why, where=where)
+@dataclass(frozen=True)
+class JVPs:
+    """:func:`compute_jvps` as a kind of call (:class:`~daskdag.running.jobs.Kind`): its
+    program is a :class:`Pushforward`; a call's data, its tangents."""
 
-    def make(place: Any, stop: Any) -> Any:
-        if made.transport.packs:
-            return jvp_graph.build(plan, values, flat, made.transport, k, place=place, stop=stop,
-                                   stages=made.stages)
-        template = made.templates.get(k)
-        if template is None:
-            template = made.templates[k] = Template(jvp_graph.build(
-                plan, {i: slot("input", i) for i in values},
-                {i: slot("tangent", i) for i in flat}, made.transport, k, stop=slot("stop"),
-                stages=made.stages))
-        return template.fill({**{slot("input", i): v for i, v in values.items()},
-                              **{slot("tangent", i): t for i, t in flat.items()},
-                              slot("stop"): stop})
+    dag: Mapping[str, Any]
+    outputs: str | Sequence[str]
+    batched: bool
 
-    return Job(plan, make, partial(_jvp_results, outputs, info), "compute_jvps",
-               keep=entries(dag))
+    def compile(self, x: PyTree, data: tuple, transport: Transport
+                ) -> tuple[Program[Pushforward], str | None]:
+        (tangents,) = data
+        return programs.compile(
+            "jvps", self.dag, x, (names_key(self.outputs), tuple(tangents) if isinstance(
+                tangents, Mapping) else None, bool(self.batched), transport),
+            partial(Pushforward.make, self.dag, x, tangents, self.outputs, self.batched,
+                    transport))
+
+    def job(self, program: Program[Pushforward], x: PyTree, data: tuple, why: str | None,
+            where: str) -> Job:
+        (tangents,) = data
+        made = program.value
+        plan = made.plan
+        values = input_values(plan.spec, x)
+        flat, k = input_tangents(plan.spec, values, tangents, bool(self.batched))
+        info = CallInfo("compute_jvps", "fwd", k or 1, prepared=why is None, why=why,
+                        where=where)
+
+        def make(place: Any, stop: Any) -> Any:
+            if made.transport.packs:
+                return jvp_graph.build(plan, values, flat, made.transport, k, place=place,
+                                       stop=stop, stages=made.stages)
+            template = made.templates.get(k)
+            if template is None:
+                template = made.templates[k] = Template(jvp_graph.build(
+                    plan, {i: slot("input", i) for i in values},
+                    {i: slot("tangent", i) for i in flat}, made.transport, k,
+                    stop=slot("stop"), stages=made.stages))
+            return template.fill({**{slot("input", i): v for i, v in values.items()},
+                                  **{slot("tangent", i): t for i, t in flat.items()},
+                                  slot("stop"): stop})
+
+        return Job(plan, make, partial(_jvp_results, self.outputs, info), "compute_jvps",
+                   keep=entries(self.dag))
 
 
 def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]

@@ -23,11 +23,10 @@ import numpy as np
 import scipy.sparse as sp
 from distributed import Client
 
-from daskdag.api import LAZY, Result, entries, input_values, names_key, watched
+from daskdag.api import Result, entries, input_values, names_key, watched
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import JacobianSeeding, build
-from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
@@ -44,12 +43,12 @@ from daskdag.graph.stages import make_stages
 from daskdag.rules.jvp import why_no_jvp
 from daskdag.rules.registry import function_of
 from daskdag.rules.vjp import why_no_vjp
-from daskdag.running import prepared
-from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import CallInfo, Job, as_collection, run
+from daskdag.running import programs
+from daskdag.running.compute import where
+from daskdag.running.jobs import CallInfo, Job, call, lazy
 from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
-from daskdag.running.log import where as where_in_words
+from daskdag.running.programs import Program
 from daskdag.model.plan import ship
 MODES = ("auto", "rev", "fwd")
 
@@ -145,9 +144,8 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     ```
     """
     client, local = where(client, scheduler)
-    return run(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                         transports.for_call(client), where=where_in_words(client, local)),
-               client, local, progress)
+    return call(Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size), x,
+                client=client, local=local, progress=progress)
 
 
 def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -166,8 +164,7 @@ def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *
     print(daskdag.jacobians(dag, jnp.arange(3.0), "A").compute().grad.shape)  # (3, 3)
     ```
     """
-    return as_collection(_jacobian(dag, x, outputs, wrt, mode, sparsity, sparse, chunk_size,
-                                   transports.for_call(active_client(), lazy=True), where=LAZY))
+    return lazy(Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size), x)
 
 
 def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -192,9 +189,9 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
     print(daskdag.jacobian_sparsity(dag, jnp.arange(3.0), "A").toarray())  # the identity's pattern
     ```
     """
-    made, _ = prepared.get("sparsity", dag, x, (names_key(outputs), names_key(wrt)),
-                           partial(_detected, dag, x, outputs, wrt))
-    plan, patterns = made
+    program, _ = programs.compile("sparsity", dag, x, (names_key(outputs), names_key(wrt)),
+                                  partial(_detected, dag, x, outputs, wrt))
+    plan, patterns = program.value
     widths = {i: size(t) for i, t in _templates(plan, input_values(plan.spec, x)).items()}
     out = {o: split_columns(p, plan.wrt, widths) for o, p in patterns.items()}
     out = {o: p[plan.wrt[0]] if len(plan.wrt) == 1 else p for o, p in out.items()}
@@ -202,13 +199,13 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
 
 
 def _detected(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-              wrt: Sequence[str] | None, watch: prepared.Watch) -> tuple[Plan, dict]:
-    """:func:`jacobian_sparsity` prepared: the plan and its detected patterns."""
+              wrt: Sequence[str] | None, watch: programs.Watch) -> tuple[Plan, dict]:
+    """:func:`jacobian_sparsity` compiled: the plan and its detected patterns."""
     plan, values = _plan(dag, x, outputs, wrt, watch.hold)
     return plan, _detect(plan, values, watch)
 
 
-def _detect(plan: Plan, values: dict, watch: prepared.Watch,
+def _detect(plan: Plan, values: dict, watch: programs.Watch,
             traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
     """The plan's patterns, detected (:func:`daskdag.graph.sparsity.detect`) after watching
     every function they are read from; a pattern probed at this point holds for this call
@@ -234,25 +231,43 @@ def _plan(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     return make_plan(spec, names, wrt_names(spec, values, wrt, candidates=values)), values
 
 
-def _jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-              wrt: Sequence[str] | None, mode: str, sparsity: Any, sparse: bool,
-              chunk_size: int | None, transport: Transport, where: str = "") -> Job:
-    check_chunk_size(chunk_size)
-    if mode not in MODES:
-        raise DAGError(f"mode must be one of {MODES}, got {mode!r}")
-    made, why = prepared.get(
-        "jacobian", dag, x, (names_key(outputs), names_key(wrt), mode, pattern_key(sparsity),
-                             chunk_size, transport),
-        partial(Jacobian.make, dag, x, outputs, wrt, mode, sparsity, chunk_size, transport))
-    info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None, why,
-                    where, mode_why=made.mode_why)
-    return replace(made.job(input_values(made.plan.spec, x), sparse, outputs, info),
-                   keep=entries(dag))
+@dataclass(frozen=True)
+class Jacobians:
+    """:func:`jacobian` as a kind of call (:class:`~daskdag.running.jobs.Kind`): its program is
+    a :class:`Jacobian`; a call has no data beyond its inputs (its seeds are the identity's
+    rows or columns, part of the program)."""
+
+    dag: Mapping[str, Any]
+    outputs: str | Sequence[str]
+    wrt: Sequence[str] | None
+    mode: str
+    sparsity: Any
+    sparse: bool
+    chunk_size: int | None
+
+    def compile(self, x: PyTree, data: tuple, transport: Transport
+                ) -> tuple[Program[Jacobian], str | None]:
+        check_chunk_size(self.chunk_size)
+        if self.mode not in MODES:
+            raise DAGError(f"mode must be one of {MODES}, got {self.mode!r}")
+        return programs.compile(
+            "jacobian", self.dag, x, (names_key(self.outputs), names_key(self.wrt), self.mode,
+                                      pattern_key(self.sparsity), self.chunk_size, transport),
+            partial(Jacobian.make, self.dag, x, self.outputs, self.wrt, self.mode,
+                    self.sparsity, self.chunk_size, transport))
+
+    def job(self, program: Program[Jacobian], x: PyTree, data: tuple, why: str | None,
+            where: str) -> Job:
+        made = program.value
+        info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None,
+                        why, where, mode_why=made.mode_why)
+        return replace(made.job(input_values(made.plan.spec, x), self.sparse, self.outputs,
+                                info), keep=entries(self.dag))
 
 
 @dataclass(frozen=True)
 class Jacobian:
-    """:func:`jacobian` prepared: its plan (packed for its ``transport``, checked for its
+    """:func:`jacobian` compiled: its plan (packed for its ``transport``, checked for its
     mode), stages, mode and why it was taken, patterns and their colours (``source``:
     ``"given"``, ``"detected"``, ``"probed"``, or None when dense), and the seeds of its passes:
     ``rows`` (reverse), or the inputs' ``templates`` and ``tangents`` (forward)."""
@@ -273,7 +288,7 @@ class Jacobian:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, mode: str, sparsity: Any, chunk_size: int | None,
-             transport: Transport, watch: prepared.Watch) -> Jacobian:
+             transport: Transport, watch: programs.Watch) -> Jacobian:
         plan, values = _plan(dag, x, outputs, wrt, watch.hold)
         patterns, source = None, None
         traces: dict[str, Traced] | None = None  # (each node's jaxpr, where a pattern traced it)

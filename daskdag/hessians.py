@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from distributed import Client
 
-from daskdag.api import LAZY, Gradients, entries, input_values, names_key
-from daskdag.transport import transports
+from daskdag.api import Gradients, entries, input_values, names_key
 from daskdag.transport.transports import Transport
 from daskdag.errors import DAGError
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
@@ -37,11 +36,11 @@ from daskdag.model.spec import Node
 from daskdag.rules.jvp import jvp_leaves
 from daskdag.rules.registry import has_rules
 from daskdag.rules.seeds import seed
-from daskdag.running import prepared
-from daskdag.running.compute import active_client, where
-from daskdag.running.jobs import CallInfo, Job, as_collection, run
-from daskdag.running.log import where as where_in_words
+from daskdag.running import programs
+from daskdag.running.compute import where
+from daskdag.running.jobs import CallInfo, Job, call, lazy
 from daskdag.running.lazy import Call
+from daskdag.running.programs import Program
 
 if TYPE_CHECKING:
     from daskdag.model.spec import Spec
@@ -133,9 +132,8 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     ```
     """
     client, local = where(client, scheduler)
-    return run(_hvps(dag, x, v, outputs, wrt, cotangents, transports.for_call(client),
-                     where=where_in_words(client, local)),
-               client, local, progress)
+    return call(HVPs(dag, outputs, wrt, cotangents), x, v, client=client, local=local,
+                progress=progress)
 
 
 def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
@@ -152,8 +150,7 @@ def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[s
     print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
     ```
     """
-    return as_collection(_hvps(dag, x, v, outputs, wrt, cotangents,
-                               transports.for_call(active_client(), lazy=True), where=LAZY))
+    return lazy(HVPs(dag, outputs, wrt, cotangents), x, v)
 
 
 @jax.tree_util.register_dataclass
@@ -166,6 +163,7 @@ class Pair:
     tangent: tuple
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class OnTangent:
     """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone.
@@ -189,30 +187,48 @@ def lifted(fn: Callable[..., Any], active: tuple[bool, ...], *args: Any) -> Pair
     return Pair(primal, tangent)
 
 
-def _hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str],
-          wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-          transport: Transport, where: str = "") -> Job:
-    made, why = prepared.get("hvps", dag, x, (names_key(outputs), names_key(wrt), transport),
-                             partial(Lifted.make, dag, x, outputs, wrt, cotangents, transport))
-    spec, plan = made.spec, made.plan
-    values = input_values(spec, x)
-    cts = cotangents_for(plan.outputs, cotangents)
-    given, _ = input_tangents(spec, values, v, batched=False)
-    pairs = {i: Pair(values[i], given.get(i) or tuple(
-        jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i]))) for i in plan.wrt}
-    lifted_x = {**values, **pairs} if len(spec.inputs) > 1 else pairs.get(spec.inputs[0],
-                                                                           values[spec.inputs[0]])
-    info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
-                    why=why, where=where)
-    job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs,
-                             seeded=not any(c is not None for c in cts.values()))
-    return Job(job.plan, job.make, lambda computed: _results(spec, outputs, job.finish(computed)),
-               "compute_hvps", keep=entries(dag))
+@dataclass(frozen=True)
+class HVPs:
+    """:func:`compute_hvps` as a kind of call (:class:`~daskdag.running.jobs.Kind`): its
+    program is a :class:`Lifted`; a call's data, its direction ``v``."""
+
+    dag: Mapping[str, Any]
+    outputs: str | Sequence[str]
+    wrt: Sequence[str] | None
+    cotangents: Mapping[str, PyTree] | None
+
+    def compile(self, x: PyTree, data: tuple, transport: Transport
+                ) -> tuple[Program[Lifted], str | None]:
+        return programs.compile(
+            "hvps", self.dag, x, (names_key(self.outputs), names_key(self.wrt), transport),
+            partial(Lifted.make, self.dag, x, self.outputs, self.wrt, self.cotangents,
+                    transport))
+
+    def job(self, program: Program[Lifted], x: PyTree, data: tuple, why: str | None,
+            where: str) -> Job:
+        (v,) = data
+        made, outputs = program.value, self.outputs
+        spec, plan = made.spec, made.plan
+        values = input_values(spec, x)
+        cts = cotangents_for(plan.outputs, self.cotangents)
+        given, _ = input_tangents(spec, values, v, batched=False)
+        pairs = {i: Pair(values[i], given.get(i) or tuple(
+            jnp.zeros_like(leaf) for leaf in differentiable_leaves(values[i])))
+            for i in plan.wrt}
+        lifted_x = ({**values, **pairs} if len(spec.inputs) > 1 else
+                    pairs.get(spec.inputs[0], values[spec.inputs[0]]))
+        info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
+                        why=why, where=where)
+        job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs,
+                                 seeded=not any(c is not None for c in cts.values()))
+        return Job(job.plan, job.make,
+                   lambda computed: _results(spec, outputs, job.finish(computed)),
+                   "compute_hvps", keep=entries(self.dag), direct=job.direct)
 
 
 @dataclass(frozen=True)
 class Lifted:
-    """:func:`compute_hvps` prepared: the user's spec and plan, and the lifted DAG's
+    """:func:`compute_hvps` compiled: the user's spec and plan, and the lifted DAG's
     :class:`~daskdag.api.Gradients`, each node's function lifted once."""
 
     spec: Spec
@@ -222,7 +238,7 @@ class Lifted:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-             transport: Transport, watch: prepared.Watch) -> Lifted:
+             transport: Transport, watch: programs.Watch) -> Lifted:
         spec, names, values = parsed(dag, x, outputs, watch.hold)
         wrt = wrt_names(spec, values, wrt, candidates=values)
         refused = nodes_in_wrt(spec, wrt, "compute_hvps differentiates")

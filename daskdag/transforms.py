@@ -5,11 +5,13 @@
 ``f = daskdag.value_and_grad(dag, "loss")`` then ``loss, grads = f(params)`` in a loop, as
 ``jax.value_and_grad(loss_fn)`` would be; pytrees in and out, so ``f`` drops into an optax
 loop, and with one output and one free input into ``scipy.optimize.minimize(f, x0,
-jac=True)``. Each call is the eager call it wraps (:func:`~daskdag.compute_grads`,
-:func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`, :func:`~daskdag.compute_hvps`), whose
-preparation the next calls reuse while the DAG, the inputs' shapes and what the node functions
-hold stay the same (the guide "Repeated calls and optimisation loops"); the function keeps its
-latest preparation itself too, however many other calls the process makes.
+jac=True)``. Each computes what the eager call it stands for computes
+(:func:`~daskdag.compute_grads`, :func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`,
+:func:`~daskdag.compute_hvps`), by the same kind of call
+(:class:`~daskdag.running.jobs.Kind`); it holds the programs it compiled
+(:mod:`daskdag.running.programs`), one per signature of its inputs, and runs one again while
+the DAG and what its node functions hold stay the same (the guide "Repeated calls and
+optimisation loops").
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from typing import Any, Callable
 
 from distributed import Client
 
-from daskdag.api import compute_grads
-from daskdag.forward_mode import compute_jvps
-from daskdag.hessians import compute_hvps
-from daskdag.full_jacobians import jacobian
+from daskdag.api import Grads
+from daskdag.forward_mode import JVPs
+from daskdag.full_jacobians import Jacobians
+from daskdag.hessians import HVPs
 from daskdag.model.leaves import PyTree
-from daskdag.running import prepared
-from daskdag.running.jobs import CallInfo
+from daskdag.model.shapes import signature
+from daskdag.running import log, programs
+from daskdag.running.compute import where
+from daskdag.running.jobs import CallInfo, Kind, run
+from daskdag.transport import transports
 
 
 class Prepared:
@@ -34,17 +39,42 @@ class Prepared:
     siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``); ``f.info`` is the
     [`CallInfo`][daskdag.CallInfo] of its latest call in this thread: the mode and passes, and
     whether the call reused an earlier call's preparation, and if not, why.
+
+    It holds a compiled program per signature of its inputs (their structure, shapes and
+    dtypes) and per place it runs, as ``jax.jit``'s wrapper holds its executables: a call asks
+    that program whether anything it relies on changed (the DAG's entries, the settings, what
+    its node functions hold), and runs it.
     """
 
-    def __init__(self, name: str, call: Callable[..., Any], unpack: Callable[[Any], tuple],
-                 outputs: str | Sequence[str]) -> None:
-        self._name, self._call, self._unpack, self._outputs = name, call, unpack, outputs
+    def __init__(self, name: str, kind: Kind, unpack: Callable[[Any], tuple],
+                 outputs: str | Sequence[str], client: Client | None,
+                 scheduler: str | Client | None, progress: bool) -> None:
+        self._name, self._kind, self._unpack, self._outputs = name, kind, unpack, outputs
+        self._client, self._scheduler, self._progress = client, scheduler, progress
         self._last = threading.local()
-        self._pins = prepared.Pins()  # its latest preparation, kept whatever else runs
+        self._held = programs.Held()
 
-    def __call__(self, x: PyTree, *args: PyTree) -> tuple:
-        with prepared.pinning(self._pins):
-            results = self._call(x, *args)
+    def __call__(self, x: PyTree, *data: PyTree) -> tuple:
+        client, local = where(self._client, self._scheduler)
+        transport = transports.for_call(client)
+        try:
+            held_as = (transport, frozenset(x) if isinstance(x, Mapping) else None, signature(x),
+                       tuple(frozenset(d) if isinstance(d, Mapping) else None for d in data))
+            hash(held_as)
+        except (TypeError, ValueError):  # (the call itself says what is wrong with its inputs)
+            held_as = None
+        hit = self._held.get(held_as) if held_as is not None else None
+        stale = hit[0].stale(hit[1]) if hit is not None else None
+        if hit is not None and stale is None:
+            program, why = hit[0], None
+        else:
+            program, why = self._kind.compile(x, data, transport=transport)
+            if hit is not None and why is not None:
+                why = stale  # (what changed since this function's own last call)
+            if held_as is not None:
+                self._held.put(held_as, program, programs.Entries(self._kind.dag))
+        results = run(self._kind.job(program, x, data, why=why, where=log.where(client, local)),
+                      client, local, self._progress)
         per_output = {self._outputs: results} if isinstance(self._outputs, str) else results
         self._last.info = next(iter(per_output.values())).info
         parts = [self._unpack(r) for r in per_output.values()]
@@ -98,11 +128,8 @@ def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(loss, grad, f.info.prepared)  # the later calls reuse the first one's preparation
     ```
     """
-    def call(x: PyTree) -> Any:
-        return compute_grads(dag, x, outputs, wrt=wrt, cotangents=cotangents, client=client,
-                             scheduler=scheduler, progress=progress)
-
-    return Prepared("value_and_grad", call, lambda r: (r.value, r.grad), outputs)
+    return Prepared("value_and_grad", Grads(dag, outputs, wrt, cotangents),
+                    lambda r: (r.value, r.grad), outputs, client, scheduler, progress)
 
 
 def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
@@ -146,12 +173,9 @@ def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(jac.shape, f.info.mode)  # (2, 3): reverse, 2 rows against 3 columns
     ```
     """
-    def call(x: PyTree) -> Any:
-        return jacobian(dag, x, outputs, wrt=wrt, mode=mode, sparsity=sparsity, sparse=sparse,
-                        chunk_size=chunk_size, client=client, scheduler=scheduler,
-                        progress=progress)
-
-    return Prepared("value_and_jacobian", call, lambda r: (r.value, r.grad), outputs)
+    return Prepared("value_and_jacobian",
+                    Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size),
+                    lambda r: (r.value, r.grad), outputs, client, scheduler, progress)
 
 
 def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
@@ -185,11 +209,8 @@ def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(value, tangent)
     ```
     """
-    def call(x: PyTree, tangents: PyTree) -> Any:
-        return compute_jvps(dag, x, tangents, outputs, batched=batched, client=client,
-                            scheduler=scheduler, progress=progress)
-
-    return Prepared("value_and_jvp", call, lambda r: (r.value, r.tangent), outputs)
+    return Prepared("value_and_jvp", JVPs(dag, outputs, batched),
+                    lambda r: (r.value, r.tangent), outputs, client, scheduler, progress)
 
 
 def value_grad_and_hvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
@@ -226,8 +247,5 @@ def value_grad_and_hvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(hvp)  # 2 cos(2x), the Hessian's diagonal here
     ```
     """
-    def call(x: PyTree, v: PyTree) -> Any:
-        return compute_hvps(dag, x, v, outputs, wrt=wrt, cotangents=cotangents, client=client,
-                            scheduler=scheduler, progress=progress)
-
-    return Prepared("value_grad_and_hvp", call, lambda r: (r.value, r.grad, r.hvp), outputs)
+    return Prepared("value_grad_and_hvp", HVPs(dag, outputs, wrt, cotangents),
+                    lambda r: (r.value, r.grad, r.hvp), outputs, client, scheduler, progress)

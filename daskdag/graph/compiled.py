@@ -150,7 +150,7 @@ def _make_programs(fn_of) -> tuple:
     def gradients(static, dynamic):
         treedef, consts, in_axes, active, seeded = static
         args = rebuild(treedef, consts, dynamic)
-        fn = _replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
+        fn = replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
         # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
         # between them, as in jit(value_and_grad) of each. (Not one vjp of all the values with
         # its passes vmapped: XLA cannot drop the products with the zeros where a pass does not
@@ -174,7 +174,7 @@ def rebuild(treedef, consts, dynamic):
     return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
 
 
-def _replay(fn, treedef, consts, dynamic):
+def replay(fn, treedef, consts, dynamic):
     """``fn`` of the args ``rebuild(treedef, consts, dynamic)``, traced once and replayed from
     its jaxpr: calling it again does not run the user's Python code again."""
     out: dict = {}

@@ -1,9 +1,10 @@
 """Running a call's graph: here, on Dask's local schedulers, or on a ``distributed`` cluster.
 
-- :mod:`~daskdag.running.jobs`: a call ready to run, now or as a Dask collection, and
-  :class:`~daskdag.CallInfo`, how it was computed;
-- :mod:`~daskdag.running.prepared`: what a call works out before it runs, kept for the next
-  calls while nothing it relies on changes;
+- :mod:`~daskdag.running.programs`: a call compiled once (a
+  :class:`~daskdag.running.programs.Program`), kept for the next calls while nothing it relies
+  on changes, and the programs a prepared function holds;
+- :mod:`~daskdag.running.jobs`: the kinds of call, a call of a program ready to run, now or as
+  a Dask collection, and :class:`~daskdag.CallInfo`, how it was computed;
 - :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
 - :mod:`~daskdag.running.local`: the threaded scheduler of a local call, and a prepared
   call's graph built once (:class:`~daskdag.running.local.Template`);

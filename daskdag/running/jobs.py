@@ -1,18 +1,26 @@
-"""A call prepared, and run: now (the eager functions), or later as a Dask collection (the lazy
-ones). The same for :func:`daskdag.compute_grads`, :func:`~daskdag.jacobian`,
-:func:`~daskdag.compute_jvps` and :func:`~daskdag.check_grads`."""
+"""A call of a compiled program, and how it runs: now (the eager functions), or later as a Dask
+collection (the lazy ones). The same for :func:`daskdag.compute_grads`,
+:func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`, :func:`~daskdag.compute_hvps` and
+:func:`~daskdag.check_grads`: each kind of call is a :class:`Kind`, which compiles its
+:class:`~daskdag.running.programs.Program` and makes a :class:`Job` of it for each call."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+from dask.callbacks import Callback
 
 from daskdag.cancel import Stop
 from daskdag.model.plan import Plan
 from daskdag.running import cluster, log, resident
-from daskdag.running.compute import compute
+from daskdag.running.compute import active_client, compute
 from daskdag.running.lazy import Call
+from daskdag.running.programs import Program
+from daskdag.transport import transports
+from daskdag.transport.transports import Transport
 
 
 @dataclass(frozen=True)
@@ -83,11 +91,59 @@ class Job:
     #: What a lazy call keeps alive while it lives: the DAG's entries, whose functions a
     #: preparation holds only weakly (:mod:`daskdag.transport.weak`).
     keep: Any = None
+    #: The call as one program in this process (:mod:`daskdag.graph.whole`), where it is one:
+    #: ``direct()`` gives what the graph would compute, or None where it cannot this time.
+    direct: Callable[[], dict | None] | None = None
+
+
+class Kind(Protocol):
+    """A kind of call (gradients, a Jacobian, JVPs, HVPs) as a strategy, with the DAG, outputs
+    and options of one call (or of a prepared function's every call): :meth:`compile`, its
+    program for inputs like ``x`` (:func:`daskdag.running.programs.compile`), and :meth:`job`,
+    the call of a program with its inputs and data (cotangents, tangents, directions: the
+    program's inputs, never its structure: ``data``, a tuple). ``why``: why the program was
+    compiled for this call
+    (None: an earlier call's served it); ``where``: where the call runs, in words."""
+
+    @property
+    def dag(self) -> Mapping[str, Any]:
+        ...
+
+    def compile(self, x: Any, data: tuple, transport: Transport) -> tuple[Program, str | None]:
+        ...
+
+    def job(self, program: Program, x: Any, data: tuple, why: str | None, where: str) -> Job:
+        ...
+
+
+#: A lazy call's CallInfo.where.
+LAZY = "lazy (where Dask computes it)"
+
+
+def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool) -> Any:
+    """A call of ``kind`` computed now (:func:`run`): on ``client``, else on Dask's ``local``
+    scheduler."""
+    program, why = kind.compile(x, data, transport=transports.for_call(client))
+    return run(kind.job(program, x, data, why=why, where=log.where(client, local)), client,
+               local, progress)
+
+
+def lazy(kind: Kind, x: Any, *data: Any) -> Call:
+    """A call of ``kind`` as a Dask collection (:func:`as_collection`)."""
+    program, why = kind.compile(x, data, transport=transports.for_call(active_client(),
+                                                                        lazy=True))
+    return as_collection(kind.job(program, x, data, why=why, where=LAZY))
 
 
 def run(job: Job, client, local: str | None, progress: bool):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
     (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
+    if client is None and job.direct is not None and not progress and not Callback.active:
+        # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
+        computed = job.direct()
+        if computed is not None:
+            log.ran_whole(job.kind, job.plan, log.where(client, local))
+            return job.finish(computed)
     if client is not None:  # before anything is built or sent
         cluster.check(client, job.plan)
     kept = resident.of(client) if client is not None else None

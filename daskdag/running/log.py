@@ -37,6 +37,12 @@ def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = Non
             logger.debug("  task %s: %s", key, getattr(fn, "__qualname__", type(task).__name__))
 
 
+def ran_whole(kind: str, plan, where: str) -> None:
+    """Log one call run as one program (:mod:`daskdag.graph.whole`) at ``where``."""
+    logger.info("%s: outputs %s, wrt %s: one program, on %s", kind, list(plan.outputs),
+                list(plan.wrt), where)
+
+
 def _tasks(graph) -> dict:
     if isinstance(graph, Filled):
         return graph.dsk

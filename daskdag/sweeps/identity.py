@@ -13,7 +13,7 @@ import numpy as np
 from daskdag.errors import DAGError
 from daskdag.model.leaves import is_array
 from daskdag.model.spec import Node, parse
-from daskdag.running.prepared import settings
+from daskdag.running.programs import settings
 from daskdag.transport import content
 
 FORMAT = 3  # 3: node functions by what they compute (content.parts), not where they are written

@@ -104,7 +104,7 @@ class Sweep:
 
 
 def prepare(dag, xs, outputs, batched, wrt, cotangents, transport: Transport, watch) -> Sweep:
-    """:func:`daskdag.sweep_grads` prepared (:mod:`daskdag.running.prepared`): the arguments
+    """:func:`daskdag.sweep_grads` compiled (:mod:`daskdag.running.programs`): the arguments
     checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
     values, their number and the cotangents, which :func:`~daskdag.sweeps.sweep.sweep` puts in. ``watch`` takes the
     fingerprints of the functions packed."""

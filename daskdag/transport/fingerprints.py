@@ -197,7 +197,8 @@ class _Walk:
             "    return True\n"
         namespace = {"K": self.consts, **_CHECK_GLOBALS}
         exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)
-        return namespace["check"]
+        check: Callable[[Any], bool] = namespace["check"]  # type: ignore[assignment]
+        return check
 
     # -- the walk -------------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """How what daskdag keeps between calls holds the user's functions: weakly.
 
-A prepared call (:mod:`daskdag.running.prepared`) keeps a DAG's checked plan, packed functions
+A compiled call (:mod:`daskdag.running.programs`) keeps a DAG's checked plan, packed functions
 and graph for the next calls; it must not keep the user's functions alive (nor what they close
 over) once the user lets them go. Its nodes hold each function as a :class:`Weak`, which calls
 it as it is, travels as it (pickled, it is the function itself), and, when the function goes,
-tells whoever asked (:meth:`Weak.on_gone`), so that the preparation goes too.
+tells whoever asked (:meth:`Weak.on_gone`), so that the program goes too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""A call whose graph is one closed fused stage, run as one jitted program in this process.
+
+In:  a :class:`~daskdag.model.plan.Plan` whose needed nodes are all one fused stage
+     (:mod:`daskdag.graph.stages`: every one ``jit=True``, none with rules of its own), whose
+     differentiated names are that stage's deps (the call's free inputs), and the stage's
+     nodes (their functions packed: :func:`daskdag.model.plan.ship`).
+Out: :class:`WholeGradients`: called with the input values and the outputs' cotangents, the
+     call's ``{output: (value, {input: grad})}`` as the call's graph computes it.
+
+In this process such a call's graph would run the stage's forward and backward passes as one
+program (:func:`daskdag.graph.tasks.forward_backward`) and then tasks that pick its values and
+lay out its gradients. Here all of it is one XLA program, compiled once for the call's shapes:
+the stage's nodes once, one backward pass per output that a differentiated input reaches,
+seeded by its cotangent (1 for a real scalar, else the one given: an input of the program, not
+part of it), and each gradient laid out as :func:`daskdag.graph.tasks.gradient` lays it out
+(the input's structure, its differentiable leaves of their JAX dtypes, ``None`` on the others).
+A call costs one dispatch of that program.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from daskdag.graph.compiled import rebuild, replay, split
+from daskdag.graph.run import Fused
+from daskdag.graph.stages import Stage
+from daskdag.model.leaves import is_differentiable
+from daskdag.model.plan import Plan
+from daskdag.model.spec import Node
+from daskdag.rules.seeds import seed
+from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
+from daskdag.transport.packing import current
+
+
+def whole_stage(plan: Plan, stages: Sequence[Stage]) -> Stage | None:
+    """The one stage of ``plan`` when it is a whole call (see the module's docstring), else
+    None."""
+    if len(stages) != 1:
+        return None
+    stage = stages[0]
+    deps = set(stage.deps)
+    if not stage.fused or not all(i in deps for i in plan.wrt) or \
+            not all(o in stage.outputs for o in plan.outputs):
+        return None
+    return stage
+
+
+class WholeGradients:
+    """The call's gradients as one program (see the module's docstring): ``stage``, its
+    ``nodes`` (a prepared call's), and the plan's outputs and differentiated inputs."""
+
+    def __init__(self, plan: Plan, stage: Stage, nodes: Sequence[Node]):
+        self.stage = stage
+        self.active = stage.dep_active()
+        self.outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
+        self.wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
+        self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
+        self._program = jax.jit(self._run, static_argnums=0)
+
+    def __call__(self, values: dict[str, Any], cotangents: dict[str, Any]) -> dict | None:
+        """``{output: (value, {input: grad})}`` for the input ``values`` and the outputs'
+        ``cotangents`` (None: from 1); None where an input leaf that is held constant cannot be
+        a constant of a program (it is not hashable): the call's graph runs it instead."""
+        parts = split(tuple(values[d] for d in self.stage.deps), self.active)
+        if parts is None:
+            return None
+        static, traced = parts
+        computed = self._program(static, traced,
+                                 tuple(cotangents.get(o) for o, _, _ in self.outputs))
+        return {o: (value, dict(zip((i for i, _ in self.wrt), grads)))
+                for (o, _, _), (value, grads) in zip(self.outputs, computed)}
+
+    def _run(self, static, traced, cotangents):
+        treedef, consts = static
+        args = rebuild(treedef, consts, traced)
+        fn = replay(self.fused, treedef, consts, traced)  # (the user's Python code runs once)
+        values = fn(*args)
+        out = []
+        for (o, e, reached), ct in zip(self.outputs, cotangents):
+            if not self.wrt:
+                out.append((values[e], ()))
+                continue
+            if reached:
+                _, diff, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
+                shares = by_arg(vjp_fn(list(seed(values[e], o, ct))), self.active,
+                                diff_counts(args, self.active))
+            else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
+                shares = (None,) * len(args)
+            out.append((values[e], tuple(_laid_out(args[d], shares[d]) for _, d in self.wrt)))
+        return tuple(out)
+
+
+def _laid_out(x, share: tuple | None):
+    """The gradient of ``x`` from its differentiable leaves' cotangents (``share``; None:
+    zeros), as :func:`daskdag.graph.tasks.gradient` makes it."""
+    leaves, treedef = jax.tree.flatten(x)
+    flat = iter(share if share is not None else
+                [jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf))
+                 for leaf in leaves if is_differentiable(leaf)])
+    return treedef.unflatten([_typed(next(flat), leaf) if is_differentiable(leaf) else None
+                              for leaf in leaves])
+
+
+def _typed(grad, leaf):
+    dtype = jnp.result_type(leaf)
+    return grad if grad.dtype == dtype else grad.astype(dtype)
