@@ -167,8 +167,9 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
 class Gradients:
     """:func:`compute_grads` compiled (:mod:`daskdag.running.programs`): the checked plan, its
     node functions packed for its ``transport``, its stages, and for a call in this process its
-    graph (a :class:`~daskdag.running.local.Template`; with cotangents given, it is built at
-    each call, since they seed its tasks)."""
+    graph (a :class:`~daskdag.running.local.Template` whose slots take the inputs and the
+    outputs' cotangents), or the whole call as one program where it is one
+    (:mod:`daskdag.graph.whole`)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
@@ -179,36 +180,34 @@ class Gradients:
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
              wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-             transport: Transport, watch: programs.Watch, seeds: Mapping[str, Any] | None = None,
-             hold: bool = True) -> Gradients:
-        """``seeds``: the cotangents the template's graph is built with (default none: each
-        output's seed of 1); a call whose cotangents are these runs it. ``hold``: the DAG's
-        functions are the user's, held weakly (:meth:`~daskdag.running.programs.Watch.hold`);
-        False for a DAG of daskdag's own making, which holds the user's functions itself."""
+             transport: Transport, watch: programs.Watch, hold: bool = True) -> Gradients:
+        """``hold``: the DAG's functions are the user's, held weakly
+        (:meth:`~daskdag.running.programs.Watch.hold`); False for a DAG of daskdag's own making,
+        which holds the user's functions itself."""
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, transport, watched(request.plan, transport, watch))
         stages = make_stages(plan, fan_in=not transport.packs)
         template = None if transport.packs else Template(build(
             plan, {i: slot("input", i) for i in request.values},
-            GradientSeeding(dict(seeds or {})), transport, stop=slot("stop"), stages=stages))
+            GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}), transport,
+            stop=slot("stop"), stages=stages))
         stage = None if transport.packs else whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients(
             plan, stage, [plan.spec.nodes[n] for n in stage.nodes])
         return cls(plan, stages, template, transport, whole)
 
-    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo, outputs: str | Sequence[str], seeded: bool | None = None,
-            keep: Any = None) -> Job:
-        """``seeded``: the cotangents are those the template was built with (default: when
-        none is given); ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
+    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,
+            outputs: str | Sequence[str], keep: Any = None) -> Job:
+        """The call for inputs ``x`` and ``cotangents`` (its data); ``keep`` as for
+        :class:`~daskdag.running.jobs.Job`."""
         plan, values = self.plan, input_values(self.plan.spec, x)
         cts = cotangents_for(plan.outputs, cotangents)
-        if seeded is None:
-            seeded = not any(c is not None for c in cts.values())
-        template = self.template if seeded else None
+        template = self.template
 
         def make(place: Any, stop: Any) -> Any:
             if template is not None:
                 return template.fill({**{slot("input", i): v for i, v in values.items()},
+                                      **{slot("cotangent", o): cts.get(o) for o in plan.outputs},
                                       slot("stop"): stop})
             return build(plan, values, GradientSeeding(cts), self.transport, place=place,
                          stop=stop, stages=self.stages)

@@ -219,8 +219,7 @@ class HVPs:
                     pairs.get(spec.inputs[0], values[spec.inputs[0]]))
         info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
                         why=why, where=where)
-        job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs,
-                                 seeded=not any(c is not None for c in cts.values()))
+        job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs)
         return Job(job.plan, job.make,
                    lambda computed: _results(spec, outputs, job.finish(computed)),
                    "compute_hvps", keep=entries(self.dag), direct=job.direct)
@@ -266,9 +265,8 @@ class Lifted:
             lifted_dag[n] = node
         lifted_x = ({**values, **pairs} if len(spec.inputs) > 1 else
                     pairs.get(spec.inputs[0], values[spec.inputs[0]]))
-        seeds = _seeds(plan, {})
-        return cls(spec, plan, Gradients.make(lifted_dag, lifted_x, outputs, list(wrt), seeds,
-                                              transport, watch, seeds=seeds, hold=False))
+        return cls(spec, plan, Gradients.make(lifted_dag, lifted_x, outputs, list(wrt),
+                                              _seeds(plan, {}), transport, watch, hold=False))
 
 
 def _seeds(plan: Plan, cotangents: Mapping[str, Any]) -> dict[str, Any]:

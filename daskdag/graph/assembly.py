@@ -24,7 +24,7 @@ from dask.base import tokenize
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
 from dask.sizeof import sizeof
-from dask.task_spec import Task, TaskRef
+from dask.task_spec import GraphNode, List, Task, TaskRef
 
 from daskdag.graph.run import identity
 from daskdag.transport.packing import unpack
@@ -114,6 +114,18 @@ class Intake:
         return self.graph.task(k, dict(needs or {}), fn, payload)
 
 
+def _within(arg):
+    """``arg`` as a task takes it: a tuple or list that holds a nested task (a cotangent's seed
+    made from a template's slot, say) as a ``List`` node, which Dask evaluates as the task runs
+    (it looks into a task's own arguments, not into the containers among them); else as it
+    is."""
+    if type(arg) in (tuple, list):
+        items = [_within(a) for a in arg]
+        if any(isinstance(a, GraphNode) for a in items):
+            return List(*items)
+    return arg
+
+
 def nested(fn, *args) -> Task:
     """``fn(*args)`` as a task run inside the task that takes it (:class:`Inline` s unwrapped)."""
     return Task(None, fn, *(a.arg if isinstance(a, Inline) else a for a in args))
@@ -143,7 +155,7 @@ class TaskGraph:
         """``fn(*args)``, where any :class:`TaskRef` among ``args`` is replaced by its value, and
         an :class:`Inline` by what it carries. ``root``: a task that computes from the call's
         inputs alone (:func:`is_root`)."""
-        args = tuple(a.arg if isinstance(a, Inline) else a for a in args)
+        args = tuple(_within(a.arg if isinstance(a, Inline) else a) for a in args)
         # Marked as Dask marks the tasks that read its arrays' chunks (dask.array.from_array):
         # distributed then queues such tasks and hands each to the next worker with a free
         # thread, whatever the estimates of their durations, so independent branches spread

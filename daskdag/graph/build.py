@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dask.delayed import Delayed
-from dask.task_spec import TaskRef
+from dask.task_spec import Task, TaskRef
 
 from daskdag import config
 from daskdag.graph import tasks
@@ -38,14 +38,19 @@ class GradientSeeding:
     """Seeding for gradients: each output starts from its seed (1 for a real scalar, else its
     cotangent in ``cotangents``), one cotangent per output
     (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``batched``: outputs carry a leading item axis
-    (a sweep's chunk)."""
+    (a sweep's chunk). A cotangent that is a ``TaskRef`` (a template's slot,
+    :func:`daskdag.running.local.slot`) is the call's data: the seed is made from it as the
+    tasks run."""
 
     cotangents: dict = field(default_factory=dict)
     batched: bool = False
     pull: ClassVar[Any] = tasks.PER_OUTPUT
 
-    def seed(self, output: str) -> tasks.Seed:
-        return tasks.Seed(output, self.cotangents.get(output), self.batched)
+    def seed(self, output: str) -> tasks.Seed | Task:
+        ct = self.cotangents.get(output)
+        if isinstance(ct, TaskRef):
+            return Task(None, tasks.Seed, output, ct, self.batched)
+        return tasks.Seed(output, ct, self.batched)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ FORWARD = ("fwd", "jvp")
 
 def slot(kind: str, name: str = "") -> TaskRef:
     """Where a :class:`Template` takes a value anew at each call: an input's (``kind``
-    ``"input"``), a tangent's (``"tangent"``), the call's stop signal (``"stop"``)."""
+    ``"input"``), a tangent's (``"tangent"``), an output's cotangent (``"cotangent"``), the
+    call's stop signal (``"stop"``)."""
     return TaskRef(f"slot:{kind}:{name}")
 
 
