@@ -10,13 +10,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Callable, overload
 
 from distributed import Client
 
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
-from daskdag.graph.stages import Stage, make_stages
+from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.whole import WholeGradients, whole_stage
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan
@@ -186,7 +186,7 @@ class Gradients:
         which holds the user's functions itself."""
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, transport, watched(request.plan, transport, watch))
-        stages = make_stages(plan, fan_in=not transport.packs)
+        stages = stages_for(plan, transport.packs)
         template = None if transport.packs else Template(build(
             plan, {i: slot("input", i) for i in request.values},
             GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}), transport,
@@ -212,10 +212,17 @@ class Gradients:
             return build(plan, values, GradientSeeding(cts), self.transport, place=place,
                          stop=stop, stages=self.stages)
 
+        finish = partial(_results, plan.spec, outputs, info=info)
         whole = self.whole
-        direct = None if whole is None else partial(whole, values, cts)
-        return Job(plan, make, partial(_results, plan.spec, outputs, info=info), "compute_grads",
-                   keep=keep, direct=direct)
+        direct = None if whole is None else partial(_directly, whole, finish, values, cts)
+        return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct)
+
+
+def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
+              cts: dict) -> Any:
+    """The call's result from its one program, or None where it cannot run it."""
+    computed = whole(values, cts)
+    return None if computed is None else finish(computed)
 
 
 @dataclass(frozen=True)

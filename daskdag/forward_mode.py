@@ -13,7 +13,7 @@ from distributed import Client
 
 from daskdag.api import entries, input_values, names_key, watched
 from daskdag.graph import forward as jvp_graph
-from daskdag.graph.stages import Stage, make_stages
+from daskdag.graph.stages import Stage, stages_for
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import input_tangents, parsed, with_rules
@@ -149,7 +149,7 @@ class Pushforward:
         flat, _ = input_tangents(spec, values, tangents, bool(batched))
         plan = with_rules(make_plan(spec, names, tuple(flat)), forward=True)
         plan = ship(plan, transport, watched(plan, transport, watch))
-        return cls(plan, make_stages(plan, fan_in=not transport.packs), transport)
+        return cls(plan, stages_for(plan, transport.packs), transport)
 
 
 @dataclass(frozen=True)

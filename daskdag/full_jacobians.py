@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, overload
 
 import jax
@@ -39,7 +39,8 @@ from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, lai
 from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, rules_missing,
                                    wrt_names, with_rules)
 from daskdag.model.shapes import UNKNOWN, Traced
-from daskdag.graph.stages import make_stages
+from daskdag.graph.stages import stages_for
+from daskdag.graph.whole import WholeJacobian, whole_stage
 from daskdag.rules.jvp import why_no_jvp
 from daskdag.rules.registry import function_of
 from daskdag.rules.vjp import why_no_vjp
@@ -261,8 +262,8 @@ class Jacobians:
         made = program.value
         info = CallInfo("jacobian", made.mode, 0, made.colours.total, made.source, why is None,
                         why, where, mode_why=made.mode_why)
-        return replace(made.job(input_values(made.plan.spec, x), self.sparse, self.outputs,
-                                info), keep=entries(self.dag))
+        return made.job(input_values(made.plan.spec, x), self.sparse, self.outputs, info,
+                        keep=entries(self.dag))
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,7 @@ class Jacobian:
     templates: dict | None = None
     tangents: dict | None = None
     graph: Template | None = None  # a call in this process: its graph, inputs in slots
+    whole: WholeJacobian | None = None  # the call as one program (daskdag.graph.whole)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -313,10 +315,9 @@ class Jacobian:
         if mode == "rev":
             rows = Rows(chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in
                                           (colours.rows.items() if patterns is not None else ())))
-            made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode,
+            made = cls(plan, transport, stages_for(plan, transport.packs), mode,
                        mode_why, colours, source, chunk_size, rows=rows)
-            return made if transport.packs else replace(made, graph=Template(made.build(
-                {i: slot("input", i) for i in values}, slot("stop"), None)))
+            return made if transport.packs else made.in_process(values)
         templates = _templates(plan, values)
         dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
         seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype) if patterns is None else
@@ -330,12 +331,23 @@ class Jacobian:
                                           leaf.dtype))
                 start += width
             tangents[i] = tuple(leaves)
-        made = cls(plan, transport, make_stages(plan, fan_in=not transport.packs), mode,
+        made = cls(plan, transport, stages_for(plan, transport.packs), mode,
                    mode_why, colours, source, chunk_size, templates=templates, tangents=tangents)
-        return made if transport.packs else replace(made, graph=Template(made.build(
-            {i: slot("input", i) for i in values}, slot("stop"), None)))
+        return made if transport.packs else made.in_process(values)
 
-    @property
+    def in_process(self, values: dict) -> Jacobian:
+        """With what a call in this process runs: its graph, inputs in slots, and where the
+        call is one closed fused stage and its Jacobian dense and whole (no pattern, no
+        ``chunk_size``), the call as one program."""
+        made = replace(self, graph=Template(self.build(
+            {i: slot("input", i) for i in values}, slot("stop"), None)))
+        stage = whole_stage(self.plan, self.stages)
+        if stage is None or self.colours.patterns is not None or self.chunk_size is not None:
+            return made
+        return replace(made, whole=WholeJacobian(
+            self.plan, stage, [self.plan.spec.nodes[n] for n in stage.nodes], self.mode))
+
+    @cached_property
     def directions(self) -> int:
         """Forward mode: the passes, one per column (per colour when sparse)."""
         tangents = self.tangents or {}
@@ -352,8 +364,9 @@ class Jacobian:
                                self.directions, place=place, stop=stop, chunk=self.chunk_size,
                                stages=self.stages)
 
-    def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], info: CallInfo
-            ) -> Job:
+    def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
+            keep: Any = None) -> Job:
+        """The call for input ``values``; ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
         graph = self.graph
 
         def make(place: Any, stop: Any) -> Any:
@@ -365,9 +378,23 @@ class Jacobian:
         if self.mode == "rev":
             finish = partial(self._reverse_results, sparse, outputs, info)
         else:
-            finish = partial(self._forward_results, sparse, outputs,
-                             replace(info, passes=self.directions), self.directions)
-        return Job(self.plan, make, finish, "jacobian")
+            finish = partial(self._forward_results, sparse, outputs, info, self.directions)
+        direct = None if self.whole is None or sparse else partial(
+            self._directly, self.whole, values, outputs, info)
+        return Job(self.plan, make, finish, "jacobian", keep=keep, direct=direct)
+
+    def _directly(self, whole: WholeJacobian, values: dict, outputs: str | Sequence[str],
+                  info: CallInfo) -> Any:
+        """The call's result from its one program, or None where it cannot run it."""
+        computed = whole(values)
+        if computed is None:
+            return None
+        passes = (self.directions if self.mode == "fwd" else
+                  sum(size(value) for value, _ in computed.values()))
+        info = replace(info, passes=passes)
+        results = {o: Result(value, joined(self.plan, value, jacs), info=info)
+                   for o, (value, jacs) in computed.items()}
+        return results[outputs] if isinstance(outputs, str) else results
 
     def _reverse_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
                          computed: dict) -> Any:
@@ -391,6 +418,7 @@ class Jacobian:
     def _forward_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
                          k: int, computed: dict) -> Any:
         plan, patterns = self.plan, self.colours.patterns
+        info = replace(info, passes=k)
         results = {}
         for o, (value, t) in computed.items():
             for leaf in differentiable_leaves(value):

@@ -220,9 +220,16 @@ class HVPs:
         info = CallInfo("compute_hvps", "rev-over-fwd", len(plan.outputs), prepared=why is None,
                         why=why, where=where)
         job = made.gradients.job(lifted_x, _seeds(plan, cts), info, outputs)
+        direct = job.direct
+
+        def directly() -> Any:
+            result = direct() if direct is not None else None
+            return None if result is None else _results(spec, outputs, result)
+
         return Job(job.plan, job.make,
                    lambda computed: _results(spec, outputs, job.finish(computed)),
-                   "compute_hvps", keep=entries(self.dag), direct=job.direct)
+                   "compute_hvps", keep=entries(self.dag),
+                   direct=directly if direct is not None else None)
 
 
 @dataclass(frozen=True)

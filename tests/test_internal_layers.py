@@ -95,6 +95,23 @@ def test_imports_follow_the_layers_and_have_no_cycles():
     assert not problems, "\n".join(problems)
 
 
+def test_no_module_imports_through_the_package_face():
+    """``from daskdag import config`` runs back up through ``daskdag/__init__.py`` (the top layer)
+    to reach a module of the lowest: a module imports another by its own name
+    (``import daskdag.config as config``). ``__version__``, read when asked, is the exception."""
+    problems = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "daskdag" and not node.level:
+                names = [a.name for a in node.names if a.name != "__version__"]
+                if names:
+                    problems.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: from "
+                                    f"daskdag import {', '.join(names)}")
+    assert not problems, "\n".join(problems)
+
+
 def test_no_module_reaches_into_another_modules_private_names():
     """``from daskdag.x import _name`` and ``x._name`` (``x`` an imported daskdag module) are
     refused: what another module uses is public in the module that holds it."""

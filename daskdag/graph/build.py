@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from dask.delayed import Delayed
 from dask.task_spec import Task, TaskRef
 
-from daskdag import config
+import daskdag.config as config
 from daskdag.graph import tasks
 from daskdag.graph.assembly import Intake, Inline, TaskGraph, ident, is_root, key, nested, token_of
 from daskdag.graph.stages import abbreviate, make_stages

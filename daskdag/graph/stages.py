@@ -37,7 +37,7 @@ import graphlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from daskdag import config
+import daskdag.config as config
 from daskdag.model.custom import is_custom
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
@@ -98,6 +98,16 @@ class Stage:
                 if kind == "dep" and a:
                     on[i] = True
         return tuple(on)
+
+
+def stages_for(plan: Plan, packs: bool) -> tuple[Stage, ...]:
+    """The plan's stages for a call whose graph takes its values packed (``packs``: it runs on
+    a cluster, or lazily) or as they are: connected jittable nodes join into one fused stage
+    (``fan_in``) in this process, where XLA spreads a large op over the cores anyway, and
+    elsewhere when every node the call needs is ``jit=True``: an all-``jit`` DAG is one program,
+    one task. Otherwise a node that takes values from several fused groups joins one of them,
+    so that the others can run side by side on other workers."""
+    return make_stages(plan, fan_in=not packs or all(plan.spec.nodes[n].jit for n in plan.needed))
 
 
 def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:

@@ -24,21 +24,23 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+import daskdag.config as config
+from daskdag.errors import DAGError
 from daskdag.graph.compiled import rebuild, replay, split
 from daskdag.graph.run import Fused
 from daskdag.graph.stages import Stage
-from daskdag.model.leaves import is_differentiable
+from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import seed
-from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
+from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, vjp_leaves
 from daskdag.transport.packing import current
 
 
 def whole_stage(plan: Plan, stages: Sequence[Stage]) -> Stage | None:
     """The one stage of ``plan`` when it is a whole call (see the module's docstring), else
-    None."""
-    if len(stages) != 1:
+    None; None too with ``daskdag.close-stages`` off, which keeps forward and backward apart."""
+    if len(stages) != 1 or not config.get("close-stages"):
         return None
     stage = stages[0]
     deps = set(stage.deps)
@@ -107,3 +109,69 @@ def _laid_out(x, share: tuple | None):
 def _typed(grad, leaf):
     dtype = jnp.result_type(leaf)
     return grad if grad.dtype == dtype else grad.astype(dtype)
+
+
+class WholeJacobian:
+    """The call's Jacobians as one program (see the module's docstring), in ``mode``
+    (``"rev"``: ``jax.jacrev``'s rows; ``"fwd"``: ``jax.jacfwd``'s columns): per output, its
+    value and, per differentiated input, its Jacobian in ``jax.jacrev``'s layout
+    (:func:`daskdag.model.jacobian_layout.jacrev_layout`: the output's structure of the input's
+    structure, ``None`` where a leaf is held constant)."""
+
+    def __init__(self, plan: Plan, stage: Stage, nodes: Sequence[Node], mode: str):
+        self.stage, self.mode = stage, mode
+        self.active = stage.dep_active()
+        self.outputs = tuple((o, stage.outputs.index(o)) for o in plan.outputs)
+        self.wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
+        self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
+        self._program = jax.jit(self._run, static_argnums=0)
+
+    def __call__(self, values: dict[str, Any]) -> dict | None:
+        """``{output: (value, {input: jacobian})}``; None as for :class:`WholeGradients`."""
+        parts = split(tuple(values[d] for d in self.stage.deps), self.active)
+        if parts is None:
+            return None
+        static, traced = parts
+        computed = self._program(static, traced)
+        return {o: (value, dict(zip((i for i, _ in self.wrt), jacs)))
+                for (o, _), (value, jacs) in zip(self.outputs, computed)}
+
+    def _run(self, static, traced):
+        treedef, consts = static
+        args = rebuild(treedef, consts, traced)
+        fn = replay(self.fused, treedef, consts, traced)
+        values = fn(*args)
+        counts = diff_counts(args, self.active)
+        starts = [sum(counts[:d]) for d in range(len(counts))]
+        transform = jax.jacrev if self.mode == "rev" else jax.jacfwd
+        out = []
+        for o, e in self.outputs:
+            diff, fn_of_diff, _ = of_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
+            for leaf in differentiable_leaves(values[e]):
+                if jnp.iscomplexobj(leaf):
+                    raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
+                                   f"Jacobian needs real outputs, as jax.jacrev does")
+            blocks: Any = transform(lambda *d: fn_of_diff(*d)[0],
+                               argnums=tuple(range(len(diff))))(*diff) if diff else None
+            jacs = []
+            for _, d in self.wrt:
+                leaves, in_def = jax.tree.flatten(args[d])
+                out_leaves, out_def = jax.tree.flatten(values[e])
+                per_leaf: list = []
+                k = 0
+                for leaf in out_leaves:
+                    if not is_differentiable(leaf):
+                        per_leaf.append(None)
+                        continue
+                    j, row = starts[d], []
+                    for x in leaves:
+                        if is_differentiable(x):
+                            row.append(_typed(blocks[k][j], x))  # (the input's dtype, as the graph's rows)
+                            j += 1
+                        else:
+                            row.append(None)
+                    per_leaf.append(in_def.unflatten(row))
+                    k += 1
+                jacs.append(out_def.unflatten(per_leaf))
+            out.append((values[e], tuple(jacs)))
+        return tuple(out)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 from dask.sizeof import sizeof
 
-from daskdag import config
+import daskdag.config as config
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
 from daskdag.transport.protocol import token_kept, travels

@@ -19,7 +19,7 @@ from daskdag.errors import ClusterError
 from daskdag.model.plan import Plan
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
-from daskdag import config
+import daskdag.config as config
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 _same_versions: set[tuple[str, str | None]] = set()  # (address, local directory) of workers checked
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)

@@ -92,8 +92,8 @@ class Job:
     #: preparation holds only weakly (:mod:`daskdag.transport.weak`).
     keep: Any = None
     #: The call as one program in this process (:mod:`daskdag.graph.whole`), where it is one:
-    #: ``direct()`` gives what the graph would compute, or None where it cannot this time.
-    direct: Callable[[], dict | None] | None = None
+    #: ``direct()`` gives the call's result, or None where it cannot this time (the graph runs).
+    direct: Callable[[], Any] | None = None
 
 
 class Kind(Protocol):
@@ -140,10 +140,10 @@ def run(job: Job, client, local: str | None, progress: bool):
     (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
     if client is None and job.direct is not None and not progress and not Callback.active:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
-        computed = job.direct()
-        if computed is not None:
+        result = job.direct()
+        if result is not None:
             log.ran_whole(job.kind, job.plan, log.where(client, local))
-            return job.finish(computed)
+            return result
     if client is not None:  # before anything is built or sent
         cluster.check(client, job.plan)
     kept = resident.of(client) if client is not None else None

@@ -39,7 +39,7 @@ from typing import Any, Callable, Generic, TypeVar
 import dask.config
 import jax
 
-from daskdag import config
+import daskdag.config as config
 from daskdag.caches import Cache, register
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node
@@ -191,8 +191,7 @@ class Entries:
         if len(dag) != len(self.parts):
             return False
         for name, entry, content in self.parts:
-            now = dag.get(name)
-            if now is not entry or _content(now) != content:
+            if dag.get(name) is not entry or _content(entry) != content:
                 return False
         return True
 
@@ -208,14 +207,16 @@ class Entries:
 
 
 def _content(entry) -> tuple:
-    """What of a DAG entry can change in place: a list entry's items, deps, resources."""
+    """What of a DAG entry can change in place, as values compared in C: a list entry's items,
+    deps, resources (copies, as they are now)."""
+    if type(entry) is tuple and len(entry) == 2:
+        return entry[0], list(entry[1]) if type(entry[1]) is list else entry[1]
     if isinstance(entry, Node):
         deps, resources = entry.deps, entry.resources
-        return (tuple(deps) if isinstance(deps, list) else deps,
-                tuple(resources.items()) if isinstance(resources, dict) else resources)
-    if isinstance(entry, (tuple, list)) and len(entry) == 2:
-        fn, deps = entry
-        return fn, tuple(deps) if isinstance(deps, list) else deps
+        return (list(deps) if type(deps) is list else deps,
+                dict(resources) if type(resources) is dict else resources)
+    if isinstance(entry, list):
+        return tuple(entry[:1]) + tuple(list(e) if type(e) is list else e for e in entry[1:])
     return (entry,)
 
 

@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 
 from dask.sizeof import sizeof
-from daskdag import config
+import daskdag.config as config
 
 
 

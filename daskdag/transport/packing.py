@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from dask.base import tokenize
 
-from daskdag import config
+import daskdag.config as config
 from daskdag.caches import ByObject, Cache
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint
