@@ -18,6 +18,7 @@ from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.whole import WholeGradients, whole_stage
+from daskdag.graph.whole import fits as whole_fits, one_task
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
@@ -168,8 +169,8 @@ class Gradients:
     """:func:`compute_grads` compiled (:mod:`daskdag.running.programs`): the checked plan, its
     node functions packed for its ``transport``, its stages, and for a call in this process its
     graph (a :class:`~daskdag.running.local.Template` whose slots take the inputs and the
-    outputs' cotangents), or the whole call as one program where it is one
-    (:mod:`daskdag.graph.whole`)."""
+    outputs' cotangents), and the whole call as one program where it is one
+    (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster."""
 
     plan: Plan
     stages: tuple[Stage, ...]
@@ -191,9 +192,8 @@ class Gradients:
             plan, {i: slot("input", i) for i in request.values},
             GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}), transport,
             stop=slot("stop"), stages=stages))
-        stage = None if transport.packs else whole_stage(plan, stages)
-        whole = None if stage is None else WholeGradients(
-            plan, stage, [plan.spec.nodes[n] for n in stage.nodes])
+        stage = whole_stage(plan, stages)
+        whole = None if stage is None else WholeGradients.of(plan, stage)
         return cls(plan, stages, template, transport, whole)
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,
@@ -204,7 +204,11 @@ class Gradients:
         cts = cotangents_for(plan.outputs, cotangents)
         template = self.template
 
+        whole = self.whole
+
         def make(place: Any, stop: Any) -> Any:
+            if whole is not None and place is not None and whole_fits(whole.stage, values):
+                return one_task(whole, values, cts, self.transport, place)
             if template is not None:
                 return template.fill({**{slot("input", i): v for i, v in values.items()},
                                       **{slot("cotangent", o): cts.get(o) for o in plan.outputs},
@@ -213,8 +217,8 @@ class Gradients:
                          stop=stop, stages=self.stages)
 
         finish = partial(_results, plan.spec, outputs, info=info)
-        whole = self.whole
-        direct = None if whole is None else partial(_directly, whole, finish, values, cts)
+        direct = None if whole is None or self.transport.packs else partial(
+            _directly, whole, finish, values, cts)
         return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct)
 
 

@@ -95,6 +95,15 @@ class Intake:
         packed = self.transport.pack(what, value)
         return self._carried(kind, name, packed, Task(None, unpack, packed), unpack, packed)
 
+    def packed(self, kind: str, name: str, what: str, value):
+        """An input value (or a cotangent) packed, as the argument of a task that unpacks it
+        itself (:func:`~daskdag.transport.packing.unpack`): inline when small, else kept as
+        by :meth:`value`."""
+        packed = self.transport.pack(what, value)
+        if sizeof(packed) <= INLINE_BYTES:
+            return packed
+        return self.kept(kind, name, tokenize(packed), unpack, packed)
+
     def node(self, name: str, node):
         """A node (its function packed by :func:`~daskdag.model.plan.ship` where values are
         packed) as the forward task of its stage takes it."""
@@ -108,6 +117,11 @@ class Intake:
         token = tokenize(content)
         if sizeof(payload) <= INLINE_BYTES:
             return Inline(inline, token)
+        return self.kept(kind, name, token, fn, payload, needs)
+
+    def kept(self, kind: str, name: str, token: str, fn, payload, needs=None):
+        """``fn(payload)`` as a task of its own, keyed by ``token``: kept on the cluster by
+        ``place`` when given (sent by the first call that uses it), else a task of the graph."""
         k = key(kind, name, token)
         if self.place is not None:
             return self.place(k, fn, payload, needs)
@@ -176,6 +190,16 @@ class TaskGraph:
         """``results`` with every reference to a task of this graph made a ``Delayed``. The
         layers are named by ``token``, or else by a hash of every key; ``base``: another call's
         graph that these tasks take values from."""
+        wrap = self._wrapper(token, base)
+        return {o: (wrap(v), {i: wrap(g) for i, g in grads.items()})
+                for o, (v, grads) in results.items()}
+
+    def collection(self, ref: TaskRef, token: str | None = None) -> Delayed:
+        """The task ``ref`` of this graph as a ``Delayed`` (layers named as by
+        :meth:`delayed`)."""
+        return self._wrapper(token, None)(ref)
+
+    def _wrapper(self, token: str | None, base: HighLevelGraph | None):
         ambient = dask.get_annotations()  # a dask.annotate around the call still applies
         if token is None:
             digest = hashlib.sha1()
@@ -196,5 +220,4 @@ class TaskGraph:
         def wrap(ref):
             return Delayed(ref.key, graph, layer=names[self.layer_of[ref.key]])
 
-        return {o: (wrap(v), {i: wrap(g) for i, g in grads.items()})
-                for o, (v, grads) in results.items()}
+        return wrap

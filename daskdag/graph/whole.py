@@ -19,22 +19,29 @@ A call costs one dispatch of that program.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import uuid
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from dask.base import tokenize
 
 import daskdag.config as config
+from daskdag.caches import Cache
 from daskdag.errors import DAGError
+from daskdag.graph.assembly import Intake, TaskGraph, key
 from daskdag.graph.compiled import rebuild, replay, split
-from daskdag.graph.run import Fused
+from daskdag.graph.run import Fused, identity
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import seed
 from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, vjp_leaves
-from daskdag.transport.packing import current
+from daskdag.transport.packing import current, unpack
+from daskdag.transport.transports import Transport
 
 
 def whole_stage(plan: Plan, stages: Sequence[Stage]) -> Stage | None:
@@ -52,15 +59,32 @@ def whole_stage(plan: Plan, stages: Sequence[Stage]) -> Stage | None:
 
 class WholeGradients:
     """The call's gradients as one program (see the module's docstring): ``stage``, its
-    ``nodes`` (a prepared call's), and the plan's outputs and differentiated inputs."""
+    ``outputs`` (per output of the call: its name, its place among the stage's outputs, and
+    whether a differentiated input reaches it), ``wrt`` (per differentiated input: its name and
+    its place among the stage's deps) and ``nodes`` (the stage's, a prepared call's). It
+    travels as those (a cluster's worker keeps it, and compiles it once: :func:`graph`)."""
 
-    def __init__(self, plan: Plan, stage: Stage, nodes: Sequence[Node]):
-        self.stage = stage
+    def __init__(self, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node]):
+        self.stage, self.outputs, self.wrt, self.nodes = stage, outputs, wrt, tuple(nodes)
         self.active = stage.dep_active()
-        self.outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
-        self.wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
         self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
         self._program = jax.jit(self._run, static_argnums=0)
+
+    @classmethod
+    def of(cls, plan: Plan, stage: Stage) -> WholeGradients:
+        """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`)."""
+        return cls(stage, tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs),
+                   tuple((i, stage.deps.index(i)) for i in plan.wrt),
+                   [plan.spec.nodes[n] for n in stage.nodes])
+
+    def __reduce__(self):
+        return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes)
+
+    @cached_property
+    def token(self) -> str:
+        """What the program is, as a token: the same for the same stage, outputs, inputs and
+        node functions (their content tokens, where they are packed)."""
+        return tokenize(self.stage, self.outputs, self.wrt, self.nodes)
 
     def __call__(self, values: dict[str, Any], cotangents: dict[str, Any]) -> dict | None:
         """``{output: (value, {input: grad})}`` for the input ``values`` and the outputs'
@@ -93,6 +117,68 @@ class WholeGradients:
                 shares = (None,) * len(args)
             out.append((values[e], tuple(_laid_out(args[d], shares[d]) for _, d in self.wrt)))
         return tuple(out)
+
+
+#: The programs this process received, by token: one sent again (a client lets go of what its
+#: recent calls did not use, :mod:`daskdag.running.resident`) runs compiled already.
+_received: Cache[WholeGradients] = Cache("whole programs received", 32)
+
+
+def _receive(token: str, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node]
+             ) -> WholeGradients:
+    hit = _received.get(token)
+    if hit is None:
+        hit = _received.put(token, WholeGradients(stage, outputs, wrt, nodes))
+        hit.token = token
+    return hit
+
+
+def fits(stage: Stage, values: dict[str, Any]) -> bool:
+    """Whether a whole program of ``stage`` runs with these input ``values`` (see
+    :meth:`WholeGradients.__call__`)."""
+    return split(tuple(values[d] for d in stage.deps), stage.dep_active()) is not None
+
+
+@dataclass(frozen=True)
+class OneTask:
+    """A call that is one task on a cluster, as ``distributed.Client.submit`` takes it:
+    ``fn(*args)`` under ``key`` on a worker with the resources ``needs``; the call's result is
+    its result."""
+
+    key: str
+    fn: Callable
+    args: tuple
+    needs: dict
+
+
+def one_task(program: WholeGradients, values: dict[str, Any],
+             cotangents: dict[str, Any], transport: Transport, place) -> OneTask:
+    """The call on a cluster as one task, whose result is ``program``'s: the program is a value
+    kept on the cluster under its token (``place``, :mod:`daskdag.running.resident`), sent
+    by the first call and compiled once by the worker that holds it; each call sends its
+    input ``values`` and ``cotangents`` (packed for ``transport``) and this one task."""
+    intake = Intake(TaskGraph(), transport, place)
+    stage = program.stage
+    kept = intake.kept("program", stage.name, program.token, identity, program, stage.needs)
+    args = [intake.packed("input", d, f"input {d!r}", values[d]) for d in stage.deps]
+    args += [None if cotangents.get(o) is None else
+             intake.packed("cotangent", o, f"the cotangent of {o!r}", cotangents[o])
+             for o, _, _ in program.outputs]
+    return OneTask(key("fwd", stage.name, uuid.uuid4().hex), run_task, (kept, len(stage.deps), *args),
+                   dict(stage.needs))
+
+
+def run_task(program: WholeGradients, n: int, *args) -> dict:
+    """``program`` run as a task (:func:`one_task`): ``args``, the packed values of the stage's
+    ``n`` deps, then the outputs' cotangents."""
+    args = tuple(unpack(a) for a in args)
+    values = dict(zip(program.stage.deps, args[:n]))
+    cotangents = {o: ct for (o, _, _), ct in zip(program.outputs, args[n:]) if ct is not None}
+    computed = program(values, cotangents)
+    if computed is None:  # (the client checked: fits)
+        raise DAGError(f"stage {program.stage.name!r}: an input leaf held constant is not "
+                       f"hashable")
+    return computed
 
 
 def _laid_out(x, share: tuple | None):

@@ -25,6 +25,10 @@ _same_versions: set[tuple[str, str | None]] = set()  # (address, local directory
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
 VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
+#: Seconds for which a client's check stands for its next calls (a loop's steps): the workers
+#: it found, checked. A worker lost meanwhile is the waiting call's to see (:class:`Watch`).
+RECHECK = 1.0
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> (time, workers)
 
 
 def workers(client, timeout: float | None = None) -> dict[str, dict]:
@@ -48,6 +52,9 @@ def check(client, plan: Plan) -> dict[str, dict]:
     """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
     return the workers found (:func:`workers`).
 
+    A check stands for :data:`RECHECK` seconds: the calls of a loop ask the scheduler once a
+    second, not once each (a refusal is always asked again).
+
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
 
@@ -55,9 +62,18 @@ def check(client, plan: Plan) -> dict[str, dict]:
     ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
     """
     check_client(client)
+    last = _checked.get(client)
+    if last is not None and time.monotonic() - last[0] < RECHECK:
+        try:  # (what the scheduler said a moment ago; a refusal is asked again below)
+            _check_resources(plan, last[1])
+            tune_workers(client)
+            return last[1]
+        except ClusterError:
+            pass
     found = workers(client) or _wait_for_a_worker(client)
     _check_resources(plan, found)
     _check_versions(client, found)
+    _checked[client] = (time.monotonic(), found)
     tune_workers(client)
     return found
 

@@ -26,6 +26,7 @@ import jax
 from dask.diagnostics import ProgressBar
 
 from daskdag.errors import DAGError
+from daskdag.graph.whole import OneTask
 from daskdag.running.cluster import Watch
 from daskdag.running.local import SCHEDULERS, Filled, threads
 
@@ -64,8 +65,9 @@ def active_client():
 
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
             plan=None) -> dict:
-    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, or a prepared local call's
-    :class:`~daskdag.running.local.Filled` graph) computed, in that structure:
+    """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, a prepared local call's
+    :class:`~daskdag.running.local.Filled` graph, or a cluster's call as one
+    :class:`~daskdag.graph.whole.OneTask`) computed, in that structure:
     on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
     process, whatever default client exists. ``stop``: the ``daskdag.cancel.Stop`` a local
     graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
@@ -76,6 +78,8 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     order = list(graph) if isinstance(graph, dict) else plan.outputs if plan is not None else ()
     if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
         dsk, keys, structure, known = graph.dsk, graph.keys, graph.structure, graph.functions
+    elif isinstance(graph, OneTask):  # (a cluster's call, as distributed's own submit)
+        keys, structure = [graph], jax.tree.structure(0)
     else:
         delayed, structure = jax.tree.flatten(graph)  # Delayed objects are leaves to JAX
         keys = delayed
@@ -94,7 +98,9 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
                 stop.set()
             raise
         return _in_order(jax.tree.unflatten(structure, computed), order)
-    futures = client.compute(keys)
+    futures = ([client.submit(graph.fn, *graph.args, key=graph.key, pure=False,
+                              resources=graph.needs or None)]
+               if isinstance(graph, OneTask) else client.compute(keys))
     try:
         with _bar(client, futures) if progress else contextlib.nullcontext():
             wait(client, futures, Watch(client, plan))

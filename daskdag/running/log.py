@@ -15,6 +15,7 @@ import logging
 import jax
 
 from daskdag.graph.assembly import kind_of
+from daskdag.graph.whole import OneTask
 from daskdag.running.local import Filled
 
 logger = logging.getLogger("daskdag")
@@ -46,6 +47,8 @@ def ran_whole(kind: str, plan, where: str) -> None:
 def _tasks(graph) -> dict:
     if isinstance(graph, Filled):
         return graph.dsk
+    if isinstance(graph, OneTask):
+        return {graph.key: graph}
     merged = {}
     for delayed in jax.tree.leaves(graph):  # (Delayed objects are leaves to JAX)
         merged.update({k: v for layer in delayed.dask.layers.values() for k, v in layer.items()})
