@@ -193,7 +193,7 @@ class Gradients:
             GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}), transport,
             stop=slot("stop"), stages=stages))
         stage = whole_stage(plan, stages)
-        whole = None if stage is None else WholeGradients.of(plan, stage)
+        whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs)
         return cls(plan, stages, template, transport, whole)
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,

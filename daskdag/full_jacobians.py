@@ -40,7 +40,7 @@ from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, rules
                                    wrt_names, with_rules)
 from daskdag.model.shapes import UNKNOWN, Traced
 from daskdag.graph.stages import stages_for
-from daskdag.graph.whole import WholeJacobian, whole_stage
+from daskdag.graph.whole import WholeJacobian, made_once, whole_stage
 from daskdag.rules.jvp import why_no_jvp
 from daskdag.rules.registry import function_of
 from daskdag.rules.vjp import why_no_vjp
@@ -344,8 +344,10 @@ class Jacobian:
         stage = whole_stage(self.plan, self.stages)
         if stage is None or self.colours.patterns is not None or self.chunk_size is not None:
             return made
-        return replace(made, whole=WholeJacobian(
-            self.plan, stage, [self.plan.spec.nodes[n] for n in stage.nodes], self.mode))
+        nodes = [self.plan.spec.nodes[n] for n in stage.nodes]
+        return replace(made, whole=made_once(
+            lambda: WholeJacobian(self.plan, stage, nodes, self.mode),
+            (WholeJacobian, stage, self.plan.outputs, self.plan.wrt, self.mode), nodes))
 
     @cached_property
     def directions(self) -> int:

@@ -17,6 +17,10 @@ Methods, each one call's values and full Jacobians of the model's outputs at a n
 
 openmdao:            ``prob.set_val`` + ``prob.run_model()`` + ``prob.compute_totals()``: what a
                      driver pays per iteration (the model set up once, ``mode="auto"``).
+openmdao_user:       OpenMDAO as a user writes the model first: one component per function,
+                     its partials declared with the Jacobian's real (dense) shape from
+                     ``jax.jacrev``, no colouring; ``run_solve_nonlinear`` + ``compute_totals``
+                     (where no partial has over ``USER_PARTIALS`` entries: not few_to_many).
 daskdag:             ``daskdag.jacobian(dag, x, outputs)``, the default call (``mode="auto"``),
                      repeated: it reuses its preparation (the guide "Repeated calls").
 daskdag_prepared:    ``daskdag.value_and_jacobian(dag, outputs)`` made once, then called.
@@ -33,10 +37,19 @@ Every method's values and Jacobians are checked against ``jax_jit``'s (relative 
 before timing. Each timed sample is ``inner`` calls at inputs that change every call; the
 methods are timed interleaved; medians per call.
 
-Two more cases:
+More cases:
 
 seed loop:      the seed question's DAG (eager nodes), ``compute_grads`` in a loop of 1,000 calls
                 on Dask's threads against the question's hand-written VJP plumbing.
+seed DAG prepared: the same DAG's ``value_and_grad`` (outputs D and E), every node
+                ``jit=True``, against ``jax.jit`` of the composed function's two
+                ``value_and_grad``; each prepared call with ``cotangents=`` given (ones, the
+                same work) against the same call without, all-jit and eager.
+cluster seed loop: the same prepared calls on the default 2-worker cluster, all-jit against
+                one ``client.submit`` of that ``jax.jit`` function kept on the workers, eager
+                against one ``client.submit`` of the question's plumbing; Dask's own round
+                trip (a task that returns its input) as the floor; the bytes each step writes
+                to the scheduler.
 cluster loop:   a 200-step gradient descent on the default 2-worker cluster with the dense
                 model's ``value_and_grad`` of a scalar loss (float32, as the workers compute
                 unless told otherwise), the parameters new every step: the
@@ -47,6 +60,11 @@ optimisation:   SciPy's SLSQP on the stepped cantilever of ``examples/design_opt
                 daskdag's ``value_and_jacobian`` (threads) against OpenMDAO's
                 ``ScipyOptimizeDriver`` (SLSQP) on components of the same functions: iterations,
                 wall time, the optimum.
+
+Targets (issue 40): ``daskdag_prepared/openmdao`` <= 0.25 and ``daskdag_eager/openmdao`` <= 1 on
+every model; ``daskdag_prepared/jax_jit`` <= 2 on the dense model and on the seed DAG; calls
+with cotangents within 5% of the same calls without; seed loop ``daskdag/hand_written`` <=
+1.05; cluster seed loop, each prepared call <= 1.2x its ``client.submit``.
 
 Targets (issue 29): ``daskdag/openmdao`` <= 0.5 and ``daskdag_prepared/openmdao`` <= 0.25 on
 every model; ``daskdag_prepared/jax_jit`` <= 3 on the dense model (8 nodes); on the banded
@@ -269,6 +287,76 @@ def _component(fn, deps, name, shapes, banded):
     return Component()
 
 
+#: The most entries of one dense partial for which ``openmdao_user`` runs (32 MB in float64): the
+#: few-to-many model's 8,000 x 8,000 would take seconds a call.
+USER_PARTIALS = 4_000_000
+
+
+def largest_partial(functions: dict, x0) -> int:
+    """The entries of the model's largest partial Jacobian, dense."""
+    sizes = {"x": int(np.size(x0))}
+    shapes = {"x": jnp.asarray(x0)}
+    for name, (fn, deps) in functions.items():
+        shapes[name] = jax.eval_shape(fn, *(shapes[d] for d in deps))
+        sizes[name] = int(np.prod(shapes[name].shape))
+    return max(sizes[name] * sizes[d] for name, (_, deps) in functions.items() for d in deps)
+
+
+def openmdao_user_problem(functions: dict, outputs: list[str], x0: np.ndarray):
+    """The model as a user writes it first: one ``ExplicitComponent`` per function, its partials
+    declared with the Jacobian's real (dense) shape and computed by ``jax.jacrev``, no
+    colouring; run with ``run_solve_nonlinear`` and ``compute_totals``."""
+    import openmdao.api as om
+
+    shapes = {"x": jnp.asarray(x0)}
+    for name, (fn, deps) in functions.items():
+        shapes[name] = jax.eval_shape(fn, *(shapes[d] for d in deps))
+    shapes = {name: tuple(s.shape) for name, s in shapes.items()}
+    sizes = {k: int(np.prod(s)) for k, s in shapes.items()}
+
+    def component(fn, deps, name):
+        value = jax.jit(fn)
+        partials = jax.jit(jax.jacrev(fn, argnums=tuple(range(len(deps)))))
+
+        class Component(om.ExplicitComponent):
+            def setup(self):
+                for d in dict.fromkeys(deps):
+                    self.add_input(d, shape=shapes[d] or 1)
+                self.add_output(name, shape=shapes[name] or 1)
+                for d in dict.fromkeys(deps):
+                    self.declare_partials(name, d)
+
+            def compute(self, inputs, outputs):
+                outputs[name] = np.asarray(value(*(inputs[d].reshape(shapes[d]) for d in deps)))
+
+            def compute_partials(self, inputs, jac):
+                blocks = partials(*(inputs[d].reshape(shapes[d]) for d in deps))
+                for d in dict.fromkeys(deps):
+                    jac[name, d] = sum(np.asarray(b).reshape(sizes[name], sizes[d])
+                                       for e, b in zip(deps, blocks) if e == d)
+
+        Component.__name__ = f"User_{name}"
+        return Component()
+
+    prob = om.Problem(reports=False)
+    prob.model.add_subsystem("inputs", om.IndepVarComp("x", val=np.asarray(x0, float)),
+                             promotes=["*"])
+    for name, (fn, deps) in functions.items():
+        prob.model.add_subsystem(name, component(fn, deps, name), promotes=["*"])
+    prob.setup(mode="auto")
+    prob.set_val("x", np.asarray(x0, float))
+    prob.run_model()
+    return prob
+
+
+def openmdao_user_call(prob, outputs: list[str], x: np.ndarray):
+    prob.set_val("x", x)
+    prob.model.run_solve_nonlinear()
+    totals = prob.compute_totals(of=outputs, wrt=["x"], return_format="flat_dict")
+    return ({o: np.asarray(prob.get_val(o)) for o in outputs},
+            {o: np.asarray(totals[o, "x"]) for o in outputs})
+
+
 def openmdao_call(problem, outputs: list[str], x: np.ndarray):
     prob, coloring = problem
     prob.set_val("x", x)
@@ -361,6 +449,9 @@ def model_case(cfg: Config, label: str, functions, outputs, x0, banded: bool = F
     }
     if banded:
         methods["daskdag_detect"] = partial(daskdag_call, dag, outputs, sparsity="detect")
+    if largest_partial(functions, x0) <= USER_PARTIALS:
+        methods["openmdao_user"] = partial(openmdao_user_call,
+                                           openmdao_user_problem(functions, outputs, x0), outputs)
     want = jax.block_until_ready(limit(x0))
     worst = {}
     for name, fn in methods.items():  # (each runs once first: its compilation and preparation)
@@ -375,6 +466,8 @@ def model_case(cfg: Config, label: str, functions, outputs, x0, banded: bool = F
               "daskdag_unprepared/openmdao": ("daskdag_unprepared", "openmdao"),
               "daskdag_eager/openmdao": ("daskdag_eager", "openmdao"),
               "daskdag_prepared/jax_jit": ("daskdag_prepared", "jax_jit"),
+              "daskdag/openmdao_user": ("daskdag", "openmdao_user"),
+              "daskdag_eager/openmdao_user": ("daskdag_eager", "openmdao_user"),
               "daskdag_unprepared/daskdag": ("daskdag_unprepared", "daskdag")}
     if banded:
         ratios["daskdag_detect/daskdag"] = ("daskdag_detect", "daskdag")
@@ -413,6 +506,129 @@ def seed_case(cfg: Config) -> dict:
     return common.case("seed loop", {"calls_per_sample": cfg.seed_calls}, per_call,
                        {"daskdag/hand_written": ("daskdag", "hand_written")},
                        baseline="hand_written", max_rel_diff=diff)
+
+
+# --- The seed DAG, all jit=True, and with cotangents given ---------------------------------------
+
+def seed_dags():
+    """The seed question's DAG (outputs D and E) with every node ``jit=True``, and as it is
+    (eager nodes)."""
+    from .tiny_nodes import SEED_DAG
+    return ({name: Node(fn, deps, jit=True) for name, (fn, deps) in SEED_DAG.items()},
+            dict(SEED_DAG))
+
+
+def seed_composed(x):
+    """``(D, E)`` of the seed DAG, composed."""
+    from .tiny_nodes import A_to_B, B_to_C, B_to_E, C_to_D, x_to_A
+    b = A_to_B(x_to_A(x))
+    return C_to_D(B_to_C(b)), B_to_E(b)
+
+
+def seed_jitted():
+    """``jax.jit`` of the value and gradient of each of the seed DAG's two outputs."""
+    return jax.jit(lambda x: (jax.value_and_grad(lambda x: seed_composed(x)[0])(x),
+                              jax.value_and_grad(lambda x: seed_composed(x)[1])(x)))
+
+
+def _pairs(out):
+    """``[(D, dD/dx), (E, dE/dx)]`` from what each method returns."""
+    if isinstance(out, list):  # (the question's plumbing)
+        return out
+    if isinstance(out[0], dict):  # (a prepared function of daskdag: values, grads)
+        return [(out[0][o], out[1][o]) for o in ("D", "E")]
+    return list(out)  # (jax.jit's)
+
+
+def seed_jit_case(cfg: Config) -> dict:
+    """In this process: the prepared ``value_and_grad`` of the all-jit seed DAG against
+    ``jax.jit`` of the composed function's, and each prepared call with ``cotangents=`` given
+    (ones: the same work) against the same call without."""
+    print(f"{TITLE}, seed DAG prepared", flush=True)
+    jit_dag, eager_dag = seed_dags()
+    ones = {"D": jnp.float32(1.0), "E": jnp.float32(1.0)}
+    methods = {"daskdag_jit": daskdag.value_and_grad(jit_dag, ["D", "E"]),
+               "daskdag_jit_cotangents": daskdag.value_and_grad(jit_dag, ["D", "E"],
+                                                                cotangents=ones),
+               "daskdag_eager": daskdag.value_and_grad(eager_dag, ["D", "E"]),
+               "daskdag_eager_cotangents": daskdag.value_and_grad(eager_dag, ["D", "E"],
+                                                                  cotangents=ones),
+               "jax_jit": seed_jitted()}
+    x = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=jnp.float32)
+    want = _pairs(jax.block_until_ready(methods["jax_jit"](x)))
+    diff = max(common.worst_difference(_pairs(jax.block_until_ready(fn(x))), want)
+               for fn in methods.values())
+    if diff > 1e-5:
+        raise AssertionError(f"{TITLE}, seed DAG prepared: disagrees with jax.jit by {diff}")
+    inner = cfg.seed_calls // 2
+
+    def loop(fn):
+        for k in range(inner):
+            out = fn(x + 0.001 * (k % 7))
+        return out
+
+    times = common.interleaved({m: partial(loop, fn) for m, fn in methods.items()},
+                               max(3, cfg.reps // 2), "seed DAG prepared: ")
+    per_call = {m: [t / inner for t in ts] for m, ts in times.items()}
+    return common.case("seed DAG prepared", {"calls_per_sample": inner}, per_call,
+                       {"daskdag_jit/jax_jit": ("daskdag_jit", "jax_jit"),
+                        "jit_cotangents/jit": ("daskdag_jit_cotangents", "daskdag_jit"),
+                        "eager_cotangents/eager": ("daskdag_eager_cotangents", "daskdag_eager")},
+                       baseline="jax_jit", max_rel_diff=diff)
+
+
+def call(fn, x):
+    """``fn(x)``: a task calling a function kept on the workers."""
+    return fn(x)
+
+
+def cluster_seed_case(cfg: Config, client) -> dict:
+    """A loop on the default 2-worker cluster, the inputs new at each step: the prepared
+    all-jit seed DAG against one ``client.submit`` of ``seed_jitted()`` kept on the workers
+    (scattered once, to every worker), the eager one against one ``client.submit`` of the
+    question's plumbing; Dask's own round trip (``client.submit`` of a function that returns
+    its input) is the floor."""
+    from .tiny_nodes import seed_hand_written
+
+    print(f"{TITLE}, cluster seed loop", flush=True)
+    jit_dag, eager_dag = seed_dags()
+    [jitted] = client.scatter([seed_jitted()], broadcast=True)
+    [plumbing] = client.scatter([seed_hand_written], broadcast=True)
+    methods = {
+        "daskdag_jit": daskdag.value_and_grad(jit_dag, ["D", "E"], client=client),
+        "daskdag_eager": daskdag.value_and_grad(eager_dag, ["D", "E"], client=client),
+        "submit_jit": lambda x: client.submit(call, jitted, x, pure=False).result(),
+        "submit_hand": lambda x: client.submit(call, plumbing, x, pure=False).result(),
+        "dask_round_trip": lambda x: client.submit(call, _same, x, pure=False).result()}
+    x0 = np.array([1.0, 2.0, 3.0, 4.0, 5.0], np.float32)
+    want = _pairs(seed_jitted()(x0))
+    diff = max(common.worst_difference(_pairs(fn(x0)), want)
+               for m, fn in methods.items() if m != "dask_round_trip")
+    if diff > 1e-4:
+        raise AssertionError(f"{TITLE}, cluster seed loop: disagrees with jax.jit by {diff}")
+    sent = {m: [common.bytes_sent(client, partial(methods[m], x0 + 0.001 * k))
+                for k in range(5)] for m in ("daskdag_jit", "daskdag_eager", "submit_jit")}
+
+    def loop(fn):
+        for k in range(cfg.steps):
+            out = fn(x0 + 0.001 * (k % 7))
+        return out
+
+    times = common.interleaved({m: partial(loop, fn) for m, fn in methods.items()},
+                               max(2, cfg.reps // 3), "cluster seed loop: ")
+    per_step = {m: [t / cfg.steps for t in ts] for m, ts in times.items()}
+    return common.case(
+        "cluster seed loop", {"steps": cfg.steps}, per_step,
+        {"daskdag_jit/submit_jit": ("daskdag_jit", "submit_jit"),
+         "daskdag_eager/submit_hand": ("daskdag_eager", "submit_hand"),
+         "daskdag_jit/dask_round_trip": ("daskdag_jit", "dask_round_trip")},
+        baseline="submit_jit", max_rel_diff=diff,
+        bytes_per_step={m: statistics.median(s["to_scheduler"] for s in v)
+                        for m, v in sent.items()})
+
+
+def _same(x):
+    return x
 
 
 # --- The cluster loop -----------------------------------------------------------------------------
@@ -537,7 +753,9 @@ def run(quick: bool, clients: dict) -> dict:
                  optimisation_case(cfg)]
     if "2w" in clients:  # (in float32: the cluster's workers compute as JAX does by default)
         cases.append(cluster_case(cfg, clients["2w"]))
+        cases.append(cluster_seed_case(cfg, clients["2w"]))
     cases.append(seed_case(cfg))
+    cases.append(seed_jit_case(cfg))
     models = ("dense", "many_to_few", "few_to_many", "banded")
     wanted = ([{"case": c, "ratio": "daskdag/openmdao", "op": "<=", "bound": 0.5,
                 "source": "issue 29"} for c in models]
@@ -548,7 +766,25 @@ def run(quick: bool, clients: dict) -> dict:
                  {"case": "banded", "ratio": "daskdag_detect/daskdag", "op": "<=", "bound": 1.1,
                   "source": "issue 29"},
                  {"case": "seed loop", "ratio": "daskdag/hand_written", "op": "<=", "bound": 1.1,
-                  "source": "issue 29"}])
+                  "source": "issue 29"}]
+              + [{"case": c, "ratio": "daskdag_prepared/openmdao", "op": "<=", "bound": 0.25,
+                  "source": "issue 40"} for c in models]
+              + [{"case": c, "ratio": "daskdag_eager/openmdao", "op": "<=", "bound": 1.0,
+                  "source": "issue 40"} for c in models]
+              + [{"case": "dense", "ratio": "daskdag_prepared/jax_jit", "op": "<=", "bound": 2.0,
+                  "source": "issue 40"},
+                 {"case": "seed DAG prepared", "ratio": "daskdag_jit/jax_jit", "op": "<=",
+                  "bound": 2.0, "source": "issue 40"},
+                 {"case": "seed DAG prepared", "ratio": "jit_cotangents/jit", "op": "<=",
+                  "bound": 1.05, "source": "issue 40"},
+                 {"case": "seed DAG prepared", "ratio": "eager_cotangents/eager", "op": "<=",
+                  "bound": 1.05, "source": "issue 40"},
+                 {"case": "seed loop", "ratio": "daskdag/hand_written", "op": "<=", "bound": 1.05,
+                  "source": "issue 40"},
+                 {"case": "cluster seed loop", "ratio": "daskdag_jit/submit_jit", "op": "<=",
+                  "bound": 1.2, "source": "issue 40"},
+                 {"case": "cluster seed loop", "ratio": "daskdag_eager/submit_hand", "op": "<=",
+                  "bound": 1.2, "source": "issue 40"}])
     return {"title": TITLE, "config": asdict(cfg), "cases": cases,
             "description": "Median seconds per call (cluster loop: per step; optimisation: the "
                            "whole run). Every method's values and Jacobians agree with "
@@ -573,6 +809,11 @@ def section(s: dict) -> str:
             f"the nodes' packed functions inline ({b['node_functions_inline']:,} bytes: each "
             f"under 64 KiB, so the tasks that take them can go to any worker); no input, node "
             f"or residual is sent again.")
+    seed = cases.get("cluster seed loop")
+    if seed and "bytes_per_step" in seed:
+        parts.append("Cluster seed loop, bytes each step writes to the scheduler (distributed's "
+                     "count): " + ", ".join(f"`{m}` {b:,.0f}"
+                                            for m, b in seed["bytes_per_step"].items()) + ".")
     opt = next((c for c in s["cases"] if c["case"].startswith("optimisation")), None)
     if opt and "runs" in opt:
         runs = opt["runs"]

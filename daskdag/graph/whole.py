@@ -71,11 +71,16 @@ class WholeGradients:
         self._program = jax.jit(self._run, static_argnums=0)
 
     @classmethod
-    def of(cls, plan: Plan, stage: Stage) -> WholeGradients:
-        """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`)."""
-        return cls(stage, tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs),
-                   tuple((i, stage.deps.index(i)) for i in plan.wrt),
-                   [plan.spec.nodes[n] for n in stage.nodes])
+    def of(cls, plan: Plan, stage: Stage, shared: bool = True) -> WholeGradients:
+        """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`);
+        ``shared``: the one already made for the same stage, outputs, inputs and functions, if
+        any (:func:`made_once`), for a program that runs in this process."""
+        outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
+        wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
+        nodes = [plan.spec.nodes[n] for n in stage.nodes]
+        if not shared:
+            return cls(stage, outputs, wrt, nodes)
+        return made_once(lambda: cls(stage, outputs, wrt, nodes), (cls, stage, outputs, wrt), nodes)
 
     def __reduce__(self):
         return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes)
@@ -117,6 +122,24 @@ class WholeGradients:
                 shares = (None,) * len(args)
             out.append((values[e], tuple(_laid_out(args[d], shares[d]) for _, d in self.wrt)))
         return tuple(out)
+
+
+#: Whole programs by what they compute and the identity of the functions they run.
+_made: Cache[Any] = Cache("whole programs", 64)
+
+
+def made_once(make: Callable[[], Any], what: tuple, nodes: Sequence[Node]) -> Any:
+    """``make()``, a whole program of ``nodes``, or the one made already for the same ``what``
+    (its class, stage, outputs, inputs, mode) and the same functions (:func:`~daskdag.transport.
+    packing.current`: the same objects with the same content): a call compiled anew (prepared
+    calls off, a DAG entry replaced by an equal one) runs the program compiled already; a
+    function changed in place is another program."""
+    fns = [current(n.fn) for n in nodes]
+    key = (*what, tuple(map(id, fns)))
+    hit = _made.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit.fused.fns, fns)):
+        return hit
+    return _made.put(key, make())
 
 
 #: The programs this process received, by token: one sent again (a client lets go of what its

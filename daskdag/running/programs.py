@@ -76,7 +76,7 @@ class Watch:
     def __call__(self, name: str, fn: Any) -> Fingerprint | None:
         if id(fn) in self._prints:
             return self._prints[id(fn)]
-        print_ = self._prints[id(fn)] = fingerprint(fn, checked=True)
+        print_ = self._prints[id(fn)] = fingerprint(fn, checked=config.get("prepared-calls") > 0)
         if print_ is None:
             self.refuse(f"node {name!r}: its function holds something a fingerprint cannot "
                         f"read (a lock, a file, a generator...)")
