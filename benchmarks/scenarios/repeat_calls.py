@@ -20,7 +20,8 @@ openmdao:            ``prob.set_val`` + ``prob.run_model()`` + ``prob.compute_to
 openmdao_user:       OpenMDAO as a user writes the model first: one component per function,
                      its partials declared with the Jacobian's real (dense) shape from
                      ``jax.jacrev``, no colouring; ``run_solve_nonlinear`` + ``compute_totals``
-                     (where no partial has over ``USER_PARTIALS`` entries: not few_to_many).
+                     (where no partial has over ``USER_PARTIALS`` entries: not few_to_many, nor banded
+                     at its full size).
 daskdag:             ``daskdag.jacobian(dag, x, outputs)``, the default call (``mode="auto"``),
                      repeated: it reuses its preparation (the guide "Repeated calls").
 daskdag_prepared:    ``daskdag.value_and_jacobian(dag, outputs)`` made once, then called.
@@ -287,9 +288,9 @@ def _component(fn, deps, name, shapes, banded):
     return Component()
 
 
-#: The most entries of one dense partial for which ``openmdao_user`` runs (32 MB in float64): the
-#: few-to-many model's 8,000 x 8,000 would take seconds a call.
-USER_PARTIALS = 4_000_000
+#: The most entries of one dense partial for which ``openmdao_user`` runs (8 MB in float64): the
+#: few-to-many model's 8,000 x 8,000 and the banded model's 2,000 x 2,000 take seconds a call.
+USER_PARTIALS = 1_000_000
 
 
 def largest_partial(functions: dict, x0) -> int:
