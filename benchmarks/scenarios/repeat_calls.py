@@ -806,10 +806,10 @@ def section(s: dict) -> str:
             f"Cluster loop, each step after the first: {b['to_scheduler']:,.0f} bytes to the "
             f"scheduler in {b['messages']:.0f} messages (distributed's count), and "
             f"{b['placed_by_daskdag']:,.0f} bytes placed by daskdag: the parameters "
-            f"({loop['params']['parameters_bytes']} bytes) and the task graph, which carries "
-            f"the nodes' packed functions inline ({b['node_functions_inline']:,} bytes: each "
-            f"under 64 KiB, so the tasks that take them can go to any worker); no input, node "
-            f"or residual is sent again.")
+            f"({loop['params']['parameters_bytes']} bytes) and one task. Every node is "
+            f"`jit=True`, so the call is one program, kept on the workers since the first "
+            f"step (the nodes' packed functions, {b['node_functions_inline']:,} bytes, went "
+            f"once); no input, node or residual is sent again.")
     seed = cases.get("cluster seed loop")
     if seed and "bytes_per_step" in seed:
         parts.append("Cluster seed loop, bytes each step writes to the scheduler (distributed's "
