@@ -17,10 +17,10 @@ from distributed import Client
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, stages_for
-from daskdag.graph.whole import WholeGradients, whole_stage
-from daskdag.graph.whole import fits as whole_fits, one_task
+from daskdag.graph.whole import WholeGradients, one_task, whole_stage
+from daskdag.graph.whole import fits as whole_fits
 from daskdag.model.leaves import PyTree
-from daskdag.model.plan import Plan
+from daskdag.model.plan import Plan, ship
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
                                    cotangents_for, given_values, one_input, parsed, prepare)
 from daskdag.running import programs
@@ -34,7 +34,6 @@ from daskdag.sweeps import arrays, planning, sweep
 from daskdag.sweeps.store import SweepStore
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
-from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore

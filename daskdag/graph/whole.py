@@ -115,7 +115,7 @@ class WholeGradients:
                 out.append((values[e], ()))
                 continue
             if reached:
-                _, diff, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
+                _, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
                 shares = by_arg(vjp_fn(list(seed(values[e], o, ct))), self.active,
                                 diff_counts(args, self.active))
             else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
