@@ -190,16 +190,6 @@ class TaskGraph:
         """``results`` with every reference to a task of this graph made a ``Delayed``. The
         layers are named by ``token``, or else by a hash of every key; ``base``: another call's
         graph that these tasks take values from."""
-        wrap = self._wrapper(token, base)
-        return {o: (wrap(v), {i: wrap(g) for i, g in grads.items()})
-                for o, (v, grads) in results.items()}
-
-    def collection(self, ref: TaskRef, token: str | None = None) -> Delayed:
-        """The task ``ref`` of this graph as a ``Delayed`` (layers named as by
-        :meth:`delayed`)."""
-        return self._wrapper(token, None)(ref)
-
-    def _wrapper(self, token: str | None, base: HighLevelGraph | None):
         ambient = dask.get_annotations()  # a dask.annotate around the call still applies
         if token is None:
             digest = hashlib.sha1()
@@ -220,4 +210,5 @@ class TaskGraph:
         def wrap(ref):
             return Delayed(ref.key, graph, layer=names[self.layer_of[ref.key]])
 
-        return wrap
+        return {o: (wrap(v), {i: wrap(g) for i, g in grads.items()})
+                for o, (v, grads) in results.items()}

@@ -1,4 +1,5 @@
-"""A call whose graph is one closed fused stage, run as one jitted program in this process.
+"""A call whose graph is one closed fused stage, run as one jitted program: one dispatch in this
+process, one task on a cluster (:func:`one_task`).
 
 In:  a :class:`~daskdag.model.plan.Plan` whose needed nodes are all one fused stage
      (:mod:`daskdag.graph.stages`: every one ``jit=True``, none with rules of its own), whose
@@ -62,7 +63,7 @@ class WholeGradients:
     ``outputs`` (per output of the call: its name, its place among the stage's outputs, and
     whether a differentiated input reaches it), ``wrt`` (per differentiated input: its name and
     its place among the stage's deps) and ``nodes`` (the stage's, a prepared call's). It
-    travels as those (a cluster's worker keeps it, and compiles it once: :func:`graph`)."""
+    travels as those (a cluster's worker keeps it, and compiles it once: :func:`one_task`)."""
 
     def __init__(self, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node]):
         self.stage, self.outputs, self.wrt, self.nodes = stage, outputs, wrt, tuple(nodes)
