@@ -9,7 +9,7 @@ import os
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable, overload
 
 from distributed import Client
@@ -25,10 +25,10 @@ from daskdag.model.request import (batched_names, check_chunk_size, check_errors
                                    cotangents_for, given_values, one_input, parsed, prepare)
 from daskdag.running import programs
 from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, Job, call, lazy
+from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy
 from daskdag.running.programs import Program
 from daskdag.running.lazy import Call
-from daskdag.running.local import Template, slot
+from daskdag.running.local import GraphInOneTask, Template, graph_task, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, planning, sweep
 from daskdag.sweeps.store import SweepStore
@@ -166,16 +166,19 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
 @dataclass(frozen=True)
 class Gradients:
     """:func:`compute_grads` compiled (:mod:`daskdag.running.programs`): the checked plan, its
-    node functions packed for its ``transport``, its stages, and for a call in this process its
-    graph (a :class:`~daskdag.running.local.Template` whose slots take the inputs and the
-    outputs' cotangents), and the whole call as one program where it is one
-    (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster."""
+    node functions packed for its ``transport``, its stages, the names of its ``inputs``, and
+    for a call in this process its graph (a :class:`~daskdag.running.local.Template` whose
+    slots take the inputs and the outputs' cotangents); the whole call as one program where it
+    is one (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster; on
+    a cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`)."""
 
     plan: Plan
     stages: tuple[Stage, ...]
+    inputs: tuple[str, ...]
     template: Template | None
     transport: Transport
     whole: WholeGradients | None = None  # the call as one program (daskdag.graph.whole)
+    spreading: Spreading = field(default_factory=Spreading, compare=False)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -187,13 +190,34 @@ class Gradients:
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, transport, watched(request.plan, transport, watch))
         stages = stages_for(plan, transport.packs)
-        template = None if transport.packs else Template(build(
-            plan, {i: slot("input", i) for i in request.values},
-            GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}), transport,
-            stop=slot("stop"), stages=stages))
+        inputs = tuple(request.values)
+        template = None if transport.packs else Template(
+            cls.graph_template(plan, inputs, stages, transport))
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs)
-        return cls(plan, stages, template, transport, whole)
+        return cls(plan, stages, inputs, template, transport, whole)
+
+    @staticmethod
+    def graph_template(plan: Plan, inputs: tuple[str, ...], stages: Sequence[Stage],
+                       transport: Transport, place: Any = None) -> Any:
+        """The graph of a call, with slots for its inputs, the outputs' cotangents and the stop
+        signal; ``place`` as for :func:`~daskdag.graph.build.build`."""
+        return build(plan, {i: slot("input", i) for i in inputs},
+                     GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}),
+                     transport, place=place, stop=slot("stop"), stages=stages)
+
+    @cached_property
+    def in_one_task(self) -> GraphInOneTask | None:
+        """On a cluster, the call's graph to run whole in one task (None where its stages need
+        different resources, which no one worker may have), built at its first use."""
+        needs = {stage.needs for stage in self.stages}
+        if not self.transport.remote or self.whole is not None or len(needs) != 1:
+            return None
+        slots = (*(("input", i) for i in self.inputs),
+                 *(("cotangent", o) for o in self.plan.outputs))
+        return GraphInOneTask.built(partial(self.graph_template, self.plan, self.inputs,
+                                            self.stages, self.transport), slots,
+                                    dict(needs.pop()))
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,
             outputs: str | Sequence[str], keep: Any = None) -> Job:
@@ -215,10 +239,19 @@ class Gradients:
             return build(plan, values, GradientSeeding(cts), self.transport, place=place,
                          stop=stop, stages=self.stages)
 
+        in_one_task = self.in_one_task if self.transport.remote and whole is None else None
+
+        def contained(place: Any) -> Any:
+            assert in_one_task is not None
+            return graph_task(in_one_task, [values[i] for i in self.inputs] +
+                              [cts.get(o) for o in plan.outputs], self.transport, place)
+
         finish = partial(_results, plan.spec, outputs, info=info)
         direct = None if whole is None or self.transport.packs else partial(
             _directly, whole, finish, values, cts)
-        return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct)
+        return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct,
+                   contained=None if in_one_task is None else contained,
+                   spreading=self.spreading)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,

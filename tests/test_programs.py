@@ -25,6 +25,7 @@ import daskdag
 from daskdag import Node
 from daskdag.graph import build as build_module
 from daskdag.graph.assembly import kind_of
+from daskdag.running import resident
 
 from .support.numbers import TraceLog, assert_tree_close
 
@@ -299,3 +300,102 @@ def test_an_all_jit_loop_on_a_cluster_that_cannot_import_this_module(cli_client)
         assert_tree_close(value, want_value, rtol=1e-5)
         assert_tree_close(grad, want_grad, rtol=1e-5)
     assert len(ts.data) == 1
+
+
+# --- Eager stages on a cluster: spread, or the whole graph in one task, as the calls measure --------
+
+def _tasks_per_call(client, f, inputs):
+    """Per call of ``f``: its result and the keys of the tasks the workers ran for it, but the
+    values it kept on the cluster (placed once, for later calls)."""
+    out = []
+    for x in inputs:
+        with get_task_stream(client) as ts:
+            result = f(x)
+        out.append((result, [t["key"] for t in ts.data if kind_of(t["key"]) != "program"]))
+    return out
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_loop_of_short_eager_stages_runs_in_one_task_with_values_from_jax(cli_client):
+    """Eager nodes, on a cluster started by the ``dask`` CLI (the workers cannot import this
+    module): a loop's first calls spread a task per stage; once the calls have measured that
+    one task is faster (the stages are microseconds long), each call is one task, and sends
+    its new input only (the graph kept on the cluster). Every value and gradient is
+    ``jax.value_and_grad``'s, before and after the switch, and after the function a node
+    closes over is changed in place."""
+    scale = np.ones(5, np.float32)
+    dag = seed_dag(TraceLog(), jit=False)
+    dag["A"] = Node(lambda x: jnp.tanh(x) * 2.0 * scale, ["x"])
+    f = daskdag.value_and_grad(dag, "L", client=cli_client)
+
+    def want(x):
+        return jax.value_and_grad(_scaled)(x, scale)
+
+    runs = _tasks_per_call(cli_client, f, xs(12))
+    for x, ((value, grad), _) in zip(xs(12), runs):
+        assert_tree_close(value, want(x)[0], rtol=1e-5)
+        assert_tree_close(grad, want(x)[1], rtol=1e-5)
+    tasks = [len(keys) for _, keys in runs]
+    assert tasks[0] > 6 and all(n == 1 for n in tasks[-4:]), tasks
+    kept = resident.of(cli_client)
+    before = kept.sent
+    f(xs()[1])
+    assert kept.sent == before  # the graph is kept: a step places nothing
+
+    scale[:] = -0.5  # in place: a new graph, with the new content, wherever it runs
+    for x, ((value, grad), _) in zip(xs(3), _tasks_per_call(cli_client, f, xs(3))):
+        assert_tree_close(value, want(x)[0], rtol=1e-5)
+        assert_tree_close(grad, want(x)[1], rtol=1e-5)
+
+
+def _scaled(x, scale):
+    a = jnp.tanh(x) * 2.0 * jnp.asarray(scale)
+    b = jnp.outer(a, a) + jnp.eye(a.shape[0])
+    c = jnp.linalg.solve(b, jnp.ones(b.shape[0]))
+    return jnp.sum(c ** 2) + jnp.trace(b) / 10
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_long_eager_stages_side_by_side_stay_spread(client):
+    """Two branches that each take longer than a call in one task may (a sleep each): the
+    calls keep a task per stage, and the branches run on both workers at once."""
+    def slow(k):
+        def fn(x):
+            time.sleep(0.3)
+            return jnp.sin(x) * k
+        return fn
+
+    dag = {"P": (slow(1.0), ["x"]), "Q": (slow(2.0), ["x"]),
+           "L": (lambda p, q: jnp.sum(p * q), ["P", "Q"])}
+    f = daskdag.value_and_grad(dag, "L", client=client)
+    runs = _tasks_per_call(client, f, xs(7))
+    for x, ((value, grad), keys) in zip(xs(7), runs):
+        want = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) * jnp.sin(x) * 2.0))(x)
+        assert_tree_close(value, want[0], rtol=1e-5)
+        assert_tree_close(grad, want[1], rtol=1e-5)
+        assert len(keys) > 1, keys
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_node_failing_inside_the_one_task_is_named(client):
+    """Once the calls run in one task, a node that raises is a NodeError naming it, as when
+    the stages spread; and the next call with good inputs computes as before."""
+    def checked(x, n):
+        if int(n) > 10:  # (an integer input: not differentiated, so a value here)
+            raise ValueError("n is out of range")
+        return jnp.sin(x)
+
+    dag = {"A": (checked, ["x", "n"]), "L": (lambda a: jnp.sum(a ** 2), ["A"])}
+    f = daskdag.value_and_grad(dag, "L", client=client)
+    runs = _tasks_per_call(client, f, [{"x": x, "n": np.int32(1)} for x in xs(8)])
+    assert len(runs[-1][1]) == 1  # in one task by now
+    with pytest.raises(daskdag.NodeError, match="'A'") as e:
+        f({"x": xs()[0], "n": np.int32(20)})
+    assert "out of range" in str(e.value)
+    value, grad = f({"x": xs()[2], "n": np.int32(1)})
+    want = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(xs()[2])
+    assert_tree_close(value, want[0], rtol=1e-5)
+    assert_tree_close(grad["x"], want[1], rtol=1e-5)

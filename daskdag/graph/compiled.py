@@ -20,7 +20,7 @@ from daskdag.caches import ByObject
 from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import COMPILED
-from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, vjp_leaves
+from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, one_pass, vjp_leaves
 from daskdag.rules.vjp import linearize as vjp_linearize
 from daskdag.transport.packing import current
 
@@ -90,8 +90,9 @@ def mapped(fn, in_axes):
 
 
 def split(args, active):
-    """``((treedef, consts), traced)``: the args' leaves that the programs trace, and the rest
-    as hashable constants; None where a constant is not hashable."""
+    """``((treedef, consts), traced)``: the args' leaves that the programs trace (a tuple: a jitted
+    call takes a list's leaves by its slower path), and the rest as hashable constants; None
+    where a constant is not hashable."""
     leaves, treedef = jax.tree.flatten(tuple(args))
     on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
     # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
@@ -102,7 +103,7 @@ def split(args, active):
         hash(consts)
     except TypeError:
         return None
-    return (treedef, consts), [x for x, d in zip(leaves, dynamic) if d]
+    return (treedef, consts), tuple(x for x, d in zip(leaves, dynamic) if d)
 
 
 _TRACED = object()  # in a program's constants: the place of a traced leaf
@@ -150,17 +151,10 @@ def _make_programs(fn_of) -> tuple:
     def gradients(static, dynamic):
         treedef, consts, in_axes, active, seeded = static
         args = rebuild(treedef, consts, dynamic)
-        fn = replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
-        # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
-        # between them, as in jit(value_and_grad) of each. (Not one vjp of all the values with
-        # its passes vmapped: XLA cannot drop the products with the zeros where a pass does not
-        # start.)
-        out = []
-        for ones in seeded:
-            picked = [e for e, on in enumerate(ones) if on]
-            _, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args, active)
-            out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
-        return fn(*args), out
+        values, _, vjp_fn = vjp_leaves(mapped(fn_of(), in_axes), args, active)
+        return values, [vjp_fn(one_pass(values, {
+            e: [jnp.ones_like(leaf) for leaf in differentiable_leaves(values[e])]
+            for e, on in enumerate(ones) if on})) for ones in seeded]
 
     # (rows: a Jacobian's stacked cotangents, each pulled back, as one program compiled once)
     return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,

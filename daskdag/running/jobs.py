@@ -7,6 +7,8 @@ collection (the lazy ones). The same for :func:`daskdag.compute_grads`,
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -94,6 +96,11 @@ class Job:
     #: The call as one program in this process (:mod:`daskdag.graph.whole`), where it is one:
     #: ``direct()`` gives the call's result, or None where it cannot this time (the graph runs).
     direct: Callable[[], Any] | None = None
+    #: On a cluster, the call's graph whole in one task, where it can be: ``contained(place)``
+    #: (:class:`~daskdag.running.local.GraphInOneTask`), run instead of ``make``'s graph when
+    #: ``spreading`` says the call gains nothing from spreading its stages over the workers.
+    contained: Callable[[Any], Any] | None = None
+    spreading: "Spreading | None" = None
 
 
 class Kind(Protocol):
@@ -149,11 +156,57 @@ def run(job: Job, client, local: str | None, progress: bool):
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     before = kept.sent if kept else 0
+    whole = job.contained is not None and job.spreading is not None and not progress and \
+        job.spreading.whole()
+    start = time.perf_counter()
     with kept.keeping(client) if kept else contextlib.nullcontext() as place:
-        graph = job.make(place, stop)
+        graph = job.contained(place) if whole else job.make(place, stop)  # type: ignore[misc]
         log.submitted(job.kind, job.plan, graph, log.where(client, local),
                       kept.sent - before if kept else None)
-        return job.finish(compute(graph, client, progress, stop, local, job.plan))
+        computed = compute(graph, client, progress, stop, local, job.plan)
+    if job.spreading is not None and not progress:
+        job.spreading.record(whole, time.perf_counter() - start)
+    return job.finish(computed)
+
+
+class Spreading:
+    """Whether a program's calls on a cluster run spread over the workers, a task per stage, or
+    whole in one task (:class:`~daskdag.running.local.GraphInOneTask`), as the calls
+    themselves measure: spreading pays where stages run side by side or are long, and costs a
+    scheduler round trip per task where they are short. A program's first :data:`FIRST` calls
+    spread (a call or two is not a loop; the first compiles); when one of the last of them
+    took less than :data:`TRY_WHOLE`, the next two run in one task (the first of them warms
+    its worker up); from then on the faster way runs (by the shortest of its last :data:`SAMPLES`
+    calls), and every :data:`RECHECK` calls the other way runs once, so that a change (slower
+    nodes, more workers) is seen; after a call in one task that took longer than
+    :data:`TRY_WHOLE`, the calls spread, trying one task again at the next recheck."""
+
+    FIRST = 4
+    TRY_WHOLE = 0.25  # seconds
+    SAMPLES = 3
+    RECHECK = 256
+
+    def __init__(self) -> None:
+        self.took: dict[bool, deque] = {False: deque(maxlen=self.SAMPLES),
+                                        True: deque(maxlen=self.SAMPLES)}
+        self.calls = 0
+
+    def whole(self) -> bool:
+        """Whether this call runs in one task."""
+        self.calls += 1
+        spread, whole = self.took[False], self.took[True]
+        if self.calls <= self.FIRST or not spread:
+            return False
+        if len(whole) < 2:  # (the first call in one task warms its worker up)
+            return min(spread) < self.TRY_WHOLE
+        recheck = self.calls % self.RECHECK == 0
+        if whole[-1] > self.TRY_WHOLE:
+            return recheck
+        return (min(whole) < min(spread)) != recheck
+
+    def record(self, whole: bool, seconds: float) -> None:
+        """A call ran (``whole``: in one task) and took ``seconds``."""
+        self.took[whole].append(seconds)
 
 
 def as_collection(job: Job) -> Call:

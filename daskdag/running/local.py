@@ -19,26 +19,32 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import threading
 import time
+import uuid
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable
 
 import dask
 import dask.local
 import jax
 import dask.threaded
+from dask.base import tokenize
 from dask.callbacks import Callback
 from dask.system import CPU_COUNT
 from dask.task_spec import DataNode, TaskRef
 from dask.threaded import ContextAwareThreadPoolExecutor
 
+from daskdag.cancel import Stop
 from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
-from daskdag.graph.assembly import kind_of
+from daskdag.graph.assembly import Intake, TaskGraph, key, kind_of
+from daskdag.graph.run import identity
+from daskdag.graph.whole import OneTask
 from daskdag.running.dask_local import batch_tasks, running, threads_of
-from daskdag.transport.packing import unwrap
+from daskdag.transport.packing import unpack, unwrap
 from daskdag.model.spec import Node
 
 SHORT = 5e-3  # seconds: a task shorter than this gains nothing from a thread of its own
@@ -233,3 +239,86 @@ def _pool():
             _threads.append(ContextAwareThreadPoolExecutor(CPU_COUNT))
             atexit.register(_threads[0].shutdown)
         return _threads[0]
+
+
+class GraphInOneTask:
+    """A cluster call's graph run whole inside one task: a :class:`Template` built for the
+    cluster (its functions and values packed), kept on the cluster under its :attr:`token` and
+    sent once; each call sends the values of its ``slots`` (``(kind, name)`` as :func:`slot`
+    takes them; the stop signal is the task's own) and one task, which fills the template and
+    runs its tasks in order in the worker's thread (:func:`in_order`). For a call of short
+    stages, whose spreading over the workers costs more than their work
+    (:class:`~daskdag.running.jobs.Spreading` decides).
+
+    ``kept``: what the graph takes from the cluster's kept values (its large nodes and
+    constants, :mod:`daskdag.running.resident`), as the template was built: ``(key, fn,
+    payload, needs)``, placed again by each call (so they stay kept) and given to its task."""
+
+    def __init__(self, template: Template, slots: tuple[tuple[str, str], ...], needs: dict,
+                 kept: tuple = ()):
+        self.template, self.slots, self.needs, self.kept = template, slots, needs, kept
+        self.kept_keys = tuple(k for k, *_ in kept)
+
+    @classmethod
+    def built(cls, build: Callable[[Any], Any], slots: tuple[tuple[str, str], ...],
+              needs: dict) -> GraphInOneTask:
+        """The graph that ``build(place)`` builds, its kept values recorded."""
+        kept: list = []
+
+        def place(key, fn, payload, needs=None):
+            kept.append((key, fn, payload, needs))
+            return TaskRef(key)
+
+        return cls(Template(build(place)), slots, needs, tuple(kept))
+
+    @functools.cached_property
+    def token(self) -> str:
+        """What the graph is: its keys, which are the content tokens of their tasks."""
+        return tokenize(self.template.keys, list(self.template.dsk))
+
+    def __reduce__(self):
+        return _receive_graph, (self.token, self.template, self.slots, self.needs,
+                                self.kept_keys)
+
+    def __call__(self, *values) -> Any:
+        """The call's ``{output: (value, {name: grad})}`` for the values of its slots, then of
+        its kept keys."""
+        n = len(self.slots)
+        filled = self.template.fill({**{slot(*s): v for s, v in zip(self.slots, values[:n])},
+                                     **{TaskRef(k): v for k, v in zip(self.kept_keys, values[n:])},
+                                     slot("stop"): Stop()})
+        return jax.tree.unflatten(filled.structure, in_order(filled.dsk, filled.keys))
+
+
+_WHAT = {"input": "input {!r}", "cotangent": "the cotangent of {!r}", "tangent": "tangent {!r}"}
+
+#: The graphs this process received to run in one task, by token.
+_graphs: Cache[GraphInOneTask] = Cache("graphs received to run in one task", 32)
+
+
+def _receive_graph(token: str, template: Template, slots: tuple, needs: dict,
+                   kept_keys: tuple) -> GraphInOneTask:
+    hit = _graphs.get(token)
+    if hit is None:
+        hit = _graphs.put(token, GraphInOneTask(template, slots, needs))
+        hit.token, hit.kept_keys = token, kept_keys
+    return hit
+
+
+def run_graph(graph: GraphInOneTask, *values) -> Any:
+    """``graph`` run as a task, with its slots' packed values, then its kept values."""
+    return graph(*(unpack(v) for v in values))
+
+
+def graph_task(graph: GraphInOneTask, values: list, transport, place) -> OneTask:
+    """The call on a cluster as one task that runs ``graph`` with its slots' ``values`` (None
+    where a cotangent is not given): the graph is kept on the cluster under its token
+    (``place``, :mod:`daskdag.running.resident`), sent by the first call that runs it so;
+    each call sends its values (packed for ``transport``) and this one task."""
+    intake = Intake(TaskGraph(), transport, place)
+    kept = intake.kept("program", "graph", graph.token, identity, graph, graph.needs)
+    args = [None if v is None else intake.packed(kind, name, _WHAT[kind].format(name), v)
+            for (kind, name), v in zip(graph.slots, values)]
+    args += [place(*spec) for spec in graph.kept]
+    return OneTask(key("fwd", "graph", uuid.uuid4().hex), run_graph, (kept, *args),
+                   dict(graph.needs))
