@@ -20,7 +20,7 @@ from daskdag.caches import ByObject
 from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import COMPILED
-from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, one_pass, vjp_leaves
+from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, vjp_leaves
 from daskdag.rules.vjp import linearize as vjp_linearize
 from daskdag.transport.packing import current
 
@@ -151,10 +151,17 @@ def _make_programs(fn_of) -> tuple:
     def gradients(static, dynamic):
         treedef, consts, in_axes, active, seeded = static
         args = rebuild(treedef, consts, dynamic)
-        values, _, vjp_fn = vjp_leaves(mapped(fn_of(), in_axes), args, active)
-        return values, [vjp_fn(one_pass(values, {
-            e: [jnp.ones_like(leaf) for leaf in differentiable_leaves(values[e])]
-            for e, on in enumerate(ones) if on})) for ones in seeded]
+        fn = replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
+        # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
+        # between them, as in jit(value_and_grad) of each. (Not one vjp of all the values with
+        # its passes vmapped: XLA cannot drop the products with the zeros where a pass does not
+        # start.)
+        out = []
+        for ones in seeded:
+            picked = [e for e, on in enumerate(ones) if on]
+            _, diff, vjp_fn = vjp_leaves(lambda *a: tuple(fn(*a)[e] for e in picked), args, active)
+            out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
+        return fn(*args), out
 
     # (rows: a Jacobian's stacked cotangents, each pulled back, as one program compiled once)
     return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,

@@ -40,7 +40,7 @@ from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import seed
-from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, one_pass, vjp_leaves
+from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, vjp_leaves
 from daskdag.transport.packing import current, unpack
 from daskdag.transport.transports import Transport
 
@@ -108,17 +108,17 @@ class WholeGradients:
     def _run(self, static, traced, cotangents):
         treedef, consts = static
         args = rebuild(treedef, consts, traced)
-        fn = self.fused
-        if not self.wrt:
-            values = fn(*args)
-            return tuple((values[e], ()) for _, e, _ in self.outputs)
-        values, _, vjp_fn = vjp_leaves(fn, args, self.active)  # (one forward pass for all)
-        counts = diff_counts(args, self.active)
+        fn = replay(self.fused, treedef, consts, traced)  # (the user's Python code runs once)
+        values = fn(*args)
         out = []
         for (o, e, reached), ct in zip(self.outputs, cotangents):
+            if not self.wrt:
+                out.append((values[e], ()))
+                continue
             if reached:
-                shares = by_arg(vjp_fn(one_pass(values, {e: list(seed(values[e], o, ct))})),
-                                self.active, counts)
+                _, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
+                shares = by_arg(vjp_fn(list(seed(values[e], o, ct))), self.active,
+                                diff_counts(args, self.active))
             else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
                 shares = (None,) * len(args)
             out.append((values[e], tuple(_laid_out(args[d], shares[d]) for _, d in self.wrt)))

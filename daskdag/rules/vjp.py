@@ -140,19 +140,6 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     return rebuild(primal_diff, held), primal_diff, vjp_fn
 
 
-def one_pass(values: Sequence[Any], seeds: dict[int, Sequence[Any]]) -> list:
-    """The cotangent of one backward pass through a function of a tuple of ``values``, leaf by
-    leaf as the ``vjp_fn`` of :func:`vjp_leaves` takes it: ``seeds[e]`` at the differentiable
-    leaves of value ``e``, zeros at the others'. Passes pulled back through one ``vjp_fn`` share
-    its forward pass (XLA does not merge the forward work of separate vjps: a linear solve
-    would run once per pass)."""
-    flat: list = []
-    for e, value in enumerate(values):
-        flat.extend(seeds[e] if e in seeds else
-                    [jnp.zeros_like(leaf) for leaf in differentiable_leaves(value)])
-    return flat
-
-
 def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
     and ``jax.jvp`` (:func:`daskdag.graph.forward.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
