@@ -98,6 +98,15 @@ class Spec:
     order: tuple[str, ...]  # node names, each after all its deps
     uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
 
+    def part(self, names: Iterable[str]) -> Spec:
+        """The spec of the nodes ``names`` alone, in this one's order: the names they take
+        from other nodes are its inputs."""
+        keep = set(names)
+        nodes = {n: self.nodes[n] for n in self.order if n in keep}
+        inputs = tuple(dict.fromkeys(d for node in nodes.values() for d in node.deps
+                                     if d not in nodes))
+        return Spec(nodes, inputs, tuple(nodes), _uses(nodes, tuple(nodes)))
+
     def ancestors(self, names: Iterable[str]) -> set[str]:
         """Nodes and inputs that ``names`` depend on, ``names`` included."""
         seen, stack = set(), list(names)
@@ -125,11 +134,16 @@ def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
     except graphlib.CycleError as e:
         cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
         raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
+    return Spec(nodes, inputs, order, _uses(nodes, order))
+
+
+def _uses(nodes: Mapping[str, Node], order: tuple[str, ...]) -> dict:
+    """Each name's uses: ``(consumer, position)`` of each, consumers in ``order``."""
     uses: dict[str, tuple[tuple[str, int], ...]] = {}
     for name in order:
         for i, d in enumerate(nodes[name].deps):
             uses[d] = uses.get(d, ()) + ((name, i),)
-    return Spec(nodes, inputs, order, uses)
+    return uses
 
 
 def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> Node:

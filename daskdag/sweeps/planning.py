@@ -173,6 +173,24 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
                  transport)
 
 
+def shared_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
+    """The nodes a sweep computes from its shared inputs alone (they carry no items), which
+    every chunk would otherwise compute again: ``(plan, rest)``, where ``plan`` computes, from
+    the shared inputs, the values of those that the other nodes take (its outputs), and
+    ``rest`` is the sweep without them, those values its chunks' shared inputs; None where
+    there are none. Outputs and nodes named in ``wrt`` stay in the chunks (their values or
+    gradients are per item)."""
+    plan = sweep.plan
+    kept = set(plan.outputs) | set(plan.wrt)
+    once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
+    if not once:
+        return None
+    others = [n for n in plan.needed if n not in once]
+    taken = [n for n in once if any(c in others for c, _ in plan.spec.uses.get(n, ()))]
+    rest = replace(sweep, plan=make_plan(plan.spec.part(others), plan.outputs, plan.wrt))
+    return make_plan(plan.spec.part(once), tuple(taken), ()), rest
+
+
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
     """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
     per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
