@@ -4,10 +4,12 @@
   :class:`~daskdag.running.programs.Program`), kept for the next calls while nothing it relies
   on changes, and the programs a prepared function holds;
 - :mod:`~daskdag.running.jobs`: the kinds of call, a call of a program ready to run, now or as
-  a Dask collection, and :class:`~daskdag.CallInfo`, how it was computed;
+  a Dask collection, :class:`~daskdag.CallInfo`, how it was computed, and how a program's
+  calls on a cluster spread or run in one task (:class:`~daskdag.running.jobs.Spreading`);
 - :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
-- :mod:`~daskdag.running.local`: the threaded scheduler of a local call, and a prepared
-  call's graph built once (:class:`~daskdag.running.local.Template`);
+- :mod:`~daskdag.running.local`: the threaded scheduler of a local call, a prepared call's
+  graph built once (:class:`~daskdag.running.local.Template`), and a cluster call's graph run
+  whole in one task (:class:`~daskdag.running.local.GraphInOneTask`);
 - :mod:`~daskdag.running.dask_local`: what it reads of Dask's threaded scheduler that Dask
   does not document, in one place;
 - :mod:`~daskdag.running.lazy`: a call as a Dask collection (:class:`~daskdag.Call`);
