@@ -17,7 +17,7 @@ from distributed import Client
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, stages_for
-from daskdag.graph.whole import WholeGradients, one_task, whole_stage
+from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
 from daskdag.graph.whole import fits as whole_fits
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, ship
@@ -28,7 +28,7 @@ from daskdag.running.compute import where
 from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy
 from daskdag.running.programs import Program
 from daskdag.running.lazy import Call
-from daskdag.running.local import GraphInOneTask, Template, graph_task, slot
+from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
 from daskdag.running.log import where as where_in_words
 from daskdag.sweeps import arrays, planning, sweep
 from daskdag.sweeps.store import SweepStore
@@ -206,18 +206,25 @@ class Gradients:
                      GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}),
                      transport, place=place, stop=slot("stop"), stages=stages)
 
-    @cached_property
-    def in_one_task(self) -> GraphInOneTask | None:
-        """On a cluster, the call's graph to run whole in one task (None where its stages need
-        different resources, which no one worker may have), built at its first use."""
+    @property
+    def one_task_needs(self) -> dict | None:
+        """On a cluster, the resources of the call's graph run whole in one task, where it can
+        be (None: in this process or a lazy call, a whole program's call, or stages that need
+        different resources, which no one worker may have)."""
         needs = {stage.needs for stage in self.stages}
         if not self.transport.remote or self.whole is not None or len(needs) != 1:
             return None
+        return dict(needs.pop())
+
+    @cached_property
+    def in_one_task(self) -> GraphInOneTask:
+        """The call's graph to run whole in one task (where :attr:`one_task_needs`), built at
+        the first call that runs that way."""
         slots = (*(("input", i) for i in self.inputs),
                  *(("cotangent", o) for o in self.plan.outputs))
         return GraphInOneTask.built(partial(self.graph_template, self.plan, self.inputs,
                                             self.stages, self.transport), slots,
-                                    dict(needs.pop()))
+                                    self.one_task_needs or {})
 
     def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,
             outputs: str | Sequence[str], keep: Any = None) -> Job:
@@ -239,18 +246,18 @@ class Gradients:
             return build(plan, values, GradientSeeding(cts), self.transport, place=place,
                          stop=stop, stages=self.stages)
 
-        in_one_task = self.in_one_task if self.transport.remote and whole is None else None
-
         def contained(place: Any) -> Any:
-            assert in_one_task is not None
-            return graph_task(in_one_task, [values[i] for i in self.inputs] +
-                              [cts.get(o) for o in plan.outputs], self.transport, place)
+            graph = self.in_one_task
+            return program_task(graph, "graph", graph.needs, run_graph,
+                                [(kind, name, values[name] if kind == "input" else cts.get(name))
+                                 for kind, name in graph.slots], self.transport, place,
+                                graph.kept)
 
         finish = partial(_results, plan.spec, outputs, info=info)
         direct = None if whole is None or self.transport.packs else partial(
             _directly, whole, finish, values, cts)
         return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct,
-                   contained=None if in_one_task is None else contained,
+                   contained=None if self.one_task_needs is None else contained,
                    spreading=self.spreading)
 
 

@@ -177,24 +177,40 @@ class OneTask:
 
 def one_task(program: WholeGradients, values: dict[str, Any],
              cotangents: dict[str, Any], transport: Transport, place) -> OneTask:
-    """The call on a cluster as one task, whose result is ``program``'s: the program is a value
-    kept on the cluster under its token (``place``, :mod:`daskdag.running.resident`), sent
-    by the first call and compiled once by the worker that holds it; each call sends its
-    input ``values`` and ``cotangents`` (packed for ``transport``) and this one task."""
-    intake = Intake(TaskGraph(), transport, place)
+    """The call on a cluster as one task, whose result is ``program``'s
+    (:func:`program_task`): each call sends its input ``values`` and ``cotangents``."""
     stage = program.stage
-    kept = intake.kept("program", stage.name, program.token, identity, program, stage.needs)
-    args = [intake.packed("input", d, f"input {d!r}", values[d]) for d in stage.deps]
-    args += [None if cotangents.get(o) is None else
-             intake.packed("cotangent", o, f"the cotangent of {o!r}", cotangents[o])
-             for o, _, _ in program.outputs]
-    return OneTask(key("fwd", stage.name, uuid.uuid4().hex), run_task, (kept, len(stage.deps), *args),
-                   dict(stage.needs))
+    return program_task(program, stage.name, stage.needs, run_task,
+                        [("input", d, values[d]) for d in stage.deps] +
+                        [("cotangent", o, cotangents.get(o)) for o, _, _ in program.outputs],
+                        transport, place)
 
 
-def run_task(program: WholeGradients, n: int, *args) -> dict:
+#: How :func:`program_task` names a value it cannot pack, by its kind.
+WHAT = {"input": "input {!r}", "cotangent": "the cotangent of {!r}"}
+
+
+def program_task(program: Any, label: str, needs: Any, run: Callable,
+                 slots: Sequence[tuple[str, str, Any]], transport: Transport, place,
+                 kept: Sequence[tuple] = ()) -> OneTask:
+    """``run(program, *values)`` as one task on a cluster: ``program`` (with a ``token``) is a
+    value kept there under its token (``place``, :mod:`daskdag.running.resident`), sent by
+    the first call and reused by the worker that holds it; ``values`` are those of ``slots``
+    (``(kind, name, value)``, None where not given), packed for ``transport``, then the
+    cluster's kept values ``kept`` (``(key, fn, payload, needs)``, placed again so that they
+    stay). ``label`` names the task, ``needs`` its resources."""
+    intake = Intake(TaskGraph(), transport, place)
+    held = intake.kept("program", label, program.token, identity, program, needs)
+    args = [None if v is None else intake.packed(kind, name, WHAT[kind].format(name), v)
+            for kind, name, v in slots]
+    args += [place(*spec) for spec in kept]
+    return OneTask(key("fwd", label, uuid.uuid4().hex), run, (held, *args), dict(needs))
+
+
+def run_task(program: WholeGradients, *args) -> dict:
     """``program`` run as a task (:func:`one_task`): ``args``, the packed values of the stage's
-    ``n`` deps, then the outputs' cotangents."""
+    deps, then the outputs' cotangents."""
+    n = len(program.stage.deps)
     args = tuple(unpack(a) for a in args)
     values = dict(zip(program.stage.deps, args[:n]))
     cotangents = {o: ct for (o, _, _), ct in zip(program.outputs, args[n:]) if ct is not None}

@@ -22,7 +22,6 @@ import concurrent.futures
 import functools
 import threading
 import time
-import uuid
 from collections import Counter, deque
 from typing import Any, Callable
 
@@ -40,9 +39,7 @@ from daskdag.cancel import Stop
 from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
-from daskdag.graph.assembly import Intake, TaskGraph, key, kind_of
-from daskdag.graph.run import identity
-from daskdag.graph.whole import OneTask
+from daskdag.graph.assembly import kind_of
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unpack, unwrap
 from daskdag.model.spec import Node
@@ -290,8 +287,6 @@ class GraphInOneTask:
         return jax.tree.unflatten(filled.structure, in_order(filled.dsk, filled.keys))
 
 
-_WHAT = {"input": "input {!r}", "cotangent": "the cotangent of {!r}", "tangent": "tangent {!r}"}
-
 #: The graphs this process received to run in one task, by token.
 _graphs: Cache[GraphInOneTask] = Cache("graphs received to run in one task", 32)
 
@@ -308,17 +303,3 @@ def _receive_graph(token: str, template: Template, slots: tuple, needs: dict,
 def run_graph(graph: GraphInOneTask, *values) -> Any:
     """``graph`` run as a task, with its slots' packed values, then its kept values."""
     return graph(*(unpack(v) for v in values))
-
-
-def graph_task(graph: GraphInOneTask, values: list, transport, place) -> OneTask:
-    """The call on a cluster as one task that runs ``graph`` with its slots' ``values`` (None
-    where a cotangent is not given): the graph is kept on the cluster under its token
-    (``place``, :mod:`daskdag.running.resident`), sent by the first call that runs it so;
-    each call sends its values (packed for ``transport``) and this one task."""
-    intake = Intake(TaskGraph(), transport, place)
-    kept = intake.kept("program", "graph", graph.token, identity, graph, graph.needs)
-    args = [None if v is None else intake.packed(kind, name, _WHAT[kind].format(name), v)
-            for (kind, name), v in zip(graph.slots, values)]
-    args += [place(*spec) for spec in graph.kept]
-    return OneTask(key("fwd", "graph", uuid.uuid4().hex), run_graph, (kept, *args),
-                   dict(graph.needs))
