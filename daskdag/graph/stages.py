@@ -253,6 +253,12 @@ class _Grouping:
         return into
 
 
+def one_stage(plan: Plan) -> Stage:
+    """All of the plan's needed nodes as one stage, run node by node (each under its rule, a
+    chain of JAX nodes under one ``jax.vjp``), its exposed nodes the plan's outputs."""
+    return _stage(plan, plan.needed, False, lambda d: ())
+
+
 def _jittable(node: Node) -> bool:
     element, in_axes = element_of(node)
     if in_axes is not None:  # over a batch: a vmap node (the user's own code vectorizes itself)

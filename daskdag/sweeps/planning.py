@@ -45,6 +45,8 @@ class Sweep:
     cotangents: dict[str, Any]
     size: int
     transport: Transport  # how chunk graphs take in their values (daskdag.transport.transports)
+    # nodes of shared inputs differentiated per item, run once (daskdag.sweeps.shared.Through)
+    through: Any = None
 
     @property
     def vectorized(self) -> bool:
@@ -171,24 +173,6 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
     plan = ship(make_plan(replace(spec, nodes=nodes), outputs, tuple(wrt)), transport)
     return Sweep(plan, values, frozenset(batched), broadcast, frozenset(carrying), cotangents, size,
                  transport)
-
-
-def shared_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
-    """The nodes a sweep computes from its shared inputs alone (they carry no items), which
-    every chunk would otherwise compute again: ``(plan, rest)``, where ``plan`` computes, from
-    the shared inputs, the values of those that the other nodes take (its outputs), and
-    ``rest`` is the sweep without them, those values its chunks' shared inputs; None where
-    there are none. Outputs and nodes named in ``wrt`` stay in the chunks (their values or
-    gradients are per item)."""
-    plan = sweep.plan
-    kept = set(plan.outputs) | set(plan.wrt)
-    once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
-    if not once:
-        return None
-    others = [n for n in plan.needed if n not in once]
-    taken = [n for n in once if any(c in others for c, _ in plan.spec.uses.get(n, ()))]
-    rest = replace(sweep, plan=make_plan(plan.spec.part(others), plan.outputs, plan.wrt))
-    return make_plan(plan.spec.part(once), tuple(taken), ()), rest
 
 
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:

@@ -25,24 +25,22 @@ import jax
 import numpy as np
 
 from daskdag.errors import NodeError
-from daskdag.graph.build import GradientSeeding, build
 from daskdag.model.leaves import is_array
 from daskdag.model.request import batch_size, cotangents_for
 from daskdag.running import cluster
-from daskdag.running.compute import compute
 from daskdag.running.log import logger, where
 from daskdag.running.resident import placing
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.sweeps.failures import detached
 from daskdag.sweeps.identity import identity, items_hash
-from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size, shared_part
+from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size
+from daskdag.sweeps.shared import share
 from daskdag.sweeps.progress import Progress
 from daskdag.sweeps.results import Stacked, item_shapes
 from daskdag.sweeps.store import Store
 
 
-NUMBERS = (bool, int, float, complex)
 PIECE_SECONDS = 10.0  # with a store and no chunk_size given: the work of a piece, about
 
 
@@ -89,39 +87,14 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
             kept.close()
 
 
-def shared_once(planned: Sweep, client, local: str | None) -> Sweep:
-    """``planned`` with the nodes it computes from its shared inputs alone
-    (:func:`~daskdag.sweeps.planning.shared_part`) computed once, here or on ``client``'s
-    cluster, their values shared inputs of every chunk; ``planned`` itself where there are none,
-    where one of them fails (the chunks then run them, and the error names the item, as
-    ``errors=`` says), or, on a cluster, where a value is not made of arrays and numbers (it
-    would have to travel from one worker to all: the chunks compute it where they run)."""
-    split = shared_part(planned)
-    if split is None:
-        return planned
-    plan, rest = split
-    graph = build(plan, {i: planned.values[i] for i in plan.spec.inputs}, GradientSeeding({}),
-                  planned.transport)
-    try:
-        computed = compute(graph, client, False, None, local, plan)
-    except NodeError:
-        return planned
-    values = {n: computed[n][0] for n in plan.outputs}
-    if planned.transport.remote and not all(is_array(leaf) or isinstance(leaf, NUMBERS)
-                                            for leaf in jax.tree.leaves(values)):
-        return planned  # (a value that may not travel, a solver object say, stays on its worker)
-    logger.info("sweep_grads: nodes %s computed once for every item", list(plan.needed))
-    return replace(rest, values={**planned.values, **values})
-
-
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
         workers: dict | None = None, store: Store | None = None, by_time: bool = False,
         local: str | None = None):
     """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
     ``workers``: ``client``'s workers as just listed (:func:`daskdag.running.cluster.workers`), if known.
-    ``by_time``: chunks run in pieces sized by time (:class:`_Pieces`). Where more than one
-    chunk is left to run, the nodes of shared inputs alone run once first (:func:`shared_once`,
-    on ``client``'s cluster, else on Dask's ``local`` scheduler).
+    ``by_time``: chunks run in pieces sized by time (:class:`_Pieces`). The nodes of shared
+    inputs alone run once first (:func:`daskdag.sweeps.shared.share`, on ``client``'s cluster,
+    else here or on Dask's ``local`` scheduler).
 
     ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
     failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no item gave any);
@@ -157,9 +130,9 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                     start, stop, chunk_hash(sweep, start, stop),
                     computed and _as_rows(sweep, start, stop, computed), fails))
         try:
-            if sweep.size - (int(done.sum()) if done is not None else 0) > chunk_size:
-                sweep = shared_once(sweep, client, local)
-            _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
+            left = sweep.size - (int(done.sum()) if done is not None else 0)
+            _compute(share(sweep, left, chunk_size, client, local), chunk_size, client,
+                     in_flight, bar, errors, stacked, failed, workers,
                      done, keep, by_time)
         except KeyboardInterrupt:
             if store is None:
@@ -387,6 +360,11 @@ def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, 
     fails = {start + i: detached(e, start + i) for i, e in sorted(fails.items())}
     if len(fails) == stop - start:  # (nothing to keep but the failures)
         computed = None
+    if computed is not None and sweep.through is not None:
+        try:
+            computed = sweep.through.pull(computed, stop - start)
+        except NodeError as e:
+            return detached(e, start if stop - start == 1 else None), seconds
     if keep is not None:
         keep(chunk, computed, fails or None)
     if computed is not None:

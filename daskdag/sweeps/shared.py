@@ -1,0 +1,241 @@
+"""Work every item of a sweep shares: the nodes it computes from its shared inputs alone run
+once for the whole sweep, not once per chunk or per item (:func:`share`).
+
+Two kinds, each taken out of the chunks' plan:
+
+- **Constants**: nodes through which no gradient passes (no ``wrt`` input among their
+  ancestors). They run once as a graph of their own, here or on the cluster, where independent
+  ones run side by side; their values become shared inputs of every chunk
+  (:func:`constants`).
+- **Differentiated per item**: nodes of shared inputs named in ``wrt`` (each item gets its
+  gradient with respect to them). They run once, as one task, each under its rule, and their
+  pullback is kept (:class:`Through`). Every chunk takes their values as inputs differentiated
+  per item, as it takes those shared inputs; after a chunk, its items' gradients at them are
+  pulled back to the shared inputs through the kept pullback: every output's rows at once under
+  ``jax.vmap``, or row by row for a rule that cannot be vmapped (:func:`differentiated`).
+
+Outputs and nodes named in ``wrt`` stay in the chunks (their values and gradients are per item),
+and so do the nodes after them. Where one of these nodes fails, the chunks run it, as they
+would without this, and the error names the item as ``errors=`` says.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.errors import NodeError
+from daskdag.graph.build import GradientSeeding, build
+from daskdag.graph.run import linearize
+from daskdag.graph.stages import Stage, one_stage
+from daskdag.graph.tasks import Rows
+from daskdag.model.leaves import is_array, is_differentiable, on_differentiable
+from daskdag.model.plan import Plan, make_plan
+from daskdag.running.compute import compute
+from daskdag.running.log import logger
+from daskdag.sweeps.chunked import chunk_of
+from daskdag.sweeps.planning import Sweep
+from daskdag.transport.packing import unpack
+
+NUMBERS = (bool, int, float, complex)
+
+
+def share(sweep: Sweep, left: int, chunk_size: int, client, local: str | None) -> Sweep:
+    """``sweep`` with its shared work done once (the module's docstring), for ``left`` items
+    still to run in chunks of ``chunk_size``, on ``client``'s cluster or Dask's ``local``
+    scheduler: constants where more than one chunk is left (within one chunk they run once
+    anyway), nodes differentiated per item where more than one item is."""
+    if left > chunk_size:
+        sweep = constants(sweep, client, local)
+    if left > 1:
+        sweep = differentiated(sweep, client)
+    return sweep
+
+
+def constants(planned: Sweep, client, local: str | None) -> Sweep:
+    """``planned`` with its constants (:func:`constants_part`) computed once, their values
+    shared inputs of every chunk; ``planned`` itself where there are none, where one of them
+    fails, or, on a cluster, where a value is not made of arrays and numbers (it would have to
+    travel from one worker to all: the chunks compute it where they run)."""
+    split = constants_part(planned)
+    if split is None:
+        return planned
+    plan, rest = split
+    graph = build(plan, {i: planned.values[i] for i in plan.spec.inputs}, GradientSeeding({}),
+                  planned.transport)
+    try:
+        computed = compute(graph, client, False, None, local, plan)
+    except NodeError:
+        return planned
+    values = {n: computed[n][0] for n in plan.outputs}
+    if planned.transport.remote and not _travels(values):
+        return planned  # (a value that may not travel, a solver object say, stays on its worker)
+    logger.info("sweep_grads: nodes %s computed once for every item", list(plan.needed))
+    return replace(rest, values={**planned.values, **values})
+
+
+def constants_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
+    """The nodes a sweep computes from its shared inputs alone through which no gradient
+    passes: ``(plan, rest)``, where ``plan`` computes, from the shared inputs, the values of
+    those that the other nodes take (its outputs), and ``rest`` is the sweep without them, those
+    values its chunks' shared inputs; None where there are none."""
+    plan = sweep.plan
+    kept = set(plan.outputs) | set(plan.wrt)
+    once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
+    if not once:
+        return None
+    others = [n for n in plan.needed if n not in once]
+    taken = [n for n in once if any(c in others for c, _ in plan.spec.uses.get(n, ()))]
+    rest = replace(sweep, plan=make_plan(plan.spec.part(others), plan.outputs, plan.wrt))
+    return make_plan(plan.spec.part(once), tuple(taken), ()), rest
+
+
+def differentiated(planned: Sweep, client) -> Sweep:
+    """``planned`` with its nodes differentiated per item (:func:`differentiated_part`) run
+    once, as one task (on ``client``'s cluster, or here), their pullback kept in the sweep's
+    :attr:`~daskdag.sweeps.planning.Sweep.through`; ``planned`` itself where there are none,
+    where one of them fails, or, on a cluster, where a value is not made of arrays and
+    numbers."""
+    split = differentiated_part(planned)
+    if split is None:
+        return planned
+    plan, stage, rest = split
+    nodes = [plan.spec.nodes[n] for n in stage.nodes]
+    deps = tuple(planned.values[d] for d in stage.deps)
+    try:
+        if client is None:
+            values, pullback = linearized(stage, nodes, deps)
+        else:
+            work = planned.transport.pack("the forward pass of the shared nodes",
+                                          (stage, nodes, deps), hashed=False)
+            future = client.submit(linearized_packed, work, pure=False,
+                                   key=f"fwd:{stage.name}-{uuid.uuid4().hex}",
+                                   resources=dict(stage.needs) or None)
+            try:
+                values, pullback = future.result()
+            finally:
+                future.release()
+    except NodeError:
+        return planned
+    exposed = dict(zip(stage.outputs, values))
+    if planned.transport.remote and not _travels(exposed):
+        return planned
+    logger.info("sweep_grads: nodes %s computed once for every item, their pullback kept for "
+                "each item's gradients", list(stage.nodes))
+    through = Through(stage, pullback, deps, tuple(values), tuple(planned.plan.wrt))
+    return replace(rest, values={**planned.values, **exposed}, through=through)
+
+
+def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
+    """The nodes a sweep computes from its shared inputs alone that its gradients pass through
+    (they depend on a shared input named in ``wrt``), and need nothing the chunks compute:
+    ``(plan, stage, rest)``, where ``plan`` computes, from the shared inputs, the values of
+    those the other nodes take (its outputs), with ``wrt`` the shared inputs it takes; ``stage``
+    is its nodes as one stage; ``rest`` is the sweep without them, those values inputs its
+    chunks differentiate per item, as they do the shared inputs in ``wrt``. None where there
+    are none, or where they need different resources (they run as one task)."""
+    plan, spec = sweep.plan, sweep.plan.spec
+    kept = set(plan.outputs) | set(plan.wrt)
+    of_items: set[str] = set(sweep.batched)
+    free: list[str] = []
+    for n in plan.needed:
+        deps = spec.nodes[n].deps
+        if any(d in of_items for d in deps):
+            of_items.add(n)
+        elif (n in sweep.carrying and n not in kept
+              and all(d in free or (d not in spec.nodes and d in sweep.values) for d in deps)):
+            free.append(n)
+    others = [n for n in plan.needed if n not in free]
+    taken = [n for n in free if any(c in others for c, _ in spec.uses.get(n, ()))]
+    if not taken or len({tuple(sorted(spec.nodes[n].needs.items())) for n in free}) > 1:
+        return None
+    own = {n: chunk.node if (chunk := chunk_of(spec.nodes[n])) is not None else spec.nodes[n]
+           for n in free}  # (each node's own, not over a chunk: they run once)
+    part = replace(spec, nodes={**spec.nodes, **own}).part(free)
+    once = make_plan(part, tuple(taken), tuple(i for i in part.inputs if i in plan.wrt))
+    rest_spec = spec.part(others)
+    wrt = tuple(w for w in plan.wrt if w in rest_spec.inputs or w in rest_spec.nodes)
+    rest = replace(sweep, plan=make_plan(rest_spec, plan.outputs, (*wrt, *taken)),
+                   broadcast=frozenset(b for b in sweep.broadcast if b in rest_spec.inputs)
+                   | frozenset(taken))
+    return once, one_stage(once), rest
+
+
+def linearized(stage: Stage, nodes, deps) -> tuple[tuple, Any]:
+    """The stage's exposed values and its pullback, ready to call (a ``remat`` node's forward
+    pass redone once here: the pullback serves every chunk)."""
+    values, pullback = linearize(stage, nodes, deps)
+    return values, pullback.materialize(deps)
+
+
+def linearized_packed(work) -> tuple[tuple, Any]:
+    """:func:`linearized` of ``(stage, nodes, deps)`` as packed to travel."""
+    return linearized(*unpack(work))
+
+
+@dataclass(frozen=True)
+class Through:
+    """The nodes of shared inputs differentiated per item, run once: their ``stage``, its
+    ``pullback``, the values of its ``deps`` and of its exposed nodes (``values``), and the
+    sweep's ``wrt``, in its order, which its gradients take."""
+
+    stage: Stage
+    pullback: Any
+    deps: tuple
+    values: tuple
+    wrt: tuple[str, ...]
+
+    def pull(self, computed: dict, items: int) -> dict:
+        """A chunk's ``{output: (value, {name: grad})}`` of ``items`` items, its gradients at
+        the stage's exposed nodes pulled back to its deps, added to their own gradients there:
+        the gradients with respect to the sweep's ``wrt``."""
+        outputs = list(computed)
+        cts = [tuple(_flat(grads.get(n)) for n in self.stage.outputs)
+               for _, grads in computed.values()]
+        pulled = Rows().pull(self.pullback, cts, self.values, self.deps, None)
+        results = {}
+        for o, shares in zip(outputs, pulled):
+            value, own = computed[o]
+            grads = {}
+            for name in self.wrt:
+                if name in self.stage.deps:
+                    like = self.deps[self.stage.deps.index(name)]
+                    share = shares[self.stage.deps.index(name)]
+                    grads[name] = _sum(like, own.get(name),
+                                       None if share is None else on_differentiable(like, share),
+                                       items)
+                else:
+                    grads[name] = own[name]
+            results[o] = (value, grads)
+        return results
+
+
+def _flat(grad) -> tuple | None:
+    """A gradient at an exposed node as a pullback takes it: its leaves (stacked over items),
+    None where it has none."""
+    leaves = () if grad is None else tuple(jax.tree.leaves(grad))
+    return leaves or None
+
+
+def _sum(like, a, b, items: int):
+    """Gradients ``a`` and ``b`` (either None) of an input whose value is ``like``, stacked over
+    ``items``, added, each leaf of the input's dtype; zeros where neither is given."""
+    def leaf(x, p, q):
+        if not is_differentiable(x):
+            return None
+        dtype = jnp.result_type(x)
+        parts = [jnp.asarray(g, dtype) for g in (p, q) if g is not None]
+        return sum(parts[1:], parts[0]) if parts else np.zeros((items, *np.shape(x)), dtype)
+    flat, treedef = jax.tree.flatten(like)
+    parts = [None if g is None else treedef.flatten_up_to(g) for g in (a, b)]
+    return treedef.unflatten([leaf(x, *(p[k] if p is not None else None for p in parts))
+                              for k, x in enumerate(flat)])
+
+
+def _travels(values: dict) -> bool:
+    return all(is_array(leaf) or isinstance(leaf, NUMBERS) for leaf in jax.tree.leaves(values))
