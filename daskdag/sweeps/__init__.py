@@ -3,6 +3,8 @@ core, which knows nothing of it.
 
 - :mod:`~daskdag.sweeps.planning`: the plan every chunk shares, and the chunk sizes;
 - :mod:`~daskdag.sweeps.sweep`: the loop over chunks, in flight, failed items rerun;
+- :mod:`~daskdag.sweeps.shared`: the work every item shares (nodes of shared inputs alone),
+  run once per sweep;
 - :mod:`~daskdag.sweeps.chunked`: a node over a chunk of items (``Chunked``, ``Items``), and its
   rules, registered with :mod:`daskdag.rules.registry`; an item that fails goes on failed
   (``SKIPPED``), the chunk's other items go on;
