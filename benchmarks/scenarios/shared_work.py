@@ -57,10 +57,12 @@ TITLE = "Shared work (a sweep's items over one expensive trunk)"
 DESCRIPTION = ("``sweep_grads`` over items that share a 1 s trunk differentiated per item, "
                "against the trunk once plus the items' work, jax.vmap and dask.delayed")
 CLUSTERS = ("2w",)
+TWO = "the runner's default 2-worker cluster (2w)"
 WHERE = {"jax_vmap": "this process", "trunk": "this process",
          "daskdag_threads": "this process's threads", "heads_threads": "this process's threads",
-         "delayed_2w": "the runner's default 2-worker cluster (2w)",
-         "daskdag_2w": "2w", "daskdag_vmap_2w": "2w", "heads_2w": "2w"}
+         "delayed_2w": TWO, "daskdag_2w": TWO, "daskdag_vmap_2w": TWO, "heads_2w": TWO,
+         "ideal_2w": "trunk (this process) + heads_2w (2w), added",
+         "ideal_threads": "trunk + heads_threads (this process), added"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Config:
     reps: int
     trunk_s: float = 1.0
     width: int = 64
-    layers: int = 12
+    layers: int = 3  # (about 5 ms per item, forward and backward, eager)
 
 
 FULL = Config(items=256, reps=5)
