@@ -28,6 +28,16 @@ class Plan:
         on_path = self._on_path[output]
         return [(c, i) for c, i in self.spec.uses.get(name, ()) if c in on_path]
 
+    def cut(self, first) -> tuple[Spec, tuple[str, ...], Spec]:
+        """The plan cut in two: ``(part, taken, rest)``: ``part``, the spec of the needed nodes
+        ``first`` (which take nothing from the others), ``taken``, those of them the other
+        needed nodes take, and ``rest``, the spec of the other needed nodes, which take the
+        values of ``taken`` as inputs."""
+        first = [n for n in self.needed if n in set(first)]
+        others = [n for n in self.needed if n not in set(first)]
+        taken = tuple(n for n in first if any(c in others for c, _ in self.spec.uses.get(n, ())))
+        return self.spec.part(first), taken, self.spec.part(others)
+
     @cached_property
     def _on_path(self) -> dict[str, frozenset[str]]:
         return {o: frozenset(nodes) for o, nodes in self.backward.items()}

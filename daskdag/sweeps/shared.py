@@ -89,10 +89,9 @@ def constants_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
     once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
     if not once:
         return None
-    others = [n for n in plan.needed if n not in once]
-    taken = [n for n in once if any(c in others for c, _ in plan.spec.uses.get(n, ()))]
-    rest = replace(sweep, plan=make_plan(plan.spec.part(others), plan.outputs, plan.wrt))
-    return make_plan(plan.spec.part(once), tuple(taken), ()), rest
+    part, taken, rest = plan.cut(once)
+    return (make_plan(part, taken, ()),
+            replace(sweep, plan=make_plan(rest, plan.outputs, plan.wrt)))
 
 
 def differentiated(planned: Sweep, client) -> Sweep:
@@ -150,15 +149,15 @@ def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
         elif (n in sweep.carrying and n not in kept
               and all(d in free or (d not in spec.nodes and d in sweep.values) for d in deps)):
             free.append(n)
-    others = [n for n in plan.needed if n not in free]
-    taken = [n for n in free if any(c in others for c, _ in spec.uses.get(n, ()))]
-    if not taken or len({tuple(sorted(spec.nodes[n].needs.items())) for n in free}) > 1:
+    if not free or len({tuple(sorted(spec.nodes[n].needs.items())) for n in free}) > 1:
         return None
     own = {n: chunk.node if (chunk := chunk_of(spec.nodes[n])) is not None else spec.nodes[n]
            for n in free}  # (each node's own, not over a chunk: they run once)
-    part = replace(spec, nodes={**spec.nodes, **own}).part(free)
-    once = make_plan(part, tuple(taken), tuple(i for i in part.inputs if i in plan.wrt))
-    rest_spec = spec.part(others)
+    part, taken, rest_spec = replace(plan, spec=replace(spec, nodes={**spec.nodes, **own})
+                                     ).cut(free)
+    if not taken:
+        return None
+    once = make_plan(part, taken, tuple(i for i in part.inputs if i in plan.wrt))
     wrt = tuple(w for w in plan.wrt if w in rest_spec.inputs or w in rest_spec.nodes)
     rest = replace(sweep, plan=make_plan(rest_spec, plan.outputs, (*wrt, *taken)),
                    broadcast=frozenset(b for b in sweep.broadcast if b in rest_spec.inputs)
