@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable, overload
 
@@ -23,10 +23,11 @@ from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, ship
 from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
                                    cotangents_for, given_values, one_input, parsed, prepare)
-from daskdag.running import programs
+from daskdag.running import log, programs
 from daskdag.running.compute import where
 from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy
 from daskdag.running.programs import Program
+from daskdag.running.reuse import Kept, kept_part
 from daskdag.running.lazy import Call
 from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
 from daskdag.running.log import where as where_in_words
@@ -170,7 +171,9 @@ class Gradients:
     for a call in this process its graph (a :class:`~daskdag.running.local.Template` whose
     slots take the inputs and the outputs' cotangents); the whole call as one program where it
     is one (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster; on
-    a cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`)."""
+    a cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`); where some nodes
+    keep their values from one call to the next (:mod:`daskdag.running.reuse`), those nodes and
+    the program of the others, which an eager call runs."""
 
     plan: Plan
     stages: tuple[Stage, ...]
@@ -179,6 +182,7 @@ class Gradients:
     transport: Transport
     whole: WholeGradients | None = None  # the call as one program (daskdag.graph.whole)
     spreading: Spreading = field(default_factory=Spreading, compare=False)
+    kept: tuple[Kept, Gradients] | None = field(default=None, compare=False)
 
     @classmethod
     def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
@@ -189,13 +193,23 @@ class Gradients:
         which holds the user's functions itself."""
         request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
         plan = ship(request.plan, transport, watched(request.plan, transport, watch))
-        stages = stages_for(plan, transport.packs)
         inputs = tuple(request.values)
+        split = kept_part(plan)
+        kept = None if split is None else (
+            Kept(split[0], transport),
+            cls.of(split[1], (*inputs, *split[0].outputs), transport))
+        return cls.of(plan, inputs, transport, kept)
+
+    @classmethod
+    def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
+           kept: tuple[Kept, Gradients] | None = None) -> Gradients:
+        """The program of ``plan`` (shipped), whose calls give values to ``inputs``."""
+        stages = stages_for(plan, transport.packs)
         template = None if transport.packs else Template(
             cls.graph_template(plan, inputs, stages, transport))
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs)
-        return cls(plan, stages, inputs, template, transport, whole)
+        return cls(plan, stages, inputs, template, transport, whole, kept=kept)
 
     @staticmethod
     def graph_template(plan: Plan, inputs: tuple[str, ...], stages: Sequence[Stage],
@@ -230,9 +244,27 @@ class Gradients:
             outputs: str | Sequence[str], keep: Any = None) -> Job:
         """The call for inputs ``x`` and ``cotangents`` (its data); ``keep`` as for
         :class:`~daskdag.running.jobs.Job`."""
-        plan, values = self.plan, input_values(self.plan.spec, x)
-        cts = cotangents_for(plan.outputs, cotangents)
-        template = self.template
+        values = input_values(self.plan.spec, x)
+        cts = cotangents_for(self.plan.outputs, cotangents)
+        job = self.job_of(values, cts, info, outputs, keep)
+        if self.kept is None:
+            return job
+        kept, rest = self.kept
+
+        def before(client: Any, local: str | None, progress: bool) -> Job:
+            found = kept.values(values, client, local, progress)
+            reused = kept.plan.needed if found.reused else ()
+            if reused:
+                log.reused(job.kind, reused)
+            return rest.job_of({**values, **found.values}, cts, replace(info, reused=reused),
+                               outputs, keep)
+
+        return replace(job, before=before)
+
+    def job_of(self, values: dict, cts: dict, info: CallInfo, outputs: str | Sequence[str],
+               keep: Any = None) -> Job:
+        """:meth:`job`, the inputs' values and the outputs' cotangents given by name."""
+        plan, template = self.plan, self.template
 
         whole = self.whole
 

@@ -51,6 +51,8 @@ class CallInfo:
             function changed ..."``, ``"the inputs' structure, shapes or dtypes changed"``...);
             None when one was reused.
         where: where it ran: this process's threads, a cluster, or a lazy call's Dask.
+        reused: the nodes whose values this call took from the call before, their inputs the
+            same (``daskdag.reuse``; see "Repeated calls" in the guides); empty when none.
         mode_why: why a Jacobian took its ``mode``: asked for; or, with ``mode="auto"``, the
             passes each mode takes (``"fewer passes: 2 passes forward (input elements) against
             6 reverse (output elements)"``, ``"forward on a tie: ..."``), or the only mode
@@ -68,6 +70,7 @@ class CallInfo:
     why: str | None = None
     where: str = ""
     mode_why: str | None = None
+    reused: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         parts = [self.call, self.mode, f"{self.passes} pass{'es' if self.passes != 1 else ''}"]
@@ -76,6 +79,8 @@ class CallInfo:
         parts.append("prepared before" if self.prepared else f"prepared now ({self.why})")
         if self.where:
             parts.append(self.where)
+        if self.reused:
+            parts.append(f"reused {', '.join(self.reused)}")
         return f"CallInfo({', '.join(parts)})"
 
 
@@ -101,6 +106,10 @@ class Job:
     #: ``spreading`` says the call gains nothing from spreading its stages over the workers.
     contained: Callable[[Any], Any] | None = None
     spreading: "Spreading | None" = None
+    #: A call now that first computes some inputs itself (the nodes whose values are kept
+    #: between calls, :mod:`daskdag.running.reuse`): ``before(client, local, progress)`` gives
+    #: the job to run. A lazy call runs this one's graph.
+    before: Callable[[Any, str | None, bool], "Job"] | None = None
 
 
 class Kind(Protocol):
@@ -144,7 +153,10 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
 
 def run(job: Job, client, local: str | None, progress: bool):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
+    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. A job with
+    a ``before`` step runs the job that step gives."""
+    if job.before is not None:
+        job = job.before(client, local, progress)
     if client is None and job.direct is not None and not progress and not Callback.active:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()

@@ -44,6 +44,12 @@ def ran_whole(kind: str, plan, where: str) -> None:
                 list(plan.wrt), where)
 
 
+def reused(kind: str, nodes) -> None:
+    """Log the nodes whose values a call took from the call before (:mod:`daskdag.running.reuse`)."""
+    logger.info("%s: nodes %s reused from the call before (their inputs are the same)", kind,
+                list(nodes))
+
+
 def _tasks(graph) -> dict:
     if isinstance(graph, Filled):
         return graph.dsk

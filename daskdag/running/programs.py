@@ -271,7 +271,8 @@ register("prepared functions' own programs", _clear_held)
 
 
 #: daskdag's settings that each call reads as it runs: no program depends on them.
-PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-calls"})
+PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-calls",
+                      "reuse-bytes"})
 
 
 def settings() -> tuple:

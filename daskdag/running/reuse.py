@@ -1,0 +1,140 @@
+"""Values kept from one call to the next: the nodes of a prepared call that no gradient passes
+through (they read no ``wrt`` input: a trunk over fixed data) run again only when their inputs
+changed since the call before.
+
+Which nodes may be kept is ``daskdag.reuse``: ``"jit"`` (the default), the ``jit=True``
+nodes, pure by contract; ``"all"``, every node, for eager nodes known to be pure (no printing,
+no file read, no state kept between calls); ``"none"``. A node is kept only with every node it
+takes values from. What a call's program relies on (the nodes' functions, what they read, the
+settings) is checked by the program itself (:mod:`daskdag.running.programs`): where any of it
+changed, the call has a program of its own, which keeps nothing yet. The inputs are compared
+here (:class:`Seen`): JAX arrays by identity (they cannot change), every other leaf by its
+content (``dask.base.tokenize``: NumPy arrays by their bytes).
+
+One call's values are kept, the last's, at most ``daskdag.reuse-bytes`` of them; NumPy arrays
+among them are made read-only, so that a node that would change one in place fails, naming
+itself, instead of changing what the next call reuses.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import jax
+import numpy as np
+from dask.base import tokenize
+from dask.sizeof import sizeof
+
+import daskdag.config as config
+from daskdag.cancel import Stop
+from daskdag.graph.build import GradientSeeding, build
+from daskdag.model.plan import Plan, make_plan
+from daskdag.running.compute import compute
+from daskdag.transport.transports import Transport
+
+POLICIES = ("jit", "all", "none")
+
+
+def kept_part(plan: Plan) -> tuple[Plan, Plan] | None:
+    """``plan`` cut where ``daskdag.reuse`` says (the module's docstring): ``(kept, rest)``,
+    ``kept`` computing the values of the nodes that may be kept which the others take (its
+    outputs), ``rest`` the plan without them, taking those values as inputs; None where there
+    are none. Outputs and nodes in ``wrt`` are never kept (an output's gradients flow through
+    its value)."""
+    policy = config.get("reuse")
+    if policy not in POLICIES:
+        raise ValueError(f"daskdag.reuse must be one of {list(POLICIES)}, got {policy!r}")
+    if policy == "none":
+        return None
+    skip = set(plan.outputs) | set(plan.wrt) | plan.active
+    kept: list[str] = []
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        if n not in skip and (policy == "all" or node.jit) and all(
+                d in kept or d not in plan.spec.nodes for d in node.deps):
+            kept.append(n)
+    if not kept:
+        return None
+    part, taken, rest = plan.cut(kept)
+    if not taken:
+        return None
+    return make_plan(part, taken, ()), make_plan(rest, plan.outputs, plan.wrt)
+
+
+class Seen:
+    """What a call's inputs were, to compare the next call's with (:meth:`same`): per leaf, a
+    JAX array itself (compared by identity), any other leaf its content's token."""
+
+    def __init__(self, values: dict) -> None:
+        self.structure = {k: jax.tree.structure(v) for k, v in values.items()}
+        self.leaves = {k: [leaf if isinstance(leaf, jax.Array) else tokenize(leaf)
+                           for leaf in jax.tree.leaves(v)] for k, v in values.items()}
+
+    def same(self, values: dict) -> bool:
+        if set(values) != set(self.leaves):
+            return False
+        for k, v in values.items():
+            leaves = jax.tree.leaves(v)
+            if jax.tree.structure(v) != self.structure[k] or len(leaves) != len(self.leaves[k]):
+                return False
+            for leaf, seen in zip(leaves, self.leaves[k]):
+                if isinstance(seen, jax.Array) or isinstance(leaf, jax.Array):
+                    if leaf is not seen:
+                        return False
+                elif tokenize(leaf) != seen:
+                    return False
+        return True
+
+
+@dataclass
+class Reused:
+    """The values kept by the last call (:class:`Kept`), and whether this call reused them."""
+
+    values: dict
+    reused: bool
+
+
+class Kept:
+    """A program's nodes whose values are kept between its calls: their ``plan``
+    (:func:`kept_part`), computed by :meth:`values` (or not)."""
+
+    def __init__(self, plan: Plan, transport: Transport) -> None:
+        self.plan, self.transport = plan, transport
+        self._last: tuple[Seen, dict] | None = None
+        self._lock = threading.Lock()
+
+    def values(self, inputs: dict, client, local: str | None, progress: bool) -> Reused:
+        """The values of the plan's outputs for these ``inputs`` (all of the call's): the last
+        call's where its inputs were the same, else computed now, on ``client``'s cluster or
+        Dask's ``local`` scheduler, and kept for the next call."""
+        mine = {i: inputs[i] for i in self.plan.spec.inputs}
+        with self._lock:
+            last = self._last
+        if last is not None and last[0].same(mine):
+            return Reused(last[1], True)
+        stop = Stop() if client is None else None
+        graph = build(self.plan, mine, GradientSeeding({}), self.transport, stop=stop)
+        computed = compute(graph, client, progress, stop, local, self.plan)
+        values = {n: computed[n][0] for n in self.plan.outputs}
+        if sizeof(values) <= dask.utils.parse_bytes(config.get("reuse-bytes")):
+            values = jax.tree.map(_read_only, values)
+            with self._lock:
+                self._last = (Seen(mine), values)
+        else:
+            with self._lock:
+                self._last = None
+        return Reused(values, False)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._last = None
+
+
+def _read_only(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
+        leaf = leaf.view()
+        leaf.flags.writeable = False
+    return leaf
