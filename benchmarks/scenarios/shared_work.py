@@ -36,6 +36,27 @@ daskdag to come within 15 % of. Each method runs once first, its results checked
 Targets (issue 41): ``daskdag_2w/ideal_2w <= 1.15`` and ``daskdag_threads/ideal_threads <=
 1.15``. Before issue 41 the trunk ran once per item: 256 trunks of 1 s, about 128 s on two
 workers.
+
+A second case, ``loop``: an optimisation loop of 100 steps whose parameters ``p`` feed only a
+head, while a ``jit=True`` trunk reads fixed data (``T = tanh(D @ D)`` iterated 20 times, ``D``
+float32[256, 256], tens of milliseconds; ``loss = sum(tanh(p @ T) ** 2)``), the gradient with
+respect to ``p`` at each step, per step (the loop's time over its 100 steps, after a first call
+that prepares it):
+
+daskdag_loop:       ``daskdag.value_and_grad(dag, "loss", wrt=["p"])`` called at each step, in
+                    this process: the trunk runs at the first call only, later ones reuse it.
+heads_alone:        the same on the DAG of the head alone, the trunk's value given as an input:
+                    what a step costs without the trunk.
+daskdag_recompute:  ``daskdag_loop`` with ``daskdag.reuse: none``: the trunk at every step.
+jax_jit:            ``jax.jit(jax.value_and_grad(composed))`` at each step: one program, the
+                    trunk in it at every step.
+openmdao:           OpenMDAO on the same two functions as components (the head's partials by
+                    ``jax.jacrev``), ``set_val`` + ``run_model`` + ``compute_totals`` a step: its
+                    drivers run the model at every step, the trunk in it.
+daskdag_loop_2w, heads_alone_2w: ``daskdag_loop`` and ``heads_alone`` with ``client=`` the
+                    default 2-worker cluster.
+
+Target (issue 41): ``daskdag_loop/heads_alone <= 1.1``.
 """
 
 from __future__ import annotations
@@ -62,7 +83,10 @@ WHERE = {"jax_vmap": "this process", "trunk": "this process",
          "daskdag_threads": "this process's threads", "heads_threads": "this process's threads",
          "delayed_2w": TWO, "daskdag_2w": TWO, "daskdag_vmap_2w": TWO, "heads_2w": TWO,
          "ideal_2w": "trunk (this process) + heads_2w (2w), added",
-         "ideal_threads": "trunk + heads_threads (this process), added"}
+         "ideal_threads": "trunk + heads_threads (this process), added",
+         "daskdag_loop": "this process", "heads_alone": "this process",
+         "daskdag_recompute": "this process", "jax_jit": "this process",
+         "openmdao": "this process", "daskdag_loop_2w": TWO, "heads_alone_2w": TWO}
 
 
 @dataclass(frozen=True)
@@ -138,6 +162,137 @@ def trunk_alone(cfg, w, D):
     return jax.vjp(lambda w: trunk(w, D, cfg.trunk_s), w)[0]
 
 
+@dataclass(frozen=True)
+class Loop:
+    steps: int
+    reps: int
+    size: int = 256
+    depth: int = 20
+
+
+FULL_LOOP = Loop(steps=100, reps=3)
+QUICK_LOOP = Loop(steps=20, reps=2)
+
+
+def loop_trunk(D, depth):
+    T = D
+    for _ in range(depth):
+        T = jnp.tanh(D @ T) / 4
+    return T
+
+
+def loop_head(p, T):
+    return jnp.sum(jnp.tanh(p @ T) ** 2)
+
+
+def loop_dag(loop: Loop) -> dict:
+    return {"T": daskdag.Node(partial(loop_trunk, depth=loop.depth), ["D"], jit=True),
+            "loss": daskdag.Node(loop_head, ["p", "T"], jit=True)}
+
+
+def steps(f, points):
+    out = None
+    for p in points:
+        out = f(p)
+    return jax.block_until_ready(out)
+
+
+def openmdao_loop(loop: Loop, D):
+    import openmdao.api as om
+
+    T0 = np.asarray(loop_trunk(D, loop.depth))
+    trunk = jax.jit(partial(loop_trunk, depth=loop.depth))
+    head = jax.jit(loop_head)
+    partials = jax.jit(jax.jacrev(loop_head, argnums=(0, 1)))
+
+    class Trunk(om.ExplicitComponent):
+        def setup(self):
+            self.add_input("D", val=np.asarray(D))
+            self.add_output("T", shape=T0.shape)
+
+        def compute(self, inputs, outputs):
+            outputs["T"] = np.asarray(trunk(jnp.asarray(inputs["D"], jnp.float32)))
+
+    class Head(om.ExplicitComponent):
+        def setup(self):
+            self.add_input("p", shape=loop.size)
+            self.add_input("T", shape=T0.shape)
+            self.add_output("loss")
+            self.declare_partials("loss", ["p", "T"])
+
+        def compute(self, inputs, outputs):
+            outputs["loss"] = float(head(inputs["p"], inputs["T"]))
+
+        def compute_partials(self, inputs, jac):
+            dp, dT = partials(inputs["p"], inputs["T"])
+            jac["loss", "p"] = np.asarray(dp).reshape(1, -1)
+            jac["loss", "T"] = np.asarray(dT).reshape(1, -1)
+
+    prob = om.Problem(reports=False)
+    prob.model.add_subsystem("inputs", om.IndepVarComp("p", val=np.zeros(loop.size)),
+                             promotes=["*"])
+    prob.model.add_subsystem("trunk", Trunk(), promotes=["*"])
+    prob.model.add_subsystem("head", Head(), promotes=["*"])
+    prob.setup(mode="rev")
+
+    def step(p):
+        prob.set_val("p", np.asarray(p))
+        prob.run_model()
+        totals = prob.compute_totals(of=["loss"], wrt=["p"], return_format="flat_dict")
+        return float(prob.get_val("loss")[0]), np.asarray(totals["loss", "p"]).ravel()
+
+    return step
+
+
+def loop_case(loop: Loop, client) -> dict:
+    import dask
+
+    rng = np.random.default_rng(1)
+    D = jnp.asarray(rng.uniform(-1, 1, (loop.size, loop.size)).astype(np.float32))
+    points = [jnp.asarray(rng.uniform(-1, 1, loop.size).astype(np.float32))
+              for _ in range(loop.steps)]
+    T = loop_trunk(D, loop.depth)
+    dag, head_dag = loop_dag(loop), {"loss": daskdag.Node(loop_head, ["p", "T"], jit=True)}
+    f = daskdag.value_and_grad(dag, "loss", wrt=["p"])
+    f_heads = daskdag.value_and_grad(head_dag, "loss", wrt=["p"])
+    f_2w = daskdag.value_and_grad(dag, "loss", wrt=["p"], client=client)
+    f_heads_2w = daskdag.value_and_grad(head_dag, "loss", wrt=["p"], client=client)
+    with dask.config.set({"daskdag.reuse": "none"}):
+        f_recompute = daskdag.value_and_grad(loop_dag(loop), "loss", wrt=["p"])
+
+    def recompute(p):
+        with dask.config.set({"daskdag.reuse": "none"}):
+            return f_recompute({"p": p, "D": D})
+
+    composed_jit = jax.jit(jax.value_and_grad(lambda p, D: loop_head(p, loop_trunk(D, loop.depth))))
+    om_step = openmdao_loop(loop, D)
+    one = {"daskdag_loop": lambda p: f({"p": p, "D": D}),
+           "heads_alone": lambda p: f_heads({"p": p, "T": T}),
+           "daskdag_recompute": recompute,
+           "jax_jit": lambda p: composed_jit(p, D),
+           "openmdao": om_step,
+           "daskdag_loop_2w": lambda p: f_2w({"p": p, "D": D}),
+           "heads_alone_2w": lambda p: f_heads_2w({"p": p, "T": T})}
+    want = jax.value_and_grad(lambda p: loop_head(p, T))(points[0])
+    worst = {}
+    for name, step in one.items():  # the first call prepares; checked
+        value, grad = step(points[0])
+        grad = grad["p"] if isinstance(grad, dict) else grad
+        worst[name] = max(common.worst_difference(np.asarray(value), np.asarray(want[0])),
+                          common.worst_difference(np.asarray(grad), np.asarray(want[1])))
+        assert worst[name] < 1e-3, f"loop {name}: worst relative difference {worst[name]:.2g}"
+    times = common.interleaved({n: partial(steps, step, points) for n, step in one.items()},
+                               loop.reps, "shared_work loop: ")
+    per_step = {n: [t / loop.steps for t in ts] for n, ts in times.items()}
+    return common.case("loop", {"steps": loop.steps, "size": loop.size, "depth": loop.depth,
+                                "seconds_are": "per step", "worst_relative": worst}, per_step,
+                       {"daskdag_loop/heads_alone": ("daskdag_loop", "heads_alone"),
+                        "daskdag_loop/daskdag_recompute": ("daskdag_loop", "daskdag_recompute"),
+                        "daskdag_loop/jax_jit": ("daskdag_loop", "jax_jit"),
+                        "daskdag_loop/openmdao": ("daskdag_loop", "openmdao"),
+                        "daskdag_loop_2w/heads_alone_2w": ("daskdag_loop_2w", "heads_alone_2w")})
+
+
 def run(quick: bool, clients: dict) -> dict:
     cfg = QUICK if quick else FULL
     client = clients["2w"]
@@ -175,9 +330,13 @@ def run(quick: bool, clients: dict) -> dict:
                      "daskdag_vmap_2w/delayed_2w": ("daskdag_vmap_2w", "delayed_2w"),
                      "daskdag_vmap_2w/jax_vmap": ("daskdag_vmap_2w", "jax_vmap"),
                      "daskdag_threads/jax_vmap": ("daskdag_threads", "jax_vmap")})
+    lp = QUICK_LOOP if quick else FULL_LOOP
+    loop = loop_case(lp, client)
     wanted = [{"case": c["case"], "ratio": "daskdag_2w/ideal_2w", "op": "<=", "bound": 1.15,
+               "source": "issue 41"},
+              {"case": "loop", "ratio": "daskdag_loop/heads_alone", "op": "<=", "bound": 1.1,
                "source": "issue 41"},
               {"case": c["case"], "ratio": "daskdag_threads/ideal_threads", "op": "<=",
                "bound": 1.15, "source": "issue 41"}]
-    return {"title": TITLE, "config": asdict(cfg), "cases": [c], "where": WHERE,
-            "targets": common.targets([c], wanted)}
+    return {"title": TITLE, "config": {**asdict(cfg), "loop": asdict(lp)},
+            "cases": [c, loop], "where": WHERE, "targets": common.targets([c, loop], wanted)}

@@ -7,6 +7,8 @@
   a Dask collection, :class:`~daskdag.CallInfo`, how it was computed, and how a program's
   calls on a cluster spread or run in one task (:class:`~daskdag.running.jobs.Spreading`);
 - :mod:`~daskdag.running.compute`: where a call runs, and computing its graph there;
+- :mod:`~daskdag.running.reuse`: the nodes whose values a program keeps from one call to the
+  next, reused while their inputs are the same;
 - :mod:`~daskdag.running.local`: the threaded scheduler of a local call, a prepared call's
   graph built once (:class:`~daskdag.running.local.Template`), and a cluster call's graph run
   whole in one task (:class:`~daskdag.running.local.GraphInOneTask`);
