@@ -201,3 +201,24 @@ def test_a_trunk_runs_once_in_a_loop_on_a_cluster(cli_client, tmp_path):
     infos = _loop(_dag(log, jit=True), D, client=cli_client)
     assert len(log.pids("T")) == 1
     assert all(i.reused == ("T",) for i in infos[1:])
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_loop_with_kept_nodes_beside_one_of_the_head_alone_on_a_cluster(cli_client):
+    """Two prepared functions on one cluster, called in turn: one whose trunk is kept (its call
+    runs the head alone, the trunk's value an input) and the head alone. Their calls come to
+    run whole in one task each, their graphs alike but for their inputs: each gets its own
+    numbers."""
+    T = jnp.tanh(D) * 2.0
+    f = daskdag.value_and_grad({"T": daskdag.Node(lambda d: jnp.tanh(d) * 2.0, ["d"], jit=True),
+                                "H": daskdag.Node(head, ["p", "T"], jit=True)}, "H", wrt=["p"],
+                               client=cli_client)
+    g = daskdag.value_and_grad({"H": daskdag.Node(head, ["p", "T"], jit=True)}, "H", wrt=["p"],
+                               client=cli_client)
+    for k in range(10):
+        p = jnp.ones(3) * (0.2 * k)
+        want = jax.value_and_grad(head)(p, T)
+        for value, grads in (f({"p": p, "d": D}), g({"p": p, "T": T})):
+            assert_tree_close(value, want[0], rtol=1e-5)
+            assert_tree_close(grads["p"], want[1], rtol=1e-5)

@@ -270,8 +270,10 @@ class GraphInOneTask:
 
     @functools.cached_property
     def token(self) -> str:
-        """What the graph is: its keys, which are the content tokens of their tasks."""
-        return tokenize(self.template.keys, list(self.template.dsk))
+        """What the graph is: its keys, which are the content tokens of their tasks, and the
+        slots and kept keys a call gives it values for, in order (graphs of the same tasks may
+        take their values in different slots: an input no task takes has one too)."""
+        return tokenize(self.template.keys, list(self.template.dsk), self.slots, self.kept_keys)
 
     def __reduce__(self):
         return _receive_graph, (self.token, self.template, self.slots, self.needs,
