@@ -101,6 +101,10 @@ class Job:
     #: ``spreading`` says the call gains nothing from spreading its stages over the workers.
     contained: Callable[[Any], Any] | None = None
     spreading: "Spreading | None" = None
+    #: The call's graph for a durable call (:mod:`daskdag.durable.calls`):
+    #: ``stored(place, stop, keep)``, each stage's forward task kept by ``keep`` (a
+    #: :class:`~daskdag.graph.assembly.Keeper`) as it finishes, or read back from it.
+    stored: Callable[[Any, Any, Any], dict] | None = None
 
 
 class Kind(Protocol):
@@ -142,10 +146,15 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
     return as_collection(kind.job(program, x, data, why=why, where=LAZY))
 
 
-def run(job: Job, client, local: str | None, progress: bool):
+def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler."""
-    if client is None and job.direct is not None and not progress and not Callback.active:
+    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. ``keep``:
+    where a durable call keeps its stages (:attr:`Job.stored`): its graph then runs spread,
+    a task per stage, wherever it runs."""
+    if keep is not None and job.stored is None:
+        raise TypeError(f"{job.kind} cannot keep its stages")
+    if client is None and job.direct is not None and not progress and not Callback.active \
+            and keep is None:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()
         if result is not None:
@@ -157,14 +166,16 @@ def run(job: Job, client, local: str | None, progress: bool):
     stop = Stop() if client is None else None
     before = kept.sent if kept else 0
     whole = job.contained is not None and job.spreading is not None and not progress and \
-        job.spreading.whole()
+        keep is None and job.spreading.whole()
     start = time.perf_counter()
     with kept.keeping(client) if kept else contextlib.nullcontext() as place:
-        graph = job.contained(place) if whole else job.make(place, stop)  # type: ignore[misc]
+        graph = (job.contained(place) if whole  # type: ignore[misc]
+                 else job.make(place, stop) if keep is None
+                 else job.stored(place, stop, keep))  # type: ignore[misc]
         log.submitted(job.kind, job.plan, graph, log.where(client, local),
                       kept.sent - before if kept else None)
         computed = compute(graph, client, progress, stop, local, job.plan)
-    if job.spreading is not None and not progress:
+    if job.spreading is not None and not progress and keep is None:
         job.spreading.record(whole, time.perf_counter() - start)
     return job.finish(computed)
 
