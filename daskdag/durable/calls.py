@@ -148,7 +148,7 @@ class Stages:
             return False, None, digest
         return True, pickle.loads(body), digest
 
-    def save(self, entry: str, digest: str, result: Any) -> None:
+    def save(self, entry: str, digest: str, result: Any) -> Any:
         import zarr
 
         keys, path = self._keys(), _path(entry)
@@ -173,6 +173,7 @@ class Stages:
             if error is None:
                 raise
             raise error from e
+        return pickle.loads(body)
 
     def _keys(self) -> Keys:
         return keys_of(self.where)

@@ -79,20 +79,21 @@ class Keeper(Protocol):
         (the stage's values in; ``digest``, their hash), where one is kept and intact."""
         ...
 
-    def save(self, entry: str, digest: str, result: Any) -> None:
-        """``result`` kept under ``entry``, for inputs whose hash is ``digest``, durably."""
+    def save(self, entry: str, digest: str, result: Any) -> Any:
+        """``result`` kept under ``entry``, for inputs whose hash is ``digest``, durably;
+        returns it as :meth:`load` reads it back (its pullback as the program it keeps)."""
         ...
 
 
 def kept(keeper: Keeper, entry: str, inputs_at: int, fn, *args):
     """``fn(*args)``, read from ``keeper`` where it kept it for the same inputs (``args`` from
-    ``inputs_at`` on), else computed and kept there before it is returned."""
+    ``inputs_at`` on), else computed and kept there, and returned as it reads back: so that
+    a call's backward passes run the same pullbacks, to the bit, whether it ran through or
+    was resumed."""
     found, result, digest = keeper.load(entry, args[inputs_at:])
     if found:
         return result
-    result = fn(*args)
-    keeper.save(entry, digest, result)
-    return result
+    return keeper.save(entry, digest, fn(*args))
 
 
 class Intake:
