@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import quote
 
 import cloudpickle
+import dask
 import numpy as np
 
 from daskdag.durable.identity import common, hash_tree
@@ -61,12 +62,15 @@ def call(kind: Kind, name: str, x: Any, *data: Any, client, local: str | None, p
          store: str | os.PathLike | ZarrStore) -> Any:
     """A call of ``kind`` (the function ``name``) computed now, as
     :func:`daskdag.running.jobs.call` computes it, its stages kept in ``store`` and read from
-    there where it holds them. The store is held by this call while it runs."""
+    there where it holds them. Its chains of nodes are not fused (``daskdag.fuse-chains``), so
+    that each node is a stage of its own, kept as it finishes. The store
+    is held by this call while it runs."""
     if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
         raise TypeError(f"a call's store is a directory or a Zarr store, not "
                         f"{type(store).__name__}")
-    program, why = kind.compile(x, data, transport=transports.for_call(client))
-    job = kind.job(program, x, data, why=why, where=log.where(client, local))
+    with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
+        program, why = kind.compile(x, data, transport=transports.for_call(client))
+        job = kind.job(program, x, data, why=why, where=log.where(client, local))
     mine = identity(name, kind, job.plan.spec, job.plan.outputs, job.plan.wrt, x, data)
     with opened(store, mine) as keeper:
         return run(job, client, local, progress, keep=keeper)
