@@ -209,6 +209,13 @@ def test_another_input_output_cotangent_or_setting_is_refused_naming_it(tmp_path
         daskdag.compute_grads(m.DAG, X, "L", store=sweep_store)
     with pytest.raises(daskdag.StoreError, match="holds a compute_grads call, not a sweep"):
         daskdag.sweep_grads(m.DAG, np.stack([X, X]), "L", store=store)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "results.csv").write_text("1,2\n")
+    with pytest.raises(daskdag.StoreError, match="is not empty, and is not a daskdag call's "
+                                                 "store: it holds results.csv. Nothing was "
+                                                 "written there"):
+        grads(m, tmp_path / "mine")
+    assert os.listdir(tmp_path / "mine") == ["results.csv"]
 
 
 def test_a_damaged_stage_is_computed_again_never_returned(tmp_path):

@@ -89,9 +89,8 @@ def identity(name: str, kind: Kind, spec: Spec, outputs, wrt, x: Any, data: tupl
     for f in dataclasses.fields(kind):
         if f.name not in ("dag", "outputs", "wrt"):
             record[f.name] = _recorded(getattr(kind, f.name))
-    for k, value in zip(("tangents", "directions") if name == "compute_jvps" else
-                        ("directions",), data):
-        record[k] = hash_tree(value)
+    for value in data:  # (compute_jvps' tangents, compute_hvps' v)
+        record["tangents" if name == "compute_jvps" else "directions"] = hash_tree(value)
     return json.loads(json.dumps(record))
 
 
@@ -109,7 +108,7 @@ def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]
     import zarr
 
     keys = keys_of(where)
-    claim(keys)
+    claim(keys, "call")
     keys.hold()
     try:
         if agree(keys, mine) is None:

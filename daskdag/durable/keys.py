@@ -195,8 +195,8 @@ class _Directory(Keys):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise StoreError(f"store {self.name} is in use by another sweep or call; wait for it to "
-                             f"end, or use another store") from None
+            raise StoreError(f"store {self.name} is in use by another sweep or call; wait for "
+                             f"it to end, or use another store") from None
         self._fd = fd
         for left in self.path.glob("**/*.partial"):  # (half-written by one that died)
             left.unlink(missing_ok=True)

@@ -30,21 +30,22 @@ def what(record: dict) -> str:
     return "a sweep" if call is None else f"a {call} call"
 
 
-def claim(keys: Keys) -> None:
+def claim(keys: Keys, kind: str = "sweep") -> None:
     """Refuse, before anything is written, a location that holds something other than a
-    daskdag store: a :class:`~daskdag.StoreError` naming what is there. Empty or missing is a
-    new store (a lease left by one that died before writing is nothing)."""
+    daskdag store: a :class:`~daskdag.StoreError` naming what is there (and the ``kind`` of
+    store wanted: ``"sweep"``, ``"call"``). Empty or missing is a new store (a lease left by
+    one that died before writing is nothing)."""
     found = [n for n in keys.top() if n != "lock"]
     if not found or recorded(keys) is not None:
         return
     shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
     root = keys.get_json("zarr.json")
-    kind = root.get("node_type") if isinstance(root, dict) else None
-    held = (f"is a Zarr {kind} that is not a daskdag sweep's store (its zarr.json has no "
-            f"'daskdag' attribute)" if isinstance(kind, str)
-            else "is not empty, and is not a daskdag sweep's store")
+    node = root.get("node_type") if isinstance(root, dict) else None
+    held = (f"is a Zarr {node} that is not a daskdag {kind}'s store (its zarr.json has no "
+            f"'daskdag' attribute)" if isinstance(node, str)
+            else f"is not empty, and is not a daskdag {kind}'s store")
     raise StoreError(f"store {keys.name} {held}: it holds {shown}. Nothing was written there; "
-                     f"give the sweep a new or empty location")
+                     f"give the {kind} a new or empty location")
 
 
 def agree(keys: Keys, mine: dict, update=None) -> dict | None:
