@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, overload
 
 from distributed import Client
 
+from daskdag.durable import calls as durable
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, stages_for
@@ -71,20 +72,23 @@ class Result:
 def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str, *,
                   wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                   client: Client | None = None, scheduler: str | Client | None = None,
-                  progress: bool = False) -> Result: ...
+                  progress: bool = False,
+                  store: str | os.PathLike | ZarrStore | None = None) -> Result: ...
 
 
 @overload
 def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: Sequence[str], *,
                   wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                   client: Client | None = None, scheduler: str | Client | None = None,
-                  progress: bool = False) -> dict[str, Result]: ...
+                  progress: bool = False,
+                  store: str | os.PathLike | ZarrStore | None = None) -> dict[str, Result]: ...
 
 
 def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
                   wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                   client: Client | None = None, scheduler: str | Client | None = None,
-                  progress: bool = False) -> Result | dict[str, Result]:
+                  progress: bool = False, store: str | os.PathLike | ZarrStore | None = None
+                  ) -> Result | dict[str, Result]:
     """Values and gradients of ``outputs`` of ``dag``, each node computed once.
 
     Args:
@@ -106,6 +110,16 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
         scheduler: as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
             even while a default client exists; a ``distributed.Client`` is ``client=``.
         progress: show Dask's progress bar over the call's tasks.
+        store: a directory (made if missing) or a Zarr store object, where each stage's
+            forward result (its nodes' values and the residuals its backward pass needs) is
+            written durably by the task that computed it, as it finishes, so that the call
+            outlives its client and its scheduler: the same call with the same store runs
+            only the stages the store does not hold, and returns what an uninterrupted call
+            returns, bit for bit. A store holding another call (a node, input, output,
+            ``wrt``, cotangent or setting changed, an array changed in place included) raises
+            [`StoreError`][daskdag.StoreError] naming what changed, and so does one another
+            call or sweep is using, or a location that holds something else. Default None:
+            nothing is kept. See the guide "Durable calls".
 
     Returns:
         ``{output: Result(value, grad)}`` (a single name: one [`Result`][daskdag.Result]);
@@ -120,6 +134,8 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
         ClusterError: the cluster cannot run the graph: a client that is not running, no
             worker within ``daskdag.worker-wait``, a resource no worker offers, versions that
             differ.
+        StoreError: with ``store``: the store holds another call, or is in use, or is not a
+            daskdag store, or its disk is full (the stages written before stay usable).
 
     For example:
 
@@ -133,6 +149,9 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     ```
     """
     client, local = where(client, scheduler)
+    if store is not None:
+        return durable.call(Grads(dag, outputs, wrt, cotangents), "compute_grads", x,
+                            client=client, local=local, progress=progress, store=store)
     return call(Grads(dag, outputs, wrt, cotangents), x, client=client, local=local,
                 progress=progress)
 
@@ -285,12 +304,16 @@ class Gradients:
                                  for kind, name in graph.slots], self.transport, place,
                                 graph.kept)
 
+        def stored(place: Any, stop: Any, keeper: Any) -> Any:
+            return build(plan, values, GradientSeeding(cts), self.transport, place=place,
+                         stop=stop, stages=self.stages, keep=keeper)
+
         finish = partial(_results, plan.spec, outputs, info=info)
         direct = None if whole is None or self.transport.packs else partial(
             _directly, whole, finish, values, cts)
         return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
-                   spreading=self.spreading)
+                   spreading=self.spreading, stored=stored)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,

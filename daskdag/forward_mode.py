@@ -4,14 +4,17 @@ forward together, :mod:`daskdag.graph.forward`), its lazy form :func:`jvps`, and
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from distributed import Client
 
 from daskdag.api import entries, input_values, names_key, watched
+from daskdag.durable import calls as durable
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.stages import Stage, stages_for
 from daskdag.model.leaves import PyTree
@@ -24,6 +27,9 @@ from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.programs import Program
 from daskdag.transport.transports import Transport
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
 
 
 @dataclass(frozen=True)
@@ -46,20 +52,21 @@ class JVPResult:
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
 def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str,
                  *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
-                 ) -> JVPResult: ...
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> JVPResult: ...
 
 
 @overload
 def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: Sequence[str],
                  *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
-                 ) -> dict[str, JVPResult]: ...
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> dict[str, JVPResult]: ...
 
 
 def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
                  *, batched: bool = False, client: Client | None = None,
-                 scheduler: str | Client | None = None, progress: bool = False
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None
                  ) -> JVPResult | dict[str, JVPResult]:
     """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
     computed once.
@@ -71,6 +78,9 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
         client: as for [`compute_grads`][daskdag.compute_grads].
         scheduler: as for [`compute_grads`][daskdag.compute_grads].
         progress: as for [`compute_grads`][daskdag.compute_grads].
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's values and
+            tangents kept as they finish (forward mode has no residuals to keep); the
+            tangents are part of what the store records.
         tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
             leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
             bools, functions); or ``{input_name: tangent}``, read as ``x`` is. With several
@@ -108,6 +118,9 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     ```
     """
     client, local = where(client, scheduler)
+    if store is not None:
+        return durable.call(JVPs(dag, outputs, batched), "compute_jvps", x, tangents,
+                            client=client, local=local, progress=progress, store=store)
     return call(JVPs(dag, outputs, batched), x, tangents, client=client, local=local,
                 progress=progress)
 
@@ -194,8 +207,12 @@ class JVPs:
                                   **{slot("tangent", i): t for i, t in flat.items()},
                                   slot("stop"): stop})
 
+        def stored(place: Any, stop: Any, keeper: Any) -> Any:
+            return jvp_graph.build(plan, values, flat, made.transport, k, place=place,
+                                   stop=stop, stages=made.stages, keep=keeper)
+
         return Job(plan, make, partial(_jvp_results, self.outputs, info), "compute_jvps",
-                   keep=entries(self.dag))
+                   keep=entries(self.dag), stored=stored)
 
 
 def _jvp_results(outputs: str | Sequence[str], info: CallInfo, computed: dict[str, Any]

@@ -12,10 +12,12 @@ pass per colour, the entries recovered from the pattern. Either way the result h
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ import scipy.sparse as sp
 from distributed import Client
 
 from daskdag.api import Result, entries, input_values, names_key, watched
+from daskdag.durable import calls as durable
 from daskdag.errors import DAGError
 from daskdag.graph import forward as jvp_graph
 from daskdag.graph.build import JacobianSeeding, build
@@ -51,6 +54,9 @@ from daskdag.running.lazy import Call
 from daskdag.running.local import Template, slot
 from daskdag.running.programs import Program
 from daskdag.model.plan import ship
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
 MODES = ("auto", "rev", "fwd")
 
 
@@ -58,23 +64,23 @@ MODES = ("auto", "rev", "fwd")
 def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str, *,
              wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
              sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
-             scheduler: str | Client | None = None, progress: bool = False
-             ) -> Result: ...
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> Result: ...
 
 
 @overload
 def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: Sequence[str], *,
              wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
              sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
-             scheduler: str | Client | None = None, progress: bool = False
-             ) -> dict[str, Result]: ...
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> dict[str, Result]: ...
 
 
 def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
              wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
              sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
-             scheduler: str | Client | None = None, progress: bool = False
-             ) -> Result | dict[str, Result]:
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> Result | dict[str, Result]:
     """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
     function gives them, each node computed once.
 
@@ -114,6 +120,10 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
             values (forward): pass fewer to bound memory. In forward mode each chunk runs a
             node's function once more. A pullback that cannot be vmapped (a host callback)
             runs row by row.
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
+            kept as it finishes (reverse: values and residuals; forward: values and
+            tangents); the mode, pattern and ``chunk_size`` are part of what the store
+            records.
 
     Returns:
         ``{output: Result(value, jac)}`` (a single name: one [`Result`][daskdag.Result]);
@@ -145,8 +155,11 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     ```
     """
     client, local = where(client, scheduler)
-    return call(Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size), x,
-                client=client, local=local, progress=progress)
+    kind = Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size)
+    if store is not None:
+        return durable.call(kind, "jacobian", x, client=client, local=local, progress=progress,
+                            store=store)
+    return call(kind, x, client=client, local=local, progress=progress)
 
 
 def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -355,16 +368,17 @@ class Jacobian:
         tangents = self.tangents or {}
         return len(next(iter(tangents.values()))[0]) if tangents else 0
 
-    def build(self, values: dict, stop: Any, place: Any) -> dict:
+    def build(self, values: dict, stop: Any, place: Any, keep: Any = None) -> dict:
         """The call's graph (:func:`daskdag.graph.build.build`, seeded with rows, or
-        :func:`daskdag.graph.forward.build`, with the identity's columns)."""
+        :func:`daskdag.graph.forward.build`, with the identity's columns); ``keep`` as for
+        those."""
         if self.mode == "rev":
             assert self.rows is not None
             return build(self.plan, values, JacobianSeeding(self.rows), self.transport,
-                         place=place, stop=stop, stages=self.stages)
+                         place=place, stop=stop, stages=self.stages, keep=keep)
         return jvp_graph.build(self.plan, values, self.tangents or {}, self.transport,
                                self.directions, place=place, stop=stop, chunk=self.chunk_size,
-                               stages=self.stages)
+                               stages=self.stages, keep=keep)
 
     def job(self, values: dict, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
             keep: Any = None) -> Job:
@@ -383,7 +397,8 @@ class Jacobian:
             finish = partial(self._forward_results, sparse, outputs, info, self.directions)
         direct = None if self.whole is None or sparse else partial(
             self._directly, self.whole, values, outputs, info)
-        return Job(self.plan, make, finish, "jacobian", keep=keep, direct=direct)
+        return Job(self.plan, make, finish, "jacobian", keep=keep, direct=direct,
+                   stored=lambda place, stop, keeper: self.build(values, stop, place, keeper))
 
     def _directly(self, whole: WholeJacobian, values: dict, outputs: str | Sequence[str],
                   info: CallInfo) -> Any:

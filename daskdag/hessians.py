@@ -16,6 +16,8 @@ backward task.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from distributed import Client
 
 from daskdag.api import Gradients, entries, input_values, names_key
+from daskdag.durable import calls as durable
 from daskdag.transport.transports import Transport
 from daskdag.errors import DAGError
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
@@ -43,6 +46,8 @@ from daskdag.running.lazy import Call
 from daskdag.running.programs import Program
 
 if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
+
     from daskdag.model.spec import Spec
 
 
@@ -73,20 +78,22 @@ class HVPResult:
 def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str, *,
                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                  client: Client | None = None, scheduler: str | Client | None = None,
-                 progress: bool = False) -> HVPResult: ...
+                 progress: bool = False, store: str | os.PathLike | ZarrStore | None = None) -> HVPResult: ...
 
 
 @overload
 def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: Sequence[str], *,
                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                  client: Client | None = None, scheduler: str | Client | None = None,
-                 progress: bool = False) -> dict[str, HVPResult]: ...
+                 progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> dict[str, HVPResult]: ...
 
 
 def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
                  client: Client | None = None, scheduler: str | Client | None = None,
-                 progress: bool = False) -> HVPResult | dict[str, HVPResult]:
+                 progress: bool = False, store: str | os.PathLike | ZarrStore | None = None
+                 ) -> HVPResult | dict[str, HVPResult]:
     """Values, gradients and Hessian-vector products of ``outputs`` of ``dag``, each node
     computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
     backward pass (reverse over forward, see ``daskdag.hessians``).
@@ -106,6 +113,9 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
         client: as for [`compute_grads`][daskdag.compute_grads].
         scheduler: as for [`compute_grads`][daskdag.compute_grads].
         progress: as for [`compute_grads`][daskdag.compute_grads].
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
+            (values and tangents, and the residuals of their backward pass) kept as it
+            finishes; ``v`` is part of what the store records.
 
     Returns:
         ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
@@ -132,6 +142,9 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     ```
     """
     client, local = where(client, scheduler)
+    if store is not None:
+        return durable.call(HVPs(dag, outputs, wrt, cotangents), "compute_hvps", x, v,
+                            client=client, local=local, progress=progress, store=store)
     return call(HVPs(dag, outputs, wrt, cotangents), x, v, client=client, local=local,
                 progress=progress)
 
@@ -229,7 +242,7 @@ class HVPs:
         return Job(job.plan, job.make,
                    lambda computed: _results(spec, outputs, job.finish(computed)),
                    "compute_hvps", keep=entries(self.dag),
-                   direct=directly if direct is not None else None)
+                   direct=directly if direct is not None else None, stored=job.stored)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ LAYERS = (
     ("daskdag.rules",),
     ("daskdag.graph",),
     ("daskdag.running",),
+    ("daskdag.durable",),
     ("daskdag.sweeps",),
     ("daskdag.api", "daskdag.checks"),
     ("daskdag.full_jacobians", "daskdag.hessians", "daskdag.forward_mode"),

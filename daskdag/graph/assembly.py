@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from typing import Any, Protocol
 
 import dask
 from dask.base import tokenize
@@ -65,6 +66,36 @@ def ident(ref) -> str | None:
     return ref.token if isinstance(ref, Inline) else ref.key
 
 
+class Keeper(Protocol):
+    """Where a durable call keeps its stages' results (:mod:`daskdag.durable.calls`), as its
+    forward tasks use it (:func:`kept`): picklable, so that the task that computes a stage
+    writes its result, wherever it runs. ``token``: what the keys of its calls' tasks hold,
+    so that they differ from those of calls that keep nothing."""
+
+    token: str
+
+    def load(self, entry: str, inputs: tuple) -> tuple[bool, Any, str]:
+        """``(found, result, digest)``: the result kept under ``entry`` for these ``inputs``
+        (the stage's values in; ``digest``, their hash), where one is kept and intact."""
+        ...
+
+    def save(self, entry: str, digest: str, result: Any) -> Any:
+        """``result`` kept under ``entry``, for inputs whose hash is ``digest``, durably;
+        returns it as :meth:`load` reads it back (its pullback as the program it keeps)."""
+        ...
+
+
+def kept(keeper: Keeper, entry: str, inputs_at: int, fn, *args):
+    """``fn(*args)``, read from ``keeper`` where it kept it for the same inputs (``args`` from
+    ``inputs_at`` on), else computed and kept there, and returned as it reads back: so that
+    a call's backward passes run the same pullbacks, to the bit, whether it ran through or
+    was resumed."""
+    found, result, digest = keeper.load(entry, args[inputs_at:])
+    if found:
+        return result
+    return keeper.save(entry, digest, fn(*args))
+
+
 class Intake:
     """How one call's graph takes in what it does not compute, its inputs and nodes, and the
     tokens of its keys, as its ``transport`` says (:mod:`daskdag.transport.transports`).
@@ -76,14 +107,30 @@ class Intake:
     cluster by ``place(key, fn, payload, needs) -> Future`` (:mod:`daskdag.running.resident`)
     when given, else a task of the graph (``graph``, a :class:`TaskGraph`)."""
 
-    def __init__(self, graph: "TaskGraph", transport: Transport, place=None):
-        self.graph, self.transport, self.place = graph, transport, place
+    def __init__(self, graph: "TaskGraph", transport: Transport, place=None,
+                 keep: Keeper | None = None):
+        self.graph, self.transport, self.place, self.keep = graph, transport, place, keep
         self.call = None if transport.packs else uuid.uuid4().hex
 
     def key(self, kind: str, label: str, *content) -> str:
         """A key for a task that ``content`` identifies (where values are packed; else the
         call does)."""
-        return key(kind, label, self.call or tokenize(*content))
+        if self.call:
+            return key(kind, label, self.call)
+        return key(kind, label, tokenize(*content, *([self.keep.token] if self.keep else [])))
+
+    def stage(self, task_key: str, needs: dict | None, fn, inputs_at: int, *args,
+              root: bool = False) -> TaskRef:
+        """A stage's forward task, ``fn(*args)`` (``args`` from ``inputs_at`` on: the values it
+        takes in), as :meth:`TaskGraph.task` makes it; where the call keeps its stages
+        (``keep``), read from there or computed and kept (:func:`kept`), under the stage's
+        label and what ``fn`` computes."""
+        if self.keep is None:
+            return self.graph.task(task_key, needs, fn, *args, root=root)
+        label = str(task_key).partition(":")[2].rpartition("-")[0]
+        entry = f"{kind_of(task_key)}:{label}:{fn.__name__}"
+        return self.graph.task(task_key, needs, kept, self.keep, entry, inputs_at, fn, *args,
+                               root=root)
 
     def value(self, kind: str, name: str, what: str, value):
         """An input value (or a tangent) as tasks take it: an :class:`Inline` or a reference.

@@ -26,7 +26,8 @@ from dask.task_spec import Task, TaskRef
 
 import daskdag.config as config
 from daskdag.graph import tasks
-from daskdag.graph.assembly import Intake, Inline, TaskGraph, ident, is_root, key, nested, token_of
+from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is_root, key, nested,
+                                    token_of)
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
 from daskdag.rules.seeds import basis_size
@@ -67,7 +68,7 @@ class JacobianSeeding:
 
 
 def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
-          transport: Transport, place=None, stop=None, stages=None
+          transport: Transport, place=None, stop=None, stages=None, keep: Keeper | None = None
           ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call.
 
@@ -84,11 +85,14 @@ def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
             :func:`daskdag.running.compute.compute`) stops running stages at their next node.
         stages: the plan's stages (:func:`~daskdag.graph.stages.make_stages`), when a prepared
             call made them already.
+        keep: where a durable call keeps each stage's forward result as it finishes, and reads
+            it back instead of running the stage again (:class:`~daskdag.graph.assembly.Keeper`),
+            or None.
 
     Returns:
         ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph.
     """
-    intake = Intake(TaskGraph(), transport, place)
+    intake = Intake(TaskGraph(), transport, place, keep)
     return _Wiring(plan, values, seeding, intake, stop, stages).graph()
 
 
@@ -176,8 +180,9 @@ class _Wiring:
                            *(["dense"] if dense else []))
             run = ((tasks.forward_dense if dense else tasks.forward,) if closed is None else
                    (tasks.forward_backward, closed, self.pull))
-            fwd = self.g.task(k, dict(s.needs), run[0], s, self.stop, *run[1:], *sent,
-                              *(val[d] for d in s.deps), root=is_root(s, spec))
+            fwd = intake.stage(k, dict(s.needs), run[0], 2 + len(run) - 1 + len(sent), s,
+                               self.stop, *run[1:], *sent, *(val[d] for d in s.deps),
+                               root=is_root(s, spec))
             if closed is not None:
                 label = self._label(s)
                 if self.dense and all(self.stage_of[d] in self.dense for d in s.deps

@@ -42,7 +42,7 @@ from daskdag.graph import tasks
 from daskdag.graph.compiled import rebuild, split
 from daskdag.graph.run import fused_function
 from daskdag.errors import node_errors
-from daskdag.graph.assembly import Intake, TaskGraph, ident, is_root, key, token_of
+from daskdag.graph.assembly import Intake, Keeper, TaskGraph, ident, is_root, key, token_of
 from daskdag.model.plan import Plan
 from daskdag.cancel import check
 from daskdag.model.leaves import differentiable_leaves, on_differentiable
@@ -151,14 +151,15 @@ def output_tangent(value, flat, k: int | None):
 # -- the graph -------------------------------------------------------------------------------------
 
 def build(plan: Plan, values: dict, tangents: dict, transport: Transport, k: int | None = None,
-          place=None, stop=None, chunk: int | None = None, stages=None) -> dict:
+          place=None, stop=None, chunk: int | None = None, stages=None,
+          keep: Keeper | None = None) -> dict:
     """The graph of one call: ``{output: (value, {TANGENT: tangent})}`` of ``Delayed``.
     ``tangents``: ``{input: flat tangent}`` for the plan's ``wrt`` (:func:`input_tangents`);
     ``k``: the number of directions, or None; ``chunk``: at most that many per call.
-    ``values``, ``transport``, ``place``, ``stop`` and ``stages`` as for
+    ``values``, ``transport``, ``place``, ``stop``, ``stages`` and ``keep`` as for
     :func:`daskdag.graph.build.build`."""
     spec, g = plan.spec, TaskGraph()
-    intake = Intake(g, transport, place)
+    intake = Intake(g, transport, place, keep)
     needed = spec.ancestors(plan.outputs)
     val = {i: intake.value("input", i, f"input {i!r}", v) for i, v in values.items() if i in needed}
     tan = {i: intake.value("tan", i, f"the tangent of input {i!r}", tangents[i])
@@ -168,15 +169,16 @@ def build(plan: Plan, values: dict, tangents: dict, transport: Transport, k: int
         sent = [intake.node(n, spec.nodes[n]) for n in s.nodes]
         deps = [ident(val[d]) for d in s.deps]
         if not s.has_pullback:  # no tangent reaches it: the forward task of the gradient graph
-            fwd = g.task(intake.key("fwd", s.name, s, [ident(n) for n in sent], deps, None, None),
-                         dict(s.needs), tasks.forward, s, stop, *sent, *(val[d] for d in s.deps),
-                         root=is_root(s, spec))
+            fwd = intake.stage(intake.key("fwd", s.name, s, [ident(n) for n in sent], deps, None,
+                                          None), dict(s.needs), tasks.forward, 2 + len(sent), s,
+                               stop, *sent, *(val[d] for d in s.deps), root=is_root(s, spec))
         else:
             dep_tangents = [tan.get(d) for d in s.deps]
             k_jvp = intake.key("jvp", s.name, s, [ident(n) for n in sent], deps,
                                [None if t is None else ident(t) for t in dep_tangents], k, chunk)
-            fwd = g.task(k_jvp, dict(s.needs), forward, s, stop, k, chunk, *sent,
-                         *(val[d] for d in s.deps), *dep_tangents, root=is_root(s, spec))
+            fwd = intake.stage(k_jvp, dict(s.needs), forward, 4 + len(sent), s, stop, k, chunk,
+                               *sent, *(val[d] for d in s.deps), *dep_tangents,
+                               root=is_root(s, spec))
         token = token_of(str(fwd.key))
         for e, n in enumerate(s.outputs):
             val[n] = fwd if s.value_only else g.task(key("val", n, token), dict(s.needs),

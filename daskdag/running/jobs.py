@@ -108,8 +108,12 @@ class Job:
     spreading: "Spreading | None" = None
     #: A call now that first computes some inputs itself (the nodes whose values are kept
     #: between calls, :mod:`daskdag.running.reuse`): ``before(client, local, progress)`` gives
-    #: the job to run. A lazy call runs this one's graph.
+    #: the job to run. A lazy call, and a durable one, run this one's graph.
     before: Callable[[Any, str | None, bool], "Job"] | None = None
+    #: The call's graph for a durable call (:mod:`daskdag.durable.calls`):
+    #: ``stored(place, stop, keep)``, each stage's forward task kept by ``keep`` (a
+    #: :class:`~daskdag.graph.assembly.Keeper`) as it finishes, or read back from it.
+    stored: Callable[[Any, Any, Any], dict] | None = None
 
 
 class Kind(Protocol):
@@ -151,13 +155,18 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
     return as_collection(kind.job(program, x, data, why=why, where=LAZY))
 
 
-def run(job: Job, client, local: str | None, progress: bool):
+def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. A job with
-    a ``before`` step runs the job that step gives."""
-    if job.before is not None:
+    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. ``keep``:
+    where a durable call keeps its stages (:attr:`Job.stored`): its graph then runs spread,
+    a task per stage, wherever it runs. A job with a ``before`` step runs the job that step
+    gives, unless it keeps its stages (a durable call keeps every node in its store)."""
+    if keep is not None and job.stored is None:
+        raise TypeError(f"{job.kind} cannot keep its stages")
+    if job.before is not None and keep is None:
         job = job.before(client, local, progress)
-    if client is None and job.direct is not None and not progress and not Callback.active:
+    if client is None and job.direct is not None and not progress and not Callback.active \
+            and keep is None:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()
         if result is not None:
@@ -169,14 +178,16 @@ def run(job: Job, client, local: str | None, progress: bool):
     stop = Stop() if client is None else None
     before = kept.sent if kept else 0
     whole = job.contained is not None and job.spreading is not None and not progress and \
-        job.spreading.whole()
+        keep is None and job.spreading.whole()
     start = time.perf_counter()
     with kept.keeping(client) if kept else contextlib.nullcontext() as place:
-        graph = job.contained(place) if whole else job.make(place, stop)  # type: ignore[misc]
+        graph = (job.contained(place) if whole  # type: ignore[misc]
+                 else job.make(place, stop) if keep is None
+                 else job.stored(place, stop, keep))  # type: ignore[misc]
         log.submitted(job.kind, job.plan, graph, log.where(client, local),
                       kept.sent - before if kept else None)
         computed = compute(graph, client, progress, stop, local, job.plan)
-    if job.spreading is not None and not progress:
+    if job.spreading is not None and not progress and keep is None:
         job.spreading.record(whole, time.perf_counter() - start)
     return job.finish(computed)
 

@@ -13,12 +13,11 @@ core, which knows nothing of it.
 - :mod:`~daskdag.sweeps.results`: the values and gradients stacked over the items;
 - :mod:`~daskdag.sweeps.store`: durable sweeps, each chunk's results in a Zarr store as it finishes;
 - :mod:`~daskdag.sweeps.identity`: what a durable sweep is, as its store records it, and the
-  hashes of its items and rows;
-- :mod:`~daskdag.sweeps.keys`: a store's keys read, written, synced, and held by one sweep at
-  a time;
+  hash of its items (the format, rules and keys every store shares: :mod:`daskdag.durable`);
+- :mod:`~daskdag.sweeps.keys`: :mod:`daskdag.durable.keys` under the sweeps' name;
 - :mod:`~daskdag.sweeps.arrays`: sweeps over dask arrays, lazily;
 - :mod:`~daskdag.sweeps.progress`: the progress bar over items.
 
-May import: every layer below it (:mod:`daskdag.running` and under). In: a spec, input values
+May import: every layer below it (:mod:`daskdag.durable` and under). In: a spec, input values
 with a leading item axis. Out: ``{output: (value, {input: grad})}`` stacked over the items.
 """

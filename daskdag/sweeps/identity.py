@@ -1,137 +1,26 @@
-"""What a durable sweep is, as its store records it (:func:`identity`), how a stored one differs
-from a call's (:func:`differences`), and the hashes of input items and of stored rows."""
+"""What a durable sweep is, as its store records it (:func:`identity`), and the hash of a chunk's
+input items; the rest of a record, and how records differ, are every store's
+(:mod:`daskdag.durable.identity`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any, Mapping
+from typing import Any
 
-import jax
-import numpy as np
-
-from daskdag.errors import DAGError
-from daskdag.model.leaves import is_array
-from daskdag.model.spec import Node, parse
-from daskdag.running.programs import settings
-from daskdag.transport import content
-
-FORMAT = 3  # 3: node functions by what they compute (content.parts), not where they are written
-RULES = ("vjp", "fwd", "bwd", "jvp")  # a node's own rules, beside its function
+from daskdag.durable.identity import common, hash_tree
 
 
 def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
              ) -> dict:
-    """What a sweep is, as a store records it: each node's parts (:func:`node_parts`), the
-    outputs, ``wrt``, the batched inputs, the number of items, the hashes of the shared inputs
-    and of the cotangents, ``errors`` (what becomes of failing items), the settings the numbers
-    depend on (``dask.config``'s ``daskdag.*`` and JAX's x64), and the versions of daskdag and
-    JAX."""
-    from daskdag import __version__
-
-    spec = parse(dag)
-    digests: dict = {}
-    nodes = {n: node_parts(n, node, digests) for n, node in spec.nodes.items()}
-    x64, ours = settings()
-    return {"format": FORMAT, "daskdag": __version__, "jax": jax.__version__, "dag": nodes,
-            "outputs": list(outputs), "wrt": list(wrt), "batched": sorted(batched),
-            "items": size, "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
-            "cotangents": hash_tree(cotangents), "errors": errors, "x64": x64,
-            "settings": _plain(dict(ours))}
-
-
-def node_parts(name: str, node: Node, digests: dict | None = None) -> dict:
-    """A node as a store records it, by part: its function's content tokens
-    (:func:`daskdag.transport.content.parts`: code, each global read, each value closed over,
-    defaults, attributes; not where it is written), its rules' (``"vjp code"``...), its
-    ``"deps"`` and its ``"options"`` (``jit``, ``vmap``, ``remat``). Raises
-    :class:`~daskdag.DAGError` naming the node for a function whose content cannot be read."""
-    out: dict = {}
-    for rule, fn in (("", node.fn), *((f"{r} ", getattr(node, r)) for r in RULES)):
-        if fn is None:
-            continue
-        try:
-            found = content.parts(fn, digests)
-        except Exception as e:
-            what = f"its {rule.strip()}" if rule else "its function"
-            raise DAGError(f"node {name!r}: {what} cannot be recorded in the sweep's store: "
-                           f"pickling it failed with {type(e).__name__}: {e}") from e
-        out.update((rule + part, t) for part, t in found.items())
-    out["deps"] = list(node.deps)
-    out["options"] = f"jit={node.jit} vmap={node.vmap} remat={node.remat}"
-    return out
-
-
-def _node_differences(name: str, stored, mine) -> str:
-    """What differs in node ``name`` between a stored record and a call's (:func:`node_parts`),
-    in words."""
-    if not isinstance(stored, dict):
-        return f"node {name!r} is new"
-    if not isinstance(mine, dict):
-        return f"node {name!r} is gone"
-    words = []
-    for part in sorted(set(stored) | set(mine), key=lambda p: (p in ("deps", "options"), p)):
-        if stored.get(part) == mine.get(part):
-            continue
-        if part == "deps":
-            words.append(f"its deps (were {stored.get(part)}, are {mine.get(part)})")
-        elif part == "options":
-            words.append(f"its options (were {stored.get(part)}, are {mine.get(part)})")
-        else:
-            rule, _, rest = part.partition(" ")
-            words.append(f"{content.describe(rest)} (in its {rule})" if rule in RULES
-                         else content.describe(part))
-    return f"node {name!r}: {', '.join(words)}"
-
-
-def _plain(data):
-    """``data`` as JSON keeps it (tuples as lists), so that a stored identity compares equal."""
-    return json.loads(json.dumps(data, default=repr))
-
-
-def hash_tree(tree) -> str:
-    """SHA-256 of a pytree of arrays and Python scalars: structure, dtypes, shapes and bytes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    h = hashlib.sha256(str(treedef).encode())
-    for leaf in leaves:
-        if is_array(leaf) or isinstance(leaf, (int, float, complex, bool, np.generic)):
-            h.update(content.array_digest(leaf))
-        else:  # (a function or a static field: its content, wherever it is written)
-            h.update(content.token(leaf).encode())
-    return h.hexdigest()
-
-
-def differences(stored: dict, mine: dict) -> list[str]:
-    out = []
-    for k in sorted(set(stored) | set(mine)):
-        a, b = stored.get(k), mine.get(k)
-        if a == b:
-            continue
-        if k == "dag" and isinstance(a, dict) and isinstance(b, dict):
-            nodes = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the DAG's nodes {nodes} differ ("
-                       + "; ".join(_node_differences(n, a.get(n), b.get(n)) for n in nodes) + ")")
-        elif k == "shared" and isinstance(a, dict) and isinstance(b, dict):
-            names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the shared inputs {names} differ")
-        elif k == "cotangents":
-            out.append("the cotangents differ")
-        else:
-            out.append(f"{k} was {a!r}, is now {b!r}")
-    return out
+    """What a sweep is, as a store records it: what every store records
+    (:func:`daskdag.durable.identity.common`: the format, versions, each node's parts, the
+    settings), the outputs, ``wrt``, the batched inputs, the number of items, the hashes of the
+    shared inputs and of the cotangents, and ``errors`` (what becomes of failing items)."""
+    return {**common(dag), "outputs": list(outputs), "wrt": list(wrt),
+            "batched": sorted(batched), "items": size,
+            "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
+            "cotangents": hash_tree(cotangents), "errors": errors}
 
 
 def items_hash(values: dict[str, Any]) -> str:
     """The hash of one chunk's input items (``Sweep.items``: the batched inputs' rows)."""
     return hash_tree({k: values[k] for k in sorted(values)})
-
-
-def rows_hash(rows: Mapping[str, np.ndarray | None], paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        r = rows.get(p)
-        if r is None:
-            return ""
-        h.update(f"{p}{r.dtype.str}{r.shape}".encode())
-        h.update(np.ascontiguousarray(r).tobytes())
-    return h.hexdigest()

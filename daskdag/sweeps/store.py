@@ -29,15 +29,14 @@ each complete piece's input items must be those of the call, else
 :class:`~daskdag.StoreError` names what changed. The trees and errors are pickles: open only
 stores you trust, as you would a pickle.
 
-What a sweep is and the hashes checked: :mod:`daskdag.sweeps.identity`; the store's keys read,
-written, synced, and held by one sweep at a time: :mod:`daskdag.sweeps.keys`.
+What a sweep is: :mod:`daskdag.sweeps.identity`; the format, the rules and the keys every
+store shares (calls' too): :mod:`daskdag.durable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import errno
 import os
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -49,10 +48,11 @@ import dask.array as da
 import jax
 import numpy as np
 
+from daskdag.durable.identity import rows_hash
+from daskdag.durable.keys import Keys, group, is_zarr, keys_of
+from daskdag.durable.rules import agree, claim, full
 from daskdag.errors import NodeError, StoreError
 from daskdag.sweeps.failures import picklable
-from daskdag.sweeps.identity import FORMAT, differences, rows_hash
-from daskdag.sweeps.keys import Keys, group, is_zarr, keys_of
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
@@ -112,7 +112,7 @@ class Store:
         self.saved = 0  # items of the pieces written
         self.keys = keys_of(where.location)
         self.name = self.keys.name
-        _claim(self.keys)
+        claim(self.keys)
         self.keys.hold()
         try:
             self.identity = self._agree(identity, chunk_size, default)
@@ -130,27 +130,15 @@ class Store:
         changed); in a new store, the call's, written with the root group in one write."""
         import zarr
 
-        stored = _recorded(self.keys)
+        stored = agree(self.keys, identity, lambda stored: {
+            **identity, "chunk_size": chunk_size or stored.get("chunk_size")})
         if stored is None:
             mine = {**identity, "chunk_size": chunk_size or default}
             self.root = zarr.create_group(self.keys.store, zarr_format=3,
                                           attributes={"daskdag": mine})
             self.keys.synced(["zarr.json"])
             return mine
-        if stored.get("format") != FORMAT:
-            raise StoreError(
-                f"store {self.name} was written by daskdag {stored.get('daskdag')} in store "
-                f"format {stored.get('format')}; this daskdag ({identity['daskdag']}) reads "
-                f"format {FORMAT} only, whose record of the nodes does not depend on where "
-                f"their functions are written. Finish that sweep with daskdag "
-                f"{stored.get('daskdag')}, or use another store, or delete this one to start "
-                f"afresh")
         self.root = zarr.open_group(self.keys.store, mode="r+", zarr_format=3)
-        mine = {**identity, "chunk_size": chunk_size or stored.get("chunk_size")}
-        changed = differences(stored, mine)
-        if changed:
-            raise StoreError(f"store {self.name} holds another sweep: {'; '.join(changed)}. Use "
-                             f"another store, or delete this one to start afresh")
         return stored
 
     def complete(self, hashes, read: bool = True
@@ -218,12 +206,12 @@ class Store:
                 "rows": rows_hash(rows, sorted(rows)), "failed": failures}))
             self.saved += stop - start
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            error = full(self.keys, e, f"items {start} to {stop - 1}",
+                         f"the {len(self._marks())} pieces written before are complete and "
+                         f"stay usable")
+            if error is None:
                 raise
-            raise StoreError(f"store {self.name} is full ({e.strerror}) while writing items "
-                             f"{start} to {stop - 1}: the {len(self._marks())} pieces written "
-                             f"before are complete and stay usable; free some space and run "
-                             f"the same call again to resume") from e
+            raise error from e
 
     def later(self, write) -> None:
         """Run ``write()`` (a :meth:`write`) on the store's writer thread, in order, so that the
@@ -377,31 +365,6 @@ class Store:
             return mark if {"items", "rows", "arrays", "failed"} <= set(mark) else None
         except (TypeError, KeyError):
             return None
-
-
-def _recorded(keys: Keys) -> dict | None:
-    """The sweep a store records (its root group's ``daskdag`` attribute), else None."""
-    root = keys.get_json("zarr.json")
-    attributes = root.get("attributes") if isinstance(root, dict) else None
-    recorded = attributes.get("daskdag") if isinstance(attributes, dict) else None
-    return recorded if isinstance(recorded, dict) else None
-
-
-def _claim(keys: Keys) -> None:
-    """Refuse, before anything is written, a location that holds something other than a sweep's
-    store: a :class:`~daskdag.StoreError` naming what is there. Empty or missing is a new store
-    (a lease left by a sweep that died before writing is nothing)."""
-    found = [n for n in keys.top() if n != "lock"]
-    if not found or _recorded(keys) is not None:
-        return
-    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
-    root = keys.get_json("zarr.json")
-    kind = root.get("node_type") if isinstance(root, dict) else None
-    what = (f"is a Zarr {kind} that is not a daskdag sweep's store (its zarr.json has no "
-            f"'daskdag' attribute)" if isinstance(kind, str)
-            else "is not empty, and is not a daskdag sweep's store")
-    raise StoreError(f"store {keys.name} {what}: it holds {shown}. Nothing was written there; "
-                     f"give the sweep a new or empty location")
 
 
 def _read_chunk(keys: Keys, array, path: str, k: int, size: int) -> np.ndarray | None:

@@ -1,0 +1,201 @@
+"""Durable calls: ``compute_grads``, ``jacobian``, ``compute_jvps`` and ``compute_hvps`` with
+``store=``. Each stage's forward result (its nodes' values, and the pullback holding their
+residuals: what its backward pass needs) is written to a Zarr store by the task that computed
+it, as it finishes, wherever it ran; the same call again, after its client or scheduler died,
+reads the stages the store holds and runs only the others.
+
+The store is the format of durable sweeps (:mod:`daskdag.sweeps.store`), under the same rules
+(:mod:`daskdag.durable.rules`) and keys (:mod:`daskdag.durable.keys`)::
+
+    zarr.json                  the root group; its attribute "daskdag" is what the call is
+                               (:func:`identity`): format, versions, each node's content tokens
+                               by part, deps and options, the call ("compute_grads", ...), its
+                               outputs and wrt, the hash of each input, its options and data
+                               (cotangents, tangents, directions) by value or hash, settings
+    stages/<entry>/result      a uint8 array: the stage's forward result, pickled
+    stages/<entry>/zarr.json   the stage's group, written last, once the result is durable: the
+                               hash of the stage's input values and of the result's bytes
+    lock                       (another store than local files) a lease group while a call
+                               runs
+
+``<entry>`` names the stage's task: its kind, its nodes and what it computes
+(``fwd:A+B:forward``), quoted. An entry is complete when its group records both hashes and the
+bytes still hash as it says; the stage's inputs must hash as recorded, else (an upstream node
+that computed something else this time) the stage runs again and its entry is written anew: no
+result is ever mixed with inputs it was not computed from. A result that is torn, truncated or
+corrupted is computed again, never returned. Backward passes (cotangents pulled back through the
+stored pullbacks) run at every call: they are not stored. The results are pickles: open only
+stores you trust, as you would a pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+from typing import TYPE_CHECKING, Any, Iterator
+from urllib.parse import quote
+
+import cloudpickle
+import dask
+import numpy as np
+
+from daskdag.durable.identity import common, hash_tree
+from daskdag.durable.keys import Keys, is_zarr, keys_of
+from daskdag.durable.rules import CALL, agree, claim, full
+from daskdag.model.request import given_values
+from daskdag.model.spec import Spec
+from daskdag.running import log
+from daskdag.running.jobs import Kind, run
+from daskdag.transport import transports
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
+
+CHUNK = 64 * 2 ** 20  # bytes per chunk of a stored result
+
+
+def call(kind: Kind, name: str, x: Any, *data: Any, client, local: str | None, progress: bool,
+         store: str | os.PathLike | ZarrStore) -> Any:
+    """A call of ``kind`` (the function ``name``) computed now, as
+    :func:`daskdag.running.jobs.call` computes it, its stages kept in ``store`` and read from
+    there where it holds them. Its chains of nodes are not fused (``daskdag.fuse-chains``), so
+    that each node is a stage of its own, kept as it finishes. The store
+    is held by this call while it runs."""
+    if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
+        raise TypeError(f"a call's store is a directory or a Zarr store, not "
+                        f"{type(store).__name__}")
+    with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
+        program, why = kind.compile(x, data, transport=transports.for_call(client))
+        job = kind.job(program, x, data, why=why, where=log.where(client, local))
+    mine = identity(name, kind, job.plan.spec, job.plan.outputs, job.plan.wrt, x, data)
+    with opened(store, mine) as keeper:
+        return run(job, client, local, progress, keep=keeper)
+
+
+def identity(name: str, kind: Kind, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
+    """What a call is, as its store records it: what every store records
+    (:func:`daskdag.durable.identity.common`: format, versions, each node's parts, settings),
+    the function called, the outputs, ``wrt``, each input's hash, and the kind's options and
+    data: plain values as they are (``mode``, ``chunk_size``...), others by hash
+    (``cotangents``, ``sparsity``, the ``tangents`` of ``compute_jvps``, the ``directions`` of
+    ``compute_hvps``)."""
+    record = {**common(kind.dag), CALL: name, "outputs": list(outputs), "wrt": list(wrt),
+              "inputs": {i: hash_tree(v) for i, v in sorted(given_values(spec, x).items())}}
+    assert dataclasses.is_dataclass(kind)
+    for f in dataclasses.fields(kind):
+        if f.name not in ("dag", "outputs", "wrt"):
+            record[f.name] = _recorded(getattr(kind, f.name))
+    for value in data:  # (compute_jvps' tangents, compute_hvps' v)
+        record["tangents" if name == "compute_jvps" else "directions"] = hash_tree(value)
+    return json.loads(json.dumps(record))
+
+
+def _recorded(value: Any) -> Any:
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return hash_tree(value)
+
+
+@contextlib.contextmanager
+def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]:
+    """The store at ``where`` held for this call, its record ``mine`` (written in a new store;
+    else the stored one must be it: :func:`daskdag.durable.rules.agree`): its
+    :class:`Stages`."""
+    import zarr
+
+    keys = keys_of(where)
+    claim(keys, "call")
+    keys.hold()
+    try:
+        if agree(keys, mine) is None:
+            zarr.create_group(keys.store, zarr_format=3, attributes={"daskdag": mine})
+            keys.synced(["zarr.json"])
+        token = hashlib.sha256(json.dumps([keys.name, mine], sort_keys=True).encode())
+        yield Stages(where, keys.name, token.hexdigest()[:16])
+    finally:
+        keys.release()
+
+
+class Stages:
+    """A call's stages in its store, as its forward tasks read and write them
+    (:class:`daskdag.graph.assembly.Keeper`): picklable (where it is, not an open store), so
+    that a worker writes the stages it computes itself."""
+
+    __slots__ = ("where", "name", "token")
+
+    def __init__(self, where, name: str, token: str):
+        self.where, self.name, self.token = where, name, token
+
+    def __reduce__(self):
+        return Stages, (self.where, self.name, self.token)
+
+    def __repr__(self) -> str:
+        return f"Stages({self.name!r})"
+
+    def load(self, entry: str, inputs: tuple) -> tuple[bool, Any, str]:
+        digest = hash_tree(list(inputs))
+        keys, path = self._keys(), _path(entry)
+        mark = keys.get_json(f"{path}/zarr.json")
+        attributes = mark.get("attributes") if isinstance(mark, dict) else None
+        if not isinstance(attributes, dict) or not {"inputs", "sha256"} <= set(attributes):
+            return False, None, digest
+        if attributes["inputs"] != digest:  # (computed from other inputs: run again)
+            return False, None, digest
+        body = _read(keys, f"{path}/result")
+        if body is None or hashlib.sha256(body).hexdigest() != attributes["sha256"]:
+            keys.delete(f"{path}/zarr.json")  # (damaged: computed again, never returned)
+            return False, None, digest
+        return True, pickle.loads(body), digest
+
+    def save(self, entry: str, digest: str, result: Any) -> Any:
+        import zarr
+
+        keys, path = self._keys(), _path(entry)
+        body = cloudpickle.dumps(result, protocol=5)
+        try:
+            keys.delete(f"{path}/zarr.json")  # (incomplete until its mark is written again)
+            array = zarr.create_array(keys.store, name=f"{path}/result", shape=(len(body),),
+                                      chunks=(min(len(body), CHUNK) or 1,), dtype="uint8",
+                                      compressors=None, fill_value=0, overwrite=True,
+                                      zarr_format=3)
+            array[:] = np.frombuffer(body, np.uint8)
+            keys.synced([f"{path}/result/zarr.json", *(
+                f"{path}/result/" + array.metadata.encode_chunk_key((k,))
+                for k in range(-(-len(body) // CHUNK)))])
+            keys.set_json(f"{path}/zarr.json", {
+                "zarr_format": 3, "node_type": "group",
+                "attributes": {"inputs": digest, "sha256": hashlib.sha256(body).hexdigest(),
+                               "nbytes": len(body)}})
+        except OSError as e:
+            error = full(keys, e, f"stage {entry}",
+                         "the stages written before are complete and stay usable")
+            if error is None:
+                raise
+            raise error from e
+        return pickle.loads(body)
+
+    def _keys(self) -> Keys:
+        return keys_of(self.where)
+
+
+def _path(entry: str) -> str:
+    name = quote(entry, safe="")
+    if len(name) > 160:  # (a file name's length is limited)
+        name = name[:120] + "-" + hashlib.sha256(entry.encode()).hexdigest()[:32]
+    return f"stages/{name}"
+
+
+def _read(keys: Keys, path: str) -> bytes | None:
+    """The bytes of the result array at ``path``, or None where it cannot be read."""
+    import zarr
+
+    try:
+        return np.asarray(zarr.open_array(keys.store, path=path, mode="r")[:],
+                          np.uint8).tobytes()
+    except Exception:
+        return None
+
