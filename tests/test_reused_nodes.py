@@ -222,3 +222,26 @@ def test_a_loop_with_kept_nodes_beside_one_of_the_head_alone_on_a_cluster(cli_cl
         for value, grads in (f({"p": p, "d": D}), g({"p": p, "T": T})):
             assert_tree_close(value, want[0], rtol=1e-5)
             assert_tree_close(grads["p"], want[1], rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_kept_values_outlive_every_worker_killed_between_two_calls(tmp_path):
+    """Every worker SIGKILLed between two calls (nannies restart them): the next call still
+    reuses the trunk (its value is kept in this process, placed on the cluster again), runs it
+    nowhere, and returns JAX's numbers; afterwards the trunk's value changes and the call
+    after follows it."""
+    from .support.clusters import local_client
+    from .support.faults import KEEP_NANNIES, sigkill, worker_pids
+
+    log = RunLog(tmp_path / "runs")
+    dag = _dag(log, jit=True)
+    with dask.config.set(KEEP_NANNIES), local_client(2) as client:
+        _loop(dag, D, steps=2, client=client)
+        assert len(log.pids("T")) == 1
+        sigkill(worker_pids(client).values())
+        client.wait_for_workers(2, timeout=120)
+        infos = _loop(dag, D, steps=2, client=client)
+        assert len(log.pids("T")) == 1 and infos[0].reused == ("T",)
+        _loop(dag, D + 1.0, steps=1, client=client)
+        assert len(log.pids("T")) == 2

@@ -264,3 +264,17 @@ def test_nodes_differentiated_per_item_run_once_on_a_cluster(cli_client, tmp_pat
     _check_wrt_w(res, xs, W)
     assert len(log.pids("S")) == 1 and len(log.pids("F")) == 1
     assert len(log.pids("A")) == 8
+
+
+def test_sharing_turned_off_runs_the_shared_nodes_per_item_as_before(tmp_path):
+    """``daskdag.share-sweep-work: false``: the trunk runs in every item's chunk work again, and
+    the numbers are the same."""
+    import dask
+
+    log = RunLog(tmp_path / "runs")
+    xs = _items()
+    with dask.config.set({"daskdag.share-sweep-work": False}):
+        res = daskdag.sweep_grads(_dag(log), {"x": xs, "w": W}, "A", batched=["x"],
+                                  wrt=["x", "w"], chunk_size=2)
+    _check_wrt_w(res, xs, W)
+    assert len(log.pids("S")) == 8

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import daskdag.config as config
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.run import linearize
@@ -49,7 +50,10 @@ def share(sweep: Sweep, left: int, chunk_size: int, client, local: str | None) -
     """``sweep`` with its shared work done once (the module's docstring), for ``left`` items
     still to run in chunks of ``chunk_size``, on ``client``'s cluster or Dask's ``local``
     scheduler: constants where more than one chunk is left (within one chunk they run once
-    anyway), nodes differentiated per item where more than one item is."""
+    anyway), nodes differentiated per item where more than one item is; none of it where
+    ``daskdag.share-sweep-work`` is false."""
+    if not config.get("share-sweep-work"):
+        return sweep
     if left > chunk_size:
         sweep = constants(sweep, client, local)
     if left > 1:
