@@ -23,6 +23,7 @@ import pytest
 import daskdag
 
 from .support.clusters import local_client
+from .support.disks import small_tmpfs
 
 DAG_MODULE = '''
 import time
@@ -275,14 +276,8 @@ def test_jacobians_jvps_and_hvps_keep_their_stages_too(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 KiB tmpfs (where this machine lets the tests mount one)."""
-    d = tmp_path / "small_disk"
-    d.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
-                          capture_output=True, text=True)
-    if made.returncode:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {made.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with small_tmpfs(tmp_path / "small_disk", "64k") as d:
+        yield d
 
 
 @pytest.mark.timeout(180)

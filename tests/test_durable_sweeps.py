@@ -26,6 +26,7 @@ import pytest
 import daskdag
 
 from .support.clusters import local_client
+from .support.disks import small_tmpfs
 
 N, CHUNK = 60, 8
 XS = np.random.default_rng(0).uniform(0.1, 1.5, (N, 4)).astype(np.float32)
@@ -579,14 +580,8 @@ def test_the_command_line_interrupted_says_what_is_saved_and_resumes(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 256 KiB tmpfs (where this machine lets the tests mount one)."""
-    d = tmp_path / "small_disk"
-    d.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)],
-                          capture_output=True, text=True)
-    if made.returncode:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {made.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with small_tmpfs(tmp_path / "small_disk", "256k") as d:
+        yield d
 
 
 @pytest.mark.timeout(180)
