@@ -245,3 +245,31 @@ def test_kept_values_outlive_every_worker_killed_between_two_calls(tmp_path):
         assert len(log.pids("T")) == 1 and infos[0].reused == ("T",)
         _loop(dag, D + 1.0, steps=1, client=client)
         assert len(log.pids("T")) == 2
+
+
+SCALE = 2.0
+
+
+def test_a_global_the_trunk_reads_rebound_runs_it_again(tmp_path):
+    """The trunk reads a module global: rebound between two calls, the trunk runs again and the
+    numbers follow it; rebound to the same value, nothing changed, and the trunk is reused."""
+    global SCALE
+    log = RunLog(tmp_path / "runs")
+
+    def trunk(d):
+        jax.debug.callback(partial(_note, str(log.path), "T"))
+        return jnp.tanh(d) * SCALE
+
+    dag = {"T": daskdag.Node(trunk, ["d"], jit=True), "H": (head, ["p", "T"])}
+    p = jnp.ones(3)
+    try:
+        daskdag.compute_grads(dag, {"p": p, "d": D}, "H", wrt=["p"])
+        SCALE = 2.0
+        assert daskdag.compute_grads(dag, {"p": p, "d": D}, "H", wrt=["p"]).info.reused == ("T",)
+        SCALE = 5.0
+        res = daskdag.compute_grads(dag, {"p": p, "d": D}, "H", wrt=["p"])
+        assert len(log.pids("T")) == 2 and res.info.reused == ()
+        want = jax.grad(lambda p: head(p, jnp.tanh(D) * 5.0))(p)
+        assert_tree_close(res.grad["p"], want, rtol=1e-5)
+    finally:
+        SCALE = 2.0
