@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable, overload
 
-from distributed import Client
 
 from daskdag.durable import calls as durable
 from daskdag.errors import NodeError
@@ -38,6 +37,7 @@ from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 
 if TYPE_CHECKING:
+    from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 
     from daskdag.model.spec import Spec
