@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
+import dask.local
 from dask.base import tokenize
 import jax
 import numpy as np
@@ -97,7 +98,7 @@ class Threads:
         def job():
             return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
                                                items=chunk[1] - chunk[0]),
-                             lambda: dask.compute(graph, scheduler="sync")[0])
+                             lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
 
         return self.pool.submit(job)
 
