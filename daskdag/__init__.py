@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib as _importlib
 import threading as _threading
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (what the names are; they are imported when first asked for: _load)
     from daskdag.api import Result, compute_grads, grads, sweep_grads
@@ -77,7 +77,7 @@ def _load() -> None:
         globals().update(found)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in __all__:
         _load()
         return globals()[name]

@@ -56,7 +56,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from daskdag.cli.commands import parser
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return importlib.import_module("daskdag.cli.commands").main(args)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     where = {"parser": "daskdag.cli.commands", "security": "daskdag.cli.tls",
              "write_certs": "daskdag.cli.tls"}
     if name in where:
