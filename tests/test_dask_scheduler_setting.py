@@ -152,8 +152,8 @@ def test_a_local_clusters_dashboard_answers():
     pytest.importorskip("bokeh", reason="the dashboard extra: pip install '.[dashboard]'")
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address="127.0.0.1:0") as cluster:
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=":0") as cluster:
         link = cluster.dashboard_link
         with urllib.request.urlopen(link, timeout=30) as answer:
             assert answer.status == 200
