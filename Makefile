@@ -7,11 +7,11 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test bench bench-test clean certs
 
-# daskdag and what it needs, nothing more: all `make demo` takes.
+# daskdag and what it needs, and the dashboard of the clusters the docs start: all `make demo` takes.
 $(CORE_STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[dashboard]'
 	touch $@
 
 # The test and docs extras too, for `make test`.

@@ -14,28 +14,79 @@
 >>> value, grad = f(x)
 """
 
+from __future__ import annotations
+
+import importlib as _importlib
+import threading as _threading
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
-from daskdag.api import Result, compute_grads, grads, sweep_grads
-from daskdag.forward_mode import JVPResult, compute_jvps, jvps
-from daskdag.hessians import HVPResult, compute_hvps, hvps
-from daskdag.full_jacobians import jacobian, jacobian_sparsity, jacobians
-from daskdag.checks import check_grads, check_totals
-from daskdag.caches import clear_caches
-from daskdag.running.jobs import CallInfo
-from daskdag.transforms import (Prepared, value_and_grad, value_and_jacobian, value_and_jvp,
-                                value_grad_and_hvp)
-from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, StoreError,
-                            TotalCheckError)
-from daskdag.running.lazy import Call
-from daskdag.model.spec import Node
-from daskdag.sweeps.store import SweepStore
+if TYPE_CHECKING:  # (what the names are; they are imported when first asked for: _load)
+    from daskdag.api import Result, compute_grads, grads, sweep_grads
+    from daskdag.forward_mode import JVPResult, compute_jvps, jvps
+    from daskdag.hessians import HVPResult, compute_hvps, hvps
+    from daskdag.full_jacobians import jacobian, jacobian_sparsity, jacobians
+    from daskdag.checks import check_grads, check_totals
+    from daskdag.caches import clear_caches
+    from daskdag.running.jobs import CallInfo
+    from daskdag.transforms import (Prepared, value_and_grad, value_and_jacobian, value_and_jvp,
+                                    value_grad_and_hvp)
+    from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, StoreError,
+                                TotalCheckError)
+    from daskdag.running.lazy import Call
+    from daskdag.model.spec import Node
+    from daskdag.sweeps.store import SweepStore
 
+# Where each public name is defined. `import daskdag` imports none of them (nor JAX's, Dask's
+# or distributed's modules that they need): the first public name asked for imports them all
+# (_load), so that `import daskdag` and `daskdag --version` stay fast.
+_WHERE = {
+    "daskdag.api": ("Result", "compute_grads", "grads", "sweep_grads"),
+    "daskdag.forward_mode": ("JVPResult", "compute_jvps", "jvps"),
+    "daskdag.hessians": ("HVPResult", "compute_hvps", "hvps"),
+    "daskdag.full_jacobians": ("jacobian", "jacobian_sparsity", "jacobians"),
+    "daskdag.checks": ("check_grads", "check_totals"),
+    "daskdag.caches": ("clear_caches",),
+    "daskdag.running.jobs": ("CallInfo",),
+    "daskdag.transforms": ("Prepared", "value_and_grad", "value_and_jacobian", "value_and_jvp",
+                           "value_grad_and_hvp"),
+    "daskdag.errors": ("ClusterError", "DAGError", "GradientCheckError", "NodeError",
+                       "StoreError", "TotalCheckError"),
+    "daskdag.running.lazy": ("Call",),
+    "daskdag.model.spec": ("Node",),
+    "daskdag.sweeps.store": ("SweepStore",),
+}
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
-for _public in (JVPResult, HVPResult, Result, Call, Node, ClusterError, DAGError, GradientCheckError,
-                NodeError, StoreError, TotalCheckError, CallInfo, Prepared, SweepStore):
-    _public.__module__ = __name__
-del _public
+_RENAMED = ("JVPResult", "HVPResult", "Result", "Call", "Node", "ClusterError", "DAGError",
+            "GradientCheckError", "NodeError", "StoreError", "TotalCheckError", "CallInfo",
+            "Prepared", "SweepStore")
+_lock = _threading.RLock()
+
+
+def _load() -> None:
+    """Import every public name into this module (once)."""
+    with _lock:
+        if "compute_grads" in globals():
+            return
+        found = {}
+        for module, names in _WHERE.items():
+            imported = _importlib.import_module(module)
+            found.update({n: getattr(imported, n) for n in names})
+        for n in _RENAMED:
+            found[n].__module__ = __name__
+        globals().update(found)
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
            "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",

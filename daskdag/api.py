@@ -12,10 +12,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable, overload
 
-from distributed import Client
 
 from daskdag.durable import calls as durable
-from daskdag.errors import NodeError
+from daskdag.errors import DAGError, NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
@@ -26,7 +25,7 @@ from daskdag.model.request import (batched_names, check_chunk_size, check_errors
                                    cotangents_for, given_values, one_input, parsed, prepare)
 from daskdag.running import log, programs
 from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy
+from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy, not_on_processes
 from daskdag.running.programs import Program
 from daskdag.running.reuse import Kept, kept_part
 from daskdag.running.lazy import Call
@@ -38,6 +37,7 @@ from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 
 if TYPE_CHECKING:
+    from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 
     from daskdag.model.spec import Spec
@@ -469,6 +469,8 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     ```
     """
     client, local = where(client, scheduler)
+    if local == "processes":
+        raise DAGError(not_on_processes("sweep_grads"))
     check_errors(errors)
     check_chunk_size(chunk_size)
     if arrays.holds_dask({"": xs}, [""]):  # lazily, over dask arrays (daskdag.sweeps.arrays)

@@ -8,6 +8,7 @@ node, on Dask's local threads).
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable
 
@@ -38,9 +39,11 @@ def dropped(stop: Stop | None = None) -> Callable[[], bool]:
     """For the task this thread runs: whether no one waits for it any more. On a ``distributed``
     worker, once the worker dropped the task (its client cancelled or released it); elsewhere,
     once ``stop`` is set (Ctrl-C interrupted a call on Dask's local threads)."""
+    module = sys.modules.get("distributed")  # (not imported: not a worker)
     try:
-        import distributed
-        worker = distributed.get_worker()
+        if module is None:
+            raise ValueError
+        worker = module.get_worker()
     except ValueError:  # not in a worker
         return stop.is_set if stop is not None else (lambda: False)
     key = worker.get_current_task()

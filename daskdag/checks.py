@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
-from distributed import Client
 
 from daskdag.api import compute_grads
 from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_errors
@@ -59,6 +58,7 @@ from daskdag.running.jobs import Job, run
 from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
+    from distributed import Client
     from daskdag.model.plan import Plan
     from daskdag.model.spec import Node
 

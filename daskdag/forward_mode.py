@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, overload
 
-from distributed import Client
 
 from daskdag.api import entries, input_values, names_key, watched
 from daskdag.durable import calls as durable
@@ -29,6 +28,7 @@ from daskdag.running.programs import Program
 from daskdag.transport.transports import Transport
 
 if TYPE_CHECKING:
+    from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 
 

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.sparse as sp
-from distributed import Client
 
 from daskdag.api import Result, entries, input_values, names_key, watched
 from daskdag.durable import calls as durable
@@ -56,6 +54,8 @@ from daskdag.running.programs import Program
 from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
+    import scipy.sparse as sp
+    from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 MODES = ("auto", "rev", "fwd")
 
@@ -415,6 +415,7 @@ class Jacobian:
 
     def _reverse_results(self, sparse: bool, outputs: str | Sequence[str], info: CallInfo,
                          computed: dict) -> Any:
+        import scipy.sparse as sp
         plan, patterns = self.plan, self.colours.patterns
         info = replace(info, passes=info.colours or 0 if patterns is not None else
                        sum(size(value) for value, _ in computed.values()))

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Callable, overload
 
 import jax
 import jax.numpy as jnp
-from distributed import Client
 
 from daskdag.api import Gradients, entries, input_values, names_key
 from daskdag.durable import calls as durable
@@ -46,6 +45,7 @@ from daskdag.running.lazy import Call
 from daskdag.running.programs import Program
 
 if TYPE_CHECKING:
+    from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 
     from daskdag.model.spec import Spec

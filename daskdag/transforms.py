@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
-
-from distributed import Client
+from typing import TYPE_CHECKING, Any, Callable
 
 from daskdag.api import Grads
 from daskdag.forward_mode import JVPs
@@ -32,6 +30,9 @@ from daskdag.running import log, programs
 from daskdag.running.compute import where
 from daskdag.running.jobs import CallInfo, Kind, run
 from daskdag.transport import transports
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 
 class Prepared:

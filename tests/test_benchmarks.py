@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
              "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat", "durable_sweeps",
-             "repeat_calls", "shared_work", "durable_calls"}
+             "repeat_calls", "shared_work", "durable_calls", "import_time"}
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),

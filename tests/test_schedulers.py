@@ -112,4 +112,5 @@ def test_dask_multiprocessing_scheduler_pickles_pullbacks():
     # Every task result travels back to the parent process by pickle: pullbacks included.
     with dask.config.set(scheduler="processes", num_workers=2):
         res = daskdag.compute_grads(_dag(), X, ["D", "E"])
+    assert res["D"].info.where == "Dask's multiprocessing scheduler (processes)"  # not threads
     _check(res, X)

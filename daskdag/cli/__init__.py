@@ -50,7 +50,36 @@ for the deploy recipes), :mod:`~daskdag.cli.usage` (exit codes). May import: all
 (the top layer); nothing imports it but the deploy recipes.
 """
 
-from daskdag.cli.commands import main, parser
-from daskdag.cli.tls import security, write_certs
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daskdag.cli.commands import parser
+    from daskdag.cli.tls import security, write_certs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``daskdag`` command. ``daskdag --version`` answers before JAX, Dask and daskdag's
+    modules are imported (which take seconds); every other command is
+    :func:`daskdag.cli.commands.main`, imported then."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args in (["--version"], ["-V"]):
+        print(f"daskdag {metadata.version('daskdag')}")
+        return 0
+    return importlib.import_module("daskdag.cli.commands").main(args)
+
+
+def __getattr__(name: str) -> Any:
+    where = {"parser": "daskdag.cli.commands", "security": "daskdag.cli.tls",
+             "write_certs": "daskdag.cli.tls"}
+    if name in where:
+        return getattr(importlib.import_module(where[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["main", "parser", "security", "write_certs"]

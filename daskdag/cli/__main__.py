@@ -2,7 +2,7 @@
 
 import sys
 
-from daskdag.cli.commands import main
+from daskdag.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -207,6 +207,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="daskdag", description="daskdag's command line.", epilog=EXIT_CODES,
         formatter_class=fmt)
+    top.add_argument("--version", "-V", action="version", version=f"daskdag {daskdag.__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="{certs,run,sweep}")
     certs = commands.add_parser(
         "certs", help="write a CA and a certificate/key for a TLS-secured Dask cluster",

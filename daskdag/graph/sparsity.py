@@ -19,11 +19,11 @@ happens at all of them is taken for structural).
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.sparse as sp
 
 from daskdag.errors import DAGError, node_errors
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
@@ -32,6 +32,9 @@ from daskdag.model.shapes import UNKNOWN, Traced, abstract, abstract_values
 from daskdag.rules.registry import has_rules, linearizer
 from daskdag.rules.seeds import basis
 from daskdag.rules.sparsity import jaxpr_pattern
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 PROBES = 2  # random points near the point, besides it, where a node is probed
 
@@ -42,6 +45,7 @@ def detect(plan: Plan, values: dict, probed: list | None = None,
     ``probed``, when given, gets the names of the nodes whose pattern was probed (it holds at
     this point, not at every point); ``traces``, the jaxprs of the nodes traced for their
     shapes (:func:`shapes`)."""
+    import scipy.sparse as sp
     spec = plan.spec
     avals = shapes(plan, values, traces)
     concrete: dict = {}
@@ -124,6 +128,7 @@ def _forward(plan: Plan, values: dict) -> dict:
 
 def _probe(name, node, args, active) -> list:
     """The node's Jacobian by its own rule, at ``args`` and near them; its nonzeros, united."""
+    import scipy.sparse as sp
     rng = np.random.default_rng(0)
     found = None
     for k in range(PROBES + 1):

@@ -12,16 +12,20 @@ Out: :func:`colour_rows`, a colour per row such that no two rows of one colour s
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
 
 from daskdag.caches import Cache
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 
 def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
     """``pattern`` (NumPy, ``scipy.sparse``, nested lists) as a boolean CSR array; a
     ``ValueError`` when its shape is not ``shape``."""
+    import scipy.sparse as sp
     csr = sp.csr_array(pattern if sp.issparse(pattern) else np.asarray(pattern), dtype=bool)
     csr.eliminate_zeros()
     if shape is not None and csr.shape != tuple(shape):
@@ -96,6 +100,7 @@ def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
 
 
 def _filled(coo, data: np.ndarray, dense: bool) -> sp.csr_array | np.ndarray:
+    import scipy.sparse as sp
     if not dense:
         return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
     out = np.zeros(coo.shape, data.dtype)

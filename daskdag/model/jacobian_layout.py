@@ -6,16 +6,18 @@ Out: pytrees of JAX arrays, or ``scipy.sparse`` arrays."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.sparse as sp
 
 from daskdag.model.leaves import PyTree, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.request import one_input
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 
 def flat_rows(rows: PyTree) -> np.ndarray:
@@ -32,6 +34,7 @@ def row_template(rows: PyTree) -> PyTree:
 def split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
                   ) -> dict[str, sp.csr_array]:
     """``matrix``'s columns, ``widths[i]`` for each of ``names`` in turn, one matrix per name."""
+    import scipy.sparse as sp
     out, start = {}, 0
     for i in names:
         out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
@@ -44,6 +47,7 @@ def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict
     """One output's Jacobian over every wrt name's elements (``full``, dense NumPy or
     ``scipy.sparse``; ``widths``: each name's elements, ``templates``: its leaves' shapes and
     dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or ``jax.jacrev``'s layout."""
+    import scipy.sparse as sp
     if sparse:
         parts = split_columns(sp.csr_array(full), plan.wrt, widths)
         return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts

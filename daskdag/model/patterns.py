@@ -9,14 +9,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 
 from daskdag.errors import DAGError
 from daskdag.model.colouring import as_pattern, colour_columns, colour_rows, count
 from daskdag.model.plan import Plan
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 
 class Colours:
@@ -35,6 +37,7 @@ class Colours:
 
     @cached_property
     def columns(self) -> np.ndarray:
+        import scipy.sparse as sp
         self.used = "columns"
         return colour_columns(sp.vstack(list(self.patterns.values())))
 
@@ -53,6 +56,7 @@ class Colours:
 def pattern_key(sparsity: Any) -> Any:
     """A ``sparsity`` argument as (part of) a preparation's key: by content (a pattern given as
     an array can change in place), ``"detect"`` or None as they are."""
+    import scipy.sparse as sp
     if sparsity is None or isinstance(sparsity, str):
         return sparsity
     if isinstance(sparsity, Mapping):
@@ -81,6 +85,7 @@ def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], 
     boolean pattern (or of 0 and 1) checked against ``widths``, the elements of each wrt input
     given (a node's are not known yet), and ``elements``, those of each output whose shape is
     known before it runs: a :class:`~daskdag.DAGError` naming the output and input otherwise."""
+    import scipy.sparse as sp
     one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
         isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)
     per_output = {o: sparsity for o in plan.outputs} if one else sparsity
@@ -122,6 +127,7 @@ def _blocks(plan: Plan, output: str, given: Any, one: bool) -> Mapping:
 
 def _block(output: str, name: str, blocks: Mapping, widths: dict[str, int]) -> sp.csr_array:
     """The pattern of ``output`` for ``name``, checked: 2-D, boolean, as wide as the input."""
+    import scipy.sparse as sp
     if name not in blocks:
         raise DAGError(f"sparsity for output {output!r} gives no pattern for {name!r}; it has "
                        f"{list(blocks)}", argument="sparsity")

@@ -33,15 +33,17 @@ an output can depend only on its operands. Integer and boolean values carry no d
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.sparse as sp
 from jax.extend import core as jcore
 
 from daskdag.model.leaves import is_differentiable, is_numeric
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 #: Above this many (output, lhs, rhs) triples, dot_general takes the sound fallback.
 MAX_TRIPLES = 2**25
@@ -56,15 +58,18 @@ def _size(aval) -> int:
 
 
 def _empty(rows: int, n: int) -> sp.csr_array:
+    import scipy.sparse as sp
     return sp.csr_array((rows, n), dtype=bool)
 
 
 def _csr(rows, cols, shape) -> sp.csr_array:
+    import scipy.sparse as sp
     return sp.csr_array((np.ones(len(rows), bool), (rows, cols)), shape=shape)
 
 
 def _broadcast(row: sp.csr_array, rows: int) -> sp.csr_array:
     """One row (a ``(1, n)`` matrix) repeated ``rows`` times."""
+    import scipy.sparse as sp
     return sp.csr_array(row[np.zeros(rows, np.intp)]) if rows else _empty(0, row.shape[1])
 
 
@@ -84,6 +89,7 @@ def _fallback(eqn, ops, n):
 def _elementwise(eqn, ops, n):
     """Element i of the output from element i of each operand, broadcast NumPy-style (jaxprs
     have scalar operands, and size-1 axes against full ones)."""
+    import scipy.sparse as sp
     shape = eqn.outvars[0].aval.shape
     out = _empty(prod(shape), n)
     for (d, _), var in zip(ops, eqn.invars):
@@ -107,6 +113,7 @@ MOVES = {"broadcast_in_dim": (0,), "reshape": (0,), "transpose": (0,), "squeeze"
 def _moves(eqn, ops, n):
     """The index trick: run the primitive on each data element's number (1 + its place among
     all data operands' elements), so each output element says which one it copies (0: none)."""
+    import scipy.sparse as sp
     data: Sequence[int] | None = MOVES[eqn.primitive.name]
     data = range(len(ops)) if data is None else data
     args, offset = [], 0
@@ -144,6 +151,7 @@ def _reduce(eqn, ops, n):
 
 
 def _cumulative(eqn, ops, n):
+    import scipy.sparse as sp
     shape, axis = eqn.invars[0].aval.shape, eqn.params["axis"]
     m = shape[axis]
     rows, cols = np.triu_indices(m) if eqn.params["reverse"] else np.tril_indices(m)
@@ -283,6 +291,7 @@ def jaxpr_pattern(fn, args: Sequence[Any],
                   active: Sequence[bool]) -> list[sp.csr_array | None] | None:
     """Per argument, the boolean ``(n_out, n_arg)`` pattern of ``fn``'s Jacobian in it (None
     where not ``active``); None when ``fn`` cannot be traced with abstract arguments."""
+    import scipy.sparse as sp
     flat = [jax.tree.flatten(a) for a in args]
     traced = [(i, j) for i, (leaves, _) in enumerate(flat) for j, leaf in enumerate(leaves)
               if isinstance(leaf, jax.ShapeDtypeStruct) or is_numeric(leaf)]   # others: static

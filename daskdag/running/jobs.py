@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 from dask.callbacks import Callback
 
 from daskdag.cancel import Stop
+from daskdag.errors import DAGError
 from daskdag.model.plan import Plan
 from daskdag.running import cluster, log, resident
 from daskdag.running.compute import active_client, compute
@@ -136,13 +137,27 @@ class Kind(Protocol):
         ...
 
 
+def not_on_processes(what: str) -> str:
+    """Why ``what`` does not run on Dask's multiprocessing scheduler."""
+    return (f"{what} cannot run on Dask's multiprocessing scheduler (scheduler 'processes', "
+            f"given as scheduler= or set in dask.config): give scheduler='threads' or 'sync', "
+            f"or a distributed client (a LocalCluster runs worker processes)")
+
+
 #: A lazy call's CallInfo.where.
 LAZY = "lazy (where Dask computes it)"
 
 
 def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool) -> Any:
     """A call of ``kind`` computed now (:func:`run`): on ``client``, else on Dask's ``local``
-    scheduler."""
+    scheduler. On Dask's multiprocessing scheduler (``"processes"``) it is the lazy call
+    (its functions and values packed to travel) computed there."""
+    if local == "processes":
+        program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
+        job = kind.job(program, x, data, why=why, where=log.where(None, local))
+        from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
+        with ProgressBar() if progress else contextlib.nullcontext():
+            return as_collection(job).compute(scheduler="processes")
     program, why = kind.compile(x, data, transport=transports.for_call(client))
     return run(kind.job(program, x, data, why=why, where=log.where(client, local)), client,
                local, progress)
@@ -163,6 +178,8 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     gives, unless it keeps its stages (a durable call keeps every node in its store)."""
     if keep is not None and job.stored is None:
         raise TypeError(f"{job.kind} cannot keep its stages")
+    if local == "processes":
+        raise DAGError(not_on_processes(job.kind if keep is None else f"{job.kind} with store="))
     if job.before is not None and keep is None:
         job = job.before(client, local, progress)
     if client is None and job.direct is not None and not progress and not Callback.active \

@@ -20,14 +20,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Callable
 
+from typing import TYPE_CHECKING
+
 import dask
-import distributed
+import dask.threaded
 from dask.base import DaskMethodsMixin, get_scheduler
 from dask.highlevelgraph import HighLevelGraph
 
 from daskdag.running import cluster
 from daskdag.graph.assembly import kind_of
 from daskdag.model.plan import Plan
+from daskdag.running.compute import is_client
+from daskdag.transport import protocol
+
+if TYPE_CHECKING:
+    import distributed
 
 
 class Call(DaskMethodsMixin):
@@ -72,6 +79,7 @@ class Call(DaskMethodsMixin):
     def __dask_graph__(self) -> HighLevelGraph:
         client = _distributed_client()
         if client is not None:  # about to go to that cluster: check it first (module docstring)
+            protocol.with_distributed()
             cluster.check(client, self._plan)
         if isinstance(self._dask, HighLevelGraph):
             return self._dask
@@ -143,4 +151,4 @@ def _distributed_client() -> distributed.Client | None:
     """The ``distributed`` client that computing now would use, if it is one."""
     scheduler = get_scheduler()
     client = getattr(scheduler, "__self__", None)
-    return client if isinstance(client, distributed.Client) else None
+    return client if is_client(client) else None

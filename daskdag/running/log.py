@@ -64,6 +64,8 @@ def _tasks(graph) -> dict:
 def where(client, local: str | None) -> str:
     """Where a call runs, in words."""
     if client is None:
+        if local == "processes":
+            return "Dask's multiprocessing scheduler (processes)"
         return f"this process ({local or 'threads'})"
     address = (client.scheduler.address if client.scheduler is not None else  # (closed)
                getattr(client.cluster, "scheduler_address", None))

@@ -29,7 +29,6 @@ import os
 import sys
 
 import cloudpickle
-from distributed import WorkerPlugin
 
 NAME = "daskdag-tune-malloc"
 
@@ -47,27 +46,47 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class TuneMalloc(WorkerPlugin):
-    """Raise glibc's mmap and trim thresholds in a worker whose environment set
-    ``MALLOC_TRIM_THRESHOLD_`` (as distributed's nanny does).
+def __getattr__(name: str):
+    # TuneMalloc is made when first asked for (a cluster call registers it): its base class is
+    # distributed's, whose import a call on threads never pays.
+    if name == "TuneMalloc":
+        return _plugin_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    After ``setup``, ``applied`` is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}``
-    when the thresholds were set, else ``None``, and ``reason`` says why. It never raises:
-    a worker that cannot be tuned still works, only slower.
-    """
 
-    idempotent = True  # the scheduler keeps the first registration; later clients add nothing
-    name = NAME
+_made: list = []
 
-    def __init__(self):
-        self.applied: dict[str, int] | None = None
-        self.reason = "not set up"
 
-    def setup(self, worker=None):
-        try:
-            self.applied, self.reason = _tune()
-        except Exception as e:  # e.g. a libc without mallopt
-            self.applied, self.reason = None, f"failed: {type(e).__name__}: {e}"
+def _plugin_class() -> type:
+    if _made:
+        return _made[0]
+    from distributed import WorkerPlugin
+
+    class TuneMalloc(WorkerPlugin):
+        """Raise glibc's mmap and trim thresholds in a worker whose environment set
+        ``MALLOC_TRIM_THRESHOLD_`` (as distributed's nanny does).
+
+        After ``setup``, ``applied`` is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}``
+        when the thresholds were set, else ``None``, and ``reason`` says why. It never raises:
+        a worker that cannot be tuned still works, only slower.
+        """
+
+        idempotent = True  # the scheduler keeps the first registration; later clients add nothing
+        name = NAME
+
+        def __init__(self):
+            self.applied: dict[str, int] | None = None
+            self.reason = "not set up"
+
+        def setup(self, worker=None):
+            try:
+                self.applied, self.reason = _tune()
+            except Exception as e:  # e.g. a libc without mallopt
+                self.applied, self.reason = None, f"failed: {type(e).__name__}: {e}"
+
+    TuneMalloc.__qualname__ = "TuneMalloc"
+    _made.append(TuneMalloc)
+    return TuneMalloc
 
 
 def _tune() -> tuple[dict[str, int] | None, str]:

@@ -23,10 +23,10 @@ import contextlib
 import itertools
 import math
 import operator
+from typing import TYPE_CHECKING
 
 import cloudpickle
 import dask
-import dask.array as da
 import jax
 import numpy as np
 from dask.base import tokenize
@@ -47,10 +47,13 @@ from daskdag.transport.packing import unpack
 from daskdag.transport import transports
 from daskdag.sweeps.results import item_shapes
 
+if TYPE_CHECKING:
+    import dask.array as da
+
 
 def holds_dask(values: dict, batched) -> bool:
     """Whether a leaf of a ``batched`` input is a dask array."""
-    return any(isinstance(leaf, da.Array) for i in batched for leaf in jax.tree.leaves(values[i]))
+    return any(planning.is_dask_array(leaf) for i in batched for leaf in jax.tree.leaves(values[i]))
 
 
 def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cotangents,
@@ -86,10 +89,11 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
     array chunked along the item axis alone, all on the same item chunks: ``chunk_size`` items
     each if given, else those of the first dask array. A leaf chunked along other axes is
     rechunked to one chunk there; NumPy and JAX leaves become dask arrays."""
+    import dask.array as da
     first = None
     for i in batched:
         for leaf in jax.tree.leaves(values[i]):
-            if not isinstance(leaf, da.Array):
+            if not planning.is_dask_array(leaf):
                 continue
             if any(math.isnan(c) for c in leaf.chunks[0]):
                 raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
@@ -99,7 +103,7 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
     items = da.core.normalize_chunks((chunk_size,), (size,))[0] if chunk_size else first
 
     def leaf_of(leaf):
-        if isinstance(leaf, da.Array):
+        if planning.is_dask_array(leaf):
             want = (items, *((n,) for n in leaf.shape[1:]))
             return leaf if leaf.chunks == want else leaf.rechunk(want)
         if is_array(leaf):
@@ -113,7 +117,7 @@ def stand_in(tree):
     """``tree`` with each dask array leaf as a NumPy array of its shape and dtype that holds no
     memory (one zero, broadcast): for the checks and shapes that look at an input's arrays."""
     return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape)
-                        if isinstance(a, da.Array) else a, tree)
+                        if planning.is_dask_array(a) else a, tree)
 
 
 def _shapes(planned, spec) -> tuple[dict, dict]:
@@ -196,7 +200,7 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
     arrays: list = []
 
     def slot(leaf):
-        if isinstance(leaf, da.Array):
+        if planning.is_dask_array(leaf):
             arrays.append(leaf)
             return _Slot(len(arrays) - 1)
         return leaf
@@ -228,6 +232,7 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
 def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> dict:
     """``{output: (value, {input: grad})}``: each leaf a dask array over the results of the
     blocks (layer ``name`` of ``base``), in the order of the blocks' flat results."""
+    import dask.array as da
     values, grads = shapes
     flat = itertools.count()
 

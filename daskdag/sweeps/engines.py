@@ -16,11 +16,12 @@ import threading
 import time
 import uuid
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
+import dask.local
 from dask.base import tokenize
-import distributed
 import jax
 import numpy as np
 from dask.task_spec import DataNode, Task, TaskRef
@@ -32,6 +33,9 @@ from daskdag.graph.assembly import key
 from daskdag.errors import ClusterError
 from daskdag.transport.packing import unpack
 from daskdag.transport.transports import CLUSTER
+
+if TYPE_CHECKING:
+    import distributed
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
 
@@ -73,10 +77,12 @@ def run_chunk(run: progress.ChunkRun, compute) -> Done:
 
 
 class Threads:
-    """Each chunk synchronously on one of ``in_flight`` threads of this process."""
+    """Each chunk synchronously on one of ``in_flight`` threads of this process; ``here``: in
+    the calling thread, as it is submitted (Dask's ``"sync"`` scheduler, for a debugger)."""
 
-    def __init__(self, in_flight: int, bar: progress.Progress | None):
-        self.pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="daskdag-sweep")
+    def __init__(self, in_flight: int, bar: progress.Progress | None, here: bool = False):
+        self.pool: Any = (Here() if here else concurrent.futures.ThreadPoolExecutor(
+            in_flight, thread_name_prefix="daskdag-sweep"))
         self.shared: dict = {}
         self.stop, self.bar = threading.Event(), bar
 
@@ -92,7 +98,7 @@ class Threads:
         def job():
             return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
                                                items=chunk[1] - chunk[0]),
-                             lambda: dask.compute(graph, scheduler="sync")[0])
+                             lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
 
         return self.pool.submit(job)
 
@@ -108,6 +114,22 @@ class Threads:
     def close(self):
         self.stop.set()  # running chunks stop at their next item; this waits for that
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Here:
+    """An executor that runs each job in the calling thread as it is submitted, its result (or
+    its exception: a ``KeyboardInterrupt`` raises at once) in a finished future."""
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
 
 
 class Cluster:
@@ -255,6 +277,7 @@ class Cluster:
         """The chunk's results, straight from its worker; raises what the chunk raised, or
         :class:`Lost` for a chunk of several items whose workers kept dying under it. (A chunk
         of task graphs keeps no failed items: a failing item fails it.)"""
+        import distributed  # (loaded already: this chunk went to a cluster)
         while True:
             try:
                 out = self.client.gather(chunk.future, direct=self.direct)

@@ -11,10 +11,10 @@ chunks is :mod:`daskdag.sweeps.sweep`'s.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-import dask.array as da
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +31,13 @@ from daskdag.model.spec import Node, Spec
 from daskdag.sweeps.chunked import Chunked, chunk_of
 from daskdag.transport.pickler import JaxArray
 from daskdag.transport.transports import Transport
+
+
+def is_dask_array(obj) -> bool:
+    """Whether ``obj`` is a dask array (none can be while ``dask.array`` is not imported: it is
+    imported for a sweep over dask arrays, or a store's lazy results)."""
+    module = sys.modules.get("dask.array")
+    return module is not None and isinstance(obj, module.Array)
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class Sweep:
         inputs differentiated per item broadcast. Array leaves carry the items; other leaves
         (functions...) are shared."""
         def part(a):
-            if isinstance(a, da.Array):  # (a store's dask-array items: read chunk by chunk here)
+            if is_dask_array(a):  # (a store's dask-array items: read chunk by chunk here)
                 return np.asarray(a[start:stop])
             if not is_array(a):
                 return a

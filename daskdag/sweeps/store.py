@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import quote
 
-import dask.array as da
 import jax
 import numpy as np
 
@@ -55,6 +54,7 @@ from daskdag.errors import NodeError, StoreError
 from daskdag.sweeps.failures import picklable
 
 if TYPE_CHECKING:
+    import dask.array as da
     from zarr.abc.store import Store as ZarrStore
 
 
@@ -242,6 +242,7 @@ class Store:
         ``shapes()``: one item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct``
         trees, for results no item gave (their arrays are made, all NaN); a value whose shape
         is unknown is ``None``."""
+        import dask.array as da
         missing = [o for o in self.identity["outputs"] if o not in self.trees]
         if missing:
             values, grads = shapes()

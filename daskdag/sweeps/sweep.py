@@ -20,7 +20,6 @@ import time
 from collections import deque
 from dataclasses import replace
 
-import dask.array as da
 import jax
 import numpy as np
 
@@ -34,7 +33,7 @@ from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.sweeps.failures import detached
 from daskdag.sweeps.identity import identity, items_hash
-from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size
+from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size, is_dask_array
 from daskdag.sweeps.shared import share
 from daskdag.sweeps.progress import Progress
 from daskdag.sweeps.results import Stacked, item_shapes
@@ -70,7 +69,7 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     if store is not None:
         shared = {i: v for i, v in values.items() if i not in planned.batched}
         blocks = [leaf.chunks[0][0] for i in planned.batched
-                  for leaf in jax.tree.leaves(values[i]) if isinstance(leaf, da.Array)]
+                  for leaf in jax.tree.leaves(values[i]) if is_dask_array(leaf)]
         kept = Store(store, identity(dag, planned.plan.outputs, planned.plan.wrt,
                                      planned.batched, size, shared, planned.cotangents, errors),
                      chunk_size, blocks[0] if blocks else default)
@@ -133,7 +132,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             left = sweep.size - (int(done.sum()) if done is not None else 0)
             _compute(share(sweep, left, chunk_size, client, local), chunk_size, client,
                      in_flight, bar, errors, stacked, failed, workers,
-                     done, keep, by_time)
+                     done, keep, by_time, local)
         except KeyboardInterrupt:
             if store is None:
                 raise
@@ -175,19 +174,19 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
 def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
     """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.identity.items_hash`)."""
     return items_hash({i: jax.tree.map(lambda a: np.asarray(a[start:stop])
-                                       if is_array(a) or isinstance(a, da.Array) else a,
+                                       if is_array(a) or is_dask_array(a) else a,
                                        sweep.values[i]) for i in sweep.batched})
 
 
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
-             keep, by_time=False):
-    """Run the chunks on an engine: this process's threads, or ``client``'s cluster, where the
-    shared inputs and the chunk graph are kept for later calls
-    (:func:`~daskdag.running.resident.placing`)."""
+             keep, by_time=False, local=None):
+    """Run the chunks on an engine: this process's threads (with ``local`` ``"sync"``, the
+    calling thread), or ``client``'s cluster, where the shared inputs and the chunk graph are
+    kept for later calls (:func:`~daskdag.running.resident.placing`)."""
     with contextlib.nullcontext() if client is None else placing(client) as place:
         engine: Threads | Cluster
         if client is None:
-            engine = Threads(in_flight, bar)
+            engine = Threads(in_flight, bar, here=local == "sync")
         else:
             shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)

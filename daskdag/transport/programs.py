@@ -8,6 +8,7 @@ sweep over same-shaped items compiles each backward program once per worker.
 
 from __future__ import annotations
 
+import sys
 import hashlib
 import threading
 from typing import Callable
@@ -43,10 +44,11 @@ def check_versions(sender: dict[str, str]) -> None:
 
 
 def _this_process() -> str:
+    module = sys.modules.get("distributed")  # (not imported: not a worker)
     try:
-        from distributed import get_worker
-
-        return f"worker {get_worker().address}"
+        if module is None:
+            raise ValueError
+        return f"worker {module.get_worker().address}"
     except ValueError:
         return "this process"
 

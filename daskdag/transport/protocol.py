@@ -6,11 +6,17 @@ place.
   (:mod:`daskdag.transport.packing`) by its bytes; and each family of daskdag's own objects
   that travel (pullbacks, :mod:`daskdag.rules.pullback`; nodes), registered once per family
   with :func:`travels`: sized as the family says, pickled with their arrays out of band.
+
+``distributed``'s serializers are registered once ``distributed`` is in use
+(:func:`with_distributed`: when this module is imported in a worker, or a call goes to a
+cluster), so that a call on threads never imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -19,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
-from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
 
 from daskdag.transport.packing import Packed
 
@@ -77,14 +82,38 @@ def _sizeof_packed(p) -> int:
 
 # -- frames ---------------------------------------------------------------------------------------
 
-@dask_serialize.register(jax.Array)
+_families: list[type] = []  # those registered with travels, for distributed's serializers
+_registered: list[type] = []  # those distributed's serializers know
+_lock = threading.Lock()
+
+
+def with_distributed() -> None:
+    """Register JAX arrays and the families of :func:`travels` with ``distributed``'s
+    serializers (once each; ``distributed`` is imported by now or is imported here)."""
+    if len(_registered) == len(_families) + 1:
+        return
+    from distributed.protocol import dask_deserialize, dask_serialize
+    with _lock:
+        for family in [jax.Array, *_families]:
+            if family in _registered:
+                continue
+            if family is jax.Array:
+                dask_serialize.register(jax.Array)(_serialize_jax_array)
+                dask_deserialize.register(jax.Array)(_deserialize_jax_array)
+            else:
+                dask_serialize.register(family)(_dumps)
+                dask_deserialize.register(family)(_loads)
+            _registered.append(family)
+
+
 def _serialize_jax_array(a):
     # As NumPy's zero-copy frames: distributed's fallback pickles JAX arrays, 3x slower.
+    from distributed.protocol import serialize
     return serialize(np.asarray(a))
 
 
-@dask_deserialize.register(jax.Array)
 def _deserialize_jax_array(header, frames):
+    from distributed.protocol import deserialize
     return jnp.asarray(deserialize(header, frames))
 
 
@@ -92,20 +121,27 @@ def travels(size: Callable[[Any], int]):
     """Register a family of daskdag's objects (a base class: its subclasses too) with Dask:
     ``size(obj)`` is what the scheduler counts it as (for placing tasks beside it and for
     worker memory); it crosses processes pickled (its ``__reduce__``), its arrays as
-    zero-copy frames (distributed's pickle family)."""
+    zero-copy frames (distributed's pickle family, registered by :func:`with_distributed`)."""
     def register(family: type) -> type:
         sizeof.register(family)(lambda obj: int(size(obj)))
-        dask_serialize.register(family)(_dumps)
-        dask_deserialize.register(family)(_loads)
+        _families.append(family)
+        if "distributed.protocol" in sys.modules:  # (in a worker, or a client made already)
+            with_distributed()
         return family
 
     return register
 
 
 def _dumps(obj) -> tuple[dict, list]:
+    from distributed.protocol import serialize
     header, frames = serialize(obj, serializers=("pickle",), on_error="raise")
     return {"pickled": header}, frames
 
 
 def _loads(header: dict, frames: list):
+    from distributed.protocol import deserialize
     return deserialize(header["pickled"], frames)
+
+
+if "distributed.protocol" in sys.modules:
+    with_distributed()
