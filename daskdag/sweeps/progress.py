@@ -35,8 +35,9 @@ from tqdm.std import tqdm
 TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
 REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
 # The bar's look: Dask's text bar (40 wide, "#"), with the count of items
-BAR = dict(bar_format="[{bar:40}] | {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} items | "
-                      "{elapsed_s:.2f} s", ascii=" #")
+BAR = {"bar_format": "[{bar:40}] | {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} items | "
+                     "{elapsed_s:.2f} s",
+       "ascii": " #"}
 
 _running = threading.local()  # .chunk: the ChunkRun of the chunk this thread runs, if any
 
