@@ -6,9 +6,9 @@ The clusters (:func:`clusters`), as the JSON's ``clusters`` records them:
 ``1w``, ``2w``  default clusters, started exactly as a user starts one:
                 ``distributed.LocalCluster(n_workers=k, threads_per_worker=1, processes=True)``
                 with distributed's defaults (its nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in
-                each worker's environment) and no pinning. daskdag registers its worker plugin
-                (``daskdag/running/workers.py``) on its first call there, as it does for any user. Every
-                headline cluster figure comes from these.
+                each worker's environment) and no pinning. daskdag's worker plugin
+                (``daskdag/running/workers.py``) stays off there, as by default
+                (``daskdag.tune-workers``). Every headline cluster figure comes from these.
 ``2w_tuned``    two workers tuned for this 2-core machine, reported only as separate, labelled
                 methods (``*_2w_tuned``): each worker pinned to one core (worker ``i`` to core
                 ``i mod cpu_count``, by :func:`dask_setup`, which distributed calls in each

@@ -109,7 +109,8 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
         client: a ``distributed.Client``; default the active one, else Dask's threaded scheduler.
         scheduler: as Dask's own ``scheduler=``: ``"threads"`` or ``"sync"`` run in this process
             even while a default client exists; a ``distributed.Client`` is ``client=``.
-        progress: show Dask's progress bar over the call's tasks.
+        progress: show Dask's progress bar over the call's tasks (``dask.diagnostics.ProgressBar``
+            on the local scheduler, ``distributed.progress``'s text bar on a cluster).
         store: a directory (made if missing) or a Zarr store object, where each stage's
             forward result (its nodes' values and the residuals its backward pass needs) is
             written durably by the task that computed it, as it finishes, so that the call
@@ -420,8 +421,9 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
             when every node that carries items is ``vmap=True``, one chunk per worker
             thread, at most 64 MiB of items each).
             Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
-        progress: show a progress bar over items (tqdm); it advances as items are done inside
-            running chunks, and ends at the exact number of items computed.
+        progress: show a progress bar over items, in the look of a call's (Dask's text bar),
+            on stderr; it advances as items are done inside running chunks, and ends at the
+            exact number of items computed.
         errors: ``'raise'``: the first failing item's [`NodeError`][daskdag.NodeError], naming the
             item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.

@@ -1,5 +1,8 @@
 """A sweep's progress bar (daskdag.sweeps.progress), its counts read from inside: when some items
-fail, the last count is exact (every item counted, none twice)."""
+fail, the last count is exact (every item counted, none twice); and it looks as a call's bar
+(Dask's), counting items."""
+
+import re
 
 import jax.numpy as jnp
 
@@ -18,3 +21,21 @@ def test_progress_final_count_is_exact_with_failures(monkeypatch):
     res = daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
                               errors="collect", progress=True)
     assert res.failed and Recorded.counts[-1] == 10 and max(Recorded.counts) == 10
+
+
+DASK_BAR = re.compile(r"\[#{40}\] \| 100% Completed \|")  # Dask's text bar, at its end
+
+
+def test_a_sweeps_bar_looks_as_a_calls_bar_and_counts_items(capsys):
+    """One look: a call's bar is Dask's (``dask.diagnostics.ProgressBar`` here), a sweep's bar
+    is drawn the same way, and also says how many items are done."""
+    dag = {"H": (encode, ["x", "w"]), "L": (lambda h: jnp.sum(h ** 2), ["H"])}
+    xs = jnp.linspace(-1.0, 1.0, 10)[:, None] * jnp.ones((10, 3))
+    daskdag.compute_grads(dag, {"x": xs[0], "w": jnp.eye(3)}, "L", progress=True)
+    call = capsys.readouterr()
+    daskdag.sweep_grads(dag, {"x": xs, "w": jnp.eye(3)}, "L", batched=["x"], chunk_size=4,
+                        progress=True)
+    sweep = capsys.readouterr()
+    assert DASK_BAR.search(call.out), call
+    assert DASK_BAR.search(sweep.err), sweep
+    assert "| 10/10 items |" in sweep.err

@@ -321,3 +321,134 @@ def test_a_user_module_replaced_under_its_name_still_travels_by_value(tmp_path):
     finally:
         sys.modules.pop("replaced_user_module", None)
     assert pickle.loads(pickle.dumps(packed)).load()(1) == 2  # (no import of the module)
+
+
+# -- daskdag's pickling by value is its own: no other pickling in the process sees it ------------
+
+INSTALLED_ELSEWHERE = '''
+import sys
+
+
+def by_reference():
+    """True where it runs as its module's own function (it was pickled by reference and its
+    module imported), False where it is a copy pickled by value."""
+    module = sys.modules.get(__name__)
+    return module is not None and globals() is vars(module)
+
+
+def work(x):
+    return x + 1
+'''
+
+
+@pytest.fixture
+def importable_module(tmp_path, monkeypatch):
+    """A module of the user's that every process here can import (on ``sys.path``, which a
+    spawned worker inherits): the user's own pickling must send it by reference."""
+    name = f"everywhere_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(INSTALLED_ELSEWHERE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    module = importlib.import_module(name)
+    yield module
+    sys.modules.pop(name, None)
+
+
+class _Packing:
+    """daskdag packing ``functions`` in a loop on a thread of its own, until the block ends;
+    ``packed``: the last pack of each."""
+
+    def __init__(self, functions):
+        self.functions, self.stop, self.packs = functions, threading.Event(), 0
+        self.packed: list = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.packed = [shipping.pack(f, as_function=True) for f in self.functions]
+            self.packs += 1
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.packs:  # (packing is under way)
+            self.stop.wait(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def _loads_without(module, packed):
+    """What ``packed`` loads as while ``module`` cannot be imported: it travelled by value."""
+    name = module.__name__
+    saved, refuse = sys.modules.pop(name), _Refuse(name)
+    sys.meta_path.insert(0, refuse)
+    try:
+        return shipping.Packed(None, packed.skeleton, packed.arrays).load()
+    finally:
+        sys.meta_path.remove(refuse)
+        sys.modules[name] = saved
+
+
+class _Refuse:
+    """An import finder that refuses one module name (as a cluster without it would)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+
+def test_other_pickling_meanwhile_keeps_the_users_module_by_reference(importable_module,
+                                                                     user_module):
+    """While daskdag packs functions of the user's modules on one thread, cloudpickle and
+    distributed's pickling on another still pickle a function of the user's importable module
+    by reference (cloudpickle's rule), not by value; daskdag's packs are still by value."""
+    import cloudpickle
+    from distributed.protocol import pickle as distributed_pickle
+
+    m = importable_module
+    by_reference = cloudpickle.dumps(m.work)
+    assert len(by_reference) < 200  # (a reference: module and name)
+    with _Packing([m.work, m.by_reference, user_module.encode, user_module.energy]) as packing:
+        seen = set()
+        while packing.packs < 200:
+            seen.add(cloudpickle.dumps(m.work))
+            seen.add(distributed_pickle.dumps(m.work))
+    assert seen == {by_reference}
+    work = _loads_without(m, packing.packed[0])  # daskdag's own: by value
+    assert work(1) == 2 and work is not m.work
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_client_submit_meanwhile_pickles_the_users_module_by_reference(importable_module):
+    """``client.submit`` of a task that calls a function of an importable module of the user's
+    (a lambda: distributed pickles it with cloudpickle), from one thread while daskdag packs
+    that module's functions on another: the worker runs the module's own function (the module
+    pickled by reference and imported there), not a copy pickled by value."""
+    from .support.clusters import local_client
+
+    m = importable_module
+    task = lambda: m.by_reference()  # noqa: E731
+    with local_client(1, threads_per_worker=1) as client:
+        assert client.submit(task, pure=False).result()  # (before)
+        with _Packing([m.work, m.by_reference]):
+            futures = [client.submit(task, pure=False) for _ in range(40)]
+            results = client.gather(futures)
+        assert results == [True] * 40
+
+
+def test_cloudpickles_private_names_the_pickler_uses_are_there():
+    """daskdag's pickler decides by value itself with cloudpickle's own reducers
+    (:data:`daskdag.transport.pickler.PRIVATE`): a cloudpickle release that renames one fails
+    here, not in the middle of a user's call."""
+    import cloudpickle.cloudpickle as cp
+
+    from daskdag.transport.pickler import PRIVATE
+
+    assert [name for name in PRIVATE if not callable(getattr(cp, name, None))] == []

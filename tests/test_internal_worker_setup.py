@@ -1,6 +1,6 @@
 """daskdag's worker plugin (daskdag/running/workers.py): glibc's malloc thresholds raised in workers
 that distributed's nanny started with MALLOC_TRIM_THRESHOLD_, on every worker, later ones too,
-and not at all when turned off."""
+when turned on (daskdag.tune-workers: true), and not at all by default or when turned off."""
 
 import os
 import platform
@@ -44,7 +44,7 @@ def _states(client) -> dict:
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_every_worker_tuned_later_ones_too_and_results_unchanged():
-    with local_client(1) as client:
+    with local_client(1) as client, dask.config.set({"daskdag.tune-workers": True}):
         res = daskdag.compute_grads(_dag(), X, "B", client=client)
         assert_tree_close(res.grad, _grad(X))
         states = _states(client)
@@ -76,7 +76,7 @@ def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
     blocker.write_text("import sys\nsys.modules['daskdag.running.workers'] = None  # import fails\n")
     cli = DaskCLI(tmp_path)
     try:
-        with local_client(1) as client:
+        with local_client(1) as client, dask.config.set({"daskdag.tune-workers": True}):
             assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
             cli.start("worker", client.cluster.scheduler_address, "--nthreads", "1",
                       "--no-dashboard", "--host", "127.0.0.1", "--preload", str(blocker))
@@ -87,6 +87,19 @@ def test_a_worker_without_this_module_still_starts_and_is_tuned(tmp_path):
                 assert state["applied"] == (EXPECTED if GLIBC else None), state["reason"]
     finally:
         cli.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_off_by_default_the_users_workers_are_left_as_distributed_started_them():
+    """Nothing of daskdag's changes the malloc of the user's workers unless asked to."""
+    with local_client(1) as client:
+        res = daskdag.compute_grads(_dag(), X, "B", client=client)
+        assert_tree_close(res.grad, _grad(X))
+        assert worker_setup.NAME not in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+        assert all(s["env"] == "65536" and s["applied"] is None and s["reason"] is None
+                   for s in _states(client).values())
 
 
 @pytest.mark.cluster

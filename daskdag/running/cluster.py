@@ -58,8 +58,9 @@ def check(client, plan: Plan) -> dict[str, dict]:
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
 
-    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.running.workers`), unless
-    ``daskdag.tune-workers`` is false: after the version check, so workers can unpickle it.
+    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.running.workers`) where
+    ``daskdag.tune-workers`` is true (it is off by default): after the version check, so
+    workers can unpickle it.
     """
     check_client(client)
     last = _checked.get(client)
@@ -80,8 +81,8 @@ def check(client, plan: Plan) -> dict[str, dict]:
 
 def tune_workers(client) -> None:
     """Register :class:`daskdag.running.workers.TuneMalloc` with ``client``'s scheduler, once per
-    client object, unless ``daskdag.tune-workers`` is false. A failure warns and never stops
-    the call: the workers only stay slower."""
+    client object, where ``daskdag.tune-workers`` is true (off by default). A failure warns and
+    never stops the call: the workers only stay slower."""
     if client in _tuned or not config.get("tune-workers"):
         return
     _tuned.add(client)  # before trying: a failing registration is not retried on every call

@@ -18,8 +18,11 @@ the mmap threshold raised, 0.72 with only the trim threshold raised, 0.86 with b
 without this plugin in one run, 0.75 and 0.59 (see that script).
 
 :func:`daskdag.running.cluster.check` registers it once per client, before every call on a cluster;
-the scheduler then also gives it to workers that join later. Dask config
-``daskdag.tune-workers: False`` turns it off.
+the scheduler then also gives it to workers that join later, when Dask config
+``daskdag.tune-workers`` is true. It is off by default: it changes the malloc of every worker
+of the user's cluster, other work's too, so the user opts in. distributed's own route, where
+the user starts the workers, is their environment: ``distributed.nanny.pre-spawn-environ``
+(docs/guides/clusters.md, "Worker malloc").
 """
 
 from __future__ import annotations

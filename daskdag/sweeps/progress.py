@@ -12,6 +12,12 @@ failed, so that no item is computed twice to find out.
 On the client, :class:`Progress` is the progress bar over items: finished chunks count whole,
 running chunks by the fraction of their item steps done. On a cluster chunks report through
 distributed's event log (``Worker.log_event`` to one topic, ``Client.subscribe_topic``).
+
+It has the look of the bar of every other call, Dask's text bar (``dask.diagnostics.ProgressBar``
+on the local scheduler, ``distributed.progress`` on a cluster: ``[####    ] | 40% Completed |
+1.20 s``), and is the one exception in what it counts: items, not tasks (a chunk is one task of
+many items, which a count of tasks would show only when it ends), so it also says ``4/10
+items``. It is drawn by tqdm (:data:`BAR`), as text on stderr, in a notebook too.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from daskdag.cancel import Cancelled, dropped
 from daskdag.errors import NodeError
 from daskdag.sweeps.failures import detached, picklable
 
-from tqdm.auto import tqdm
+from tqdm.std import tqdm
 
 TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
 REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
+# The bar's look: Dask's text bar (40 wide, "#"), with the count of items
+BAR = {"bar_format": "[{bar:40}] | {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} items | "
+                     "{elapsed_s:.2f} s",
+       "ascii": " #"}
 
 _running = threading.local()  # .chunk: the ChunkRun of the chunk this thread runs, if any
 
@@ -119,7 +129,7 @@ class Progress:
     partial: dict[tuple[int, int], float]
 
     def __init__(self, total: int):
-        self.bar = tqdm(total=total, unit="item")
+        self.bar = tqdm(total=total, unit="item", **BAR)
         self.done, self.partial = 0, {}  # partial: open chunk -> items done in it, as a float
         self.lock = threading.Lock()
 

@@ -26,7 +26,6 @@ compiles once per worker, not once per call.
 from __future__ import annotations
 
 import io
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -36,8 +35,7 @@ import daskdag.config as config
 from daskdag.caches import ByObject, Cache
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint
-from daskdag.transport.pickler import (Pickler, Unpickler, array_token, travelling,
-                                       user_modules_by_value)
+from daskdag.transport.pickler import Pickler, Unpickler, array_token, travelling
 from daskdag.transport.weak import Weak, held
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
@@ -45,7 +43,6 @@ RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest
 _received: Cache[Function] = Cache("functions received", RECEIVED_FUNCTIONS)
 
 _UNSET = object()
-_lock = threading.RLock()  # cloudpickle's by-value registry is process-wide: one pack at a time
 
 
 class Packed:
@@ -114,8 +111,7 @@ def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | Non
     ``id`` already computed in this call (see :func:`ship`), added to."""
     arrays: list = []
     buffer = io.BytesIO()
-    with _lock, user_modules_by_value():
-        Pickler(buffer, arrays).dump(obj)
+    Pickler(buffer, arrays).dump(obj)  # (the user's code by value: this pickler's, not process-wide)
     skeleton = buffer.getvalue()
     token = _content_token(skeleton, arrays, {} if tokens is None else tokens) if hashed else None
     return (Function if as_function else Packed)(token, skeleton, arrays, obj)

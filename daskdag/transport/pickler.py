@@ -1,12 +1,21 @@
 """How packed values are pickled (:mod:`daskdag.transport.packing` packs with it): cloudpickle,
 with arrays out of band, the user's classes imported where they arrive or rebuilt from their
-value, ``jax.custom_vjp`` functions rebuilt from their parts, and the user's modules pickled by
-value for the length of one pack.
+value, ``jax.custom_vjp`` functions rebuilt from their parts, and the user's code
+(:func:`~daskdag.transport.fingerprints.is_user_module`: functions, classes, modules) pickled
+by value.
 
-It is the one place daskdag reaches into cloudpickle: :class:`user_modules_by_value` answers
-cloudpickle's private ``_find_imported_submodules`` from its last scan while no module came or
-went. Without it packing still works, only slower; ``tests/test_internal_fingerprints.py``
-fails when a cloudpickle release drops it, so that the loss is not silent.
+Only daskdag's own pickler does so: :meth:`Pickler.reducer_override` decides by value for
+the user's code itself, so nothing process-wide changes. (``cloudpickle.register_pickle_by_value``
+would be process-wide: any other thread's cloudpickle, distributed's ``client.submit`` of a
+function of an installed module of the user's, would meanwhile pickle it by value too.) A
+module the user registered by value himself stays so, here as everywhere.
+
+It is the one place daskdag reaches into cloudpickle: deciding by value itself means calling
+cloudpickle's reducers for a dynamic function, class, module or type variable (the names in
+:data:`PRIVATE`), and a function's state is cloudpickle's ``_function_getstate`` with the look
+for submodules (``_find_imported_submodules``) answered from what it found before, as long as
+no module came or went (:class:`_Submodules`). ``tests/test_internal_shipping.py`` fails when a
+cloudpickle release drops one of these names, so that the loss is not silent.
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ import copyreg
 import hashlib
 import importlib
 import io
+import itertools
 import pickle
 import sys
 import threading
 import types
+import typing
 from typing import Any
 
 import cloudpickle
@@ -42,6 +53,7 @@ class Pickler(cloudpickle.Pickler):
     def __init__(self, file, arrays: list, root=None):
         super().__init__(file, protocol=5)
         self.arrays, self.root = arrays, root
+        _Submodules.check()
 
     def persistent_id(self, obj):
         if _is_array(obj):
@@ -57,6 +69,21 @@ class Pickler(cloudpickle.Pickler):
             Pickler(buffer, arrays, root=obj).dump(obj)  # its value, in case the import fails
             return import_or_load, (obj.__module__, obj.__qualname__,
                                     ByValue(buffer.getvalue(), arrays))
+        # The user's code by value, decided here, for this pickler only (see the module's
+        # docstring); everything else as cloudpickle decides.
+        if isinstance(obj, types.FunctionType):
+            if _by_value(obj) or not _cloudpickle._should_pickle_by_reference(obj):
+                return (_cloudpickle._make_function, self._function_getnewargs(obj),
+                        _function_state(obj), None, None, _cloudpickle._function_setstate)
+        elif isinstance(obj, type):
+            if _by_value(obj):
+                return _cloudpickle._dynamic_class_reduce(obj)
+        elif isinstance(obj, types.ModuleType):
+            if obj.__name__ != "__main__" and is_user_module(obj.__name__):
+                return _module_by_value(obj)
+        elif isinstance(obj, typing.TypeVar):
+            if _by_value(obj):
+                return _cloudpickle._make_typevar, _cloudpickle._decompose_typevar(obj)
         return super().reducer_override(obj)
 
 
@@ -218,48 +245,72 @@ def _custom_vjp(fun, nondiff_argnums, fwd, bwd, symbolic_zeros, optimize_remat):
 
 # -- whose code travels by value ------------------------------------------------------------------
 
-class user_modules_by_value:
-    """Register the user's imported modules with cloudpickle's by-value registry for one pack,
-    then restore it (the registry is process-wide: the caller packs one value at a time). Meanwhile,
-    cloudpickle's look for the submodules a function reaches through a package it uses
-    (``jnp`` for ``jax.numpy``) is answered from what it found before, as long as no module came
-    or went: it walks all of ``sys.modules`` for each such package of each function, most of
-    what pickling a function costs in a process that imported a lot (jax, torch)."""
+def _by_value(obj) -> bool:
+    """Whether a function, class or type variable is the user's code, which this pickler
+    pickles by value where cloudpickle would pickle it by reference (``__main__``'s, and what
+    no module holds, cloudpickle pickles by value itself)."""
+    module = getattr(obj, "__module__", None)
+    return isinstance(module, str) and module != "__main__" and is_user_module(module)
 
-    _scanned: tuple = (None, [])  # (state of sys.modules, the user's modules) when scanned
-    _submodules: dict = {}  # (code, ids of its packages) -> its submodules, for that state
 
-    def __enter__(self):
-        # The scan walks all of sys.modules: redo it only when modules came or went since (an
-        # import appends to sys.modules, so its size or its last entry changes).
+class _Submodules:
+    """cloudpickle's look for the submodules a function reaches through a package it uses
+    (``jnp`` for ``jax.numpy``: ``_find_imported_submodules``), answered from what it found
+    before as long as no module came or went: it walks all of ``sys.modules`` for each such
+    package of each function, most of what pickling a function costs in a process that
+    imported a lot (jax, torch)."""
+
+    state: tuple = (None, None)  # (size of sys.modules, its last name) when memo was started
+    memo: dict = {}  # (code, ids of its packages) -> its submodules
+
+    @classmethod
+    def check(cls) -> None:
+        # An import appends to sys.modules, so its size or its last entry changes.
         state = (len(sys.modules), next(reversed(sys.modules)))
-        seen, found = user_modules_by_value._scanned
-        # (a module replaced under its name keeps the size and order of sys.modules)
-        if seen != state or any(sys.modules.get(m.__name__) is not m for m in found):
-            found = [m for name, m in list(sys.modules.items())
-                     if name != "__main__" and m is not None and is_user_module(name)]
-            user_modules_by_value._scanned = (state, found)
-            user_modules_by_value._submodules = {}
-        registered = cloudpickle.list_registry_pickle_by_value()
-        self.added = [m for m in found if m.__name__ not in registered
-                      and sys.modules.get(m.__name__) is m]
-        for m in self.added:
-            cloudpickle.register_pickle_by_value(m)
-        self.find: Any = getattr(_cloudpickle, "_find_imported_submodules", None)
-        if self.find is not None:
-            _cloudpickle._find_imported_submodules = self._remembered
-        return self
+        if state != cls.state:
+            cls.state, cls.memo = state, {}
 
-    def _remembered(self, code, top_level_dependencies):
+    @classmethod
+    def of(cls, code, top_level_dependencies) -> list:
         deps = list(top_level_dependencies)
         key = (code, tuple(id(d) for d in deps if isinstance(d, types.ModuleType)))
-        memo = user_modules_by_value._submodules
-        if key not in memo:
-            memo[key] = self.find(code, deps)
-        return list(memo[key])
+        hit = cls.memo.get(key)
+        # (a module replaced under its name keeps the size and order of sys.modules)
+        if hit is None or any(sys.modules.get(m.__name__) is not m for m in hit):
+            hit = cls.memo[key] = _cloudpickle._find_imported_submodules(code, deps)
+        return list(hit)
 
-    def __exit__(self, *exc):
-        if self.find is not None:
-            _cloudpickle._find_imported_submodules = self.find
-        for m in self.added:
-            cloudpickle.unregister_pickle_by_value(m)
+
+def _function_state(func) -> tuple[dict, dict]:
+    """cloudpickle's ``_function_getstate``, its submodules from :class:`_Submodules`."""
+    slotstate = {
+        "__name__": "".join(func.__name__),  # ("".join: as cloudpickle, against interning)
+        "__qualname__": "".join(func.__qualname__),
+        "__annotations__": func.__annotations__,
+        "__kwdefaults__": func.__kwdefaults__,
+        "__defaults__": func.__defaults__,
+        "__module__": func.__module__,
+        "__doc__": func.__doc__,
+        "__closure__": func.__closure__,
+    }
+    names = _cloudpickle._extract_code_globals(func.__code__)
+    f_globals = {k: func.__globals__[k] for k in names if k in func.__globals__}
+    closure_values = (() if func.__closure__ is None else
+                      [_cloudpickle._get_cell_contents(c) for c in func.__closure__])
+    slotstate["_cloudpickle_submodules"] = _Submodules.of(
+        func.__code__, itertools.chain(f_globals.values(), closure_values))
+    slotstate["__globals__"] = f_globals
+    state = {"".join(k): v for k, v in func.__dict__.items()}
+    return state, slotstate
+
+
+def _module_by_value(module: types.ModuleType) -> tuple:
+    state = module.__dict__.copy()
+    state.pop("__builtins__", None)  # (as cloudpickle: it may hold what cannot be pickled)
+    return _cloudpickle.dynamic_subimport, (module.__name__, state)
+
+
+# cloudpickle's private names this module uses: tests/test_internal_shipping.py checks they are there
+PRIVATE = ("_should_pickle_by_reference", "_find_imported_submodules", "_extract_code_globals", "_get_cell_contents",
+           "_make_function", "_function_setstate", "_dynamic_class_reduce", "dynamic_subimport",
+           "_make_typevar", "_decompose_typevar")
