@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import signal
+import tempfile
 import time
 
 import dask
@@ -40,7 +41,15 @@ def energy(h):
     return jnp.mean(h)
 
 
+#: Where :func:`slow_energy` notes the process of each item it starts.
+STARTED = os.path.join(tempfile.gettempdir(), f"daskdag-datapath-{os.getpid()}")
+
+
 def slow_energy(h):
+    import os
+
+    with open(STARTED, "a") as started:
+        started.write(f"{os.getpid()}\n")
     time.sleep(0.2)  # each item: long enough to kill a worker while its chunk runs
     return jnp.mean(h ** 2)
 
@@ -145,11 +154,11 @@ def _kill_the_worker_of_the_first_chunk(monkeypatch, wait_for_it: bool) -> tuple
         sends.extend(c.chunk for c in chunks)
         if not killed:
             sent, client = chunks[0], self.client
-            if wait_for_it:
-                eventually(lambda: client.processing(workers=[sent.worker]).get(sent.worker), 30,
-                           f"the first chunk processing on its worker {sent.worker}")
-                time.sleep(0.3)  # it runs: its first item is done
             pid = client.run(os.getpid, workers=[sent.worker])[sent.worker]
+            if wait_for_it:  # until an item of the chunk runs there
+                eventually(lambda: os.path.exists(STARTED)
+                           and str(pid) in open(STARTED).read().split(), 60,
+                           f"an item of the first chunk running on its worker {sent.worker}")
             os.kill(pid, signal.SIGKILL)
             killed.append(sent.chunk)
 
