@@ -70,8 +70,12 @@ def test_two_calls_and_a_dask_array_in_one_compute_share_forward_tasks():
 def test_scheduler_names_a_local_scheduler_or_a_client():
     dag, _ = seed_dag()
     with pytest.raises(DAGError, match="scheduler must be one of .*'sync'.*'threads'.* or a "
-                                       "distributed.Client, got 'processes'"):
-        daskdag.compute_grads(dag, X, "D", scheduler="processes")
+                                       "distributed.Client, got 'gpus'"):
+        daskdag.compute_grads(dag, X, "D", scheduler="gpus")
+    # Dask's multiprocessing scheduler, as dask.compute runs on it (issue 42: it was refused).
+    res = daskdag.compute_grads(dag, X, "D", scheduler="processes")
+    assert "multiprocessing" in res.info.where
+    assert_tree_close(res.grad, jax.grad(lambda x: composed(x)["D"])(X), rtol=1e-5)
     with pytest.raises(DAGError, match="scheduler='threads' runs in this process, but client= "
                                        "names a cluster"):
         daskdag.compute_grads(dag, X, "D", scheduler="threads", client=object())

@@ -64,9 +64,9 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``daskdag`` command. ``daskdag --version`` answers before JAX, Dask and daskdag's
-    modules are imported (which take seconds); every other command is
-    :func:`daskdag.cli.commands.main`, imported then."""
+    """The ``daskdag`` command with the arguments ``argv`` (default: this process's); returns
+    its exit code. ``daskdag --version`` answers before JAX, Dask and daskdag's modules are
+    imported (which take seconds); every other command imports them first."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args in (["--version"], ["-V"]):
         print(f"daskdag {metadata.version('daskdag')}")
