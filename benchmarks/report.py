@@ -19,6 +19,7 @@ targets, met or not.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -228,19 +229,30 @@ def color(m: str, order: tuple[str, ...]) -> str:
 
 
 def generic_plot(s: dict, ax_row) -> None:
-    """Any scenario without a ``plot`` of its own: each case's methods' medians, as grouped
-    bars."""
-    cases = s["cases"]
-    cols = columns(cases)
+    """Any scenario without a ``plot`` of its own: each case's methods' medians as horizontal
+    bars, one colour per case, each case with the methods it measured, labelled on the left
+    (no legend over the bars), on a log axis that spans whole decades."""
+    from matplotlib.ticker import NullFormatter
+
     (ax,) = ax_row
-    width = 0.8 / max(len(cols), 1)
-    for j, m in enumerate(cols):
-        ys = [c["methods"][m]["median_s"] if m in c["methods"] else 0 for c in cases]
-        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=m)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [c["case"] for c in cases])
-    log_axis(ax.yaxis)
-    ax.set_ylabel("median seconds (log)")
-    ax.legend(fontsize=7)
+    rows = generic_rows(s)
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [v for _, v, _ in rows], color=[f"C{k % 10}" for _, _, k in rows])
+    ax.set_yticks(ys, [label for label, _, _ in rows], fontsize=8)
+    log_axis(ax.xaxis)
+    values = [v for _, v, _ in rows if v > 0]
+    if values:
+        lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)) + 1e-9)
+        ax.set_xlim(10 ** lo, 10 ** hi)
+        if hi - lo > 3:  # (many decades: the 2 and 5 between them would overlap)
+            ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("median seconds (log)")
+
+
+def generic_rows(s: dict) -> list[tuple[str, float, int]]:
+    """``(case: method, median seconds, case index)`` of every method of every case."""
+    return [(f"{c['case']}: {m}", info["median_s"], k)
+            for k, c in enumerate(s["cases"]) for m, info in c["methods"].items()]
 
 
 def log_axis(axis) -> None:
@@ -263,8 +275,9 @@ def plots(results: dict, folder: Path) -> list[Path]:
     for name, s in results["scenarios"].items():
         draw = _declared(name, "plot")
         panels = (_declared(name, "PLOT_AXES") or 1) if draw else 1
+        size = (6 * panels, 4) if draw else (8, max(3.0, 1.4 + 0.24 * len(generic_rows(s))))
         draw = draw or generic_plot
-        fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+        fig, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
         draw(s, list(axes[0]))
         fig.suptitle(f"{s['title']} ({results['run']['mode']} run, "
                      f"{results['machine']['cpu_count']} CPUs)")

@@ -379,7 +379,8 @@ def plot(s: dict, ax_row) -> None:
         ax.axhline(1, color="black", linewidth=0.8)
         ax.set_title(f"{mode} nodes")
         ax.set_ylabel("time / hand_written (log)")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4,
+                  frameon=False)  # (below the axes: over them it hid the K=1 bars)
 
 
 PLOT_AXES = 2  # the axes, in a row, that plot draws on
