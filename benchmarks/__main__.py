@@ -115,6 +115,8 @@ def measure(quick: bool, only: list[str], out: Path) -> dict:
         scenario = chosen[name]
         t = time.perf_counter()
         results["scenarios"][name] = scenario.run(quick, clients)
+        results["scenarios"][name]["run"] = {  # (which run measured it, once merged with others)
+            "command": results["run"]["command"], "started": results["run"]["started"]}
         results["scenarios"][name]["wall_s"] = time.perf_counter() - t
         results["run"]["wall_s"] = time.perf_counter() - started
         _write_json(out / "latest.json", results)

@@ -136,7 +136,7 @@ def target_items(s: dict) -> list[str]:
         was = f", was {t['was']}" if t.get("was") else ""
         op = "≤" if t["op"] == "<=" else "≥"
         lines.append(f"{t['case']}: `{t['ratio']}` = {measured} (target {op} {t['bound']:g}, "
-                     f"{better}; {t['source']}{was}): **{verdict}**")
+                     f"{better}{was}): **{verdict}**")
     return lines
 
 
@@ -156,11 +156,86 @@ def summary(results: dict) -> str | None:
                          f"{'≤' if t['op'] == '<=' else '≥'} {t['bound']:g}",
                          "–" if t["measured"] is None else f"{t['measured']:.2f}",
                          {True: "met", False: "not met", None: "not measured"}[t["met"]],
-                         t["source"] + (f" (was {t['was']})" if t.get("was") else "")])
+                         str(t.get("was") or "")])
     if not rows:
         return None
-    return ("Targets of this run (each a ratio of median times, see the rule above):\n\n"
-            + table(["scenario", "case", "ratio", "target", "measured", "met?", "from"], rows))
+    return ("The goals the project set itself, each a ratio of median times (see the rule in "
+            "the report), next to what this run measured:\n\n"
+            + table(["scenario", "case", "ratio", "target", "measured", "met?", "was"], rows))
+
+
+# --- At a glance -------------------------------------------------------------------------------
+
+#: The peers the report opens with: ``(peer, the work, scenario, case, ratio (daskdag over the
+#: peer), use daskdag when)``, each ratio one the scenario measures.
+GLANCE = (
+    ("hand-written `jax.vjp` plumbing", "K = 8 heads over a shared trunk, eager nodes",
+     "k_heads", "K=8, eager", "daskdag_threads/hand_written",
+     "always: the same work, without writing the plumbing"),
+    ("`jax.jit` of the composed function", "a small all-`jit` DAG called in a loop",
+     "repeat_calls", "seed DAG prepared", "daskdag_jit/jax_jit",
+     "not here: a tiny jittable function in one process is fastest under `jax.jit` alone"),
+    ("`jax.jit` of the composed function", "a 100-step loop over a trunk on fixed data",
+     "shared_work", "loop", "daskdag_loop/jax_jit",
+     "a node reads data that does not change between calls: it runs once"),
+    ("`jax.vmap`, one process", "256 items over a 1 s shared trunk, `vmap=True` heads",
+     "shared_work", "256 items", "daskdag_vmap_2w/jax_vmap",
+     "the items outgrow one process, or nodes cannot be vmapped"),
+    ("`dask.delayed` by hand", "the same 256 items, eager heads, 2 workers",
+     "shared_work", "256 items", "daskdag_2w/delayed_2w",
+     "gradients pass through shared nodes: no hand-written graph, the trunk once"),
+    ("a hand-written Dask graph", "32 branches of 0.25 s and a head, 8 workers",
+     "scale_out", "wide, W=8", "daskdag/hand_written",
+     "wide DAGs on a cluster: at parity with the graph you would write"),
+    ("a hand-written Dask graph", "1,000 tiny nodes fanned out, 2 workers",
+     "overhead", "fan_out, N=1000", "daskdag_2w/dask_2w",
+     "not for thousands of tiny nodes on a cluster: each costs daskdag three tasks"),
+    ("PyTorch", "K = 8 heads over a shared trunk, eager nodes", "k_heads", "K=8, eager",
+     "daskdag_threads/torch",
+     "your code is JAX: PyTorch's eager CPU kernels are faster on small matrices"),
+    ("OpenMDAO `compute_totals`", "a dense model's Jacobian, repeated calls",
+     "repeat_calls", "dense", "daskdag/openmdao",
+     "an optimiser calls the same model many times"),
+)
+
+
+def glance_rows(results: dict) -> list[tuple[str, str, float, str]]:
+    """``(peer, work, ratio, when)`` of each :data:`GLANCE` row this run measured."""
+    rows = []
+    for peer, work, name, case, ratio, when in GLANCE:
+        s = results["scenarios"].get(name)
+        found = next((c for c in (s or {}).get("cases", []) if c["case"] == case), None)
+        value = (found or {}).get("ratios", {}).get(ratio)
+        if value is not None:
+            rows.append((peer, work, value, when))
+    return rows
+
+
+def glance(results: dict, images: str | None) -> str | None:
+    """The report's opening: daskdag against its peers on the same work, and when to use it."""
+    rows = glance_rows(results)
+    if not rows:
+        return None
+    parts = ["daskdag's time over each peer's on the same work, on this machine, both timed in "
+             "the same run (below 1, daskdag was faster; each scenario's section below says "
+             "which run, and has every method and figure)."]
+    if images is not None:
+        parts.append(f"![daskdag against its peers]({images}/glance.png)")
+    parts.append(table(["against", "the work", "daskdag / it", "use daskdag when"],
+                       [[peer, work, f"{v:.2f}", when] for peer, work, v, when in rows]))
+    return "\n\n".join(parts)
+
+
+def glance_plot(results: dict, ax) -> None:
+    rows = glance_rows(results)[::-1]
+    ys = list(range(len(rows)))
+    ax.barh(ys, [v for _, _, v, _ in rows],  # (green: faster by 10% or more; red: slower)
+            color=["C2" if v <= 0.9 else "C3" if v >= 1.1 else "C7" for _, _, v, _ in rows])
+    ax.set_yticks(ys, [f"{peer}\n{work}".replace("`", "") for peer, work, _, _ in rows],
+                  fontsize=7)
+    log_axis(ax.xaxis)
+    ax.axvline(1, color="black", linewidth=0.8)
+    ax.set_xlabel("daskdag's time / the peer's (log; green: daskdag faster, grey: within 10%)")
 
 
 # --- The sections ------------------------------------------------------------------------------
@@ -195,23 +270,29 @@ def clusters_paragraph(clusters: dict) -> str:
 
 
 def markdown(results: dict, images: str | None = None) -> str:
-    """The report; ``images``: the folder, relative to where the Markdown will be read, of the
-    PNGs to show (none if None)."""
+    """The report: daskdag against its peers at a glance, then the run and its scenarios, each
+    saying which run measured it, then the targets; ``images``: the folder, relative to where
+    the Markdown will be read, of the PNGs to show (none if None)."""
     run = results["run"]
     clusters = results.get("clusters", {})
-    out = [f"Measured with `{run['command']}` ({run['mode']}) on {run['started'][:10]}, in "
-           f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}.", ratio_rule()]
+    out = []
+    opening = glance(results, images)
+    if opening:
+        out += ["## At a glance", opening]
+    out += ["## The scenarios",
+            f"Measured with `{run['command']}` ({run['mode']}) on {run['started'][:10]}, in "
+            f"{run['wall_s'] / 60:.1f} min, on: {machine_line(results)}.", ratio_rule()]
     if run.get("note"):  # how the run was made, where it was not one invocation
-        out.insert(1, run["note"])
+        out.insert(len(out) - 1, run["note"])
     if clusters:
         out.append(clusters_paragraph(clusters))
-    head = summary(results)
-    if head:
-        out.append(head)
     for name, why in results.get("skipped", {}).items():
         out.append(f"Scenario `{name}` skipped: {why}.")
     for n, (name, s) in enumerate(results["scenarios"].items(), 1):
         out.append(f"### {n}. {s['title']}")
+        own = s.get("run")
+        if own:
+            out.append(f"From `{own['command']}` on {own['started'][:10]}.")
         out.append((_declared(name, "section") or generic)(s))
         out.append(where_line(columns(s["cases"]), clusters, s.get("where")))
         block = _targets_block(s)
@@ -219,6 +300,9 @@ def markdown(results: dict, images: str | None = None) -> str:
             out.append(block)
         if images is not None:
             out.append(f"![{s['title']}]({images}/{name}.png)")
+    head = summary(results)
+    if head:
+        out += ["## Appendix: the targets", head]
     return "\n\n".join(out) + "\n"
 
 
@@ -272,6 +356,17 @@ def plots(results: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
+    rows = glance_rows(results)
+    if rows:
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)))
+        glance_plot(results, ax)
+        fig.suptitle(f"daskdag against its peers ({results['run']['mode']} run, "
+                     f"{results['machine']['cpu_count']} CPUs)")
+        fig.tight_layout()
+        path = folder / "glance.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     for name, s in results["scenarios"].items():
         draw = _declared(name, "plot")
         panels = (_declared(name, "PLOT_AXES") or 1) if draw else 1
