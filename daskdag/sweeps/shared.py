@@ -35,8 +35,9 @@ from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.run import linearize
 from daskdag.graph.stages import Stage, one_stage
 from daskdag.graph.tasks import Rows
-from daskdag.model.leaves import is_array, is_differentiable, on_differentiable
+from daskdag.model.leaves import differentiable_leaves, is_array, on_differentiable
 from daskdag.model.plan import Plan, make_plan
+from daskdag.rules.seeds import total
 from daskdag.running.compute import compute
 from daskdag.running.log import logger
 from daskdag.sweeps.chunked import chunk_of
@@ -207,11 +208,8 @@ class Through:
             grads = {}
             for name in self.wrt:
                 if name in self.stage.deps:
-                    like = self.deps[self.stage.deps.index(name)]
-                    share = shares[self.stage.deps.index(name)]
-                    grads[name] = _sum(like, own.get(name),
-                                       None if share is None else on_differentiable(like, share),
-                                       items)
+                    at = self.stage.deps.index(name)
+                    grads[name] = _sum(self.deps[at], own.get(name), shares[at], items)
                 else:
                     grads[name] = own[name]
             results[o] = (value, grads)
@@ -225,19 +223,18 @@ def _flat(grad) -> tuple | None:
     return leaves or None
 
 
-def _sum(like, a, b, items: int):
-    """Gradients ``a`` and ``b`` (either None) of an input whose value is ``like``, stacked over
-    ``items``, added, each leaf of the input's dtype; zeros where neither is given."""
-    def leaf(x, p, q):
-        if not is_differentiable(x):
-            return None
-        dtype = jnp.result_type(x)
-        parts = [jnp.asarray(g, dtype) for g in (p, q) if g is not None]
-        return sum(parts[1:], parts[0]) if parts else np.zeros((items, *np.shape(x)), dtype)
-    flat, treedef = jax.tree.flatten(like)
-    parts = [None if g is None else treedef.flatten_up_to(g) for g in (a, b)]
-    return treedef.unflatten([leaf(x, *(p[k] if p is not None else None for p in parts))
-                              for k, x in enumerate(flat)])
+def _sum(like, own, share, items: int):
+    """The gradient of an input whose value is ``like``, stacked over ``items``: its own
+    gradient ``own`` (in ``like``'s structure) and the ``share`` pulled back to it (a flat
+    tuple), either None, summed (zeros where neither is given), each leaf of the input's
+    dtype."""
+    leaves = differentiable_leaves(like)
+    parts = [p for p in (None if own is None else tuple(jax.tree.leaves(own)), share)
+             if p is not None]
+    flat = total(parts) if parts else tuple(
+        np.zeros((items, *np.shape(x)), jnp.result_type(x)) for x in leaves)
+    return on_differentiable(like, [jnp.asarray(g, jnp.result_type(x))
+                                    for g, x in zip(flat, leaves)])
 
 
 def _travels(values: dict) -> bool:
