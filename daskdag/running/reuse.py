@@ -9,7 +9,7 @@ takes values from. What a call's program relies on (the nodes' functions, what t
 settings) is checked by the program itself (:mod:`daskdag.running.programs`): where any of it
 changed, the call has a program of its own, which keeps nothing yet. The inputs are compared
 here (:class:`Seen`): JAX arrays by identity (they cannot change), every other leaf by its
-content (``dask.base.tokenize``: NumPy arrays by their bytes).
+content (``dask.base.tokenize``: NumPy arrays by their bytes), each once a call.
 
 One call's values are kept, the last's, at most ``daskdag.reuse-bytes`` of them; NumPy arrays
 among them are made read-only, so that a node that would change one in place fails, naming
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import dask
 import jax
@@ -65,28 +64,19 @@ def kept_part(plan: Plan) -> tuple[Plan, Plan] | None:
 
 
 class Seen:
-    """What a call's inputs were, to compare the next call's with (:meth:`same`): per leaf, a
-    JAX array itself (compared by identity), any other leaf its content's token."""
+    """What a call's inputs were, to compare another call's with (``==``): their structure, and
+    per leaf a JAX array itself (compared by identity), any other leaf its content's token."""
 
     def __init__(self, values: dict) -> None:
         self.structure = {k: jax.tree.structure(v) for k, v in values.items()}
-        self.leaves = {k: [leaf if isinstance(leaf, jax.Array) else tokenize(leaf)
-                           for leaf in jax.tree.leaves(v)] for k, v in values.items()}
+        self.leaves = [leaf if isinstance(leaf, jax.Array) else tokenize(leaf)
+                       for v in values.values() for leaf in jax.tree.leaves(v)]
 
-    def same(self, values: dict) -> bool:
-        if set(values) != set(self.leaves):
-            return False
-        for k, v in values.items():
-            leaves = jax.tree.leaves(v)
-            if jax.tree.structure(v) != self.structure[k] or len(leaves) != len(self.leaves[k]):
-                return False
-            for leaf, seen in zip(leaves, self.leaves[k]):
-                if isinstance(seen, jax.Array) or isinstance(leaf, jax.Array):
-                    if leaf is not seen:
-                        return False
-                elif tokenize(leaf) != seen:
-                    return False
-        return True
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Seen) and self.structure == other.structure
+                and len(self.leaves) == len(other.leaves)
+                and all(a is b if isinstance(a, jax.Array) or isinstance(b, jax.Array)
+                        else a == b for a, b in zip(self.leaves, other.leaves)))
 
 
 @dataclass
@@ -111,9 +101,10 @@ class Kept:
         call's where its inputs were the same, else computed now, on ``client``'s cluster or
         Dask's ``local`` scheduler, and kept for the next call."""
         mine = {i: inputs[i] for i in self.plan.spec.inputs}
+        seen = Seen(mine)
         with self._lock:
             last = self._last
-        if last is not None and last[0].same(mine):
+        if last is not None and last[0] == seen:
             return Reused(last[1], True)
         stop = Stop() if client is None else None
         graph = build(self.plan, mine, GradientSeeding({}), self.transport, stop=stop)
@@ -122,15 +113,11 @@ class Kept:
         if sizeof(values) <= dask.utils.parse_bytes(config.get("reuse-bytes")):
             values = jax.tree.map(_read_only, values)
             with self._lock:
-                self._last = (Seen(mine), values)
+                self._last = (seen, values)
         else:
             with self._lock:
                 self._last = None
         return Reused(values, False)
-
-    def forget(self) -> None:
-        with self._lock:
-            self._last = None
 
 
 def _read_only(leaf):
