@@ -223,9 +223,11 @@ class Gradients:
     @classmethod
     def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
            kept: tuple[Kept, Gradients] | None = None) -> Gradients:
-        """The program of ``plan`` (shipped), whose calls give values to ``inputs``."""
+        """The program of ``plan`` (shipped), whose calls give values to ``inputs``; with
+        ``kept``, its eager calls run ``kept``'s program, and its own graph is built only by a
+        call that runs it (a lazy or durable one), not kept as a template."""
         stages = stages_for(plan, transport.packs)
-        template = None if transport.packs else Template(
+        template = None if transport.packs or kept is not None else Template(
             cls.graph_template(plan, inputs, stages, transport))
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs)
