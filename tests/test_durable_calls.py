@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -22,7 +21,7 @@ import pytest
 
 import daskdag
 
-from .support.clusters import local_client
+from .support.clusters import eventually, local_client
 from .support.disks import small_tmpfs
 
 DAG_MODULE = '''
@@ -316,10 +315,7 @@ with Client({scheduler!r}, set_as_default=False, timeout=60) as client:
 
 
 def wait_for_stages(store: Path, least: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while len(stored_nodes(store)) < least:
-        assert time.monotonic() < deadline, f"fewer than {least} nodes stored in {timeout} s"
-        time.sleep(0.02)
+    eventually(lambda: len(stored_nodes(store)) >= least, timeout, f"{least} nodes stored")
 
 
 @pytest.mark.cluster
