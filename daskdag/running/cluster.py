@@ -17,6 +17,7 @@ from dask.utils import parse_timedelta
 
 from daskdag.errors import ClusterError
 from daskdag.model.plan import Plan
+from daskdag.transport import protocol
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
 import daskdag.config as config
@@ -76,7 +77,22 @@ def check(client, plan: Plan) -> dict[str, dict]:
     _check_versions(client, found)
     _checked[client] = (time.monotonic(), found)
     tune_workers(client)
+    serializers_on_workers(client)
     return found
+
+
+_told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered the serializers
+
+
+def serializers_on_workers(client) -> None:
+    """Register daskdag's serializers (JAX arrays as zero-copy frames) in ``client``'s workers,
+    once per client object: a worker that has run none of daskdag's tasks yet must still take
+    in a JAX array another worker sends it as such. (Workers import daskdag's modules only
+    when a task needs them.)"""
+    if client in _told:
+        return
+    _told.add(client)
+    client.run(protocol.with_distributed)
 
 
 def tune_workers(client) -> None:
