@@ -47,6 +47,6 @@ docs: $(STAMP)
 clean:
 	rm -rf $(VENV) *.egg-info site
 
-# TLS certificates for the cluster recipes in deploy/ (deploy/README.md).
+# TLS certificates for the cluster recipes in deploy/ (docs/guides/deployment.md).
 certs: $(STAMP)
 	$(VENV)/bin/daskdag certs deploy/certs

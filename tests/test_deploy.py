@@ -48,6 +48,7 @@ from .support.numbers import assert_tree_close
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
+GUIDE = REPO / "docs" / "guides" / "deployment.md"
 K8S = DEPLOY / "kubernetes"
 DASK = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -380,6 +381,20 @@ def _pins() -> dict[str, str]:
     return pins
 
 
+def test_the_recipes_are_described_in_one_place():
+    """The deployment guide is the recipes' one description: deploy/README.md lists the files
+    and links to it, with no commands of its own to drift apart from the guide's."""
+    readme = (DEPLOY / "README.md").read_text()
+    assert "](../docs/guides/deployment.md)" in readme
+    assert "```" not in readme
+    listed = set(re.findall(r"^\| `([^`]+?)/?` \|", readme, re.M))
+    assert listed == {p.name for p in DEPLOY.iterdir()
+                      if p.name not in ("README.md", "certs") and not p.name.startswith(".")
+                      and not p.name.endswith(".dockerignore")}
+    guide = GUIDE.read_text()
+    assert all(f"`deploy/{name}" in guide for name in listed)
+
+
 def test_versions_are_pinned_once_and_satisfy_pyproject():
     pins = _pins()
     for name in ("jax", "jaxlib", "dask", "distributed", "cloudpickle"):
@@ -511,9 +526,9 @@ def test_kubernetes_manifests_give_the_operator_what_it_needs(certs):
         p.name for p in K8S.glob("*.yaml") if p.name not in ("kustomization.yaml", "kustomizeconfig.yaml"))
     assert [i["name"] for i in kustomization["images"]] == ["daskdag"]
 
-    # The README's Secret has the name and keys the pods mount.
-    readme = (DEPLOY / "README.md").read_text()
-    (create,) = re.findall(r"kubectl create secret generic daskdag-tls(?:\\\n|[^\n])*", readme)
+    # The deployment guide's Secret has the name and keys the pods mount.
+    guide = (GUIDE).read_text()
+    (create,) = re.findall(r"kubectl create secret generic daskdag-tls(?:\\\n|[^\n])*", guide)
     assert sorted(re.findall(r"--from-file=([\w.]+)=", create)) == sorted(CERT_FILES)
 
 
