@@ -21,7 +21,7 @@ LAYERS = (
     ("daskdag.api", "daskdag.checks"),
     ("daskdag.full_jacobians", "daskdag.hessians", "daskdag.forward_mode"),
     ("daskdag.transforms",),
-    ("daskdag.cli", "daskdag"),
+    ("daskdag.cli", "daskdag.deploy", "daskdag"),
 )
 
 
