@@ -3,7 +3,7 @@ Slurm through dask-jobqueue (:mod:`daskdag.deploy.slurm`) and Kubernetes through
 dask-kubernetes operator (:mod:`daskdag.deploy.kubernetes`), secured with the certificates of
 ``daskdag certs``. The recipes they follow are described in docs/guides/deployment.md.
 
-Layer: the top, beside :mod:`daskdag.cli`, whose TLS helpers it uses; nothing in daskdag imports
+May import: every layer, and :mod:`daskdag.cli` (its TLS helpers); nothing in daskdag imports
 it. Each module imports its cluster library (the ``deploy`` extra) at its top, so only a user
 who asks for that module needs it.
 """
