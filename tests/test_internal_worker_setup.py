@@ -129,3 +129,29 @@ def test_setup_is_a_no_op_where_there_is_nothing_to_restore(monkeypatch):
     plugin = worker_setup.TuneMalloc()
     plugin.setup(worker=None)
     assert plugin.applied is None
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_worker_joining_later_takes_in_jax_arrays_from_the_others():
+    """daskdag's serializers send a JAX array between workers as zero-copy frames, which only a
+    worker that knows them can take in: a worker that joins after the first call, and has run
+    none of daskdag's tasks, is given them by the scheduler (daskdag-serializers)."""
+    with local_client(1) as client:
+        assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+        (first,) = client.scheduler_info(n_workers=-1)["workers"]
+        client.cluster.scale(2)
+        client.wait_for_workers(2, timeout=120)
+        (later,) = set(client.scheduler_info(n_workers=-1)["workers"]) - {first}
+
+        def make():  # nested: travels by value
+            import jax.numpy as jnp
+            return jnp.arange(4.0)
+
+        def took(a):
+            return type(a).__module__.split(".")[0], float(a.sum())
+
+        made = client.submit(make, workers=[first], pure=False)
+        assert client.submit(took, made, workers=[later]).result(timeout=60) == ("jaxlib", 6.0)
+        assert "daskdag-serializers" in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.worker_plugins))

@@ -59,9 +59,10 @@ def check(client, plan: Plan) -> dict[str, dict]:
     With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
     one to join, asking for it the way a task would, so adaptive clusters scale up.
 
-    Then, once per client, registers daskdag's worker plugin (:mod:`daskdag.running.workers`) where
-    ``daskdag.tune-workers`` is true (it is off by default): after the version check, so
-    workers can unpickle it.
+    Then, once per client, after the version check (so that workers can unpickle them),
+    registers daskdag's worker plugins: its serializers (:func:`serializers_on_workers`) and,
+    where ``daskdag.tune-workers`` is true (it is off by default), the malloc tuning
+    (:mod:`daskdag.running.workers`).
     """
     check_client(client)
     last = _checked.get(client)
@@ -85,14 +86,14 @@ _told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered t
 
 
 def serializers_on_workers(client) -> None:
-    """Register daskdag's serializers (JAX arrays as zero-copy frames) in ``client``'s workers,
-    once per client object: a worker that has run none of daskdag's tasks yet must still take
-    in a JAX array another worker sends it as such. (Workers import daskdag's modules only
-    when a task needs them.)"""
+    """Register :class:`daskdag.transport.protocol.Serializers` with ``client``'s scheduler, once
+    per client object: every worker, and every worker that joins later, then knows daskdag's
+    serializers (JAX arrays as zero-copy frames) before it runs any of daskdag's tasks.
+    (Workers import daskdag's modules only when a task needs them.)"""
     if client in _told:
         return
     _told.add(client)
-    client.run(protocol.with_distributed)
+    client.register_plugin(protocol.Serializers(), name=protocol.SERIALIZERS_PLUGIN)
 
 
 def tune_workers(client) -> None:
