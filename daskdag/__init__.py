@@ -21,6 +21,10 @@ import threading as _threading
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
+# daskdag's settings join Dask's defaults now, before a `dask.config.set` of one of them can run:
+# on leaving that block Dask restores what it found, which must already hold the others.
+from daskdag import config as _config  # noqa: E402,F401  (dask.config and yaml only)
+
 if TYPE_CHECKING:  # (what the names are; they are imported when first asked for: _load)
     from daskdag.api import Result, compute_grads, grads, sweep_grads
     from daskdag.forward_mode import JVPResult, compute_jvps, jvps

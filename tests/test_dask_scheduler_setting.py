@@ -13,6 +13,7 @@ import urllib.request
 import dask
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import daskdag
@@ -176,6 +177,25 @@ def test_import_and_a_call_on_threads_leave_distributed_unimported():
                            "print(sorted({'jax', 'distributed'} & set(sys.modules)))"],
                           capture_output=True, text=True, timeout=100, check=True).stdout
     assert bare.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_a_daskdag_setting_set_before_the_first_call_leaves_the_others_in_place():
+    """``with dask.config.set({"daskdag.reuse": ...})`` around a program's first call: on leaving
+    it, Dask restores what it found, which must include daskdag's defaults (they join Dask's
+    config at ``import daskdag``), or every later call finds no daskdag settings at all."""
+    code = ("import dask, jax.numpy as jnp, daskdag\n"
+            "dag = {'A': (jnp.sin, ['x']), 'L': (jnp.sum, ['A'])}\n"
+            "with dask.config.set({'daskdag.reuse': 'all'}):\n"
+            "    daskdag.compute_grads(dag, jnp.arange(3.0), 'L')\n"
+            "print(dask.config.get('daskdag.reuse'))\n"
+            "print(daskdag.compute_grads(dag, jnp.arange(3.0), 'L').grad.tolist())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reuse, grad = out.stdout.splitlines()
+    assert reuse == "jit"  # the default, back in place
+    np.testing.assert_allclose(eval(grad), np.cos(np.arange(3.0)), rtol=1e-6)  # jax.grad's
 
 
 @pytest.mark.timeout(120)

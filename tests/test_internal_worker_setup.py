@@ -153,5 +153,27 @@ def test_a_worker_joining_later_takes_in_jax_arrays_from_the_others():
 
         made = client.submit(make, workers=[first], pure=False)
         assert client.submit(took, made, workers=[later]).result(timeout=60) == ("jaxlib", 6.0)
-        assert "daskdag-serializers" in client.run_on_scheduler(
+        assert worker_setup.SERIALIZERS in client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_worker_without_daskdag_still_starts(tmp_path):
+    """daskdag-serializers travels by value: a worker of the same cluster that cannot import
+    daskdag (one serving other work) starts, and the plugin does nothing there."""
+    blocker = tmp_path / "no_daskdag.py"  # a --preload module, imported at the worker's start
+    blocker.write_text("import sys\nsys.modules['daskdag.transport.protocol'] = None\n")
+    cli = DaskCLI(tmp_path)
+    try:
+        with local_client(1) as client:
+            assert_tree_close(daskdag.compute_grads(_dag(), X, "B", client=client).grad, _grad(X))
+            cli.start("worker", client.cluster.scheduler_address, "--nthreads", "1",
+                      "--no-dashboard", "--host", "127.0.0.1", "--preload", str(blocker))
+            client.wait_for_workers(2, timeout=180)
+
+            def registered(dask_worker, name=worker_setup.SERIALIZERS):  # nested: by value
+                return dask_worker.plugins[name].registered
+            assert sorted(client.run(registered).values()) == [False, True]
+    finally:
+        cli.stop()

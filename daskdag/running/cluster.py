@@ -17,7 +17,6 @@ from dask.utils import parse_timedelta
 
 from daskdag.errors import ClusterError
 from daskdag.model.plan import Plan
-from daskdag.transport import protocol
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
 import daskdag.config as config
@@ -86,14 +85,14 @@ _told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered t
 
 
 def serializers_on_workers(client) -> None:
-    """Register :class:`daskdag.transport.protocol.Serializers` with ``client``'s scheduler, once
+    """Register :class:`daskdag.running.workers.Serializers` with ``client``'s scheduler, once
     per client object: every worker, and every worker that joins later, then knows daskdag's
     serializers (JAX arrays as zero-copy frames) before it runs any of daskdag's tasks.
     (Workers import daskdag's modules only when a task needs them.)"""
     if client in _told:
         return
     _told.add(client)
-    client.register_plugin(protocol.Serializers(), name=protocol.SERIALIZERS_PLUGIN)
+    client.register_plugin(worker_setup.Serializers(), name=worker_setup.SERIALIZERS)
 
 
 def tune_workers(client) -> None:

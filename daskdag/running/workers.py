@@ -1,4 +1,12 @@
-"""Worker set-up: glibc's malloc tuned back for JAX work in workers started by a nanny.
+"""Worker set-up, as worker plugins that travel by value: daskdag's serializers in every worker
+(:class:`Serializers`), and glibc's malloc tuned back for JAX work in workers started by a
+nanny (:class:`TuneMalloc`, opt-in).
+
+A worker that has run none of daskdag's tasks must still take in a JAX array that another
+worker sends it as zero-copy frames, which needs daskdag's serializers
+(:func:`daskdag.transport.protocol.with_distributed`). :class:`Serializers` registers them in
+every worker, those that join later too (a nanny's restart, an adaptive cluster's new worker);
+in a worker without daskdag it does nothing, so that such a worker still starts.
 
 distributed's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536`` (Dask config
 ``distributed.nanny.pre-spawn-environ``), so that freed memory goes back to the OS at once.
@@ -28,12 +36,14 @@ the user starts the workers, is their environment: ``distributed.nanny.pre-spawn
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 
 import cloudpickle
 
 NAME = "daskdag-tune-malloc"
+SERIALIZERS = "daskdag-serializers"
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -54,6 +64,8 @@ def __getattr__(name: str):
     # distributed's, whose import a call on threads never pays.
     if name == "TuneMalloc":
         return _plugin_class()
+    if name == "Serializers":
+        return _serializers_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -90,6 +102,39 @@ def _plugin_class() -> type:
     TuneMalloc.__qualname__ = "TuneMalloc"
     _made.append(TuneMalloc)
     return TuneMalloc
+
+
+def _serializers_class() -> type:
+    if _made_serializers:
+        return _made_serializers[0]
+    from distributed import WorkerPlugin
+
+    class Serializers(WorkerPlugin):
+        """Register daskdag's serializers in the worker, if it has daskdag: importing
+        :mod:`daskdag.transport.protocol` in a process that runs distributed registers them.
+
+        After ``setup``, ``registered`` says whether it did.
+        """
+
+        idempotent = True
+        name = SERIALIZERS
+
+        def __init__(self):
+            self.registered = False
+
+        def setup(self, worker=None):
+            try:  # (by name: this travels by value, to workers with or without daskdag)
+                importlib.import_module("daskdag.transport.protocol").with_distributed()
+            except ImportError:  # nothing of daskdag's can run in this worker
+                return
+            self.registered = True
+
+    Serializers.__qualname__ = "Serializers"
+    _made_serializers.append(Serializers)
+    return Serializers
+
+
+_made_serializers: list = []
 
 
 def _tune() -> tuple[dict[str, int] | None, str]:

@@ -106,42 +106,6 @@ def with_distributed() -> None:
             _registered.append(family)
 
 
-SERIALIZERS_PLUGIN = "daskdag-serializers"
-
-
-def __getattr__(name: str):
-    # Serializers is made when first asked for (a cluster call registers it, a worker unpickles
-    # it): its base class is distributed's, whose import a call on threads never pays.
-    if name == "Serializers":
-        return _serializers_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_made: list = []
-
-
-def _serializers_class() -> type:
-    if _made:
-        return _made[0]
-    from distributed import WorkerPlugin
-
-    class Serializers(WorkerPlugin):
-        """:func:`with_distributed` in every worker of a cluster, including those that join
-        later (a nanny's restart, an adaptive cluster's new worker): a worker that has run
-        none of daskdag's tasks must still take in a JAX array that another worker sends it as
-        zero-copy frames."""
-
-        idempotent = True  # the scheduler keeps the first registration; later clients add nothing
-        name = SERIALIZERS_PLUGIN
-
-        def setup(self, worker=None):
-            with_distributed()
-
-    Serializers.__module__, Serializers.__qualname__ = __name__, "Serializers"
-    _made.append(Serializers)
-    return Serializers
-
-
 def _serialize_jax_array(a):
     # As NumPy's zero-copy frames: distributed's fallback pickles JAX arrays, 3x slower.
     from distributed.protocol import serialize
