@@ -201,6 +201,12 @@ def test_outputs_pulled_back_together_equal_one_at_a_time():
         for o in ("P", "Q"):
             alone = daskdag.compute_grads(dag, x, o)
             assert_tree_close(together[o].grad, alone.grad)
+        composed = {"P": lambda x: jnp.sum(jnp.cos(jnp.sin(x))),
+                    "Q": lambda x: jnp.sum(jnp.cos(jnp.sin(x)) * jnp.sin(x))}
+        for o, f in composed.items():  # and both JAX's
+            value, grad = jax.value_and_grad(f)(x)
+            assert_tree_close(together[o].value, value, rtol=1e-6)
+            assert_tree_close(together[o].grad, grad, rtol=1e-6)
     calls = []
     real = tasks._batched
     tasks._batched = lambda *a: calls.append(1) or real(*a)  # it ran, and did not fall back

@@ -245,6 +245,7 @@ def test_new_shapes_dtypes_and_inputs_prepare_anew():
     daskdag.compute_grads(dag, X, "L")
     for x, why in [(jnp.linspace(0.0, 1.0, 5), "shapes"),
                    (np.linspace(0.0, 1.0, 5, dtype=np.float32), None),  # (as JAX's: the same)
+                   (np.linspace(0.0, 1.0, 5), None),  # float64, float32 to JAX (x64 off): the same
                    (np.linspace(0.0, 1.0, 5, dtype=np.float16), "dtypes")]:
         res = daskdag.compute_grads(dag, x, "L")
         assert res.info.prepared if why is None else (not res.info.prepared and why in res.info.why)

@@ -191,6 +191,20 @@ def test_large_banded():
     def fn(x):
         return jnp.concatenate([x[:1], x[2:] - 2 * x[1:-1] + x[:-2], x[-1:]])
 
-    (pattern,) = jaxpr_pattern(fn, [np.ones(2000, np.float32)], [True])
-    assert pattern.shape == (2000, 2000)
-    assert abs(pattern.nnz - 3 * 2000) < 10
+    n = 2000
+    (pattern,) = jaxpr_pattern(fn, [np.ones(n, np.float32)], [True])
+    assert pattern.shape == (n, n)
+    assert abs(pattern.nnz - 3 * n) < 10
+    # The positions: rows 0 and n-1 copy x[0] and x[n-1]; row i in between is the second
+    # difference x[i+1] - 2 x[i] + x[i-1] (index arithmetic, not the rules' own reading) ...
+    rows = np.concatenate([[0], np.repeat(np.arange(1, n - 1), 3), [n - 1]])
+    cols = np.concatenate([[0], (np.arange(1, n - 1)[:, None] + [-1, 0, 1]).ravel(), [n - 1]])
+    band = np.zeros((n, n), bool)
+    band[rows, cols] = True
+    # ... which is where jax.jacfwd's Jacobian at a random point is nonzero
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    assert np.array_equal(np.asarray(jax.jacfwd(fn)(x)) != 0, band)
+    got = pattern.toarray() != 0
+    assert np.array_equal(got, band), (
+        f"{int((got & ~band).sum())} positions outside the band, "
+        f"{int((band & ~got).sum())} of the band missing")

@@ -72,6 +72,17 @@ def test_each_item_matches_compute_grads_with_control_flow():
         assert_tree_close(res.value[i], one.value)
         assert_tree_close(res.grad["x"][i], one.grad["x"])
         assert_tree_close(res.grad["w"][i], one.grad["w"])  # a shared input, per item
+    # JAX's own numbers, item by item (Python control flow: no vmap), both branches taken
+    taken = set()
+    for i in range(7):
+        x = inputs["x"][i]
+        taken.add(bool(jnp.sum(encode(x, inputs["w"])) > 0))
+        value, (gx, gw) = jax.value_and_grad(lambda x, w: branchy(encode(x, w)), (0, 1))(
+            x, inputs["w"])
+        assert_tree_close(res.value[i], value, rtol=1e-6)
+        assert_tree_close(res.grad["x"][i], gx, rtol=1e-6)
+        assert_tree_close(res.grad["w"][i], gw, rtol=1e-6)  # shared w's gradient of this item
+    assert taken == {True, False}
 
 
 def test_single_free_input_pytree_and_non_scalar_output():
