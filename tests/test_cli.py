@@ -22,8 +22,7 @@ from daskdag.cli import main, write_certs
 
 from .support.clusters import DaskCLI, eventually, free_port
 from .support.numbers import seed_functions
-# test_deploy's fixture `certs`: certificates written the documented way, `daskdag certs DIR`.
-from .test_deploy import CERT_FILES, TLS_FLAGS, certs  # noqa: F401
+from .test_deploy import CERT_FILES, TLS_FLAGS, certs  # noqa: F401 (the fixture certs)
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout, whose daskdag the CLI must run
 
@@ -111,22 +110,24 @@ def pipeline(tmp_path):
     return write_pipeline(tmp_path / "pipeline_dir")
 
 
-def _sigint_as_in_a_terminal():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m daskdag.cli` with Ctrl-C as in a terminal (Command(interruptible=True)): a process
+# started by a non-interactive shell's background job inherits SIGINT ignored, and Python then
+# installs no handler of its own. (Not a preexec_fn: a fork of this multithreaded process.)
+AS_IN_A_TERMINAL = ("import runpy, signal; "
+                    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                    "runpy.run_module('daskdag.cli', run_name='__main__', alter_sys=True)")
 
 
 class Command:
     """``python -m daskdag.cli ARGS`` started in ``cwd``, with this checkout's daskdag; a thread
     collects its output and the moment it exits."""
 
-    def __init__(self, *args, cwd):
+    def __init__(self, *args, cwd, interruptible=False):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         self.args = [str(a) for a in args]
-        # Ctrl-C as in a terminal: a process started from a non-interactive shell's background
-        # job inherits SIGINT ignored, and Python then installs no handler of its own.
-        self.proc = subprocess.Popen([sys.executable, "-m", "daskdag.cli", *self.args], cwd=cwd,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, preexec_fn=_sigint_as_in_a_terminal)
+        start = ["-c", AS_IN_A_TERMINAL] if interruptible else ["-m", "daskdag.cli"]
+        self.proc = subprocess.Popen([sys.executable, *start, *self.args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.thread = threading.Thread(target=self._collect, daemon=True)
         self.thread.start()
 
@@ -150,9 +151,9 @@ XS = (np.random.default_rng(0).random((7, 5)) + 0.5).astype(np.float32)
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """The commands of the tests below on threads, all started at once (each spends seconds
-    importing JAX; together they take about as long as two), each in a directory of its own:
-    ``{name: (Command, its directory)}``."""
+    """The commands of the tests below, all started at once (each spends seconds importing JAX;
+    together they take less time than one after another: none of their tests times them from
+    their start), each in a directory of its own: ``{name: (Command, its directory)}``."""
     base = tmp_path_factory.mktemp("cli")
     pipeline = write_pipeline(base / "pipeline_dir")
     negative = XS.copy()
@@ -198,7 +199,7 @@ def launched(tmp_path_factory):
 @pytest.mark.timeout(150)
 def test_dag_module_that_starts_a_client_at_import_is_refused(launched):
     command, d = launched["client_at_import"]
-    code, out, err = command.finish()
+    code, _, err = command.finish()
     assert code == 2, err
     assert "daskdag run: error: the DAG module started a distributed client" in err
     assert "pass its address there" in err and "Traceback" not in err
@@ -208,7 +209,7 @@ def test_dag_module_that_starts_a_client_at_import_is_refused(launched):
 @pytest.mark.timeout(150)
 def test_certs_keeps_existing_files_and_exits_1_without_force(launched):
     command, d = launched["certs"]
-    code, out, err = command.finish()
+    code, _, err = command.finish()
     assert code == 1, err
     assert "already exist; replace them with --force" in err and "Traceback" not in err
     assert {f: (d / "tls" / f).read_bytes() for f in CERT_FILES} == command.kept
@@ -443,7 +444,7 @@ def test_dict_inputs_and_outputs_leaf_by_leaf_with_cotangents(options_dag, capsy
     d = options_dag
     ct = {"s": np.linspace(-1.0, 1.0, 5).astype(np.float32), "t": np.float32(0.5)}
     np.savez(d / "ct.npz", **{f"Q.{k}": v for k, v in ct.items()})
-    _, out, err, res = run_main("run", f"{d / 'options_dag.py'}:dag", "--inputs", d / "in.npz",
+    _, out, _, res = run_main("run", f"{d / 'options_dag.py'}:dag", "--inputs", d / "in.npz",
                                 "--outputs", "D,Q", "--cotangents", d / "ct.npz", d=d,
                                 capsys=capsys)
     grads = [f"{o}.grad.{i}" for o in "DQ" for i in ("a", "b", "c", "params.w", "params.b")]
@@ -520,7 +521,7 @@ def test_a_tls_address_without_tls_files_is_exit_2(pipeline, tmp_path, capsys):
     assert "speaks TLS: give --tls DIR" in err
 
 
-# -- Ctrl-C, and a resumed sweep's progress bar -----------------------------------------------------
+# -- Ctrl-C, and a resumed sweep's progress bar ----------------------------------------------
 
 SLOW_DAG = textwrap.dedent('''
     import time
@@ -562,13 +563,13 @@ def _computed(d: Path) -> int:
 @pytest.mark.timeout(150)
 def test_ctrl_c_while_a_node_sleeps_is_exit_130(slow_dag):
     command = Command("run", "slow_dag.py", "--inputs", "in.npz", "--outputs", "Z", "--out",
-                      "res.npz", cwd=slow_dag)
+                      "res.npz", cwd=slow_dag, interruptible=True)
     eventually(lambda: (slow_dag / "started").exists() or command.proc.poll() is not None, 120,
                "the node started")
     assert command.proc.poll() is None, command.finish()
     sent = time.time()
     command.proc.send_signal(signal.SIGINT)
-    code, out, err = command.finish(timeout=60)
+    code, _, err = command.finish(timeout=60)
     assert code == 130, err
     assert err.strip().splitlines()[-1] == "daskdag run: error: interrupted"
     assert command.ended - sent < 30  # (the node sleeps 60 s: it is not waited for)
@@ -585,11 +586,11 @@ def test_ctrl_c_says_what_is_stored_and_the_resumed_sweeps_bar_counts_it(slow_da
     store = slow_dag / "store"
     args = ["sweep", "slow_dag.py:dag", "--inputs", "items.npz", "--outputs", "L", "--store",
             "store", "--out", "res.npz"]
-    first = Command(*args, cwd=slow_dag)
+    first = Command(*args, cwd=slow_dag, interruptible=True)
     eventually(lambda: pieces(store) or first.proc.poll() is not None, 120, "a piece saved")
     assert first.proc.poll() is None, first.finish()
     first.proc.send_signal(signal.SIGINT)
-    code, out, err = first.finish(timeout=60)
+    code, _, err = first.finish(timeout=60)
     saved = sum(b - a for a, b in pieces(store))
     assert code == 130, err
     assert re.search(rf"daskdag sweep: error: interrupted: {saved} of 16 items saved in \S*store; "
@@ -598,7 +599,7 @@ def test_ctrl_c_says_what_is_stored_and_the_resumed_sweeps_bar_counts_it(slow_da
 
     before = _computed(slow_dag)
     second = Command(*args, cwd=slow_dag)
-    code, out, err = second.finish(timeout=120)
+    code, _, err = second.finish(timeout=120)
     assert code == 0, err
     assert _computed(slow_dag) - before == 16 - saved  # the stored items were not computed again
     counts = [int(n) for n in re.findall(r"(\d+)/16 items", err)]
@@ -627,7 +628,7 @@ def _scheduler_address(path: Path, proc, timeout: float = 180) -> str:
 
 
 @pytest.fixture(scope="module")
-def tls_cluster(certs, tmp_path_factory):
+def tls_cluster(certs, tmp_path_factory):  # noqa: F811
     """A scheduler and a worker that speak TLS alone, started with the ``dask`` command as on a
     remote cluster (nothing of this repository on their path), with the certificates ``daskdag
     certs`` wrote (test_deploy's fixture). Yields the scheduler's address."""
@@ -635,7 +636,8 @@ def tls_cluster(certs, tmp_path_factory):
     tls = [a for flag, f in zip(TLS_FLAGS, CERT_FILES) for a in (flag, str(certs / f))]
     try:
         scheduler = cli.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                              "--protocol", "tls", *tls, "--scheduler-file", str(cli.scheduler_file))
+                              "--protocol", "tls", *tls,
+                              "--scheduler-file", str(cli.scheduler_file))
         address = _scheduler_address(cli.scheduler_file, scheduler)
         cli.worker(*tls)
         yield address
@@ -645,20 +647,20 @@ def tls_cluster(certs, tmp_path_factory):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_run_on_a_tls_cluster(tls_cluster, certs, pipeline, tmp_path):
+def test_run_on_a_tls_cluster(tls_cluster, certs, pipeline, tmp_path):  # noqa: F811
     from distributed import Client
 
     from daskdag.cli import security
 
     assert tls_cluster.startswith("tls://127.0.0.1:")
-    with Client(tls_cluster, security=security(certs), timeout=60, set_as_default=False) as c:
-        c.wait_for_workers(1, timeout=120)
-        assert all(w.startswith("tls://") for w in c.scheduler_info()["workers"])
     np.savez(tmp_path / "in.npz", x=X)
     # No scheme: --tls gives it tls://.
     run = Command("run", f"{pipeline}:dag", "--inputs", "in.npz", "--outputs", "D,E",
                   "--scheduler", tls_cluster.removeprefix("tls://"), "--tls", certs,
                   "--out", "res.npz", cwd=tmp_path)
-    code, out, err = run.finish(timeout=180)
+    with Client(tls_cluster, security=security(certs), timeout=60, set_as_default=False) as c:
+        c.wait_for_workers(1, timeout=120)  # (meanwhile)
+        assert all(w.startswith("tls://") for w in c.scheduler_info()["workers"])
+    code, _, err = run.finish(timeout=180)
     assert code == 0, err
     check_run(dict(np.load(tmp_path / "res.npz")))
