@@ -544,7 +544,8 @@ SLOW_DAG = textwrap.dedent('''
 
     dag = {"L": (slow, ["x"]), "Z": (sleeper, ["x"])}
 ''')
-ITEMS = (np.random.default_rng(1).random((16, 3)) + 0.1).astype(np.float32)
+N_ITEMS = 24  # 3 s of sleep on two threads: a margin for Ctrl-C to land before the last
+ITEMS = (np.random.default_rng(1).random((N_ITEMS, 3)) + 0.1).astype(np.float32)
 
 
 @pytest.fixture
@@ -593,19 +594,19 @@ def test_ctrl_c_says_what_is_stored_and_the_resumed_sweeps_bar_counts_it(slow_da
     code, _, err = first.finish(timeout=60)
     saved = sum(b - a for a, b in pieces(store))
     assert code == 130, err
-    assert re.search(rf"daskdag sweep: error: interrupted: {saved} of 16 items saved in \S*store; "
-                     rf"run the same call again to resume", err), err[-2000:]
-    assert 0 < saved < 16 and not (slow_dag / "res.npz").exists()
+    assert re.search(rf"daskdag sweep: error: interrupted: {saved} of {N_ITEMS} items saved in "
+                     rf"\S*store; run the same call again to resume", err), err[-2000:]
+    assert 0 < saved < N_ITEMS and not (slow_dag / "res.npz").exists()
 
     before = _computed(slow_dag)
     second = Command(*args, cwd=slow_dag)
     code, _, err = second.finish(timeout=120)
     assert code == 0, err
-    assert _computed(slow_dag) - before == 16 - saved  # the stored items were not computed again
-    counts = [int(n) for n in re.findall(r"(\d+)/16 items", err)]
+    assert _computed(slow_dag) - before == N_ITEMS - saved  # (none of the stored ones again)
+    counts = [int(n) for n in re.findall(rf"(\d+)/{N_ITEMS} items", err)]
     # tqdm draws the bar at 0 as it opens; its first count after that is the stored items.
     assert counts[0] == 0 and counts[1] == saved, counts
-    assert counts == sorted(counts) and counts[-1] == 16, counts
+    assert counts == sorted(counts) and counts[-1] == N_ITEMS, counts
     res = dict(np.load(slow_dag / "res.npz"))
     values, grads = jax.vmap(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) ** 2)))(ITEMS)
     np.testing.assert_allclose(res["L.value"], values, rtol=1e-5)
