@@ -138,6 +138,54 @@ def test_complex_node():
                                           ["x"])}, x, "B")
 
 
+# abs, with three elements within 3e-7 of its kink at 0, among others of size 1 to 2
+KINKED = [1e-7, 1.0, -2e-7, 2.0, 3e-7, -1.5]
+KINK_DAG = {"A": (jnp.abs, ["x"]), "D": (lambda a: jnp.sum(a * jnp.arange(1.0, 7.0)), ["A"])}
+
+
+def test_a_smaller_eps_passes_where_the_default_step_crosses_a_kink(x64):
+    """The guides: a non-smooth node may fail where the step crosses a kink; pass a smaller eps.
+    The default step (6.1e-6 of the leaf's RMS magnitude, 1.3) crosses 0 at the three small
+    elements, and the check fails; eps=1e-9 stays on their side of it and passes. The step used
+    is the one passed (a larger one fails too, and says so)."""
+    x = jnp.asarray(KINKED)
+    with pytest.raises(GradientCheckError) as e:
+        daskdag.check_grads(KINK_DAG, x, "D")
+    assert (e.value.node, e.value.dep) == ("A", "x")
+    assert e.value.eps == pytest.approx(float(np.finfo(np.float64).eps) ** (1 / 3))
+    checked = daskdag.check_grads(KINK_DAG, x, "D", eps=1e-9)
+    assert set(checked) == {"A", "D"} and max(checked.values()) <= RTOL64
+    with pytest.raises(GradientCheckError) as e:
+        daskdag.check_grads(KINK_DAG, x, "D", eps=1e-3)
+    assert e.value.node == "A" and e.value.eps == 1e-3
+    # Away from the kink the default passes: the failure was the kink's.
+    daskdag.check_grads(KINK_DAG, x + jnp.sign(x) * 0.5, "D")
+
+
+def slightly_wrong_dag(factor):
+    """A node B whose VJP is ``factor`` times the right one, between two right ones."""
+    return {"A": (lambda x: jnp.sin(x) * jnp.exp(x / 4), ["x"]),
+            "B": (scaled_vjp(lambda a: jnp.tanh(a) * 2 + a ** 3, factor), ["A"]),
+            "C": (lambda b: jnp.sum(b ** 2), ["B"])}
+
+
+def test_rtol_decides_what_passes(x64):
+    """A VJP 5% off fails at the default rtol (1.2e-5 in float64) and passes at rtol=0.1, which
+    returns its error, 0.05 / 1.05; one 2e-6 off passes at the default and fails at 1e-7."""
+    x = jnp.linspace(-2.0, 2.0, 16)
+    with pytest.raises(GradientCheckError, match="node 'B'") as e:
+        daskdag.check_grads(slightly_wrong_dag(1.05), x, "C")
+    assert e.value.error > e.value.tolerance
+    found = daskdag.check_grads(slightly_wrong_dag(1.05), x, "C", rtol=0.1)
+    assert found["B"] == pytest.approx(0.05 / 1.05, rel=1e-3)
+    assert max(found["A"], found["C"]) <= RTOL64
+    found = daskdag.check_grads(slightly_wrong_dag(1 + 2e-6), x, "C")
+    assert found["B"] == pytest.approx(2e-6, rel=1e-2) and max(found.values()) <= RTOL64
+    with pytest.raises(GradientCheckError, match="node 'B'") as e:
+        daskdag.check_grads(slightly_wrong_dag(1 + 2e-6), x, "C", rtol=1e-7)
+    assert e.value.others == ()  # (A and C, right, still pass)
+
+
 def test_a_node_that_raises_is_a_node_error(seed, x5):
     dag, _, _ = seed
 

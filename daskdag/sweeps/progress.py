@@ -144,10 +144,13 @@ class Progress:
                 self.partial[chunk] = fraction * (chunk[1] - chunk[0])
 
     def already(self, items: int):
-        """``items`` were done before the sweep started (a resumed sweep's)."""
+        """``items`` were done before the sweep started (a resumed sweep's): shown at once (tqdm's
+        ``update`` draws at most every ``mininterval``, and the bar opened just now, so the
+        count would wait for the next item to finish)."""
         with self.lock:
             self.done += items
         self.refresh()
+        self.bar.refresh()
 
     def close_chunk(self, chunk: tuple[int, int], finished: int):
         """The chunk is no longer running; ``finished`` of its items count as done."""
