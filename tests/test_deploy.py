@@ -15,7 +15,10 @@ GPU-marked nodes ran on a GPU (set ``JAX_DEFAULT_MATMUL_PRECISION=highest`` and
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -27,6 +30,8 @@ import sys
 import time
 import tomllib
 import urllib.request
+import zipfile
+from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
 
@@ -144,6 +149,131 @@ def _parse_scheduler_args(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# Extra packages: wheels this module writes itself (no index, no build backend), a package the
+# images and the test's own environment lack, and the images' entrypoint that installs them.
+
+PROBE = "daskdag_extra_probe"
+PROBE_SOURCE = """\
+import jax.numpy as jnp
+
+
+def bump(a):
+    return jnp.sin(a) * 3.0
+"""
+# A node of user code that imports the extra package in its body. It is built from source in a
+# namespace no worker can import, so it travels pickled by value, as a user's own function does.
+NODE_SOURCE = """\
+def uses_probe(a):
+    import daskdag_extra_probe
+
+    return daskdag_extra_probe.bump(a)
+"""
+
+
+def _by_value(source: str, name: str):
+    namespace = {"__name__": "daskdag_test_nodes_not_importable"}
+    exec(compile(source, "<node>", "exec"), namespace)
+    return namespace[name]
+
+
+def _make_wheel(directory: Path, name: str, files: Mapping[str, str], requires=()) -> Path:
+    """A pure-Python wheel, version 0.1, written by hand (a zip with METADATA, WHEEL, RECORD)."""
+    dist, version = name.replace("-", "_"), "0.1"
+    info = f"{dist}-{version}.dist-info"
+    files = {**files,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(t.encode())}" for p, t in files.items()]
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    path = directory / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, t in files.items():
+            z.writestr(p, t)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    """A directory of wheels: the probe package, and one that asks for another dask."""
+    d = tmp_path_factory.mktemp("wheels")
+    _make_wheel(d, "daskdag-extra-probe", {f"{PROBE}/__init__.py": PROBE_SOURCE})
+    _make_wheel(d, "daskdag-extra-pin", {"daskdag_extra_pin/__init__.py": ""},
+                requires=["dask==2020.1.0"])
+    return d
+
+
+def _entrypoint() -> list[str]:
+    """deploy/Dockerfile's ENTRYPOINT, its script mapped from the image to this checkout."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    (line,) = re.findall(r"^ENTRYPOINT (.*)$", text, re.M)
+    entry = json.loads(line)
+    (workdir,) = set(re.findall(r"^WORKDIR (/opt/\S+)$", text, re.M))
+    assert entry[0].startswith(workdir + "/"), entry
+    script = entry[0][len(workdir) + 1:]
+    assert re.search(rf"^COPY (--chmod=0?755 )?{re.escape(script)} {re.escape(script)}$", text, re.M)
+    local = REPO / script
+    assert local.is_file() and os.access(local, os.X_OK), local
+    return [str(local), *entry[1:]]
+
+
+def _container_env(site: Path, extra=None) -> dict[str, str]:
+    """A container's view, as far as pip goes: its own site directory for what it installs
+    (the image's ~/.local), this environment's python, and no package index (offline)."""
+    env = _env(extra)
+    env["PIP_TARGET"] = str(site)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PIP_NO_INDEX"] = "1"
+    return env
+
+
+def test_the_entrypoint_installs_extra_packages_within_the_pins_and_fails_loudly(wheels, tmp_path):
+    """deploy/prepare.sh as the images run it: EXTRA_PIP_PACKAGES installed with the image's
+    constraints, then the command in its place, its arguments untouched; a package pip cannot
+    install, or one that would move a pinned version, stops the container with a message."""
+    entry = _entrypoint()
+    show_argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "$HOME", "*", ""]
+
+    def run(site, env, *command):
+        return subprocess.run([*entry, *command], env=_container_env(tmp_path / site, {
+            "PIP_FIND_LINKS": str(wheels), **env}), capture_output=True, text=True, timeout=120)
+
+    # Nothing asked: the command runs as given.
+    out = run("none", {"EXTRA_PIP_PACKAGES": ""}, *show_argv)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(["a b", "$HOME", "*", ""])
+    assert "installing" not in out.stderr
+
+    # Requirements with extras and specifiers (not file patterns), and a wheel's path.
+    probe = f"import {PROBE}, sys; print({PROBE}.__file__)"
+    for site, packages in (("req", "daskdag-extra-probe[any]>=0.1 daskdag-extra-probe"),
+                           ("wheel", str(wheels / f"{PROBE}-0.1-py3-none-any.whl"))):
+        out = run(site, {"EXTRA_PIP_PACKAGES": packages}, sys.executable, "-c", probe)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(str(tmp_path)), out.stdout  # from the container's site
+    assert importlib.util.find_spec(PROBE) is None  # and not into this environment
+
+    # Failures: nonzero, the packages named, the command not run.
+    marker = tmp_path / "ran"
+    for packages, why in (("daskdag-no-such-package", "No matching distribution"),
+                          ("daskdag-extra-pin", "(constraint) dask==")):
+        out = run("fail", {"EXTRA_PIP_PACKAGES": packages}, "touch", str(marker))
+        assert out.returncode != 0
+        assert f'pip could not install EXTRA_PIP_PACKAGES="{packages}"' in out.stderr, out.stderr
+        assert why in out.stderr, out.stderr
+        assert not marker.exists()
+    for var in ("EXTRA_APT_PACKAGES", "EXTRA_CONDA_PACKAGES"):
+        out = run("fail", {var: "libfoo"}, "touch", str(marker))
+        assert out.returncode == 1 and f'{var}="libfoo" is not supported' in out.stderr
+        assert not marker.exists()
+    out = run("none", {})
+    assert out.returncode == 2 and "no command" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # Docker Compose
 
 def _environment(service) -> dict[str, str]:
@@ -153,12 +283,25 @@ def _environment(service) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
+def _interpolate(value: str, host_env: Mapping[str, str]) -> str:
+    """Compose's interpolation of ``${VAR}``, ``${VAR:-default}`` and ``$$`` from the
+    environment of ``docker compose up``."""
+    def sub(m):
+        if m[0] == "$$":
+            return "$"
+        return host_env.get(m["name"]) or (m["default"] or "")
+
+    return re.sub(r"\$\$|\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}", sub, value)
+
+
 class LocalCompose:
     """deploy/compose.yaml's services as local processes (see the module docstring)."""
 
-    def __init__(self, compose, certs: Path, logs: Path):
+    def __init__(self, compose, certs: Path, logs: Path, sites: Path,
+                 host_env: Mapping[str, str] | None = None):
         self.services = compose["services"]
-        self.certs, self.logs = certs, logs
+        self.certs, self.logs, self.sites = certs, logs, sites
+        self.host_env = dict(host_env or {})  # the environment of `docker compose up`
         self.ports = {}  # published container port -> free local port
         for s in self.services.values():
             for p in s.get("ports", []):
@@ -183,20 +326,24 @@ class LocalCompose:
         return token
 
     def command(self, name) -> list[str]:
+        """The service's command, run through the images' entrypoint (deploy/prepare.sh)."""
         cmd = self.services[name]["command"]
         assert isinstance(cmd, list) and cmd[0] == "dask", f"{name}: command must be a list [dask, ...]"
-        return [DASK] + [self.localize(str(t)) for t in cmd[1:]] + ["--host", "127.0.0.1"]
+        return (_entrypoint() + [DASK] + [self.localize(str(t)) for t in cmd[1:]]
+                + ["--host", "127.0.0.1"])
 
-    def environment(self, name) -> dict[str, str]:
-        env = {k: self.localize(v) for k, v in _environment(self.services[name]).items()}
+    def environment(self, name, site: Path) -> dict[str, str]:
+        env = {k: self.localize(_interpolate(v, self.host_env))
+               for k, v in _environment(self.services[name]).items()}
         if not REAL_GPU:
             env["JAX_PLATFORMS"] = "cpu"  # the GPU worker too: a CPU process advertising GPU=1
-        return _env(env)
+        return _container_env(site, env)
 
     def start(self, name) -> None:
         for i in range(self.services[name].get("deploy", {}).get("replicas", 1)):
             log = open(self.logs / f"{name}-{i}.log", "w")
-            self.procs.append(subprocess.Popen(self.command(name), env=self.environment(name),
+            env = self.environment(name, self.sites / f"{name}-{i}")  # each container its own
+            self.procs.append(subprocess.Popen(self.command(name), env=env,
                                                stdout=log, stderr=subprocess.STDOUT))
             log.close()
 
@@ -217,9 +364,14 @@ class LocalCompose:
 
 
 @pytest.fixture(scope="module")
-def compose_cluster(compose, certs, tmp_path_factory):
-    """Every Compose service started locally; yields (scheduler address, LocalCompose)."""
-    local = LocalCompose(compose, certs, tmp_path_factory.mktemp("compose-logs"))
+def compose_cluster(compose, certs, wheels, tmp_path_factory):
+    """Every Compose service started locally, with ``EXTRA_PIP_PACKAGES`` set to the probe's
+    wheel, as ``EXTRA_PIP_PACKAGES=... docker compose up`` would; yields (scheduler address,
+    LocalCompose)."""
+    probe = wheels / f"{PROBE}-0.1-py3-none-any.whl"
+    local = LocalCompose(compose, certs, tmp_path_factory.mktemp("compose-logs"),
+                         tmp_path_factory.mktemp("compose-sites"),
+                         host_env={"EXTRA_PIP_PACKAGES": str(probe)})
     address = f"tls://127.0.0.1:{local.ports[8786]}"
     try:
         local.start("scheduler")
@@ -238,7 +390,7 @@ def compose_cluster(compose, certs, tmp_path_factory):
         with Client(address, security=security(certs), timeout=60, set_as_default=False) as client:
             deadline = time.time() + 60
             while len(live_workers(client)) < n:
-                exited = [p.args[1] for p in local.procs if p.poll() is not None]
+                exited = [p.args[2:4] for p in local.procs if p.poll() is not None]
                 assert not exited, f"{exited} exited:\n{local.output()}"
                 assert time.time() < deadline, f"{n} workers did not connect:\n{local.output()}"
                 time.sleep(0.3)
@@ -265,6 +417,38 @@ def test_compose_services_start_and_compute_gradients_over_tls(compose_cluster, 
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://localhost:{local.ports[8787]}/health"
     assert urllib.request.urlopen(url, context=ctx, timeout=10).read() == b"ok"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_compose_workers_install_extra_pip_packages_for_user_nodes(compose_cluster, certs):
+    """A node whose function imports a package that neither the image nor the client has: the
+    workers installed it at start from EXTRA_PIP_PACKAGES (compose.yaml), and gradients agree
+    with plain JAX."""
+    address, local = compose_cluster
+    assert importlib.util.find_spec(PROBE) is None  # the client does not have it
+    node = _by_value(NODE_SOURCE, "uses_probe")
+    dag = {"A": (lambda x: jnp.tanh(x), ["x"]),
+           "B": (node, ["A"]),
+           "D": (lambda b, a: jnp.sum(b * a), ["B", "A"]),
+           "E": (lambda b: jnp.sum(b ** 2), ["B"])}
+
+    def D(x):
+        a = jnp.tanh(x)
+        return jnp.sum(jnp.sin(a) * 3.0 * a)
+
+    def E(x):
+        return jnp.sum((jnp.sin(jnp.tanh(x)) * 3.0) ** 2)
+
+    x = jnp.linspace(-1.0, 2.0, 5)
+    with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
+        installed = client.run(lambda: importlib.util.find_spec(PROBE).origin)
+        assert len(installed) == len(live_workers(client))
+        assert all(o.startswith(str(local.sites)) for o in installed.values()), installed
+        res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
+    assert_tree_close(res["D"].grad, jax.grad(D)(x), rtol=1e-5)
+    assert_tree_close(res["E"].grad, jax.grad(E)(x), rtol=1e-5)
+    assert_tree_close(res["D"].value, D(x), rtol=1e-5)
 
 
 async def _identity(address, security=None):
