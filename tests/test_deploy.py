@@ -716,6 +716,302 @@ def test_kubernetes_manifests_give_the_operator_what_it_needs(certs):
     assert sorted(re.findall(r"--from-file=([\w.]+)=", create)) == sorted(CERT_FILES)
 
 
+# The Python route (daskdag.deploy.kubernetes, dask-kubernetes' KubeCluster) and the autoscaler.
+
+def _kube():
+    pytest.importorskip("dask_kubernetes", reason="the deploy extra (dask-kubernetes) is not installed")
+    import daskdag.deploy.kubernetes as kube
+
+    return kube
+
+
+def test_the_python_route_builds_the_manifests(certs):
+    """daskdag.deploy.kubernetes' resources are deploy/kubernetes/'s, field for field, and its
+    options change what they name (cluster, Secret, images, workers, environment)."""
+    kube = _kube()
+    kinds = {d["kind"]: d for d in _manifests()}
+    (scaler,) = yaml.safe_load_all((K8S / "autoscaling" / "autoscaler.yaml").read_text())
+    assert kube.cluster_spec() == kinds["DaskCluster"]
+    assert kube.worker_group("daskdag", "gpu", kube.gpu_worker_spec()) == kinds["DaskWorkerGroup"]
+    assert kube.autoscaler("daskdag", 1, 10) == scaler
+    with pytest.raises(ValueError):
+        kube.autoscaler("daskdag", 5, 2)
+
+    spec = kube.cluster_spec("mine", image="reg/daskdag:0.1.0", certs_secret="mine-tls",
+                             n_workers=5, env={"EXTRA_PIP_PACKAGES": "optax"}, scheduler_api=False)
+    gpu = kube.gpu_worker_spec("mine", image="reg/daskdag:0.1.0-gpu", certs_secret="mine-tls",
+                               n_workers=3)
+    assert spec["metadata"]["name"] == "mine" and spec["spec"]["worker"]["replicas"] == 5
+    assert gpu["replicas"] == 3
+    sched_pod = spec["spec"]["scheduler"]["spec"]
+    assert spec["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "mine"
+    assert "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES" not in {
+        e["name"] for e in sched_pod["containers"][0]["env"]}
+    for pod, image in ((sched_pod, "reg/daskdag:0.1.0"), (spec["spec"]["worker"]["spec"], "reg/daskdag:0.1.0"),
+                       (gpu["spec"], "reg/daskdag:0.1.0-gpu")):
+        (c,) = pod["containers"]
+        assert c["image"] == image
+        for v in pod["volumes"]:
+            v["secret"]["secretName"] = v["secret"]["secretName"].replace("mine-tls", "daskdag-tls")
+        mount = _secret_mounts(pod)[c["name"]]
+        if c["args"][1] == "worker":
+            params = _parse_worker_args(_localized_args(c["args"][2:], mount, certs))
+            assert params["scheduler"] == "tls://mine-scheduler:8786"
+            assert params["resources"] == ("GPU=1" if pod is gpu["spec"] else None)
+    env = {e["name"]: e["value"] for e in spec["spec"]["worker"]["spec"]["containers"][0]["env"]}
+    assert env["EXTRA_PIP_PACKAGES"] == "optax"
+    assert env["DASK_SCHEDULER_ADDRESS"] == "tls://mine-scheduler:8786"
+
+
+def test_the_scheduler_serves_the_http_api_the_operator_calls():
+    """The manifest's route setting, read as Dask reads the environment: distributed's default
+    routes plus its scheduler API (which the operator's autoscaler and scale-down call)."""
+    import dask
+
+    env = {e["name"]: e["value"] for e in _manifests()[0]["spec"]["scheduler"]["spec"]["containers"][0]["env"]}
+    name = "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES"
+    routes = dask.config.collect_env({name: env[name]})["distributed"]["scheduler"]["http"]["routes"]
+    defaults = yaml.safe_load((Path(distributed.__file__).parent / "distributed.yaml").read_text())
+    default_routes = defaults["distributed"]["scheduler"]["http"]["routes"]
+    assert routes == [*default_routes, "distributed.http.scheduler.api"]
+    for route in routes:
+        importlib.import_module(route)
+    if importlib.util.find_spec("dask_kubernetes"):
+        assert env[name] == _kube().SCHEDULER_API_ENV["value"]
+
+
+def _crds() -> dict[str, dict]:
+    """The operator's CustomResourceDefinitions, as the dask-kubernetes package ships them:
+    ``{kind: openAPIV3Schema}``, with the package's own ``$ref`` templates kept for resolving."""
+    pytest.importorskip("dask_kubernetes", reason="the deploy extra (dask-kubernetes) is not installed")
+    import dask_kubernetes
+
+    d = Path(dask_kubernetes.__file__).parent / "operator" / "customresources"
+    crds = {}
+    for name in ("daskcluster", "daskworkergroup", "daskautoscaler"):
+        crd = yaml.safe_load((d / f"{name}.yaml").read_text())
+        assert crd["spec"]["group"] == "kubernetes.dask.org"
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        crds[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    crds["$templates"] = yaml.safe_load((d / "templates.yaml").read_text())["definitions"]
+    return crds
+
+
+def _check_k8s_model(value, type_name: str, path: str, errors: list) -> None:
+    """Field names and basic types against the kubernetes client's models (PodSpec, ServiceSpec
+    and everything under them): the operator's CRDs point to these Kubernetes schemas."""
+    import kubernetes.client as k8s
+
+    m = re.fullmatch(r"List\[(.+)\]", type_name)
+    if m:
+        if not isinstance(value, list):
+            errors.append(f"{path}: a list expected")
+            return
+        for i, v in enumerate(value):
+            _check_k8s_model(v, m[1], f"{path}[{i}]", errors)
+        return
+    m = re.fullmatch(r"Dict\[str, (.+)\]", type_name)
+    if m:
+        if not isinstance(value, dict):
+            errors.append(f"{path}: a map expected")
+            return
+        for k, v in value.items():
+            _check_k8s_model(v, m[1], f"{path}.{k}", errors)
+        return
+    simple = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object}
+    if type_name in simple:
+        if not isinstance(value, simple[type_name]) or (type_name == "int" and isinstance(value, bool)):
+            errors.append(f"{path}: {type_name} expected, got {value!r}")
+        return
+    model = getattr(k8s, type_name)
+    if not isinstance(value, dict):
+        errors.append(f"{path}: a {type_name} object expected")
+        return
+    by_json = {j: a for a, j in model.attribute_map.items()}
+    for key, v in value.items():
+        if key not in by_json:
+            errors.append(f"{path}.{key}: not a field of {type_name}")
+        else:
+            _check_k8s_model(v, model.openapi_types[by_json[key]], f"{path}.{key}", errors)
+
+
+def _check_crd(value, schema: dict, templates: dict, path: str, errors: list) -> None:
+    """A resource against its CRD's structural schema: required fields, types, no unknown fields."""
+    ref = schema.get("$ref")
+    if ref:
+        target = ref.split("#/definitions/")[-1]
+        if "k8s_crd_resolver" in ref:  # a Kubernetes schema the package does not ship
+            _check_k8s_model(value, "V1" + target.rsplit(".", 1)[-1], path, errors)
+            return
+        schema = templates[target]
+    kind = schema.get("type")
+    python = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool}
+    if kind and (not isinstance(value, python[kind]) or (kind == "integer" and isinstance(value, bool))):
+        errors.append(f"{path}: {kind} expected, got {value!r}")
+        return
+    if kind == "object":
+        for r in schema.get("required", []):
+            if r not in value:
+                errors.append(f"{path}.{r}: required")
+        props = schema.get("properties")
+        if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            for key, v in value.items():
+                if key not in props:
+                    errors.append(f"{path}.{key}: not in the CRD")
+                else:
+                    _check_crd(v, props[key], templates, f"{path}.{key}", errors)
+    elif kind == "array" and "items" in schema:
+        for i, v in enumerate(value):
+            _check_crd(v, schema["items"], templates, f"{path}[{i}]", errors)
+
+
+def test_manifests_and_python_specs_fit_the_operator_crds():
+    """Every resource of deploy/kubernetes/ (the autoscaler's too) and of the Python route, read
+    against the CRDs the dask-kubernetes package ships: required fields, types, and no field the
+    operator's schema does not have (Kubernetes would prune it silently)."""
+    crds = _crds()
+    kube = _kube()
+    templates = crds.pop("$templates")
+    resources = [*_manifests(), *yaml.safe_load_all((K8S / "autoscaling" / "autoscaler.yaml").read_text()),
+                 kube.cluster_spec("x", scheduler_api=False), kube.autoscaler("x", 0, 3),
+                 kube.worker_group("x", "gpu", kube.gpu_worker_spec("x", n_workers=2))]
+    checked = set()
+    for r in resources:
+        if r["kind"] == "Kustomization":
+            continue
+        assert r["apiVersion"] == "kubernetes.dask.org/v1"
+        errors: list[str] = []
+        body = {k: v for k, v in r.items() if k not in ("apiVersion", "kind", "metadata")}
+        _check_crd(body, crds[r["kind"]], templates, r["kind"], errors)
+        assert not errors, errors
+        checked.add(r["kind"])
+    assert checked == {"DaskCluster", "DaskWorkerGroup", "DaskAutoscaler"}
+
+    # The checker does catch a misspelt field, a wrong type and a missing one.
+    bad = {"spec": {"cluster": "x", "minimum": "1", "maximun": 3}}
+    errors = []
+    _check_crd(bad, crds["DaskAutoscaler"], templates, "DaskAutoscaler", errors)
+    assert sorted(errors) == ["DaskAutoscaler.spec.maximum: required",
+                              "DaskAutoscaler.spec.maximun: not in the CRD",
+                              "DaskAutoscaler.spec.minimum: integer expected, got '1'"]
+    bad = kube.cluster_spec("x")
+    bad["spec"]["worker"]["spec"]["containers"][0]["volumeMount"] = []
+    errors = []
+    _check_crd({"spec": bad["spec"]}, crds["DaskCluster"], templates, "DaskCluster", errors)
+    assert errors == ["DaskCluster.spec.worker.spec.containers[0].volumeMount: not a field of V1Container"]
+
+
+class _FakeKube:
+    """The Kubernetes API as KubeCluster sees it (dask-kubernetes' resource classes and its
+    networking helpers), recording what it is asked to create; the "scheduler pod" is a local
+    TLS scheduler."""
+
+    def __init__(self, scheduler_port: int, dashboard_port: int):
+        import kr8s
+
+        self.created: list[dict] = []
+        self.deleted: list[str] = []
+        fake = self
+
+        class Resource:
+            def __init__(self, data, namespace=None, **kwargs):
+                self.data, self.namespace, self.raw = data, namespace, {}
+
+            def __await__(self):
+                async def ready():
+                    return self
+
+                return ready().__await__()
+
+            @classmethod
+            async def get(cls, name=None, namespace=None, **kwargs):
+                if cls.__name__ != "DaskCluster":
+                    raise kr8s.NotFoundError(name)
+                return cls(name, namespace)
+
+            async def exists(self):
+                return False
+
+            async def ready(self):
+                return True
+
+            async def create(self):
+                fake.created.append(self.data)
+
+            async def patch(self, *args, **kwargs):
+                raise kr8s.NotFoundError(self.data)
+
+            async def delete(self):
+                fake.deleted.append(self.data if isinstance(self.data, str) else self.data["metadata"]["name"])
+
+        self.classes = {n: type(n, (Resource,), {}) for n in
+                        ("DaskCluster", "DaskWorkerGroup", "DaskAutoscaler", "Pod", "Service")}
+
+        async def nothing(*args, **kwargs):
+            return None
+
+        async def address(service, namespace, port_name="tcp-comm", **kwargs):
+            # The operator's answer: tcp://, whatever the scheduler speaks.
+            return f"tcp://127.0.0.1:{scheduler_port if port_name == 'tcp-comm' else dashboard_port}"
+
+        self.functions = {"wait_for_scheduler": nothing, "wait_for_service": nothing,
+                          "get_scheduler_address": address}
+
+    def install(self, monkeypatch, module) -> None:
+        for name, value in {**self.classes, **self.functions}.items():
+            monkeypatch.setattr(module, name, value)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_make_cluster_connects_over_tls_and_creates_the_resources(certs, monkeypatch):
+    """make_cluster through KubeCluster's own code, against a stand-in for the Kubernetes API and
+    a real TLS scheduler: the resources it creates are the Python route's (the DaskCluster, the
+    GPU worker group, the autoscaler of adapt), it speaks TLS to the scheduler the operator names
+    with tcp://, a Client(cluster) computes correct gradients, and close() deletes the cluster.
+    Without the TLS connection arguments, KubeCluster could not connect at all."""
+    kube = _kube()
+    import dask_kubernetes.operator.kubecluster.kubecluster as kc
+    from distributed import LocalCluster
+
+    servers = security(certs, roles=("scheduler", "worker", "client"))
+    with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
+                      dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
+        # A scheduler the operator started has no cluster manager's record yet (KubeCluster
+        # would take this LocalCluster's name from it).
+        local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        port = int(local.scheduler_address.rsplit(":", 1)[1])
+        fake = _FakeKube(port, local.scheduler.http_server.port)
+        fake.install(monkeypatch, kc)
+        original_rpc = kc.rpc
+        cluster = kube.make_cluster("daskdag", certs=certs, namespace="test", n_workers=3,
+                                    gpu_workers=2, adapt=(1, 6), quiet=True,
+                                    env={"EXTRA_PIP_PACKAGES": "optax"})
+        try:
+            assert cluster.scheduler_address == local.scheduler_address
+            assert cluster.security.require_encryption
+            dag, D = _gpu_dag()
+            dag = {k: v for k, v in dag.items() if k in ("A",)}
+            dag["D"] = (lambda a: jnp.sum(a ** 2), ["A"])
+            x = jnp.linspace(-1.0, 2.0, 5)
+            with Client(cluster, set_as_default=False) as client:
+                res = daskdag.compute_grads(dag, x, ["D"], client=client)
+            assert_tree_close(res["D"].grad, jax.grad(lambda x: jnp.sum((jnp.tanh(x) * 2) ** 2))(x),
+                              rtol=1e-5)
+        finally:
+            cluster.close()
+    env = {"EXTRA_PIP_PACKAGES": "optax"}
+    created = {r["kind"]: r for r in fake.created}
+    assert created["DaskCluster"] == kube.cluster_spec("daskdag", n_workers=3, env=env)
+    assert created["DaskWorkerGroup"]["metadata"]["name"] == "daskdag-gpu"
+    assert created["DaskWorkerGroup"]["spec"] == kube.worker_group(
+        "daskdag", "gpu", kube.gpu_worker_spec("daskdag", n_workers=2, env=env))["spec"]
+    assert created["DaskAutoscaler"]["spec"] == kube.autoscaler("daskdag", 1, 6)["spec"]
+    assert fake.deleted == ["daskdag"]
+    # Outside a TLSKubeCluster's connecting, KubeCluster's rpc is plain distributed's.
+    assert kc.rpc is original_rpc or kc.rpc("tcp://127.0.0.1:1").connection_args == {}
+
+
 def test_kustomize_builds_the_manifests():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
