@@ -906,7 +906,8 @@ class _FakeKube:
     networking helpers), recording what it is asked to create; the "scheduler pod" is a local
     TLS scheduler."""
 
-    def __init__(self, scheduler_port: int, dashboard_port: int):
+    def __init__(self, scheduler_port: int, dashboard_port: int, existing: dict | None = None):
+        import box
         import kr8s
 
         self.created: list[dict] = []
@@ -927,10 +928,14 @@ class _FakeKube:
             async def get(cls, name=None, namespace=None, **kwargs):
                 if cls.__name__ != "DaskCluster":
                     raise kr8s.NotFoundError(name)
-                return cls(name, namespace)
+                found = cls(name, namespace)
+                if existing is not None:  # what the API server holds: a DaskCluster applied
+                    found.name, found.spec = name, box.Box(existing["spec"])
+                    found.replicas = existing["spec"]["worker"]["replicas"]
+                return found
 
             async def exists(self):
-                return False
+                return existing is not None
 
             async def ready(self):
                 return True
@@ -964,12 +969,13 @@ class _FakeKube:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-def test_make_cluster_connects_over_tls_and_creates_the_resources(certs, monkeypatch):
+def test_make_cluster_and_from_name_connect_over_tls(certs, monkeypatch):
     """make_cluster through KubeCluster's own code, against a stand-in for the Kubernetes API and
     a real TLS scheduler: the resources it creates are the Python route's (the DaskCluster, the
     GPU worker group, the autoscaler of adapt), it speaks TLS to the scheduler the operator names
-    with tcp://, a Client(cluster) computes correct gradients, and close() deletes the cluster.
-    Without the TLS connection arguments, KubeCluster could not connect at all."""
+    with tcp://, a Client(cluster) computes correct gradients, and close() deletes the cluster;
+    from_name connects to one that exists. KubeCluster alone, with no TLS connection arguments,
+    waits forever on such a scheduler."""
     kube = _kube()
     import dask_kubernetes.operator.kubecluster.kubecluster as kc
     from distributed import LocalCluster
@@ -990,9 +996,7 @@ def test_make_cluster_connects_over_tls_and_creates_the_resources(certs, monkeyp
         try:
             assert cluster.scheduler_address == local.scheduler_address
             assert cluster.security.require_encryption
-            dag, D = _gpu_dag()
-            dag = {k: v for k, v in dag.items() if k in ("A",)}
-            dag["D"] = (lambda a: jnp.sum(a ** 2), ["A"])
+            dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]), "D": (lambda a: jnp.sum(a ** 2), ["A"])}
             x = jnp.linspace(-1.0, 2.0, 5)
             with Client(cluster, set_as_default=False) as client:
                 res = daskdag.compute_grads(dag, x, ["D"], client=client)
@@ -1008,6 +1012,25 @@ def test_make_cluster_connects_over_tls_and_creates_the_resources(certs, monkeyp
         "daskdag", "gpu", kube.gpu_worker_spec("daskdag", n_workers=2, env=env))["spec"]
     assert created["DaskAutoscaler"]["spec"] == kube.autoscaler("daskdag", 1, 6)["spec"]
     assert fake.deleted == ["daskdag"]
+    # A cluster that `kubectl apply` made: TLSKubeCluster.from_name connects to it over TLS,
+    # and leaves it running when closed.
+    with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
+                      dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
+        local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        port = int(local.scheduler_address.rsplit(":", 1)[1])
+        fake = _FakeKube(port, local.scheduler.http_server.port, existing=_manifests()[0])
+        fake.install(monkeypatch, kc)
+        cluster = kube.TLSKubeCluster.from_name("daskdag", security=security(certs),
+                                                namespace="test", quiet=True)
+        try:
+            assert cluster.scheduler_address == local.scheduler_address
+            assert cluster.image == f"daskdag:{VERSION}" and cluster.n_workers == 2
+            with Client(cluster, set_as_default=False) as client:
+                assert client.submit(lambda v: v + 1, 41).result(timeout=30) == 42
+        finally:
+            cluster.close()
+    assert fake.created == [] and fake.deleted == []
+
     # Outside a TLSKubeCluster's connecting, KubeCluster's rpc is plain distributed's.
     assert kc.rpc is original_rpc or kc.rpc("tcp://127.0.0.1:1").connection_args == {}
 
