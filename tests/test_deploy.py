@@ -763,6 +763,17 @@ def test_the_python_route_builds_the_manifests(certs):
     assert env["DASK_SCHEDULER_ADDRESS"] == "tls://mine-scheduler:8786"
 
 
+def test_only_the_kubernetes_module_imports_dask_kubernetes():
+    """dask-kubernetes (and kopf, kr8s, the Kubernetes clients) load for a user who asks for
+    daskdag.deploy.kubernetes, not with daskdag or daskdag.deploy."""
+    code = ("import sys, daskdag, daskdag.deploy, daskdag.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('dask_kubernetes', 'kopf', 'kr8s', 'kubernetes', 'kubernetes_asyncio')))")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_scheduler_serves_the_http_api_the_operator_calls():
     """The manifest's route setting, read as Dask reads the environment: distributed's default
     routes plus its scheduler API (which the operator's autoscaler and scale-down call)."""
