@@ -15,7 +15,10 @@ GPU-marked nodes ran on a GPU (set ``JAX_DEFAULT_MATMUL_PRECISION=highest`` and
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -27,6 +30,8 @@ import sys
 import time
 import tomllib
 import urllib.request
+import zipfile
+from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
 
@@ -144,6 +149,131 @@ def _parse_scheduler_args(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# Extra packages: wheels this module writes itself (no index, no build backend), a package the
+# images and the test's own environment lack, and the images' entrypoint that installs them.
+
+PROBE = "daskdag_extra_probe"
+PROBE_SOURCE = """\
+import jax.numpy as jnp
+
+
+def bump(a):
+    return jnp.sin(a) * 3.0
+"""
+# A node of user code that imports the extra package in its body. It is built from source in a
+# namespace no worker can import, so it travels pickled by value, as a user's own function does.
+NODE_SOURCE = """\
+def uses_probe(a):
+    import daskdag_extra_probe
+
+    return daskdag_extra_probe.bump(a)
+"""
+
+
+def _by_value(source: str, name: str):
+    namespace = {"__name__": "daskdag_test_nodes_not_importable"}
+    exec(compile(source, "<node>", "exec"), namespace)
+    return namespace[name]
+
+
+def _make_wheel(directory: Path, name: str, files: Mapping[str, str], requires=()) -> Path:
+    """A pure-Python wheel, version 0.1, written by hand (a zip with METADATA, WHEEL, RECORD)."""
+    dist, version = name.replace("-", "_"), "0.1"
+    info = f"{dist}-{version}.dist-info"
+    files = {**files,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(t.encode())}" for p, t in files.items()]
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    path = directory / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, t in files.items():
+            z.writestr(p, t)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    """A directory of wheels: the probe package, and one that asks for another dask."""
+    d = tmp_path_factory.mktemp("wheels")
+    _make_wheel(d, "daskdag-extra-probe", {f"{PROBE}/__init__.py": PROBE_SOURCE})
+    _make_wheel(d, "daskdag-extra-pin", {"daskdag_extra_pin/__init__.py": ""},
+                requires=["dask==2020.1.0"])
+    return d
+
+
+def _entrypoint() -> list[str]:
+    """deploy/Dockerfile's ENTRYPOINT, its script mapped from the image to this checkout."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    (line,) = re.findall(r"^ENTRYPOINT (.*)$", text, re.M)
+    entry = json.loads(line)
+    (workdir,) = set(re.findall(r"^WORKDIR (/opt/\S+)$", text, re.M))
+    assert entry[0].startswith(workdir + "/"), entry
+    script = entry[0][len(workdir) + 1:]
+    assert re.search(rf"^COPY (--chmod=0?755 )?{re.escape(script)} {re.escape(script)}$", text, re.M)
+    local = REPO / script
+    assert local.is_file() and os.access(local, os.X_OK), local
+    return [str(local), *entry[1:]]
+
+
+def _container_env(site: Path, extra=None) -> dict[str, str]:
+    """A container's view, as far as pip goes: its own site directory for what it installs
+    (the image's ~/.local), this environment's python, and no package index (offline)."""
+    env = _env(extra)
+    env["PIP_TARGET"] = str(site)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PIP_NO_INDEX"] = "1"
+    return env
+
+
+def test_the_entrypoint_installs_extra_packages_within_the_pins_and_fails_loudly(wheels, tmp_path):
+    """deploy/prepare.sh as the images run it: EXTRA_PIP_PACKAGES installed with the image's
+    constraints, then the command in its place, its arguments untouched; a package pip cannot
+    install, or one that would move a pinned version, stops the container with a message."""
+    entry = _entrypoint()
+    show_argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b", "$HOME", "*", ""]
+
+    def run(site, env, *command):
+        return subprocess.run([*entry, *command], env=_container_env(tmp_path / site, {
+            "PIP_FIND_LINKS": str(wheels), **env}), capture_output=True, text=True, timeout=120)
+
+    # Nothing asked: the command runs as given.
+    out = run("none", {"EXTRA_PIP_PACKAGES": ""}, *show_argv)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(["a b", "$HOME", "*", ""])
+    assert "installing" not in out.stderr
+
+    # Requirements with extras and specifiers (not file patterns), and a wheel's path.
+    probe = f"import {PROBE}, sys; print({PROBE}.__file__)"
+    for site, packages in (("req", "daskdag-extra-probe[any]>=0.1 daskdag-extra-probe"),
+                           ("wheel", str(wheels / f"{PROBE}-0.1-py3-none-any.whl"))):
+        out = run(site, {"EXTRA_PIP_PACKAGES": packages}, sys.executable, "-c", probe)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(str(tmp_path)), out.stdout  # from the container's site
+    assert importlib.util.find_spec(PROBE) is None  # and not into this environment
+
+    # Failures: nonzero, the packages named, the command not run.
+    marker = tmp_path / "ran"
+    for packages, why in (("daskdag-no-such-package", "No matching distribution"),
+                          ("daskdag-extra-pin", "(constraint) dask==")):
+        out = run("fail", {"EXTRA_PIP_PACKAGES": packages}, "touch", str(marker))
+        assert out.returncode != 0
+        assert f'pip could not install EXTRA_PIP_PACKAGES="{packages}"' in out.stderr, out.stderr
+        assert why in out.stderr, out.stderr
+        assert not marker.exists()
+    for var in ("EXTRA_APT_PACKAGES", "EXTRA_CONDA_PACKAGES"):
+        out = run("fail", {var: "libfoo"}, "touch", str(marker))
+        assert out.returncode == 1 and f'{var}="libfoo" is not supported' in out.stderr
+        assert not marker.exists()
+    out = run("none", {})
+    assert out.returncode == 2 and "no command" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # Docker Compose
 
 def _environment(service) -> dict[str, str]:
@@ -153,12 +283,25 @@ def _environment(service) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
+def _interpolate(value: str, host_env: Mapping[str, str]) -> str:
+    """Compose's interpolation of ``${VAR}``, ``${VAR:-default}`` and ``$$`` from the
+    environment of ``docker compose up``."""
+    def sub(m):
+        if m[0] == "$$":
+            return "$"
+        return host_env.get(m["name"]) or (m["default"] or "")
+
+    return re.sub(r"\$\$|\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}", sub, value)
+
+
 class LocalCompose:
     """deploy/compose.yaml's services as local processes (see the module docstring)."""
 
-    def __init__(self, compose, certs: Path, logs: Path):
+    def __init__(self, compose, certs: Path, logs: Path, sites: Path,
+                 host_env: Mapping[str, str] | None = None):
         self.services = compose["services"]
-        self.certs, self.logs = certs, logs
+        self.certs, self.logs, self.sites = certs, logs, sites
+        self.host_env = dict(host_env or {})  # the environment of `docker compose up`
         self.ports = {}  # published container port -> free local port
         for s in self.services.values():
             for p in s.get("ports", []):
@@ -183,20 +326,24 @@ class LocalCompose:
         return token
 
     def command(self, name) -> list[str]:
+        """The service's command, run through the images' entrypoint (deploy/prepare.sh)."""
         cmd = self.services[name]["command"]
         assert isinstance(cmd, list) and cmd[0] == "dask", f"{name}: command must be a list [dask, ...]"
-        return [DASK] + [self.localize(str(t)) for t in cmd[1:]] + ["--host", "127.0.0.1"]
+        return (_entrypoint() + [DASK] + [self.localize(str(t)) for t in cmd[1:]]
+                + ["--host", "127.0.0.1"])
 
-    def environment(self, name) -> dict[str, str]:
-        env = {k: self.localize(v) for k, v in _environment(self.services[name]).items()}
+    def environment(self, name, site: Path) -> dict[str, str]:
+        env = {k: self.localize(_interpolate(v, self.host_env))
+               for k, v in _environment(self.services[name]).items()}
         if not REAL_GPU:
             env["JAX_PLATFORMS"] = "cpu"  # the GPU worker too: a CPU process advertising GPU=1
-        return _env(env)
+        return _container_env(site, env)
 
     def start(self, name) -> None:
         for i in range(self.services[name].get("deploy", {}).get("replicas", 1)):
             log = open(self.logs / f"{name}-{i}.log", "w")
-            self.procs.append(subprocess.Popen(self.command(name), env=self.environment(name),
+            env = self.environment(name, self.sites / f"{name}-{i}")  # each container its own
+            self.procs.append(subprocess.Popen(self.command(name), env=env,
                                                stdout=log, stderr=subprocess.STDOUT))
             log.close()
 
@@ -217,9 +364,14 @@ class LocalCompose:
 
 
 @pytest.fixture(scope="module")
-def compose_cluster(compose, certs, tmp_path_factory):
-    """Every Compose service started locally; yields (scheduler address, LocalCompose)."""
-    local = LocalCompose(compose, certs, tmp_path_factory.mktemp("compose-logs"))
+def compose_cluster(compose, certs, wheels, tmp_path_factory):
+    """Every Compose service started locally, with ``EXTRA_PIP_PACKAGES`` set to the probe's
+    wheel, as ``EXTRA_PIP_PACKAGES=... docker compose up`` would; yields (scheduler address,
+    LocalCompose)."""
+    probe = wheels / f"{PROBE}-0.1-py3-none-any.whl"
+    local = LocalCompose(compose, certs, tmp_path_factory.mktemp("compose-logs"),
+                         tmp_path_factory.mktemp("compose-sites"),
+                         host_env={"EXTRA_PIP_PACKAGES": str(probe)})
     address = f"tls://127.0.0.1:{local.ports[8786]}"
     try:
         local.start("scheduler")
@@ -238,7 +390,7 @@ def compose_cluster(compose, certs, tmp_path_factory):
         with Client(address, security=security(certs), timeout=60, set_as_default=False) as client:
             deadline = time.time() + 60
             while len(live_workers(client)) < n:
-                exited = [p.args[1] for p in local.procs if p.poll() is not None]
+                exited = [p.args[2:4] for p in local.procs if p.poll() is not None]
                 assert not exited, f"{exited} exited:\n{local.output()}"
                 assert time.time() < deadline, f"{n} workers did not connect:\n{local.output()}"
                 time.sleep(0.3)
@@ -265,6 +417,38 @@ def test_compose_services_start_and_compute_gradients_over_tls(compose_cluster, 
     ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
     url = f"https://localhost:{local.ports[8787]}/health"
     assert urllib.request.urlopen(url, context=ctx, timeout=10).read() == b"ok"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_compose_workers_install_extra_pip_packages_for_user_nodes(compose_cluster, certs):
+    """A node whose function imports a package that neither the image nor the client has: the
+    workers installed it at start from EXTRA_PIP_PACKAGES (compose.yaml), and gradients agree
+    with plain JAX."""
+    address, local = compose_cluster
+    assert importlib.util.find_spec(PROBE) is None  # the client does not have it
+    node = _by_value(NODE_SOURCE, "uses_probe")
+    dag = {"A": (lambda x: jnp.tanh(x), ["x"]),
+           "B": (node, ["A"]),
+           "D": (lambda b, a: jnp.sum(b * a), ["B", "A"]),
+           "E": (lambda b: jnp.sum(b ** 2), ["B"])}
+
+    def D(x):
+        a = jnp.tanh(x)
+        return jnp.sum(jnp.sin(a) * 3.0 * a)
+
+    def E(x):
+        return jnp.sum((jnp.sin(jnp.tanh(x)) * 3.0) ** 2)
+
+    x = jnp.linspace(-1.0, 2.0, 5)
+    with Client(address, security=security(certs), timeout=30, set_as_default=False) as client:
+        installed = client.run(lambda: importlib.util.find_spec(PROBE).origin)
+        assert len(installed) == len(live_workers(client))
+        assert all(o.startswith(str(local.sites)) for o in installed.values()), installed
+        res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
+    assert_tree_close(res["D"].grad, jax.grad(D)(x), rtol=1e-5)
+    assert_tree_close(res["E"].grad, jax.grad(E)(x), rtol=1e-5)
+    assert_tree_close(res["D"].value, D(x), rtol=1e-5)
 
 
 async def _identity(address, security=None):
@@ -530,6 +714,336 @@ def test_kubernetes_manifests_give_the_operator_what_it_needs(certs):
     guide = (GUIDE).read_text()
     (create,) = re.findall(r"kubectl create secret generic daskdag-tls(?:\\\n|[^\n])*", guide)
     assert sorted(re.findall(r"--from-file=([\w.]+)=", create)) == sorted(CERT_FILES)
+
+
+# The Python route (daskdag.deploy.kubernetes, dask-kubernetes' KubeCluster) and the autoscaler.
+
+def _kube():
+    pytest.importorskip("dask_kubernetes", reason="the deploy extra (dask-kubernetes) is not installed")
+    import daskdag.deploy.kubernetes as kube
+
+    return kube
+
+
+def test_the_python_route_builds_the_manifests(certs):
+    """daskdag.deploy.kubernetes' resources are deploy/kubernetes/'s, field for field, and its
+    options change what they name (cluster, Secret, images, workers, environment)."""
+    kube = _kube()
+    kinds = {d["kind"]: d for d in _manifests()}
+    (scaler,) = yaml.safe_load_all((K8S / "autoscaling" / "autoscaler.yaml").read_text())
+    assert kube.cluster_spec() == kinds["DaskCluster"]
+    assert kube.worker_group("daskdag", "gpu", kube.gpu_worker_spec()) == kinds["DaskWorkerGroup"]
+    assert kube.autoscaler("daskdag", 1, 10) == scaler
+    with pytest.raises(ValueError):
+        kube.autoscaler("daskdag", 5, 2)
+
+    spec = kube.cluster_spec("mine", image="reg/daskdag:0.1.0", certs_secret="mine-tls",
+                             n_workers=5, env={"EXTRA_PIP_PACKAGES": "optax"}, scheduler_api=False)
+    gpu = kube.gpu_worker_spec("mine", image="reg/daskdag:0.1.0-gpu", certs_secret="mine-tls",
+                               n_workers=3)
+    assert spec["metadata"]["name"] == "mine" and spec["spec"]["worker"]["replicas"] == 5
+    assert gpu["replicas"] == 3
+    sched_pod = spec["spec"]["scheduler"]["spec"]
+    assert spec["spec"]["scheduler"]["service"]["selector"]["dask.org/cluster-name"] == "mine"
+    assert "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES" not in {
+        e["name"] for e in sched_pod["containers"][0]["env"]}
+    for pod, image in ((sched_pod, "reg/daskdag:0.1.0"), (spec["spec"]["worker"]["spec"], "reg/daskdag:0.1.0"),
+                       (gpu["spec"], "reg/daskdag:0.1.0-gpu")):
+        (c,) = pod["containers"]
+        assert c["image"] == image
+        for v in pod["volumes"]:
+            v["secret"]["secretName"] = v["secret"]["secretName"].replace("mine-tls", "daskdag-tls")
+        mount = _secret_mounts(pod)[c["name"]]
+        if c["args"][1] == "worker":
+            params = _parse_worker_args(_localized_args(c["args"][2:], mount, certs))
+            assert params["scheduler"] == "tls://mine-scheduler:8786"
+            assert params["resources"] == ("GPU=1" if pod is gpu["spec"] else None)
+    env = {e["name"]: e["value"] for e in spec["spec"]["worker"]["spec"]["containers"][0]["env"]}
+    assert env["EXTRA_PIP_PACKAGES"] == "optax"
+    assert env["DASK_SCHEDULER_ADDRESS"] == "tls://mine-scheduler:8786"
+
+
+def test_only_the_kubernetes_module_imports_dask_kubernetes():
+    """dask-kubernetes (and kopf, kr8s, the Kubernetes clients) load for a user who asks for
+    daskdag.deploy.kubernetes, not with daskdag or daskdag.deploy."""
+    code = ("import sys, daskdag, daskdag.deploy, daskdag.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('dask_kubernetes', 'kopf', 'kr8s', 'kubernetes', 'kubernetes_asyncio')))")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_scheduler_serves_the_http_api_the_operator_calls():
+    """The manifest's route setting, read as Dask reads the environment: distributed's default
+    routes plus its scheduler API (which the operator's autoscaler and scale-down call)."""
+    import dask
+
+    env = {e["name"]: e["value"] for e in _manifests()[0]["spec"]["scheduler"]["spec"]["containers"][0]["env"]}
+    name = "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES"
+    routes = dask.config.collect_env({name: env[name]})["distributed"]["scheduler"]["http"]["routes"]
+    defaults = yaml.safe_load((Path(distributed.__file__).parent / "distributed.yaml").read_text())
+    default_routes = defaults["distributed"]["scheduler"]["http"]["routes"]
+    assert routes == [*default_routes, "distributed.http.scheduler.api"]
+    for route in routes:
+        importlib.import_module(route)
+    if importlib.util.find_spec("dask_kubernetes"):
+        assert env[name] == _kube().SCHEDULER_API_ENV["value"]
+
+
+def _crds() -> dict[str, dict]:
+    """The operator's CustomResourceDefinitions, as the dask-kubernetes package ships them:
+    ``{kind: openAPIV3Schema}``, with the package's own ``$ref`` templates kept for resolving."""
+    pytest.importorskip("dask_kubernetes", reason="the deploy extra (dask-kubernetes) is not installed")
+    import dask_kubernetes
+
+    d = Path(dask_kubernetes.__file__).parent / "operator" / "customresources"
+    crds = {}
+    for name in ("daskcluster", "daskworkergroup", "daskautoscaler"):
+        crd = yaml.safe_load((d / f"{name}.yaml").read_text())
+        assert crd["spec"]["group"] == "kubernetes.dask.org"
+        (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        crds[crd["spec"]["names"]["kind"]] = version["schema"]["openAPIV3Schema"]
+    crds["$templates"] = yaml.safe_load((d / "templates.yaml").read_text())["definitions"]
+    return crds
+
+
+def _check_k8s_model(value, type_name: str, path: str, errors: list) -> None:
+    """Field names and basic types against the kubernetes client's models (PodSpec, ServiceSpec
+    and everything under them): the operator's CRDs point to these Kubernetes schemas."""
+    import kubernetes.client as k8s
+
+    m = re.fullmatch(r"List\[(.+)\]", type_name)
+    if m:
+        if not isinstance(value, list):
+            errors.append(f"{path}: a list expected")
+            return
+        for i, v in enumerate(value):
+            _check_k8s_model(v, m[1], f"{path}[{i}]", errors)
+        return
+    m = re.fullmatch(r"Dict\[str, (.+)\]", type_name)
+    if m:
+        if not isinstance(value, dict):
+            errors.append(f"{path}: a map expected")
+            return
+        for k, v in value.items():
+            _check_k8s_model(v, m[1], f"{path}.{k}", errors)
+        return
+    simple = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object}
+    if type_name in simple:
+        if not isinstance(value, simple[type_name]) or (type_name == "int" and isinstance(value, bool)):
+            errors.append(f"{path}: {type_name} expected, got {value!r}")
+        return
+    model = getattr(k8s, type_name)
+    if not isinstance(value, dict):
+        errors.append(f"{path}: a {type_name} object expected")
+        return
+    by_json = {j: a for a, j in model.attribute_map.items()}
+    for key, v in value.items():
+        if key not in by_json:
+            errors.append(f"{path}.{key}: not a field of {type_name}")
+        else:
+            _check_k8s_model(v, model.openapi_types[by_json[key]], f"{path}.{key}", errors)
+
+
+def _check_crd(value, schema: dict, templates: dict, path: str, errors: list) -> None:
+    """A resource against its CRD's structural schema: required fields, types, no unknown fields."""
+    ref = schema.get("$ref")
+    if ref:
+        target = ref.split("#/definitions/")[-1]
+        if "k8s_crd_resolver" in ref:  # a Kubernetes schema the package does not ship
+            _check_k8s_model(value, "V1" + target.rsplit(".", 1)[-1], path, errors)
+            return
+        schema = templates[target]
+    kind = schema.get("type")
+    python = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool}
+    if kind and (not isinstance(value, python[kind]) or (kind == "integer" and isinstance(value, bool))):
+        errors.append(f"{path}: {kind} expected, got {value!r}")
+        return
+    if kind == "object":
+        for r in schema.get("required", []):
+            if r not in value:
+                errors.append(f"{path}.{r}: required")
+        props = schema.get("properties")
+        if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            for key, v in value.items():
+                if key not in props:
+                    errors.append(f"{path}.{key}: not in the CRD")
+                else:
+                    _check_crd(v, props[key], templates, f"{path}.{key}", errors)
+    elif kind == "array" and "items" in schema:
+        for i, v in enumerate(value):
+            _check_crd(v, schema["items"], templates, f"{path}[{i}]", errors)
+
+
+def test_manifests_and_python_specs_fit_the_operator_crds():
+    """Every resource of deploy/kubernetes/ (the autoscaler's too) and of the Python route, read
+    against the CRDs the dask-kubernetes package ships: required fields, types, and no field the
+    operator's schema does not have (Kubernetes would prune it silently)."""
+    crds = _crds()
+    kube = _kube()
+    templates = crds.pop("$templates")
+    resources = [*_manifests(), *yaml.safe_load_all((K8S / "autoscaling" / "autoscaler.yaml").read_text()),
+                 kube.cluster_spec("x", scheduler_api=False), kube.autoscaler("x", 0, 3),
+                 kube.worker_group("x", "gpu", kube.gpu_worker_spec("x", n_workers=2))]
+    checked = set()
+    for r in resources:
+        if r["kind"] == "Kustomization":
+            continue
+        assert r["apiVersion"] == "kubernetes.dask.org/v1"
+        errors: list[str] = []
+        body = {k: v for k, v in r.items() if k not in ("apiVersion", "kind", "metadata")}
+        _check_crd(body, crds[r["kind"]], templates, r["kind"], errors)
+        assert not errors, errors
+        checked.add(r["kind"])
+    assert checked == {"DaskCluster", "DaskWorkerGroup", "DaskAutoscaler"}
+
+    # The checker does catch a misspelt field, a wrong type and a missing one.
+    bad = {"spec": {"cluster": "x", "minimum": "1", "maximun": 3}}
+    errors = []
+    _check_crd(bad, crds["DaskAutoscaler"], templates, "DaskAutoscaler", errors)
+    assert sorted(errors) == ["DaskAutoscaler.spec.maximum: required",
+                              "DaskAutoscaler.spec.maximun: not in the CRD",
+                              "DaskAutoscaler.spec.minimum: integer expected, got '1'"]
+    bad = kube.cluster_spec("x")
+    bad["spec"]["worker"]["spec"]["containers"][0]["volumeMount"] = []
+    errors = []
+    _check_crd({"spec": bad["spec"]}, crds["DaskCluster"], templates, "DaskCluster", errors)
+    assert errors == ["DaskCluster.spec.worker.spec.containers[0].volumeMount: not a field of V1Container"]
+
+
+class _FakeKube:
+    """The Kubernetes API as KubeCluster sees it (dask-kubernetes' resource classes and its
+    networking helpers), recording what it is asked to create; the "scheduler pod" is a local
+    TLS scheduler."""
+
+    def __init__(self, scheduler_port: int, dashboard_port: int, existing: dict | None = None):
+        import box
+        import kr8s
+
+        self.created: list[dict] = []
+        self.deleted: list[str] = []
+        fake = self
+
+        class Resource:
+            def __init__(self, data, namespace=None, **kwargs):
+                self.data, self.namespace, self.raw = data, namespace, {}
+
+            def __await__(self):
+                async def ready():
+                    return self
+
+                return ready().__await__()
+
+            @classmethod
+            async def get(cls, name=None, namespace=None, **kwargs):
+                if cls.__name__ != "DaskCluster":
+                    raise kr8s.NotFoundError(name)
+                found = cls(name, namespace)
+                if existing is not None:  # what the API server holds: a DaskCluster applied
+                    found.name, found.spec = name, box.Box(existing["spec"])
+                    found.replicas = existing["spec"]["worker"]["replicas"]
+                return found
+
+            async def exists(self):
+                return existing is not None
+
+            async def ready(self):
+                return True
+
+            async def create(self):
+                fake.created.append(self.data)
+
+            async def patch(self, *args, **kwargs):
+                raise kr8s.NotFoundError(self.data)
+
+            async def delete(self):
+                fake.deleted.append(self.data if isinstance(self.data, str) else self.data["metadata"]["name"])
+
+        self.classes = {n: type(n, (Resource,), {}) for n in
+                        ("DaskCluster", "DaskWorkerGroup", "DaskAutoscaler", "Pod", "Service")}
+
+        async def nothing(*args, **kwargs):
+            return None
+
+        async def address(service, namespace, port_name="tcp-comm", **kwargs):
+            # The operator's answer: tcp://, whatever the scheduler speaks.
+            return f"tcp://127.0.0.1:{scheduler_port if port_name == 'tcp-comm' else dashboard_port}"
+
+        self.functions = {"wait_for_scheduler": nothing, "wait_for_service": nothing,
+                          "get_scheduler_address": address}
+
+    def install(self, monkeypatch, module) -> None:
+        for name, value in {**self.classes, **self.functions}.items():
+            monkeypatch.setattr(module, name, value)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_make_cluster_and_from_name_connect_over_tls(certs, monkeypatch):
+    """make_cluster through KubeCluster's own code, against a stand-in for the Kubernetes API and
+    a real TLS scheduler: the resources it creates are the Python route's (the DaskCluster, the
+    GPU worker group, the autoscaler of adapt), it speaks TLS to the scheduler the operator names
+    with tcp://, a Client(cluster) computes correct gradients, and close() deletes the cluster;
+    from_name connects to one that exists. KubeCluster alone, with no TLS connection arguments,
+    waits forever on such a scheduler."""
+    kube = _kube()
+    import dask_kubernetes.operator.kubecluster.kubecluster as kc
+    from distributed import LocalCluster
+
+    servers = security(certs, roles=("scheduler", "worker", "client"))
+    with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
+                      dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
+        # A scheduler the operator started has no cluster manager's record yet (KubeCluster
+        # would take this LocalCluster's name from it).
+        local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        port = int(local.scheduler_address.rsplit(":", 1)[1])
+        fake = _FakeKube(port, local.scheduler.http_server.port)
+        fake.install(monkeypatch, kc)
+        original_rpc = kc.rpc
+        cluster = kube.make_cluster("daskdag", certs=certs, namespace="test", n_workers=3,
+                                    gpu_workers=2, adapt=(1, 6), quiet=True,
+                                    env={"EXTRA_PIP_PACKAGES": "optax"})
+        try:
+            assert cluster.scheduler_address == local.scheduler_address
+            assert cluster.security.require_encryption
+            dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]), "D": (lambda a: jnp.sum(a ** 2), ["A"])}
+            x = jnp.linspace(-1.0, 2.0, 5)
+            with Client(cluster, set_as_default=False) as client:
+                res = daskdag.compute_grads(dag, x, ["D"], client=client)
+            assert_tree_close(res["D"].grad, jax.grad(lambda x: jnp.sum((jnp.tanh(x) * 2) ** 2))(x),
+                              rtol=1e-5)
+        finally:
+            cluster.close()
+    env = {"EXTRA_PIP_PACKAGES": "optax"}
+    created = {r["kind"]: r for r in fake.created}
+    assert created["DaskCluster"] == kube.cluster_spec("daskdag", n_workers=3, env=env)
+    assert created["DaskWorkerGroup"]["metadata"]["name"] == "daskdag-gpu"
+    assert created["DaskWorkerGroup"]["spec"] == kube.worker_group(
+        "daskdag", "gpu", kube.gpu_worker_spec("daskdag", n_workers=2, env=env))["spec"]
+    assert created["DaskAutoscaler"]["spec"] == kube.autoscaler("daskdag", 1, 6)["spec"]
+    assert fake.deleted == ["daskdag"]
+    # A cluster that `kubectl apply` made: TLSKubeCluster.from_name connects to it over TLS,
+    # and leaves it running when closed.
+    with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
+                      dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
+        local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        port = int(local.scheduler_address.rsplit(":", 1)[1])
+        fake = _FakeKube(port, local.scheduler.http_server.port, existing=_manifests()[0])
+        fake.install(monkeypatch, kc)
+        cluster = kube.TLSKubeCluster.from_name("daskdag", security=security(certs),
+                                                namespace="test", quiet=True)
+        try:
+            assert cluster.scheduler_address == local.scheduler_address
+            assert cluster.image == f"daskdag:{VERSION}" and cluster.n_workers == 2
+            with Client(cluster, set_as_default=False) as client:
+                assert client.submit(lambda v: v + 1, 41).result(timeout=30) == 42
+        finally:
+            cluster.close()
+    assert fake.created == [] and fake.deleted == []
+
+    # Outside a TLSKubeCluster's connecting, KubeCluster's rpc is plain distributed's.
+    assert kc.rpc is original_rpc or kc.rpc("tcp://127.0.0.1:1").connection_args == {}
 
 
 def test_kustomize_builds_the_manifests():

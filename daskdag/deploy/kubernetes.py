@@ -1,0 +1,377 @@
+"""daskdag's Kubernetes cluster from Python, through the dask-kubernetes operator's ``KubeCluster``.
+
+The resources are those of ``deploy/kubernetes/`` (``kubectl apply -k deploy/kubernetes``),
+built here as dicts: a ``DaskCluster`` (the scheduler, its Service, a default group of CPU
+workers), a ``DaskWorkerGroup`` of GPU workers, and a ``DaskAutoscaler``; every pod runs
+daskdag's image as uid 1000, and every Dask connection is mutual TLS with the certificates of the
+Secret ``certs_secret`` (keys ``ca.pem``, ``cert.pem``, ``key.pem``), mounted read-only at
+``/etc/dask/tls``. tests/test_deploy.py checks that these dicts equal the manifests.
+
+From a machine whose kubeconfig reaches the cluster, with the operator installed and the Secret
+created (docs/guides/deployment.md, "Kubernetes")::
+
+    from daskdag.deploy.kubernetes import make_cluster
+
+    cluster = make_cluster("daskdag", certs="certs", image="REGISTRY/daskdag:0.1.0",
+                           gpu_image="REGISTRY/daskdag:0.1.0-gpu", n_workers=2, gpu_workers=1)
+    cluster.adapt(minimum=1, maximum=10)   # the operator's DaskAutoscaler: CPU workers only
+    client = Client(cluster)               # TLS, with the certificates in certs/
+    res = daskdag.compute_grads(dag, x, ["D"], client=client)
+    cluster.close()                        # deletes the DaskCluster and its pods
+
+``KubeCluster`` itself speaks plain ``tcp://`` to the scheduler it creates; :class:`TLSKubeCluster`
+is the same class speaking ``tls://`` with a ``distributed.Security``. The operator, for its
+part, asks the scheduler's HTTP API how many workers it wants (``DaskAutoscaler``) and which to
+retire (scaling down), over the cluster-internal dashboard port: the scheduler serves that API
+(``scheduler_api=True`` of :func:`cluster_spec`, as in the manifest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import dask_kubernetes.operator.kubecluster.kubecluster as _kubecluster
+from dask_kubernetes.operator import KubeCluster
+from distributed import Security
+from distributed.core import rpc
+from tornado.iostream import StreamClosedError
+
+import daskdag
+from daskdag.cli import security as _security
+
+__all__ = ["TLSKubeCluster", "autoscaler", "cluster_spec", "gpu_worker_spec", "make_cluster",
+           "worker_group"]
+
+TLS_MOUNT = "/etc/dask/tls"
+"""Where every pod mounts the TLS Secret."""
+SCHEDULER_PORT = 8786
+DASHBOARD_PORT = 8787
+WORKER_DASHBOARD_PORT = 8788
+IMAGE = f"daskdag:{daskdag.__version__}"
+GPU_IMAGE = f"daskdag:{daskdag.__version__}-gpu"
+
+# distributed's default HTTP routes of the scheduler (distributed.yaml) and its API, which the
+# operator calls (/api/v1/adaptive_target, /api/v1/retire_workers). As a Dask config value in an
+# environment variable (a Python literal: Dask reads it with ast.literal_eval).
+SCHEDULER_HTTP_ROUTES = ["distributed.http.scheduler.prometheus", "distributed.http.scheduler.info",
+                         "distributed.http.scheduler.json", "distributed.http.health",
+                         "distributed.http.proxy", "distributed.http.statics",
+                         "distributed.http.scheduler.api"]
+SCHEDULER_API_ENV = {"name": "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES",
+                     "value": repr(SCHEDULER_HTTP_ROUTES)}
+
+_POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
+_GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def _tls_args() -> list[str]:
+    return ["--tls-ca-file", f"{TLS_MOUNT}/ca.pem", "--tls-cert", f"{TLS_MOUNT}/cert.pem",
+            "--tls-key", f"{TLS_MOUNT}/key.pem"]
+
+
+def _tls_volume(certs_secret: str) -> dict[str, Any]:
+    return {"name": "tls", "secret": {"secretName": certs_secret, "defaultMode": 0o440}}
+
+
+def _tls_mount() -> dict[str, Any]:
+    return {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}
+
+
+def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in pairs.items()]
+
+
+def _worker_spec(scheduler: str, *, image: str, certs_secret: str, n_workers: int, nthreads: int,
+                 gpu: bool, resources: Mapping[str, Any], env: Mapping[str, str],
+                 image_pull_policy: str) -> dict[str, Any]:
+    args = ["dask", "worker", scheduler, "--name", "$(DASK_WORKER_NAME)", "--nthreads", str(nthreads)]
+    if gpu:
+        args += ["--resources", "GPU=1"]
+    args += ["--dashboard-address", str(WORKER_DASHBOARD_PORT), *_tls_args()]
+    base_env = {"DASK_SCHEDULER_ADDRESS": scheduler, "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "true"}
+    base_env.update({"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if gpu
+                    else {"JAX_PLATFORMS": "cpu"})
+    pod: dict[str, Any] = {"securityContext": dict(_POD_SECURITY)}
+    if gpu:
+        pod["tolerations"] = [dict(t) for t in _GPU_TOLERATIONS]
+    pod["containers"] = [{
+        "name": "worker",
+        "image": image,
+        "imagePullPolicy": image_pull_policy,
+        "args": args,
+        "env": _env({**base_env, **env}),
+        "ports": [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT,
+                   "protocol": "TCP"}],
+        "resources": {k: dict(v) for k, v in resources.items()},
+        "volumeMounts": [_tls_mount()],
+    }]
+    pod["volumes"] = [_tls_volume(certs_secret)]
+    return {"replicas": n_workers, "spec": pod}
+
+
+def _scheduler_address(name: str) -> str:
+    return f"tls://{name}-scheduler:{SCHEDULER_PORT}"
+
+
+def cluster_spec(name: str = "daskdag", *, image: str = IMAGE, certs_secret: str = "daskdag-tls",
+                 n_workers: int = 2, nthreads: int = 2,
+                 worker_resources: Mapping[str, Any] | None = None,
+                 scheduler_resources: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None, scheduler_api: bool = True,
+                 image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """The ``DaskCluster`` of ``deploy/kubernetes/daskcluster.yaml``, for ``kubectl apply`` or
+    ``KubeCluster(custom_cluster_spec=...)``: the scheduler (TLS on port 8786, Service port
+    ``tcp-comm``; dashboard on 8787, plain HTTP inside the cluster, its health probes) and a
+    default group of CPU workers. With the defaults, it equals the manifest.
+
+    Args:
+        name: the cluster's name; the scheduler's Service is ``<name>-scheduler``.
+        image: the CPU image (deploy/Dockerfile's target ``cpu``), for scheduler and workers.
+        certs_secret: the Secret holding ``ca.pem``, ``cert.pem``, ``key.pem``.
+        n_workers: CPU workers in the default worker group.
+        nthreads: threads per CPU worker.
+        worker_resources: the CPU workers' Kubernetes ``resources`` (requests, limits); default
+            2 CPUs and 8 GiB.
+        scheduler_resources: the scheduler's; default 1 CPU and 2 GiB requested, 4 GiB limit.
+        env: more environment variables for the workers, e.g. ``{"EXTRA_PIP_PACKAGES": "optax"}``
+            (the image's entrypoint installs them at start).
+        scheduler_api: turn on the scheduler's HTTP API (``/api/v1``, on the dashboard's port,
+            plain HTTP inside the cluster, as the manifest does), which the operator needs to
+            autoscale (``DaskAutoscaler``) and to retire workers gracefully when scaling down.
+            ``False``: the operator deletes worker pods to scale down, and cannot autoscale.
+        image_pull_policy: the containers' ``imagePullPolicy``.
+
+    Returns:
+        The ``DaskCluster`` resource, a dict.
+    """
+    scheduler = _scheduler_address(name)
+    sched_env = [{"name": "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION", "value": "true"}]
+    if scheduler_api:
+        sched_env.append(dict(SCHEDULER_API_ENV))
+    probe = {"httpGet": {"port": "http-dashboard", "path": "/health"}}
+    scheduler_pod = {
+        "securityContext": dict(_POD_SECURITY),
+        "containers": [{
+            "name": "scheduler",
+            "image": image,
+            "imagePullPolicy": image_pull_policy,
+            "args": ["dask", "scheduler", "--protocol", "tls", "--port", str(SCHEDULER_PORT),
+                     "--dashboard-address", f":{DASHBOARD_PORT}", *_tls_args()],
+            "env": sched_env,
+            "ports": [{"name": "tls-comm", "containerPort": SCHEDULER_PORT, "protocol": "TCP"},
+                      {"name": "http-dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"}],
+            "readinessProbe": {**probe, "initialDelaySeconds": 5, "periodSeconds": 10},
+            "livenessProbe": {**probe, "initialDelaySeconds": 15, "periodSeconds": 20},
+            "resources": {k: dict(v) for k, v in (scheduler_resources or {
+                "requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}).items()},
+            "volumeMounts": [_tls_mount()],
+        }],
+        "volumes": [_tls_volume(certs_secret)],
+    }
+    service = {
+        "type": "ClusterIP",
+        "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
+        "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": SCHEDULER_PORT,
+                   "targetPort": "tls-comm"},
+                  {"name": "http-dashboard", "protocol": "TCP", "port": DASHBOARD_PORT,
+                   "targetPort": "http-dashboard"}],
+    }
+    worker = _worker_spec(scheduler, image=image, certs_secret=certs_secret, n_workers=n_workers,
+                          nthreads=nthreads, gpu=False, env=env or {},
+                          resources=worker_resources or {"requests": {"cpu": "2", "memory": "8Gi"},
+                                                         "limits": {"cpu": "2", "memory": "8Gi"}},
+                          image_pull_policy=image_pull_policy)
+    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "daskdag"}},
+            "spec": {"scheduler": {"spec": scheduler_pod, "service": service}, "worker": worker}}
+
+
+def gpu_worker_spec(cluster: str = "daskdag", *, image: str = GPU_IMAGE,
+                    certs_secret: str = "daskdag-tls", n_workers: int = 1,
+                    resources: Mapping[str, Any] | None = None,
+                    env: Mapping[str, str] | None = None,
+                    image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """The GPU workers of ``deploy/kubernetes/gpu-workergroup.yaml`` (its ``spec.worker``): one
+    GPU per pod (``nvidia.com/gpu: 1``, tolerating the usual GPU node taint), one thread, the
+    Dask resource ``GPU=1`` so that nodes marked ``device="gpu"`` run there,
+    ``JAX_PLATFORMS=cuda``. For ``KubeCluster.add_worker_group(name, custom_spec=...)``.
+
+    Args:
+        cluster: the ``DaskCluster``'s name (the workers connect to ``<cluster>-scheduler``).
+        image: the GPU image (deploy/Dockerfile's target ``gpu``).
+        certs_secret: the Secret holding ``ca.pem``, ``cert.pem``, ``key.pem``.
+        n_workers: GPU workers (pods) in the group.
+        resources: the pods' Kubernetes ``resources``; default 4 CPUs, 16 GiB and 1 GPU.
+        env: more environment variables, e.g. ``{"EXTRA_PIP_PACKAGES": "optax"}``.
+        image_pull_policy: the container's ``imagePullPolicy``.
+
+    Returns:
+        The worker group's ``worker`` field: ``{"replicas": ..., "spec": PodSpec}``.
+    """
+    gpu = {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
+    return _worker_spec(_scheduler_address(cluster), image=image, certs_secret=certs_secret,
+                        n_workers=n_workers, nthreads=1, gpu=True, env=env or {},
+                        resources=resources or {"requests": dict(gpu), "limits": dict(gpu)},
+                        image_pull_policy=image_pull_policy)
+
+
+def worker_group(cluster: str, group: str, worker: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``DaskWorkerGroup`` resource named ``<cluster>-<group>``, as
+    ``KubeCluster.add_worker_group(group, custom_spec=worker)`` creates it.
+
+    Args:
+        cluster: the ``DaskCluster``'s name.
+        group: the group's short name (``"gpu"``).
+        worker: its ``worker`` field, e.g. :func:`gpu_worker_spec`'s.
+
+    Returns:
+        The ``DaskWorkerGroup`` resource, a dict.
+    """
+    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskWorkerGroup",
+            "metadata": {"name": f"{cluster}-{group}", "labels": {"app.kubernetes.io/name": "daskdag"}},
+            "spec": {"cluster": cluster, "worker": dict(worker)}}
+
+
+def autoscaler(cluster: str = "daskdag", minimum: int = 1, maximum: int = 10) -> dict[str, Any]:
+    """A ``DaskAutoscaler`` (``deploy/kubernetes/autoscaling/autoscaler.yaml``): the operator
+    asks the scheduler every few seconds how many workers its tasks want and scales the
+    cluster's default (CPU) worker group to that, within ``[minimum, maximum]``; it is what
+    ``KubeCluster.adapt(minimum, maximum)`` creates. GPU worker groups are not autoscaled.
+
+    Args:
+        cluster: the ``DaskCluster``'s name (also the autoscaler's).
+        minimum: fewest CPU workers.
+        maximum: most CPU workers.
+
+    Returns:
+        The ``DaskAutoscaler`` resource, a dict.
+    """
+    if not 0 <= minimum <= maximum:
+        raise ValueError(f"need 0 <= minimum <= maximum, got minimum={minimum}, maximum={maximum}")
+    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskAutoscaler",
+            "metadata": {"name": cluster, "labels": {"app.kubernetes.io/name": "daskdag"}},
+            "spec": {"cluster": cluster, "minimum": minimum, "maximum": maximum}}
+
+
+# KubeCluster connects to its scheduler with distributed's rpc and the operator's
+# wait_for_scheduler_comm, names its module looks up when it connects, without connection
+# arguments: plain TCP only. TLSKubeCluster replaces those two names, once, by ones that add the
+# connection arguments of the TLSKubeCluster whose connecting coroutine calls them (a context
+# variable, set in that coroutine alone) and behave as the originals for every other caller.
+_connection_args: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "daskdag_kube_connection_args", default=None)
+_ORIGINALS = (_kubecluster.rpc, _kubecluster.wait_for_scheduler_comm)
+
+
+def _rpc(address: Any, **kwargs: Any) -> rpc:
+    args = _connection_args.get()
+    if args is not None and "connection_args" not in kwargs:
+        kwargs["connection_args"] = args
+    return _ORIGINALS[0](address, **kwargs)
+
+
+async def _wait_for_scheduler_comm(address: str) -> None:
+    if _connection_args.get() is None:
+        return await _ORIGINALS[1](address)
+    while True:  # the operator's loop, through _rpc
+        try:
+            async with _rpc(address) as comm:
+                await comm.versions()
+        except (StreamClosedError, OSError):
+            await asyncio.sleep(0.1)
+            continue
+        return
+
+
+def _install_tls_comms() -> None:
+    _kubecluster.rpc, _kubecluster.wait_for_scheduler_comm = _rpc, _wait_for_scheduler_comm
+
+
+@contextlib.contextmanager
+def _tls_comms(security: Security) -> Iterator[None]:
+    """Within: KubeCluster's connections from this coroutine use ``security``."""
+    _install_tls_comms()
+    token = _connection_args.set(security.get_connection_args("client"))
+    try:
+        yield
+    finally:
+        _connection_args.reset(token)
+
+
+class TLSKubeCluster(KubeCluster):
+    """``dask_kubernetes.operator.KubeCluster`` for a scheduler that speaks only TLS: it connects
+    with ``security``, and a ``Client(cluster)`` takes the same (``cluster.security``).
+
+    Args:
+        security: the client's TLS settings, e.g. ``daskdag.cli.security("certs")``.
+        **kwargs: ``KubeCluster``'s (``custom_cluster_spec``, ``namespace``, ...).
+    """
+
+    def __init__(self, *, security: Security, **kwargs: Any) -> None:
+        self.security = security
+        super().__init__(**kwargs)
+
+    async def _get_scheduler_address(self) -> str:
+        address: str = await super()._get_scheduler_address()
+        return "tls://" + address.split("://", 1)[-1]
+
+    async def _create_cluster(self) -> None:
+        with _tls_comms(self.security):
+            await super()._create_cluster()
+
+    async def _connect_cluster(self) -> None:
+        with _tls_comms(self.security):
+            await super()._connect_cluster()
+
+
+def make_cluster(name: str = "daskdag", *, certs: str | os.PathLike[str],
+                 image: str = IMAGE, gpu_image: str = GPU_IMAGE,
+                 certs_secret: str = "daskdag-tls", n_workers: int = 2, gpu_workers: int = 0,
+                 namespace: str | None = None, env: Mapping[str, str] | None = None,
+                 adapt: Sequence[int] | None = None, **kwargs: Any) -> TLSKubeCluster:
+    """daskdag's cluster on Kubernetes, created through the dask-kubernetes operator: the
+    :func:`cluster_spec` ``DaskCluster``,
+    and, if ``gpu_workers``, a ``<name>-gpu`` worker group of :func:`gpu_worker_spec`. Needs a
+    kubeconfig that reaches the cluster, the operator, and the Secret ``certs_secret`` made from
+    the same files as ``certs``. ``cluster.scale(n)`` sets the CPU workers,
+    ``cluster.scale(n, worker_group="gpu")`` the GPU ones, ``cluster.adapt(minimum, maximum)``
+    creates the operator's ``DaskAutoscaler`` for the CPU workers; ``cluster.close()`` deletes
+    everything.
+
+    Args:
+        name: the cluster's name.
+        certs: the directory of ``daskdag certs`` (``ca.pem``, ``cert.pem``, ``key.pem``) this
+            client connects with.
+        image: the CPU image, in a registry the cluster pulls from.
+        gpu_image: the GPU image.
+        certs_secret: the Secret the pods mount.
+        n_workers: CPU workers to start with.
+        gpu_workers: GPU workers to start with (0: no GPU worker group).
+        namespace: the namespace; default the kubeconfig's.
+        env: more environment variables for the workers (e.g. ``EXTRA_PIP_PACKAGES``).
+        adapt: ``(minimum, maximum)``: autoscale the CPU workers from the start.
+        **kwargs: more ``KubeCluster`` arguments (``resource_timeout``, ``shutdown_on_close``,
+            ``port_forward_cluster_ip``, ...).
+
+    Returns:
+        The started cluster: ``Client(cluster)`` connects over TLS.
+    """
+    spec = cluster_spec(name, image=image, certs_secret=certs_secret, n_workers=n_workers, env=env)
+    cluster = TLSKubeCluster(security=_security(certs), custom_cluster_spec=spec,
+                             namespace=namespace, **kwargs)
+    try:
+        if gpu_workers:
+            cluster.add_worker_group("gpu", custom_spec=gpu_worker_spec(
+                name, image=gpu_image, certs_secret=certs_secret, n_workers=gpu_workers, env=env))
+        if adapt is not None:
+            minimum, maximum = adapt
+            cluster.adapt(minimum=minimum, maximum=maximum)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
