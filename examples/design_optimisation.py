@@ -128,9 +128,12 @@ def plain_jax():
 
 def report(label, out, calls, seconds, info=None):
     b, h = out.x[:SEGMENTS], out.x[SEGMENTS:]
-    print(f"{label}: volume {out.fun * 1e5:,.0f} cm^3 after {out.nit} iterations, {calls} calls, "
-          f"{seconds:.2f} s{'' if info is None else f' ({info.mode}, prepared before: {info.prepared})'}")
-    print("   b = " + " ".join(f"{v:5.2f}" for v in b) + " cm;  h = " + " ".join(f"{v:6.2f}" for v in h) + " cm")
+    how = "" if info is None else f" ({info.mode}, prepared before: {info.prepared})"
+    print(f"{label}{how}:")
+    print(f"   volume {out.fun * 1e5:,.0f} cm^3 after {out.nit} iterations, "
+          f"{calls} calls, {seconds:.2f} s")
+    print("   b = " + " ".join(f"{v:5.2f}" for v in b)
+          + " cm;  h = " + " ".join(f"{v:6.2f}" for v in h) + " cm")
 
 
 def main() -> int:

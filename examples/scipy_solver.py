@@ -111,8 +111,10 @@ def main() -> int:
 
     for o in OUTPUTS:
         g = np.asarray(res[o].grad)
-        print(f"{o:>7} = {float(res[o].value):8.4f}   d/d log k: |.|max {np.abs(g[:N + 1]).max():.3e}"
-              f"   d/d (amplitude, centre, width): {np.array2string(g[N + 1:], precision=4)}")
+        shape_grad = np.array2string(g[N + 1:], precision=4)
+        print(f"{o:>7} = {float(res[o].value):8.4f}   "
+              f"d/d log k: |.|max {np.abs(g[:N + 1]).max():.3e}\n{'':21}"
+              f"d/d (amplitude, centre, width): {shape_grad}")
     u, (_, _, nfev, _) = solve_fwd(np.asarray(conductance(theta)), np.asarray(source(theta)))
     print(f"scipy.optimize.root: {nfev} evaluations of F; the backward pass: one LU solve")
 
@@ -123,8 +125,8 @@ def main() -> int:
         scale = float(jnp.max(jnp.abs(want_grads[o])))
         worst = max(worst, abs(float(res[o].value - want[o])) / abs(float(want[o])),
                     float(jnp.max(jnp.abs(res[o].grad - want_grads[o]))) / scale)
-    print(f"largest relative difference to the same pipeline in JAX (Newton unrolled, "
-          f"jnp.linalg.solve): {worst:.2e}")
+    print(f"largest relative difference to the same pipeline in JAX\n"
+          f"   (Newton unrolled, jnp.linalg.solve): {worst:.2e}")
     return 0 if worst < 1e-3 else 1
 
 

@@ -64,12 +64,17 @@ def write_dataset(path: str) -> tuple[np.ndarray, np.ndarray]:
     return w, np.sort(flipped)
 
 
+def shown(a) -> str:
+    """A dask array's repr, indented, over two lines (the second its chunks)."""
+    return "  " + repr(a).replace(" chunksize=", "\n             chunksize=")
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = f"{tmp}/items.zarr"
         w, flipped = write_dataset(store)
         x, y = da.from_zarr(store, component="x"), da.from_zarr(store, component="y")
-        print("dataset:", x, y, sep="\n  ")
+        print("dataset:", shown(x), shown(y), sep="\n")
 
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                           dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -77,7 +82,7 @@ def main() -> int:
             res = daskdag.sweep_grads(dag, {"x": x, "y": y, "w": w}, ["nll", "p"],
                                       batched=["x", "y"], wrt=["w"], client=client)
             grads = res["nll"].grad["w"]  # a dask array, one gradient per item: nothing ran yet
-            print("per-item gradients:", grads)
+            print("per-item gradients:", shown(grads), sep="\n")
             dask.compute(da.to_zarr(res["nll"].value, store, component="nll", compute=False),
                          da.to_zarr(res["p"].value, store, component="p", compute=False),
                          da.to_zarr(grads, store, component="grad_w", compute=False))
@@ -89,9 +94,10 @@ def main() -> int:
         got_g, got_nll, got_p = stored["grad_w"][:], stored["nll"][:], stored["p"][:]
         norms = np.linalg.norm(got_g, axis=1)
         top = np.sort(np.argsort(norms)[-FLIPPED:])
+        median, median_flipped = np.median(norms), np.median(norms[flipped])
         print(f"the {FLIPPED} largest gradient norms: {len(np.intersect1d(top, flipped))} of "
-              f"them are the {FLIPPED} flipped labels (median norm {np.median(norms):.3f}, "
-              f"flipped {np.median(norms[flipped]):.3f})")
+              f"them are the {FLIPPED} flipped labels\n"
+              f"   (median norm {median:.3f}, flipped {median_flipped:.3f})")
 
         xs, ys = stored["x"][:], stored["y"][:]
 

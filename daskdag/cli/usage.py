@@ -8,15 +8,17 @@ EXIT_STORE = 5
 
 EXIT_CODES = """exit codes:
   0    success (RESULT.npz written)
-  1    a node failed (daskdag.NodeError: its message, and the hint if any), or an unexpected
-       error (with its traceback)
-  2    bad usage, DAG module or inputs (argparse errors, daskdag.DAGError, a module, attribute,
-       file or npz key that is missing or wrong, an output that is not a scalar given no
-       --cotangents)
-  3    cluster problems: a scheduler that does not answer within --timeout, daskdag.ClusterError
-  4    (sweep --errors collect) some items failed: RESULT.npz is written, with <output>.failed
-  5    (sweep --store) the store holds another sweep, or another sweep is writing to it
-       (daskdag.StoreError: what changed)
+  1    a node failed (daskdag.NodeError: its message, and the hint if any), or
+       an unexpected error (with its traceback)
+  2    bad usage, DAG module or inputs (argparse errors, daskdag.DAGError, a
+       module, attribute, file or npz key that is missing or wrong, an output
+       that is not a scalar given no --cotangents)
+  3    cluster problems: a scheduler that does not answer within --timeout,
+       daskdag.ClusterError
+  4    (sweep --errors collect) some items failed: RESULT.npz is written, with
+       <output>.failed
+  5    (sweep --store) the store holds another sweep, or another sweep is
+       writing to it (daskdag.StoreError: what changed)
   130  interrupted (Ctrl-C)"""
 
 
