@@ -8,18 +8,57 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 
 CTRL_C_CHILD = Path(__file__).parent.parent / "ctrl_c_child.py"
 
 
-def interrupt(target: str, tmp_path, progress: bool = False):
-    """Start ``ctrl_c_child.py`` on ``target``, send it SIGINT once its first slow node runs.
+class Start(NamedTuple):
+    """A node's start, as ``ctrl_c_child.py`` logs it: its ``time.time()``, whether it ran in
+    the child's main thread, and which of Dask's local schedulers ran it (``"sync"``,
+    ``"threads"``, or ``"-"``: neither)."""
+    time: float
+    main: bool
+    scheduler: str
 
-    Returns ``(seconds until KeyboardInterrupt reached it, nodes started by then, nodes started
-    1.5 s later, the process)``; the process waits on its stdin, which the caller closes.
-    """
+
+def starts(log: Path) -> list[Start]:
+    """The node starts ``ctrl_c_child.py`` logged in ``log`` so far."""
+    return [Start(float(t), main == "True", where) for _, t, main, where in
+            (line.split() for line in log.read_text().splitlines())]
+
+
+@dataclass
+class Interrupted:
+    """A ``ctrl_c_child.py`` that Ctrl-C reached (:func:`interrupt`): SIGINT ``sent`` at this
+    process's ``time.time()``, KeyboardInterrupt ``caught`` by the child's ``except`` at its
+    own (the same clock), ``started`` nodes in its log once this process read that it was."""
+    proc: subprocess.Popen
+    log: Path
+    sent: float
+    caught: float
+    started: int
+
+    @property
+    def took(self) -> float:
+        """Seconds from SIGINT sent to the KeyboardInterrupt reaching the child's user code."""
+        return self.caught - self.sent
+
+    def end(self, timeout: float = 60) -> list[Start]:
+        """Close the child's stdin and wait for it to exit; then its nodes' starts, final: no
+        node of its call runs in it any more (on a cluster, wait for the workers first)."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=timeout)
+        return starts(self.log)
+
+
+def interrupt(target: str, tmp_path, progress: bool = False) -> Interrupted:
+    """Start ``ctrl_c_child.py`` on ``target``, send it SIGINT once its first slow node runs;
+    return once KeyboardInterrupt reached it. The process waits on its stdin, which
+    :meth:`Interrupted.end` closes."""
     log = tmp_path / f"starts-{target.replace('/', '_').replace(':', '_')}-{progress}"
     proc = subprocess.Popen([sys.executable, str(CTRL_C_CHILD), target, str(log)]
                             + (["progress"] if progress else []),
@@ -29,18 +68,17 @@ def interrupt(target: str, tmp_path, progress: bool = False):
     while not log.exists():  # the first node has started: the call is under way
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
-    time.sleep(0.2)
-    sent = time.monotonic()
+    time.sleep(0.2)  # (into the node's wait, mostly: where Ctrl-C comes is not what is tested)
+    sent = time.time()
     proc.send_signal(signal.SIGINT)
     line = ""
     while not any(w in line for w in ("interrupted", "finished", "Error")):  # past progress bars
         line = proc.stdout.readline()
         assert line, "the child exited without a word"
-    took = time.monotonic() - sent
     assert "interrupted" in line, line
-    started = log.read_text().count("start")
-    time.sleep(1.5)
-    return took, started, log.read_text().count("start"), proc
+    started = len(starts(log))
+    caught = float(line[line.index("interrupted"):].split()[1])
+    return Interrupted(proc, log, sent, caught, started)
 
 
 # -- a sweep: 400 slow items, on threads or on a cluster --------------------------------------------
