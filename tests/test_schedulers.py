@@ -49,12 +49,15 @@ def test_default_is_threads_and_starts_no_cluster():
         distributed.default_client()  # none was created behind the user's back
 
     # Threads: two nodes that wait run side by side (a task that runs alone, or is known to be
-    # short, runs in the calling thread: daskdag.running.local).
+    # short, runs in the calling thread: daskdag.running.local). Each waits until the other has
+    # started (a barrier, not a time: on a loaded machine a thread may start late): run one
+    # after the other, the first would wait for a second that never comes, and fail.
+    both = threading.Barrier(2, timeout=60)
     ran = []  # (thread, start, end) of each wait
 
     def wait(x):
         start = time.perf_counter()
-        time.sleep(0.5)
+        both.wait()  # (BrokenBarrierError, the node's failure, if the other is not running)
         ran.append((threading.current_thread().name, start, time.perf_counter()))
         return x * 2.0
 
@@ -62,7 +65,7 @@ def test_default_is_threads_and_starts_no_cluster():
            "L": (lambda p, q: jnp.sum(p * q), ["P", "Q"])}
     r = daskdag.compute_grads(dag, X, "L")
     (a, a0, a1), (b, b0, b1) = ran
-    assert a != b and max(a0, b0) < min(a1, b1)  # two threads, their waits overlapping
+    assert a != b and max(a0, b0) < min(a1, b1)  # two threads, each started before the other ended
     assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum(2 * x * (2 * x + 1)))(X))
 
 
@@ -108,9 +111,14 @@ def test_node_error_travels_back_from_a_worker(cluster):
 
 
 @pytest.mark.timeout(180)
-def test_dask_multiprocessing_scheduler_pickles_pullbacks():
+def test_dask_multiprocessing_scheduler_pickles_pullbacks(tmp_path):
     # Every task result travels back to the parent process by pickle: pullbacks included.
+    log = RunLog(tmp_path / "runs")
     with dask.config.set(scheduler="processes", num_workers=2):
-        res = daskdag.compute_grads(_dag(), X, ["D", "E"])
+        res = daskdag.compute_grads(_dag(log), X, ["D", "E"])
     assert res["D"].info.where == "Dask's multiprocessing scheduler (processes)"  # not threads
+    # ... and so it ran: every node in a process of Dask's pool, none in this one
+    runs = log.runs()
+    assert sorted(name for name, _ in runs) == ["A", "B", "D", "E"], runs
+    assert os.getpid() not in {pid for _, pid in runs}, runs
     _check(res, X)

@@ -225,14 +225,20 @@ class DaskCLI:
         import json
         import time
 
-        self.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                   "--scheduler-file", str(self.scheduler_file))
-        deadline = time.time() + 180
-        while not self.scheduler_file.exists():
-            assert time.time() < deadline, "the dask scheduler did not start in 180 s"
-            time.sleep(0.2)
-        time.sleep(0.2)  # (written, not half-written)
-        return json.loads(self.scheduler_file.read_text())["address"]
+        self.scheduler_file.unlink(missing_ok=True)  # (a file left from before: not this one's)
+        proc = self.start("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                          "--scheduler-file", str(self.scheduler_file))
+        deadline = time.monotonic() + 180
+        while True:  # until the file is there and whole: JSON with the address (not half-written)
+            try:
+                address = json.loads(self.scheduler_file.read_text())["address"]
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+                address = None
+            if address:
+                return address
+            assert proc.poll() is None, f"the dask scheduler exited ({proc.returncode}): see {self.log.name}"
+            assert time.monotonic() < deadline, "the dask scheduler did not start in 180 s"
+            time.sleep(0.05)
 
     def worker(self, *args):
         return self.start("worker", "--scheduler-file", str(self.scheduler_file), "--nthreads", "1",
