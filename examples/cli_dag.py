@@ -1,16 +1,20 @@
-"""A DAG for the command line (``daskdag run`` / ``daskdag sweep``): the seed question's DAG.
+r"""A DAG for the command line (``daskdag run`` / ``daskdag sweep``): the seed
+question's DAG.
 
     x -> A -> B -> C -> D
               B -> E
 
-    python -c "import numpy as np; np.savez('in.npz', x=np.arange(1, 6, dtype='float32'))"
+    python -c "import numpy as np; \
+        np.savez('in.npz', x=np.arange(1, 6, dtype='float32'))"
     daskdag run examples/cli_dag.py:dag --inputs in.npz --outputs D,E --out res.npz
-    python -c "import numpy as np; np.savez('items.npz', x=np.random.rand(100, 5).astype('float32') + 1)"
-    daskdag sweep examples/cli_dag.py:dag --inputs items.npz --outputs D,E --out sweep.npz
+    python -c "import numpy as np; \
+        np.savez('items.npz', x=np.random.rand(100, 5).astype('float32') + 1)"
+    daskdag sweep examples/cli_dag.py:dag --inputs items.npz --outputs D,E \
+        --out sweep.npz
 
-Run as a script, it does the first two lines in a temporary directory, with
-``python -m daskdag.cli``, and compares RESULT.npz with plain JAX (``jax.value_and_grad``); exits 1
-if they disagree.
+Run as a script, it does the first two commands in a temporary directory, with
+``python -m daskdag.cli``, and compares RESULT.npz with plain JAX
+(``jax.value_and_grad``); exits 1 if they disagree.
 """
 
 import jax.numpy as jnp
@@ -53,13 +57,16 @@ if __name__ == "__main__":
     import jax
     import numpy as np
 
-    root = Path(__file__).resolve().parent.parent  # this checkout's daskdag, not another one
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    # this checkout's daskdag, not another one
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as d:
         x = np.arange(1, 6, dtype=np.float32)
         np.savez(Path(d) / "in.npz", x=x)
-        cmd = [sys.executable, "-m", "daskdag.cli", "run", f"{__file__}:dag", "--inputs",
-               str(Path(d) / "in.npz"), "--outputs", "D,E", "--out", str(Path(d) / "res.npz")]
+        cmd = [sys.executable, "-m", "daskdag.cli", "run", f"{__file__}:dag",
+               "--inputs", str(Path(d) / "in.npz"), "--outputs", "D,E",
+               "--out", str(Path(d) / "res.npz")]
         print("$ daskdag", " ".join(cmd[3:]), flush=True)
         code = subprocess.run(cmd, env=env).returncode
         if code:
@@ -71,5 +78,6 @@ if __name__ == "__main__":
         worst = max(worst, float(np.max(np.abs(res[f"{o}.value"] - value))),
                     float(np.max(np.abs(res[f"{o}.grad.x"] - grad))))
     ok = worst <= 1e-5
-    print(f"RESULT.npz {'agrees' if ok else 'DISAGREES'} with plain JAX (max |diff| {worst:.2e})")
+    print(f"RESULT.npz {'agrees' if ok else 'DISAGREES'} with plain JAX "
+          f"(max |diff| {worst:.2e})")
     sys.exit(0 if ok else 1)

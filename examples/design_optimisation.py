@@ -1,28 +1,31 @@
-"""A constrained design optimisation: SciPy's SLSQP on a DAG, with the objective's and the
-constraints' Jacobians from one prepared daskdag call per design.
+"""A constrained design optimisation: SciPy's SLSQP on a DAG, with the objective's and
+the constraints' Jacobians from one prepared daskdag call per design.
 
 A stepped cantilever (Vanderplaats' classic): a beam 500 cm long in 5 segments, each of
-rectangular section b_i x h_i (cm), carries 50 kN at its tip. Minimise its volume, keeping the
-bending stress in each segment under 14,000 N/cm^2, the tip deflection under 2.5 cm and each
-segment's height at most 20 times its width; 1 <= b_i <= 40 and 5 <= h_i <= 100.
+rectangular section b_i x h_i (cm), carries 50 kN at its tip. Minimise its volume,
+keeping the bending stress in each segment under 14,000 N/cm^2, the tip deflection under
+2.5 cm and each segment's height at most 20 times its width; 1 <= b_i <= 40 and
+5 <= h_i <= 100.
 
     design -> section (I per segment) -> stress (per segment) -> stress margin
-              |                       -> tip (deflection, segment by segment) -> tip margin
+              |                       -> tip (deflection, by segment) -> tip margin
               -> volume
               -> aspect margin
 
 ``daskdag.value_and_jacobian`` makes the DAG a function of the design that returns every
-output's value and Jacobian in one call (each node run once per design); SLSQP asks for the
-objective, the constraints and their Jacobians separately, so the call is made once per design
-it tries and its results shared. The first call prepares; every later one reuses that (its
-``info.prepared``). It runs on Dask's threads, then on a two-worker cluster, and both optima are
-checked against the same SLSQP run on plain JAX (``jax.jacrev`` of the composed function).
-Prints the comparison; exits non-zero if it fails.
+output's value and Jacobian in one call (each node run once per design); SLSQP asks for
+the objective, the constraints and their Jacobians separately, so the call is made once
+per design it tries and its results shared. The first call prepares; every later one
+reuses that (its ``info.prepared``). It runs on Dask's threads, then on a two-worker
+cluster, and both optima are checked against the same SLSQP run on plain JAX
+(``jax.jacrev`` of the composed function). Prints the comparison; exits non-zero if it
+fails.
 """
 
 import os
 
-os.environ.setdefault("JAX_ENABLE_X64", "1")  # (before jax: SLSQP works in float64, workers too)
+# (before jax: SLSQP works in float64, workers too)
+os.environ.setdefault("JAX_ENABLE_X64", "1")
 
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -60,9 +63,10 @@ def tip(inertia):  # slope and deflection carried segment by segment, root to ti
     for i in range(SEGMENTS):
         start = SEGMENT * i
         # M(x) = P (L - x) over the segment: integrate M / EI twice, from its start
-        rise = LOAD / (E * inertia[i]) * (LENGTH * SEGMENT - (2 * start * SEGMENT + SEGMENT ** 2) / 2)
-        drop = LOAD / (E * inertia[i]) * (LENGTH * SEGMENT ** 2 / 2 - (3 * start * SEGMENT ** 2
-                                                                      + SEGMENT ** 3) / 6)
+        rise = LOAD / (E * inertia[i]) * (
+            LENGTH * SEGMENT - (2 * start * SEGMENT + SEGMENT ** 2) / 2)
+        drop = LOAD / (E * inertia[i]) * (
+            LENGTH * SEGMENT ** 2 / 2 - (3 * start * SEGMENT ** 2 + SEGMENT ** 3) / 6)
         deflection = deflection + slope * SEGMENT + drop
         slope = slope + rise
     return deflection
@@ -74,16 +78,17 @@ dag = {
     "stress": daskdag.Node(stress, ["design", "inertia"], jit=True),
     "tip": daskdag.Node(tip, ["inertia"], jit=True),
     "stress_margin": daskdag.Node(lambda s: 1.0 - s / STRESS_MAX, ["stress"], jit=True),
-    "tip_margin": daskdag.Node(lambda d: jnp.atleast_1d(1.0 - d / TIP_MAX), ["tip"], jit=True),
-    "aspect_margin": daskdag.Node(lambda x: ASPECT_MAX * x[:SEGMENTS] / x[SEGMENTS:] - 1.0,
-                                  ["design"], jit=True),
+    "tip_margin": daskdag.Node(lambda d: jnp.atleast_1d(1.0 - d / TIP_MAX), ["tip"],
+                               jit=True),
+    "aspect_margin": daskdag.Node(
+        lambda x: ASPECT_MAX * x[:SEGMENTS] / x[SEGMENTS:] - 1.0, ["design"], jit=True),
 }
 MARGINS = ["stress_margin", "tip_margin", "aspect_margin"]  # each >= 0 when feasible
 
 
 class Shared:
-    """One call per design SLSQP tries, its values and Jacobians shared by the objective, the
-    constraints and their Jacobians (which SLSQP asks for separately)."""
+    """One call per design SLSQP tries, its values and Jacobians shared by the
+    objective, the constraints and their Jacobians (which SLSQP asks for separately)."""
 
     def __init__(self, evaluate):
         self.evaluate, self.x, self.calls = evaluate, None, 0
@@ -103,14 +108,15 @@ class Shared:
 
         # (the volume in units of 10^5 cm^3: SLSQP wants an objective of order one)
         return dict(fun=column("volume", 1e-5), jac=rows("volume", 1e-5),
-                    constraints=[{"type": "ineq", "fun": column(m), "jac": rows(m)} for m in MARGINS])
+                    constraints=[{"type": "ineq", "fun": column(m), "jac": rows(m)}
+                                 for m in MARGINS])
 
 
 def optimise(evaluate):
     shared = Shared(evaluate)
     start = time.perf_counter()
-    out = minimize(x0=START, method="SLSQP", bounds=BOUNDS, options={"maxiter": 200, "ftol": 1e-9},
-                   **shared.problem())
+    out = minimize(x0=START, method="SLSQP", bounds=BOUNDS,
+                   options={"maxiter": 200, "ftol": 1e-9}, **shared.problem())
     return out, shared.calls, time.perf_counter() - start
 
 
@@ -149,25 +155,33 @@ def main() -> int:
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
-        on_cluster = daskdag.value_and_jacobian(dag, ["volume", *MARGINS], client=client)
+        on_cluster = daskdag.value_and_jacobian(dag, ["volume", *MARGINS],
+                                                client=client)
         clustered, calls, seconds = optimise(on_cluster)
-        report("daskdag on a 2-worker cluster", clustered, calls, seconds, on_cluster.info)
+        report("daskdag on a 2-worker cluster", clustered, calls, seconds,
+               on_cluster.info)
 
     x = threads.x  # the Jacobians at the optimum, against plain JAX's
     values, jacobians = on_threads(x)
     want_values, want_jacobians = plain_jax()(x)
-    worst = max(float(np.max(np.abs(np.asarray(jacobians[k]) - np.asarray(want_jacobians[k])))
+    worst = max(float(np.max(np.abs(np.asarray(jacobians[k])
+                                    - np.asarray(want_jacobians[k])))
                       / (1.0 + float(np.max(np.abs(np.asarray(want_jacobians[k]))))))
                 for k in want_jacobians)
-    print(f"largest relative difference of the Jacobians to JAX's at the optimum: {worst:.2e}")
+    print("largest relative difference of the Jacobians to JAX's at the optimum: "
+          f"{worst:.2e}")
     optima = [abs(r.fun - reference.fun) / reference.fun for r in (threads, clustered)]
-    print(f"optima against plain JAX's: {optima[0]:.1e} (threads), {optima[1]:.1e} (cluster)")
-    # (SLSQP's path is sensitive: Jacobians that differ in their last bit, as two programs'
-    # may, can take it through other points to the same optimum within its tolerance)
+    print(f"optima against plain JAX's: {optima[0]:.1e} (threads), "
+          f"{optima[1]:.1e} (cluster)")
+    # (SLSQP's path is sensitive: Jacobians that differ in their last bit, as two
+    # programs' may, can take it through other points to the same optimum within its
+    # tolerance)
     feasible = min(float(np.min(np.asarray(values[m]))) for m in MARGINS)
     print(f"least margin at the optimum: {feasible:.1e} (>= 0: every constraint holds)")
-    checks = {"every run converged": all(r.success for r in (reference, threads, clustered)),
-              "Jacobians as JAX's": worst < 1e-8, "the same optimum": max(optima) < 1e-4,
+    checks = {"every run converged": all(r.success
+                                         for r in (reference, threads, clustered)),
+              "Jacobians as JAX's": worst < 1e-8,
+              "the same optimum": max(optima) < 1e-4,
               "feasible": feasible > -1e-6,
               "calls after the first reused its preparation": on_threads.info.prepared
               and on_cluster.info.prepared}

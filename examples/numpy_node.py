@@ -1,12 +1,13 @@
-"""A node outside JAX inside a JAX DAG: an implicit Euler step solved with SciPy, with its own VJP.
+"""A node outside JAX inside a JAX DAG: an implicit Euler step solved with SciPy, with
+its own VJP.
 
     theta -> A (JAX) --\
                         x = solve(A, b)  (SciPy, user VJP) -> loss (JAX)
     theta -> b (JAX) --/
 
-Prints the loss, its gradient, the largest difference to the same DAG written in JAX, the
-result of daskdag.check_grads, and the sensitivity d loss / d x at the SciPy node; exits
-non-zero if anything disagrees.
+Prints the loss, its gradient, the largest difference to the same DAG written in JAX,
+the result of daskdag.check_grads, and the sensitivity d loss / d x at the SciPy node;
+exits non-zero if anything disagrees.
 """
 
 import sys
@@ -62,7 +63,8 @@ def main() -> int:
         return jnp.sum((jnp.linalg.solve(system(theta), source(theta)) - 1.0) ** 2)
 
     value, grad = jax.value_and_grad(in_jax)(theta)
-    worst = float(max(abs(res.value - value), jnp.max(jnp.abs(res.grad["theta"] - grad))))
+    worst = float(max(abs(res.value - value),
+                      jnp.max(jnp.abs(res.grad["theta"] - grad))))
     print(f"largest difference to the same DAG in JAX: {worst:.2e}")
     errors = daskdag.check_grads(dag, theta, "loss")
     print("check_grads, each node's VJP against finite differences:",

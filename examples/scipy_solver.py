@@ -1,30 +1,33 @@
-"""A SciPy nonlinear solver with its own VJP (implicit-function theorem) between JAX nodes, on a
-cluster.
+"""A SciPy nonlinear solver with its own VJP (implicit-function theorem) between JAX
+nodes, on a cluster.
 
-The steady temperature u of a rod of 48 cells, held at 0 at both ends, with a conductivity per
-cell face and a heat source, that loses heat by radiation-like cooling (c u^3):
+The steady temperature u of a rod of 48 cells, held at 0 at both ends, with a
+conductivity per cell face and a heat source, that loses heat by radiation-like cooling
+(c u^3):
 
     F(u; A, s) = A u + c u^3 - s = 0
 
-A (the conductance matrix, from the log-conductivities) and s (a Gaussian source: amplitude,
-centre, width) are JAX nodes of the parameters theta; the solve is ``scipy.optimize.root`` on
-NumPy arrays, a node of our own with ``Node(fwd=, bwd=)``; three JAX nodes read the result:
+A (the conductance matrix, from the log-conductivities) and s (a Gaussian source:
+amplitude, centre, width) are JAX nodes of the parameters theta; the solve is
+``scipy.optimize.root`` on NumPy arrays, a node of our own with ``Node(fwd=, bwd=)``;
+three JAX nodes read the result:
 
     theta -> A --\\
                   u = root(F(., A, s))  (SciPy)  -> mean_T  (the mean temperature)
     theta -> s --/                               -> hot     (the hottest cell)
                                                  -> loss    (misfit to a wanted profile)
 
-Its VJP is the implicit-function theorem: at the solution, dF/du du + dF/dA dA + dF/ds ds = 0,
-so for a cotangent ct on u, solve J^T g = ct with J = dF/du = A + 3 c diag(u^2), and the
-cotangents are -g u^T for A and g for s. One linear solve per backward pass, whatever the
-number of Newton steps the forward solve took.
+Its VJP is the implicit-function theorem: at the solution,
+dF/du du + dF/dA dA + dF/ds ds = 0, so for a cotangent ct on u, solve J^T g = ct with
+J = dF/du = A + 3 c diag(u^2), and the cotangents are -g u^T for A and g for s. One
+linear solve per backward pass, whatever the number of Newton steps the forward solve
+took.
 
-Runs ``daskdag.compute_grads`` on a two-worker ``LocalCluster(processes=True)`` and compares
-with the same pipeline in JAX, where the solve is Newton's method unrolled with
+Runs ``daskdag.compute_grads`` on a two-worker ``LocalCluster(processes=True)`` and
+compares with the same pipeline in JAX, where the solve is Newton's method unrolled with
 ``jnp.linalg.solve`` (differentiated through its iterations). Prints the outputs, their
-gradients, the solver's statistics and the largest difference to JAX; exits non-zero if they
-disagree.
+gradients, the solver's statistics and the largest difference to JAX; exits non-zero if
+they disagree.
 """
 
 import sys
@@ -43,7 +46,8 @@ N, C = 48, 0.5  # cells, cooling coefficient
 GRID = (jnp.arange(N) + 0.5) / N  # cell centres on [0, 1]
 
 
-def conductance(theta):  # JAX: the (N, N) matrix of -div(k grad u), Dirichlet at both ends
+# JAX: the (N, N) matrix of -div(k grad u), Dirichlet at both ends
+def conductance(theta):
     k = jnp.exp(theta[: N + 1]) * N**2  # one conductivity per cell face
     main = k[:-1] + k[1:]
     return jnp.diag(main) - jnp.diag(k[1:-1], 1) - jnp.diag(k[1:-1], -1)
@@ -87,12 +91,14 @@ dag = {
 OUTPUTS = ["mean_T", "hot", "loss"]
 
 
-def in_jax(theta):  # the same pipeline in JAX: Newton's method, unrolled and differentiated
+# the same pipeline in JAX: Newton's method, unrolled and differentiated
+def in_jax(theta):
     A, s = conductance(theta), source(theta)
     u = jnp.zeros(N)
     for _ in range(30):
         u = u - jnp.linalg.solve(A + jnp.diag(3 * C * u**2), A @ u + C * u**3 - s)
-    return {"mean_T": jnp.mean(u), "hot": jnp.max(u), "loss": jnp.mean((u - TARGET) ** 2)}
+    return {"mean_T": jnp.mean(u), "hot": jnp.max(u),
+            "loss": jnp.mean((u - TARGET) ** 2)}
 
 
 def main() -> int:
@@ -105,7 +111,8 @@ def main() -> int:
         res = daskdag.compute_grads(dag, theta, OUTPUTS, client=client)
         first = time.perf_counter() - t
         t = time.perf_counter()
-        res = daskdag.compute_grads(dag, theta, OUTPUTS, client=client)  # inputs already there
+        # inputs already there
+        res = daskdag.compute_grads(dag, theta, OUTPUTS, client=client)
         again = time.perf_counter() - t
     print(f"compute_grads on 2 workers: {first:.2f} s, then {again:.2f} s")
 
@@ -115,8 +122,10 @@ def main() -> int:
         print(f"{o:>7} = {float(res[o].value):8.4f}   "
               f"d/d log k: |.|max {np.abs(g[:N + 1]).max():.3e}\n{'':21}"
               f"d/d (amplitude, centre, width): {shape_grad}")
-    u, (_, _, nfev, _) = solve_fwd(np.asarray(conductance(theta)), np.asarray(source(theta)))
-    print(f"scipy.optimize.root: {nfev} evaluations of F; the backward pass: one LU solve")
+    u, (_, _, nfev, _) = solve_fwd(np.asarray(conductance(theta)),
+                                   np.asarray(source(theta)))
+    print(f"scipy.optimize.root: {nfev} evaluations of F; "
+          "the backward pass: one LU solve")
 
     want = jax.jit(in_jax)(theta)
     want_grads = jax.jit(jax.jacrev(in_jax))(theta)

@@ -3,8 +3,8 @@
     x -> A -> B -> C -> D
               B -> E
 
-Prints each output's value and gradient as the README's example does (the lines it shows),
-then how often each node's function ran and the largest difference to plain JAX
+Prints each output's value and gradient as the README's example does (the lines it
+shows), then how often each node's function ran and the largest difference to plain JAX
 (``jax.value_and_grad`` of the composed function); exits 1 if they disagree.
 """
 
@@ -70,10 +70,12 @@ if __name__ == "__main__":
     worst = 0.0
     for name, r in res.items():
         value, grad = jax.value_and_grad(composed[name])(x)
-        diff = max(float(jnp.abs(r.value - value)), float(jnp.max(jnp.abs(r.grad - grad))))
+        diff = max(float(jnp.abs(r.value - value)),
+                   float(jnp.max(jnp.abs(r.grad - grad))))
         worst = max(worst, diff)
     print(f"node function calls for both outputs: {ran}")
     ok = worst <= 1e-5
-    print(f"agrees with plain JAX (jax.value_and_grad of the composed function): max |diff| "
-          f"{worst:.2e}" if ok else f"DISAGREES with plain JAX (max |diff| {worst:.2e})")
+    print("agrees with plain JAX (jax.value_and_grad of the composed function): "
+          f"max |diff| {worst:.2e}" if ok
+          else f"DISAGREES with plain JAX (max |diff| {worst:.2e})")
     sys.exit(0 if ok else 1)
