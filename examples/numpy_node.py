@@ -1,4 +1,4 @@
-"""A node outside JAX inside a JAX DAG: an implicit Euler step solved with SciPy, with
+r"""A node outside JAX inside a JAX DAG: an implicit Euler step solved with SciPy, with
 its own VJP.
 
     theta -> A (JAX) --\
