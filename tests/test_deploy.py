@@ -1387,18 +1387,34 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 """
 
 
+def _daemon_logs(d) -> str:
+    return "\n".join(f"--- {f.name}:\n{f.read_text(errors='replace')[-1500:]}"
+                     for f in sorted(d.glob("*.log")) if f.stat().st_size)
+
+
 @pytest.fixture
 def slurm_daemons(tmp_path, monkeypatch):
     """munged, slurmctld and slurmd for this test alone (own sockets, ports, state), as root;
-    ``SLURM_CONF`` set so that sbatch, squeue and scancel talk to them."""
+    ``SLURM_CONF`` set so that sbatch, squeue and scancel talk to them.
+
+    Skipped only where Slurm cannot run at all: its programs missing, not runnable (``-V``), or
+    the test not root (slurmd must be, to start jobs). Daemons that do not start with this
+    test's configuration fail the test, with their logs: that is the set-up's fault."""
     tools = {t: shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin")
-             for t in ("munged", "slurmctld", "slurmd", "sbatch", "squeue")}
+             for t in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")}
     missing = [t for t, p in tools.items() if p is None]
     if missing:
         pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing; .ci/run installs "
                     f"Debian's slurm-wlm and munge)")
     if os.geteuid() != 0:
         pytest.skip("slurmd must run as root to start jobs")
+    for t in ("munged", "slurmctld", "slurmd"):
+        try:
+            version = subprocess.run([tools[t], "-V"], capture_output=True, text=True, timeout=30)
+        except OSError as e:
+            pytest.skip(f"{t} cannot run here: {e}")
+        if version.returncode:
+            pytest.skip(f"{t} cannot run here: {t} -V says {version.stderr.strip()[-300:]}")
     d = tmp_path / "slurm"
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
@@ -1408,33 +1424,38 @@ def slurm_daemons(tmp_path, monkeypatch):
         d_port=free_port(), node="daskdagnode", cpus=os.cpu_count() or 2))
     monkeypatch.setenv("SLURM_CONF", str(conf))
     started = []
+
+    def output(name):  # each daemon's own output, beside its log, for a failure's message
+        return open(d / f"{name}.out.log", "w")
+
     try:
-        started.append(subprocess.Popen(
-            [tools["munged"], "--foreground", "--force", f"--socket={d}/munge.socket",
-             f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
-             f"--log-file={d}/munged.log"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        with output("munged") as out:
+            started.append(subprocess.Popen(
+                [tools["munged"], "--foreground", "--force", f"--socket={d}/munge.socket",
+                 f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
+                 f"--log-file={d}/munged.log"], stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 20
         while not (d / "munge.socket").exists():
             if started[0].poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"munged does not start here: {started[0].stderr.read().decode()[-300:]}")
+                pytest.fail(f"munged did not start with the test's options:\n{_daemon_logs(d)}")
             time.sleep(0.1)
         for daemon, extra in (("slurmctld", ["-i"]), ("slurmd", ["-N", "daskdagnode"])):
-            started.append(subprocess.Popen([tools[daemon], "-D", "-f", str(conf), *extra],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            with output(daemon) as out:
+                started.append(subprocess.Popen([tools[daemon], "-D", "-f", str(conf), *extra],
+                                                stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 60
         while True:
-            out = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True,
-                                 text=True)
+            out = subprocess.run([tools["sinfo"], "--noheader", "--format=%t"],
+                                 capture_output=True, text=True, timeout=30)
             if out.returncode == 0 and out.stdout.strip() == "idle":
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in started):
-                log = "".join((d / f).read_text()[-400:] for f in ("slurmctld.log", "slurmd.log")
-                              if (d / f).exists())
-                pytest.skip(f"Slurm does not start here: {out.stderr.strip()} {log}")
+                pytest.fail(f"Slurm did not start with the test's slurm.conf (sinfo: "
+                            f"{out.stdout.strip()} {out.stderr.strip()}):\n{_daemon_logs(d)}")
             time.sleep(0.5)
         yield d
     finally:
-        subprocess.run(["scancel", "--full", "--partition=test"], capture_output=True)
+        subprocess.run([tools["scancel"], "--full", "--partition=test"], capture_output=True)
         for p in reversed(started):
             p.terminate()
         for p in reversed(started):
