@@ -57,6 +57,7 @@ from dask_jobqueue import SLURMCluster
 from distributed import Client, Security
 from distributed.deploy.adaptive import Adaptive
 
+import daskdag
 from daskdag.cli import tls
 
 CERTS = "~/.daskdag/certs"
@@ -170,13 +171,17 @@ class CPUGPUCluster:
 
         Jobs that ended (time limit reached, cancelled, node lost) count as gone: calling it
         again with the same numbers replaces them (:meth:`keep` does so every few seconds).
-        Stops :meth:`adapt`.
+        Stops :meth:`adapt` and :meth:`keep`.
 
         Args:
             cpu_jobs: how many CPU jobs to run.
             gpu_jobs: how many GPU jobs to run.
         """
         self._stop_adapting()
+        self._stop_keep()
+        self._rescale(cpu_jobs, gpu_jobs)
+
+    def _rescale(self, cpu_jobs: int, gpu_jobs: int) -> None:
         self._forget(self.ended())
         self._set(cpu_jobs, gpu_jobs)
 
@@ -217,9 +222,9 @@ class CPUGPUCluster:
         return [name for name, job_id in started.items() if job_id not in alive]
 
     def keep(self, cpu_jobs: int, gpu_jobs: int, every: float = 10.0) -> None:
-        """Keep ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs running until :meth:`close`.
+        """Keep that many CPU and GPU jobs running, replacing those that end.
 
-        Every ``every`` seconds, jobs that ended (their ``--time`` reached) are replaced by new
+        Until :meth:`close`, :meth:`scale` or :meth:`adapt`: every ``every`` seconds, jobs that ended (their ``--time`` reached) are replaced by new
         ones. A sweep with a ``store=`` goes on through the change of jobs, computing again only
         the chunks that were running in the jobs that ended.
 
@@ -236,7 +241,7 @@ class CPUGPUCluster:
             while not stop.wait(every):
                 try:
                     if self.ended() and self.slurm.loop is not None:
-                        self.slurm.loop.add_callback(self.scale, cpu_jobs, gpu_jobs)
+                        self.slurm.loop.add_callback(self._rescale, cpu_jobs, gpu_jobs)
                 except Exception as e:  # noqa: BLE001 (squeue hung, or the cluster closing): next time
                     print(f"CPUGPUCluster.keep: {e!r}", file=sys.stderr)
 
@@ -272,8 +277,7 @@ class CPUGPUCluster:
             The running :class:`CPUGPUAdaptive`; ``.stop()`` ends it, leaving the jobs as they are.
         """
         self._stop_adapting()
-        if self._stop_keeping is not None:
-            self._stop_keeping.set()
+        self._stop_keep()
         self._adaptive = CPUGPUAdaptive(self, minimum=minimum, maximum=maximum,
                                         gpu_minimum=gpu_minimum, gpu_maximum=gpu_maximum,
                                         **kwargs)
@@ -300,6 +304,11 @@ class CPUGPUCluster:
                 raise TimeoutError(f"{len(names) - found_gpu} CPU and {found_gpu} GPU workers "
                                    f"after {timeout:g} s; waited for {cpu} and {gpu}")
             time.sleep(0.2)
+
+    def _stop_keep(self) -> None:
+        if self._stop_keeping is not None:
+            self._stop_keeping.set()
+            self._stop_keeping = None
 
     def _stop_adapting(self) -> None:
         if self._adaptive is not None:
@@ -332,8 +341,7 @@ class CPUGPUCluster:
     def close(self) -> None:
         """Cancel every job and stop the scheduler."""
         self._stop_adapting()
-        if self._stop_keeping is not None:
-            self._stop_keeping.set()
+        self._stop_keep()
         self.slurm.close()
 
 
@@ -509,8 +517,6 @@ def _demo(client: Client) -> float:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import daskdag
 
     def heavy(a, w):
         return jnp.tanh(a @ w)
