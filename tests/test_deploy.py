@@ -1275,7 +1275,7 @@ def _busy(i):
 @pytest.mark.timeout(300)
 def test_slurm_adapt_sizes_cpu_and_gpu_jobs_by_the_load(certs, tmp_path, monkeypatch, dask_config):
     """adapt(): idle, the GPU minimum and no CPU job; a daskdag call runs its GPU nodes on the
-    GPU job; plain tasks bring CPU jobs up to ``maximum``, tasks needing a GPU bring GPU jobs up
+    GPU job; adapted again with higher GPU bounds, plain tasks bring CPU jobs up to ``maximum``, tasks needing a GPU bring GPU jobs up
     to ``gpu_maximum``; idle again, the jobs above the minimums are cancelled. Slurm's commands
     are stand-ins that run the job scripts here."""
     bin_dir = tmp_path / "bin"
@@ -1314,7 +1314,7 @@ def test_slurm_adapt_sizes_cpu_and_gpu_jobs_by_the_load(certs, tmp_path, monkeyp
             time.sleep(0.25)
 
     try:
-        cluster.adapt(minimum=0, maximum=2, gpu_minimum=1, gpu_maximum=2, interval="500ms",
+        cluster.adapt(minimum=0, maximum=2, gpu_minimum=1, gpu_maximum=1, interval="500ms",
                       wait_count=3)
         cluster.wait_for_workers(gpu=1, timeout=120)
         time.sleep(2)
@@ -1335,11 +1335,16 @@ def test_slurm_adapt_sizes_cpu_and_gpu_jobs_by_the_load(certs, tmp_path, monkeyp
             placed = {t["worker"] for t in ts.data if t["key"] in needs_gpu}
             assert len(gpu) == 1 and placed == gpu
 
+            cluster.adapt(minimum=0, maximum=2, gpu_minimum=1, gpu_maximum=2, interval="500ms",
+                          wait_count=3)
             cpu_work = client.map(_busy, range(16), pure=False)
             gpu_work = client.map(_busy, range(100, 106), pure=False, resources={"GPU": 1})
             seen = set()
             until(lambda: seen.add(jobs()) or jobs() == (2, 2), "not scaled up to (2, 2)")
             assert client.gather(cpu_work + gpu_work) == [*range(16), *range(100, 106)]
+            # Idle means no tasks and no results held: distributed keeps a worker holding
+            # results that futures still reference.
+            del cpu_work, gpu_work
             assert max(c for c, _ in seen) <= 2 and max(g for _, g in seen) <= 2
             until(lambda: jobs() == (0, 1) and len(running()) == 1, "not scaled down idle")
         cancelled = (tmp_path / "cancelled").read_text().split()

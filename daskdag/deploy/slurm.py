@@ -254,8 +254,8 @@ class CPUGPUCluster:
         CPU jobs follow distributed's adaptive rule (the scheduler's ``adaptive_target``: enough
         workers to finish the queued work in ``target_duration``, idle workers retired), within
         ``minimum`` and ``maximum``. GPU jobs follow the tasks that need a GPU (a Dask resource
-        ``GPU``): as many jobs as such tasks are waiting or running (each GPU worker runs one at
-        a time), within ``gpu_minimum`` and ``gpu_maximum``. Jobs of either kind are cancelled
+        ``GPU``): as many jobs as such tasks are ready to run or running (each GPU worker runs
+        one at a time), within ``gpu_minimum`` and ``gpu_maximum``. Jobs of either kind are cancelled
         after ``wait_count`` looks in a row found them idle and above their kind's target; jobs
         that ended (time limit) are forgotten, and replaced if the load still asks for them.
 
@@ -382,10 +382,15 @@ class CPUGPUAdaptive(Adaptive):
         return n - len(self._gpu_workers())
 
     async def workers_to_close(self, target: int) -> list[str]:
-        """CPU workers the scheduler would retire to come down to ``target`` of them."""
-        names = await self.scheduler.workers_to_close(
-            target=target + len(self._gpu_workers()), attribute="name")
-        return [n for n in names if not self.jobs._is_gpu(n)]
+        """Idle CPU workers to retire to come down to ``target`` of them, least data first.
+
+        (The scheduler's own choice counts the GPU workers, and would offer those.) Retiring
+        moves their data to the workers that stay.
+        """
+        cpu = [ws for ws in self._scheduler.workers.values() if not self.jobs._is_gpu(ws.name)]
+        idle = sorted((ws for ws in cpu if not ws.processing and not ws.long_running),
+                      key=lambda ws: ws.nbytes)
+        return [ws.name for ws in idle[:max(0, len(cpu) - target)]]
 
     async def scale_up(self, n: int) -> None:  # type: ignore[override]
         """Run ``n`` CPU jobs, the GPU jobs as they are."""
@@ -393,14 +398,17 @@ class CPUGPUAdaptive(Adaptive):
         self.jobs._set(n, gpu)
 
     def gpu_target(self) -> int:
-        """GPU jobs wanted: the tasks needing a GPU that wait or run, within the bounds.
+        """GPU jobs wanted: the tasks needing a GPU that are ready or run, within the bounds.
+
+        Tasks still waiting for their inputs do not count: a chain of GPU nodes asks for one
+        job, GPU nodes that can run side by side for one each.
 
         Returns:
             The number of GPU jobs.
         """
         wanted = len([ts for ts in self._scheduler.tasks.values()
                       if (ts.resource_restrictions or {}).get("GPU")
-                      and ts.state in ("waiting", "no-worker", "queued", "processing")])
+                      and ts.state in ("no-worker", "queued", "processing")])
         return max(self.gpu_minimum, min(self.gpu_maximum, wanted))
 
     async def adapt(self) -> None:
