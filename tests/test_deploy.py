@@ -1062,11 +1062,9 @@ def test_kustomize_builds_the_manifests():
 # Slurm (dask-jobqueue)
 
 def _import_slurm():
-    spec = importlib.util.spec_from_file_location("daskdag_deploy_slurm", DEPLOY / "slurm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from daskdag.deploy import slurm
+
+    return slurm
 
 
 def _worker_command(script: str) -> list[str]:
@@ -1163,6 +1161,200 @@ def test_slurm_scale_keeps_cpu_and_gpu_jobs_apart(certs, monkeypatch):
         cluster.close()
 
 
+JOBQUEUE_YAML = """\
+jobqueue:
+  slurm:
+    cores: 3
+    memory: 6GiB
+    walltime: '00:07:00'
+    account: yaml-acct
+    queue: yaml-cpu
+    job-extra-directives: ['--qos=low']
+    job-script-prologue: ['module load site-python']
+  slurm-gpu:
+    memory: 20GiB
+    job-cpu: 4
+    queue: yaml-gpu
+    job-extra-directives: ['--gres=gpu:a100:1']
+"""
+
+
+@pytest.fixture
+def dask_config():
+    """Dask's config as it was, restored after the test (which may refresh it from files)."""
+    import copy
+
+    import dask
+
+    before = copy.deepcopy(dask.config.config)
+    yield dask.config
+    dask.config.config.clear()
+    dask.config.config.update(before)
+
+
+def _directives(script: str) -> set[str]:
+    return {ln.removeprefix("#SBATCH ") for ln in script.splitlines() if ln.startswith("#SBATCH")}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_slurm_job_sizes_come_from_jobqueue_yaml_and_keywords_win(certs, tmp_path, dask_config):
+    """The CPU jobs from jobqueue.yaml's ``slurm`` section, the GPU jobs from its ``slurm-gpu``
+    section (what it leaves out from ``slurm``, then daskdag's GPU defaults); keywords win."""
+    (tmp_path / "jobqueue.yaml").write_text(JOBQUEUE_YAML)
+    dask_config.refresh(paths=[str(tmp_path)])  # as Dask reads ~/.config/dask/jobqueue.yaml
+    slurm = _import_slurm()
+    opts = {"interface": "lo", "scheduler_options": {"dashboard_address": "127.0.0.1:0"}}
+
+    cluster = slurm.make_cluster(certs, **opts)
+    try:
+        scripts = cluster.job_scripts()
+    finally:
+        cluster.close()
+    cpu, gpu = _directives(scripts["cpu"]), _directives(scripts["gpu"])
+    assert {"--cpus-per-task=3", "--mem=6G", "-t 00:07:00", "-A yaml-acct", "-p yaml-cpu",
+            "--qos=low"} <= cpu
+    assert not any("gres" in d for d in cpu)
+    # GPU: its own section, then the CPU section (walltime, account), then daskdag's defaults.
+    assert {"--cpus-per-task=4", "--mem=20G", "-t 00:07:00", "-A yaml-acct", "-p yaml-gpu",
+            "--gres=gpu:a100:1", "-J daskdag-gpu"} <= gpu
+    assert "--qos=low" not in gpu
+    cpu_args = _parse_worker_args(_worker_command(scripts["cpu"])[3:])
+    gpu_args = _parse_worker_args(_worker_command(scripts["gpu"])[3:])
+    assert cpu_args["nthreads"] == 3 and cpu_args["n_workers"] in (None, 1)  # processes: 1
+    assert (gpu_args["nthreads"], gpu_args["resources"]) == (1, "GPU=1")
+    # The site's prologue kept, JAX's platform added in front of it.
+    assert "export JAX_PLATFORMS=cpu\nmodule load site-python" in scripts["cpu"]
+    assert "export JAX_PLATFORMS=cuda\nexport XLA_PYTHON_CLIENT_PREALLOCATE=false" in scripts["gpu"]
+
+    cluster = slurm.make_cluster(
+        certs, account="kw-acct", gpu_queue="kw-gpu", **opts,
+        cpu_job={"cores": 2, "walltime": "00:03:00", "job_script_prologue": []},
+        gpu_job={"memory": "10GiB", "job_extra_directives": ["--gres=gpu:h100:2"],
+                 "worker_extra_args": ["--lifetime", "50m"]})
+    try:
+        scripts = cluster.job_scripts()
+    finally:
+        cluster.close()
+    cpu, gpu = _directives(scripts["cpu"]), _directives(scripts["gpu"])
+    assert {"--cpus-per-task=2", "-t 00:03:00", "-A kw-acct", "-p yaml-cpu", "--mem=6G"} <= cpu
+    assert {"--mem=10G", "-A kw-acct", "-p kw-gpu", "--gres=gpu:h100:2", "-t 00:07:00"} <= gpu
+    assert "module load site-python" not in scripts["cpu"]
+    gpu_args = _parse_worker_args(_worker_command(scripts["gpu"])[3:])
+    assert (gpu_args["lifetime"], gpu_args["resources"]) == ("50m", "GPU=1")
+
+
+# A stand-in for Slurm's commands, for adapt(): sbatch runs the job script with bash in a
+# session of its own (the job id is its process id), scancel ends that session, squeue lists
+# the sessions still running.
+FAKE_SLURM = {
+    "sbatch": """#!/bin/bash
+cp "$1" "$FAKE_SLURM/job-$$.sh"
+setsid bash "$FAKE_SLURM/job-$$.sh" > "$FAKE_SLURM/job-$$.log" 2>&1 < /dev/null &
+echo "$!" >> "$FAKE_SLURM/submitted"
+echo "Submitted batch job $!"
+""",
+    "scancel": """#!/bin/bash
+for id in "$@"; do kill -TERM -- "-$id" 2>/dev/null; echo "$id" >> "$FAKE_SLURM/cancelled"; done
+exit 0
+""",
+    "squeue": """#!/bin/bash
+touch "$FAKE_SLURM/submitted"
+while read -r id; do kill -0 "$id" 2>/dev/null && echo "$id"; done < "$FAKE_SLURM/submitted"
+exit 0
+""",
+}
+
+
+def _busy(i):
+    time.sleep(2)
+    return i
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_slurm_adapt_sizes_cpu_and_gpu_jobs_by_the_load(certs, tmp_path, monkeypatch, dask_config):
+    """adapt(): idle, the GPU minimum and no CPU job; a daskdag call runs its GPU nodes on the
+    GPU job; adapted again with higher GPU bounds, plain tasks bring CPU jobs up to ``maximum``, tasks needing a GPU bring GPU jobs up
+    to ``gpu_maximum``; idle again, the jobs above the minimums are cancelled. Slurm's commands
+    are stand-ins that run the job scripts here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("FAKE_SLURM", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    if not REAL_GPU:  # the GPU job's JAX on the CPU (its own prologue says so, and is kept)
+        dask_config.set({"jobqueue.slurm-gpu.job-script-prologue": ["export JAX_PLATFORMS=cpu"]})
+    slurm = _import_slurm()
+    cluster = slurm.make_cluster(certs, interface="lo",
+                                 scheduler_options={"dashboard_address": "127.0.0.1:0"},
+                                 cpu_job={"cores": 1, "memory": "2GB"})
+    spec = cluster.slurm.worker_spec
+
+    def submitted():
+        f = tmp_path / "submitted"
+        return f.read_text().split() if f.exists() else []
+
+    def running():
+        out = subprocess.run([str(bin_dir / "squeue")], capture_output=True, text=True,
+                             env=os.environ, check=True)
+        return out.stdout.split()
+
+    def jobs():  # (CPU jobs, GPU jobs) in the cluster's plan
+        gpu = sum(1 for n in spec if str(n).startswith(f"{cluster.slurm.name}-gpu-"))
+        return len(spec) - gpu, gpu
+
+    def until(condition, what, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: jobs {jobs()}, running {running()}"
+            time.sleep(0.25)
+
+    try:
+        cluster.adapt(minimum=0, maximum=2, gpu_minimum=1, gpu_maximum=1, interval="500ms",
+                      wait_count=3)
+        cluster.wait_for_workers(gpu=1, timeout=120)
+        time.sleep(2)
+        assert jobs() == (0, 1) and len(submitted()) == 1
+
+        with cluster.client() as client:
+            dag, D = _gpu_dag()
+            x = jnp.linspace(-1.0, 2.0, 5)
+            with distributed.get_task_stream(client) as ts:
+                res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
+            assert_tree_close(res["D"].grad, jax.grad(D)(x), rtol=1e-4)
+            with client.as_current():
+                layers = daskdag.grads(dag, x, ["D", "E"]).__dask_graph__().layers.values()
+            needs_gpu = {k for layer in layers
+                         if "GPU" in ((layer.annotations or {}).get("resources") or {})
+                         for k in layer}
+            gpu = {a for a, w in live_workers(client).items() if w.get("resources") == {"GPU": 1}}
+            placed = {t["worker"] for t in ts.data if t["key"] in needs_gpu}
+            assert len(gpu) == 1 and placed == gpu
+
+            cluster.adapt(minimum=0, maximum=2, gpu_minimum=1, gpu_maximum=2, interval="500ms",
+                          wait_count=3)
+            cpu_work = client.map(_busy, range(16), pure=False)
+            gpu_work = client.map(_busy, range(100, 106), pure=False, resources={"GPU": 1})
+            seen = set()
+            until(lambda: seen.add(jobs()) or jobs() == (2, 2), "not scaled up to (2, 2)")
+            assert client.gather(cpu_work + gpu_work) == [*range(16), *range(100, 106)]
+            # Idle means no tasks and no results held: distributed keeps a worker holding
+            # results that futures still reference.
+            del cpu_work, gpu_work
+            assert max(c for c, _ in seen) <= 2 and max(g for _, g in seen) <= 2
+            until(lambda: jobs() == (0, 1) and len(running()) == 1, "not scaled down idle")
+        cancelled = (tmp_path / "cancelled").read_text().split()
+        assert len(submitted()) >= 4 and sorted(cancelled + running()) == sorted(submitted())
+    finally:
+        cluster.close()
+        for pid in running():
+            os.killpg(int(pid), 9)
+
+
 # ---------------------------------------------------------------------------------------------
 # A real Slurm: slurmctld and slurmd on this machine (Debian's slurm-wlm and munge, which
 # .ci/run installs), jobs submitted with sbatch by CPUGPUCluster, killed at their --time.
@@ -1200,18 +1392,34 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 """
 
 
+def _daemon_logs(d) -> str:
+    return "\n".join(f"--- {f.name}:\n{f.read_text(errors='replace')[-1500:]}"
+                     for f in sorted(d.glob("*.log")) if f.stat().st_size)
+
+
 @pytest.fixture
 def slurm_daemons(tmp_path, monkeypatch):
     """munged, slurmctld and slurmd for this test alone (own sockets, ports, state), as root;
-    ``SLURM_CONF`` set so that sbatch, squeue and scancel talk to them."""
+    ``SLURM_CONF`` set so that sbatch, squeue and scancel talk to them.
+
+    Skipped only where Slurm cannot run at all: its programs missing, not runnable (``-V``), or
+    the test not root (slurmd must be, to start jobs). Daemons that do not start with this
+    test's configuration fail the test, with their logs: that is the set-up's fault."""
     tools = {t: shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin")
-             for t in ("munged", "slurmctld", "slurmd", "sbatch", "squeue")}
+             for t in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")}
     missing = [t for t, p in tools.items() if p is None]
     if missing:
         pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing; .ci/run installs "
                     f"Debian's slurm-wlm and munge)")
     if os.geteuid() != 0:
         pytest.skip("slurmd must run as root to start jobs")
+    for t in ("munged", "slurmctld", "slurmd"):
+        try:
+            version = subprocess.run([tools[t], "-V"], capture_output=True, text=True, timeout=30)
+        except OSError as e:
+            pytest.skip(f"{t} cannot run here: {e}")
+        if version.returncode:
+            pytest.skip(f"{t} cannot run here: {t} -V says {version.stderr.strip()[-300:]}")
     d = tmp_path / "slurm"
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
@@ -1221,33 +1429,38 @@ def slurm_daemons(tmp_path, monkeypatch):
         d_port=free_port(), node="daskdagnode", cpus=os.cpu_count() or 2))
     monkeypatch.setenv("SLURM_CONF", str(conf))
     started = []
+
+    def output(name):  # each daemon's own output, beside its log, for a failure's message
+        return open(d / f"{name}.out.log", "w")
+
     try:
-        started.append(subprocess.Popen(
-            [tools["munged"], "--foreground", "--force", f"--socket={d}/munge.socket",
-             f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
-             f"--log-file={d}/munged.log"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        with output("munged") as out:
+            started.append(subprocess.Popen(
+                [tools["munged"], "--foreground", "--force", f"--socket={d}/munge.socket",
+                 f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
+                 f"--log-file={d}/munged.log"], stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 20
         while not (d / "munge.socket").exists():
             if started[0].poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"munged does not start here: {started[0].stderr.read().decode()[-300:]}")
+                pytest.fail(f"munged did not start with the test's options:\n{_daemon_logs(d)}")
             time.sleep(0.1)
         for daemon, extra in (("slurmctld", ["-i"]), ("slurmd", ["-N", "daskdagnode"])):
-            started.append(subprocess.Popen([tools[daemon], "-D", "-f", str(conf), *extra],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            with output(daemon) as out:
+                started.append(subprocess.Popen([tools[daemon], "-D", "-f", str(conf), *extra],
+                                                stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 60
         while True:
-            out = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True,
-                                 text=True)
+            out = subprocess.run([tools["sinfo"], "--noheader", "--format=%t"],
+                                 capture_output=True, text=True, timeout=30)
             if out.returncode == 0 and out.stdout.strip() == "idle":
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in started):
-                log = "".join((d / f).read_text()[-400:] for f in ("slurmctld.log", "slurmd.log")
-                              if (d / f).exists())
-                pytest.skip(f"Slurm does not start here: {out.stderr.strip()} {log}")
+                pytest.fail(f"Slurm did not start with the test's slurm.conf (sinfo: "
+                            f"{out.stdout.strip()} {out.stderr.strip()}):\n{_daemon_logs(d)}")
             time.sleep(0.5)
         yield d
     finally:
-        subprocess.run(["scancel", "--full", "--partition=test"], capture_output=True)
+        subprocess.run([tools["scancel"], "--full", "--partition=test"], capture_output=True)
         for p in reversed(started):
             p.terminate()
         for p in reversed(started):

@@ -1,0 +1,581 @@
+"""daskdag on a Slurm cluster with dask-jobqueue: CPU jobs and GPU jobs under one TLS scheduler.
+
+Run it on a login node (or any host the compute nodes reach) in an environment with daskdag and
+the versions the jobs use (``pip install -c deploy/constraints.txt -e '.[deploy]'`` on a shared
+filesystem), with certificates where the jobs can read them::
+
+    daskdag certs ~/.daskdag/certs                                    # once
+    python -m daskdag.deploy.slurm --print-scripts --account ACCT     # the two job scripts
+    python -m daskdag.deploy.slurm --account ACCT                     # 2 CPU + 1 GPU jobs, a DAG
+
+From Python::
+
+    from daskdag.deploy import slurm
+    client = slurm.connect("~/.daskdag/certs", cpu_jobs=2, gpu_jobs=1, account="ACCT")
+    res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
+
+How it fits together: dask-jobqueue runs the Dask scheduler inside this Python process and
+submits each worker as a batch job whose script runs ``python -m distributed.cli.dask_worker
+tls://<this host>:<port> ... --tls-ca-file ... --tls-cert ... --tls-key ...``. Every connection
+(client, scheduler, workers) is mutual TLS with the files of ``daskdag certs``, which must lie on
+a filesystem the compute nodes share (the key's mode 0600 suffices: jobs run as you). The
+dashboard listens on this host's loopback only, over HTTPS: ``ssh -L 8787:localhost:8787 LOGIN``.
+
+Job sizes come from dask-jobqueue's configuration (``jobqueue.yaml``, or any Dask config): the
+CPU jobs from its ``jobqueue.slurm`` section, the GPU jobs from a ``jobqueue.slurm-gpu`` section,
+whose keys are the same; a key the GPU section leaves out or sets to null is taken from
+``jobqueue.slurm`` (account, python, walltime, ...). Keyword arguments win over the config; the
+config wins over daskdag's defaults (:data:`CPU_JOB`, :data:`GPU_JOB`), which fill in only what
+the config leaves unset. Two things daskdag adds to every job unless the job's own settings
+already say them: ``export JAX_PLATFORMS=cpu`` (CPU jobs) or ``=cuda`` (GPU jobs) at the top of
+the prologue, and ``--resources GPU=1`` among the GPU workers' arguments (daskdag's
+``device="gpu"`` nodes run only on workers advertising it).
+
+One scheduler holds both kinds of job. dask-jobqueue's ``SLURMCluster`` submits jobs of one kind;
+two of them would be two schedulers, and one ``compute_grads`` call needs its CPU and GPU workers
+on the same one. So :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler, and the CPU
+job template) and a GPU job template; :meth:`CPUGPUCluster.scale` sets how many jobs of each kind
+run, :meth:`CPUGPUCluster.keep` replaces jobs that reached their time limit, and
+:meth:`CPUGPUCluster.adapt` sizes both kinds by the load (:class:`CPUGPUAdaptive`). Use these,
+rather than ``SLURMCluster.scale`` or ``adapt``, which know one kind only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+from dask_jobqueue import SLURMCluster
+from distributed import Client, Security
+from distributed.deploy.adaptive import Adaptive
+
+import daskdag
+from daskdag.cli import tls
+
+CERTS = "~/.daskdag/certs"
+
+# daskdag's defaults, in jobqueue.yaml's spelling; each applies only where the config leaves the
+# key unset (null). CPU jobs (the ``jobqueue.slurm`` section): one worker process per job, with
+# threads = cores.
+CPU_JOB: dict[str, Any] = {"cores": 8, "memory": "32GB", "processes": 1}
+
+# GPU jobs (the ``jobqueue.slurm-gpu`` section): one GPU, one worker thread (JAX queues work on
+# the device; one node at a time keeps memory predictable), 8 cores booked for the host side.
+GPU_JOB: dict[str, Any] = {
+    "name": "daskdag-gpu",
+    "cores": 1,
+    "job-cpu": 8,
+    "memory": "64GB",
+    "processes": 1,
+    "job-extra-directives": ["--gres=gpu:1"],
+    "job-script-prologue": ["export XLA_PYTHON_CLIENT_PREALLOCATE=false"],
+}
+
+# Keys of a jobqueue section that configure the cluster (its scheduler), not a job.
+_CLUSTER_KEYS = {"scheduler-options", "shared-temp-directory", "interface"}
+
+
+def security(certs: str = CERTS) -> Security:
+    """Mutual TLS for every role, all with the one certificate ``daskdag certs`` writes.
+
+    Args:
+        certs: the directory of ``daskdag certs``.
+
+    Returns:
+        The ``Security`` of the scheduler here, of the workers in the jobs and of the client.
+    """
+    return tls.security(certs, roles=tls.ROLES)
+
+
+def _kwarg(key: str) -> str:
+    """A jobqueue.yaml key as dask-jobqueue's keyword (``job-cpu`` -> ``job_cpu``)."""
+    return "job_name" if key == "name" else key.replace("-", "_")
+
+
+def _section(name: str) -> dict[str, Any]:
+    section = dask.config.get(f"jobqueue.{name}", default=None) or {}
+    return {k.replace("_", "-"): v for k, v in section.items()}
+
+
+def _with_jax_platform(prologue: list[str] | None, platform: str) -> list[str]:
+    prologue = list(prologue or [])
+    if any("JAX_PLATFORMS" in line for line in prologue):
+        return prologue
+    return [f"export JAX_PLATFORMS={platform}", *prologue]
+
+
+def cpu_job_options(config_name: str = "slurm", **job: Any) -> dict[str, Any]:
+    """The keywords of the CPU jobs, as :func:`make_cluster` gives them to ``SLURMCluster``.
+
+    Args:
+        config_name: the jobqueue section of the CPU jobs.
+        **job: ``SLURMCluster`` job keywords; they win over the config.
+
+    Returns:
+        ``job``, with :data:`CPU_JOB`'s values for keys that neither ``job`` nor the config set,
+        and the prologue that sets ``JAX_PLATFORMS=cpu``. Keys left out are read from the config
+        by dask-jobqueue itself.
+    """
+    config = _section(config_name)
+    options = {_kwarg(k): v for k, v in CPU_JOB.items() if config.get(k) is None}
+    options.update(job)
+    prologue = options.get("job_script_prologue", config.get("job-script-prologue"))
+    options["job_script_prologue"] = _with_jax_platform(prologue, "cpu")
+    return options
+
+
+def gpu_job_options(config_name: str = "slurm-gpu", **job: Any) -> dict[str, Any]:
+    """The keywords of the GPU jobs: keywords, then the GPU section, then :data:`GPU_JOB`.
+
+    Args:
+        config_name: the jobqueue section of the GPU jobs (``slurm-gpu``); it need not exist.
+        **job: ``SLURMCluster`` job keywords; they win over the config.
+
+    Returns:
+        The keywords for the GPU job class; keys neither set (null counts as unset) are left
+        out, so that dask-jobqueue reads them from the CPU jobs' section. The prologue sets
+        ``JAX_PLATFORMS=cuda`` and the worker arguments hold ``--resources GPU=1`` unless they
+        already say otherwise.
+    """
+    config = {**GPU_JOB, **{k: v for k, v in _section(config_name).items() if v is not None}}
+    options = {_kwarg(k): v for k, v in config.items() if k not in _CLUSTER_KEYS}
+    options.update(job)
+    options["job_script_prologue"] = _with_jax_platform(options.get("job_script_prologue"),
+                                                        "cuda")
+    args = list(options.get("worker_extra_args") or [])
+    if not any(a.startswith("--resources") for a in args):
+        args += ["--resources", "GPU=1"]
+    options["worker_extra_args"] = args
+    return options
+
+
+@dataclass
+class CPUGPUCluster:
+    """A Dask scheduler in this process with two kinds of Slurm jobs: CPU and GPU workers."""
+
+    slurm: SLURMCluster  # the scheduler, and the template of the CPU jobs
+    gpu_spec: dict = field(repr=False)  # the template of the GPU jobs, for the same scheduler
+    _stop_keeping: threading.Event | None = field(default=None, repr=False)
+    _adaptive: CPUGPUAdaptive | None = field(default=None, repr=False)
+
+    def scale(self, cpu_jobs: int, gpu_jobs: int) -> None:
+        """Run ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs: submit or cancel the difference.
+
+        Jobs that ended (time limit reached, cancelled, node lost) count as gone: calling it
+        again with the same numbers replaces them (:meth:`keep` does so every few seconds).
+        Stops :meth:`adapt` and :meth:`keep`.
+
+        Args:
+            cpu_jobs: how many CPU jobs to run.
+            gpu_jobs: how many GPU jobs to run.
+        """
+        self._stop_adapting()
+        self._stop_keep()
+        self._rescale(cpu_jobs, gpu_jobs)
+
+    def _rescale(self, cpu_jobs: int, gpu_jobs: int) -> None:
+        self._forget(self.ended())
+        self._set(cpu_jobs, gpu_jobs)
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
+            self.slurm.worker_spec.pop(name, None)
+
+    def _set(self, cpu_jobs: int, gpu_jobs: int) -> None:
+        spec = self.slurm.worker_spec
+        gpu = [n for n in spec if self._is_gpu(n)]
+        cpu = [n for n in spec if not self._is_gpu(n)]
+        for name in cpu[cpu_jobs:] + gpu[gpu_jobs:]:
+            del spec[name]
+        for _ in range(cpu_jobs - len(cpu)):
+            spec.update(self.slurm.new_worker_spec())
+        i = 0
+        for _ in range(gpu_jobs - len(gpu)):
+            while f"{self.slurm.name}-gpu-{i}" in spec:
+                i += 1
+            spec[f"{self.slurm.name}-gpu-{i}"] = self.gpu_spec
+        self.slurm.scale(jobs=len(spec))  # the spec is complete: this submits and cancels jobs
+
+    def ended(self) -> list[str]:
+        """The jobs submitted that Slurm no longer lists (``squeue``).
+
+        Returns:
+            Their worker names (empty where Slurm does not answer).
+        """
+        started = {name: job.job_id for name, job in self.slurm.workers.items()
+                   if name in self.slurm.worker_spec and getattr(job, "job_id", None)}
+        if not started:
+            return []
+        listed = subprocess.run(["squeue", "--noheader", "--format=%i"], check=False,
+                                capture_output=True, text=True, timeout=30)
+        if listed.returncode:  # (Slurm not answering: nothing is known to have ended)
+            return []
+        alive = set(listed.stdout.split())
+        return [name for name, job_id in started.items() if job_id not in alive]
+
+    def keep(self, cpu_jobs: int, gpu_jobs: int, every: float = 10.0) -> None:
+        """Keep that many CPU and GPU jobs running, replacing those that end.
+
+        Until :meth:`close`, :meth:`scale` or :meth:`adapt`: every ``every`` seconds, jobs that ended (their ``--time`` reached) are replaced by new
+        ones. A sweep with a ``store=`` goes on through the change of jobs, computing again only
+        the chunks that were running in the jobs that ended.
+
+        Args:
+            cpu_jobs: how many CPU jobs to keep.
+            gpu_jobs: how many GPU jobs to keep.
+            every: seconds between two looks at Slurm's queue.
+        """
+        self.scale(cpu_jobs, gpu_jobs)
+        stop = threading.Event()
+        self._stop_keeping = stop
+
+        def keeping():
+            while not stop.wait(every):
+                try:
+                    if self.ended() and self.slurm.loop is not None:
+                        self.slurm.loop.add_callback(self._rescale, cpu_jobs, gpu_jobs)
+                except Exception as e:  # noqa: BLE001 (squeue hung, or the cluster closing): next time
+                    print(f"CPUGPUCluster.keep: {e!r}", file=sys.stderr)
+
+        threading.Thread(target=keeping, daemon=True, name="slurm-keep").start()
+
+    def adapt(self, minimum: int = 0, maximum: int = 10, *, gpu_minimum: int = 1,
+              gpu_maximum: int = 1, **kwargs: Any) -> CPUGPUAdaptive:
+        """Size both kinds of job by the load, until :meth:`scale`, :meth:`keep` or :meth:`close`.
+
+        CPU jobs follow distributed's adaptive rule (the scheduler's ``adaptive_target``: enough
+        workers to finish the queued work in ``target_duration``, idle workers retired), within
+        ``minimum`` and ``maximum``. GPU jobs follow the tasks that need a GPU (a Dask resource
+        ``GPU``): as many jobs as such tasks are ready to run or running (each GPU worker runs
+        one at a time), within ``gpu_minimum`` and ``gpu_maximum``. Jobs of either kind are cancelled
+        after ``wait_count`` looks in a row found them idle and above their kind's target; jobs
+        that ended (time limit) are forgotten, and replaced if the load still asks for them.
+
+        A daskdag call checks when it starts that some worker offers each node's resources, and
+        refuses at once otherwise (only for "no worker at all" does it wait, and that wait makes
+        the CPU jobs scale up). So for calls with ``device="gpu"`` nodes keep ``gpu_minimum`` at
+        1 or more (the default) and let the GPU job start first (:meth:`wait_for_workers`);
+        ``gpu_minimum=0`` suits GPU tasks submitted as plain Dask tasks, which wait for a worker.
+
+        Args:
+            minimum: fewest CPU jobs.
+            maximum: most CPU jobs.
+            gpu_minimum: fewest GPU jobs.
+            gpu_maximum: most GPU jobs.
+            **kwargs: distributed's ``Adaptive`` keywords: ``interval``, ``wait_count``,
+                ``target_duration`` (defaults from Dask's ``distributed.adaptive`` config).
+
+        Returns:
+            The running :class:`CPUGPUAdaptive`; ``.stop()`` ends it, leaving the jobs as they are.
+        """
+        self._stop_adapting()
+        self._stop_keep()
+        self._adaptive = CPUGPUAdaptive(self, minimum=minimum, maximum=maximum,
+                                        gpu_minimum=gpu_minimum, gpu_maximum=gpu_maximum,
+                                        **kwargs)
+        return self._adaptive
+
+    def wait_for_workers(self, cpu: int = 0, gpu: int = 0, timeout: float | None = None) -> None:
+        """Wait until at least ``cpu`` CPU workers and ``gpu`` GPU workers have connected.
+
+        Args:
+            cpu: CPU workers to wait for.
+            gpu: GPU workers to wait for.
+            timeout: seconds, or None to wait as long as it takes.
+
+        Raises:
+            TimeoutError: they did not all connect within ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            names = [w["name"] for w in self.slurm.scheduler_info.get("workers", {}).values()]
+            found_gpu = sum(1 for n in names if self._is_gpu(n))
+            if found_gpu >= gpu and len(names) - found_gpu >= cpu:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(names) - found_gpu} CPU and {found_gpu} GPU workers "
+                                   f"after {timeout:g} s; waited for {cpu} and {gpu}")
+            time.sleep(0.2)
+
+    def _stop_keep(self) -> None:
+        if self._stop_keeping is not None:
+            self._stop_keeping.set()
+            self._stop_keeping = None
+
+    def _stop_adapting(self) -> None:
+        if self._adaptive is not None:
+            self._adaptive.stop(reason="scaled by hand")
+            self._adaptive = None
+
+    def _is_gpu(self, name: Any) -> bool:
+        spec = self.slurm.worker_spec.get(name)
+        return spec is self.gpu_spec or str(name).startswith(f"{self.slurm.name}-gpu-")
+
+    def job_scripts(self) -> dict[str, str]:
+        """The batch scripts of a CPU job and of a GPU job, as ``sbatch`` would get them.
+
+        Returns:
+            ``{"cpu": script, "gpu": script}``, with the worker name ``dummy-name``, which each
+            submitted job replaces by its own.
+        """
+        gpu_job = self.gpu_spec["cls"](self.slurm.scheduler_address, name="dummy-name",
+                                       **self.gpu_spec["options"])
+        return {"cpu": self.slurm.job_script(), "gpu": gpu_job.job_script()}
+
+    def client(self) -> Client:
+        """A client of this cluster's scheduler, with the cluster's ``Security``.
+
+        Returns:
+            The client.
+        """
+        return Client(self.slurm)
+
+    def close(self) -> None:
+        """Cancel every job and stop the scheduler."""
+        self._stop_adapting()
+        self._stop_keep()
+        self.slurm.close()
+
+
+class CPUGPUAdaptive(Adaptive):
+    """distributed's ``Adaptive`` for the CPU jobs of a :class:`CPUGPUCluster`, and a target of
+    GPU jobs from the tasks that need a GPU (see :meth:`CPUGPUCluster.adapt`)."""
+
+    def __init__(self, jobs: CPUGPUCluster, *, gpu_minimum: int = 1, gpu_maximum: int = 1,
+                 **kwargs: Any) -> None:
+        self.jobs = jobs
+        self.gpu_minimum, self.gpu_maximum = gpu_minimum, gpu_maximum
+        self.gpu_close_counts: defaultdict[str, int] = defaultdict(int)
+        super().__init__(jobs.slurm, **kwargs)
+
+    # The CPU workers only: what distributed's rule sees of the cluster.
+    @property
+    def plan(self) -> set:
+        return {n for n in self.cluster.plan if not self.jobs._is_gpu(n)}
+
+    @property
+    def requested(self) -> set:
+        return {n for n in self.cluster.requested if not self.jobs._is_gpu(n)}
+
+    @property
+    def observed(self) -> set:
+        return {n for n in self.cluster.observed if not self.jobs._is_gpu(n)}
+
+    @property
+    def _scheduler(self) -> Any:  # (the Scheduler object: dask-jobqueue runs it in this process)
+        return self.jobs.slurm.scheduler
+
+    def _gpu_workers(self) -> list:
+        return [ws for ws in self._scheduler.workers.values() if self.jobs._is_gpu(ws.name)]
+
+    async def target(self) -> int:
+        """CPU jobs wanted: the scheduler's adaptive target less the GPU workers it counted."""
+        n = await self.scheduler.adaptive_target(target_duration=self.target_duration)
+        return n - len(self._gpu_workers())
+
+    async def workers_to_close(self, target: int) -> list[str]:
+        """Idle CPU workers to retire to come down to ``target`` of them, least data first.
+
+        (The scheduler's own choice counts the GPU workers, and would offer those.) Retiring
+        moves their data to the workers that stay.
+        """
+        cpu = [ws for ws in self._scheduler.workers.values() if not self.jobs._is_gpu(ws.name)]
+        idle = sorted((ws for ws in cpu if not ws.processing and not ws.long_running),
+                      key=lambda ws: ws.nbytes)
+        return [ws.name for ws in idle[:max(0, len(cpu) - target)]]
+
+    async def scale_up(self, n: int) -> None:  # type: ignore[override]
+        """Run ``n`` CPU jobs, the GPU jobs as they are."""
+        gpu = sum(1 for name in self.jobs.slurm.worker_spec if self.jobs._is_gpu(name))
+        self.jobs._set(n, gpu)
+
+    def gpu_target(self) -> int:
+        """GPU jobs wanted: the tasks needing a GPU that are ready or run, within the bounds.
+
+        Tasks still waiting for their inputs do not count: a chain of GPU nodes asks for one
+        job, GPU nodes that can run side by side for one each.
+
+        Returns:
+            The number of GPU jobs.
+        """
+        wanted = len([ts for ts in self._scheduler.tasks.values()
+                      if (ts.resource_restrictions or {}).get("GPU")
+                      and ts.state in ("no-worker", "queued", "processing")])
+        return max(self.gpu_minimum, min(self.gpu_maximum, wanted))
+
+    async def adapt(self) -> None:
+        """One look: forget ended jobs, size the CPU jobs, then the GPU jobs."""
+        ended = await asyncio.to_thread(self.jobs.ended)
+        self.jobs._forget(ended)
+        await super().adapt()
+        await self._adapt_gpu()
+
+    async def _adapt_gpu(self) -> None:
+        spec = self.jobs.slurm.worker_spec
+        names = [n for n in spec if self.jobs._is_gpu(n)]
+        target = self.gpu_target()
+        cpu = len(spec) - len(names)
+        if target > len(names):
+            self.gpu_close_counts.clear()
+            self.jobs._set(cpu, target)
+            return
+        arrived = {ws.name: ws for ws in self._gpu_workers()}
+        # Not yet started jobs go first, then idle workers; a busy GPU worker is kept.
+        idle = [n for n in names if n not in arrived] + [
+            n for n in names if n in arrived and not arrived[n].processing]
+        to_close = idle[:len(names) - target]
+        for n in list(self.gpu_close_counts):
+            if n not in to_close:
+                del self.gpu_close_counts[n]
+        firm = []
+        for n in to_close:
+            self.gpu_close_counts[n] += 1
+            if self.gpu_close_counts[n] >= self.wait_count:
+                firm.append(n)
+                del self.gpu_close_counts[n]
+        if firm:
+            started = [n for n in firm if n in arrived]
+            if started:
+                await self.scheduler.retire_workers(names=started, remove=True,
+                                                    close_workers=True)
+            await self.jobs.slurm.scale_down(firm)
+
+
+def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str | None = None,
+                 gpu_queue: str | None = None, interface: str | None = None,
+                 cpu_job: dict[str, Any] | None = None, gpu_job: dict[str, Any] | None = None,
+                 scheduler_options: dict[str, Any] | None = None, config_name: str = "slurm",
+                 gpu_config_name: str = "slurm-gpu") -> CPUGPUCluster:
+    """Start the scheduler here, over TLS; submit nothing yet (see :meth:`CPUGPUCluster.scale`).
+
+    Args:
+        certs: the directory of ``daskdag certs``, on a filesystem the jobs share.
+        account: Slurm's ``-A`` for every job (else the config's ``account``).
+        queue: Slurm's ``-p`` for every job (else the config's ``queue``).
+        gpu_queue: the partition of the GPU jobs, where it differs from ``queue``.
+        interface: the network interface (``ib0``, ``eth0``) of the scheduler and workers.
+        cpu_job: ``SLURMCluster`` job keywords of the CPU jobs (``cores``, ``memory``,
+            ``walltime``, ...); they win over the config's ``jobqueue.<config_name>`` section.
+        gpu_job: the same for the GPU jobs, over ``jobqueue.<gpu_config_name>``.
+        scheduler_options: overrides of the scheduler's options.
+        config_name: the jobqueue section of the CPU jobs.
+        gpu_config_name: the jobqueue section of the GPU jobs.
+
+    Returns:
+        The cluster, with no job yet.
+    """
+    sec = security(certs)
+    cert = sec.tls_scheduler_cert  # type: ignore[attr-defined]
+    cpu = cpu_job_options(config_name, **(cpu_job or {}))
+    options = {"dashboard_address": "127.0.0.1:8787", **(scheduler_options or {})}
+    # The dashboard serves HTTPS with the same certificate (Dask reads this when it starts).
+    key = sec.tls_scheduler_key  # type: ignore[attr-defined]
+    with dask.config.set({"distributed.scheduler.dashboard.tls.cert": cert,
+                          "distributed.scheduler.dashboard.tls.key": key}):
+        slurm = SLURMCluster(security=sec, protocol="tls://", interface=interface,
+                             account=account, queue=queue, scheduler_options=options,
+                             config_name=config_name, **cpu)
+    # The GPU template: what dask-jobqueue resolved for the CPU jobs' connection (TLS files as
+    # the workers see them, protocol, interface) and section (read for what the GPU section
+    # leaves unset), with the GPU jobs' settings.
+    resolved = {k: v for k, v in slurm.new_spec["options"].items()
+                if k in ("security", "protocol", "interface", "config_name")}
+    gpu = gpu_job_options(gpu_config_name, **(gpu_job or {}))
+    for key, value in (("account", account), ("queue", gpu_queue or queue)):
+        if value is not None:
+            gpu[key] = value
+    return CPUGPUCluster(slurm, {"cls": slurm.job_cls, "options": {**resolved, **gpu}})
+
+
+def connect(certs: str = CERTS, cpu_jobs: int = 2, gpu_jobs: int = 1, wait: bool = True,
+            **kw: Any) -> Client:
+    """Start the cluster, submit the jobs, return a client.
+
+    The cluster stops, cancelling its jobs, when this process ends, or on
+    ``client.cluster.close()``.
+
+    Args:
+        certs: the directory of ``daskdag certs``.
+        cpu_jobs: how many CPU jobs to submit.
+        gpu_jobs: how many GPU jobs to submit.
+        wait: return only once every job's worker has connected.
+        **kw: :func:`make_cluster`'s keywords.
+
+    Returns:
+        A client of the cluster.
+    """
+    cluster = make_cluster(certs, **kw)
+    cluster.scale(cpu_jobs, gpu_jobs)
+    client = cluster.client()
+    if wait:
+        client.wait_for_workers(cpu_jobs + gpu_jobs)
+    return client
+
+
+def _demo(client: Client) -> float:
+    """A DAG with a GPU node; returns the largest gradient difference to plain JAX."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def heavy(a, w):
+        return jnp.tanh(a @ w)
+
+    dag = {"A": (jnp.sin, ["x"]),
+           "H": daskdag.Node(heavy, ["A", "w"], device="gpu"),
+           "D": (jnp.sum, ["H"]),
+           "E": (lambda h: jnp.max(h), ["H"])}
+    x, w = jnp.linspace(-1, 1, 64), jnp.eye(64) / 2
+    res = daskdag.compute_grads(dag, {"x": x, "w": w}, ["D", "E"], client=client)
+    ref = jax.grad(lambda x: jnp.sum(heavy(jnp.sin(x), w)))(x)
+    return float(np.max(np.abs(np.asarray(res["D"].grad["x"]) - np.asarray(ref))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m daskdag.deploy.slurm``: print the job scripts, or run a DAG on the jobs.
+
+    Args:
+        argv: the command line's arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit status: 0 when the gradients agree with plain JAX.
+    """
+    p = argparse.ArgumentParser(prog="python -m daskdag.deploy.slurm",
+                                description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--certs", default=CERTS)
+    p.add_argument("--account")
+    p.add_argument("--queue")
+    p.add_argument("--gpu-queue")
+    p.add_argument("--interface")
+    p.add_argument("--cpu-jobs", type=int, default=2)
+    p.add_argument("--gpu-jobs", type=int, default=1)
+    p.add_argument("--print-scripts", action="store_true",
+                   help="print the CPU and GPU job scripts and exit, submitting nothing")
+    a = p.parse_args(argv)
+    cluster = make_cluster(a.certs, account=a.account, queue=a.queue, gpu_queue=a.gpu_queue,
+                           interface=a.interface)
+    try:
+        if a.print_scripts:
+            for kind, script in cluster.job_scripts().items():
+                print(f"# ---- {kind} job ----\n{script}")
+            return 0
+        cluster.scale(a.cpu_jobs, a.gpu_jobs)
+        with cluster.client() as client:
+            client.wait_for_workers(a.cpu_jobs + a.gpu_jobs)
+            err = _demo(client)
+        print(f"largest gradient difference to plain JAX: {err:.2e}")
+        return 0 if err < 1e-4 else 1
+    finally:
+        cluster.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
