@@ -89,6 +89,24 @@ def test_readme_is_at_most_8_kb():
                           f"move the details to a page of docs/")
 
 
+def test_code_blocks_fit_a_1280_px_window():
+    """Code-block lines of README.md and docs/, and the examples/ scripts the gallery shows
+    whole, are at most 88 characters: docs/stylesheets/extra.css sizes code so that 88 fit the
+    content column at 1280 px (checked in headless Chromium), and a longer line is cut off."""
+    long = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        inside = False
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside and len(line) > 88:
+                long.append(f"{page.relative_to(ROOT)}:{n}")
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        long += [f"{script.relative_to(ROOT)}:{n}"
+                 for n, line in enumerate(script.read_text().splitlines(), 1) if len(line) > 88]
+    assert not long, f"code lines over 88 characters: {long}"
+
+
 def test_api_page_lists_every_public_name():
     import daskdag
 
