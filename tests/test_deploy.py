@@ -995,8 +995,10 @@ def test_make_cluster_and_from_name_connect_over_tls(certs, monkeypatch):
     with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
                       dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
         # A scheduler the operator started has no cluster manager's record yet (KubeCluster
-        # would take this LocalCluster's name from it).
+        # would take this LocalCluster's name from it), and no cluster object watching its
+        # workers (the scheduler keeps one such watch, and warns when a second replaces it).
         local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        local.scheduler.remove_plugin(name="worker-status")
         port = int(local.scheduler_address.rsplit(":", 1)[1])
         fake = _FakeKube(port, local.scheduler.http_server.port)
         fake.install(monkeypatch, kc)
@@ -1028,6 +1030,7 @@ def test_make_cluster_and_from_name_connect_over_tls(certs, monkeypatch):
     with LocalCluster(n_workers=1, processes=False, protocol="tls://", security=servers,
                       dashboard_address="127.0.0.1:0", scheduler_sync_interval=3600) as local:
         local.scheduler.task_metadata.pop("cluster-manager-info", None)
+        local.scheduler.remove_plugin(name="worker-status")
         port = int(local.scheduler_address.rsplit(":", 1)[1])
         fake = _FakeKube(port, local.scheduler.http_server.port, existing=_manifests()[0])
         fake.install(monkeypatch, kc)
