@@ -64,4 +64,5 @@ def run(quick: bool, clients: dict) -> dict:
         "first call's modules / jax": ("first call's modules", "jax"),
         "--version / jax": ("--version", "jax")})]
     return {"title": TITLE, "config": {"reps": reps, "python": sys.version.split()[0]},
-            "cases": cases, "targets": []}
+            "cases": cases, "targets": [],
+            "where": {m: "a fresh Python process each" for m in times}}
