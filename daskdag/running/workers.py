@@ -51,30 +51,29 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2 ** 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the adaptive rule's limit
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the mmap threshold
 
-# The plugin travels by value (distributed then pickles it with cloudpickle), needing only the
+# The plugins travel by value (distributed then pickles them with cloudpickle), needing only the
 # standard library and distributed on the worker: a worker joining later with another daskdag,
-# one without this module, unpickles it at start, and an error there would stop the worker from
-# starting at all. The version check then names that worker, as it should. (So this module
-# holds nothing else: whatever its functions use travels with the plugin.)
+# or none, unpickles them at start, and an error there would stop the worker from starting at
+# all. The version check then names that worker, as it should. (So this module holds nothing
+# else: whatever its functions use travels with the plugins.)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def __getattr__(name: str):
-    # TuneMalloc is made when first asked for (a cluster call registers it): its base class is
-    # distributed's, whose import a call on threads never pays.
-    if name == "TuneMalloc":
-        return _plugin_class()
-    if name == "Serializers":
-        return _serializers_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Each plugin class is made when first asked for (a cluster call registers it): its base
+    # class is distributed's, whose import a call on threads never pays.
+    if name not in _made:
+        make = {"TuneMalloc": _tune_malloc_class, "Serializers": _serializers_class}.get(name)
+        if make is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        _made[name] = make()
+    return _made[name]
 
 
-_made: list = []
+_made: dict[str, type] = {}
 
 
-def _plugin_class() -> type:
-    if _made:
-        return _made[0]
+def _tune_malloc_class() -> type:
     from distributed import WorkerPlugin
 
     class TuneMalloc(WorkerPlugin):
@@ -100,13 +99,10 @@ def _plugin_class() -> type:
                 self.applied, self.reason = None, f"failed: {type(e).__name__}: {e}"
 
     TuneMalloc.__qualname__ = "TuneMalloc"
-    _made.append(TuneMalloc)
     return TuneMalloc
 
 
 def _serializers_class() -> type:
-    if _made_serializers:
-        return _made_serializers[0]
     from distributed import WorkerPlugin
 
     class Serializers(WorkerPlugin):
@@ -130,11 +126,7 @@ def _serializers_class() -> type:
             self.registered = True
 
     Serializers.__qualname__ = "Serializers"
-    _made_serializers.append(Serializers)
     return Serializers
-
-
-_made_serializers: list = []
 
 
 def _tune() -> tuple[dict[str, int] | None, str]:
