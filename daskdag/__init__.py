@@ -12,6 +12,7 @@
 >>> dask.compute(call, other_dask_work)
 >>> f = daskdag.value_and_grad(dag, "D")                        # prepared once, called many times
 >>> value, grad = f(x)
+>>> values, grads = f.sweep(xs)                                 # over many items, stacked
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from typing import TYPE_CHECKING, Any
 from daskdag import config as _config  # noqa: E402,F401  (dask.config and yaml only)
 
 if TYPE_CHECKING:  # (what the names are; they are imported when first asked for: _load)
-    from daskdag.api import Result, compute_grads, grads, sweep_grads
-    from daskdag.forward_mode import JVPResult, compute_jvps, jvps
-    from daskdag.hessians import HVPResult, compute_hvps, hvps
-    from daskdag.full_jacobians import jacobian, jacobian_sparsity, jacobians
+    from daskdag.api import (compute_grads, compute_hvps, compute_jvps, grads, hvps, jacobian,
+                             jacobian_sparsity, jacobians, jvps, sweep_grads, sweep_hvps,
+                             sweep_jacobians, sweep_jvps)
+    from daskdag.kinds.gradients import Result
+    from daskdag.kinds.hessians import HVPResult
+    from daskdag.kinds.tangents import JVPResult
     from daskdag.checks import check_grads, check_totals
     from daskdag.caches import clear_caches
     from daskdag.running.jobs import CallInfo
-    from daskdag.transforms import (Prepared, value_and_grad, value_and_jacobian, value_and_jvp,
-                                    value_grad_and_hvp)
+    from daskdag.prepared import (Prepared, grad, value_and_grad, value_and_jacobian,
+                                  value_and_jvp, value_grad_and_hvp)
     from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, StoreError,
                                 TotalCheckError)
     from daskdag.running.lazy import Call
@@ -45,15 +48,17 @@ if TYPE_CHECKING:  # (what the names are; they are imported when first asked for
 # or distributed's modules that they need): the first public name asked for imports them all
 # (_load), so that `import daskdag` and `daskdag --version` stay fast.
 _WHERE = {
-    "daskdag.api": ("Result", "compute_grads", "grads", "sweep_grads"),
-    "daskdag.forward_mode": ("JVPResult", "compute_jvps", "jvps"),
-    "daskdag.hessians": ("HVPResult", "compute_hvps", "hvps"),
-    "daskdag.full_jacobians": ("jacobian", "jacobian_sparsity", "jacobians"),
+    "daskdag.api": ("compute_grads", "grads", "sweep_grads", "jacobian", "jacobians",
+                    "sweep_jacobians", "jacobian_sparsity", "compute_jvps", "jvps", "sweep_jvps",
+                    "compute_hvps", "hvps", "sweep_hvps"),
+    "daskdag.kinds.gradients": ("Result",),
+    "daskdag.kinds.tangents": ("JVPResult",),
+    "daskdag.kinds.hessians": ("HVPResult",),
     "daskdag.checks": ("check_grads", "check_totals"),
     "daskdag.caches": ("clear_caches",),
     "daskdag.running.jobs": ("CallInfo",),
-    "daskdag.transforms": ("Prepared", "value_and_grad", "value_and_jacobian", "value_and_jvp",
-                           "value_grad_and_hvp"),
+    "daskdag.prepared": ("Prepared", "grad", "value_and_grad", "value_and_jacobian",
+                         "value_and_jvp", "value_grad_and_hvp"),
     "daskdag.errors": ("ClusterError", "DAGError", "GradientCheckError", "NodeError",
                        "StoreError", "TotalCheckError"),
     "daskdag.running.lazy": ("Call",),
@@ -92,10 +97,12 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-__all__ = ["compute_grads", "jacobian", "compute_jvps", "sweep_grads", "check_grads",
-           "grads", "jacobians", "jvps", "jacobian_sparsity", "compute_hvps", "hvps", "HVPResult", "Call", "Node", "Result", "JVPResult",
-           "DAGError", "NodeError", "ClusterError", "StoreError", "GradientCheckError", "check_totals",
-           "TotalCheckError", "value_and_grad", "value_and_jacobian", "value_and_jvp",
-           "value_grad_and_hvp", "Prepared", "CallInfo", "clear_caches", "SweepStore"]
+__all__ = ["compute_grads", "jacobian", "compute_jvps", "compute_hvps", "grads", "jacobians",
+           "jvps", "hvps", "sweep_grads", "sweep_jacobians", "sweep_jvps", "sweep_hvps",
+           "jacobian_sparsity", "check_grads", "check_totals", "grad", "value_and_grad",
+           "value_and_jacobian", "value_and_jvp", "value_grad_and_hvp", "Prepared", "Call",
+           "Node", "Result", "JVPResult", "HVPResult", "CallInfo", "DAGError", "NodeError",
+           "ClusterError", "StoreError", "GradientCheckError", "TotalCheckError",
+           "clear_caches", "SweepStore"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

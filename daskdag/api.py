@@ -1,71 +1,72 @@
-"""The public entry points of reverse mode: :func:`compute_grads`, :func:`sweep_grads`,
-their lazy forms, and the results they return (Jacobians: :mod:`daskdag.full_jacobians`). Each checks its arguments
-(:mod:`daskdag.model.request`), builds its graph (:mod:`daskdag.graph`) and runs it
-(:mod:`daskdag.running`; sweeps, :mod:`daskdag.sweeps`)."""
+"""The public calls, each a derivative kind (:mod:`daskdag.kinds`) in one of its forms: now
+(``compute_grads``, ``jacobian``, ``compute_jvps``, ``compute_hvps``), lazily as a Dask
+collection (``grads``, ``jacobians``, ``jvps``, ``hvps``), and over many items
+(``sweep_grads``, ``sweep_jacobians``, ``sweep_jvps``, ``sweep_hvps``); prepared once and
+called many times: :mod:`daskdag.prepared`. Every form of every kind takes ``store=``, runs on
+threads or any cluster, and reuses its preparation and unchanged nodes from call to call: one
+program each (:mod:`daskdag.running.passes`)."""
 
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any, Callable, overload
-
+from typing import TYPE_CHECKING, Any, overload
 
 from daskdag.durable import calls as durable
-from daskdag.errors import DAGError, NodeError
-from daskdag.graph.build import GradientSeeding, build
-from daskdag.graph.stages import Stage, stages_for
-from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
-from daskdag.graph.whole import fits as whole_fits
+from daskdag.graph.sparsity import size as size_of
+from daskdag.kinds.gradients import Gradients, Result
+from daskdag.kinds.hessians import HVPResult, HVPs
+from daskdag.kinds.jacobians import Jacobian, jacobian_patterns
+from daskdag.kinds.tangents import JVPResult, JVPs
+from daskdag.model.jacobian_layout import split_columns
 from daskdag.model.leaves import PyTree
-from daskdag.model.plan import Plan, ship
-from daskdag.model.request import (batched_names, check_chunk_size, check_errors,
-                                   cotangents_for, given_values, one_input, parsed, prepare)
-from daskdag.running import log, programs
+from daskdag.model.request import given_values
 from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, Job, Spreading, call, lazy, not_on_processes
-from daskdag.running.programs import Program
-from daskdag.running.reuse import Kept, kept_part
+from daskdag.running.jobs import call, lazy
 from daskdag.running.lazy import Call
-from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
-from daskdag.running.log import where as where_in_words
-from daskdag.sweeps import arrays, planning, sweep
+from daskdag.running.passes import Derivative
+from daskdag.sweeps import sweep as sweeps
 from daskdag.sweeps.store import SweepStore
-from daskdag.transport import transports
-from daskdag.transport.transports import Transport
 
 if TYPE_CHECKING:
+    import scipy.sparse as sp
     from distributed import Client
     from zarr.abc.store import Store as ZarrStore
 
-    from daskdag.model.spec import Spec
+__all__ = ["Result", "JVPResult", "HVPResult"]
 
-@dataclass(frozen=True, repr=False)
-class Result:
-    """One output's ``value`` and ``grad``, from [`compute_grads`][daskdag.compute_grads],
-    [`jacobian`][daskdag.jacobian] or [`sweep_grads`][daskdag.sweep_grads].
 
-    Attributes:
-        value: the output's value; from a sweep, stacked over the items.
-        grad: shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
-            over the differentiated inputs (for a Jacobian, ``jax.jacrev``'s layout); from a
-            sweep, stacked over the items.
-        failed: from a sweep with ``errors='collect'``, each item that failed and its
-            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
-        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]: mode, passes,
-            whether an earlier call's preparation served it).
-    """
+def now(kind: Derivative, x: PyTree, *data: Any, client: Client | None,
+        scheduler: str | Client | None, progress: bool, store: Any = None) -> Any:
+    """A call of ``kind`` computed now, where ``client`` and ``scheduler`` say, kept in
+    ``store`` where one is given (:mod:`daskdag.durable.calls`)."""
+    client, local = where(client, scheduler)
+    if store is not None:
+        return durable.call(kind, x, *data, client=client, local=local, progress=progress,
+                            store=store)
+    return call(kind, x, *data, client=client, local=local, progress=progress)
 
-    value: Any
-    grad: Any
-    failed: Mapping[int, NodeError] = field(default_factory=dict)
-    info: CallInfo | None = None
 
-    def __repr__(self) -> str:
-        failed = f", failed={dict(self.failed)!r}" if self.failed else ""
-        return f"Result(value={self.value!r}, grad={self.grad!r}{failed}, info={self.info!r})"
+def later(kind: Derivative, x: PyTree, *data: Any, store: Any = None) -> Call:
+    """A call of ``kind`` as a Dask collection, its stages kept in ``store`` where one is
+    given."""
+    if store is not None:
+        return durable.lazy(kind, x, *data, store=store)
+    return lazy(kind, x, *data)
+
+
+def swept(kind: Derivative, xs: PyTree, *data: Any, batched: Sequence[str] | None,
+          chunk_size: int | None, client: Client | None, scheduler: str | Client | None,
+          progress: bool, errors: str, store: Any) -> Any:
+    """``kind`` over every item of ``xs`` (:func:`daskdag.sweeps.sweep.of_kind`); Ctrl-C raises
+    a ``KeyboardInterrupt`` that says what is saved, without daskdag's frames."""
+    client, local = where(client, scheduler)
+    try:
+        return sweeps.of_kind(kind, xs, data, batched=batched, chunk_size=chunk_size,
+                              client=client, local=local, progress=progress, errors=errors,
+                              store=store)
+    except sweeps.Interrupted as e:
+        raise KeyboardInterrupt(str(e)) from None
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -149,16 +150,13 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     print(res["B"].value, res["B"].grad)  # sum(sin(x)**2), sin(2x)
     ```
     """
-    client, local = where(client, scheduler)
-    if store is not None:
-        return durable.call(Grads(dag, outputs, wrt, cotangents), "compute_grads", x,
-                            client=client, local=local, progress=progress, store=store)
-    return call(Grads(dag, outputs, wrt, cotangents), x, client=client, local=local,
-                progress=progress)
+    return now(Gradients(dag, outputs, wrt, cotangents), x, client=client,
+               scheduler=scheduler, progress=progress, store=store)
 
 
 def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
-          wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None) -> Call:
+          wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+          store: str | os.PathLike | ZarrStore | None = None) -> Call:
     """[`compute_grads`][daskdag.compute_grads], not computed yet: a Dask collection (``Call``)
     whose ``.compute()`` returns what [`compute_grads`][daskdag.compute_grads] does; ``dask.compute``,
     ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
@@ -181,202 +179,7 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     print(res.grad, total)
     ```
     """
-    return lazy(Grads(dag, outputs, wrt, cotangents), x)
-
-
-@dataclass(frozen=True)
-class Gradients:
-    """:func:`compute_grads` compiled (:mod:`daskdag.running.programs`): the checked plan, its
-    node functions packed for its ``transport``, its stages, the names of its ``inputs``, and
-    for a call in this process its graph (a :class:`~daskdag.running.local.Template` whose
-    slots take the inputs and the outputs' cotangents); the whole call as one program where it
-    is one (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster; on
-    a cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`); where some nodes
-    keep their values from one call to the next (:mod:`daskdag.running.reuse`), those nodes and
-    the program of the others, which an eager call runs."""
-
-    plan: Plan
-    stages: tuple[Stage, ...]
-    inputs: tuple[str, ...]
-    template: Template | None
-    transport: Transport
-    whole: WholeGradients | None = None  # the call as one program (daskdag.graph.whole)
-    spreading: Spreading = field(default_factory=Spreading, compare=False)
-    kept: tuple[Kept, Gradients] | None = field(default=None, compare=False)
-
-    @classmethod
-    def make(cls, dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
-             wrt: Sequence[str] | None, cotangents: Mapping[str, PyTree] | None,
-             transport: Transport, watch: programs.Watch, hold: bool = True) -> Gradients:
-        """``hold``: the DAG's functions are the user's, held weakly
-        (:meth:`~daskdag.running.programs.Watch.hold`); False for a DAG of daskdag's own making,
-        which holds the user's functions itself."""
-        request = prepare(dag, x, outputs, wrt, cotangents, watch.hold if hold else None)
-        plan = ship(request.plan, transport, watched(request.plan, transport, watch))
-        inputs = tuple(request.values)
-        split = kept_part(plan)
-        kept = None if split is None else (
-            Kept(split[0], transport),
-            cls.of(split[1], (*inputs, *split[0].outputs), transport))
-        return cls.of(plan, inputs, transport, kept)
-
-    @classmethod
-    def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
-           kept: tuple[Kept, Gradients] | None = None) -> Gradients:
-        """The program of ``plan`` (shipped), whose calls give values to ``inputs``; with
-        ``kept``, its eager calls run ``kept``'s program, and its own graph is built only by a
-        call that runs it (a lazy or durable one), not kept as a template."""
-        stages = stages_for(plan, transport.packs)
-        template = None if transport.packs or kept is not None else Template(
-            cls.graph_template(plan, inputs, stages, transport))
-        stage = whole_stage(plan, stages)
-        whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs)
-        return cls(plan, stages, inputs, template, transport, whole, kept=kept)
-
-    @staticmethod
-    def graph_template(plan: Plan, inputs: tuple[str, ...], stages: Sequence[Stage],
-                       transport: Transport, place: Any = None) -> Any:
-        """The graph of a call, with slots for its inputs, the outputs' cotangents and the stop
-        signal; ``place`` as for :func:`~daskdag.graph.build.build`."""
-        return build(plan, {i: slot("input", i) for i in inputs},
-                     GradientSeeding({o: slot("cotangent", o) for o in plan.outputs}),
-                     transport, place=place, stop=slot("stop"), stages=stages)
-
-    @property
-    def one_task_needs(self) -> dict | None:
-        """On a cluster, the resources of the call's graph run whole in one task, where it can
-        be (None: in this process or a lazy call, a whole program's call, or stages that need
-        different resources, which no one worker may have)."""
-        needs = {stage.needs for stage in self.stages}
-        if not self.transport.remote or self.whole is not None or len(needs) != 1:
-            return None
-        return dict(needs.pop())
-
-    @cached_property
-    def in_one_task(self) -> GraphInOneTask:
-        """The call's graph to run whole in one task (where :attr:`one_task_needs`), built at
-        the first call that runs that way."""
-        slots = (*(("input", i) for i in self.inputs),
-                 *(("cotangent", o) for o in self.plan.outputs))
-        return GraphInOneTask.built(partial(self.graph_template, self.plan, self.inputs,
-                                            self.stages, self.transport), slots,
-                                    self.one_task_needs or {})
-
-    def job(self, x: PyTree, cotangents: Mapping[str, PyTree] | None, info: CallInfo,
-            outputs: str | Sequence[str], keep: Any = None) -> Job:
-        """The call for inputs ``x`` and ``cotangents`` (its data); ``keep`` as for
-        :class:`~daskdag.running.jobs.Job`."""
-        values = input_values(self.plan.spec, x)
-        cts = cotangents_for(self.plan.outputs, cotangents)
-        job = self.job_of(values, cts, info, outputs, keep)
-        if self.kept is None:
-            return job
-        kept, rest = self.kept
-
-        def before(client: Any, local: str | None, progress: bool) -> Job:
-            found = kept.values(values, client, local, progress)
-            reused = kept.plan.needed if found.reused else ()
-            if reused:
-                log.reused(job.kind, reused)
-            return rest.job_of({**values, **found.values}, cts, replace(info, reused=reused),
-                               outputs, keep)
-
-        return replace(job, before=before)
-
-    def job_of(self, values: dict, cts: dict, info: CallInfo, outputs: str | Sequence[str],
-               keep: Any = None) -> Job:
-        """:meth:`job`, the inputs' values and the outputs' cotangents given by name."""
-        plan, template = self.plan, self.template
-
-        whole = self.whole
-
-        def make(place: Any, stop: Any) -> Any:
-            if whole is not None and place is not None and whole_fits(whole.stage, values):
-                return one_task(whole, values, cts, self.transport, place)
-            if template is not None:
-                return template.fill({**{slot("input", i): v for i, v in values.items()},
-                                      **{slot("cotangent", o): cts.get(o) for o in plan.outputs},
-                                      slot("stop"): stop})
-            return build(plan, values, GradientSeeding(cts), self.transport, place=place,
-                         stop=stop, stages=self.stages)
-
-        def contained(place: Any) -> Any:
-            graph = self.in_one_task
-            return program_task(graph, "graph", graph.needs, run_graph,
-                                [(kind, name, values[name] if kind == "input" else cts.get(name))
-                                 for kind, name in graph.slots], self.transport, place,
-                                graph.kept)
-
-        def stored(place: Any, stop: Any, keeper: Any) -> Any:
-            return build(plan, values, GradientSeeding(cts), self.transport, place=place,
-                         stop=stop, stages=self.stages, keep=keeper)
-
-        finish = partial(_results, plan.spec, outputs, info=info)
-        direct = None if whole is None or self.transport.packs else partial(
-            _directly, whole, finish, values, cts)
-        return Job(plan, make, finish, "compute_grads", keep=keep, direct=direct,
-                   contained=None if self.one_task_needs is None else contained,
-                   spreading=self.spreading, stored=stored)
-
-
-def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
-              cts: dict) -> Any:
-    """The call's result from its one program, or None where it cannot run it."""
-    computed = whole(values, cts)
-    return None if computed is None else finish(computed)
-
-
-@dataclass(frozen=True)
-class Grads:
-    """:func:`compute_grads` as a kind of call (:class:`~daskdag.running.jobs.Kind`): its
-    program is a :class:`Gradients`; a call's data, its cotangents (given here once, as
-    [`value_and_grad`][daskdag.value_and_grad] takes them)."""
-
-    dag: Mapping[str, Any]
-    outputs: str | Sequence[str]
-    wrt: Sequence[str] | None
-    cotangents: Mapping[str, PyTree] | None
-
-    def compile(self, x: PyTree, data: tuple, transport: Transport
-                ) -> tuple[Program[Gradients], str | None]:
-        return programs.compile(
-            "grads", self.dag, x, (names_key(self.outputs), names_key(self.wrt), transport),
-            partial(Gradients.make, self.dag, x, self.outputs, self.wrt, self.cotangents,
-                    transport))
-
-    def job(self, program: Program[Gradients], x: PyTree, data: tuple, why: str | None,
-            where: str) -> Job:
-        made = program.value
-        info = CallInfo("compute_grads", "rev", len(made.plan.outputs), prepared=why is None,
-                        why=why, where=where)
-        return made.job(x, self.cotangents, info, self.outputs, keep=entries(self.dag))
-
-
-def entries(dag: Mapping[str, Any]) -> tuple:
-    """The DAG's entries, for a lazy call to keep (:class:`~daskdag.running.jobs.Job`)."""
-    return tuple(dag.values())
-
-
-def names_key(names: Any) -> Any:
-    """Output or ``wrt`` names as (part of) a preparation's key."""
-    return names if names is None or isinstance(names, str) else tuple(names)
-
-
-def input_values(spec: Spec, x: PyTree) -> dict[str, Any]:
-    """``{input: value}`` of inputs already checked (:func:`daskdag.model.request.input_values`)
-    for inputs like ``x`` (a preparation's key holds their structure)."""
-    return given_values(spec, x)
-
-
-def watched(plan: Plan, transport: Transport, watch: programs.Watch) -> dict[int, Any]:
-    """The fingerprints of the node functions :func:`~daskdag.model.plan.ship` packs for
-    ``plan`` and ``transport``, by ``id``, each taken through ``watch``."""
-    prints: dict[int, Any] = {}
-    for n in plan.needed:
-        node = plan.spec.nodes[n]
-        if transport.packs_function(node.jit) and id(node.fn) not in prints:
-            prints[id(node.fn)] = watch(n, node.fn)
-    return prints
+    return later(Gradients(dag, outputs, wrt, cotangents), x, store=store)
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -472,43 +275,459 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     print(res.value.shape, res.grad.shape)  # (4,) (4, 3)
     ```
     """
-    client, local = where(client, scheduler)
-    if local == "processes":
-        raise DAGError(not_on_processes("sweep_grads"))
-    check_errors(errors)
-    check_chunk_size(chunk_size)
-    if arrays.holds_dask({"": xs}, [""]):  # lazily, over dask arrays (daskdag.sweeps.arrays)
-        spec, names, values = parsed(dag, xs, outputs)
-        batched = batched_names(values, batched)
-        if arrays.holds_dask(values, batched) and store is None:
-            return _results(spec, outputs, arrays.sweep_grads(
-                spec, outputs, names, values, batched, wrt=wrt, cotangents=cotangents,
-                chunk_size=chunk_size, client=client, progress=progress, errors=errors))
-    transport = transports.for_call(client)
-    like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
-    program, why = programs.compile(
-        "sweep", dag, like, (names_key(outputs), names_key(batched), names_key(wrt), transport),
-        partial(planning.prepare, dag, like, outputs, batched, wrt, cotangents, transport),
-        inputs=planning.item_signature(dag, like, batched))
-    made = program.value
-    spec = made.plan.spec
-    try:
-        computed, failed = sweep.sweep(made, input_values(spec, xs), cotangents, chunk_size,
-                                       client, local, progress, errors, store=store, dag=dag)
-    except sweep.Interrupted as e:  # Ctrl-C: what is saved, without daskdag's frames
-        raise KeyboardInterrupt(str(e)) from None
-    info = CallInfo("sweep_grads", "rev", len(made.plan.outputs), prepared=why is None, why=why,
-                    where=where_in_words(client, local))
-    return _results(spec, outputs, computed, failed, info)
+    return swept(Gradients(dag, outputs, wrt, cotangents), xs, batched=batched,
+                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
+                 errors=errors, store=store)
 
 
-def _results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
-             failed: Mapping[int, NodeError] | None = None, info: CallInfo | None = None
-             ) -> Result | dict[str, Result]:
-    """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
-    grad})}``; with one free input, its gradient alone."""
-    results = {o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {}, info)
-               for o, (v, g) in computed.items()}
-    return results[outputs] if isinstance(outputs, str) else results
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str, *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> Result: ...
 
 
+@overload
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: Sequence[str], *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> dict[str, Result]: ...
+
+
+def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+             wrt: Sequence[str] | None = None, mode: str = "auto", sparsity: Any = None,
+             sparse: bool = False, chunk_size: int | None = None, client: Client | None = None,
+             scheduler: str | Client | None = None, progress: bool = False,
+             store: str | os.PathLike | ZarrStore | None = None) -> Result | dict[str, Result]:
+    """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
+    function gives them, each node computed once.
+
+    Arguments as for [`compute_grads`][daskdag.compute_grads]; outputs may be any real arrays or pytrees.
+
+    Args:
+        mode: ``"rev"`` pulls back the rows of the identity over each output's elements
+            through each node's pullback under ``jax.vmap`` (one pass per output element;
+            every output passing through a stage goes in one call); ``"fwd"`` pushes the
+            columns of the identity over the inputs' elements forward through each node's
+            JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
+            inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
+            takes the one with fewer passes, forward on a tie (as OpenMDAO does; forward
+            keeps no residuals and runs one task per stage), among the modes every node can
+            take. To count the outputs' elements it traces the nodes on shapes once (no
+            arithmetic; an eager node's Python code runs once more, on abstract values; later
+            calls with the same DAG and shapes reuse the count); where a node cannot be
+            traced, reverse. The same trace says which mode a node cannot take: forward
+            through a ``jax.custom_vjp`` function, reverse through a ``jax.custom_jvp`` rule
+            that cannot be transposed (a ``jax.pure_callback``), or either without the rule
+            of your own (``vjp=``, ``jvp=``). An explicit mode checks your rules and the nodes
+            whose function is a ``jax.custom_jvp`` or ``jax.custom_vjp`` (traced with the
+            nodes before them). The mode taken is ``Result.info.mode``, why it was taken
+            ``Result.info.mode_why``.
+        sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
+            (forward): those a greedy colouring groups, sharing no column (row). A boolean
+            array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
+            over the differentiable leaves in ``jax.tree.leaves`` order, each flattened in
+            C order; with several outputs ``{output: ...}``, with several inputs
+            ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
+            a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
+            ([`jacobian_sparsity`][daskdag.jacobian_sparsity]). The mode then counts colours, not elements.
+        sparse: return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
+            elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
+        chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
+            them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or
+            values (forward): pass fewer to bound memory. In forward mode each chunk runs a
+            node's function once more. A pullback that cannot be vmapped (a host callback)
+            runs row by row.
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
+            kept as it finishes (reverse: values and residuals; forward: values and
+            tangents); the mode, pattern and ``chunk_size`` are part of what the store
+            records.
+
+    Returns:
+        ``{output: Result(value, jac)}`` (a single name: one [`Result`][daskdag.Result]);
+            ``jac`` has ``jax.jacrev``'s layout: the output's structure, each leaf holding the
+            input's structure with leaves shaped ``output_leaf.shape + input_leaf.shape``; with
+            several inputs (or nodes) differentiated, each output leaf holds a dict
+            ``{input: ...}`` of those, as ``jax.jacrev`` of a function of the dict of inputs
+            gives it. ``None`` where a leaf of either is held constant (integers, booleans...).
+            [`jacobians`][daskdag.jacobians] is the same call, not computed yet.
+
+    Raises:
+        DAGError: as for [`compute_grads`][daskdag.compute_grads]; also a mode or pattern that
+            cannot serve the call (with ``"auto"``, when no mode can: naming each node and
+            what it lacks), and a complex output, naming the node, input or output.
+        NodeError: a node raised.
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.jacobian(dag, jnp.arange(3.0), "A")
+    print(res.grad)  # diag(cos(x)), as jax.jacrev gives it
+    res = daskdag.jacobian(dag, jnp.arange(3.0), "A", sparsity="detect", sparse=True)
+    print(res.grad.nnz)  # 3: one pass per colour, here 1
+    ```
+    """
+    return now(Jacobian(dag, outputs, wrt, mode, sparsity, sparse, chunk_size), x,
+               client=client, scheduler=scheduler, progress=progress, store=store)
+
+
+def jacobians(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+              wrt: Sequence[str] | None = None,
+              mode: str = "auto", sparsity: Any = None, sparse: bool = False,
+              chunk_size: int | None = None,
+              store: str | os.PathLike | ZarrStore | None = None) -> Call:
+    """[`jacobian`][daskdag.jacobian], not computed yet: a Dask collection, as
+    [`grads`][daskdag.grads] is (``store`` too).
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jacobians(dag, jnp.arange(3.0), "A").compute().grad.shape)  # (3, 3)
+    ```
+    """
+    return later(Jacobian(dag, outputs, wrt, mode, sparsity, sparse, chunk_size), x,
+                 store=store)
+
+
+def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
+                      wrt: Sequence[str] | None = None) -> sp.csr_array | dict[str, Any]:
+    """The sparsity patterns of the Jacobians of ``outputs``, as ``jacobian(sparsity=...)``
+    takes them: a boolean ``scipy.sparse.csr_array`` ``(output elements, input elements)``, in
+    dicts ``{output: {input: ...}}`` as there (one output: no outer dict; one input: no inner).
+
+    Arguments as for [`compute_grads`][daskdag.compute_grads]. The DAG's structure composes each node's
+    own pattern: from its jaxpr (sound: it holds at every point), or for a node that cannot be
+    traced (Python control flow on values, NumPy code under its own rule) from its Jacobian at
+    ``x`` and at two random points near it, which runs that node and those before it here,
+    and holds where the node's zeros are structural. Computes no Jacobian.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jacobian_sparsity(dag, jnp.arange(3.0), "A").toarray())  # the identity's pattern
+    ```
+    """
+    plan, found = jacobian_patterns(dag, x, outputs, wrt)
+    widths = {i: size_of(v) for i, v in given_values(plan.spec, x).items() if i in plan.wrt}
+    out = {o: split_columns(p, plan.wrt, widths) for o, p in found.items()}
+    out = {o: p[plan.wrt[0]] if len(plan.wrt) == 1 else p for o, p in out.items()}
+    return out[outputs] if isinstance(outputs, str) else out
+
+
+
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str,
+                 *, wrt: Sequence[str] | None = None, batched: bool = False,
+                 client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> JVPResult: ...
+
+
+@overload
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: Sequence[str],
+                 *, wrt: Sequence[str] | None = None, batched: bool = False,
+                 client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> dict[str, JVPResult]: ...
+
+
+def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str],
+                 *, wrt: Sequence[str] | None = None, batched: bool = False,
+                 client: Client | None = None,
+                 scheduler: str | Client | None = None, progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None
+                 ) -> JVPResult | dict[str, JVPResult]:
+    """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
+    computed once.
+
+    Args:
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        x: as for [`compute_grads`][daskdag.compute_grads].
+        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
+        progress: as for [`compute_grads`][daskdag.compute_grads].
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's values and
+            tangents kept as they finish (forward mode has no residuals to keep); the
+            tangents are part of what the store records.
+        tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
+            leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
+            bools, functions); or ``{input_name: tangent}``, read as ``x`` is. With several
+            inputs, a dict ``{input_name: tangent}``; the inputs left out are held constant.
+            A node named in ``wrt`` takes its tangent here too (``{"B": tB, ...}``, shaped
+            like its value), added at its value.
+        wrt: the names that move: inputs, whose tangents are given (a name without one
+            moves by zero; a tangent for another input is ignored, that input held
+            constant), and nodes, at whose value the given tangent is added (the sensitivity
+            to a change there, the forward twin of a node's gradient: see the guide
+            "Sensitivities at nodes"). Default: the inputs ``tangents`` names.
+        batched: every tangent leaf has a leading axis of K directions, and so has every
+            output's tangent, ``(K, *output shape)``: with the identity as the K directions,
+            row ``k`` is the Jacobian's column ``k``, so the whole is the transpose of
+            ``jax.jacfwd``'s Jacobian (which puts the output's axes first). Each node's jvp runs
+            under ``jax.vmap`` over the directions (its function still runs once); a node
+            whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
+            direction.
+
+    Returns:
+        ``{output: JVPResult(value, tangent)}`` (a single name: one
+            [`JVPResult`][daskdag.JVPResult]); ``tangent`` has the output's structure, ``None`` at
+            its leaves held constant, zeros where no tangent reaches it.
+            [`jvps`][daskdag.jvps] is the same call, not computed yet.
+
+    Raises:
+        DAGError: a malformed call: a tangent whose structure, shape or dtype does not match
+            its input (naming it), a tangent for a name that is no input.
+        NodeError: a node raised; a node that ``jax.jvp`` cannot differentiate (NumPy code)
+            raises there unless it gives its own ``jvp=``.
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.compute_jvps(dag, jnp.arange(3.0), jnp.ones(3), "B")
+    print(res.value, res.tangent)  # the directional derivative along ones
+    ```
+    """
+    return now(JVPs(dag, outputs, wrt, batched), x, tangents, client=client,
+               scheduler=scheduler, progress=progress, store=store)
+
+
+def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Sequence[str], *,
+         wrt: Sequence[str] | None = None, batched: bool = False,
+         store: str | os.PathLike | ZarrStore | None = None) -> Call:
+    """[`compute_jvps`][daskdag.compute_jvps], not computed yet: a Dask collection, as
+    [`grads`][daskdag.grads] is (``store`` too).
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.jvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().tangent)
+    ```
+    """
+    return later(JVPs(dag, outputs, wrt, batched), x, tangents, store=store)
+
+
+
+@overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str, *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False, store: str | os.PathLike | ZarrStore | None = None) -> HVPResult: ...
+
+
+@overload
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: Sequence[str], *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False,
+                 store: str | os.PathLike | ZarrStore | None = None) -> dict[str, HVPResult]: ...
+
+
+def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
+                 wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+                 client: Client | None = None, scheduler: str | Client | None = None,
+                 progress: bool = False, store: str | os.PathLike | ZarrStore | None = None
+                 ) -> HVPResult | dict[str, HVPResult]:
+    """Values, gradients and Hessian-vector products of ``outputs`` of ``dag``, each node
+    computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
+    backward pass (reverse over forward, see ``daskdag.kinds.hessians``).
+
+    Args:
+        dag: as for [`compute_grads`][daskdag.compute_grads].
+        x: as for [`compute_grads`][daskdag.compute_grads].
+        v: the vector, as ``tangents`` of [`compute_jvps`][daskdag.compute_jvps]: with one free
+            input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
+            dict ``{input: v}``; the inputs left out move by zero. An input outside ``wrt`` is
+            held constant, so its part of ``v`` is ignored: ``hvp`` is the Hessian over the
+            ``wrt`` inputs times ``v``'s part on them.
+        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        wrt: as for [`compute_grads`][daskdag.compute_grads]; a node named here takes its
+            part of ``v`` (``{"B": vB, ...}``) added at its value, and its ``grad`` and
+            ``hvp`` are those of a change added there.
+        cotangents: as for [`compute_grads`][daskdag.compute_grads]; then ``hvp`` is the Hessian of
+            ``<ct, output>`` times ``v``.
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads].
+        progress: as for [`compute_grads`][daskdag.compute_grads].
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
+            (values and tangents, and the residuals of their backward pass) kept as it
+            finishes; ``v`` is part of what the store records.
+
+    Returns:
+        ``{output: HVPResult(value, grad, hvp, tangent)}`` (a single name: one
+            [`HVPResult`][daskdag.HVPResult]). Each node runs under ``jax.jvp`` inside
+            ``jax.vjp``, so it must be twice differentiable by JAX.
+            [`hvps`][daskdag.hvps] is the same call, not computed yet.
+
+    Raises:
+        DAGError: as for [`compute_grads`][daskdag.compute_grads]; also a node with its own
+            derivative rules (``vjp=``, ``fwd=`` / ``bwd=``: NumPy code) on the way, naming it.
+        NodeError: a node raised; a ``jax.custom_vjp`` function inside a node fails here (JAX
+            has no forward mode for it).
+        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    res = daskdag.compute_hvps(dag, jnp.arange(3.0), jnp.ones(3), "B")
+    print(res.grad, res.hvp)  # sin(2x), 2 cos(2x) * 1
+    ```
+    """
+    return now(HVPs(dag, outputs, wrt, cotangents), x, v, client=client, scheduler=scheduler,
+               progress=progress, store=store)
+
+
+def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[str], *,
+         wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+         store: str | os.PathLike | ZarrStore | None = None) -> Call:
+    """[`compute_hvps`][daskdag.compute_hvps], not computed yet: a Dask collection, as
+    [`grads`][daskdag.grads] is (``store`` too).
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
+    ```
+    """
+    return later(HVPs(dag, outputs, wrt, cotangents), x, v, store=store)
+
+
+
+def sweep_jacobians(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str], *,
+                    batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+                    mode: str = "auto", sparsity: Any = None, chunk_size: int | None = None,
+                    client: Client | None = None, scheduler: str | Client | None = None,
+                    progress: bool = False, errors: str = "raise",
+                    store: str | os.PathLike | SweepStore | ZarrStore | None = None
+                    ) -> Result | dict[str, Result]:
+    """[`jacobian`][daskdag.jacobian] for every item of a batch, as
+    [`sweep_grads`][daskdag.sweep_grads] sweeps gradients: ``jax.vmap(jax.jacrev(f))``.
+
+    Args:
+        mode: as for [`jacobian`][daskdag.jacobian], decided on one item's shapes; in forward
+            mode, the identity's columns are the same for every item.
+        sparsity: as for [`jacobian`][daskdag.jacobian], one item's pattern.
+        chunk_size: items per chunk, as for [`sweep_grads`][daskdag.sweep_grads] (every row or
+            column of an item's Jacobian goes in one pass).
+
+    The other arguments as for [`sweep_grads`][daskdag.sweep_grads]. Returns
+    ``{output: Result(value, jac, failed)}``: each item's Jacobian in ``jax.jacrev``'s
+    layout, stacked on a leading axis of items.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"])}
+    res = daskdag.sweep_jacobians(dag, jnp.arange(6.0).reshape(2, 3), "A")
+    print(res.grad.shape)  # (2, 3, 3): each item's diag(cos(x))
+    ```
+    """
+    return swept(Jacobian(dag, outputs, wrt, mode, sparsity), xs, batched=batched,
+                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
+                 errors=errors, store=store)
+
+
+def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: str | Sequence[str],
+               *, batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+               directions: bool = False, chunk_size: int | None = None,
+               client: Client | None = None, scheduler: str | Client | None = None,
+               progress: bool = False, errors: str = "raise",
+               store: str | os.PathLike | SweepStore | ZarrStore | None = None
+               ) -> JVPResult | dict[str, JVPResult]:
+    """[`compute_jvps`][daskdag.compute_jvps] for every item of a batch:
+    ``jax.vmap(lambda x, t: jax.jvp(f, (x,), (t,)))(xs, ts)``.
+
+    Args:
+        tangents: as for [`compute_jvps`][daskdag.compute_jvps]; a batched input's tangent
+            carries the items too (one tangent per item, shaped like ``xs``), a shared
+            input's is the same for every item.
+        directions: each item's tangents carry K directions, after the items' axis, as
+            ``batched=True`` of [`compute_jvps`][daskdag.compute_jvps].
+        wrt: as for [`compute_jvps`][daskdag.compute_jvps].
+
+    The other arguments as for [`sweep_grads`][daskdag.sweep_grads]; nodes of shared inputs
+    alone, tangents included, run once for every item. Returns ``{output: JVPResult(value,
+    tangent, failed)}``, stacked on a leading axis of items.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"])}
+    xs = jnp.arange(6.0).reshape(2, 3)
+    print(daskdag.sweep_jvps(dag, xs, jnp.ones_like(xs), "A").tangent)  # cos(xs)
+    ```
+    """
+    return swept(JVPs(dag, outputs, wrt, directions), xs, tangents, batched=batched,
+                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
+                 errors=errors, store=store)
+
+
+def sweep_hvps(dag: Mapping[str, Any], xs: PyTree, v: PyTree, outputs: str | Sequence[str], *,
+               batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
+               cotangents: Mapping[str, PyTree] | None = None, chunk_size: int | None = None,
+               client: Client | None = None, scheduler: str | Client | None = None,
+               progress: bool = False, errors: str = "raise",
+               store: str | os.PathLike | SweepStore | ZarrStore | None = None
+               ) -> HVPResult | dict[str, HVPResult]:
+    """[`compute_hvps`][daskdag.compute_hvps] for every item of a batch:
+    ``jax.vmap(lambda x, v: jax.jvp(jax.grad(f), (x,), (v,)))(xs, vs)``.
+
+    Args:
+        v: as ``tangents`` of [`sweep_jvps`][daskdag.sweep_jvps]: per item for a batched
+            input, the same for every item for a shared one.
+
+    The other arguments as for [`sweep_grads`][daskdag.sweep_grads]. Returns ``{output:
+    HVPResult(value, grad, hvp, tangent, failed)}``, stacked on a leading axis of items.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"L": (lambda x: jnp.sum(jnp.sin(x)), ["x"])}
+    xs = jnp.arange(6.0).reshape(2, 3)
+    print(daskdag.sweep_hvps(dag, xs, jnp.ones_like(xs), "L").hvp)  # -sin(xs)
+    ```
+    """
+    return swept(HVPs(dag, outputs, wrt, cotangents), xs, v, batched=batched,
+                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
+                 errors=errors, store=store)

@@ -205,9 +205,9 @@ def test_another_input_output_cotangent_or_setting_is_refused_naming_it(tmp_path
         daskdag.jacobian(m.DAG, X, "L", store=store)
     sweep_store = tmp_path / "sweep"
     daskdag.sweep_grads(m.DAG, np.stack([X, X]), "L", store=sweep_store)
-    with pytest.raises(daskdag.StoreError, match="holds a sweep, not a compute_grads call"):
+    with pytest.raises(daskdag.StoreError, match="holds a sweep_grads sweep, not a compute_grads call"):
         daskdag.compute_grads(m.DAG, X, "L", store=sweep_store)
-    with pytest.raises(daskdag.StoreError, match="holds a compute_grads call, not a sweep"):
+    with pytest.raises(daskdag.StoreError, match="holds a compute_grads call, not a sweep_grads sweep"):
         daskdag.sweep_grads(m.DAG, np.stack([X, X]), "L", store=store)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "results.csv").write_text("1,2\n")

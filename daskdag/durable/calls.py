@@ -31,7 +31,7 @@ stores you trust, as you would a pickle.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+from dataclasses import replace
 import hashlib
 import json
 import os
@@ -43,13 +43,15 @@ import cloudpickle
 import dask
 import numpy as np
 
-from daskdag.durable.identity import common, hash_tree
+from daskdag.durable.identity import common, hash_tree, options
 from daskdag.durable.keys import Keys, is_zarr, keys_of
 from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running import log
-from daskdag.running.jobs import Kind, run
+from daskdag.running.jobs import LAZY, Job, Kind, as_collection, run
+from daskdag.running.compute import active_client
+from daskdag.running.lazy import Call
 from daskdag.transport import transports
 
 if TYPE_CHECKING:
@@ -58,46 +60,54 @@ if TYPE_CHECKING:
 CHUNK = 64 * 2 ** 20  # bytes per chunk of a stored result
 
 
-def call(kind: Kind, name: str, x: Any, *data: Any, client, local: str | None, progress: bool,
+def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool,
          store: str | os.PathLike | ZarrStore) -> Any:
-    """A call of ``kind`` (the function ``name``) computed now, as
-    :func:`daskdag.running.jobs.call` computes it, its stages kept in ``store`` and read from
-    there where it holds them. Its chains of nodes are not fused (``daskdag.fuse-chains``), so
-    that each node is a stage of its own, kept as it finishes. The store
-    is held by this call while it runs."""
-    if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
-        raise TypeError(f"a call's store is a directory or a Zarr store, not "
-                        f"{type(store).__name__}")
-    with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
-        program, why = kind.compile(x, data, transport=transports.for_call(client))
-        job = kind.job(program, x, data, why=why, where=log.where(client, local))
-    mine = identity(name, kind, job.plan.spec, job.plan.outputs, job.plan.wrt, x, data)
+    """A call of ``kind`` computed now, as :func:`daskdag.running.jobs.call` computes it, its
+    stages kept in ``store`` and read from there where it holds them. The store is held by
+    this call while it runs."""
+    job, mine = _stored(kind, x, data, client, local, store)
     with opened(store, mine) as keeper:
         return run(job, client, local, progress, keep=keeper)
 
 
-def identity(name: str, kind: Kind, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
+def lazy(kind: Kind, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -> Call:
+    """A call of ``kind`` as a Dask collection (:func:`daskdag.running.jobs.lazy`) whose forward
+    tasks keep their stages in ``store``, or read them from there: the store is checked (and
+    its record written) now; it is not held while the call waits to be computed."""
+    job, mine = _stored(kind, x, data, active_client(), None, store, lazy=True)
+    with opened(store, mine) as keeper:
+        pass
+    return as_collection(replace(job, make=lambda place, stop: job.stored(place, stop, keeper)))
+
+
+def _stored(kind: Kind, x: Any, data: tuple, client, local: str | None, store: Any,
+            lazy: bool = False) -> tuple[Job, dict]:
+    """The job of a durable call, and what its store records of it. Its chains of nodes are not
+    fused (``daskdag.fuse-chains``), so that each node is a stage of its own, kept as it
+    finishes."""
+    if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
+        raise TypeError(f"a call's store is a directory or a Zarr store, not "
+                        f"{type(store).__name__}")
+    with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
+        program, why = kind.compile(x, data, transport=transports.for_call(client, lazy=lazy))
+        job = kind.job(program, x, data, why=why,
+                       where=LAZY if lazy else log.where(client, local))
+    lowering = program.value.lowering
+    return job, identity(kind, lowering.spec, lowering.plan.outputs, lowering.wrt, x, data)
+
+
+def identity(kind: Kind, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
     """What a call is, as its store records it: what every store records
     (:func:`daskdag.durable.identity.common`: format, versions, each node's parts, settings),
-    the function called, the outputs, ``wrt``, each input's hash, and the kind's options and
-    data: plain values as they are (``mode``, ``chunk_size``...), others by hash
-    (``cotangents``, ``sparsity``, the ``tangents`` of ``compute_jvps``, the ``directions`` of
-    ``compute_hvps``)."""
-    record = {**common(kind.dag), CALL: name, "outputs": list(outputs), "wrt": list(wrt),
-              "inputs": {i: hash_tree(v) for i, v in sorted(given_values(spec, x).items())}}
-    assert dataclasses.is_dataclass(kind)
-    for f in dataclasses.fields(kind):
-        if f.name not in ("dag", "outputs", "wrt"):
-            record[f.name] = _recorded(getattr(kind, f.name))
+    the function called, the outputs, ``wrt``, each input's hash, the kind's options
+    (:func:`daskdag.durable.identity.options`) and its data by hash (the ``tangents`` of
+    ``compute_jvps``, the ``directions`` of ``compute_hvps``)."""
+    record = {**common(kind.dag), CALL: kind.call, "outputs": list(outputs), "wrt": list(wrt),
+              "inputs": {i: hash_tree(v) for i, v in sorted(given_values(spec, x).items())},
+              **options(kind)}
     for value in data:  # (compute_jvps' tangents, compute_hvps' v)
-        record["tangents" if name == "compute_jvps" else "directions"] = hash_tree(value)
+        record["tangents" if kind.call == "compute_jvps" else "directions"] = hash_tree(value)
     return json.loads(json.dumps(record))
-
-
-def _recorded(value: Any) -> Any:
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    return hash_tree(value)
 
 
 @contextlib.contextmanager

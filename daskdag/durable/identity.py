@@ -6,6 +6,7 @@ rows. A sweep's own record: :func:`daskdag.sweeps.identity.identity`; a call's:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Mapping
@@ -79,6 +80,20 @@ def _node_differences(name: str, stored, mine) -> str:
             words.append(f"{content.describe(rest)} (in its {rule})" if rule in RULES
                          else content.describe(part))
     return f"node {name!r}: {', '.join(words)}"
+
+
+def options(kind, skip: tuple[str, ...] = ()) -> dict:
+    """A kind of call's options (its dataclass fields but the DAG, outputs and ``wrt``, and
+    ``skip``), as a store records them: plain values as they are (``mode``,
+    ``chunk_size``...), others by hash (``cotangents``, ``sparsity``)."""
+    return {f.name: _recorded(getattr(kind, f.name)) for f in dataclasses.fields(kind)
+            if f.name not in ("dag", "outputs", "wrt", *skip)}
+
+
+def _recorded(value):
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return hash_tree(value)
 
 
 def plain(data):

@@ -11,9 +11,9 @@ from daskdag.durable.identity import FORMAT, differences
 from daskdag.durable.keys import Keys
 from daskdag.errors import StoreError
 
-#: The root attribute that names what a store holds: a call's record names its function, a
-#: sweep's names none (``sweep_grads``).
-CALL = "call"
+#: The root attributes that name what a store holds: a call's record names its function; a
+#: sweep's names its kind's (none: ``sweep_grads``, as stores written before other kinds swept).
+CALL, SWEEP = "call", "sweep"
 
 
 def recorded(keys: Keys) -> dict | None:
@@ -25,9 +25,9 @@ def recorded(keys: Keys) -> dict | None:
 
 
 def what(record: dict) -> str:
-    """What a record is, in words: ``"a sweep"``, ``"a compute_grads call"``..."""
+    """What a record is, in words: ``"a sweep_grads sweep"``, ``"a compute_grads call"``..."""
     call = record.get(CALL)
-    return "a sweep" if call is None else f"a {call} call"
+    return f"a {record.get(SWEEP, 'sweep_grads')} sweep" if call is None else f"a {call} call"
 
 
 def claim(keys: Keys, kind: str = "sweep") -> None:
@@ -63,7 +63,7 @@ def agree(keys: Keys, mine: dict, update=None) -> dict | None:
             f"their functions are written. Finish that sweep with daskdag "
             f"{stored.get('daskdag')}, or use another store, or delete this one to start "
             f"afresh")
-    if stored.get(CALL) != mine.get(CALL):
+    if what(stored) != what(mine):
         raise StoreError(f"store {keys.name} holds {what(stored)}, not {what(mine)}: use "
                          f"another store, or delete this one to start afresh")
     changed = differences(stored, update(stored) if update else mine)

@@ -30,7 +30,9 @@ from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is
                                     token_of)
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
+from daskdag.rules.lifted import Lift
 from daskdag.rules.seeds import basis_size
+from daskdag.transport.packing import unwrap
 from daskdag.transport.transports import Transport
 
 
@@ -175,7 +177,7 @@ class _Wiring:
             # (A Jacobian's rows change only what a closed stage's task computes: the others
             # are the same forward tasks as for gradients, shared when both run together.)
             dense = s in self.dense
-            k = intake.key("fwd", s.name, s, [ident(n) for n in sent],
+            k = intake.key(_kind_of(s, spec), s.name, s, [ident(n) for n in sent],
                            [ident(val[d]) for d in s.deps], closed, self.pull if closed else None,
                            *(["dense"] if dense else []))
             run = ((tasks.forward_dense if dense else tasks.forward,) if closed is None else
@@ -274,6 +276,13 @@ class _Wiring:
 
     def _label(self, s) -> str:
         return f"{s.name}[{abbreviate(self.through[s])}]"
+
+
+def _kind_of(stage, spec) -> str:
+    """A forward task's kind, as its key names it: ``jvp`` where the stage pushes tangents
+    (a lifted node, :mod:`daskdag.rules.lifted`), else ``fwd``."""
+    lifted = any(isinstance(unwrap(spec.nodes[n].fn), Lift) for n in stage.nodes)
+    return "jvp" if lifted else "fwd"
 
 
 def _feeding(uses, stage_of, within=None) -> list:

@@ -39,7 +39,7 @@ from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
-from daskdag.rules.seeds import seed
+from daskdag.rules.seeds import basis, basis_rows, seed
 from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, vjp_leaves
 from daskdag.transport.packing import current, unpack
 from daskdag.transport.transports import Transport
@@ -65,32 +65,38 @@ class WholeGradients:
     its place among the stage's deps) and ``nodes`` (the stage's, a prepared call's). It
     travels as those (a cluster's worker keeps it, and compiles it once: :func:`one_task`)."""
 
-    def __init__(self, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node]):
+    def __init__(self, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node],
+                 rows: bool = False):
         self.stage, self.outputs, self.wrt, self.nodes = stage, outputs, wrt, tuple(nodes)
+        self.rows = rows
         self.active = stage.dep_active()
         self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
         self._program = jax.jit(self._run, static_argnums=0)
 
     @classmethod
-    def of(cls, plan: Plan, stage: Stage, shared: bool = True) -> WholeGradients:
+    def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False
+           ) -> WholeGradients:
         """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`);
         ``shared``: the one already made for the same stage, outputs, inputs and functions, if
-        any (:func:`made_once`), for a program that runs in this process."""
+        any (:func:`made_once`), for a program that runs in this process; ``rows``: each
+        output's gradients are its Jacobian's rows (the identity's rows over its elements
+        pulled back, as a :class:`~daskdag.graph.tasks.Rows` seeding pulls them)."""
         outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
         wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
         nodes = [plan.spec.nodes[n] for n in stage.nodes]
         if not shared:
-            return cls(stage, outputs, wrt, nodes)
-        return made_once(lambda: cls(stage, outputs, wrt, nodes), (cls, stage, outputs, wrt), nodes)
+            return cls(stage, outputs, wrt, nodes, rows)
+        return made_once(lambda: cls(stage, outputs, wrt, nodes, rows),
+                         (cls, stage, outputs, wrt, rows), nodes)
 
     def __reduce__(self):
-        return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes)
+        return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes, self.rows)
 
     @cached_property
     def token(self) -> str:
         """What the program is, as a token: the same for the same stage, outputs, inputs and
         node functions (their content tokens, where they are packed)."""
-        return tokenize(self.stage, self.outputs, self.wrt, self.nodes)
+        return tokenize(self.stage, self.outputs, self.wrt, self.nodes, self.rows)
 
     def __call__(self, values: dict[str, Any], cotangents: dict[str, Any]) -> dict | None:
         """``{output: (value, {input: grad})}`` for the input ``values`` and the outputs'
@@ -115,13 +121,16 @@ class WholeGradients:
             if not self.wrt:
                 out.append((values[e], ()))
                 continue
+            lead = (basis_rows(values[e]),) if self.rows else ()
             if reached:
                 _, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
-                shares = by_arg(vjp_fn(list(seed(values[e], o, ct))), self.active,
-                                diff_counts(args, self.active))
+                pulled = (jax.vmap(lambda c: vjp_fn(list(c)))(basis(o, values[e])) if self.rows
+                          else vjp_fn(list(seed(values[e], o, ct))))
+                shares = by_arg(pulled, self.active, diff_counts(args, self.active))
             else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
                 shares = (None,) * len(args)
-            out.append((values[e], tuple(_laid_out(args[d], shares[d]) for _, d in self.wrt)))
+            out.append((values[e], tuple(_laid_out(args[d], shares[d], lead)
+                                         for _, d in self.wrt)))
         return tuple(out)
 
 
@@ -148,11 +157,11 @@ def made_once(make: Callable[[], Any], what: tuple, nodes: Sequence[Node]) -> An
 _received: Cache[WholeGradients] = Cache("whole programs received", 32)
 
 
-def _receive(token: str, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node]
-             ) -> WholeGradients:
+def _receive(token: str, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node],
+             rows: bool) -> WholeGradients:
     hit = _received.get(token)
     if hit is None:
-        hit = _received.put(token, WholeGradients(stage, outputs, wrt, nodes))
+        hit = _received.put(token, WholeGradients(stage, outputs, wrt, nodes, rows))
         hit.token = token
     return hit
 
@@ -221,12 +230,13 @@ def run_task(program: WholeGradients, *args) -> dict:
     return computed
 
 
-def _laid_out(x, share: tuple | None):
+def _laid_out(x, share: tuple | None, lead: tuple = ()):
     """The gradient of ``x`` from its differentiable leaves' cotangents (``share``; None:
-    zeros), as :func:`daskdag.graph.tasks.gradient` makes it."""
+    zeros; ``lead``: stacked over a Jacobian's rows), as :func:`daskdag.graph.tasks.gradient`
+    makes it."""
     leaves, treedef = jax.tree.flatten(x)
     flat = iter(share if share is not None else
-                [jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf))
+                [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
     return treedef.unflatten([_typed(next(flat), leaf) if is_differentiable(leaf) else None
                               for leaf in leaves])
@@ -235,69 +245,3 @@ def _laid_out(x, share: tuple | None):
 def _typed(grad, leaf):
     dtype = jnp.result_type(leaf)
     return grad if grad.dtype == dtype else grad.astype(dtype)
-
-
-class WholeJacobian:
-    """The call's Jacobians as one program (see the module's docstring), in ``mode``
-    (``"rev"``: ``jax.jacrev``'s rows; ``"fwd"``: ``jax.jacfwd``'s columns): per output, its
-    value and, per differentiated input, its Jacobian in ``jax.jacrev``'s layout
-    (:func:`daskdag.model.jacobian_layout.jacrev_layout`: the output's structure of the input's
-    structure, ``None`` where a leaf is held constant)."""
-
-    def __init__(self, plan: Plan, stage: Stage, nodes: Sequence[Node], mode: str):
-        self.stage, self.mode = stage, mode
-        self.active = stage.dep_active()
-        self.outputs = tuple((o, stage.outputs.index(o)) for o in plan.outputs)
-        self.wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
-        self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
-        self._program = jax.jit(self._run, static_argnums=0)
-
-    def __call__(self, values: dict[str, Any]) -> dict | None:
-        """``{output: (value, {input: jacobian})}``; None as for :class:`WholeGradients`."""
-        parts = split(tuple(values[d] for d in self.stage.deps), self.active)
-        if parts is None:
-            return None
-        static, traced = parts
-        computed = self._program(static, traced)
-        return {o: (value, dict(zip((i for i, _ in self.wrt), jacs)))
-                for (o, _), (value, jacs) in zip(self.outputs, computed)}
-
-    def _run(self, static, traced):
-        treedef, consts = static
-        args = rebuild(treedef, consts, traced)
-        fn = replay(self.fused, treedef, consts, traced)
-        values = fn(*args)
-        counts = diff_counts(args, self.active)
-        starts = [sum(counts[:d]) for d in range(len(counts))]
-        transform = jax.jacrev if self.mode == "rev" else jax.jacfwd
-        out = []
-        for o, e in self.outputs:
-            diff, fn_of_diff, _ = of_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
-            for leaf in differentiable_leaves(values[e]):
-                if jnp.iscomplexobj(leaf):
-                    raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
-                                   f"Jacobian needs real outputs, as jax.jacrev does")
-            blocks: Any = transform(lambda *d: fn_of_diff(*d)[0],
-                               argnums=tuple(range(len(diff))))(*diff) if diff else None
-            jacs = []
-            for _, d in self.wrt:
-                leaves, in_def = jax.tree.flatten(args[d])
-                out_leaves, out_def = jax.tree.flatten(values[e])
-                per_leaf: list = []
-                k = 0
-                for leaf in out_leaves:
-                    if not is_differentiable(leaf):
-                        per_leaf.append(None)
-                        continue
-                    j, row = starts[d], []
-                    for x in leaves:
-                        if is_differentiable(x):
-                            row.append(_typed(blocks[k][j], x))  # (the input's dtype, as the graph's rows)
-                            j += 1
-                        else:
-                            row.append(None)
-                    per_leaf.append(in_def.unflatten(row))
-                    k += 1
-                jacs.append(out_def.unflatten(per_leaf))
-            out.append((values[e], tuple(jacs)))
-        return tuple(out)

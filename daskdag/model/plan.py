@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from daskdag.model.spec import Spec
+from daskdag.transport.packing import Function
 from daskdag.transport.transports import Transport
 
 
@@ -74,8 +75,8 @@ def ship(plan, transport: Transport, prints: dict | None = None):
     nodes = dict(plan.spec.nodes)
     for n in plan.needed:
         fn = nodes[n].fn
-        if not transport.packs_function(nodes[n].jit):
-            continue
+        if not transport.packs_function(nodes[n].jit) or isinstance(fn, Function):
+            continue  # (a function packed already, for this transport, is as it was then)
         if id(fn) not in packed:
             packed[id(fn)] = transport.pack_function(f"node {n!r}: its function", fn, tokens,
                                                      prints)

@@ -98,14 +98,19 @@ class Spec:
     order: tuple[str, ...]  # node names, each after all its deps
     uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
 
+    @classmethod
+    def of(cls, nodes: dict[str, Node], order: tuple[str, ...]) -> Spec:
+        """The spec of ``nodes``, in ``order`` (each after its deps): the names they take that
+        are no node's are its inputs, in the order of ``nodes``."""
+        inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
+        return cls(nodes, inputs, order, _uses(nodes, order))
+
     def part(self, names: Iterable[str]) -> Spec:
         """The spec of the nodes ``names`` alone, in this one's order: the names they take
         from other nodes are its inputs."""
         keep = set(names)
-        nodes = {n: self.nodes[n] for n in self.order if n in keep}
-        inputs = tuple(dict.fromkeys(d for node in nodes.values() for d in node.deps
-                                     if d not in nodes))
-        return Spec(nodes, inputs, tuple(nodes), _uses(nodes, tuple(nodes)))
+        return Spec.of({n: self.nodes[n] for n in self.order if n in keep},
+                       tuple(n for n in self.order if n in keep))
 
     def ancestors(self, names: Iterable[str]) -> set[str]:
         """Nodes and inputs that ``names`` depend on, ``names`` included."""

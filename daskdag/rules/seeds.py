@@ -8,6 +8,7 @@ values over a chunk of items (:mod:`daskdag.sweeps.chunked`).
 
 from __future__ import annotations
 
+import math
 from functools import reduce, singledispatch
 
 import jax
@@ -86,7 +87,7 @@ def basis(output: str, primal, colours=None) -> tuple:
     rows = np.arange(size_all) if colours is None else np.asarray(colours)
     start, seeds = 0, []
     for leaf in leaves:
-        size = int(np.size(leaf))
+        size = math.prod(jnp.shape(leaf))
         eye = np.zeros((n, size), jnp.result_type(leaf))
         eye[rows[start:start + size], np.arange(size)] = 1
         seeds.append(eye.reshape(n, *jnp.shape(leaf)))  # (NumPy: a program takes it as it is)
@@ -103,7 +104,7 @@ def basis_rows(primal, colours=None) -> int:
 
 def basis_size(primal) -> int:
     """How many rows :func:`basis` has: the elements of ``primal``'s differentiable leaves."""
-    return sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
+    return sum(math.prod(jnp.shape(leaf)) for leaf in differentiable_leaves(primal))
 
 
 def total(cts):

@@ -37,21 +37,24 @@ from daskdag.transport.transports import Transport
 POLICIES = ("jit", "all", "none")
 
 
-def kept_part(plan: Plan) -> tuple[Plan, Plan] | None:
+def kept_part(plan: Plan, moving: tuple[str, ...] = ()) -> tuple[Plan, Plan] | None:
     """``plan`` cut where ``daskdag.reuse`` says (the module's docstring): ``(kept, rest)``,
     ``kept`` computing the values of the nodes that may be kept which the others take (its
     outputs), ``rest`` the plan without them, taking those values as inputs; None where there
-    are none. Outputs and nodes in ``wrt`` are never kept (an output's gradients flow through
-    its value)."""
+    are none. Outputs, nodes in ``wrt`` and nodes that read an input in ``moving`` (one that
+    carries a call's tangents), directly or not, are never kept (an output's gradients flow
+    through its value)."""
     policy = config.get("reuse")
     if policy not in POLICIES:
         raise ValueError(f"daskdag.reuse must be one of {list(POLICIES)}, got {policy!r}")
     if policy == "none":
         return None
-    skip = set(plan.outputs) | set(plan.wrt) | plan.active
+    skip = set(plan.outputs) | set(plan.wrt) | plan.active | set(moving)
     kept: list[str] = []
     for n in plan.needed:
         node = plan.spec.nodes[n]
+        if any(d in skip for d in node.deps):
+            skip.add(n)
         if n not in skip and (policy == "all" or node.jit) and all(
                 d in kept or d not in plan.spec.nodes for d in node.deps):
             kept.append(n)

@@ -1,4 +1,4 @@
-"""Sweeps over dask arrays: :func:`daskdag.sweep_grads` where batched inputs are ``dask.array``
+"""Sweeps over dask arrays: :func:`daskdag.sweep_grads` (and every kind's sweep) where batched inputs are ``dask.array``
 arrays chunked along the item axis, returning dask arrays of values and gradients with the
 same item chunks, lazily: nothing runs until the user computes them (``dask.compute``,
 ``da.to_zarr``), so a sweep can stream from storage to storage, a few blocks per worker at a
@@ -40,8 +40,9 @@ from daskdag.sweeps import progress
 from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
 from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.plan import make_plan
-from daskdag.model.request import batch_size, cotangents_for, with_rules, wrt_names
+from daskdag.model.request import batch_size, batched_names, parsed
+from daskdag.running.jobs import LAZY, CallInfo
+from daskdag.running.programs import Watch
 from daskdag.model.leaves import is_array
 from daskdag.transport.packing import unpack
 from daskdag.transport import transports
@@ -56,12 +57,15 @@ def holds_dask(values: dict, batched) -> bool:
     return any(planning.is_dask_array(leaf) for i in batched for leaf in jax.tree.leaves(values[i]))
 
 
-def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cotangents,
-                chunk_size, client, progress, errors):
-    """:func:`daskdag.sweep_grads` over dask arrays (see the module's docstring). ``spec``,
-    ``names``, ``values`` and ``batched`` as :func:`daskdag.sweep_grads` parsed them (``errors``
-    and ``chunk_size`` checked there too); returns
-    ``{output: (value, {input: grad})}`` of dask arrays, computing nothing."""
+def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str):
+    """A sweep of ``kind`` over dask arrays (see the module's docstring), where a batched input
+    holds one (else None): ``{output: result}`` as the kind makes them, each leaf a dask
+    array, computing nothing. ``client``: the one in effect (checked now); the arrays are
+    computed later, wherever Dask computes them."""
+    spec, names, values = parsed(kind.dag, xs, kind.outputs)
+    batched = batched_names(values, batched)
+    if not holds_dask(values, batched):
+        return None
     if errors == "collect":
         raise DAGError("errors='collect' is not supported when batched inputs are dask arrays: "
                        "the results are computed lazily, so there is no list of failed items to "
@@ -71,17 +75,22 @@ def sweep_grads(spec, outputs, names, values: dict, batched: tuple, *, wrt, cota
         raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
-    inputs, chunks, size = aligned(values, batched, chunk_size)
-    stand_ins = {i: stand_in(v) if i in batched else v for i, v in values.items()}
-    wrt = wrt_names(spec, stand_ins, wrt, candidates={i: stand_ins[i] for i in batched})
-    with_rules(make_plan(spec, names, wrt))
-    cts = cotangents_for(names, cotangents)
-    # (api resolved the client in effect, or None; computed later, wherever the arrays are)
+    size = batch_size(values, batched)
+    like = {i: stand_in(v) if i in batched else v for i, v in values.items()}
+    one = {i: jax.tree.map(lambda a: planning.first_row(a, size), like[i]) if i in batched
+           else v for i, v in like.items()}
+    lowering = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, Watch())
+    lowered, cts = kind.inputs(lowering, values, data, batched=frozenset(batched))
+    inputs, chunks, size = aligned(lowered, batched, chunk_size)
+    stand_ins = {i: stand_in(v) if i in batched else v for i, v in lowered.items()}
     transport = transports.for_call(client, lazy=True)
-    planned = planning.plan_sweep(spec, names, stand_ins, batched, wrt, cts, size, transport)
+    planned = planning.plan_sweep(lowering.plan.spec, names, stand_ins, batched,
+                                  lowering.plan.wrt, cts, size, transport)
     if client is not None:
         cluster.check(client, planned.plan)
-    return _block_graph(planned, inputs, chunks, _shapes(planned, spec))
+    computed = _block_graph(planned, inputs, chunks, _shapes(planned, spec))
+    info = CallInfo(kind.sweep_call, kind.info(lowering, data, None, LAZY).mode, 0, where=LAZY)
+    return kind.finish(lowering, info, computed, {})
 
 
 def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:

@@ -6,19 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from daskdag.durable.identity import common, hash_tree
+from daskdag.durable.identity import common, hash_tree, options, plain
+from daskdag.durable.rules import SWEEP
 
 
-def identity(dag, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
+def identity(kind, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
              ) -> dict:
-    """What a sweep is, as a store records it: what every store records
-    (:func:`daskdag.durable.identity.common`: the format, versions, each node's parts, the
-    settings), the outputs, ``wrt``, the batched inputs, the number of items, the hashes of the
-    shared inputs and of the cotangents, and ``errors`` (what becomes of failing items)."""
-    return {**common(dag), "outputs": list(outputs), "wrt": list(wrt),
-            "batched": sorted(batched), "items": size,
-            "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
-            "cotangents": hash_tree(cotangents), "errors": errors}
+    """What a sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) is, as a store
+    records it: what every store records (:func:`daskdag.durable.identity.common`: the format,
+    versions, each node's parts, the settings), the outputs, ``wrt``, the batched inputs, the
+    number of items, the hashes of the shared inputs (their tangents with them) and of the
+    cotangents, and ``errors`` (what becomes of failing items); for another kind than
+    gradients, the kind and its options (:func:`daskdag.durable.identity.options`) too (a
+    record without them is a gradient sweep's)."""
+    record = {**common(kind.dag), "outputs": list(outputs), "wrt": list(wrt),
+              "batched": sorted(batched), "items": size,
+              "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
+              "cotangents": hash_tree(cotangents), "errors": errors}
+    if kind.sweep_call != "sweep_grads":
+        record.update({SWEEP: kind.sweep_call, **plain(options(kind, skip=("cotangents",)))})
+    return record
 
 
 def items_hash(values: dict[str, Any]) -> str:

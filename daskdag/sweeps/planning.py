@@ -24,8 +24,8 @@ from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import is_array
 from daskdag.model.plan import Plan, make_plan, ship
-from daskdag.model.request import (batch_size, batched_names, cotangents_for, parsed,
-                                   with_rules, wrt_names)
+from daskdag.errors import DAGError
+from daskdag.model.request import batch_size, batched_names, parsed
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node, Spec
 from daskdag.sweeps.chunked import Chunked, chunk_of
@@ -54,6 +54,8 @@ class Sweep:
     transport: Transport  # how chunk graphs take in their values (daskdag.transport.transports)
     # nodes of shared inputs differentiated per item, run once (daskdag.sweeps.shared.Through)
     through: Any = None
+    # the kind of call lowered (daskdag.running.passes.Lowering): its inputs and results
+    lowering: Any = None
 
     @property
     def vectorized(self) -> bool:
@@ -112,19 +114,37 @@ class Sweep:
                      GradientSeeding(self.cotangents, batched=True), self.transport)
 
 
-def prepare(dag, xs, outputs, batched, wrt, cotangents, transport: Transport, watch) -> Sweep:
-    """:func:`daskdag.sweep_grads` compiled (:mod:`daskdag.running.programs`): the arguments
-    checked, and what every chunk of every sweep like it shares (:func:`plan_sweep`), but the
-    values, their number and the cotangents, which :func:`~daskdag.sweeps.sweep.sweep` puts in. ``watch`` takes the
+def prepare(kind, xs, data: tuple, batched, transport: Transport, watch) -> Sweep:
+    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) compiled
+    (:mod:`daskdag.running.programs`): the arguments checked, the kind lowered on one item
+    (its inputs' first rows; ``wrt`` defaults to the batched inputs), and what every chunk of
+    every sweep like it shares (:func:`plan_sweep`), but the values, their number and the
+    cotangents, which :func:`~daskdag.sweeps.sweep.sweep` puts in. ``watch`` takes the
     fingerprints of the functions packed."""
-    spec, names, values = parsed(dag, xs, outputs, watch.hold)
+    spec, names, values = parsed(kind.dag, xs, kind.outputs, watch.hold)
     batched = batched_names(values, batched)
-    batch_size(values, batched)
-    wrt = wrt_names(spec, values, wrt, candidates={i: values[i] for i in batched})
-    with_rules(make_plan(spec, names, wrt))
-    cotangents_for(names, cotangents)
-    prints = {id(spec.nodes[n].fn): watch(n, spec.nodes[n].fn) for n in spec.order}
-    return plan_sweep(spec, names, {}, batched, wrt, {}, 0, transport, prints=prints)
+    size = batch_size(values, batched)
+    one = {i: jax.tree.map(lambda a: first_row(a, size), v) if i in batched else v
+           for i, v in values.items()}
+    for n in spec.order:  # (as they are now, before a kind that traces them runs their code)
+        watch(n, spec.nodes[n].fn)
+    lowering = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, watch)
+    if lowering.rows is not None:
+        raise DAGError(f"{kind.sweep_call} runs in forward mode only, for now: a Jacobian's "
+                       f"rows over a sweep's items are not pulled back yet; give mode='fwd' "
+                       f"(mode='auto' takes it)")
+    lowered = lowering.plan.spec
+    prints = {id(lowered.nodes[n].fn): watch(n, lowered.nodes[n].fn) for n in lowered.order}
+    return replace(plan_sweep(lowered, names, {}, batched, lowering.plan.wrt, {}, 0, transport,
+                              prints=prints), lowering=lowering)
+
+
+def first_row(a, size: int):
+    """An item's stand-in for a leaf of a batched input: its first row (zeros, where the batch
+    holds none)."""
+    if not is_array(a):
+        return a
+    return a[0] if size else np.zeros(a.shape[1:], a.dtype)
 
 
 def item_signature(dag, xs, batched) -> tuple | None:

@@ -19,25 +19,32 @@ import os
 import time
 from collections import deque
 from dataclasses import replace
+from functools import partial
 
 import jax
 import numpy as np
 
-from daskdag.errors import NodeError
+from daskdag.errors import DAGError, NodeError
 from daskdag.model.leaves import is_array
-from daskdag.model.request import batch_size, cotangents_for
-from daskdag.running import cluster
+from daskdag.model.request import (batch_size, check_chunk_size, check_errors, cotangents_for,
+                                   given_values)
+from daskdag.running import cluster, programs
+from daskdag.running.jobs import not_on_processes
 from daskdag.running.log import logger, where
+from daskdag.running.passes import names_key
 from daskdag.running.resident import placing
+from daskdag.sweeps import arrays
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.sweeps.failures import detached
 from daskdag.sweeps.identity import identity, items_hash
-from daskdag.sweeps.planning import Sweep, chunk_steps, default_chunk_size, is_dask_array
+from daskdag.sweeps.planning import (Sweep, chunk_steps, default_chunk_size, is_dask_array,
+                                     item_signature, prepare)
 from daskdag.sweeps.shared import share
 from daskdag.sweeps.progress import Progress
 from daskdag.sweeps.results import Stacked, item_shapes
 from daskdag.sweeps.store import Store
+from daskdag.transport import transports
 
 
 PIECE_SECONDS = 10.0  # with a store and no chunk_size given: the work of a piece, about
@@ -47,14 +54,46 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C in a sweep with a store; its message says how many items the store holds."""
 
 
+def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | None,
+            progress: bool, errors: str, store=None):
+    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`: every kind sweeps
+    the same way) over the items of ``xs`` and ``data``, on ``client``'s cluster or Dask's
+    ``local`` scheduler: the kind compiled for one item's shapes, its passes over chunks of
+    items (:func:`sweep`, or over dask arrays, lazily, :mod:`daskdag.sweeps.arrays`), and its
+    results of them, stacked."""
+    if local == "processes":
+        raise DAGError(not_on_processes(kind.sweep_call))
+    check_errors(errors)
+    check_chunk_size(chunk_size)
+    if store is None and arrays.holds_dask({"": xs}, [""]):
+        lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, client, progress, errors)
+        if lazy is not None:
+            return lazy
+    transport = transports.for_call(client)
+    like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
+    program, why = programs.compile(
+        kind.sweep_call, kind.dag, like, (names_key(kind.outputs), names_key(batched),
+                                          names_key(kind.wrt), kind.options(data), transport),
+        partial(prepare, kind, like, data, batched, transport),
+        inputs=item_signature(kind.dag, like, batched))
+    made = program.value
+    lowering = made.lowering
+    values, cts = kind.inputs(lowering, given_values(lowering.spec, xs), data,
+                              batched=made.batched)
+    computed, failed = sweep(made, values, cts, chunk_size, client, local, progress, errors,
+                             store=store, kind=kind)
+    info = replace(kind.info(lowering, data, why, where(client, local)), call=kind.sweep_call)
+    return kind.finish(lowering, info, computed, failed)
+
+
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
-          progress: bool, errors: str, store=None, dag=None):
+          progress: bool, errors: str, store=None, kind=None):
     """:func:`daskdag.sweep_grads` over arrays in memory, prepared
     (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed)`` as :func:`run` returns
     them, chunks of ``chunk_size`` items (default
     :func:`~daskdag.sweeps.planning.default_chunk_size`, or the store's) on ``client``'s
     cluster or this process's ``local`` threads. ``store``: a directory where each chunk's
-    results are kept as it finishes, and where a sweep of the same ``dag`` resumes
+    results are kept as it finishes, and where a sweep of the same ``kind`` resumes
     (:mod:`daskdag.sweeps.store`); there, when ``chunk_size`` is not given and items are
     computed one by one (no ``vmap=True`` node, items in memory), chunks run in pieces sized
     by time (``by_time``, :class:`_Pieces`), so that an interrupt early in a long sweep finds
@@ -70,7 +109,7 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
         shared = {i: v for i, v in values.items() if i not in planned.batched}
         blocks = [leaf.chunks[0][0] for i in planned.batched
                   for leaf in jax.tree.leaves(values[i]) if is_dask_array(leaf)]
-        kept = Store(store, identity(dag, planned.plan.outputs, planned.plan.wrt,
+        kept = Store(store, identity(kind, planned.plan.outputs, planned.lowering.wrt,
                                      planned.batched, size, shared, planned.cotangents, errors),
                      chunk_size, blocks[0] if blocks else default)
         by_time = chunk_size is None and not blocks and planned.by_item

@@ -154,6 +154,11 @@ def _noting(path: str, name: str, fn):
     return noting
 
 
+#: The kinds of a forward task's key: ``jvp`` where it pushes tangents (a Hessian-vector
+#: product's forward tasks, on the lifted DAG).
+FORWARD = ("fwd", "jvp")
+
+
 def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, field="grad", **kw):
     """Forward tasks on worker ``fwd_on``, then everything else on ``bwd_on``.
 
@@ -172,7 +177,7 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, field="gra
     with dask.config.set({"daskdag.close-stages": False}):
         call = (lazy or daskdag.grads)(dag, x, outputs, **kw)
     dsk = dict(call.__dask_graph__())
-    fwd_keys = [k for k in dsk if key_kind(k) in ("fwd", "val")]
+    fwd_keys = [k for k in dsk if key_kind(k) in FORWARD + ("val",)]
     with distributed.get_task_stream(client) as ts:
         held = client.get(dsk, fwd_keys, workers=[fwd_on], sync=False)
         with client.as_current():
@@ -180,7 +185,7 @@ def compute_split(client, dag, x, outputs, fwd_on, bwd_on, lazy=None, field="gra
         computed = client.compute(call, workers=[bwd_on], sync=True)
     del held
     ran = {t["key"]: t["worker"] for t in ts.data}
-    assert {w for k, w in ran.items() if key_kind(k) == "fwd"} == {fwd_on}
+    assert {w for k, w in ran.items() if key_kind(k) in FORWARD} == {fwd_on}
     assert {w for k, w in ran.items() if key_kind(k) == "bwd"} == {bwd_on}
     computed = {outputs: computed} if isinstance(outputs, str) else computed
     inputs = [d for _, deps in map(_entry, dag.values()) for d in deps if d not in dag]

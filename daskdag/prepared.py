@@ -1,6 +1,7 @@
 """A DAG as a function of its inputs, prepared once and called many times, in JAX's idiom:
-:func:`value_and_grad`, :func:`value_and_jacobian`, :func:`value_and_jvp` and
-:func:`value_grad_and_hvp` each return a :class:`Prepared` function.
+:func:`grad`, :func:`value_and_grad`, :func:`value_and_jacobian`, :func:`value_and_jvp` and
+:func:`value_grad_and_hvp` each return a :class:`Prepared` function, which also sweeps
+(:meth:`Prepared.sweep`) and keeps its calls in a store (``f(x, store=...)``).
 
 ``f = daskdag.value_and_grad(dag, "loss")`` then ``loss, grads = f(params)`` in a loop, as
 ``jax.value_and_grad(loss_fn)`` would be; pytrees in and out, so ``f`` drops into an optax
@@ -8,7 +9,7 @@ loop, and with one output and one free input into ``scipy.optimize.minimize(f, x
 jac=True)``. Each computes what the eager call it stands for computes
 (:func:`~daskdag.compute_grads`, :func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`,
 :func:`~daskdag.compute_hvps`), by the same kind of call
-(:class:`~daskdag.running.jobs.Kind`); it holds the programs it compiled
+(:mod:`daskdag.kinds`); it holds the programs it compiled
 (:mod:`daskdag.running.programs`), one per signature of its inputs, and runs one again while
 the DAG and what its node functions hold stay the same (the guide "Repeated calls and
 optimisation loops").
@@ -20,15 +21,17 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
-from daskdag.api import Grads
-from daskdag.forward_mode import JVPs
-from daskdag.full_jacobians import Jacobians
-from daskdag.hessians import HVPs
+from daskdag.api import now, swept
+from daskdag.kinds.gradients import Gradients
+from daskdag.kinds.hessians import HVPs
+from daskdag.kinds.jacobians import Jacobian
+from daskdag.kinds.tangents import JVPs
 from daskdag.model.leaves import PyTree
 from daskdag.model.shapes import signature
 from daskdag.running import log, programs
 from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, Kind, run
+from daskdag.running.jobs import CallInfo, run
+from daskdag.running.passes import Derivative
 from daskdag.transport import transports
 
 if TYPE_CHECKING:
@@ -37,9 +40,10 @@ if TYPE_CHECKING:
 
 class Prepared:
     """A DAG's call as a function of its inputs (made by [`value_and_grad`][daskdag.value_and_grad] and its
-    siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``); ``f.info`` is the
-    [`CallInfo`][daskdag.CallInfo] of its latest call in this thread: the mode and passes, and
-    whether the call reused an earlier call's preparation, and if not, why.
+    siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``), or over many items as
+    ``f.sweep(xs)``; ``f.info`` is the [`CallInfo`][daskdag.CallInfo] of its latest call in
+    this thread: the mode and passes, and whether the call reused an earlier call's
+    preparation, and if not, why.
 
     It holds a compiled program per signature of its inputs (their structure, shapes and
     dtypes) and per place it runs, as ``jax.jit``'s wrapper holds its executables: a call asks
@@ -47,7 +51,7 @@ class Prepared:
     its node functions hold), and runs it.
     """
 
-    def __init__(self, name: str, kind: Kind, unpack: Callable[[Any], tuple],
+    def __init__(self, name: str, kind: Derivative, unpack: Callable[[Any], tuple],
                  outputs: str | Sequence[str], client: Client | None,
                  scheduler: str | Client | None, progress: bool) -> None:
         self._name, self._kind, self._unpack, self._outputs = name, kind, unpack, outputs
@@ -55,7 +59,14 @@ class Prepared:
         self._last = threading.local()
         self._held = programs.Held()
 
-    def __call__(self, x: PyTree, *data: PyTree) -> tuple:
+    def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
+        """The call for inputs ``x`` (and its data: tangents, ``v``). ``store``: a directory or
+        Zarr store where the call keeps its stages as they finish, and resumes from, as
+        [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
+        if store is not None:
+            return self._unpacked(now(self._kind, x, *data, client=self._client,
+                                      scheduler=self._scheduler, progress=self._progress,
+                                      store=store))
         client, local = where(self._client, self._scheduler)
         transport = transports.for_call(client)
         try:
@@ -74,23 +85,72 @@ class Prepared:
                 why = stale  # (what changed since this function's own last call)
             if held_as is not None:
                 self._held.put(held_as, program, programs.Entries(self._kind.dag))
-        results = run(self._kind.job(program, x, data, why=why, where=log.where(client, local)),
-                      client, local, self._progress)
+        return self._unpacked(run(self._kind.job(program, x, data, why=why,
+                                                 where=log.where(client, local)),
+                                  client, local, self._progress))
+
+    def sweep(self, xs: PyTree, *data: PyTree, batched: Sequence[str] | None = None,
+              chunk_size: int | None = None, errors: str = "raise", store: Any = None) -> Any:
+        """The call for every item of ``xs`` (and of its data, where a batched input's carry
+        the items too), as [`sweep_grads`][daskdag.sweep_grads] and its siblings sweep:
+        ``batched``, ``chunk_size``, ``errors`` and ``store`` as there. Returns what a call
+        returns, each part stacked over the items; with ``errors='collect'``, the failed
+        items are in ``f.info``'s call's ``f.failed``."""
+        results = swept(self._kind, xs, *data, batched=batched, chunk_size=chunk_size,
+                        client=self._client, scheduler=self._scheduler,
+                        progress=self._progress, errors=errors, store=store)
+        return self._unpacked(results)
+
+    def _unpacked(self, results: Any) -> Any:
         per_output = {self._outputs: results} if isinstance(self._outputs, str) else results
-        self._last.info = next(iter(per_output.values())).info
-        parts = [self._unpack(r) for r in per_output.values()]
-        columns = list(zip(*parts))
+        first = next(iter(per_output.values()))
+        self._last.info, self._last.failed = first.info, dict(first.failed)
+        columns = list(zip(*(self._unpack(r) for r in per_output.values())))
         if isinstance(self._outputs, str):
-            return tuple(c[0] for c in columns)
-        return tuple(dict(zip(per_output, c)) for c in columns)
+            out = tuple(c[0] for c in columns)
+        else:
+            out = tuple(dict(zip(per_output, c)) for c in columns)
+        return out[0] if len(out) == 1 else out
 
     @property
     def info(self) -> CallInfo | None:
         """How this function's latest call in this thread was computed (None before any)."""
         return getattr(self._last, "info", None)
 
+    @property
+    def failed(self) -> dict:
+        """The items that failed in this function's latest sweep in this thread, with their
+        [`NodeError`][daskdag.NodeError] (``errors='collect'``); empty otherwise."""
+        return getattr(self._last, "failed", {})
+
     def __repr__(self) -> str:
         return f"daskdag.{self._name}(outputs={self._outputs!r})"
+
+
+def grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
+         wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
+         client: Client | None = None, scheduler: str | Client | None = None,
+         progress: bool = False) -> Prepared:
+    """``dag`` as a function ``f(x) -> grads``, as ``jax.grad`` of the composed function: as
+    [`value_and_grad`][daskdag.value_and_grad], without the values.
+
+    Returns:
+        A [`Prepared`][daskdag.Prepared] function: ``f(x)`` returns the gradient for a single
+            output name (shaped like ``x`` with one free input, else ``{input: grad}``), else
+            ``{output: grad}``.
+
+    For example:
+
+    ```python
+    import jax.numpy as jnp
+    import daskdag
+
+    dag = {"A": (jnp.sin, ["x"]), "L": (lambda a: jnp.sum(a ** 2), ["A"])}
+    print(daskdag.grad(dag, "L")(jnp.arange(3.0)))  # sin(2x)
+    ```
+    """
+    return Prepared("grad", Gradients(dag, outputs, wrt, cotangents), lambda r: (r.grad,),
+                    outputs, client, scheduler, progress)
 
 
 def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
@@ -129,7 +189,7 @@ def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(loss, grad, f.info.prepared)  # the later calls reuse the first one's preparation
     ```
     """
-    return Prepared("value_and_grad", Grads(dag, outputs, wrt, cotangents),
+    return Prepared("value_and_grad", Gradients(dag, outputs, wrt, cotangents),
                     lambda r: (r.value, r.grad), outputs, client, scheduler, progress)
 
 
@@ -175,12 +235,12 @@ def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     ```
     """
     return Prepared("value_and_jacobian",
-                    Jacobians(dag, outputs, wrt, mode, sparsity, sparse, chunk_size),
+                    Jacobian(dag, outputs, wrt, mode, sparsity, sparse, chunk_size),
                     lambda r: (r.value, r.grad), outputs, client, scheduler, progress)
 
 
 def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
-                  batched: bool = False, client: Client | None = None,
+                  wrt: Sequence[str] | None = None, batched: bool = False, client: Client | None = None,
                   scheduler: str | Client | None = None, progress: bool = False) -> Prepared:
     """``dag`` as a function ``f(x, tangents) -> (values, tangents out)``, as ``jax.jvp`` of
     the composed function.
@@ -188,6 +248,7 @@ def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     Args:
         dag: as for [`compute_jvps`][daskdag.compute_jvps].
         outputs: as for [`compute_jvps`][daskdag.compute_jvps].
+        wrt: as for [`compute_jvps`][daskdag.compute_jvps].
         batched: as for [`compute_jvps`][daskdag.compute_jvps].
         client: as for [`value_and_grad`][daskdag.value_and_grad].
         scheduler: as for [`compute_jvps`][daskdag.compute_jvps].
@@ -210,7 +271,7 @@ def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     print(value, tangent)
     ```
     """
-    return Prepared("value_and_jvp", JVPs(dag, outputs, batched),
+    return Prepared("value_and_jvp", JVPs(dag, outputs, wrt, batched),
                     lambda r: (r.value, r.tangent), outputs, client, scheduler, progress)
 
 

@@ -1,0 +1,80 @@
+"""Gradients: the reverse pass from each output's cotangent (1 for a real scalar), over the
+user's DAG, and the results every kind but JVPs and HVPs returns (:class:`Result`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskdag.errors import NodeError
+from daskdag.model.leaves import PyTree
+from daskdag.model.plan import make_plan
+from daskdag.model.request import cotangents_for, one_input, with_rules, wrt_names
+from daskdag.model.spec import Spec
+from daskdag.running.jobs import CallInfo
+from daskdag.running.passes import Derivative, Lowering
+
+
+@dataclass(frozen=True, repr=False)
+class Result:
+    """One output's ``value`` and ``grad``, from [`compute_grads`][daskdag.compute_grads],
+    [`jacobian`][daskdag.jacobian] or their sweeps.
+
+    Attributes:
+        value: the output's value; from a sweep, stacked over the items.
+        grad: shaped like ``x`` when the DAG has one free input, else a dict ``{input: grad}``
+            over the differentiated inputs (for a Jacobian, ``jax.jacrev``'s layout); from a
+            sweep, stacked over the items.
+        failed: from a sweep with ``errors='collect'``, each item that failed and its
+            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]: mode, passes,
+            whether an earlier call's preparation served it).
+    """
+
+    value: Any
+    grad: Any
+    failed: Mapping[int, NodeError] = field(default_factory=dict)
+    info: CallInfo | None = None
+
+    def __repr__(self) -> str:
+        failed = f", failed={dict(self.failed)!r}" if self.failed else ""
+        return f"Result(value={self.value!r}, grad={self.grad!r}{failed}, info={self.info!r})"
+
+
+def per_output(outputs: str | Sequence[str], results: dict) -> Any:
+    """``results`` (``{output: result}``) as a call returns them: one result for a single
+    output name."""
+    return results[outputs] if isinstance(outputs, str) else results
+
+
+def results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
+            failed: Mapping[int, NodeError] | None = None, info: CallInfo | None = None) -> Any:
+    """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
+    grad})}``; with one free input, its gradient alone."""
+    return per_output(outputs, {
+        o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {}, info)
+        for o, (v, g) in computed.items()})
+
+
+@dataclass(frozen=True)
+class Gradients(Derivative):
+    """[`compute_grads`][daskdag.compute_grads] as a kind: the user's DAG, reverse from the
+    outputs' ``cotangents`` (given once, as [`value_and_grad`][daskdag.value_and_grad] takes
+    them)."""
+
+    cotangents: Mapping[str, PyTree] | None = None
+    call = "compute_grads"
+    sweep_call = "sweep_grads"
+    mode = "rev"
+
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+        wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
+        cotangents_for(outputs, self.cotangents)
+        return Lowering(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt)
+
+    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
+        return values, cotangents_for(lowering.plan.outputs, self.cotangents)
+
+    def finish(self, lowering, info, computed, failed=None) -> Any:
+        return results(lowering.spec, self.outputs, computed, failed, info)

@@ -1,0 +1,108 @@
+"""Hessian-vector products: reverse over forward. The DAG is lifted where ``v`` enters
+(:mod:`daskdag.rules.lifted`) and its reverse pass seeded with ``(0, ct)`` at each output, on
+its tangent alone. The gradient it gives at an input's pair ``(x, v)`` is ``(H v, g)``: the
+derivative of ``<ct, J v>`` by ``x`` is the Hessian of ``<ct, f>`` times ``v``, and by ``v`` it
+is ``J^T ct``, the gradient itself. So one backward pass gives both, each node runs once (its
+jvp, under ``jax.vjp`` in its forward task), and its residuals travel between workers as any
+pullback's do.
+
+This is the same product as forward over reverse (``jax.jvp`` of ``jax.grad``): the Hessian is
+symmetric. Reverse over forward keeps the backward graph as it is; a JVP of the backward graph
+would need the tangents of every residual to travel with it, or each node recomputed in its
+backward task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskdag.errors import DAGError, NodeError
+from daskdag.model.leaves import PyTree, on_differentiable
+from daskdag.model.plan import make_plan
+from daskdag.model.request import cotangents_for, wrt_names
+from daskdag.rules.lifted import OnTangent
+from daskdag.rules.registry import has_rules
+from daskdag.running.jobs import CallInfo
+from daskdag.running.passes import Derivative, Lowering
+from daskdag.kinds.gradients import per_output
+from daskdag.kinds.tangents import is_lifted, lifted, node_tangents, paired, tangents_of, unpaired
+
+
+@dataclass(frozen=True)
+class HVPResult:
+    """One output's value, gradient and Hessian-vector product, from
+    [`compute_hvps`][daskdag.compute_hvps] or [`sweep_hvps`][daskdag.sweep_hvps].
+
+    Attributes:
+        value: the output's value.
+        grad: its gradient (of ``<ct, output>`` for a cotangent ``ct``), shaped like ``x`` with
+            one free input, else a dict ``{input: ...}``.
+        hvp: its Hessian times ``v``, shaped as ``grad``.
+        tangent: its Jacobian-vector product along the same ``v``, in the output's structure
+            (zeros where no ``wrt`` input reaches it, as [`compute_jvps`][daskdag.compute_jvps]
+            gives).
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
+        failed: from a sweep with ``errors='collect'``, each item that failed and its
+            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+
+    From a sweep, each is stacked over the items.
+    """
+
+    value: Any
+    grad: Any
+    hvp: Any
+    tangent: Any
+    info: CallInfo | None = None
+    failed: Mapping[int, NodeError] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HVPs(Derivative):
+    """[`compute_hvps`][daskdag.compute_hvps] as a kind (the module's docstring): a call's data,
+    its direction ``v``; the outputs' ``cotangents`` given once."""
+
+    cotangents: Mapping[str, PyTree] | None = None
+    call = "compute_hvps"
+    sweep_call = "sweep_hvps"
+    mode = "rev-over-fwd"
+
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+        wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
+        plan = make_plan(spec, outputs, wrt)
+        own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
+        if own:
+            raise DAGError(f"node(s) {own} have their own derivative rules (vjp=, fwd=/bwd=): a "
+                           f"Hessian-vector product needs the derivative of their VJP, which "
+                           f"those rules do not give; write them in JAX, or leave out of wrt "
+                           f"the inputs they depend on")
+        cotangents_for(outputs, self.cotangents)
+        lifted_spec, where = lifted(spec, outputs, wrt)
+        return Lowering(make_plan(lifted_spec, outputs, wrt), where.given(values), spec, wrt,
+                        where.moving, extra=where)
+
+    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
+        (v,) = data
+        where = lowering.extra
+        given = {i: t for i, t in v.items() if i in where.inputs} \
+            if isinstance(v, Mapping) and where.added else v
+        flat, _ = tangents_of(lowering.spec, values, given, False, batched)
+        cts = cotangents_for(lowering.plan.outputs, self.cotangents)
+        seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowering.plan.spec, o) else cts.get(o)
+                 for o in lowering.plan.outputs}
+        return paired(where, values, flat, node_tangents(v, where.added), None, batched), seeds
+
+    def finish(self, lowering, info, computed, failed=None) -> Any:
+        spec = lowering.spec
+        results = {}
+        for o, (value, pairs) in computed.items():
+            one = len(spec.inputs) == 1 and list(pairs) == list(spec.inputs)
+            hvp = {i: g.primal for i, g in pairs.items()}
+            grad = {i: on_differentiable(g.primal, g.tangent) for i, g in pairs.items()}
+            value, tangent = unpaired(value, None, failed is not None)
+            i0 = spec.inputs[0]
+            results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp,
+                                   tangent, info, failed or {})
+        return per_output(self.outputs, results)
+

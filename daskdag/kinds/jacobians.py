@@ -1,0 +1,382 @@
+"""Full Jacobians, as a kind: pulled back row by row (reverse mode, the reverse pass seeded
+with the rows of the identity over each output's elements) or pushed forward column by column
+(forward mode, the DAG lifted with the identity's columns as its tangents' directions).
+``mode="auto"`` takes the one with fewer passes, forward on a tie, as OpenMDAO's
+``compute_totals`` does. A sparse Jacobian's rows (or columns) are grouped by colour
+(:mod:`daskdag.model.colouring`): one pass per colour, the entries recovered from the pattern.
+Either way the result has ``jax.jacrev``'s layout, or is ``scipy.sparse``; from a sweep, each
+item's stacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.errors import DAGError
+from daskdag.graph.sparsity import detect, shapes, size
+from daskdag.graph.tasks import Rows
+from daskdag.model import colouring
+from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
+                                           row_template)
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
+from daskdag.model.patterns import Colours, pattern_key, user_patterns
+from daskdag.model.plan import Plan, make_plan
+from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, rules_missing,
+                                   with_rules, wrt_names)
+from daskdag.model.shapes import UNKNOWN, Traced
+from daskdag.rules.jvp import why_no_jvp
+from daskdag.rules.registry import function_of
+from daskdag.rules.vjp import why_no_vjp
+from daskdag.running import programs
+from daskdag.running.jobs import CallInfo
+from daskdag.running.passes import Derivative, Lowering, names_key
+from daskdag.kinds.gradients import Result, per_output
+from daskdag.kinds.tangents import lifted, paired
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+
+MODES = ("auto", "rev", "fwd")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a Jacobian's results are made of besides the passes' (a :class:`Lowering`'s
+    ``extra``): the user's ``plan`` (its ``wrt``), the ``mode`` taken and why, the patterns'
+    ``colours`` and where they came from (``source``: ``"given"``, ``"detected"``,
+    ``"probed"``, or None when dense); in forward mode the inputs' leaves' ``templates``,
+    the ``tangents`` (the identity's columns, or a colour's) and their number."""
+
+    plan: Plan
+    mode: str
+    mode_why: str
+    colours: Colours
+    source: str | None
+    templates: dict | None = None
+    tangents: dict | None = None
+    directions: int = 0
+    carriers: Any = None
+
+
+@dataclass(frozen=True)
+class Jacobian(Derivative):
+    """[`jacobian`][daskdag.jacobian] as a kind: ``mode``, ``sparsity``, ``sparse`` and
+    ``chunk_size`` as it takes them; a call has no data beyond its inputs (its seeds are the
+    identity's rows or columns, part of the program)."""
+
+    mode: str = "auto"
+    sparsity: Any = None
+    sparse: bool = False
+    chunk_size: int | None = None
+    call = "jacobian"
+    sweep_call = "sweep_jacobians"
+
+    def options(self, data: tuple) -> tuple:
+        check_chunk_size(self.chunk_size)
+        if self.mode not in MODES:
+            raise DAGError(f"mode must be one of {MODES}, got {self.mode!r}")
+        return self.mode, pattern_key(self.sparsity), self.chunk_size
+
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+        plan = make_plan(spec, outputs, wrt_names(spec, values, self.wrt, candidates=candidates))
+        patterns, source = None, None
+        traces: dict[str, Traced] | None = None  # (each node's jaxpr, where a pattern traced it)
+        if isinstance(self.sparsity, str) and self.sparsity == "detect":
+            traces = {}
+            patterns = detected_patterns(plan, values, watch, traces)
+            source = "probed" if watch.refused else "detected"
+        elif self.sparsity is not None:
+            traces = {}
+            patterns = _given_patterns(plan, values, self.sparsity, self.outputs, traces)
+            source = "given"
+        colours = Colours(patterns)
+        # "auto" takes its mode from the nodes' traces (their shapes and what they can do), so
+        # it watches them, before they are traced; a mode asked for is only checked.
+        if self.mode == "auto":
+            for n in plan.needed:
+                watch(n, plan.spec.nodes[n].fn)
+        mode, mode_why = _mode(plan, values, self.mode, colours, traces)
+        plan = with_rules(plan, forward=mode == "fwd")
+        if mode == "rev":
+            rows = Rows(self.chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in (
+                colours.rows.items() if patterns is not None else ())))
+            return Lowering(plan, tuple(values), spec, plan.wrt, rows=rows,
+                            extra=Layout(plan, mode, mode_why, colours, source))
+        templates = _templates(plan, values)
+        dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
+        seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype)
+                 if patterns is None else colouring.seeds(colours.columns, dtype))
+        k, start, tangents = len(seeds), 0, {}
+        for i in plan.wrt:
+            leaves = []
+            for leaf in jax.tree.leaves(templates[i]):
+                width = int(np.prod(leaf.shape))
+                leaves.append(np.asarray(seeds[:, start:start + width].reshape(k, *leaf.shape),
+                                         leaf.dtype))
+                start += width
+            tangents[i] = tuple(leaves)
+        lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
+        return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
+                        where.moving, extra=Layout(plan, mode, mode_why, colours, source, templates, tangents,
+                                     k, where))
+
+    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
+        layout = lowering.extra
+        if layout.mode == "rev":
+            return values, {}
+        tangents = layout.tangents
+        if batched is not None:  # (the same columns for every item: views, nothing copied)
+            tangents = {i: tuple(np.broadcast_to(t, (_items(values[i]), *t.shape)) for t in ts)
+                        if i in batched else ts for i, ts in tangents.items()}
+        return paired(layout.carriers, values, tangents, {}, layout.directions, batched), {}
+
+    def info(self, lowering, data, why, where) -> CallInfo:
+        layout = lowering.extra
+        return CallInfo(self.call, layout.mode, 0, layout.colours.total, layout.source,
+                        why is None, why, where, mode_why=layout.mode_why)
+
+    def finish(self, lowering, info, computed, failed=None) -> Any:
+        layout = lowering.extra
+        if self.sparse and failed is not None:
+            raise DAGError("sparse=True does not apply to a sweep: its Jacobians are stacked "
+                           "over the items, in jax.jacrev's layout (give a sparsity pattern to "
+                           "compress the passes)", argument="sparse")
+        if failed is None:
+            return per_output(self.outputs, self._results(layout, info, computed))
+        n = _items(computed)
+        if n == 0:
+            return per_output(self.outputs, {o: Result(getattr(v, "primal", v), None, failed, info)
+                                             for o, (v, _) in computed.items()})
+        items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
+                 for i in range(n)]  # (each item laid out as a call's, then stacked)
+        return per_output(self.outputs, {o: Result(
+            jax.tree.map(lambda *a: np.stack(a), *(r[o].value for r in items)),
+            jax.tree.map(lambda *a: np.stack(a), *(r[o].grad for r in items)),
+            failed, items[0][o].info) for o in computed})
+
+    def _results(self, layout: Layout, info: CallInfo, computed: dict) -> dict:
+        if layout.mode == "rev":
+            return _reverse_results(layout, self.sparse, info, computed)
+        return _forward_results(layout, self.sparse, info, computed)
+
+
+def _items(tree: Any) -> int:
+    """The number of items a sweep's value carries (its leaves' leading axis)."""
+    return next((len(leaf) for leaf in jax.tree.leaves(tree)), 0)
+
+
+def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict) -> dict:
+    import scipy.sparse as sp
+    plan, patterns = layout.plan, layout.colours.patterns
+    info = replace(info, passes=info.colours or 0 if patterns is not None else
+                   sum(size(value) for value, _ in computed.values()))
+    results = {}
+    for o, (value, per_name) in computed.items():
+        if patterns is None and not sparse:
+            jacs = {i: jacrev_layout(value, r) for i, r in per_name.items()}
+            results[o] = Result(value, joined(plan, value, jacs), info=info)
+            continue
+        flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
+        full = (sp.csr_array(flat) if patterns is None else
+                colouring.from_rows(patterns[o], layout.colours.rows[o], flat,
+                                    dense=not sparse))
+        results[o] = _result(plan, value, full, {i: row_template(r) for i, r in
+                                                 per_name.items()}, sparse, info)
+    return results
+
+
+def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict) -> dict:
+    plan, patterns, k = layout.plan, layout.colours.patterns, layout.directions
+    info = replace(info, passes=k)
+    results = {}
+    for o, (lifted_value, _) in computed.items():
+        value = getattr(lifted_value, "primal", lifted_value)
+        for leaf in differentiable_leaves(value):
+            if jnp.iscomplexobj(leaf):
+                raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
+                               f"Jacobian needs real outputs, as jax.jacrev does")
+        pushed = [np.asarray(leaf).reshape(k, -1)
+                  for leaf in getattr(lifted_value, "tangent", ())]
+        passes = np.hstack(pushed) if pushed else np.zeros((k, size(value)))
+        if patterns is None:
+            full = passes.T
+        else:
+            if patterns[o].shape[0] != passes.shape[1]:
+                raise DAGError(f"the sparsity pattern of output {o!r} has "
+                               f"{patterns[o].shape[0]} rows, but the output has "
+                               f"{passes.shape[1]} elements", argument="sparsity")
+            full = colouring.from_columns(patterns[o], layout.colours.columns, passes,
+                                          dense=not sparse)
+        results[o] = _result(plan, value, full, layout.templates or {}, sparse, info)
+    return results
+
+
+def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
+            info: CallInfo) -> Result:
+    """One output's :class:`~daskdag.Result` from its Jacobian over every wrt name's elements
+    (:func:`~daskdag.model.jacobian_layout.laid_out`)."""
+    widths = {i: size(t) for i, t in templates.items()}
+    return Result(value, laid_out(plan, value, full, templates, widths, sparse), info=info)
+
+
+# -- sparsity patterns ------------------------------------------------------------------------------
+
+def jacobian_patterns(dag, x, outputs, wrt) -> tuple[Plan, dict]:
+    """The plan of [`jacobian_sparsity`][daskdag.jacobian_sparsity]'s call and its detected
+    patterns, compiled once per DAG and shapes while the nodes' functions hold."""
+    program, _ = programs.compile("sparsity", dag, x, (names_key(outputs), names_key(wrt)),
+                                  lambda watch: _detected(dag, x, outputs, wrt, watch))
+    return program.value
+
+
+def _detected(dag, x, outputs, wrt, watch: programs.Watch) -> tuple[Plan, dict]:
+    spec, names, values = parsed(dag, x, outputs, watch.hold)
+    plan = make_plan(spec, names, wrt_names(spec, values, wrt, candidates=values))
+    return plan, detected_patterns(plan, values, watch)
+
+
+def detected_patterns(plan: Plan, values: dict, watch: programs.Watch,
+                      traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
+    """The plan's patterns, detected (:func:`daskdag.graph.sparsity.detect`) after watching
+    every function they are read from; a pattern probed at this point holds for this call
+    only. ``traces``: filled with the nodes' jaxprs, as :func:`~daskdag.graph.sparsity.shapes`
+    traced them."""
+    for n in plan.needed:
+        watch(n, plan.spec.nodes[n].fn)
+    probed: list[str] = []
+    found = detect(plan, values, probed, traces)
+    if probed:
+        watch.refuse(f"node(s) {probed}: their sparsity patterns were probed at this point (they "
+                     f"could not be read off a jaxpr), so they are detected again at each call")
+    return found
+
+
+# -- the mode -----------------------------------------------------------------------------------------
+
+def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str],
+                    traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
+    """The patterns the user gave, checked before anything runs against the inputs' elements
+    and the outputs' (from their shapes traced abstractly, where a node's code can be traced:
+    :func:`daskdag.graph.sparsity.shapes`, which fills ``traces`` with their jaxprs)."""
+    widths = {i: size(values[i]) for i in plan.wrt if i in values}
+    avals = shapes(plan, values, traces)
+    elements = {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN}
+    return user_patterns(plan, widths, elements, sparsity, outputs)
+
+
+def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
+          traces: dict[str, Traced] | None) -> tuple[str, str]:
+    """The mode and why it was taken: the one asked for, or for ``"auto"`` the one with fewer
+    passes, forward on a tie (:func:`_preferred`), unless some node cannot take it
+    (:func:`_cannot`: then the other); a :class:`DAGError` when the mode asked for, or every
+    mode, cannot serve the call. ``traces``: the nodes' jaxprs where an earlier step traced
+    them all, else None. A mode's check through JAX's rules (each node's JVP or VJP traced on
+    shapes) runs only where the mode could be taken, your own rules' always."""
+    wrt_nodes = nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
+    avals = None
+    if traces is None:  # ("auto" traces every node, as it counts elements; see _explicitly)
+        traces = {}
+        avals = shapes(plan, values, traces, only=None if mode == "auto" else _explicitly(plan))
+    found: dict[tuple[str, bool], list[str]] = {}
+
+    def why_not(m: str, traced: bool = True) -> list[str]:
+        """What keeps mode ``m`` from the call; without ``traced``, only what costs no trace
+        (``wrt``, your own rules)."""
+        if (m, traced) not in found:
+            found[m, traced] = ([wrt_nodes] if m == "fwd" and wrt_nodes else []) + _cannot(
+                plan, traces if traced else {}, forward=m == "fwd")
+        return found[m, traced]
+
+    if mode != "auto":
+        if why_not(mode):
+            raise DAGError(f"mode={mode!r} cannot serve this call: " + "; ".join(why_not(mode)))
+        return mode, f"mode={mode!r} was asked for"
+    closed = {m: why_not(m, traced=False) for m in ("fwd", "rev")}
+    order = [m for m in ("fwd", "rev") if not closed[m]]
+    because = ""
+    if len(order) == 2:  # (both open to the call: the one with fewer passes first)
+        preferred, because = _preferred(plan, values, colours, avals)
+        order = [preferred, "rev" if preferred == "fwd" else "fwd"]
+    taken = next((m for m in order if not why_not(m)), None)
+    if taken is None:
+        raise DAGError("no mode can serve this call: forward mode (mode='fwd'): "
+                       + "; ".join(why_not("fwd")) + "; reverse mode (mode='rev'): "
+                       + "; ".join(why_not("rev")))
+    other = "rev" if taken == "fwd" else "fwd"
+    against = closed[other] or (why_not(other) if taken != order[0] else [])
+    if against:
+        because = (f"the only mode that can serve this call: {MODE_NAMES[other]} mode cannot: "
+                   + "; ".join(against))
+    if colours.patterns is not None:
+        colours.used = "columns" if taken == "fwd" else "rows"
+    return taken, because
+
+
+MODE_NAMES = {"fwd": "forward", "rev": "reverse"}
+
+
+def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
+               ) -> tuple[str, str]:
+    """The mode with fewer passes, forward on a tie, and why: per colour of a sparse
+    Jacobian's columns or rows, else per input or output element (``avals``: the values'
+    shapes where they were traced); reverse where the outputs' elements are unknown."""
+    if colours.patterns is not None:
+        rev = sum(colouring.count(c) for c in colours.rows.values())
+        fwd = colouring.count(colours.columns)
+        return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "colours of columns",
+                                                      "colours of rows")
+    avals = shapes(plan, values) if avals is None else avals
+    if any(avals[o] is UNKNOWN for o in plan.outputs):
+        unknown = [n for n in plan.needed if avals[n] is UNKNOWN
+                   and all(avals[d] is not UNKNOWN for d in plan.spec.nodes[n].deps)]
+        return "rev", (f"reverse when the outputs' elements cannot be counted: node(s) {unknown} "
+                       f"cannot be traced on shapes")
+    rev = sum(size(avals[o]) for o in plan.outputs)
+    fwd = sum(size(values[i]) for i in plan.wrt)
+    return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "input elements", "output elements")
+
+
+def _fewer(fwd: int, rev: int, columns: str, rows: str) -> str:
+    """Why auto took the mode with fewer passes: forward's ``fwd`` passes (one per column: its
+    ``columns``) against reverse's ``rev`` (one per row)."""
+    counts = f"{fwd} passes forward ({columns}) against {rev} reverse ({rows})"
+    return f"forward on a tie: {counts}" if fwd == rev else f"fewer passes: {counts}"
+
+
+def _explicitly(plan: Plan) -> list[str]:
+    """The nodes a mode asked for traces to check that they can take it: those whose function
+    is a ``jax.custom_jvp`` or ``jax.custom_vjp``, whose rules are in question (with the nodes
+    before them, for their shapes). Other nodes' code does not run once more for the check."""
+    return [n for n in plan.needed if n in plan.active and
+            isinstance(function_of(plan.spec.nodes[n]), (jax.custom_jvp, jax.custom_vjp))]
+
+
+def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
+    """What keeps the call from forward (``forward``) or reverse mode, node by node in order:
+    a node of your own code without the rule (:func:`daskdag.model.request.rules_missing`), or
+    a node whose jaxpr (in ``traces``) JAX cannot differentiate that way (a ``jax.custom_vjp``
+    function has no forward rule; a ``jax.custom_jvp`` rule through ``jax.pure_callback``
+    cannot be transposed). A node not traced gives no verdict."""
+    missing = rules_missing(plan, forward)
+    why_no = why_no_jvp if forward else why_no_vjp
+    for n in plan.needed:
+        if n not in plan.active or n not in traces or n in missing:
+            continue
+        node, traced = plan.spec.nodes[n], traces[n]
+        active = [d in plan.wrt or d in plan.active for d in node.deps]
+        why = why_no(traced.jaxpr, [active[d] for d in traced.deps])
+        if why is not None:
+            missing[n] = f"node {n!r} {why}"
+    return [missing[n] for n in plan.needed if n in missing]
+
+
+def _templates(plan: Plan, values: dict) -> dict:
+    """Per wrt input, its differentiable leaves' shapes and dtypes (``None`` elsewhere)."""
+    return {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+                            if is_differentiable(a) else None, values[i]) for i in plan.wrt}

@@ -1,0 +1,225 @@
+"""Forward mode: Jacobian-vector products, the lifted DAG's forward pass alone
+(:mod:`daskdag.rules.lifted`), and what every kind that pushes tangents shares: which names
+carry them (:func:`carriers`), and a call's inputs as pairs (:func:`paired`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.errors import DAGError, NodeError
+from daskdag.model.leaves import (differentiable_leaves, is_array, is_differentiable,
+                                  on_differentiable)
+from daskdag.model.plan import make_plan
+from daskdag.model.request import given_values, input_tangents, with_rules, wrt_names
+from daskdag.model.spec import Spec
+from daskdag.rules.lifted import Lift, Pair, lift
+from daskdag.running.jobs import CallInfo
+from daskdag.running.passes import Derivative, Lowering
+from daskdag.kinds.gradients import per_output
+
+
+@dataclass(frozen=True)
+class JVPResult:
+    """One output's ``value`` and ``tangent``, from [`compute_jvps`][daskdag.compute_jvps] or
+    [`sweep_jvps`][daskdag.sweep_jvps].
+
+    Attributes:
+        value: the output's value; from a sweep, stacked over the items.
+        tangent: its Jacobian-vector product, in the output's structure, ``None`` at the leaves
+            held constant (not floating-point), zeros where no tangent reaches it; with
+            ``batched=True`` each leaf has a leading axis of directions (after the items',
+            from a sweep).
+        info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
+        failed: from a sweep with ``errors='collect'``, each item that failed and its
+            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+    """
+
+    value: Any
+    tangent: Any
+    info: CallInfo | None = None
+    failed: Mapping[int, NodeError] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Carriers:
+    """The names a lifted call's tangents enter at: ``inputs`` (each given as a
+    :class:`~daskdag.rules.lifted.Pair`), and ``added`` (``{node: the input holding the
+    tangent added at its value}``, nodes named in ``wrt``)."""
+
+    inputs: tuple[str, ...]
+    added: dict[str, str]
+
+    @property
+    def moving(self) -> tuple[str, ...]:
+        return (*self.inputs, *self.added.values())
+
+    def given(self, values: dict) -> tuple[str, ...]:
+        """The inputs a lifted call gives: those of ``values``, and the added tangents'."""
+        return (*values, *self.added.values())
+
+
+def carriers(spec: Spec, wrt: Sequence[str]) -> Carriers:
+    """Where the tangents of ``wrt`` (inputs and nodes) enter a lifted DAG."""
+    taken = set(spec.nodes) | set(spec.inputs)
+    added = {}
+    for n in (w for w in wrt if w in spec.nodes):
+        name = f"{n}.tangent"
+        while name in taken:
+            name += "'"
+        taken.add(name)
+        added[n] = name
+    return Carriers(tuple(w for w in wrt if w not in spec.nodes), added)
+
+
+def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], directions: bool = False,
+           chunk: int | None = None) -> tuple[Spec, Carriers]:
+    """``spec`` lifted for tangents entering at ``wrt``, checked first: every node of the
+    user's own code that a tangent reaches has a ``jvp=`` rule."""
+    with_rules(make_plan(spec, outputs, wrt), forward=True)
+    where = carriers(spec, wrt)
+    return lift(spec, set(where.inputs), where.added, directions, chunk), where
+
+
+def paired(where: Carriers, values: dict, flat: dict, nodes: dict, k: int | None,
+           batched: frozenset | None = None) -> dict:
+    """A lifted call's input values: each input carrying tangents as a
+    :class:`~daskdag.rules.lifted.Pair` of its value and flat tangent (``flat``; zeros where
+    none is given), each node's added tangent (``nodes``; none: nothing added), the other
+    inputs as they are. ``k``: the number of directions (None: one tangent, no axis);
+    ``batched``: a sweep's inputs that carry items, their tangents per item (the directions'
+    axis after the items')."""
+    out = dict(values)
+    for i in where.inputs:
+        if i in values:
+            out[i] = Pair(values[i], flat.get(i) or tuple(
+                zeros(leaf, k, batched is not None and i in batched)
+                for leaf in differentiable_leaves(values[i])))
+    for n, name in where.added.items():
+        out[name] = nodes.get(n, ())
+    return out
+
+
+def zeros(leaf: Any, k: int | None, items: bool = False) -> np.ndarray:
+    """A zero tangent of ``leaf``: ``k`` directions' axis first, after the items' where the
+    leaf carries a sweep's (``items``)."""
+    shape = np.shape(leaf)
+    lead, rest = (shape[:1], shape[1:]) if items else ((), shape)
+    return np.zeros((*lead, *(() if k is None else (k,)), *rest), jnp.result_type(leaf))
+
+
+def node_tangents(tangents: Any, added: dict) -> dict:
+    """The flat tangents given for the nodes in ``added`` (``tangents`` a dict), each its
+    leaves in ``jax.tree.leaves`` order; checked against the node's value where it runs."""
+    if not added:
+        return {}
+    if not isinstance(tangents, Mapping):
+        raise DAGError(f"wrt names node(s) {list(added)}: pass the tangents as a dict "
+                       f"{{name: tangent}} with an entry for each node that moves")
+    return {n: tuple(jax.tree.leaves(tangents[n])) for n in added if tangents.get(n) is not None}
+
+
+@dataclass(frozen=True)
+class JVPs(Derivative):
+    """[`compute_jvps`][daskdag.compute_jvps] as a kind: the DAG lifted where its tangents (the
+    call's data) enter, pushed forward; ``batched``: each tangent carries a leading axis of
+    directions."""
+
+    batched: bool = False
+    call = "compute_jvps"
+    sweep_call = "sweep_jvps"
+    mode = "fwd"
+
+    def options(self, data: tuple) -> tuple:
+        (tangents,) = data
+        return bool(self.batched), frozenset(i for i, t in tangents.items() if t is not None) \
+            if isinstance(tangents, Mapping) else None
+
+    def moving(self, spec: Spec, values: dict, tangents: Any) -> tuple[str, ...]:
+        """The names whose tangents count: ``wrt``, or the inputs the tangents are given for
+        (not None)."""
+        if self.wrt is not None:
+            return wrt_names(spec, values, self.wrt, candidates=values)
+        if len(spec.inputs) == 1 or not isinstance(tangents, Mapping):
+            return tuple(spec.inputs[:1]) if len(spec.inputs) == 1 else ()
+        return tuple(i for i, t in tangents.items() if i in values and t is not None)
+
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+        (tangents,) = data
+        wrt = self.moving(spec, values, tangents)
+        lifted_spec, where = lifted(spec, outputs, wrt, bool(self.batched))
+        return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, wrt,
+                        where.moving, extra=where)
+
+    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
+        (tangents,) = data
+        where = lowering.extra
+        given = tangents
+        if isinstance(tangents, Mapping) and (where.added or self.wrt is not None):
+            given = {i: t for i, t in tangents.items() if i in where.inputs}
+        flat, k = tangents_of(lowering.spec, values, given, bool(self.batched), batched)
+        return paired(where, values, flat, node_tangents(tangents, where.added), k, batched), {}
+
+    def info(self, lowering, data, why, where) -> CallInfo:
+        (tangents,) = data
+        k = directions_of(tangents) if self.batched else None
+        return CallInfo(self.call, self.mode, k or 1, prepared=why is None, why=why, where=where)
+
+    def finish(self, lowering, info, computed, failed=None) -> Any:
+        k = info.passes if self.batched else None
+        return per_output(self.outputs, {
+            o: JVPResult(*unpaired(value, k, failed is not None), info, failed or {})
+            for o, (value, _) in computed.items()})
+
+
+def tangents_of(spec: Spec, values: dict, tangents: Any, directions: bool,
+                batched: frozenset | None = None) -> tuple[dict, int | None]:
+    """The inputs' flat tangents, checked (:func:`daskdag.model.request.input_tangents`), and
+    the number of directions. In a sweep (``batched``: its inputs that carry items), a batched
+    input's tangents carry the items too (one per item, as ``jax.vmap`` of ``jax.jvp`` takes
+    them): one item's are checked, and the whole taken, zeros where None is given."""
+    if batched is None:
+        return input_tangents(spec, values, tangents, directions)
+    given = given_values(spec, tangents) if isinstance(tangents, Mapping) or len(
+        spec.inputs) == 1 else tangents
+    if not isinstance(given, Mapping):
+        given = {}  # (input_tangents says what is wrong)
+    def first(name, tree):  # (one item's, of a batched input)
+        return jax.tree.map(lambda a: a[0] if is_array(a) else a, tree) if name in batched \
+            else tree
+
+    checked, k = input_tangents(spec, {i: first(i, v) for i, v in values.items()},
+                                {i: first(i, t) for i, t in given.items()} if given else tangents,
+                                directions)
+    flat = {}
+    for i in checked:
+        leaves, treedef = jax.tree.flatten(values[i])
+        parts = treedef.flatten_up_to(given[i])
+        flat[i] = tuple(zeros(leaf, k, i in batched) if t is None else t
+                        for leaf, t in zip(leaves, parts) if is_differentiable(leaf))
+    return flat, k
+
+
+def directions_of(tangents: Any) -> int | None:
+    """The number of directions of batched tangents (each leaf's leading axis)."""
+    return next((int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tangents)), None)
+
+
+def unpaired(value: Any, k: int | None, items: bool) -> tuple[Any, Any]:
+    """An output's value and its tangent in its structure, from the lifted DAG's value (a
+    :class:`~daskdag.rules.lifted.Pair`, or the value itself where no tangent reached it:
+    zeros)."""
+    if isinstance(value, Pair):
+        return value.primal, on_differentiable(value.primal, value.tangent)
+    return value, on_differentiable(value, [zeros(leaf, k, items)
+                                            for leaf in differentiable_leaves(value)])
+
+
+def is_lifted(spec: Spec, name: str) -> bool:
+    """Node ``name`` of a lifted spec pushes a tangent."""
+    return isinstance(spec.nodes[name].fn, Lift)

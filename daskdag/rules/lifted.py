@@ -1,0 +1,134 @@
+"""Forward mode as values: a node lifted to its forward-mode pair, ``(x, dx) -> (f(x), J(x) dx)``.
+
+Every kind of call that pushes tangents forward (JVPs, a Jacobian's columns, Hessian-vector
+products) runs its DAG lifted: each node that a tangent reaches takes, where a dep carries one,
+that dep's :class:`Pair` (its value and tangent), and returns its own Pair, the tangent pushed
+by the node's rule (:func:`daskdag.rules.registry.jvp_rule`: JAX's ``jax.jvp``, or your
+``jvp=``). A lifted DAG is a DAG like any other: the same stages, tasks, whole programs,
+stores and sweeps run it; a reverse pass over it gives Hessian-vector products.
+
+A node named in ``wrt`` of such a call takes one more dep, the tangent added at its value
+(:func:`lift`): differentiating by a node is the sensitivity to a change added to its value,
+as a node's gradient is its cotangent, the same in both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from daskdag.errors import DAGError
+from daskdag.model.leaves import differentiable_leaves
+from daskdag.model.spec import Node, Spec
+from daskdag.rules.jvp import directions as in_directions
+from daskdag.rules.registry import jvp_rule
+from daskdag.rules.seeds import seed
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Pair:
+    """A lifted value: the ``primal`` and its ``tangent``, a flat tuple over its differentiable
+    leaves (:mod:`daskdag.model.leaves`), each with a leading axis of directions where the
+    call pushes several."""
+
+    primal: Any
+    tangent: tuple
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class OnTangent:
+    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone: a
+    reverse pass over a lifted DAG from it gives the gradient of ``<ct, J v>``: ``(H v, J^T
+    ct)`` at each input's pair. (Never None itself, so no stage takes it for a plain
+    scalar's seed of 1.)"""
+
+    ct: Any = None
+
+
+@seed.register
+def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
+    # (0, ct): the output's tangent is seeded, its value not.
+    zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
+    return zeros + seed(value.primal, output, ct.ct, batched)
+
+
+class Lift:
+    """A node's function lifted (see the module's docstring): called with its deps' values, a
+    :class:`Pair` where ``active`` (per dep), and, where ``added``, the tangent added at its
+    own value last. ``directions``: each tangent carries a leading axis of directions, pushed
+    together under ``jax.vmap`` (:func:`daskdag.rules.jvp.directions`), at most ``chunk`` at a
+    time."""
+
+    def __init__(self, node: Node, active: tuple[bool, ...], directions: bool = False,
+                 chunk: int | None = None, added: bool = False):
+        self.node, self.active, self.directions = node, active, directions
+        self.chunk, self.added = chunk, added
+
+    def __call__(self, *args) -> Pair:
+        extra = args[-1] if self.added else None
+        args = args[:-1] if self.added else args
+        on = tuple(a and isinstance(d, Pair) for a, d in zip(self.active, args))
+        primals = [d.primal if o else d for d, o in zip(args, on)]
+        if not any(on):
+            primal, tangent = self.node.callable()(*primals), None
+        else:
+            tangents = [d.tangent if o else None for d, o in zip(args, on)]
+            rule = jvp_rule(self.node)
+            if not self.directions:
+                primal, tangent = rule(primals, tangents, on)
+            else:
+                k = next(len(t[0]) for t in tangents if t)
+                primal, tangent = in_directions(rule, primals, tangents, on, k, self.chunk)
+        if extra:
+            _check_added(primal, extra, self.directions)
+            tangent = extra if tangent is None else tuple(a + b for a, b in zip(tangent, extra))
+        if tangent is None:  # (nothing reaches it but a tangent not given: zeros)
+            k = len(extra[0]) if extra and self.directions else None
+            tangent = zeros(primal, k)
+        return Pair(primal, tuple(tangent))
+
+    def __reduce__(self):
+        return Lift, (self.node, self.active, self.directions, self.chunk, self.added)
+
+
+def _check_added(primal: Any, added: tuple, directions: bool) -> None:
+    """The tangent given for a node must be shaped like its value's differentiable leaves."""
+    want = [tuple(jnp.shape(leaf)) for leaf in differentiable_leaves(primal)]
+    got = [tuple(jnp.shape(t))[1 if directions else 0:] for t in added]
+    if want != got:
+        raise DAGError(f"the tangent given for this node has leaves shaped {got}, but its "
+                       f"value's floating-point leaves are shaped {want}"
+                       + (" (with batched=True, after the directions' axis)" if directions
+                          else ""))
+
+
+def zeros(value: Any, k: int | None) -> tuple:
+    """A zero tangent of ``value`` (with ``k`` directions: each leaf's leading axis)."""
+    lead = () if k is None else (k,)
+    return tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+                 for leaf in differentiable_leaves(value))
+
+
+def lift(spec: Spec, moving: set[str], added: dict[str, str], directions: bool = False,
+         chunk: int | None = None) -> Spec:
+    """``spec`` with every node a tangent reaches lifted (:class:`Lift`): those that take a
+    name in ``moving`` (the inputs that carry tangents), a node lifted before them, or are
+    named in ``added`` (``{node: the input holding the tangent added at its value}``, which
+    becomes its last dep). The lifted nodes keep their options (``jit``, ``vmap``, resources,
+    ``remat``); the others stay as they are."""
+    lifted: set[str] = set(moving)
+    nodes = {}
+    for n in spec.order:
+        node = spec.nodes[n]
+        active = tuple(d in lifted for d in node.deps)
+        if any(active) or n in added:
+            deps = (*node.deps, added[n]) if n in added else tuple(node.deps)
+            node = replace(node, fn=Lift(node, active, directions, chunk, n in added), deps=deps)
+            lifted.add(n)
+        nodes[n] = node
+    return Spec.of({n: nodes[n] for n in spec.nodes}, spec.order)

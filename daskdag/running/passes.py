@@ -1,0 +1,324 @@
+"""The one program every kind of call runs: a forward pass over a DAG and, where the call
+pulls cotangents back, a reverse pass from its outputs' seeds (:class:`Passes`), and the
+derivative kinds as strategies over it (:class:`Derivative`).
+
+A kind of call is *lowered* (:class:`Lowering`) to what those passes run: the user's DAG, or,
+where the call pushes tangents forward, the DAG lifted to forward-mode pairs
+(:mod:`daskdag.rules.lifted`); the names its reverse pass differentiates (none: a forward pass
+alone); and its seeds: each output's cotangent, the call's data (gradients; Hessian-vector
+products, on the lifted DAG), or the rows of the identity over each output's elements (a
+Jacobian's rows, :class:`~daskdag.graph.tasks.Rows`). So:
+
+=================  ===========================  ==================  =======================
+kind               DAG                          reverse pass        seeds
+=================  ===========================  ==================  =======================
+gradients          the user's                   from the outputs    cotangents (1)
+Jacobian, rev      the user's                   from the outputs    rows of the identity
+Jacobian, fwd      lifted, identity's columns   none                none
+JVPs               lifted, your tangents        none                none
+HVPs               lifted, your ``v``           from the outputs    ``(0, ct)`` on tangents
+=================  ===========================  ==================  =======================
+
+Everything else is written once, here and below, for every kind: the program compiled once
+and kept while nothing it relies on changes (:mod:`daskdag.running.programs`); the graph of a
+call in this process built once, its inputs in slots (:class:`~daskdag.running.local.Template`);
+the whole call as one XLA program where it is one closed fused stage (:mod:`daskdag.graph.whole`);
+on a cluster, spread or in one task (:class:`~daskdag.running.jobs.Spreading`); nodes that read
+nothing the call moves kept from one call to the next (:mod:`daskdag.running.reuse`); each
+stage kept in a durable store (:attr:`~daskdag.running.jobs.Job.stored`); a lazy call
+(:func:`~daskdag.running.jobs.as_collection`); sweeps (:mod:`daskdag.sweeps`) run the same
+lowering over chunks of items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property, partial
+from typing import Any, Callable, ClassVar
+
+from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
+from daskdag.graph.stages import Stage, stages_for
+from daskdag.graph.tasks import Rows
+from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
+from daskdag.graph.whole import fits as whole_fits
+from daskdag.model.leaves import PyTree
+from daskdag.model.plan import Plan, make_plan, ship
+from daskdag.model.request import given_values, parsed
+from daskdag.model.spec import Spec
+from daskdag.running import log, programs
+from daskdag.running.jobs import CallInfo, Job, Spreading
+from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
+from daskdag.running.programs import Program
+from daskdag.running.reuse import Kept, kept_part
+from daskdag.transport.transports import Transport
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """A kind of call lowered to passes (the module's docstring): the ``plan`` they run (over
+    the user's DAG or the lifted one, its functions not packed yet; its ``wrt`` what the
+    reverse pass differentiates, none for a forward pass alone), the ``inputs`` a call gives,
+    ``wrt``, the names the call differentiates by (inputs and nodes, as resolved),
+    ``moving``, the inputs whose values are the call's data (tangents: no node that reads
+    them is kept between calls), ``rows`` (a Jacobian's reverse pass, else None: seeded by
+    cotangents), the user's ``spec``, and what the kind itself needs to make its results of
+    the passes' (``extra``)."""
+
+    plan: Plan
+    inputs: tuple[str, ...]
+    spec: Spec
+    wrt: tuple[str, ...]
+    moving: tuple[str, ...] = ()
+    rows: Rows | None = None
+    extra: Any = None
+
+
+@dataclass(frozen=True)
+class Passes:
+    """A lowered call compiled (:mod:`daskdag.running.programs`): the checked plan, its node
+    functions packed for its ``transport``, its stages, the names of its ``inputs``, and for
+    a call in this process its graph (a :class:`~daskdag.running.local.Template` whose slots
+    take the inputs and the outputs' cotangents); the whole call as one program where it is
+    one (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster; on a
+    cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`); where some nodes
+    keep their values from one call to the next (:mod:`daskdag.running.reuse`), those nodes
+    and the passes of the others, which a call now runs."""
+
+    plan: Plan
+    stages: tuple[Stage, ...]
+    inputs: tuple[str, ...]
+    template: Template | None
+    transport: Transport
+    rows: Rows | None = None
+    whole: WholeGradients | None = None
+    spreading: Spreading = field(default_factory=Spreading, compare=False)
+    kept: tuple[Kept, Passes] | None = field(default=None, compare=False)
+
+    @classmethod
+    def make(cls, lowering: Lowering, transport: Transport, watch: programs.Watch) -> Passes:
+        """``lowering`` compiled for ``transport``; ``watch`` takes the fingerprints of the
+        functions it packs."""
+        plan = ship(lowering.plan, transport, watched(lowering.plan, transport, watch))
+        split = kept_part(plan, lowering.moving)
+        kept = None if split is None else (
+            Kept(split[0], transport),
+            cls.of(split[1], (*lowering.inputs, *split[0].outputs), transport, lowering.rows))
+        return cls.of(plan, lowering.inputs, transport, lowering.rows, kept)
+
+    @classmethod
+    def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
+           rows: Rows | None = None, kept: tuple[Kept, Passes] | None = None) -> Passes:
+        """The passes of ``plan`` (shipped), whose calls give values to ``inputs``; with
+        ``kept``, a call now runs ``kept``'s passes, and this one's graph is built only by a
+        call that runs it whole (lazy, durable), not kept as a template."""
+        stages = stages_for(plan, transport.packs)
+        template = None if transport.packs or kept is not None else Template(
+            cls.graph_template(plan, inputs, stages, transport, rows))
+        stage = whole_stage(plan, stages)
+        whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs,
+                                                              rows is not None)
+        return cls(plan, stages, inputs, template, transport, rows, whole, kept=kept)
+
+    @staticmethod
+    def seeding(plan: Plan, rows: Rows | None, cts: Mapping[str, Any]):
+        """Where the reverse pass starts: ``rows`` (a Jacobian's), else the cotangents."""
+        return JacobianSeeding(rows) if rows is not None else GradientSeeding(dict(cts))
+
+    @staticmethod
+    def graph_template(plan: Plan, inputs: tuple[str, ...], stages: Sequence[Stage],
+                       transport: Transport, rows: Rows | None, place: Any = None) -> Any:
+        """The graph of a call, with slots for its inputs, the outputs' cotangents and the stop
+        signal; ``place`` as for :func:`~daskdag.graph.build.build`."""
+        return build(plan, {i: slot("input", i) for i in inputs},
+                     Passes.seeding(plan, rows, {o: slot("cotangent", o) for o in plan.outputs}),
+                     transport, place=place, stop=slot("stop"), stages=stages)
+
+    @property
+    def one_task_needs(self) -> dict | None:
+        """On a cluster, the resources of the call's graph run whole in one task, where it can
+        be (None: in this process or a lazy call, a whole program's call, or stages that need
+        different resources, which no one worker may have)."""
+        needs = {stage.needs for stage in self.stages}
+        if not self.transport.remote or self.whole is not None or len(needs) != 1:
+            return None
+        return dict(needs.pop())
+
+    @cached_property
+    def in_one_task(self) -> GraphInOneTask:
+        """The call's graph to run whole in one task (where :attr:`one_task_needs`), built at
+        the first call that runs that way."""
+        slots = (*(("input", i) for i in self.inputs),
+                 *(("cotangent", o) for o in self.plan.outputs))
+        return GraphInOneTask.built(partial(self.graph_template, self.plan, self.inputs,
+                                            self.stages, self.transport, self.rows), slots,
+                                    self.one_task_needs or {})
+
+    def job(self, values: dict, cts: dict, info: CallInfo, finish: Callable[[CallInfo, dict], Any],
+            keep: Any = None) -> Job:
+        """The call of the input ``values`` (by name) and the outputs' cotangents ``cts``,
+        whose results ``finish(info, computed)`` makes; ``keep`` as for
+        :class:`~daskdag.running.jobs.Job`. Where some nodes are kept between calls, a call
+        now first gets their values (:class:`~daskdag.running.reuse.Kept`), then runs the
+        passes of the others."""
+        job = self._job(values, cts, info, finish, keep)
+        if self.kept is None:
+            return job
+        kept, rest = self.kept
+
+        def before(client: Any, local: str | None, progress: bool) -> Job:
+            found = kept.values(values, client, local, progress)
+            reused = kept.plan.needed if found.reused else ()
+            if reused:
+                log.reused(info.call, reused)
+            return rest._job({**values, **found.values}, cts, replace(info, reused=reused),
+                             finish, keep)
+
+        return replace(job, before=before)
+
+    def _job(self, values: dict, cts: dict, info: CallInfo,
+             finish: Callable[[CallInfo, dict], Any], keep: Any = None) -> Job:
+        plan, template, whole = self.plan, self.template, self.whole
+
+        def make(place: Any, stop: Any) -> Any:
+            if whole is not None and place is not None and whole_fits(whole.stage, values):
+                return one_task(whole, values, cts, self.transport, place)
+            if template is not None:
+                return template.fill({**{slot("input", i): v for i, v in values.items()},
+                                      **{slot("cotangent", o): cts.get(o) for o in plan.outputs},
+                                      slot("stop"): stop})
+            return stored(place, stop, None)
+
+        def contained(place: Any) -> Any:
+            graph = self.in_one_task
+            return program_task(graph, "graph", graph.needs, run_graph,
+                                [(kind, name, values[name] if kind == "input" else cts.get(name))
+                                 for kind, name in graph.slots], self.transport, place,
+                                graph.kept)
+
+        def stored(place: Any, stop: Any, keeper: Any) -> Any:
+            return build(plan, values, self.seeding(plan, self.rows, cts), self.transport,
+                         place=place, stop=stop, stages=self.stages, keep=keeper)
+
+        done = partial(finish, info)
+        direct = None if whole is None or self.transport.packs else partial(
+            _directly, whole, done, values, cts)
+        return Job(plan, make, done, info.call, keep=keep, direct=direct,
+                   contained=None if self.one_task_needs is None else contained,
+                   spreading=self.spreading, stored=stored)
+
+
+def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
+              cts: dict) -> Any:
+    """The call's result from its one program, or None where it cannot run it."""
+    computed = whole(values, cts)
+    return None if computed is None else finish(computed)
+
+
+def watched(plan: Plan, transport: Transport, watch: programs.Watch) -> dict[int, Any]:
+    """The fingerprints of the node functions :func:`~daskdag.model.plan.ship` packs for
+    ``plan`` and ``transport``, by ``id``, each taken through ``watch``."""
+    prints: dict[int, Any] = {}
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        if transport.packs_function(node.jit) and id(node.fn) not in prints:
+            prints[id(node.fn)] = watch(n, node.fn)
+    return prints
+
+
+def packed(spec: Spec, outputs: tuple[str, ...], wrt: Sequence[str] | None,
+           transport: Transport, watch: programs.Watch) -> Spec:
+    """``spec`` with the functions of the nodes a call of ``outputs`` and ``wrt`` runs packed
+    for ``transport`` (:func:`~daskdag.model.plan.ship`) before a kind lowers it: as they are
+    now, before a kind that traces them (a Jacobian's mode or pattern) runs their code."""
+    plan = make_plan(spec, outputs, tuple(w for w in wrt or () if w in spec.nodes))
+    return ship(plan, transport, watched(plan, transport, watch)).spec
+
+
+def names_key(names: Any) -> Any:
+    """Output or ``wrt`` names as (part of) a program's key."""
+    return names if names is None or isinstance(names, str) else tuple(names)
+
+
+@dataclass(frozen=True)
+class Made:
+    """What a :class:`Derivative` compiles: its :class:`Lowering` and the :class:`Passes`."""
+
+    lowering: Lowering
+    passes: Passes
+
+
+@dataclass(frozen=True)
+class Derivative:
+    """A derivative kind, as a strategy over :class:`Passes` (the module's docstring), with the
+    DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call).
+    The kind says what it is (:attr:`call`, :attr:`mode`), how it lowers (:meth:`lower`), what
+    a call's inputs and cotangents are (:meth:`inputs`), and its results from the passes'
+    (:meth:`finish`); everything else (:meth:`compile`, :meth:`job`, and what
+    :mod:`daskdag.durable` and :mod:`daskdag.sweeps` make of them) is the same for every kind.
+
+    A call's data (cotangents, tangents, directions: ``data``, a tuple) are its inputs, never
+    its program's structure."""
+
+    dag: Mapping[str, Any]
+    outputs: str | Sequence[str]
+    wrt: Sequence[str] | None
+
+    #: The public function of this kind, as a call's :class:`~daskdag.CallInfo` names it, and
+    #: its sweep's.
+    call: ClassVar[str]
+    sweep_call: ClassVar[str]
+    #: Its mode, as :class:`~daskdag.CallInfo` gives it (a kind with several: :meth:`info`).
+    mode: ClassVar[str]
+
+    def options(self, data: tuple) -> tuple:
+        """What of the kind's options and of a call's ``data`` its program depends on, as a
+        key (hashable)."""
+        return ()
+
+    def lower(self, spec: Spec, outputs: tuple[str, ...], values: dict, data: tuple,
+              candidates: dict, watch: programs.Watch) -> Lowering:
+        """The call lowered, for input ``values`` like the call's (one item's, in a sweep)
+        and its ``data``; ``candidates``: the inputs ``wrt`` defaults to (those with a
+        floating-point leaf among them)."""
+        raise NotImplementedError
+
+    def inputs(self, lowering: Lowering, values: dict, data: tuple,
+               batched: frozenset | None = None) -> tuple[dict, dict]:
+        """``(input values, cotangents)`` of the passes for a call's input ``values`` and
+        ``data``; ``batched``: a sweep's inputs that carry a leading axis of items."""
+        raise NotImplementedError
+
+    def finish(self, lowering: Lowering, info: CallInfo, computed: dict,
+               failed: Mapping | None = None) -> Any:
+        """The call's results from the passes' ``{output: (value, {name: grad})}``; a sweep's
+        stacked over its items, with the items that ``failed`` (None: a call's)."""
+        raise NotImplementedError
+
+    def info(self, lowering: Lowering, data: tuple, why: str | None, where: str) -> CallInfo:
+        return CallInfo(self.call, self.mode, len(lowering.plan.outputs), prepared=why is None,
+                        why=why, where=where)
+
+    def compile(self, x: PyTree, data: tuple, transport: Transport
+                ) -> tuple[Program[Made], str | None]:
+        """The call's program for inputs like ``x`` (:func:`daskdag.running.programs.compile`)."""
+        return programs.compile(
+            self.call, self.dag, x,
+            (names_key(self.outputs), names_key(self.wrt), self.options(data), transport),
+            partial(self.make, x, data, transport))
+
+    def make(self, x: PyTree, data: tuple, transport: Transport, watch: programs.Watch) -> Made:
+        spec, names, values = parsed(self.dag, x, self.outputs, watch.hold)
+        lowering = self.lower(packed(spec, names, self.wrt, transport, watch), names, values,
+                              data, values, watch)
+        return Made(lowering, Passes.make(lowering, transport, watch))
+
+    def job(self, program: Program[Made], x: PyTree, data: tuple, why: str | None,
+            where: str) -> Job:
+        """The call of ``program`` for inputs ``x`` and ``data``; ``why`` it was compiled (None:
+        an earlier call's served), ``where`` it runs, in words."""
+        made = program.value
+        values, cts = self.inputs(made.lowering, given_values(made.lowering.spec, x), data)
+        info = self.info(made.lowering, data, why, where)
+        return made.passes.job(values, cts, info, partial(self.finish, made.lowering),
+                               keep=tuple(self.dag.values()))
