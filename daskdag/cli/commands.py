@@ -86,7 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
         with contextlib.redirect_stdout(sys.stderr), dask.config.set(scheduler="threads"):
             results = daskdag.compute_grads(dag, x, outputs, wrt=wrt, cotangents=cts,
-                                            client=client, progress=args.progress)
+                                            client=client, progress=args.progress,
+                                            store=args.store)
     finally:
         if client is not None:
             client.close(timeout=10)
@@ -234,6 +235,10 @@ def parser() -> argparse.ArgumentParser:
     _common(run, sweep=False)
     run.add_argument("--progress", action="store_true",
                      help="show Dask's progress bar over the call's tasks (on stderr)")
+    run.add_argument("--store", metavar="DIR",
+                     help="keep each node's result in DIR as it finishes; run the same command "
+                          "again to resume a call that was cut short (it runs only the nodes DIR "
+                          "lacks); a DIR holding another call exits 5")
 
     sweep = commands.add_parser(
         "sweep", help="the same over many items (daskdag.sweep_grads), with a progress bar",

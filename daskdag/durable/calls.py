@@ -49,7 +49,7 @@ from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running import log
-from daskdag.running.jobs import LAZY, Job, Kind, as_collection, run
+from daskdag.running.jobs import LAZY, Job, Kind, as_collection, computed, run
 from daskdag.running.compute import active_client
 from daskdag.running.lazy import Call
 from daskdag.transport import transports
@@ -65,8 +65,11 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     """A call of ``kind`` computed now, as :func:`daskdag.running.jobs.call` computes it, its
     stages kept in ``store`` and read from there where it holds them. The store is held by
     this call while it runs."""
-    job, mine = _stored(kind, x, data, client, local, store)
+    job, mine = _stored(kind, x, data, client, local, store, lazy=local == "processes")
     with opened(store, mine) as keeper:
+        if local == "processes":  # (Dask's multiprocessing scheduler: the call made lazy)
+            return computed(replace(job, make=lambda place, stop: job.stored(place, stop, keeper)),
+                            progress)
         return run(job, client, local, progress, keep=keeper)
 
 
@@ -91,7 +94,7 @@ def _stored(kind: Kind, x: Any, data: tuple, client, local: str | None, store: A
     with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
         program, why = kind.compile(x, data, transport=transports.for_call(client, lazy=lazy))
         job = kind.job(program, x, data, why=why,
-                       where=LAZY if lazy else log.where(client, local))
+                       where=LAZY if lazy and local is None else log.where(client, local))
     lowering = program.value.lowering
     return job, identity(kind, lowering.spec, lowering.plan.outputs, lowering.wrt, x, data)
 

@@ -31,7 +31,7 @@ from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
 from daskdag.rules.lifted import Lift
-from daskdag.rules.seeds import basis_size
+from daskdag.rules.seeds import PerItem, basis_size
 from daskdag.transport.packing import unwrap
 from daskdag.transport.transports import Transport
 
@@ -40,38 +40,40 @@ from daskdag.transport.transports import Transport
 class GradientSeeding:
     """Seeding for gradients: each output starts from its seed (1 for a real scalar, else its
     cotangent in ``cotangents``), one cotangent per output
-    (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``batched``: outputs carry a leading item axis
-    (a sweep's chunk). A cotangent that is a ``TaskRef`` (a template's slot,
+    (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``items``: the call runs over a sweep's chunk,
+    its values seeded and its gradients gathered as this
+    :class:`~daskdag.rules.seeds.PerItem` says. A cotangent that is a ``TaskRef`` (a template's slot,
     :func:`daskdag.running.local.slot`) is the call's data: the seed is made from it as the
     tasks run."""
 
     cotangents: dict = field(default_factory=dict)
-    batched: bool = False
+    items: PerItem | None = None
     pull: ClassVar[Any] = tasks.PER_OUTPUT
 
     def seed(self, output: str) -> tasks.Seed | Task:
         ct = self.cotangents.get(output)
         if isinstance(ct, TaskRef):
-            return Task(None, tasks.Seed, output, ct, self.batched)
-        return tasks.Seed(output, ct, self.batched)
+            return Task(None, tasks.Seed, output, ct, self.items)
+        return tasks.Seed(output, ct, self.items)
 
 
 @dataclass(frozen=True)
 class JacobianSeeding:
     """Seeding for a Jacobian: each output starts from the rows of the identity over its
     elements (one per colour for a sparse one), pulled back as stacks (``pull``, a
-    :class:`~daskdag.graph.tasks.Rows`), and its "gradients" are the Jacobian's rows."""
+    :class:`~daskdag.graph.tasks.Rows`), and its "gradients" are the Jacobian's rows;
+    ``items`` as for :class:`GradientSeeding`."""
 
     pull: tasks.Rows
-    batched: ClassVar[bool] = False
+    items: PerItem | None = None
 
     def seed(self, output: str) -> tasks.Basis:
-        return tasks.Basis(output, self.pull.colours_of(output))
+        return tasks.Basis(output, self.pull.colours_of(output), self.items)
 
 
 def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
-          transport: Transport, place=None, stop=None, stages=None, keep: Keeper | None = None
-          ) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
+          transport: Transport, place=None, stop=None, stages=None, keep: Keeper | None = None,
+          base=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
     """The graph of one call.
 
     Args:
@@ -90,12 +92,14 @@ def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
         keep: where a durable call keeps each stage's forward result as it finishes, and reads
             it back instead of running the stage again (:class:`~daskdag.graph.assembly.Keeper`),
             or None.
+        base: the graph of tasks that ``values`` refer to (``TaskRef``), to join this one
+            (``HighLevelGraph``), or None.
 
     Returns:
         ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph.
     """
     intake = Intake(TaskGraph(), transport, place, keep)
-    return _Wiring(plan, values, seeding, intake, stop, stages).graph()
+    return _Wiring(plan, values, seeding, intake, stop, stages).graph(base)
 
 
 class _Wiring:
@@ -122,13 +126,15 @@ class _Wiring:
         self.sources: dict = {}  # ident -> a backward task, or its nested task (dense stages)
         self.closed: dict = self._closed_stages()
         # stages whose backward pass travels as their Jacobian
-        self.dense: set = set() if seeding.batched else self._dense_stages(values)
+        self.items = seeding.items
+        self.dense: set = set() if self.items is not None else self._dense_stages(values)
 
-    def graph(self) -> dict:
-        """The call's results (:meth:`gradients`) as ``Delayed`` over the whole graph."""
+    def graph(self, base=None) -> dict:
+        """The call's results (:meth:`gradients`) as ``Delayed`` over the whole graph, joined
+        to ``base`` (as :meth:`~daskdag.graph.assembly.TaskGraph.delayed`)."""
         self.forward()
         self.backward()
-        return self.g.delayed(self.gradients(), self.intake.call)
+        return self.g.delayed(self.gradients(), self.intake.call, base)
 
     def _closed_stages(self) -> dict:
         """A stage whose gradients all start at its own outputs (none comes from a later stage)
@@ -259,7 +265,8 @@ class _Wiring:
                 basis = self.seeds[o] if self.pull.stacked else None
                 grads[i] = self.g.task(k, None, tasks.gradient,
                                        tuple((k, p) for _, k, p in locations), self.val[i], output,
-                                       basis, own, *(self.sources[src] for src in sources))
+                                       basis, own, self.items,
+                                       *(self.sources[src] for src in sources))
             results[o] = (self.val[o], grads)
         return results
 

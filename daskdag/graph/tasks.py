@@ -24,7 +24,7 @@ from daskdag.cancel import Cancelled, dropped
 from daskdag.graph import dense, run
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
-from daskdag.rules.seeds import as_gradient, basis, basis_rows, check_scalar, seed, total
+from daskdag.rules.seeds import PerItem, basis, basis_rows, check_scalar, seed, total
 
 
 def forward(stage: Stage, stop, *args):
@@ -66,7 +66,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, pull, *args):
             for per_output in flows:  # the check seed() makes: each seeded output a real scalar
                 for value, flow in zip(values, per_output):
                     if flow is not None:
-                        check_scalar(value, flow.output, flow.batched)
+                        check_scalar(value, flow.output, flow.items is not None)
             return values, cts
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0], backward(stage, stop, flows, pull, out, *deps)
@@ -109,29 +109,38 @@ def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list
 @dataclass(frozen=True)
 class Seed:
     """The node is ``output``: its cotangent starts there (:func:`~daskdag.rules.seeds.seed`:
-    1 for a real scalar, else the user's ``ct``; ``batched``: over a sweep's chunk)."""
+    1 for a real scalar, else the user's ``ct``); ``items``: over a sweep's chunk, as its
+    :class:`~daskdag.rules.seeds.PerItem` seeds each item."""
 
     output: str
     ct: Any = None
-    batched: bool = False
+    items: PerItem | None = None
 
     def cotangent(self, value, sources) -> tuple:
-        return seed(value, self.output, self.ct, self.batched)
+        if self.items is not None:
+            return self.items.seed(value, self.output, self.ct)
+        return seed(value, self.output, self.ct)
 
 
 @dataclass(frozen=True)
 class Basis:
     """The node is ``output`` of a Jacobian: its cotangents are the rows of the identity over
     its elements (:func:`~daskdag.rules.seeds.basis`), or with ``colours`` (a colour per
-    element, a sparse Jacobian's) one row per colour."""
+    element, a sparse Jacobian's) one row per colour; ``items``: each item's, over a sweep's
+    chunk (:class:`~daskdag.rules.seeds.PerItem`)."""
 
     output: str
     colours: tuple[int, ...] | None = None
+    items: PerItem | None = None
 
     def cotangent(self, value, sources) -> tuple:
+        if self.items is not None:
+            return self.items.basis(value, self.output, self.colours)
         return basis(self.output, value, self.colours)
 
     def rows(self, value) -> int:
+        if self.items is not None:
+            return self.items.rows(value, self.colours)
         return basis_rows(value, self.colours)
 
 
@@ -259,7 +268,7 @@ def dropped_of(stage: Stage, stop):
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
-def gradient(locations: tuple, x, output, basis, own, *sources):
+def gradient(locations: tuple, x, output, basis, own, items, *sources):
     """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
     its shares ``sources[j][k][i]`` for ``(k, i)`` in ``locations`` (see :func:`backward`) and of
     ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
@@ -268,7 +277,8 @@ def gradient(locations: tuple, x, output, basis, own, *sources):
     each leaf is stacked over its rows (``basis``, its :class:`Basis`); else it is ``None``. Each leaf is a JAX
     array of its input leaf's JAX dtype, whoever computed it (JAX, or a node's own NumPy rule:
     a Python float's gradient is float32, as ``jax.grad`` gives it). A value over a sweep's
-    chunk of items gets its gradient as :func:`~daskdag.rules.seeds.as_gradient` says."""
+    chunk of items gets its gradient as its ``items`` (an
+    :class:`~daskdag.rules.seeds.PerItem`) gathers it; None: a call's."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, locations)]
@@ -278,7 +288,7 @@ def gradient(locations: tuple, x, output, basis, own, *sources):
                  for leaf in leaves if is_differentiable(leaf)])
     grad = treedef.unflatten([_typed(next(flat), leaf, rows=output is not None)
                               if is_differentiable(leaf) else None for leaf in leaves])
-    return as_gradient(x, grad)
+    return grad if items is None else items.gradient(x, grad, rows=output is not None)
 
 
 def _typed(grad, leaf, rows: bool = False):

@@ -2,8 +2,9 @@
 the user's cotangent), a Jacobian's rows (the identity over an output's elements), and sums of
 cotangents (flat tuples, one array per differentiable leaf, :mod:`daskdag.model.leaves`).
 
-:func:`seed` and :func:`as_gradient` dispatch on the value's type: a sweep registers its
-values over a chunk of items (:mod:`daskdag.sweeps.chunked`).
+:func:`seed` dispatches on the value's type (a lifted value's, :mod:`daskdag.rules.lifted`).
+Values over a sweep's chunk of items are seeded and gathered as a call's :class:`PerItem`
+says (a sweep's own, :mod:`daskdag.sweeps.chunked`, for values it passes item by item).
 """
 
 from __future__ import annotations
@@ -95,6 +96,35 @@ def basis(output: str, primal, colours=None) -> tuple:
     return tuple(seeds)
 
 
+class PerItem:
+    """How the outputs of a call over a sweep's chunk of items are seeded, and its gradients
+    gathered: each value with a leading item axis (stacked), its seed or a Jacobian's rows per
+    item. A sweep that passes values item by item extends it (:mod:`daskdag.sweeps.chunked`)."""
+
+    def __dask_tokenize__(self):
+        return type(self).__qualname__
+
+    def seed(self, value, output: str, ct) -> tuple:
+        """:func:`seed` of each item, ``ct`` one item's."""
+        return seed(value, output, ct, batched=True)
+
+    def basis(self, value, output: str, colours=None) -> tuple:
+        """:func:`basis` of each item, each leaf ``(rows, items, *item shape)`` (row ``r`` the
+        same for every item)."""
+        rows = basis(output, jax.tree.map(lambda a: a[0], value), colours)
+        n = len(jax.tree.leaves(value)[0])
+        return tuple(np.broadcast_to(r[:, None], (r.shape[0], n, *r.shape[1:])) for r in rows)
+
+    def rows(self, value, colours=None) -> int:
+        """:func:`basis_rows` of one item."""
+        return basis_rows(jax.tree.map(lambda a: a[0], value), colours)
+
+    def gradient(self, value, grad, rows: bool):
+        """The gradient of ``value`` over the chunk, as a sweep stacks it: its items first (a
+        Jacobian's rows after them: ``(items, rows, ...)``)."""
+        return jax.tree.map(lambda g: jnp.moveaxis(g, 0, 1), grad) if rows else grad
+
+
 def basis_rows(primal, colours=None) -> int:
     """How many rows :func:`basis` has."""
     if colours is None:
@@ -115,9 +145,3 @@ def total(cts):
 def add(a: tuple, b: tuple) -> tuple:
     """Two cotangents (flat tuples) summed leaf by leaf."""
     return tuple(x + y for x, y in zip(a, b))
-
-
-@singledispatch
-def as_gradient(value, grad):
-    """The gradient of ``value`` as the user gets it, from ``grad`` in ``value``'s structure."""
-    return grad

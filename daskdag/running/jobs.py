@@ -115,6 +115,9 @@ class Job:
     #: ``stored(place, stop, keep)``, each stage's forward task kept by ``keep`` (a
     #: :class:`~daskdag.graph.assembly.Keeper`) as it finishes, or read back from it.
     stored: Callable[[Any, Any, Any], dict] | None = None
+    #: The call as a Dask collection, where it is more than ``make``'s graph and ``finish``:
+    #: ``later() -> (graph, finish)`` (nodes kept between calls, :mod:`daskdag.running.reuse`).
+    later: Callable[[], tuple[dict, Callable[[dict], Any]]] | None = None
 
 
 class Kind(Protocol):
@@ -154,13 +157,19 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     (its functions and values packed to travel) computed there."""
     if local == "processes":
         program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
-        job = kind.job(program, x, data, why=why, where=log.where(None, local))
-        from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
-        with ProgressBar() if progress else contextlib.nullcontext():
-            return as_collection(job).compute(scheduler="processes")
+        return computed(kind.job(program, x, data, why=why, where=log.where(None, local)),
+                        progress)
     program, why = kind.compile(x, data, transport=transports.for_call(client))
     return run(kind.job(program, x, data, why=why, where=log.where(client, local)), client,
                local, progress)
+
+
+def computed(job: Job, progress: bool) -> Any:
+    """A job made to travel (its transport lazy) computed by Dask's multiprocessing scheduler
+    (``"processes"``), as its lazy call."""
+    from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
+    with ProgressBar() if progress else contextlib.nullcontext():
+        return as_collection(job).compute(scheduler="processes")
 
 
 def lazy(kind: Kind, x: Any, *data: Any) -> Call:
@@ -251,4 +260,5 @@ class Spreading:
 
 def as_collection(job: Job) -> Call:
     """The job as a Dask collection, computed when Dask computes it."""
-    return Call.of(job.plan, job.make(None, None), job.finish, job.keep)
+    graph, finish = job.later() if job.later is not None else (job.make(None, None), job.finish)
+    return Call.of(job.plan, graph, finish, job.keep)

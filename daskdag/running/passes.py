@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any, Callable, ClassVar
 
+from dask.task_spec import TaskRef
+
 from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
 from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.tasks import Rows
@@ -174,7 +176,31 @@ class Passes:
             return rest._job({**values, **found.values}, cts, replace(info, reused=reused),
                              finish, keep)
 
-        return replace(job, before=before)
+        def later() -> tuple[dict, Callable[[dict], Any]]:
+            found = kept.last(values)
+            if found is not None:  # (the kept nodes' values go in as inputs)
+                inner = rest._job({**values, **found}, cts,
+                                  replace(info, reused=kept.plan.needed), finish, keep)
+                return inner.make(None, None), inner.finish
+            first = kept.graph(values)  # (and their values, once computed, are kept)
+            graph = rest.build({**values, **{n: TaskRef(first[n][0].key) for n in first}}, cts,
+                               base=next(iter(first.values()))[0].dask)
+            graph[KEPT] = (graph[self.plan.outputs[0]][0], {n: v for n, (v, _) in first.items()})
+
+            def done(computed: dict) -> Any:
+                kept.remember(values, computed.pop(KEPT)[1])
+                return finish(info, computed)
+
+            return graph, done
+
+        return replace(job, before=before, later=later)
+
+    def build(self, values: dict, cts: dict, place: Any = None, stop: Any = None,
+              keep: Any = None, base: Any = None) -> dict:
+        """The graph of a call of ``values`` and ``cts`` (:func:`~daskdag.graph.build.build`),
+        ``place``, ``stop``, ``keep`` and ``base`` as there."""
+        return build(self.plan, values, self.seeding(self.plan, self.rows, cts), self.transport,
+                     place=place, stop=stop, stages=self.stages, keep=keep, base=base)
 
     def _job(self, values: dict, cts: dict, info: CallInfo,
              finish: Callable[[CallInfo, dict], Any], keep: Any = None) -> Job:
@@ -197,8 +223,7 @@ class Passes:
                                 graph.kept)
 
         def stored(place: Any, stop: Any, keeper: Any) -> Any:
-            return build(plan, values, self.seeding(plan, self.rows, cts), self.transport,
-                         place=place, stop=stop, stages=self.stages, keep=keeper)
+            return self.build(values, cts, place, stop, keeper)
 
         done = partial(finish, info)
         direct = None if whole is None or self.transport.packs else partial(
@@ -206,6 +231,11 @@ class Passes:
         return Job(plan, make, done, info.call, keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
                    spreading=self.spreading, stored=stored)
+
+
+#: Where a lazy call's graph holds the values of its nodes kept between calls, beside its
+#: outputs' (no output of a DAG has this name: it is no string).
+KEPT = ("kept",)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,

@@ -103,24 +103,40 @@ class Kept:
         """The values of the plan's outputs for these ``inputs`` (all of the call's): the last
         call's where its inputs were the same, else computed now, on ``client``'s cluster or
         Dask's ``local`` scheduler, and kept for the next call."""
-        mine = {i: inputs[i] for i in self.plan.spec.inputs}
-        seen = Seen(mine)
+        found = self.last(inputs)
+        if found is not None:
+            return Reused(found, True)
+        stop = Stop() if client is None else None
+        graph = self.graph(inputs, stop)
+        computed = compute(graph, client, progress, stop, local, self.plan)
+        return Reused(self.remember(inputs, {n: computed[n][0] for n in self.plan.outputs}),
+                      False)
+
+    def last(self, inputs: dict) -> dict | None:
+        """The last call's values, where its inputs were these ``inputs``; else None."""
         with self._lock:
             last = self._last
-        if last is not None and last[0] == seen:
-            return Reused(last[1], True)
-        stop = Stop() if client is None else None
-        graph = build(self.plan, mine, GradientSeeding({}), self.transport, stop=stop)
-        computed = compute(graph, client, progress, stop, local, self.plan)
-        values = {n: computed[n][0] for n in self.plan.outputs}
-        if sizeof(values) <= dask.utils.parse_bytes(config.get("reuse-bytes")):
-            values = jax.tree.map(_read_only, values)
-            with self._lock:
-                self._last = (seen, values)
-        else:
+        return last[1] if last is not None and last[0] == Seen(self._mine(inputs)) else None
+
+    def graph(self, inputs: dict, stop=None) -> dict:
+        """The graph of the plan's outputs' values for these ``inputs``."""
+        return build(self.plan, self._mine(inputs), GradientSeeding({}), self.transport,
+                     stop=stop)
+
+    def remember(self, inputs: dict, values: dict) -> dict:
+        """``values``, computed for ``inputs``, kept for the next call (at most
+        ``daskdag.reuse-bytes`` of them; NumPy arrays made read-only)."""
+        if sizeof(values) > dask.utils.parse_bytes(config.get("reuse-bytes")):
             with self._lock:
                 self._last = None
-        return Reused(values, False)
+            return values
+        values = jax.tree.map(_read_only, values)
+        with self._lock:
+            self._last = (Seen(self._mine(inputs)), values)
+        return values
+
+    def _mine(self, inputs: dict) -> dict:
+        return {i: inputs[i] for i in self.plan.spec.inputs}
 
 
 def _read_only(leaf):

@@ -38,7 +38,7 @@ from daskdag.model.leaves import differentiable_leaves, is_array
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.registry import linearizer, register
-from daskdag.rules.seeds import as_gradient, seed
+from daskdag.rules.seeds import PerItem, basis, basis_rows, seed
 from daskdag.sweeps.progress import NothingLeft, checkpoint, fail, failed_already
 from daskdag.transport.packing import unwrap
 
@@ -193,16 +193,36 @@ jax.tree_util.register_pytree_node(Items, lambda items: (list(items), None),
                                    lambda _, children: Items(children))
 
 
-@seed.register(Items)
-def _seed_items(primal: Items, output: str, ct, batched: bool = False) -> tuple:
-    """Each item's seed in turn (``ct`` is one item's); none for the items that failed."""
-    return tuple(leaf for one in primal if one is not SKIPPED
-                 for leaf in seed(one, output, ct))
+class Chunk(PerItem):
+    """How a sweep's chunk seeds its outputs and gathers its gradients (the core's
+    :class:`~daskdag.rules.seeds.PerItem`, for :class:`Items` too): each item's seed (or a
+    Jacobian's rows) in turn, none for the items that failed; an :class:`Items`' gradient
+    stacked, its rows after its items."""
+
+    def seed(self, value, output: str, ct) -> tuple:
+        if not isinstance(value, Items):
+            return super().seed(value, output, ct)
+        return tuple(leaf for one in value if one is not SKIPPED
+                     for leaf in seed(one, output, ct))
+
+    def basis(self, value, output: str, colours=None) -> tuple:
+        if not isinstance(value, Items):
+            return super().basis(value, output, colours)
+        return tuple(leaf for one in value if one is not SKIPPED
+                     for leaf in basis(output, one, colours))
+
+    def rows(self, value, colours=None) -> int:
+        if not isinstance(value, Items):
+            return super().rows(value, colours)
+        return next((basis_rows(one, colours) for one in value if one is not SKIPPED), 0)
+
+    def gradient(self, value, grad, rows: bool):
+        if not isinstance(value, Items):
+            return super().gradient(value, grad, rows)
+        return stacked(grad)
 
 
-@as_gradient.register(Items)
-def _gradient_items(value: Items, grad):
-    return stacked(grad)
+CHUNK = Chunk()
 
 
 def stacked(value):

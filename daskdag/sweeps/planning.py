@@ -19,16 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.graph.build import GradientSeeding, build
+from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
 from daskdag.graph.run import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import is_array
 from daskdag.model.plan import Plan, make_plan, ship
-from daskdag.errors import DAGError
 from daskdag.model.request import batch_size, batched_names, parsed
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node, Spec
-from daskdag.sweeps.chunked import Chunked, chunk_of
+from daskdag.sweeps.chunked import CHUNK, Chunked, chunk_of
 from daskdag.transport.pickler import JaxArray
 from daskdag.transport.transports import Transport
 
@@ -110,8 +109,10 @@ class Sweep:
         Nothing else in it depends on which items, or how many, the chunk holds: items enter
         only as these inputs, and the seeds of the outputs' cotangents take the item count
         from the outputs when they run (:func:`daskdag.rules.seeds.seed`)."""
-        return build(self.plan, {**self.values, **values},
-                     GradientSeeding(self.cotangents, batched=True), self.transport)
+        rows = getattr(self.lowering, "rows", None)
+        seeding = (GradientSeeding(self.cotangents, CHUNK) if rows is None
+                   else JacobianSeeding(rows, CHUNK))
+        return build(self.plan, {**self.values, **values}, seeding, self.transport)
 
 
 def prepare(kind, xs, data: tuple, batched, transport: Transport, watch) -> Sweep:
@@ -129,10 +130,6 @@ def prepare(kind, xs, data: tuple, batched, transport: Transport, watch) -> Swee
     for n in spec.order:  # (as they are now, before a kind that traces them runs their code)
         watch(n, spec.nodes[n].fn)
     lowering = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, watch)
-    if lowering.rows is not None:
-        raise DAGError(f"{kind.sweep_call} runs in forward mode only, for now: a Jacobian's "
-                       f"rows over a sweep's items are not pulled back yet; give mode='fwd' "
-                       f"(mode='auto' takes it)")
     lowered = lowering.plan.spec
     prints = {id(lowered.nodes[n].fn): watch(n, lowered.nodes[n].fn) for n in lowered.order}
     return replace(plan_sweep(lowered, names, {}, batched, lowering.plan.wrt, {}, 0, transport,

@@ -197,10 +197,16 @@ class Through:
     def pull(self, computed: dict, items: int) -> dict:
         """A chunk's ``{output: (value, {name: grad})}`` of ``items`` items, its gradients at
         the stage's exposed nodes pulled back to its deps, added to their own gradients there:
-        the gradients with respect to the sweep's ``wrt``."""
+        the gradients with respect to the sweep's ``wrt``. A Jacobian's gradients are stacked
+        over its rows too (after the items): each item's every row pulled back."""
         outputs = list(computed)
         cts = [tuple(_flat(grads.get(n)) for n in self.stage.outputs)
                for _, grads in computed.values()]
+        lead = next((leaf.shape[:leaf.ndim - np.ndim(v)] for c in cts
+                     for ct, value in zip(c, self.values) if ct is not None
+                     for leaf, v in zip(ct, differentiable_leaves(value))), (items,))
+        cts = [tuple(None if ct is None else tuple(leaf.reshape(-1, *leaf.shape[len(lead):])
+                                                   for leaf in ct) for ct in c) for c in cts]
         pulled = Rows().pull(self.pullback, cts, self.values, self.deps, None)
         results = {}
         for o, shares in zip(outputs, pulled):
@@ -209,7 +215,9 @@ class Through:
             for name in self.wrt:
                 if name in self.stage.deps:
                     at = self.stage.deps.index(name)
-                    grads[name] = _sum(self.deps[at], own.get(name), shares[at], items)
+                    share = None if shares[at] is None else tuple(
+                        leaf.reshape(*lead, *leaf.shape[1:]) for leaf in shares[at])
+                    grads[name] = _sum(self.deps[at], own.get(name), share, lead)
                 else:
                     grads[name] = own[name]
             results[o] = (value, grads)
@@ -223,16 +231,16 @@ def _flat(grad) -> tuple | None:
     return leaves or None
 
 
-def _sum(like, own, share, items: int):
-    """The gradient of an input whose value is ``like``, stacked over ``items``: its own
-    gradient ``own`` (in ``like``'s structure) and the ``share`` pulled back to it (a flat
-    tuple), either None, summed (zeros where neither is given), each leaf of the input's
-    dtype."""
+def _sum(like, own, share, lead: tuple):
+    """The gradient of an input whose value is ``like``, stacked over ``lead`` (the items, and
+    a Jacobian's rows): its own gradient ``own`` (in ``like``'s structure) and the ``share``
+    pulled back to it (a flat tuple), either None, summed (zeros where neither is given), each
+    leaf of the input's dtype."""
     leaves = differentiable_leaves(like)
     parts = [p for p in (None if own is None else tuple(jax.tree.leaves(own)), share)
              if p is not None]
     flat = total(parts) if parts else tuple(
-        np.zeros((items, *np.shape(x)), jnp.result_type(x)) for x in leaves)
+        np.zeros((*lead, *np.shape(x)), jnp.result_type(x)) for x in leaves)
     return on_differentiable(like, [jnp.asarray(g, jnp.result_type(x))
                                     for g, x in zip(flat, leaves)])
 
