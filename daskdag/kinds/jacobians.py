@@ -22,8 +22,8 @@ from daskdag.errors import DAGError
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
-                                           row_template)
+from daskdag.model.jacobian_layout import (columns_as_rows, flat_rows, jacrev_layout, joined,
+                                           laid_out, row_template)
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.plan import Plan, make_plan
@@ -149,12 +149,15 @@ class Jacobian(Derivative):
                            "compress the passes)", argument="sparse")
         if failed is None:
             return per_output(self.outputs, self._results(layout, info, computed))
+        if layout.colours.patterns is None:  # (every item laid out at once)
+            return per_output(self.outputs, _stacked_results(layout, info, computed, failed))
+        if any(hasattr(leaf, "dask") for leaf in jax.tree.leaves(computed)):
+            raise DAGError("a sweep over dask arrays gives dense Jacobians only: the entries of a "
+                           "sparsity pattern's colours are recovered item by item, in memory; "
+                           "sweep NumPy or JAX items, or give no sparsity", argument="sparsity")
         n = _items(computed)
-        if n == 0:
-            return per_output(self.outputs, {o: Result(getattr(v, "primal", v), None, failed, info)
-                                             for o, (v, _) in computed.items()})
         items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
-                 for i in range(n)]  # (each item laid out as a call's, then stacked)
+                 for i in range(n)]  # (each item's entries recovered as a call's, then stacked)
         return per_output(self.outputs, {o: Result(
             jax.tree.map(lambda *a: np.stack(a), *(r[o].value for r in items)),
             jax.tree.map(lambda *a: np.stack(a), *(r[o].grad for r in items)),
@@ -169,6 +172,24 @@ class Jacobian(Derivative):
 def _items(tree: Any) -> int:
     """The number of items a sweep's value carries (its leaves' leading axis)."""
     return next((len(leaf) for leaf in jax.tree.leaves(tree)), 0)
+
+
+def _stacked_results(layout: Layout, info: CallInfo, computed: dict, failed) -> dict:
+    """A sweep's dense Jacobians, every item's at once (NumPy or dask arrays alike), in
+    ``jax.jacrev``'s layout after the items' axis."""
+    plan, results = layout.plan, {}
+    for o, (value, per_name) in computed.items():
+        if layout.mode == "fwd":
+            value, per_name = getattr(value, "primal", value), columns_as_rows(
+                getattr(value, "primal", value), getattr(value, "tangent", ()) or tuple(
+                    np.zeros((_items(value), layout.directions, *np.shape(leaf)[1:]))
+                    for leaf in differentiable_leaves(value)),
+                layout.templates or {}, plan.wrt, items=True)
+        jacs = {i: jacrev_layout(value, r, items=True) for i, r in per_name.items()}
+        passes = (layout.directions if layout.mode == "fwd" else
+                  sum(int(np.prod(np.shape(leaf)[1:])) for leaf in differentiable_leaves(value)))
+        results[o] = Result(value, joined(plan, value, jacs), failed, replace(info, passes=passes))
+    return results
 
 
 def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict) -> dict:

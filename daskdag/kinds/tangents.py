@@ -189,9 +189,9 @@ def tangents_of(spec: Spec, values: dict, tangents: Any, directions: bool,
         spec.inputs) == 1 else tangents
     if not isinstance(given, Mapping):
         given = {}  # (input_tangents says what is wrong)
-    def first(name, tree):  # (one item's, of a batched input)
-        return jax.tree.map(lambda a: a[0] if is_array(a) else a, tree) if name in batched \
-            else tree
+    def first(name, tree):  # (one item's, of a batched input; a dask array's computed)
+        return jax.tree.map(lambda a: np.asarray(a[0]) if is_array(a) or hasattr(a, "chunks")
+                            else a, tree) if name in batched else tree
 
     checked, k = input_tangents(spec, {i: first(i, v) for i, v in values.items()},
                                 {i: first(i, t) for i, t in given.items()} if given else tangents,

@@ -97,13 +97,17 @@ def to_jax(a: np.ndarray) -> jax.Array:
     return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
 
 
-def jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
+def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
     elsewhere; see :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from the
-    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched)."""
+    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched).
+    ``items``: a sweep's, every array with a leading axis of items (kept as they come: NumPy,
+    or dask arrays, laid out lazily)."""
+    lead = 1 if items else 0
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
+    if not items:
+        in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
     out_leaves, out_def = jax.tree.flatten(value)
     per_leaf: list = []
     start = 0
@@ -111,10 +115,57 @@ def jacrev_layout(value: PyTree, rows: PyTree) -> PyTree:
         if not is_differentiable(leaf):
             per_leaf.append(None)
             continue
-        n = int(np.size(leaf))
+        shape = tuple(np.shape(leaf))
+        n = int(np.prod(shape[lead:]))
         per_leaf.append(in_def.unflatten([  # (a shape as one tuple: a scalar's is empty)
-            None if r is None else to_jax(r[start:start + n].reshape((*np.shape(leaf),
-                                                                      *r.shape[1:])))
+            None if r is None else _made(r[(slice(None),) * lead + (slice(start, start + n),)]
+                                         .reshape((*shape, *r.shape[lead + 1:])), items)
             for r in in_leaves]))
         start += n
     return out_def.unflatten(per_leaf)
+
+
+def _made(a, items: bool):
+    return a if items else to_jax(a)
+
+
+def columns_as_rows(value: PyTree, tangent: tuple, templates: dict, names: Sequence[str],
+                    items: bool = False) -> dict:
+    """An output's tangents pushed along the identity's columns (a forward-mode Jacobian's:
+    each leaf ``(columns, *leaf shape)``, after the items' axis with ``items``), as the rows
+    :func:`jacrev_layout` takes, per name of ``names`` (``templates``: each name's leaves'
+    shapes and dtypes, ``None`` where held constant)."""
+    lead = 1 if items else 0
+    flat = [t.reshape(*t.shape[:lead + 1], -1) for t in tangent]  # (..., columns, elements)
+    columns = (_joined(flat, lead + 1) if flat else None)
+    out, start = {}, 0
+    for i in names:
+        leaves, treedef = jax.tree.flatten(templates[i], is_leaf=lambda leaf: leaf is None)
+        parts = []
+        for leaf in leaves:
+            if leaf is None:
+                parts.append(None)
+                continue
+            width = int(np.prod(leaf.shape))
+            block = columns[(slice(None),) * lead + (slice(start, start + width),)]
+            parts.append(_swap(block, lead).reshape(*block.shape[:lead], -1, *leaf.shape)
+                         .astype(leaf.dtype))
+            start += width
+        out[i] = treedef.unflatten(parts)
+    return out
+
+
+def _joined(flat: list, axis: int):
+    """Arrays side by side along ``axis`` (NumPy's, or dask's for dask arrays)."""
+    if len(flat) == 1:
+        return flat[0]
+    module = type(flat[0]).__module__
+    if module.startswith("dask"):
+        import dask.array as da
+        return da.concatenate(flat, axis=axis)
+    return np.concatenate([np.asarray(f) for f in flat], axis=axis)
+
+
+def _swap(block, lead: int):
+    """``(..., columns, elements)`` as ``(..., elements, columns)``."""
+    return block.swapaxes(lead, lead + 1)

@@ -21,8 +21,9 @@ PyTree: TypeAlias = Any
 
 
 def is_differentiable(leaf) -> bool:
-    """A floating-point or complex array (or Python/NumPy float): differentiated, not held."""
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    """A floating-point or complex array (or Python/NumPy float; or a lazy array, a dask
+    array, not computed yet): differentiated, not held."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "chunks"):
         return jnp.issubdtype(leaf.dtype, jnp.inexact)
     return isinstance(leaf, (float, complex))
 

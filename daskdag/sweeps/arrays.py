@@ -23,11 +23,13 @@ import contextlib
 import itertools
 import math
 import operator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import cloudpickle
 import dask
 import jax
+import jax.numpy as jnp
 import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
@@ -41,7 +43,7 @@ from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
 from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.request import batch_size, batched_names, parsed
-from daskdag.running.jobs import LAZY, CallInfo
+from daskdag.running.jobs import LAZY
 from daskdag.running.programs import Watch
 from daskdag.model.leaves import is_array
 from daskdag.transport.packing import unpack
@@ -84,12 +86,14 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
     inputs, chunks, size = aligned(lowered, batched, chunk_size)
     stand_ins = {i: stand_in(v) if i in batched else v for i, v in lowered.items()}
     transport = transports.for_call(client, lazy=True)
-    planned = planning.plan_sweep(lowering.plan.spec, names, stand_ins, batched,
-                                  lowering.plan.wrt, cts, size, transport)
+    planned = replace(planning.plan_sweep(lowering.plan.spec, names, stand_ins, batched,
+                                          lowering.plan.wrt, cts, size, transport),
+                      lowering=lowering)
     if client is not None:
         cluster.check(client, planned.plan)
     computed = _block_graph(planned, inputs, chunks, _shapes(planned, spec))
-    info = CallInfo(kind.sweep_call, kind.info(lowering, data, None, LAZY).mode, 0, where=LAZY)
+    info = replace(kind.info(lowering, data, "a sweep over dask arrays is prepared as it is made",
+                             LAZY), call=kind.sweep_call)
     return kind.finish(lowering, info, computed, {})
 
 
@@ -130,9 +134,15 @@ def stand_in(tree):
 
 
 def _shapes(planned, spec) -> tuple[dict, dict]:
-    """One item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct`` trees; a
-    :class:`DAGError` where ``jax.eval_shape`` cannot find them."""
+    """One item's ``({output: value}, {output: {input: grad}})`` as ``ShapeDtypeStruct``
+    trees (a Jacobian's rows first in each gradient); a :class:`DAGError` where
+    ``jax.eval_shape`` cannot find them."""
     values, grads = item_shapes(planned.plan, planned.values, planned.batched)
+    rows = planned.lowering.rows
+    per_output = {o: grads if rows is None else {
+        i: jax.tree.map(lambda a, o=o: jax.ShapeDtypeStruct(
+            (_rows(values[o], rows.colours_of(o)), *a.shape), a.dtype), g)
+        for i, g in grads.items()} for o in values}
     for o, v in values.items():
         if v is None:
             raise DAGError(f"the shape of output {o!r} cannot be found by tracing its nodes with "
@@ -143,7 +153,16 @@ def _shapes(planned, spec) -> tuple[dict, dict]:
         if g is None and i in spec.nodes:
             raise DAGError(f"the shape of node {i!r} (named in wrt) cannot be found by tracing "
                            f"it with jax.eval_shape; sweeps over dask arrays need it")
-    return values, grads
+    return values, per_output
+
+
+def _rows(aval, colours) -> int:
+    """A Jacobian's rows for an output of one item shaped as ``aval``: its elements, or its
+    colours."""
+    if colours is not None:
+        return int(max(colours)) + 1 if len(colours) else 0
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(aval)
+               if jnp.issubdtype(a.dtype, jnp.inexact))
 
 
 class _Slot:
@@ -217,7 +236,7 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
     templates = {i: planned.transport.pack(f"input {i!r}", jax.tree.map(slot, inputs[i]))
                  for i in planned.carried() if i in planned.batched}
     layout = [(o, o in planned.carrying, jax.tree.leaves(values[o]),
-               [(i, jax.tree.leaves(grads[i])) for i in planned.plan.wrt])
+               [(i, jax.tree.leaves(grads[o][i])) for i in planned.plan.wrt])
               for o in planned.plan.outputs]
     blocks = _Blocks({i: keys[i] for i in shared}, broadcast, templates, len(arrays), layout)
     tasks, results = chunk_graph(planned, {i: TaskRef(keys[i]) for i in shared})
@@ -262,8 +281,8 @@ def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> d
             [array(f"{o}-value{j}", a) for j, a in enumerate(jax.tree.leaves(values[o]))])
         g = {}
         for i in planned.plan.wrt:
-            g[i] = jax.tree.structure(grads[i]).unflatten(
-                [array(f"{o}-grad-{i}{j}", a) for j, a in enumerate(jax.tree.leaves(grads[i]))])
+            g[i] = jax.tree.structure(grads[o][i]).unflatten(
+                [array(f"{o}-grad-{i}{j}", a) for j, a in enumerate(jax.tree.leaves(grads[o][i]))])
         computed[o] = (v, g)
     return computed
 
