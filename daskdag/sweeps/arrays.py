@@ -12,9 +12,10 @@ a dask array whose blocks pick their leaf out of those tasks (one small ``getite
 block and leaf). Their shapes and dtypes come from ``jax.eval_shape`` on one item
 (:func:`daskdag.sweeps.results.item_shapes`), so the arrays are described without computing anything.
 
-The shared inputs, and the chunk graph itself, are one task each in the graph, which every
-block depends on: computed once (on a cluster, once, then copied to the workers that need
-them). The chunk graph travels as bytes (:class:`_Deferred`): the scheduler never unpickles it.
+The shared inputs, the nodes computed from them alone through which no gradient passes
+(:func:`daskdag.sweeps.shared.constants_part`), and the chunk graph itself, are one task each
+in the graph, which every block depends on: computed once (on a cluster, once, then copied to
+the workers that need them). The chunk graph travels as bytes (:class:`_Deferred`): the scheduler never unpickles it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dask.base import tokenize
+from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import DataNode, Task, TaskRef
 
+import daskdag.config as config
+from daskdag.graph.build import GradientSeeding, build
 from daskdag.running import cluster
 from daskdag.sweeps import planning
 from daskdag.sweeps.chunked import Items
 from daskdag.sweeps import progress
 from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
+from daskdag.sweeps.shared import constants_part
 from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.request import batch_size, batched_names, parsed
@@ -91,7 +96,15 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
                       lowering=lowering)
     if client is not None:
         cluster.check(client, planned.plan)
-    computed = _block_graph(planned, inputs, chunks, _shapes(planned, spec))
+    shapes = _shapes(planned, spec)
+    split = constants_part(planned) if config.get("share-sweep-work") else None
+    if split is not None:  # (nodes of shared inputs alone: one task each, for every block)
+        once, planned = split
+        made = build(once, {i: planned.values[i] for i in once.spec.inputs}, GradientSeeding({}),
+                     transport)
+        planned = replace(planned, values={**planned.values,
+                                           **{n: made[n][0] for n in once.outputs}})
+    computed = _block_graph(planned, inputs, chunks, shapes)
     info = replace(kind.info(lowering, data, "a sweep over dask arrays is prepared as it is made",
                              LAZY), call=kind.sweep_call)
     return kind.finish(lowering, info, computed, {})
@@ -221,7 +234,12 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
     keys = {}
     shared = [i for i in planned.values if planned.shared(i)]
     broadcast = [i for i in planned.carried() if i in planned.broadcast]
+    computed_once = []  # (values of nodes computed once, their own tasks: shared.constants_part)
     for i in (*shared, *broadcast):  # one task each, the value packed as graph.build packs inputs
+        if isinstance(planned.values[i], Delayed):
+            keys[i] = planned.values[i].key
+            computed_once.append(planned.values[i])
+            continue
         packed = planned.transport.pack(f"input {i!r}", planned.values[i])
         keys[i] = key("input", i, tokenize(packed))  # (the key compute_grads keeps it under)
         layer[keys[i]] = Task(keys[i], unpack, packed)
@@ -252,7 +270,8 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
         layer[(name, b)] = Task((name, b), _run_block, TaskRef(graph_key), int(starts[b]), *refs, *data)
     needs = _needs(planned.plan)
     with dask.annotate(resources=needs) if needs else contextlib.nullcontext():
-        base = HighLevelGraph.from_collections(name, layer, dependencies=arrays)
+        base = HighLevelGraph.from_collections(name, layer,
+                                               dependencies=[*arrays, *computed_once])
 
     return _as_arrays(planned, base, name, token, chunks, shapes)
 
