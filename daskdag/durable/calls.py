@@ -68,8 +68,7 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     job, mine = _stored(kind, x, data, client, local, store, lazy=local == "processes")
     with opened(store, mine) as keeper:
         if local == "processes":  # (Dask's multiprocessing scheduler: the call made lazy)
-            return computed(replace(job, make=lambda place, stop: job.stored(place, stop, keeper)),
-                            progress)
+            return computed(_keeping(job, keeper), progress)
         return run(job, client, local, progress, keep=keeper)
 
 
@@ -80,7 +79,13 @@ def lazy(kind: Kind, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -
     job, mine = _stored(kind, x, data, active_client(), None, store, lazy=True)
     with opened(store, mine) as keeper:
         pass
-    return as_collection(replace(job, make=lambda place, stop: job.stored(place, stop, keeper)))
+    return as_collection(_keeping(job, keeper))
+
+
+def _keeping(job: Job, keeper: Stages) -> Job:
+    """``job`` whose graph keeps its stages in ``keeper`` (a lazy call's, or one computed by
+    Dask's multiprocessing scheduler): every node in it (none kept between calls)."""
+    return replace(job, make=lambda place, stop: job.stored(place, stop, keeper), later=None)
 
 
 def _stored(kind: Kind, x: Any, data: tuple, client, local: str | None, store: Any,

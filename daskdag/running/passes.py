@@ -52,7 +52,7 @@ from daskdag.running import log, programs
 from daskdag.running.jobs import CallInfo, Job, Spreading
 from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
 from daskdag.running.programs import Program
-from daskdag.running.reuse import Kept, kept_part
+from daskdag.running.reuse import KEPT, Kept, kept_part
 from daskdag.transport.transports import Transport
 
 
@@ -186,12 +186,7 @@ class Passes:
             graph = rest.build({**values, **{n: TaskRef(first[n][0].key) for n in first}}, cts,
                                base=next(iter(first.values()))[0].dask)
             graph[KEPT] = (graph[self.plan.outputs[0]][0], {n: v for n, (v, _) in first.items()})
-
-            def done(computed: dict) -> Any:
-                kept.remember(values, computed.pop(KEPT)[1])
-                return finish(info, computed)
-
-            return graph, done
+            return graph, kept.lazily(values, partial(finish, info))
 
         return replace(job, before=before, later=later)
 
@@ -231,11 +226,6 @@ class Passes:
         return Job(plan, make, done, info.call, keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
                    spreading=self.spreading, stored=stored)
-
-
-#: Where a lazy call's graph holds the values of its nodes kept between calls, beside its
-#: outputs' (no output of a DAG has this name: it is no string).
-KEPT = ("kept",)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,

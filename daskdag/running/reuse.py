@@ -14,12 +14,21 @@ content (``dask.base.tokenize``: NumPy arrays by their bytes), each once a call.
 One call's values are kept, the last's, at most ``daskdag.reuse-bytes`` of them; NumPy arrays
 among them are made read-only, so that a node that would change one in place fails, naming
 itself, instead of changing what the next call reuses.
+
+A lazy call takes the values the last call kept where its inputs are the same, else computes
+the nodes in its graph and, once computed, keeps their values for the next
+(:meth:`Kept.lazily`): where Dask finishes it (on a cluster's worker, as Dask finishes any
+collection there), its result travels back to this process with them, and gives them to the
+program as it arrives.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import uuid
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import dask
 import jax
@@ -28,6 +37,7 @@ from dask.base import tokenize
 from dask.sizeof import sizeof
 
 import daskdag.config as config
+from daskdag.caches import Cache
 from daskdag.cancel import Stop
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.model.plan import Plan, make_plan
@@ -137,6 +147,59 @@ class Kept:
 
     def _mine(self, inputs: dict) -> dict:
         return {i: inputs[i] for i in self.plan.spec.inputs}
+
+    def lazily(self, inputs: dict, finish: Callable[[dict], Any]) -> Remembering:
+        """``finish`` of a lazy call whose graph computes the kept nodes' values for these
+        ``inputs`` (under :data:`KEPT`, beside its outputs): it keeps them for the next call,
+        here or, finished elsewhere, as its result arrives (:class:`Remembering`)."""
+        call = uuid.uuid4().hex
+        _pending.put(call, (self, inputs))
+        return Remembering(finish, call, os.getpid())
+
+
+#: Where a lazy call's graph holds the values of the nodes kept between calls, beside its
+#: outputs' (no output of a DAG has this name: it is no string).
+KEPT = ("kept",)
+#: Lazy calls not computed yet, by id: their program's kept nodes and their inputs.
+_pending: Cache = Cache("lazy calls' kept nodes, until computed", 64)
+
+
+class Remembering:
+    """A lazy call's ``finish``, which also keeps the values of its program's kept nodes
+    (:meth:`Kept.lazily`). Dask runs it where it finishes the collection: in the process that
+    made the call, it keeps them at once; elsewhere (a cluster's worker), it returns its result
+    inside a :class:`Receipt`, which keeps them as it arrives back here."""
+
+    def __init__(self, finish: Callable[[dict], Any], call: str, pid: int):
+        self.finish, self.call, self.pid = finish, call, pid
+
+    def __call__(self, computed: dict) -> Any:
+        values = computed.pop(KEPT)[1]
+        result = self.finish(computed)
+        if os.getpid() == self.pid:
+            return received(result, self.call, values)
+        return Receipt(result, self.call, values)
+
+
+class Receipt:
+    """A lazy call's result finished in another process, with the values its program keeps:
+    unpickled (back in the process that made the call), it is the result, the values kept."""
+
+    def __init__(self, result: Any, call: str, values: dict):
+        self.result, self.call, self.values = result, call, values
+
+    def __reduce__(self):
+        return received, (self.result, self.call, self.values)
+
+
+def received(result: Any, call: str, values: dict) -> Any:
+    """``result``, the kept nodes' ``values`` given to the program that made lazy call
+    ``call``, where it is one of this process's."""
+    pending = _pending.pop(call)
+    if pending is not None:
+        kept, inputs = pending
+        kept.remember(inputs, values)
+    return result
 
 
 def _read_only(leaf):
