@@ -58,15 +58,12 @@ def later(kind: Derivative, x: PyTree, *data: Any, store: Any = None) -> Call:
 def swept(kind: Derivative, xs: PyTree, *data: Any, batched: Sequence[str] | None,
           chunk_size: int | None, client: Client | None, scheduler: str | Client | None,
           progress: bool, errors: str, store: Any) -> Any:
-    """``kind`` over every item of ``xs`` (:func:`daskdag.sweeps.sweep.of_kind`); Ctrl-C raises
-    a ``KeyboardInterrupt`` that says what is saved, without daskdag's frames."""
+    """``kind`` over every item of ``xs`` (:func:`daskdag.sweeps.sweep.of_kind`). Ctrl-C with a
+    store raises :class:`~daskdag.sweeps.sweep.Interrupted`, which says what is saved: the
+    public function raises it again as a ``KeyboardInterrupt``, without daskdag's frames."""
     client, local = where(client, scheduler)
-    try:
-        return sweeps.of_kind(kind, xs, data, batched=batched, chunk_size=chunk_size,
-                              client=client, local=local, progress=progress, errors=errors,
-                              store=store)
-    except sweeps.Interrupted as e:
-        raise KeyboardInterrupt(str(e)) from None
+    return sweeps.of_kind(kind, xs, data, batched=batched, chunk_size=chunk_size, client=client,
+                          local=local, progress=progress, errors=errors, store=store)
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -275,9 +272,12 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
     print(res.value.shape, res.grad.shape)  # (4,) (4, 3)
     ```
     """
-    return swept(Gradients(dag, outputs, wrt, cotangents), xs, batched=batched,
-                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
-                 errors=errors, store=store)
+    try:
+        return swept(Gradients(dag, outputs, wrt, cotangents), xs, batched=batched,
+                     chunk_size=chunk_size, client=client, scheduler=scheduler,
+                     progress=progress, errors=errors, store=store)
+    except sweeps.Interrupted as e:  # (Ctrl-C: what is saved)
+        raise KeyboardInterrupt(str(e)) from None
 
 
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
@@ -657,9 +657,12 @@ def sweep_jacobians(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[
     print(res.grad.shape)  # (2, 3, 3): each item's diag(cos(x))
     ```
     """
-    return swept(Jacobian(dag, outputs, wrt, mode, sparsity), xs, batched=batched,
-                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
-                 errors=errors, store=store)
+    try:
+        return swept(Jacobian(dag, outputs, wrt, mode, sparsity), xs, batched=batched,
+                     chunk_size=chunk_size, client=client, scheduler=scheduler,
+                     progress=progress, errors=errors, store=store)
+    except sweeps.Interrupted as e:  # (Ctrl-C: what is saved)
+        raise KeyboardInterrupt(str(e)) from None
 
 
 def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: str | Sequence[str],
@@ -695,9 +698,12 @@ def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: st
     print(daskdag.sweep_jvps(dag, xs, jnp.ones_like(xs), "A").tangent)  # cos(xs)
     ```
     """
-    return swept(JVPs(dag, outputs, wrt, directions), xs, tangents, batched=batched,
-                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
-                 errors=errors, store=store)
+    try:
+        return swept(JVPs(dag, outputs, wrt, directions), xs, tangents, batched=batched,
+                     chunk_size=chunk_size, client=client, scheduler=scheduler,
+                     progress=progress, errors=errors, store=store)
+    except sweeps.Interrupted as e:  # (Ctrl-C: what is saved)
+        raise KeyboardInterrupt(str(e)) from None
 
 
 def sweep_hvps(dag: Mapping[str, Any], xs: PyTree, v: PyTree, outputs: str | Sequence[str], *,
@@ -728,6 +734,9 @@ def sweep_hvps(dag: Mapping[str, Any], xs: PyTree, v: PyTree, outputs: str | Seq
     print(daskdag.sweep_hvps(dag, xs, jnp.ones_like(xs), "L").hvp)  # -sin(xs)
     ```
     """
-    return swept(HVPs(dag, outputs, wrt, cotangents), xs, v, batched=batched,
-                 chunk_size=chunk_size, client=client, scheduler=scheduler, progress=progress,
-                 errors=errors, store=store)
+    try:
+        return swept(HVPs(dag, outputs, wrt, cotangents), xs, v, batched=batched,
+                     chunk_size=chunk_size, client=client, scheduler=scheduler,
+                     progress=progress, errors=errors, store=store)
+    except sweeps.Interrupted as e:  # (Ctrl-C: what is saved)
+        raise KeyboardInterrupt(str(e)) from None

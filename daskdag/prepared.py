@@ -32,6 +32,7 @@ from daskdag.running import log, programs
 from daskdag.running.compute import where
 from daskdag.running.jobs import CallInfo, run
 from daskdag.running.passes import Derivative
+from daskdag.sweeps.sweep import Interrupted
 from daskdag.transport import transports
 
 if TYPE_CHECKING:
@@ -96,9 +97,12 @@ class Prepared:
         ``batched``, ``chunk_size``, ``errors`` and ``store`` as there. Returns what a call
         returns, each part stacked over the items; with ``errors='collect'``, the failed
         items are in ``f.info``'s call's ``f.failed``."""
-        results = swept(self._kind, xs, *data, batched=batched, chunk_size=chunk_size,
-                        client=self._client, scheduler=self._scheduler,
-                        progress=self._progress, errors=errors, store=store)
+        try:
+            results = swept(self._kind, xs, *data, batched=batched, chunk_size=chunk_size,
+                            client=self._client, scheduler=self._scheduler,
+                            progress=self._progress, errors=errors, store=store)
+        except Interrupted as e:  # (Ctrl-C: what is saved, without daskdag's frames)
+            raise KeyboardInterrupt(str(e)) from None
         return self._unpacked(results)
 
     def _unpacked(self, results: Any) -> Any:

@@ -18,9 +18,8 @@ LAYERS = (
     ("daskdag.running",),
     ("daskdag.durable",),
     ("daskdag.sweeps",),
-    ("daskdag.api", "daskdag.checks"),
-    ("daskdag.full_jacobians", "daskdag.hessians", "daskdag.forward_mode"),
-    ("daskdag.transforms",),
+    ("daskdag.kinds",),
+    ("daskdag.api", "daskdag.checks", "daskdag.prepared"),
     ("daskdag.cli", "daskdag.deploy", "daskdag"),
 )
 

@@ -49,7 +49,8 @@ from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running import log
-from daskdag.running.jobs import LAZY, Job, Kind, as_collection, computed, run
+from daskdag.running.jobs import LAZY, Job, as_collection, computed, run
+from daskdag.running.passes import Derivative
 from daskdag.running.compute import active_client
 from daskdag.running.lazy import Call
 from daskdag.transport import transports
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 CHUNK = 64 * 2 ** 20  # bytes per chunk of a stored result
 
 
-def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool,
+def call(kind: Derivative, x: Any, *data: Any, client, local: str | None, progress: bool,
          store: str | os.PathLike | ZarrStore) -> Any:
     """A call of ``kind`` computed now, as :func:`daskdag.running.jobs.call` computes it, its
     stages kept in ``store`` and read from there where it holds them. The store is held by
@@ -72,7 +73,7 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
         return run(job, client, local, progress, keep=keeper)
 
 
-def lazy(kind: Kind, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -> Call:
+def lazy(kind: Derivative, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -> Call:
     """A call of ``kind`` as a Dask collection (:func:`daskdag.running.jobs.lazy`) whose forward
     tasks keep their stages in ``store``, or read them from there: the store is checked (and
     its record written) now; it is not held while the call waits to be computed."""
@@ -85,10 +86,12 @@ def lazy(kind: Kind, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -
 def _keeping(job: Job, keeper: Stages) -> Job:
     """``job`` whose graph keeps its stages in ``keeper`` (a lazy call's, or one computed by
     Dask's multiprocessing scheduler): every node in it (none kept between calls)."""
-    return replace(job, make=lambda place, stop: job.stored(place, stop, keeper), later=None)
+    stored = job.stored
+    assert stored is not None  # (every kind's job keeps its stages where asked)
+    return replace(job, make=lambda place, stop: stored(place, stop, keeper), later=None)
 
 
-def _stored(kind: Kind, x: Any, data: tuple, client, local: str | None, store: Any,
+def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, store: Any,
             lazy: bool = False) -> tuple[Job, dict]:
     """The job of a durable call, and what its store records of it. Its chains of nodes are not
     fused (``daskdag.fuse-chains``), so that each node is a stage of its own, kept as it
@@ -104,7 +107,7 @@ def _stored(kind: Kind, x: Any, data: tuple, client, local: str | None, store: A
     return job, identity(kind, lowering.spec, lowering.plan.outputs, lowering.wrt, x, data)
 
 
-def identity(kind: Kind, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
+def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
     """What a call is, as its store records it: what every store records
     (:func:`daskdag.durable.identity.common`: format, versions, each node's parts, settings),
     the function called, the outputs, ``wrt``, each input's hash, the kind's options

@@ -66,7 +66,7 @@ class Gradients(Derivative):
     cotangents: Mapping[str, PyTree] | None = None
     call = "compute_grads"
     sweep_call = "sweep_grads"
-    mode = "rev"
+    call_mode = "rev"
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)

@@ -66,7 +66,7 @@ class HVPs(Derivative):
     cotangents: Mapping[str, PyTree] | None = None
     call = "compute_hvps"
     sweep_call = "sweep_hvps"
-    mode = "rev-over-fwd"
+    call_mode = "rev-over-fwd"
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)

@@ -63,6 +63,9 @@ class Layout:
     directions: int = 0
     carriers: Any = None
 
+    def bare(self) -> Layout:
+        return replace(self, plan=self.plan.bare())
+
 
 @dataclass(frozen=True)
 class Jacobian(Derivative):

@@ -133,7 +133,7 @@ class JVPs(Derivative):
     batched: bool = False
     call = "compute_jvps"
     sweep_call = "sweep_jvps"
-    mode = "fwd"
+    call_mode = "fwd"
 
     def options(self, data: tuple) -> tuple:
         (tangents,) = data
@@ -168,7 +168,7 @@ class JVPs(Derivative):
     def info(self, lowering, data, why, where) -> CallInfo:
         (tangents,) = data
         k = directions_of(tangents) if self.batched else None
-        return CallInfo(self.call, self.mode, k or 1, prepared=why is None, why=why, where=where)
+        return CallInfo(self.call, self.call_mode, k or 1, prepared=why is None, why=why, where=where)
 
     def finish(self, lowering, info, computed, failed=None) -> Any:
         k = info.passes if self.batched else None

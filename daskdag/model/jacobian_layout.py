@@ -137,13 +137,13 @@ def columns_as_rows(value: PyTree, tangent: tuple, templates: dict, names: Seque
     shapes and dtypes, ``None`` where held constant)."""
     lead = 1 if items else 0
     flat = [t.reshape(*t.shape[:lead + 1], -1) for t in tangent]  # (..., columns, elements)
-    columns = (_joined(flat, lead + 1) if flat else None)
+    columns: Any = _joined(flat, lead + 1) if flat else None
     out, start = {}, 0
     for i in names:
         leaves, treedef = jax.tree.flatten(templates[i], is_leaf=lambda leaf: leaf is None)
-        parts = []
+        parts: list = []
         for leaf in leaves:
-            if leaf is None:
+            if leaf is None or columns is None:
                 parts.append(None)
                 continue
             width = int(np.prod(leaf.shape))

@@ -39,6 +39,10 @@ class Plan:
         taken = tuple(n for n in first if any(c in others for c, _ in self.spec.uses.get(n, ())))
         return self.spec.part(first), taken, self.spec.part(others)
 
+    def bare(self) -> Plan:
+        """The plan over its spec without functions (:meth:`~daskdag.model.spec.Spec.bare`)."""
+        return replace(self, spec=self.spec.bare())
+
     @cached_property
     def _on_path(self) -> dict[str, frozenset[str]]:
         return {o: frozenset(nodes) for o, nodes in self.backward.items()}

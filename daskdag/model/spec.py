@@ -105,6 +105,12 @@ class Spec:
         inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
         return cls(nodes, inputs, order, _uses(nodes, order))
 
+    def bare(self) -> Spec:
+        """The spec without its nodes' functions (its names, deps and options): what a call's
+        results are made with, wherever Dask makes them, with nothing of the user's code."""
+        return Spec({n: Node(None, node.deps) for n, node in self.nodes.items()}, self.inputs,
+                    self.order, self.uses)
+
     def part(self, names: Iterable[str]) -> Spec:
         """The spec of the nodes ``names`` alone, in this one's order: the names they take
         from other nodes are its inputs."""

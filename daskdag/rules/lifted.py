@@ -82,14 +82,13 @@ class Lift:
             if not self.directions:
                 primal, tangent = rule(primals, tangents, on)
             else:
-                k = next(len(t[0]) for t in tangents if t)
-                primal, tangent = in_directions(rule, primals, tangents, on, k, self.chunk)
+                count = next(len(t[0]) for t in tangents if t)
+                primal, tangent = in_directions(rule, primals, tangents, on, count, self.chunk)
         if extra:
             _check_added(primal, extra, self.directions)
             tangent = extra if tangent is None else tuple(a + b for a, b in zip(tangent, extra))
         if tangent is None:  # (nothing reaches it but a tangent not given: zeros)
-            k = len(extra[0]) if extra and self.directions else None
-            tangent = zeros(primal, k)
+            tangent = zeros(primal, len(extra[0]) if extra and self.directions else None)
         return Pair(primal, tuple(tangent))
 
     def __reduce__(self):

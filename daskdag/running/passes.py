@@ -75,6 +75,13 @@ class Lowering:
     rows: Rows | None = None
     extra: Any = None
 
+    def bare(self) -> Lowering:
+        """The lowering without the user's functions (:meth:`Plan.bare`; its ``extra``'s too,
+        where it has a ``bare``): what its results are made with, which travels with a lazy
+        call to where Dask finishes it."""
+        extra = self.extra.bare() if hasattr(self.extra, "bare") else self.extra
+        return replace(self, plan=self.plan.bare(), spec=self.spec.bare(), extra=extra)
+
 
 @dataclass(frozen=True)
 class Passes:
@@ -272,7 +279,7 @@ class Made:
 class Derivative:
     """A derivative kind, as a strategy over :class:`Passes` (the module's docstring), with the
     DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call).
-    The kind says what it is (:attr:`call`, :attr:`mode`), how it lowers (:meth:`lower`), what
+    The kind says what it is (:attr:`call`, :attr:`call_mode`), how it lowers (:meth:`lower`), what
     a call's inputs and cotangents are (:meth:`inputs`), and its results from the passes'
     (:meth:`finish`); everything else (:meth:`compile`, :meth:`job`, and what
     :mod:`daskdag.durable` and :mod:`daskdag.sweeps` make of them) is the same for every kind.
@@ -289,7 +296,7 @@ class Derivative:
     call: ClassVar[str]
     sweep_call: ClassVar[str]
     #: Its mode, as :class:`~daskdag.CallInfo` gives it (a kind with several: :meth:`info`).
-    mode: ClassVar[str]
+    call_mode: ClassVar[str]
 
     def options(self, data: tuple) -> tuple:
         """What of the kind's options and of a call's ``data`` its program depends on, as a
@@ -316,7 +323,7 @@ class Derivative:
         raise NotImplementedError
 
     def info(self, lowering: Lowering, data: tuple, why: str | None, where: str) -> CallInfo:
-        return CallInfo(self.call, self.mode, len(lowering.plan.outputs), prepared=why is None,
+        return CallInfo(self.call, self.call_mode, len(lowering.plan.outputs), prepared=why is None,
                         why=why, where=where)
 
     def compile(self, x: PyTree, data: tuple, transport: Transport
@@ -340,5 +347,10 @@ class Derivative:
         made = program.value
         values, cts = self.inputs(made.lowering, given_values(made.lowering.spec, x), data)
         info = self.info(made.lowering, data, why, where)
-        return made.passes.job(values, cts, info, partial(self.finish, made.lowering),
+        return made.passes.job(values, cts, info, self.finishing(made.lowering),
                                keep=tuple(self.dag.values()))
+
+    def finishing(self, lowering: Lowering) -> Callable[..., Any]:
+        """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
+        code (a lazy call's travels to where Dask finishes it, which may not import it)."""
+        return partial(replace(self, dag={}).finish, lowering.bare())

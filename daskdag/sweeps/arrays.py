@@ -82,6 +82,7 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
         raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
+    aligned(values, batched, chunk_size)  # (its checks, before any other look at the items)
     size = batch_size(values, batched)
     like = {i: stand_in(v) if i in batched else v for i, v in values.items()}
     one = {i: jax.tree.map(lambda a: planning.first_row(a, size), like[i]) if i in batched
