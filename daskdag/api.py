@@ -667,7 +667,7 @@ def sweep_jacobians(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[
 
 def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: str | Sequence[str],
                *, batched: Sequence[str] | None = None, wrt: Sequence[str] | None = None,
-               directions: bool = False, chunk_size: int | None = None,
+               chunk_size: int | None = None,
                client: Client | None = None, scheduler: str | Client | None = None,
                progress: bool = False, errors: str = "raise",
                store: str | os.PathLike | SweepStore | ZarrStore | None = None
@@ -679,13 +679,12 @@ def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: st
         tangents: as for [`compute_jvps`][daskdag.compute_jvps]; a batched input's tangent
             carries the items too (one tangent per item, shaped like ``xs``), a shared
             input's is the same for every item.
-        directions: each item's tangents carry K directions, after the items' axis, as
-            ``batched=True`` of [`compute_jvps`][daskdag.compute_jvps].
         wrt: as for [`compute_jvps`][daskdag.compute_jvps].
 
     The other arguments as for [`sweep_grads`][daskdag.sweep_grads]; nodes of shared inputs
     alone, tangents included, run once for every item. Returns ``{output: JVPResult(value,
-    tangent, failed)}``, stacked on a leading axis of items.
+    tangent, failed)}``, stacked on a leading axis of items. (Several directions per item:
+    [`sweep_jacobians`][daskdag.sweep_jacobians] with ``mode="fwd"``.)
 
     For example:
 
@@ -699,7 +698,7 @@ def sweep_jvps(dag: Mapping[str, Any], xs: PyTree, tangents: PyTree, outputs: st
     ```
     """
     try:
-        return swept(JVPs(dag, outputs, wrt, directions), xs, tangents, batched=batched,
+        return swept(JVPs(dag, outputs, wrt), xs, tangents, batched=batched,
                      chunk_size=chunk_size, client=client, scheduler=scheduler,
                      progress=progress, errors=errors, store=store)
     except sweeps.Interrupted as e:  # (Ctrl-C: what is saved)

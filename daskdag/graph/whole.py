@@ -36,11 +36,11 @@ from daskdag.graph.assembly import Intake, TaskGraph, key
 from daskdag.graph.compiled import rebuild, replay, split
 from daskdag.graph.run import Fused, identity
 from daskdag.graph.stages import Stage
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import basis, basis_rows, seed
-from daskdag.rules.vjp import by_arg, diff_counts, of_leaves, vjp_leaves
+from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
 from daskdag.transport.packing import current, unpack
 from daskdag.transport.transports import Transport
 

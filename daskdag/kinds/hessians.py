@@ -21,13 +21,13 @@ from typing import Any
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.leaves import PyTree, on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, wrt_names
+from daskdag.model.request import cotangents_for, input_tangents, wrt_names
 from daskdag.rules.lifted import OnTangent
 from daskdag.rules.registry import has_rules
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowering
 from daskdag.kinds.gradients import per_output
-from daskdag.kinds.tangents import is_lifted, lifted, node_tangents, paired, tangents_of, unpaired
+from daskdag.kinds.tangents import is_lifted, lifted, node_tangents, paired, unpaired
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ class HVPs(Derivative):
         where = lowering.extra
         given = {i: t for i, t in v.items() if i in where.inputs} \
             if isinstance(v, Mapping) and where.added else v
-        flat, _ = tangents_of(lowering.spec, values, given, False, batched)
+        flat, _ = input_tangents(lowering.spec, values, given, False)
         cts = cotangents_for(lowering.plan.outputs, self.cotangents)
         seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowering.plan.spec, o) else cts.get(o)
                  for o in lowering.plan.outputs}
-        return paired(where, values, flat, node_tangents(v, where.added), None, batched), seeds
+        return paired(where, values, flat, node_tangents(v, where.added), None), seeds
 
     def finish(self, lowering, info, computed, failed=None) -> Any:
         spec = lowering.spec
@@ -100,7 +100,7 @@ class HVPs(Derivative):
             one = len(spec.inputs) == 1 and list(pairs) == list(spec.inputs)
             hvp = {i: g.primal for i, g in pairs.items()}
             grad = {i: on_differentiable(g.primal, g.tangent) for i, g in pairs.items()}
-            value, tangent = unpaired(value, None, failed is not None)
+            value, tangent = unpaired(value, None)
             i0 = spec.inputs[0]
             results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp,
                                    tangent, info, failed or {})

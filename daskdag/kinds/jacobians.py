@@ -22,8 +22,8 @@ from daskdag.errors import DAGError
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.jacobian_layout import (columns_as_rows, flat_rows, jacrev_layout, joined,
-                                           laid_out, row_template)
+from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
+                                           row_template)
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.plan import Plan, make_plan
@@ -137,7 +137,7 @@ class Jacobian(Derivative):
         if batched is not None:  # (the same columns for every item: views, nothing copied)
             tangents = {i: tuple(np.broadcast_to(t, (_items(values[i]), *t.shape)) for t in ts)
                         if i in batched else ts for i, ts in tangents.items()}
-        return paired(layout.carriers, values, tangents, {}, layout.directions, batched), {}
+        return paired(layout.carriers, values, tangents, {}, layout.directions), {}
 
     def info(self, lowering, data, why, where) -> CallInfo:
         layout = lowering.extra
@@ -150,26 +150,26 @@ class Jacobian(Derivative):
             raise DAGError("sparse=True does not apply to a sweep: its Jacobians are stacked "
                            "over the items, in jax.jacrev's layout (give a sparsity pattern to "
                            "compress the passes)", argument="sparse")
-        if failed is None:
-            return per_output(self.outputs, self._results(layout, info, computed))
-        if layout.colours.patterns is None:  # (every item laid out at once)
-            return per_output(self.outputs, _stacked_results(layout, info, computed, failed))
-        if any(hasattr(leaf, "dask") for leaf in jax.tree.leaves(computed)):
-            raise DAGError("a sweep over dask arrays gives dense Jacobians only: the entries of a "
-                           "sparsity pattern's colours are recovered item by item, in memory; "
-                           "sweep NumPy or JAX items, or give no sparsity", argument="sparsity")
-        n = _items(computed)
-        items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
-                 for i in range(n)]  # (each item's entries recovered as a call's, then stacked)
-        return per_output(self.outputs, {o: Result(
-            jax.tree.map(lambda *a: np.stack(a), *(r[o].value for r in items)),
-            jax.tree.map(lambda *a: np.stack(a), *(r[o].grad for r in items)),
-            failed, items[0][o].info) for o in computed})
+        if failed is not None and layout.colours.patterns is not None:
+            if any(hasattr(leaf, "dask") for leaf in jax.tree.leaves(computed)):
+                raise DAGError("a sweep over dask arrays gives dense Jacobians only: a sparsity "
+                               "pattern's colours are recovered item by item, in memory; sweep "
+                               "NumPy or JAX items, or give no sparsity", argument="sparsity")
+            items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
+                     for i in range(_items(computed))]  # (each item's, then stacked)
+            return per_output(self.outputs, {o: Result(
+                *(jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
+                  for f in ("value", "grad")), failed, items[0][o].info) for o in computed})
+        results = self._results(layout, info, computed, failed is not None)
+        return per_output(self.outputs, {o: replace(r, failed=failed or {})
+                                         for o, r in results.items()})
 
-    def _results(self, layout: Layout, info: CallInfo, computed: dict) -> dict:
-        if layout.mode == "rev":
-            return _reverse_results(layout, self.sparse, info, computed)
-        return _forward_results(layout, self.sparse, info, computed)
+    def _results(self, layout: Layout, info: CallInfo, computed: dict, items: bool = False
+                 ) -> dict:
+        """``{output: Result}`` from the passes' ``computed``; ``items``: a sweep's, laid out
+        for every item at once (NumPy or dask arrays alike)."""
+        results = _reverse_results if layout.mode == "rev" else _forward_results
+        return results(layout, self.sparse, info, computed, items)
 
 
 def _items(tree: Any) -> int:
@@ -177,33 +177,22 @@ def _items(tree: Any) -> int:
     return next((len(leaf) for leaf in jax.tree.leaves(tree)), 0)
 
 
-def _stacked_results(layout: Layout, info: CallInfo, computed: dict, failed) -> dict:
-    """A sweep's dense Jacobians, every item's at once (NumPy or dask arrays alike), in
-    ``jax.jacrev``'s layout after the items' axis."""
-    plan, results = layout.plan, {}
-    for o, (value, per_name) in computed.items():
-        if layout.mode == "fwd":
-            value, per_name = getattr(value, "primal", value), columns_as_rows(
-                getattr(value, "primal", value), getattr(value, "tangent", ()) or tuple(
-                    np.zeros((_items(value), layout.directions, *np.shape(leaf)[1:]))
-                    for leaf in differentiable_leaves(value)),
-                layout.templates or {}, plan.wrt, items=True)
-        jacs = {i: jacrev_layout(value, r, items=True) for i, r in per_name.items()}
-        passes = (layout.directions if layout.mode == "fwd" else
-                  sum(int(np.prod(np.shape(leaf)[1:])) for leaf in differentiable_leaves(value)))
-        results[o] = Result(value, joined(plan, value, jacs), failed, replace(info, passes=passes))
-    return results
+def _per_item(value: PyTree, items: bool) -> int:
+    """The elements of one item's differentiable leaves (a sweep's ``value``, ``items``)."""
+    return sum(int(np.prod(np.shape(leaf)[1 if items else 0:]))
+               for leaf in differentiable_leaves(value))
 
 
-def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict) -> dict:
+def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict,
+                     items: bool = False) -> dict:
     import scipy.sparse as sp
     plan, patterns = layout.plan, layout.colours.patterns
     info = replace(info, passes=info.colours or 0 if patterns is not None else
-                   sum(size(value) for value, _ in computed.values()))
+                   sum(_per_item(value, items) for value, _ in computed.values()))
     results = {}
     for o, (value, per_name) in computed.items():
         if patterns is None and not sparse:
-            jacs = {i: jacrev_layout(value, r) for i, r in per_name.items()}
+            jacs = {i: jacrev_layout(value, r, items) for i, r in per_name.items()}
             results[o] = Result(value, joined(plan, value, jacs), info=info)
             continue
         flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
@@ -215,7 +204,8 @@ def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     return results
 
 
-def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict) -> dict:
+def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dict,
+                     items: bool = False) -> dict:
     plan, patterns, k = layout.plan, layout.colours.patterns, layout.directions
     info = replace(info, passes=k)
     results = {}
@@ -225,11 +215,12 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
             if jnp.iscomplexobj(leaf):
                 raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
                                f"Jacobian needs real outputs, as jax.jacrev does")
-        pushed = [np.asarray(leaf).reshape(k, -1)
-                  for leaf in getattr(lifted_value, "tangent", ())]
-        passes = np.hstack(pushed) if pushed else np.zeros((k, size(value)))
+        lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
+        pushed = [leaf.reshape(*lead, k, -1) for leaf in getattr(lifted_value, "tangent", ())]
+        passes = (np.concatenate(pushed, axis=-1) if pushed else
+                  np.zeros((*lead, k, _per_item(value, items))))  # (each leaf's elements)
         if patterns is None:
-            full = passes.T
+            full = np.swapaxes(passes, -1, -2)
         else:
             if patterns[o].shape[0] != passes.shape[1]:
                 raise DAGError(f"the sparsity pattern of output {o!r} has "
@@ -237,16 +228,17 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
                                f"{passes.shape[1]} elements", argument="sparsity")
             full = colouring.from_columns(patterns[o], layout.colours.columns, passes,
                                           dense=not sparse)
-        results[o] = _result(plan, value, full, layout.templates or {}, sparse, info)
+        results[o] = _result(plan, value, full, layout.templates or {}, sparse, info, items)
     return results
 
 
 def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
-            info: CallInfo) -> Result:
+            info: CallInfo, items: bool = False) -> Result:
     """One output's :class:`~daskdag.Result` from its Jacobian over every wrt name's elements
     (:func:`~daskdag.model.jacobian_layout.laid_out`)."""
     widths = {i: size(t) for i, t in templates.items()}
-    return Result(value, laid_out(plan, value, full, templates, widths, sparse), info=info)
+    return Result(value, laid_out(plan, value, full, templates, widths, sparse, items),
+                  info=info)
 
 
 # -- sparsity patterns ------------------------------------------------------------------------------

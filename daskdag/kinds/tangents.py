@@ -9,16 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.leaves import (differentiable_leaves, is_array, is_differentiable,
-                                  on_differentiable)
+from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import given_values, input_tangents, with_rules, wrt_names
+from daskdag.model.request import input_tangents, with_rules, wrt_names
 from daskdag.model.spec import Spec
-from daskdag.rules.lifted import Lift, Pair, lift
+from daskdag.rules.lifted import Lift, Pair, lift, zeros
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowering
 from daskdag.kinds.gradients import per_output
@@ -33,8 +31,7 @@ class JVPResult:
         value: the output's value; from a sweep, stacked over the items.
         tangent: its Jacobian-vector product, in the output's structure, ``None`` at the leaves
             held constant (not floating-point), zeros where no tangent reaches it; with
-            ``batched=True`` each leaf has a leading axis of directions (after the items',
-            from a sweep).
+            ``batched=True`` each leaf has a leading axis of directions.
         info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
         failed: from a sweep with ``errors='collect'``, each item that failed and its
             [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
@@ -86,31 +83,18 @@ def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], direction
     return lift(spec, set(where.inputs), where.added, directions, chunk), where
 
 
-def paired(where: Carriers, values: dict, flat: dict, nodes: dict, k: int | None,
-           batched: frozenset | None = None) -> dict:
+def paired(where: Carriers, values: dict, flat: dict, nodes: dict, k: int | None) -> dict:
     """A lifted call's input values: each input carrying tangents as a
     :class:`~daskdag.rules.lifted.Pair` of its value and flat tangent (``flat``; zeros where
     none is given), each node's added tangent (``nodes``; none: nothing added), the other
-    inputs as they are. ``k``: the number of directions (None: one tangent, no axis);
-    ``batched``: a sweep's inputs that carry items, their tangents per item (the directions'
-    axis after the items')."""
+    inputs as they are. ``k``: the number of directions (None: one tangent, no axis)."""
     out = dict(values)
     for i in where.inputs:
         if i in values:
-            out[i] = Pair(values[i], flat.get(i) or tuple(
-                zeros(leaf, k, batched is not None and i in batched)
-                for leaf in differentiable_leaves(values[i])))
+            out[i] = Pair(values[i], flat.get(i) or zeros(values[i], k))
     for n, name in where.added.items():
         out[name] = nodes.get(n, ())
     return out
-
-
-def zeros(leaf: Any, k: int | None, items: bool = False) -> np.ndarray:
-    """A zero tangent of ``leaf``: ``k`` directions' axis first, after the items' where the
-    leaf carries a sweep's (``items``)."""
-    shape = np.shape(leaf)
-    lead, rest = (shape[:1], shape[1:]) if items else ((), shape)
-    return np.zeros((*lead, *(() if k is None else (k,)), *rest), jnp.result_type(leaf))
 
 
 def node_tangents(tangents: Any, added: dict) -> dict:
@@ -162,8 +146,11 @@ class JVPs(Derivative):
         given = tangents
         if isinstance(tangents, Mapping) and (where.added or self.wrt is not None):
             given = {i: t for i, t in tangents.items() if i in where.inputs}
-        flat, k = tangents_of(lowering.spec, values, given, bool(self.batched), batched)
-        return paired(where, values, flat, node_tangents(tangents, where.added), k, batched), {}
+        if batched is not None and self.batched:
+            raise DAGError("a sweep pushes one tangent per item (batched=False): for several "
+                           "directions per item, sweep_jacobians(mode='fwd')")
+        flat, k = input_tangents(lowering.spec, values, given, bool(self.batched))
+        return paired(where, values, flat, node_tangents(tangents, where.added), k), {}
 
     def info(self, lowering, data, why, where) -> CallInfo:
         (tangents,) = data
@@ -173,36 +160,8 @@ class JVPs(Derivative):
     def finish(self, lowering, info, computed, failed=None) -> Any:
         k = info.passes if self.batched else None
         return per_output(self.outputs, {
-            o: JVPResult(*unpaired(value, k, failed is not None), info, failed or {})
+            o: JVPResult(*unpaired(value, k), info, failed or {})
             for o, (value, _) in computed.items()})
-
-
-def tangents_of(spec: Spec, values: dict, tangents: Any, directions: bool,
-                batched: frozenset | None = None) -> tuple[dict, int | None]:
-    """The inputs' flat tangents, checked (:func:`daskdag.model.request.input_tangents`), and
-    the number of directions. In a sweep (``batched``: its inputs that carry items), a batched
-    input's tangents carry the items too (one per item, as ``jax.vmap`` of ``jax.jvp`` takes
-    them): one item's are checked, and the whole taken, zeros where None is given."""
-    if batched is None:
-        return input_tangents(spec, values, tangents, directions)
-    given = given_values(spec, tangents) if isinstance(tangents, Mapping) or len(
-        spec.inputs) == 1 else tangents
-    if not isinstance(given, Mapping):
-        given = {}  # (input_tangents says what is wrong)
-    def first(name, tree):  # (one item's, of a batched input; a dask array's computed)
-        return jax.tree.map(lambda a: np.asarray(a[0]) if is_array(a) or hasattr(a, "chunks")
-                            else a, tree) if name in batched else tree
-
-    checked, k = input_tangents(spec, {i: first(i, v) for i, v in values.items()},
-                                {i: first(i, t) for i, t in given.items()} if given else tangents,
-                                directions)
-    flat = {}
-    for i in checked:
-        leaves, treedef = jax.tree.flatten(values[i])
-        parts = treedef.flatten_up_to(given[i])
-        flat[i] = tuple(zeros(leaf, k, i in batched) if t is None else t
-                        for leaf, t in zip(leaves, parts) if is_differentiable(leaf))
-    return flat, k
 
 
 def directions_of(tangents: Any) -> int | None:
@@ -210,14 +169,13 @@ def directions_of(tangents: Any) -> int | None:
     return next((int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tangents)), None)
 
 
-def unpaired(value: Any, k: int | None, items: bool) -> tuple[Any, Any]:
+def unpaired(value: Any, k: int | None) -> tuple[Any, Any]:
     """An output's value and its tangent in its structure, from the lifted DAG's value (a
     :class:`~daskdag.rules.lifted.Pair`, or the value itself where no tangent reached it:
-    zeros)."""
+    zeros, ``k`` directions of them)."""
     if isinstance(value, Pair):
         return value.primal, on_differentiable(value.primal, value.tangent)
-    return value, on_differentiable(value, [zeros(leaf, k, items)
-                                            for leaf in differentiable_leaves(value)])
+    return value, on_differentiable(value, zeros(value, k))
 
 
 def is_lifted(spec: Spec, name: str) -> bool:

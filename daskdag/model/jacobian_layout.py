@@ -43,25 +43,27 @@ def split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
 
 
 def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict[str, int],
-             sparse: bool) -> PyTree:
+             sparse: bool, items: bool = False) -> PyTree:
     """One output's Jacobian over every wrt name's elements (``full``, dense NumPy or
     ``scipy.sparse``; ``widths``: each name's elements, ``templates``: its leaves' shapes and
-    dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or ``jax.jacrev``'s layout."""
+    dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or ``jax.jacrev``'s layout.
+    ``items``: a sweep's, dense, with a leading axis of items (NumPy or dask arrays)."""
     import scipy.sparse as sp
     if sparse:
         parts = split_columns(sp.csr_array(full), plan.wrt, widths)
         return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
-    dense = full.toarray() if sp.issparse(full) else np.asarray(full)
+    dense = full if items else full.toarray() if sp.issparse(full) else np.asarray(full)
     jacs, start = {}, 0
     for i in plan.wrt:
-        block = dense[:, start:start + widths[i]]
+        block = dense[..., start:start + widths[i]]
         start += widths[i]
-        jacs[i] = jacrev_layout(value, stacked_rows(block, templates[i]))
+        jacs[i] = jacrev_layout(value, stacked_rows(block, templates[i]), items)
     return joined(plan, value, jacs)
 
 
 def stacked_rows(block: np.ndarray, template: PyTree) -> PyTree:
-    """``block`` ``(output elements, name elements)`` as stacked rows in the name's structure."""
+    """``block`` ``(..., output elements, name elements)`` as stacked rows in the name's
+    structure."""
     leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
     out: list = []
     start = 0
@@ -70,7 +72,7 @@ def stacked_rows(block: np.ndarray, template: PyTree) -> PyTree:
             out.append(None)
             continue
         n = int(np.prod(leaf.shape))
-        out.append(block[:, start:start + n].reshape(len(block), *leaf.shape).astype(
+        out.append(block[..., start:start + n].reshape(*block.shape[:-1], *leaf.shape).astype(
             leaf.dtype, copy=False))
         start += n
     return treedef.unflatten(out)
@@ -127,45 +129,3 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
 
 def _made(a, items: bool):
     return a if items else to_jax(a)
-
-
-def columns_as_rows(value: PyTree, tangent: tuple, templates: dict, names: Sequence[str],
-                    items: bool = False) -> dict:
-    """An output's tangents pushed along the identity's columns (a forward-mode Jacobian's:
-    each leaf ``(columns, *leaf shape)``, after the items' axis with ``items``), as the rows
-    :func:`jacrev_layout` takes, per name of ``names`` (``templates``: each name's leaves'
-    shapes and dtypes, ``None`` where held constant)."""
-    lead = 1 if items else 0
-    flat = [t.reshape(*t.shape[:lead + 1], -1) for t in tangent]  # (..., columns, elements)
-    columns: Any = _joined(flat, lead + 1) if flat else None
-    out, start = {}, 0
-    for i in names:
-        leaves, treedef = jax.tree.flatten(templates[i], is_leaf=lambda leaf: leaf is None)
-        parts: list = []
-        for leaf in leaves:
-            if leaf is None or columns is None:
-                parts.append(None)
-                continue
-            width = int(np.prod(leaf.shape))
-            block = columns[(slice(None),) * lead + (slice(start, start + width),)]
-            parts.append(_swap(block, lead).reshape(*block.shape[:lead], -1, *leaf.shape)
-                         .astype(leaf.dtype))
-            start += width
-        out[i] = treedef.unflatten(parts)
-    return out
-
-
-def _joined(flat: list, axis: int):
-    """Arrays side by side along ``axis`` (NumPy's, or dask's for dask arrays)."""
-    if len(flat) == 1:
-        return flat[0]
-    module = type(flat[0]).__module__
-    if module.startswith("dask"):
-        import dask.array as da
-        return da.concatenate(flat, axis=axis)
-    return np.concatenate([np.asarray(f) for f in flat], axis=axis)
-
-
-def _swap(block, lead: int):
-    """``(..., columns, elements)`` as ``(..., elements, columns)``."""
-    return block.swapaxes(lead, lead + 1)

@@ -281,7 +281,8 @@ def _differentiable(value) -> bool:
 def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
     """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
     k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
-    number of directions with ``batched``, else None. ``None`` at a differentiable leaf is a zero
+    number of directions with ``batched``, else None. (A sweep's batched inputs and their
+    tangents carry its items alike, dask arrays too, kept as they are.) ``None`` at a differentiable leaf is a zero
     tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
     if len(spec.inputs) == 1:  # (x's reading: a mapping with the input's name as a key names it)
         (name,) = spec.inputs
@@ -315,7 +316,8 @@ def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[st
         (k,) = sizes
     lead = () if k is None else (k,)
     return {i: tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) if t is None
-                     else jnp.asarray(t, jnp.result_type(leaf)) for leaf, t in pairs)
+                     else t if _is_lazy_array(t) else jnp.asarray(t, jnp.result_type(leaf))
+                     for leaf, t in pairs)
             for i, pairs in checked.items() if pairs}, k
 
 
@@ -336,7 +338,7 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
                                f"constant (not floating-point); give None there, got "
                                f"{describe(t)}")
             continue
-        if t is not None and not is_numeric(t):  # a pytree where the input has an array
+        if t is not None and not (is_numeric(t) or _is_lazy_array(t)):  # (a pytree there)
             raise DAGError(f"tangent for input {name!r} is {describe(tangent)}, but the "
                            f"input is {describe(x)}")
         if t is not None:

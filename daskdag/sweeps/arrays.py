@@ -64,26 +64,32 @@ def holds_dask(values: dict, batched) -> bool:
     return any(planning.is_dask_array(leaf) for i in batched for leaf in jax.tree.leaves(values[i]))
 
 
-def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str):
+def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str,
+            every: int | None = None):
     """A sweep of ``kind`` over dask arrays (see the module's docstring), where a batched input
     holds one (else None): ``{output: result}`` as the kind makes them, each leaf a dask
     array, computing nothing. ``client``: the one in effect (checked now); the arrays are
-    computed later, wherever Dask computes them."""
+    computed later, wherever Dask computes them. ``every``: with no ``chunk_size`` and no
+    dask array, cut the items into that many blocks (the batched inputs' arrays become dask
+    arrays: a sweep for Dask's multiprocessing scheduler)."""
     spec, names, values = parsed(kind.dag, xs, kind.outputs)
     batched = batched_names(values, batched)
-    if not holds_dask(values, batched):
+    if not holds_dask(values, batched) and every is None:
         return None
     if errors == "collect":
-        raise DAGError("errors='collect' is not supported when batched inputs are dask arrays: "
-                       "the results are computed lazily, so there is no list of failed items to "
-                       "return; use errors='raise' (a failing item raises its NodeError, naming "
-                       "the item, when the arrays are computed)")
-    if progress:
+        raise DAGError("errors='collect' is not supported when batched inputs are dask arrays, "
+                       "or a sweep runs on Dask's multiprocessing scheduler: the results are "
+                       "computed as dask arrays, so there is no list of failed items to return; "
+                       "use errors='raise' (a failing item raises its NodeError, naming the "
+                       "item, when the arrays are computed)")
+    if progress and every is None:
         raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
-    aligned(values, batched, chunk_size)  # (its checks, before any other look at the items)
     size = batch_size(values, batched)
+    if every is not None and chunk_size is None and not holds_dask(values, batched):
+        chunk_size = max(1, math.ceil(size / every))
+    aligned(values, batched, chunk_size)  # (its checks, before any other look at the items)
     like = {i: stand_in(v) if i in batched else v for i, v in values.items()}
     one = {i: jax.tree.map(lambda a: planning.first_row(a, size), like[i]) if i in batched
            else v for i, v in like.items()}

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import replace
 from functools import partial
 
+import dask
 import jax
 import numpy as np
 
@@ -61,10 +62,16 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
     ``local`` scheduler: the kind compiled for one item's shapes, its passes over chunks of
     items (:func:`sweep`, or over dask arrays, lazily, :mod:`daskdag.sweeps.arrays`), and its
     results of them, stacked."""
-    if local == "processes":
-        raise DAGError(not_on_processes(kind.sweep_call))
     check_errors(errors)
     check_chunk_size(chunk_size)
+    if local == "processes":  # (the sweep as dask arrays, computed there, four blocks a core)
+        if store is not None:
+            raise DAGError(not_on_processes(f"{kind.sweep_call} with store="))
+        lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, None, progress, errors,
+                              every=4 * parallelism(None))
+        from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
+        with ProgressBar() if progress else contextlib.nullcontext():
+            return dask.compute(lazy, scheduler="processes")[0]
     if store is None and arrays.holds_dask({"": xs}, [""]):
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, client, progress, errors)
         if lazy is not None:
