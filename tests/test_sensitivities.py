@@ -104,3 +104,56 @@ def test_gradient_at_a_node_with_integer_leaves_holds_them():
     res = daskdag.compute_grads(dag, X, "L", wrt=["P"])
     assert res.grad["P"]["n"] is None
     np.testing.assert_allclose(res.grad["P"]["w"], 2 * (X * 2.0) * 2, rtol=1e-6)
+
+
+# -- forward kinds: a change added at a node ---------------------------------------------------
+
+def _added(x, dB):
+    """The seed DAG's D and E with a change ``dB`` added at B's value (what ``wrt`` naming B
+    means in every kind: its gradient is the sensitivity to that change)."""
+    b = F["A_to_B"](F["x_to_A"](x)) + dB
+    return {"D": F["C_to_D"](F["B_to_C"](b)), "E": F["B_to_E"](b)}
+
+
+VX = jnp.array([1.0, -1.0, 0.5, 0.25, 2.0])
+VB = jnp.linspace(-0.3, 0.3, 5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jvps_with_a_tangent_added_at_a_node(jit):
+    """``compute_jvps(wrt=["x", "B"])``: x's tangent pushed through, B's added at B's value:
+    ``jax.jvp`` of the DAG with a change added at B, along (vx, vB); B's alone, the inputs
+    held."""
+    dag, _ = seed_dag(jit)
+    res = daskdag.compute_jvps(dag, X, {"x": VX, "B": VB}, ["D", "E"], wrt=["x", "B"])
+    _, want = jax.jvp(_added, (X, jnp.zeros(5)), (VX, VB))
+    for o in "DE":
+        assert_tree_close(res[o].tangent, want[o], rtol=1e-4, atol=1e-5)
+    res = daskdag.compute_jvps(dag, X, {"B": VB}, "D", wrt=["B"])
+    _, want = jax.jvp(lambda dB: _added(X, dB)["D"], (jnp.zeros(5),), (VB,))
+    assert_tree_close(res.tangent, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(daskdag.NodeError, match=r"tangent given for this node has leaves "
+                                                 r"shaped \[\(3,\)\], but its value"):
+        daskdag.compute_jvps(dag, X, {"B": VX[:3]}, "D", wrt=["B"])
+
+
+def test_hvps_at_a_node():
+    """``compute_hvps(wrt=["x", "B"])``: gradient and Hessian-vector product of the DAG with a
+    change added at B, by x and by that change, as ``jax.jvp(jax.grad(...))`` gives them."""
+    dag, _ = seed_dag()
+    res = daskdag.compute_hvps(dag, X, {"x": VX, "B": VB}, "D", wrt=["x", "B"])
+    grad, hvp = jax.jvp(jax.grad(lambda x, dB: _added(x, dB)["D"], (0, 1)),
+                        (X, jnp.zeros(5)), (VX, VB))
+    for k, name in enumerate(("x", "B")):
+        assert_tree_close(res.grad[name], grad[k], rtol=1e-4, atol=1e-5)
+        assert_tree_close(res.hvp[name], hvp[k], rtol=1e-3, atol=1e-4)
+
+
+def test_per_item_jvps_at_a_node_in_a_sweep():
+    """``sweep_jvps`` with a node in ``wrt``: the node's tangent (shared) added per item."""
+    dag, _ = seed_dag()
+    xs = jnp.stack([X, X + 0.5, X - 0.25])
+    res = daskdag.sweep_jvps(dag, xs, {"x": jnp.ones_like(xs), "B": VB}, "E", wrt=["x", "B"])
+    want = jax.vmap(lambda x: jax.jvp(lambda x, dB: _added(x, dB)["E"],
+                                      (x, jnp.zeros(5)), (jnp.ones(5), VB))[1])(xs)
+    assert_tree_close(res.tangent, want, rtol=1e-4, atol=1e-5)

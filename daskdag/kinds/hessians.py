@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.leaves import PyTree, on_differentiable
+from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, input_tangents, wrt_names
+from daskdag.model.request import cotangents_for, input_tangents
 from daskdag.rules.lifted import OnTangent
 from daskdag.rules.registry import has_rules
 from daskdag.running.jobs import CallInfo
-from daskdag.running.passes import Derivative, Lowering
-from daskdag.kinds.gradients import per_output
-from daskdag.kinds.tangents import is_lifted, lifted, node_tangents, paired, unpaired
+from daskdag.running.passes import Lowering
+from daskdag.kinds.gradients import Gradients, per_output
+from daskdag.kinds.tangents import empty, is_lifted, lifted, node_tangents, paired, unpaired
 
 
 @dataclass(frozen=True)
@@ -59,35 +59,32 @@ class HVPResult:
 
 
 @dataclass(frozen=True)
-class HVPs(Derivative):
-    """[`compute_hvps`][daskdag.compute_hvps] as a kind (the module's docstring): a call's data,
-    its direction ``v``; the outputs' ``cotangents`` given once."""
+class HVPs(Gradients):
+    """[`compute_hvps`][daskdag.compute_hvps] as a kind (the module's docstring): gradients
+    over the DAG lifted where ``v`` enters; a call's data, its direction ``v``."""
 
-    cotangents: Mapping[str, PyTree] | None = None
     call = "compute_hvps"
     sweep_call = "sweep_hvps"
     call_mode = "rev-over-fwd"
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
-        wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
-        plan = make_plan(spec, outputs, wrt)
+        plan = super().lower(spec, outputs, values, data, candidates, watch).plan
         own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
         if own:
             raise DAGError(f"node(s) {own} have their own derivative rules (vjp=, fwd=/bwd=): a "
                            f"Hessian-vector product needs the derivative of their VJP, which "
                            f"those rules do not give; write them in JAX, or leave out of wrt "
                            f"the inputs they depend on")
-        cotangents_for(outputs, self.cotangents)
-        lifted_spec, where = lifted(spec, outputs, wrt)
-        return Lowering(make_plan(lifted_spec, outputs, wrt), where.given(values), spec, wrt,
-                        where.moving, extra=where)
+        lifted_spec, where = lifted(spec, outputs, plan.wrt)
+        return Lowering(make_plan(lifted_spec, outputs, plan.wrt), where.given(values), spec,
+                        plan.wrt, where.moving, extra=where)
 
     def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
         (v,) = data
         where = lowering.extra
         given = {i: t for i, t in v.items() if i in where.inputs} \
             if isinstance(v, Mapping) and where.added else v
-        flat, _ = input_tangents(lowering.spec, values, given, False)
+        flat = input_tangents(lowering.spec, values, given, False)[0] if not empty(given) else {}
         cts = cotangents_for(lowering.plan.outputs, self.cotangents)
         seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowering.plan.spec, o) else cts.get(o)
                  for o in lowering.plan.outputs}

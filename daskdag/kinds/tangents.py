@@ -149,7 +149,8 @@ class JVPs(Derivative):
         if batched is not None and self.batched:
             raise DAGError("a sweep pushes one tangent per item (batched=False): for several "
                            "directions per item, sweep_jacobians(mode='fwd')")
-        flat, k = input_tangents(lowering.spec, values, given, bool(self.batched))
+        flat, k = (input_tangents(lowering.spec, values, given, bool(self.batched))
+                   if not empty(given) else ({}, directions_of(tangents) if self.batched else None))
         return paired(where, values, flat, node_tangents(tangents, where.added), k), {}
 
     def info(self, lowering, data, why, where) -> CallInfo:
@@ -162,6 +163,11 @@ class JVPs(Derivative):
         return per_output(self.outputs, {
             o: JVPResult(*unpaired(value, k), info, failed or {})
             for o, (value, _) in computed.items()})
+
+
+def empty(tangents: Any) -> bool:
+    """No input's tangent is given (a node's alone may be): an empty dict."""
+    return isinstance(tangents, Mapping) and not tangents
 
 
 def directions_of(tangents: Any) -> int | None:
