@@ -152,3 +152,37 @@ def test_only_the_sweeps_know_their_items():
         text = path.read_text()
         for name in ("Items", "Chunked"):
             assert name not in text, f"{path.relative_to(ROOT.parent)} names {name}"
+
+
+def test_no_module_extends_a_lower_layer_but_at_its_named_extension_points():
+    """What runs back up the layers, though no import does: a module registering its own code
+    into a lower layer's tables, which then calls it. Only the named extension points take
+    that: a kind of node's rules (``rules.registry.register``), a family of objects that crosses
+    processes (``transport.protocol.travels``, ``token_kept``) and what ``clear_caches``
+    empties (``caches.register``, a ``Cache``); no ``singledispatch`` of a lower layer is
+    extended from above (a sweep hands the core its ``PerItem``, a lifted value its seed is
+    registered beside ``seeds``, in ``rules``)."""
+    allowed = {("daskdag.rules.registry", "register"), ("daskdag.transport.protocol", "travels"),
+               ("daskdag.transport.protocol", "token_kept"), ("daskdag.caches", "register"),
+               ("daskdag.caches", "Cache"), ("daskdag.caches", "ByObject")}
+    modules, problems = _modules(), []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text())
+        origin = {a.asname or a.name: n.module for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("daskdag")
+                  for a in n.names}
+        bare = [d for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                for d in n.decorator_list if isinstance(d, ast.Attribute)]  # (@seed.register)
+        for node in [*ast.walk(tree), *bare]:
+            f = node.func if isinstance(node, ast.Call) else node
+            if isinstance(f, ast.Attribute) and f.attr == "register" and \
+                    isinstance(f.value, ast.Name) and f.value.id in origin:
+                target = (origin[f.value.id], f"{f.value.id}.register")
+            elif isinstance(f, ast.Name) and f.id in origin and \
+                    f.id in ("register", "travels", "token_kept", "Cache", "ByObject"):
+                target = (origin[f.id], f.id)
+            else:
+                continue
+            if _layer(target[0]) < _layer(name) and (target[0], target[1]) not in allowed:
+                problems.append(f"{name}: {target[1]} of {target[0]}")
+    assert not problems, "\n".join(problems)
