@@ -171,9 +171,7 @@ def test_no_module_extends_a_lower_layer_but_at_its_named_extension_points():
         origin = {a.asname or a.name: n.module for n in ast.walk(tree)
                   if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("daskdag")
                   for a in n.names}
-        bare = [d for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
-                for d in n.decorator_list if isinstance(d, ast.Attribute)]  # (@seed.register)
-        for node in [*ast.walk(tree), *bare]:
+        for node in ast.walk(tree):  # (a call, or a decorator: @seed.register)
             f = node.func if isinstance(node, ast.Call) else node
             if isinstance(f, ast.Attribute) and f.attr == "register" and \
                     isinstance(f.value, ast.Name) and f.value.id in origin:
