@@ -21,13 +21,13 @@ from typing import Any
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, input_tangents
+from daskdag.model.request import cotangents_for
 from daskdag.rules.lifted import OnTangent
 from daskdag.rules.registry import has_rules
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Lowering
 from daskdag.kinds.gradients import Gradients, per_output
-from daskdag.kinds.tangents import empty, is_lifted, lifted, node_tangents, paired, unpaired
+from daskdag.kinds.tangents import is_lifted, lifted, paired, unpaired
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,10 @@ class HVPs(Gradients):
                         plan.wrt, where.moving, extra=where)
 
     def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
-        (v,) = data
-        where = lowering.extra
-        given = {i: t for i, t in v.items() if i in where.inputs} \
-            if isinstance(v, Mapping) and where.added else v
-        flat = input_tangents(lowering.spec, values, given, False)[0] if not empty(given) else {}
         cts = cotangents_for(lowering.plan.outputs, self.cotangents)
         seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowering.plan.spec, o) else cts.get(o)
                  for o in lowering.plan.outputs}
-        return paired(where, values, flat, node_tangents(v, where.added), None), seeds
+        return paired(lowering, values, data[0]), seeds
 
     def finish(self, lowering, info, computed, failed=None) -> Any:
         spec = lowering.spec

@@ -37,7 +37,8 @@ from daskdag.running import programs
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowering, names_key
 from daskdag.kinds.gradients import Result, per_output
-from daskdag.kinds.tangents import lifted, paired
+from daskdag.kinds.tangents import lifted
+from daskdag.rules.lifted import Pair
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -61,7 +62,6 @@ class Layout:
     templates: dict | None = None
     tangents: dict | None = None
     directions: int = 0
-    carriers: Any = None
 
     def bare(self) -> Layout:
         return replace(self, plan=self.plan.bare())
@@ -126,18 +126,18 @@ class Jacobian(Derivative):
             tangents[i] = tuple(leaves)
         lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
         return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
-                        where.moving, extra=Layout(plan, mode, mode_why, colours, source, templates, tangents,
-                                     k, where))
+                        where.moving,
+                        extra=Layout(plan, mode, mode_why, colours, source, templates, tangents, k))
 
     def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
         layout = lowering.extra
         if layout.mode == "rev":
             return values, {}
-        tangents = layout.tangents
-        if batched is not None:  # (the same columns for every item: views, nothing copied)
-            tangents = {i: tuple(np.broadcast_to(t, (_items(values[i]), *t.shape)) for t in ts)
-                        if i in batched else ts for i, ts in tangents.items()}
-        return paired(layout.carriers, values, tangents, {}, layout.directions), {}
+        out = dict(values)
+        for i, ts in (layout.tangents or {}).items():  # (a sweep's: the same for every item)
+            out[i] = Pair(values[i], tuple(np.broadcast_to(t, (_items(values[i]), *t.shape))
+                                           for t in ts) if batched and i in batched else ts)
+        return out, {}
 
     def info(self, lowering, data, why, where) -> CallInfo:
         layout = lowering.extra

@@ -83,11 +83,24 @@ def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], direction
     return lift(spec, set(where.inputs), where.added, directions, chunk), where
 
 
-def paired(where: Carriers, values: dict, flat: dict, nodes: dict, k: int | None) -> dict:
+def paired(lowering: Lowering, values: dict, tangents: Any, directions: bool = False) -> dict:
     """A lifted call's input values: each input carrying tangents as a
-    :class:`~daskdag.rules.lifted.Pair` of its value and flat tangent (``flat``; zeros where
-    none is given), each node's added tangent (``nodes``; none: nothing added), the other
-    inputs as they are. ``k``: the number of directions (None: one tangent, no axis)."""
+    :class:`~daskdag.rules.lifted.Pair` of its value and flat tangent (checked,
+    :func:`daskdag.model.request.input_tangents`; zeros where none is given), each node's
+    added tangent (none: nothing added; checked against its value where it runs), the other
+    inputs as they are. ``directions``: each tangent has a leading axis of directions."""
+    where: Carriers = lowering.extra
+    nodes: dict = {}
+    if where.added:
+        if not isinstance(tangents, Mapping):
+            raise DAGError(f"wrt names node(s) {list(where.added)}: pass the tangents as a dict "
+                           f"{{name: tangent}} with an entry for each node that moves")
+        nodes = {n: tuple(jax.tree.leaves(t)) for n, t in tangents.items()
+                 if n in where.added and t is not None}
+        tangents = {i: t for i, t in tangents.items() if i not in where.added}
+    flat, k = (input_tangents(lowering.spec, values, tangents, directions)
+               if not (isinstance(tangents, Mapping) and not tangents)  # (nodes' alone)
+               else ({}, directions_of(nodes) if directions else None))
     out = dict(values)
     for i in where.inputs:
         if i in values:
@@ -95,17 +108,6 @@ def paired(where: Carriers, values: dict, flat: dict, nodes: dict, k: int | None
     for n, name in where.added.items():
         out[name] = nodes.get(n, ())
     return out
-
-
-def node_tangents(tangents: Any, added: dict) -> dict:
-    """The flat tangents given for the nodes in ``added`` (``tangents`` a dict), each its
-    leaves in ``jax.tree.leaves`` order; checked against the node's value where it runs."""
-    if not added:
-        return {}
-    if not isinstance(tangents, Mapping):
-        raise DAGError(f"wrt names node(s) {list(added)}: pass the tangents as a dict "
-                       f"{{name: tangent}} with an entry for each node that moves")
-    return {n: tuple(jax.tree.leaves(tangents[n])) for n in added if tangents.get(n) is not None}
 
 
 @dataclass(frozen=True)
@@ -141,17 +143,10 @@ class JVPs(Derivative):
                         where.moving, extra=where)
 
     def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
-        (tangents,) = data
-        where = lowering.extra
-        given = tangents
-        if isinstance(tangents, Mapping) and (where.added or self.wrt is not None):
-            given = {i: t for i, t in tangents.items() if i in where.inputs}
         if batched is not None and self.batched:
             raise DAGError("a sweep pushes one tangent per item (batched=False): for several "
                            "directions per item, sweep_jacobians(mode='fwd')")
-        flat, k = (input_tangents(lowering.spec, values, given, bool(self.batched))
-                   if not empty(given) else ({}, directions_of(tangents) if self.batched else None))
-        return paired(where, values, flat, node_tangents(tangents, where.added), k), {}
+        return paired(lowering, values, data[0], bool(self.batched)), {}
 
     def info(self, lowering, data, why, where) -> CallInfo:
         (tangents,) = data
@@ -163,11 +158,6 @@ class JVPs(Derivative):
         return per_output(self.outputs, {
             o: JVPResult(*unpaired(value, k), info, failed or {})
             for o, (value, _) in computed.items()})
-
-
-def empty(tangents: Any) -> bool:
-    """No input's tangent is given (a node's alone may be): an empty dict."""
-    return isinstance(tangents, Mapping) and not tangents
 
 
 def directions_of(tangents: Any) -> int | None:
