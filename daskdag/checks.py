@@ -2,35 +2,21 @@
 the node alone (:func:`check_grads`, OpenMDAO's ``check_partials``), and the outputs' gradients
 against those of the whole composed DAG (:func:`check_totals`, its ``check_totals``).
 
-In:  a call as for :func:`daskdag.compute_grads` (``dag, x, outputs, wrt, client``), and
-     optionally the finite-difference step ``eps`` and tolerance ``rtol``.
-Out: ``{node: its largest relative error}`` for every node checked, or a
-     :class:`~daskdag.GradientCheckError` naming the first node (topological order) whose VJP
-     disagrees, and which of its deps; a node that raises is a :class:`~daskdag.NodeError`.
+The nodes checked are those a gradient passes through (:attr:`daskdag.model.plan.Plan.backward`),
+one task each, in one Dask graph whose check tasks also give each node's value to the nodes
+after it (nodes not checked run plainly). A check task, at its deps' values:
 
-The nodes checked are those a gradient passes through: the plan's active nodes on a path from
-the differentiated inputs to an output (:attr:`daskdag.model.plan.Plan.backward`), each once, by
-one task per node, in one Dask graph; the node's value, from its forward pass there, goes on to
-the nodes after it (nodes not checked run plainly, in tasks of their own). A check task takes
-its deps' values and, at that point:
-
-- linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`: ``jax.vjp``, or a
-  registered linearizer such as a user-supplied VJP), once;
-- per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), draws a random
-  unit cotangent ``u`` over the output's
-  differentiable leaves and pulls it back once; then per active dep, a random tangent ``v``
-  over that dep's differentiable leaves (a random direction, each leaf's elements then of
-  about the leaf's RMS magnitude), and evaluates the node's function (``node.callable()``, on
-  concrete values, never traced by this module) at ``x + eps v`` and ``x - eps v``, perturbed
-  in each leaf's own dtype;
+- linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`), once;
+- per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), pulls back a random
+  unit cotangent ``u`` over the output's differentiable leaves; then per active dep, draws a
+  random tangent ``v`` (each leaf's elements of about its RMS magnitude) and evaluates the
+  node's function, untraced, at ``x + eps v`` and ``x - eps v``, perturbed in each leaf's dtype;
 - compares ``fd = <u, J v>`` by central differences with ``ad = <VJP(u), v>``, ``<a, b> =
-  real(sum(conj(a) * b))`` as ``jax.test_util.check_vjp`` (which conjugates the cotangent on
-  the way in and out, so complex nodes check too). ``v`` is taken as the perturbation that
-  really happened, ``(x+ - x-) / (2 eps)`` in float64, so rounding the perturbed inputs to
-  their dtype costs no accuracy.
+  real(sum(conj(a) * b))`` as ``jax.test_util.check_vjp`` (so complex nodes check too). ``v``
+  is the perturbation that really happened, ``(x+ - x-) / (2 eps)`` in float64, so rounding
+  the perturbed inputs costs no accuracy.
 
-So a checked node's function is called once to linearize and ``2 * PROJECTIONS`` times per
-active dep, and no more.
+So a checked node's function runs once to linearize and ``2 * PROJECTIONS`` times per active dep.
 """
 
 from __future__ import annotations
@@ -61,7 +47,6 @@ if TYPE_CHECKING:
     from distributed import Client
     from daskdag.model.plan import Plan
     from daskdag.model.spec import Node
-
 
 
 def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
@@ -125,8 +110,6 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     checked = [n for n in spec.order if n in on_path]
     if not checked:
         return {}
-    # The nodes' functions, packed where they travel; each node runs in its check task (its
-    # value taken from there by the nodes after it), or plainly when it is not checked.
     transport = transports.for_call(client)
     forward = ship(make_plan(spec, plan.needed, ()), transport)
     graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, transport)
@@ -143,9 +126,9 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
                  wrt: Sequence[str] | None = None, eps: float | None = None,
                  rtol: float | None = None, client: Client | None = None,
                  scheduler: str | Client | None = None) -> dict[str, float]:
-    """Check the gradients of whole ``outputs`` (what [`compute_grads`][daskdag.compute_grads] gives)
-    against central finite differences of the composed DAG, as OpenMDAO's ``check_totals``
-    does beside its ``check_partials`` ([`check_grads`][daskdag.check_grads], node by node).
+    """Check the gradients of whole ``outputs`` (what [`compute_grads`][daskdag.compute_grads]
+    gives) against central finite differences of the composed DAG, as OpenMDAO's
+    ``check_totals`` does beside its ``check_partials`` ([`check_grads`][daskdag.check_grads]).
 
     Args:
         dag: as for [`compute_grads`][daskdag.compute_grads].
@@ -160,12 +143,11 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
         scheduler: as for [`compute_grads`][daskdag.compute_grads].
 
     Per projection (``PROJECTIONS``), a random unit cotangent ``u`` over each output's
-    differentiable leaves and a random tangent ``v`` per input (each leaf's elements of about
-    its RMS magnitude): ``<u, J v>`` by central differences (the DAG evaluated at ``x + eps v``
-    and ``x - eps v``, every evaluation a task graph of its own, all in one Dask graph) against
-    ``<J^T u, v>`` from ``compute_grads`` seeded with ``u``, compared as [`check_grads`][daskdag.check_grads]
-    compares them. So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and
-    ``PROJECTIONS`` times under ``compute_grads``.
+    differentiable leaves and a random tangent ``v`` per input: ``<u, J v>`` by central
+    differences (every evaluation of the DAG in one Dask graph) against ``<J^T u, v>`` from
+    ``compute_grads`` seeded with ``u``, compared as [`check_grads`][daskdag.check_grads] does.
+    So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and ``PROJECTIONS`` times
+    under ``compute_grads``.
 
     Returns:
         ``{output: its largest relative error}`` over inputs and projections (at most
@@ -265,10 +247,9 @@ def _points_graph(forward: Plan, points: list[dict], transport: Transport, place
 
 def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps: float | None,
            rtol: float | None, transport: Transport, place: Any, stop: Any) -> dict:
-    """The graph of the checks, node by node in topological order: a :func:`check_node` task
-    for each ``checked`` node, whose forward pass also gives the node's value to the nodes after
-    it, and a plain task (:func:`_value`) for each other needed node. So each checked node runs
-    once to linearize and twice per projection and differentiated dep, and no more."""
+    """The graph of the checks, in topological order: a :func:`check_node` task for each
+    ``checked`` node, which also gives the node's value to the nodes after it, and a plain task
+    (:func:`_value`) for each other needed node."""
     g = TaskGraph()
     intake = Intake(g, transport, place)
     value_of = {i: intake.value("input", i, f"input {i!r}", values[i])

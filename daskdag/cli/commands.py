@@ -41,10 +41,9 @@ def _output_path(text: str) -> Path:
 
 
 def _prepare(args: argparse.Namespace, command: str) -> tuple:
-    """What ``run`` and ``sweep`` share. In: the parsed command line and the command's name. Out:
-    ``(--out path, DAG dict, its Spec, outputs, wrt, x, cotangents)``, ``x`` and the cotangents
-    as JAX arrays; ``UsageError`` for a bad option, module or file, ``DAGError`` (the parser's)
-    for a malformed DAG."""
+    """What ``run`` and ``sweep`` share: ``(--out path, DAG dict, its Spec, outputs, wrt, x,
+    cotangents)``, arrays as JAX's; ``UsageError`` for a bad option, module or file,
+    ``DAGError`` for a malformed DAG."""
     out = _output_path(args.out)
     dag = load_dag(args.target)
     spec = parse(dag)
@@ -67,8 +66,8 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple:
 
 
 def _refuse_import_client(command: str) -> None:
-    """In: the command's name. Out: nothing; ``UsageError`` where importing the DAG module
-    started a ``distributed`` client, which a local run (no --scheduler) would not use."""
+    """``UsageError`` where importing the DAG module started a ``distributed`` client, which a
+    local run (no --scheduler) would not use."""
     c = active_client()
     if c is not None:
         raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "

@@ -31,8 +31,8 @@ def load_dag(target: str) -> dict:
 
 
 def _split_target(target: str) -> tuple[str, str]:
-    """In: ``MODULE[:DAG]``. Out: ``(MODULE, DAG)``, ``DAG`` ``"dag"`` where none is given (or
-    what follows the last ``:`` is no dotted name, as in ``C:\\dags\\p.py``)."""
+    """``(MODULE, DAG)``, ``DAG`` ``"dag"`` where none is given (or what follows the last ``:``
+    is no dotted name, as in ``C:\\dags\\p.py``)."""
     module_part, sep, attr = target.rpartition(":")
     if not sep or not all(p.isidentifier() for p in attr.split(".")):
         module_part, attr = target, "dag"
@@ -40,17 +40,14 @@ def _split_target(target: str) -> tuple[str, str]:
 
 
 def _is_file(module_part: str) -> bool:
-    """In: the ``MODULE`` of a target. Out: whether it names a ``.py`` file (a path) rather than
-    an importable module."""
+    """Whether a target's ``MODULE`` names a ``.py`` file rather than an importable module."""
     return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
 
 
 def _exec_file(module_part: str) -> tuple[ModuleType, str]:
-    """In: the path of a ``.py`` file. Out: ``(module, where)``: the module it defines, run with
-    its directory first on ``sys.path`` (where it stays, as with ``python path/file.py``) and
-    kept in ``sys.modules`` (so that pickling, by value to a cluster, finds it), and its
-    resolved path as text for messages; ``UsageError`` where the file is missing or running it
-    raised."""
+    """``(module, its resolved path as text)``: the module the file defines, run with its
+    directory first on ``sys.path`` (where it stays, as with ``python path/file.py``) and kept
+    in ``sys.modules`` (for pickling by value); ``UsageError`` where it is missing or raised."""
     import importlib.util
 
     path = Path(module_part).expanduser()
@@ -76,9 +73,8 @@ def _exec_file(module_part: str) -> tuple[ModuleType, str]:
 
 
 def _import_module(module_part: str) -> ModuleType:
-    """In: a module name, ``pkg.mod``. Out: the module, imported with the current directory on
-    ``sys.path`` (first, as ``python -m`` has it, unless it is there already); ``UsageError``
-    where there is no such module or importing it raised."""
+    """The module, imported with the current directory first on ``sys.path`` (as ``python -m``
+    has it); ``UsageError`` where there is no such module or importing it raised."""
     import importlib
 
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -97,10 +93,9 @@ def _import_module(module_part: str) -> ModuleType:
 
 
 def _dag_object(module: ModuleType, where: str, attr: str) -> Any:
-    """In: the DAG module, its name or path for messages, and the (dotted) attribute ``DAG``.
-    Out: the mapping there, or what calling it with no arguments returns where it is a callable;
-    ``UsageError`` where there is no such attribute (listing the module's dicts and callables),
-    the call raised, or the result is no mapping."""
+    """The mapping at the (dotted) attribute ``DAG``, or what calling it returns; ``UsageError``
+    where there is no such attribute (listing the module's dicts and callables), the call
+    raised, or the result is no mapping."""
     from collections.abc import Mapping
 
     obj = module

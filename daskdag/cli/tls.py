@@ -38,9 +38,8 @@ def write_certs(directory: str | os.PathLike[str], hosts: Iterable[str] = (), da
 
 
 def _cert_paths(directory: str | os.PathLike[str], force: bool) -> dict[str, Path]:
-    """In: the certificates' directory, and whether existing files may be replaced. Out:
-    ``{"ca"|"cert"|"key": path}`` in it (see :data:`FILES`), the directory created;
-    ``FileExistsError`` naming the files already there, unless ``force``."""
+    """``{"ca"|"cert"|"key": path}`` in ``directory``, created; ``FileExistsError`` naming the
+    files already there, unless ``force``."""
     directory = Path(directory)
     paths = {k: directory / name for k, name in FILES.items()}
     existing = [str(p) for p in paths.values() if p.exists()]
@@ -52,9 +51,8 @@ def _cert_paths(directory: str | os.PathLike[str], force: bool) -> dict[str, Pat
 
 
 def _new_ca(start: datetime.datetime, end: datetime.datetime) -> tuple[Any, Any]:
-    """In: the validity period, ``start`` and ``end`` (aware ``datetime`` objects). Out:
-    ``(certificate, private key)`` of a new self-signed CA, "daskdag cluster CA", that may sign
-    certificates but no other CA."""
+    """``(certificate, private key)`` of a new self-signed CA, valid from ``start`` to ``end``,
+    that may sign certificates but no other CA."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -79,8 +77,7 @@ def _new_ca(start: datetime.datetime, end: datetime.datetime) -> tuple[Any, Any]
 
 
 def _alt_names(hosts: Iterable[str]) -> list:
-    """In: host names and IP addresses (as text; repeats are dropped). Out: the certificate's
-    subject alternative names, ``x509.IPAddress`` for addresses, ``x509.DNSName`` for names."""
+    """The subject alternative names of ``hosts`` (names or IP addresses; repeats dropped)."""
     from cryptography import x509
 
     names: list[x509.GeneralName] = []
@@ -94,9 +91,8 @@ def _alt_names(hosts: Iterable[str]) -> list:
 
 def _new_cert(ca: Any, ca_key: Any, hosts: Iterable[str], start: datetime.datetime,
               end: datetime.datetime) -> tuple[Any, Any]:
-    """In: the CA (certificate and key, from :func:`_new_ca`), the hosts the certificate names
-    (:func:`_alt_names`) and its validity period. Out: ``(certificate, private key)``, signed by
-    the CA, for every role: it serves (scheduler, workers) and connects (all)."""
+    """``(certificate, private key)`` for ``hosts``, signed by the CA, for every role: it serves
+    (scheduler, workers) and connects (all)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -126,9 +122,8 @@ def _new_cert(ca: Any, ca_key: Any, hosts: Iterable[str], start: datetime.dateti
 
 
 def _write_pems(paths: dict[str, Path], ca: Any, cert: Any, key: Any) -> None:
-    """In: the paths of :func:`_cert_paths`, the CA's certificate, the shared certificate and
-    its private key. Out: nothing; the three written as PEM, the key (PKCS#8, unencrypted) with
-    mode 0600, also where the file existed with wider permissions."""
+    """Write the three as PEM, the key (PKCS#8, unencrypted) with mode 0600, also where the
+    file existed with wider permissions."""
     from cryptography.hazmat.primitives import serialization
 
     pem = serialization.Encoding.PEM

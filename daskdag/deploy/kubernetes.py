@@ -1,11 +1,9 @@
 """daskdag's Kubernetes cluster from Python, through the dask-kubernetes operator's ``KubeCluster``.
 
-The resources are those of ``deploy/kubernetes/`` (``kubectl apply -k deploy/kubernetes``),
-built here as dicts: a ``DaskCluster`` (the scheduler, its Service, a default group of CPU
-workers), a ``DaskWorkerGroup`` of GPU workers, and a ``DaskAutoscaler``; every pod runs
-daskdag's image as uid 1000, and every Dask connection is mutual TLS with the certificates of the
-Secret ``certs_secret`` (keys ``ca.pem``, ``cert.pem``, ``key.pem``), mounted read-only at
-``/etc/dask/tls``. tests/test_deploy.py checks that these dicts equal the manifests.
+The resources of ``deploy/kubernetes/`` (tests/test_deploy.py checks they are equal), built as
+dicts: a ``DaskCluster`` (scheduler, Service, default CPU worker group), a ``DaskWorkerGroup`` of
+GPU workers, a ``DaskAutoscaler``. Pods run as uid 1000; every Dask connection is mutual TLS with
+the Secret ``certs_secret`` (``ca.pem``, ``cert.pem``, ``key.pem``) mounted at ``/etc/dask/tls``.
 
 From a machine whose kubeconfig reaches the cluster, with the operator installed and the Secret
 created (docs/guides/deployment.md, "Kubernetes")::
@@ -19,11 +17,10 @@ created (docs/guides/deployment.md, "Kubernetes")::
     res = daskdag.compute_grads(dag, x, ["D"], client=client)
     cluster.close()                        # deletes the DaskCluster and its pods
 
-``KubeCluster`` itself speaks plain ``tcp://`` to the scheduler it creates; :class:`TLSKubeCluster`
-is the same class speaking ``tls://`` with a ``distributed.Security``. The operator, for its
-part, asks the scheduler's HTTP API how many workers it wants (``DaskAutoscaler``) and which to
-retire (scaling down), over the cluster-internal dashboard port: the scheduler serves that API
-(``scheduler_api=True`` of :func:`cluster_spec`, as in the manifest).
+``KubeCluster`` speaks plain ``tcp://`` to its scheduler; :class:`TLSKubeCluster` speaks ``tls://``
+with a ``distributed.Security``. The operator asks the scheduler's HTTP API (on the internal
+dashboard port; ``scheduler_api=True`` of :func:`cluster_spec`) how many workers it wants and
+which to retire.
 """
 
 from __future__ import annotations
@@ -55,9 +52,8 @@ WORKER_DASHBOARD_PORT = 8788
 IMAGE = f"daskdag:{daskdag.__version__}"
 GPU_IMAGE = f"daskdag:{daskdag.__version__}-gpu"
 
-# distributed's default HTTP routes of the scheduler (distributed.yaml) and its API, which the
-# operator calls (/api/v1/adaptive_target, /api/v1/retire_workers). As a Dask config value in an
-# environment variable (a Python literal: Dask reads it with ast.literal_eval).
+# The scheduler's default HTTP routes (distributed.yaml) and the API the operator calls, as a Dask
+# config value in an environment variable (a Python literal: Dask reads it with ast.literal_eval).
 SCHEDULER_HTTP_ROUTES = ["distributed.http.scheduler.prometheus", "distributed.http.scheduler.info",
                          "distributed.http.scheduler.json", "distributed.http.health",
                          "distributed.http.proxy", "distributed.http.statics",
@@ -140,10 +136,9 @@ def cluster_spec(name: str = "daskdag", *, image: str = IMAGE, certs_secret: str
         scheduler_resources: the scheduler's; default 1 CPU and 2 GiB requested, 4 GiB limit.
         env: more environment variables for the workers, e.g. ``{"EXTRA_PIP_PACKAGES": "optax"}``
             (the image's entrypoint installs them at start).
-        scheduler_api: turn on the scheduler's HTTP API (``/api/v1``, on the dashboard's port,
-            plain HTTP inside the cluster, as the manifest does), which the operator needs to
-            autoscale (``DaskAutoscaler``) and to retire workers gracefully when scaling down.
-            ``False``: the operator deletes worker pods to scale down, and cannot autoscale.
+        scheduler_api: serve the scheduler's HTTP API (``/api/v1``, on the dashboard's port),
+            which the operator needs to autoscale and to retire workers gracefully. ``False``:
+            it deletes worker pods to scale down, and cannot autoscale.
         image_pull_policy: the containers' ``imagePullPolicy``.
 
     Returns:
@@ -238,10 +233,9 @@ def worker_group(cluster: str, group: str, worker: Mapping[str, Any]) -> dict[st
 
 
 def autoscaler(cluster: str = "daskdag", minimum: int = 1, maximum: int = 10) -> dict[str, Any]:
-    """A ``DaskAutoscaler`` (``deploy/kubernetes/autoscaling/autoscaler.yaml``): the operator
-    asks the scheduler every few seconds how many workers its tasks want and scales the
-    cluster's default (CPU) worker group to that, within ``[minimum, maximum]``; it is what
-    ``KubeCluster.adapt(minimum, maximum)`` creates. GPU worker groups are not autoscaled.
+    """A ``DaskAutoscaler`` (``deploy/kubernetes/autoscaling/autoscaler.yaml``), as
+    ``KubeCluster.adapt(minimum, maximum)`` creates it: it scales the default (CPU) worker group
+    to what the scheduler asks for, within ``[minimum, maximum]``; GPU groups are not autoscaled.
 
     Args:
         cluster: the ``DaskCluster``'s name (also the autoscaler's).
@@ -258,11 +252,10 @@ def autoscaler(cluster: str = "daskdag", minimum: int = 1, maximum: int = 10) ->
             "spec": {"cluster": cluster, "minimum": minimum, "maximum": maximum}}
 
 
-# KubeCluster connects to its scheduler with distributed's rpc and the operator's
-# wait_for_scheduler_comm, names its module looks up when it connects, without connection
-# arguments: plain TCP only. TLSKubeCluster replaces those two names, once, by ones that add the
-# connection arguments of the TLSKubeCluster whose connecting coroutine calls them (a context
-# variable, set in that coroutine alone) and behave as the originals for every other caller.
+# KubeCluster connects with its module's `rpc` and `wait_for_scheduler_comm`, without connection
+# arguments (plain TCP only). TLSKubeCluster replaces both, once, by ones that add the connection
+# arguments of the TLSKubeCluster connecting in this coroutine (a context variable) and behave as
+# the originals for every other caller.
 _connection_args: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "daskdag_kube_connection_args", default=None)
 _ORIGINALS = (_kubecluster.rpc, _kubecluster.wait_for_scheduler_comm)
@@ -334,14 +327,12 @@ def make_cluster(name: str = "daskdag", *, certs: str | os.PathLike[str],
                  certs_secret: str = "daskdag-tls", n_workers: int = 2, gpu_workers: int = 0,
                  namespace: str | None = None, env: Mapping[str, str] | None = None,
                  adapt: Sequence[int] | None = None, **kwargs: Any) -> TLSKubeCluster:
-    """daskdag's cluster on Kubernetes, created through the dask-kubernetes operator: the
-    :func:`cluster_spec` ``DaskCluster``,
-    and, if ``gpu_workers``, a ``<name>-gpu`` worker group of :func:`gpu_worker_spec`. Needs a
-    kubeconfig that reaches the cluster, the operator, and the Secret ``certs_secret`` made from
-    the same files as ``certs``. ``cluster.scale(n)`` sets the CPU workers,
-    ``cluster.scale(n, worker_group="gpu")`` the GPU ones, ``cluster.adapt(minimum, maximum)``
-    creates the operator's ``DaskAutoscaler`` for the CPU workers; ``cluster.close()`` deletes
-    everything.
+    """daskdag's cluster on Kubernetes through the dask-kubernetes operator: the
+    :func:`cluster_spec` ``DaskCluster`` and, if ``gpu_workers``, a ``<name>-gpu`` worker group
+    of :func:`gpu_worker_spec`. Needs a kubeconfig that reaches the cluster, the operator, and
+    the Secret ``certs_secret`` made from the files of ``certs``. ``cluster.scale(n)`` sets the
+    CPU workers, ``cluster.scale(n, worker_group="gpu")`` the GPU ones; ``cluster.close()``
+    deletes everything.
 
     Args:
         name: the cluster's name.

@@ -14,30 +14,23 @@ From Python::
     client = slurm.connect("~/.daskdag/certs", cpu_jobs=2, gpu_jobs=1, account="ACCT")
     res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
 
-How it fits together: dask-jobqueue runs the Dask scheduler inside this Python process and
-submits each worker as a batch job whose script runs ``python -m distributed.cli.dask_worker
-tls://<this host>:<port> ... --tls-ca-file ... --tls-cert ... --tls-key ...``. Every connection
-(client, scheduler, workers) is mutual TLS with the files of ``daskdag certs``, which must lie on
-a filesystem the compute nodes share (the key's mode 0600 suffices: jobs run as you). The
-dashboard listens on this host's loopback only, over HTTPS: ``ssh -L 8787:localhost:8787 LOGIN``.
+dask-jobqueue runs the Dask scheduler in this process and submits each worker as a batch job
+(``python -m distributed.cli.dask_worker tls://<this host>:<port> --tls-...``). Every connection
+is mutual TLS with the files of ``daskdag certs``, on a filesystem the compute nodes share (mode
+0600 suffices: jobs run as you). The dashboard serves HTTPS on this host's loopback only:
+``ssh -L 8787:localhost:8787 LOGIN``.
 
-Job sizes come from dask-jobqueue's configuration (``jobqueue.yaml``, or any Dask config): the
-CPU jobs from its ``jobqueue.slurm`` section, the GPU jobs from a ``jobqueue.slurm-gpu`` section,
-whose keys are the same; a key the GPU section leaves out or sets to null is taken from
-``jobqueue.slurm`` (account, python, walltime, ...). Keyword arguments win over the config; the
-config wins over daskdag's defaults (:data:`CPU_JOB`, :data:`GPU_JOB`), which fill in only what
-the config leaves unset. Two things daskdag adds to every job unless the job's own settings
-already say them: ``export JAX_PLATFORMS=cpu`` (CPU jobs) or ``=cuda`` (GPU jobs) at the top of
-the prologue, and ``--resources GPU=1`` among the GPU workers' arguments (daskdag's
-``device="gpu"`` nodes run only on workers advertising it).
+Job sizes: keyword arguments win over dask-jobqueue's config (``jobqueue.slurm`` for CPU jobs,
+``jobqueue.slurm-gpu`` for GPU jobs, a key it leaves out or null taken from ``jobqueue.slurm``),
+which wins over :data:`CPU_JOB` and :data:`GPU_JOB`. Unless a job's settings already say them,
+daskdag adds ``export JAX_PLATFORMS=cpu`` (or ``=cuda``) at the top of the prologue, and
+``--resources GPU=1`` to the GPU workers (``device="gpu"`` nodes run only on workers offering it).
 
-One scheduler holds both kinds of job. dask-jobqueue's ``SLURMCluster`` submits jobs of one kind;
-two of them would be two schedulers, and one ``compute_grads`` call needs its CPU and GPU workers
-on the same one. So :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler, and the CPU
-job template) and a GPU job template; :meth:`CPUGPUCluster.scale` sets how many jobs of each kind
-run, :meth:`CPUGPUCluster.keep` replaces jobs that reached their time limit, and
-:meth:`CPUGPUCluster.adapt` sizes both kinds by the load (:class:`CPUGPUAdaptive`). Use these,
-rather than ``SLURMCluster.scale`` or ``adapt``, which know one kind only.
+One ``compute_grads`` call needs its CPU and GPU workers on one scheduler, and a ``SLURMCluster``
+submits jobs of one kind; so :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler and
+the CPU job template) and a GPU job template. Size it with :meth:`CPUGPUCluster.scale`,
+:meth:`CPUGPUCluster.keep` or :meth:`CPUGPUCluster.adapt`, not ``SLURMCluster.scale``/``adapt``,
+which know one kind only.
 """
 
 from __future__ import annotations
@@ -62,9 +55,8 @@ from daskdag.cli import tls
 
 CERTS = "~/.daskdag/certs"
 
-# daskdag's defaults, in jobqueue.yaml's spelling; each applies only where the config leaves the
-# key unset (null). CPU jobs (the ``jobqueue.slurm`` section): one worker process per job, with
-# threads = cores.
+# daskdag's defaults, in jobqueue.yaml's spelling, where the config leaves a key unset (null).
+# CPU jobs: one worker process per job, threads = cores.
 CPU_JOB: dict[str, Any] = {"cores": 8, "memory": "32GB", "processes": 1}
 
 # GPU jobs (the ``jobqueue.slurm-gpu`` section): one GPU, one worker thread (JAX queues work on
@@ -169,9 +161,8 @@ class CPUGPUCluster:
     def scale(self, cpu_jobs: int, gpu_jobs: int) -> None:
         """Run ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs: submit or cancel the difference.
 
-        Jobs that ended (time limit reached, cancelled, node lost) count as gone: calling it
-        again with the same numbers replaces them (:meth:`keep` does so every few seconds).
-        Stops :meth:`adapt` and :meth:`keep`.
+        Jobs that ended count as gone: calling it again replaces them. Stops :meth:`adapt` and
+        :meth:`keep`.
 
         Args:
             cpu_jobs: how many CPU jobs to run.
@@ -205,11 +196,8 @@ class CPUGPUCluster:
         self.slurm.scale(jobs=len(spec))  # the spec is complete: this submits and cancels jobs
 
     def ended(self) -> list[str]:
-        """The jobs submitted that Slurm no longer lists (``squeue``).
-
-        Returns:
-            Their worker names (empty where Slurm does not answer).
-        """
+        """The worker names of the jobs Slurm no longer lists (``squeue``); none where Slurm
+        does not answer."""
         started = {name: job.job_id for name, job in self.slurm.workers.items()
                    if name in self.slurm.worker_spec and getattr(job, "job_id", None)}
         if not started:
@@ -222,11 +210,9 @@ class CPUGPUCluster:
         return [name for name, job_id in started.items() if job_id not in alive]
 
     def keep(self, cpu_jobs: int, gpu_jobs: int, every: float = 10.0) -> None:
-        """Keep that many CPU and GPU jobs running, replacing those that end.
-
-        Until :meth:`close`, :meth:`scale` or :meth:`adapt`: every ``every`` seconds, jobs that ended (their ``--time`` reached) are replaced by new
-        ones. A sweep with a ``store=`` goes on through the change of jobs, computing again only
-        the chunks that were running in the jobs that ended.
+        """Keep that many CPU and GPU jobs running, replacing those that end, until
+        :meth:`close`, :meth:`scale` or :meth:`adapt`. A sweep with a ``store=`` goes on through
+        the change, computing again only the chunks that ran in the jobs that ended.
 
         Args:
             cpu_jobs: how many CPU jobs to keep.
@@ -251,19 +237,16 @@ class CPUGPUCluster:
               gpu_maximum: int = 1, **kwargs: Any) -> CPUGPUAdaptive:
         """Size both kinds of job by the load, until :meth:`scale`, :meth:`keep` or :meth:`close`.
 
-        CPU jobs follow distributed's adaptive rule (the scheduler's ``adaptive_target``: enough
-        workers to finish the queued work in ``target_duration``, idle workers retired), within
-        ``minimum`` and ``maximum``. GPU jobs follow the tasks that need a GPU (a Dask resource
-        ``GPU``): as many jobs as such tasks are ready to run or running (each GPU worker runs
-        one at a time), within ``gpu_minimum`` and ``gpu_maximum``. Jobs of either kind are cancelled
-        after ``wait_count`` looks in a row found them idle and above their kind's target; jobs
-        that ended (time limit) are forgotten, and replaced if the load still asks for them.
+        CPU jobs follow distributed's adaptive rule (``adaptive_target``) within ``minimum`` and
+        ``maximum``; GPU jobs number the tasks needing a GPU that are ready or running, within
+        ``gpu_minimum`` and ``gpu_maximum``. A job is cancelled after ``wait_count`` looks in a
+        row found it idle and above its kind's target; ended jobs are forgotten, and replaced if
+        the load still asks for them.
 
-        A daskdag call checks when it starts that some worker offers each node's resources, and
-        refuses at once otherwise (only for "no worker at all" does it wait, and that wait makes
-        the CPU jobs scale up). So for calls with ``device="gpu"`` nodes keep ``gpu_minimum`` at
-        1 or more (the default) and let the GPU job start first (:meth:`wait_for_workers`);
-        ``gpu_minimum=0`` suits GPU tasks submitted as plain Dask tasks, which wait for a worker.
+        A daskdag call refuses at once when no worker offers a node's resources (it waits only
+        for "no worker at all"). So for ``device="gpu"`` nodes keep ``gpu_minimum`` at 1 or more
+        and let the GPU job start first (:meth:`wait_for_workers`); ``gpu_minimum=0`` suits GPU
+        tasks submitted as plain Dask tasks, which wait for a worker.
 
         Args:
             minimum: fewest CPU jobs.
@@ -331,11 +314,7 @@ class CPUGPUCluster:
         return {"cpu": self.slurm.job_script(), "gpu": gpu_job.job_script()}
 
     def client(self) -> Client:
-        """A client of this cluster's scheduler, with the cluster's ``Security``.
-
-        Returns:
-            The client.
-        """
+        """A client of this cluster's scheduler, with the cluster's ``Security``."""
         return Client(self.slurm)
 
     def close(self) -> None:
@@ -382,11 +361,8 @@ class CPUGPUAdaptive(Adaptive):
         return n - len(self._gpu_workers())
 
     async def workers_to_close(self, target: int) -> list[str]:
-        """Idle CPU workers to retire to come down to ``target`` of them, least data first.
-
-        (The scheduler's own choice counts the GPU workers, and would offer those.) Retiring
-        moves their data to the workers that stay.
-        """
+        """Idle CPU workers to retire to come down to ``target``, least data first (the
+        scheduler's own choice would offer GPU workers)."""
         cpu = [ws for ws in self._scheduler.workers.values() if not self.jobs._is_gpu(ws.name)]
         idle = sorted((ws for ws in cpu if not ws.processing and not ws.long_running),
                       key=lambda ws: ws.nbytes)
@@ -483,9 +459,8 @@ def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str |
         slurm = SLURMCluster(security=sec, protocol="tls://", interface=interface,
                              account=account, queue=queue, scheduler_options=options,
                              config_name=config_name, **cpu)
-    # The GPU template: what dask-jobqueue resolved for the CPU jobs' connection (TLS files as
-    # the workers see them, protocol, interface) and section (read for what the GPU section
-    # leaves unset), with the GPU jobs' settings.
+    # The GPU template: the CPU jobs' resolved connection and section (read for what the GPU
+    # section leaves unset), with the GPU jobs' settings.
     resolved = {k: v for k, v in slurm.new_spec["options"].items()
                 if k in ("security", "protocol", "interface", "config_name")}
     gpu = gpu_job_options(gpu_config_name, **(gpu_job or {}))
@@ -497,10 +472,8 @@ def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str |
 
 def connect(certs: str = CERTS, cpu_jobs: int = 2, gpu_jobs: int = 1, wait: bool = True,
             **kw: Any) -> Client:
-    """Start the cluster, submit the jobs, return a client.
-
-    The cluster stops, cancelling its jobs, when this process ends, or on
-    ``client.cluster.close()``.
+    """Start the cluster, submit the jobs, return a client. The cluster stops, cancelling its
+    jobs, when this process ends, or on ``client.cluster.close()``.
 
     Args:
         certs: the directory of ``daskdag certs``.

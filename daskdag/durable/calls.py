@@ -104,6 +104,7 @@ def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, st
         job = kind.job(program, x, data, why=why,
                        where=LAZY if lazy and local is None else log.where(client, local))
     lowering = program.value.lowering
+    assert lowering is not None
     return job, identity(kind, lowering.spec, lowering.plan.outputs, lowering.wrt, x, data)
 
 

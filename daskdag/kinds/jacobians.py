@@ -157,9 +157,9 @@ class Jacobian(Derivative):
                                "NumPy or JAX items, or give no sparsity", argument="sparsity")
             items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
                      for i in range(_items(computed))]  # (each item's, then stacked)
-            return per_output(self.outputs, {o: Result(
-                *(jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
-                  for f in ("value", "grad")), failed, items[0][o].info) for o in computed})
+            return per_output(self.outputs, {o: replace(items[0][o], failed=failed, **{
+                f: jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
+                for f in ("value", "grad")}) for o in computed})
         results = self._results(layout, info, computed, failed is not None)
         return per_output(self.outputs, {o: replace(r, failed=failed or {})
                                          for o, r in results.items()})

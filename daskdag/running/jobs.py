@@ -1,7 +1,5 @@
-"""A call of a compiled program, and how it runs: now (the eager functions), or later as a Dask
-collection (the lazy ones). The same for :func:`daskdag.compute_grads`,
-:func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`, :func:`~daskdag.compute_hvps` and
-:func:`~daskdag.check_grads`: each kind of call is a :class:`Kind`, which compiles its
+"""A call of a compiled program, run now (the eager functions) or later as a Dask collection
+(the lazy ones). Each kind of call is a :class:`Kind`, which compiles its
 :class:`~daskdag.running.programs.Program` and makes a :class:`Job` of it for each call."""
 
 from __future__ import annotations
@@ -96,38 +94,35 @@ class Job:
     make: Callable[[Any, Any], dict]
     finish: Callable[[dict], Any]
     kind: str = "compute_grads"
-    #: What a lazy call keeps alive while it lives: the DAG's entries, whose functions a
-    #: preparation holds only weakly (:mod:`daskdag.transport.weak`).
+    #: What a lazy call keeps alive: the DAG's entries, whose functions a preparation holds
+    #: only weakly (:mod:`daskdag.transport.weak`).
     keep: Any = None
-    #: The call as one program in this process (:mod:`daskdag.graph.whole`), where it is one:
-    #: ``direct()`` gives the call's result, or None where it cannot this time (the graph runs).
+    #: The call as one program in this process (:mod:`daskdag.graph.whole`): ``direct()`` gives
+    #: the call's result, or None where it cannot this time (the graph runs).
     direct: Callable[[], Any] | None = None
-    #: On a cluster, the call's graph whole in one task, where it can be: ``contained(place)``
-    #: (:class:`~daskdag.running.local.GraphInOneTask`), run instead of ``make``'s graph when
-    #: ``spreading`` says the call gains nothing from spreading its stages over the workers.
+    #: On a cluster, ``contained(place)`` (:class:`~daskdag.running.local.GraphInOneTask`), run
+    #: instead of ``make``'s graph when ``spreading`` says spreading the stages gains nothing.
     contained: Callable[[Any], Any] | None = None
     spreading: "Spreading | None" = None
-    #: A call now that first computes some inputs itself (the nodes whose values are kept
-    #: between calls, :mod:`daskdag.running.reuse`): ``before(client, local, progress)`` gives
-    #: the job to run. A lazy call, and a durable one, run this one's graph.
+    #: A call now that first computes the nodes kept between calls (:mod:`daskdag.running.reuse`):
+    #: ``before(client, local, progress)`` gives the job to run. Lazy and durable calls ignore it.
     before: Callable[[Any, str | None, bool], "Job"] | None = None
-    #: The call's graph for a durable call (:mod:`daskdag.durable.calls`):
-    #: ``stored(place, stop, keep)``, each stage's forward task kept by ``keep`` (a
-    #: :class:`~daskdag.graph.assembly.Keeper`) as it finishes, or read back from it.
+    #: A durable call's graph (:mod:`daskdag.durable.calls`): ``stored(place, stop, keep)``, each
+    #: stage's forward task kept by ``keep`` (a :class:`~daskdag.graph.assembly.Keeper`) or read
+    #: back from it.
     stored: Callable[[Any, Any, Any], dict] | None = None
     #: The call as a Dask collection, where it is more than ``make``'s graph and ``finish``:
-    #: ``later() -> (graph, finish)`` (nodes kept between calls, :mod:`daskdag.running.reuse`).
+    #: ``later() -> (graph, finish)`` (:mod:`daskdag.running.reuse`).
     later: Callable[[], tuple[dict, Callable[[dict], Any]]] | None = None
 
 
 class Kind(Protocol):
     """A kind of call (gradients, a Jacobian, JVPs, HVPs) as a strategy, with the DAG, outputs
     and options of one call (or of a prepared function's every call): :meth:`compile`, its
-    program for inputs like ``x`` (:func:`daskdag.running.programs.compile`), and :meth:`job`,
-    the call of a program with its inputs and data (cotangents, tangents, directions: the
-    program's inputs, never its structure: ``data``, a tuple). ``why``: why the program was
-    compiled for this call
-    (None: an earlier call's served it); ``where``: where the call runs, in words."""
+    program for inputs like ``x``, and :meth:`job`, the call of a program with its inputs and
+    ``data`` (cotangents, tangents, directions: the program's inputs, never its structure).
+    ``why``: why the program was compiled for this call (None: an earlier call's served it);
+    ``where``: where the call runs, in words."""
 
     @property
     def dag(self) -> Mapping[str, Any]:
@@ -182,9 +177,8 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
 def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
     (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. ``keep``:
-    where a durable call keeps its stages (:attr:`Job.stored`): its graph then runs spread,
-    a task per stage, wherever it runs. A job with a ``before`` step runs the job that step
-    gives, unless it keeps its stages (a durable call keeps every node in its store)."""
+    where a durable call keeps its stages (:attr:`Job.stored`): its graph then runs spread, a
+    task per stage, and ``before`` is not run."""
     if keep is not None and job.stored is None:
         raise TypeError(f"{job.kind} cannot keep its stages")
     if local == "processes":
@@ -220,15 +214,13 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
 
 class Spreading:
     """Whether a program's calls on a cluster run spread over the workers, a task per stage, or
-    whole in one task (:class:`~daskdag.running.local.GraphInOneTask`), as the calls
-    themselves measure: spreading pays where stages run side by side or are long, and costs a
-    scheduler round trip per task where they are short. A program's first :data:`FIRST` calls
-    spread (a call or two is not a loop; the first compiles); when one of the last of them
-    took less than :data:`TRY_WHOLE`, the next two run in one task (the first of them warms
-    its worker up); from then on the faster way runs (by the shortest of its last :data:`SAMPLES`
-    calls), and every :data:`RECHECK` calls the other way runs once, so that a change (slower
-    nodes, more workers) is seen; after a call in one task that took longer than
-    :data:`TRY_WHOLE`, the calls spread, trying one task again at the next recheck."""
+    whole in one task (:class:`~daskdag.running.local.GraphInOneTask`), as the calls measure:
+    spreading pays where stages run side by side or are long, and costs a scheduler round trip
+    per task where they are short. The first :data:`FIRST` calls spread; when one took less
+    than :data:`TRY_WHOLE`, the next two run in one task (the first warms its worker up); then
+    the faster way runs (by the shortest of its last :data:`SAMPLES` calls), the other once
+    every :data:`RECHECK` calls; after a call in one task longer than :data:`TRY_WHOLE`, the
+    calls spread, trying one task again at the next recheck."""
 
     FIRST = 4
     TRY_WHOLE = 0.25  # seconds

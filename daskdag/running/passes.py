@@ -85,11 +85,9 @@ class Lowering:
 
 @dataclass(frozen=True)
 class Passes:
-    """A lowered call compiled (:mod:`daskdag.running.programs`): the checked plan, its node
-    functions packed for its ``transport``, its stages, the names of its ``inputs``, and for
-    a call in this process its graph (a :class:`~daskdag.running.local.Template` whose slots
-    take the inputs and the outputs' cotangents); the whole call as one program where it is
-    one (:mod:`daskdag.graph.whole`): run at once in this process, one task on a cluster; on a
+    """A lowered call compiled (:mod:`daskdag.running.programs`): its plan, the node functions
+    packed for its ``transport``, its stages, the names of its ``inputs``, a Jacobian's
+    ``rows``; the whole call as one program where it is one (:mod:`daskdag.graph.whole`); on a
     cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`); where some nodes
     keep their values from one call to the next (:mod:`daskdag.running.reuse`), those nodes
     and the passes of the others, which a call now runs."""
@@ -97,12 +95,12 @@ class Passes:
     plan: Plan
     stages: tuple[Stage, ...]
     inputs: tuple[str, ...]
-    template: Template | None
     transport: Transport
     rows: Rows | None = None
     whole: WholeGradients | None = None
     spreading: Spreading = field(default_factory=Spreading, compare=False)
     kept: tuple[Kept, Passes] | None = field(default=None, compare=False)
+    lowering: Lowering | None = field(default=None, compare=False)  # (what it was compiled of)
 
     @classmethod
     def make(cls, lowering: Lowering, transport: Transport, watch: programs.Watch) -> Passes:
@@ -113,35 +111,35 @@ class Passes:
         kept = None if split is None else (
             Kept(split[0], transport),
             cls.of(split[1], (*lowering.inputs, *split[0].outputs), transport, lowering.rows))
-        return cls.of(plan, lowering.inputs, transport, lowering.rows, kept)
+        return replace(cls.of(plan, lowering.inputs, transport, lowering.rows, kept),
+                       lowering=lowering)
 
     @classmethod
     def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
            rows: Rows | None = None, kept: tuple[Kept, Passes] | None = None) -> Passes:
         """The passes of ``plan`` (shipped), whose calls give values to ``inputs``; with
-        ``kept``, a call now runs ``kept``'s passes, and this one's graph is built only by a
-        call that runs it whole (lazy, durable), not kept as a template."""
+        ``kept``, a call now runs ``kept``'s passes."""
         stages = stages_for(plan, transport.packs)
-        template = None if transport.packs or kept is not None else Template(
-            cls.graph_template(plan, inputs, stages, transport, rows))
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs,
                                                               rows is not None)
-        return cls(plan, stages, inputs, template, transport, rows, whole, kept=kept)
+        made = cls(plan, stages, inputs, transport, rows, whole, kept=kept)
+        _ = made.template  # (built now, with the program: a call only fills it)
+        return made
 
-    @staticmethod
-    def seeding(plan: Plan, rows: Rows | None, cts: Mapping[str, Any]):
-        """Where the reverse pass starts: ``rows`` (a Jacobian's), else the cotangents."""
-        return JacobianSeeding(rows) if rows is not None else GradientSeeding(dict(cts))
+    @cached_property
+    def template(self) -> Template | None:
+        """A call in this process: its graph, built once, with slots for its inputs, the
+        outputs' cotangents and the stop signal (None: where values are packed, or some nodes
+        are kept: then a call builds the graph it runs)."""
+        return None if self.transport.packs or self.kept is not None else Template(self.slotted())
 
-    @staticmethod
-    def graph_template(plan: Plan, inputs: tuple[str, ...], stages: Sequence[Stage],
-                       transport: Transport, rows: Rows | None, place: Any = None) -> Any:
-        """The graph of a call, with slots for its inputs, the outputs' cotangents and the stop
-        signal; ``place`` as for :func:`~daskdag.graph.build.build`."""
-        return build(plan, {i: slot("input", i) for i in inputs},
-                     Passes.seeding(plan, rows, {o: slot("cotangent", o) for o in plan.outputs}),
-                     transport, place=place, stop=slot("stop"), stages=stages)
+    def slotted(self, place: Any = None) -> dict:
+        """The graph of a call whose values are slots (:func:`~daskdag.running.local.slot`);
+        ``place`` as for :func:`~daskdag.graph.build.build`."""
+        return self.build({i: slot("input", i) for i in self.inputs},
+                          {o: slot("cotangent", o) for o in self.plan.outputs}, place,
+                          slot("stop"))
 
     @property
     def one_task_needs(self) -> dict | None:
@@ -159,9 +157,7 @@ class Passes:
         the first call that runs that way."""
         slots = (*(("input", i) for i in self.inputs),
                  *(("cotangent", o) for o in self.plan.outputs))
-        return GraphInOneTask.built(partial(self.graph_template, self.plan, self.inputs,
-                                            self.stages, self.transport, self.rows), slots,
-                                    self.one_task_needs or {})
+        return GraphInOneTask.built(self.slotted, slots, self.one_task_needs or {})
 
     def job(self, values: dict, cts: dict, info: CallInfo, finish: Callable[[CallInfo, dict], Any],
             keep: Any = None) -> Job:
@@ -199,10 +195,12 @@ class Passes:
 
     def build(self, values: dict, cts: dict, place: Any = None, stop: Any = None,
               keep: Any = None, base: Any = None) -> dict:
-        """The graph of a call of ``values`` and ``cts`` (:func:`~daskdag.graph.build.build`),
-        ``place``, ``stop``, ``keep`` and ``base`` as there."""
-        return build(self.plan, values, self.seeding(self.plan, self.rows, cts), self.transport,
-                     place=place, stop=stop, stages=self.stages, keep=keep, base=base)
+        """The graph of a call of ``values`` and cotangents ``cts`` (a Jacobian's: its
+        ``rows``; :func:`~daskdag.graph.build.build`, ``place``, ``stop``, ``keep`` and
+        ``base`` as there)."""
+        seeding = GradientSeeding(dict(cts)) if self.rows is None else JacobianSeeding(self.rows)
+        return build(self.plan, values, seeding, self.transport, place=place, stop=stop,
+                     stages=self.stages, keep=keep, base=base)
 
     def _job(self, values: dict, cts: dict, info: CallInfo,
              finish: Callable[[CallInfo, dict], Any], keep: Any = None) -> Job:
@@ -268,14 +266,6 @@ def names_key(names: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class Made:
-    """What a :class:`Derivative` compiles: its :class:`Lowering` and the :class:`Passes`."""
-
-    lowering: Lowering
-    passes: Passes
-
-
-@dataclass(frozen=True)
 class Derivative:
     """A derivative kind, as a strategy over :class:`Passes` (the module's docstring), with the
     DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call).
@@ -323,32 +313,35 @@ class Derivative:
         raise NotImplementedError
 
     def info(self, lowering: Lowering, data: tuple, why: str | None, where: str) -> CallInfo:
-        return CallInfo(self.call, self.call_mode, len(lowering.plan.outputs), prepared=why is None,
-                        why=why, where=where)
+        return CallInfo(self.call, self.call_mode, len(lowering.plan.outputs),
+                        prepared=why is None, why=why, where=where)
 
     def compile(self, x: PyTree, data: tuple, transport: Transport
-                ) -> tuple[Program[Made], str | None]:
+                ) -> tuple[Program[Passes], str | None]:
         """The call's program for inputs like ``x`` (:func:`daskdag.running.programs.compile`)."""
         return programs.compile(
             self.call, self.dag, x,
             (names_key(self.outputs), names_key(self.wrt), self.options(data), transport),
             partial(self.make, x, data, transport))
 
-    def make(self, x: PyTree, data: tuple, transport: Transport, watch: programs.Watch) -> Made:
+    def make(self, x: PyTree, data: tuple, transport: Transport, watch: programs.Watch
+             ) -> Passes:
         spec, names, values = parsed(self.dag, x, self.outputs, watch.hold)
         lowering = self.lower(packed(spec, names, self.wrt, transport, watch), names, values,
                               data, values, watch)
-        return Made(lowering, Passes.make(lowering, transport, watch))
+        return Passes.make(lowering, transport, watch)
 
-    def job(self, program: Program[Made], x: PyTree, data: tuple, why: str | None,
+    def job(self, program: Program[Passes], x: PyTree, data: tuple, why: str | None,
             where: str) -> Job:
         """The call of ``program`` for inputs ``x`` and ``data``; ``why`` it was compiled (None:
         an earlier call's served), ``where`` it runs, in words."""
-        made = program.value
-        values, cts = self.inputs(made.lowering, given_values(made.lowering.spec, x), data)
-        info = self.info(made.lowering, data, why, where)
-        return made.passes.job(values, cts, info, self.finishing(made.lowering),
-                               keep=tuple(self.dag.values()))
+        passes = program.value
+        lowering = passes.lowering
+        assert lowering is not None  # (Passes.make's)
+        values, cts = self.inputs(lowering, given_values(lowering.spec, x), data)
+        info = self.info(lowering, data, why, where)
+        return passes.job(values, cts, info, self.finishing(lowering),
+                          keep=tuple(self.dag.values()))
 
     def finishing(self, lowering: Lowering) -> Callable[..., Any]:
         """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's

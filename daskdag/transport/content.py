@@ -11,11 +11,8 @@ What counts, as packing (:mod:`daskdag.transport.packing`) sends it to a cluster
 - code: the bytecode, its constants (nested functions' code too), the names it uses, its
   arguments and flags;
 - the globals its code (and the code nested in it) reads, by name, with their values;
-- a module of the user's (:func:`~daskdag.transport.fingerprints.is_user_module`), however it
-  is reached (a global, a value closed over, an object's attribute, another module): the
-  attributes that the code taken into the token may read by name, until no new name or module
-  turns up, every attribute but the dunder ones where that code calls ``getattr`` or ``vars``
-  (as a fingerprint reads it, :mod:`daskdag.transport.fingerprints`);
+- a module of the user's, however it is reached: the attributes that the code taken into the
+  token may read, as a fingerprint reads them (:mod:`daskdag.transport.fingerprints`);
 - the values it closes over, its defaults, its attributes (``__dict__``: ``__wrapped__`` too);
 - those values in turn: NumPy and JAX arrays by content (dtype, shape, bytes), the user's
   functions and classes as above, installed code (``jax.numpy.sin``) by its module and name,
@@ -23,13 +20,10 @@ What counts, as packing (:mod:`daskdag.transport.packing`) sends it to a cluster
   ``functools.lru_cache``) as its kind and that function; other objects as pickling them
   saves them.
 
-What does not count: where the source is (file and module name, line numbers, columns), the
-function's own name, docstrings (of functions, and of classes, whose module name and first line
-do not count either), and annotations. So a comment added above a function, a script renamed
-or moved, or a function's text copied into another module keep its tokens; a changed constant,
-a global rebound, an array changed in place, a default, or a nested function's code change
-them. Sets are taken in a sorted order, so that tokens are the same in every process (string
-hashing differs between processes).
+What does not count: where the source is (file, module name, lines, columns), the function's
+own name, docstrings and annotations. So a comment added above a function, a script renamed or
+moved, or a function's text copied into another module keep its tokens. Sets are taken sorted,
+so that tokens are the same in every process (string hashing differs between processes).
 """
 
 from __future__ import annotations
@@ -127,10 +121,9 @@ def array_digest(a) -> bytes:
 
 
 class _Canonical(Pickler):
-    """daskdag's pickler (arrays out of band), which pickles code, the user's functions and
-    classes, and the user's modules by what they compute, not where they are written. Its bytes
-    are hashed, never loaded. The user's modules it reaches are pickled as their places in
-    the order reached; :meth:`follow_modules` pickles what the code pickled may read of them."""
+    """daskdag's pickler, pickling code, the user's functions, classes and modules by what they
+    compute, not where they are written; its bytes are hashed, never loaded. A user's module is
+    pickled as its place in the order reached; :meth:`follow_modules` pickles what is read of it."""
 
     def __init__(self, file, arrays: list):
         super().__init__(file, arrays)
@@ -179,9 +172,8 @@ class _Canonical(Pickler):
         wrapped = getattr(obj, "__wrapped__", None) if callable(obj) else None
         if type(wrapped) is types.FunctionType and by_reference(type(obj)) \
                 and not by_reference(obj):
-            # A wrapper of installed code around a function of the user's (``jax.jit(f)``,
-            # ``functools.lru_cache``): the function, not the wrapper's caches and internals
-            # (``jax.jit`` keeps where ``f`` is written).
+            # An installed wrapper around a user's function (``jax.jit(f)``): the function, not
+            # the wrapper's internals (``jax.jit`` keeps where ``f`` is written).
             return _wrapped, (type(obj), wrapped)
         return super().reducer_override(obj)
 

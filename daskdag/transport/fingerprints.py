@@ -1,15 +1,14 @@
 """Whose code travels by value, and a function's fingerprint: what its behaviour depends on, as
-packing sees it (:mod:`daskdag.transport.packing`), read again and compared in microseconds
-instead of pickled again in a millisecond.
+packing sees it (:mod:`daskdag.transport.packing`), read again and compared far faster than
+pickling it again.
 
 Packing pickles the user's functions by value: their code, the globals and closure cells they
-use, their defaults, and whatever those hold, arrays by content. A :class:`Fingerprint` walks
-the same objects and keeps, for each, what can change under the same name:
+use, their defaults, and whatever those hold. A :class:`Fingerprint` walks the same objects and
+keeps, for each, what can change under the same name:
 
 - numbers, strings, bytes, ``None``: their value;
-- NumPy arrays (which change in place): shape, dtype and content (the bytes of a small one, a
-  SHA-1 digest of a larger one: hashing runs at memory speed, so a check costs in proportion
-  to the arrays a function closes over);
+- NumPy arrays (which change in place): shape, dtype and content (a small one's bytes, a larger
+  one's SHA-1 digest);
 - JAX arrays (immutable), code objects, modules, and functions, classes and other objects that
   installed packages define and that pickle by reference: their identity (each is kept
   referenced, so its id cannot be reused while the fingerprint lives);
@@ -26,11 +25,10 @@ the same objects and keeps, for each, what can change under the same name:
   ``getattr``, ``vars`` or ``__dict__`` (a name computed as it runs). Other modules are taken by
   their identity alone.
 
-Two fingerprints of one function are equal when nothing that packing would see has changed: an
-array changed in place, a global rebound, a closure cell or an attribute set, a list or dict
-changed... each makes them differ. An object that none of these rules can read (a lock, an
-open file, a generator) makes the function *unwatchable*: :func:`fingerprint` returns ``None``
-and callers must not reuse anything derived from the function's content.
+Two fingerprints of one function are equal when nothing that packing would see has changed. An
+object none of these rules can read (a lock, an open file, a generator) makes the function
+*unwatchable*: :func:`fingerprint` returns ``None`` and callers must not reuse anything derived
+from the function's content.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ class Unwatchable(Exception):
 
 class Fingerprint:
     """What a function's behaviour depends on, at one moment (see the module's docstring).
-    ``facts`` are compared; ``refs`` keep every object whose identity is a fact alive, so
-    that no id in ``facts`` can name another object while this fingerprint exists.
-    :meth:`holds` checks, without taking a new fingerprint, that one taken now would be equal."""
+    ``facts`` are compared; ``refs`` keep alive every object whose identity is a fact, so that
+    no id in ``facts`` can name another object while this fingerprint exists."""
 
     __slots__ = ("facts", "refs", "_check")
 
@@ -82,10 +79,8 @@ class Fingerprint:
         return isinstance(other, Fingerprint) and self.facts == other.facts
 
     def holds(self, obj: Any) -> bool:
-        """Whether ``obj`` (the function this was taken of) would have this fingerprint now:
-        every fact read again and compared as it is read, by a check compiled when the
-        fingerprint was taken (a few attribute reads and comparisons, no new fingerprint), or
-        else by taking a new one."""
+        """Whether ``obj`` (the function this was taken of) would have this fingerprint now: by
+        the check compiled when it was taken, else by taking a new one."""
         root = obj.target if isinstance(obj, Weak) else obj
         if self._check is not None:
             try:
@@ -104,8 +99,8 @@ class Fingerprint:
 def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
     """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read. It
     keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it.
-    ``checked``: compile the check :meth:`Fingerprint.holds` runs (for a fingerprint kept and
-    checked again and again: compiling it costs as much as a few hundred checks)."""
+    ``checked``: compile the check :meth:`Fingerprint.holds` runs (worth it only for a
+    fingerprint checked many times)."""
     walk = _Walk(obj.target if isinstance(obj, Weak) else obj, checked)
     try:
         walk.walk()

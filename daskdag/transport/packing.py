@@ -4,23 +4,19 @@ their contents do.
 
 ``pack(obj)`` pickles ``obj`` with cloudpickle, but:
 
-- everything defined outside installed packages (the user's script, a module beside it, an
-  editable checkout) is pickled by value: functions with the current values of the globals and
-  closure cells they use; classes are imported on the receiving side when they can be (so
-  pytree registrations and ``isinstance`` hold), else rebuilt from their pickled value.
-  Installed packages (jax, numpy, equinox, daskdag itself) travel by reference.
+- everything defined outside installed packages is pickled by value: functions with the current
+  values of the globals and closure cells they use; classes are imported on arrival when they
+  can be (so pytree registrations and ``isinstance`` hold), else rebuilt from their value.
+  Installed packages (jax, numpy, daskdag itself) travel by reference.
 - arrays travel out of band, as Dask's zero-copy frames; JAX arrays come back as JAX arrays.
 - ``jax.custom_vjp`` functions, which JAX cannot pickle, are rebuilt from their parts.
 
-The token hashes the pickled bytes and every array's content: NumPy arrays are hashed on every
-pack, since they can change in place; JAX arrays, which cannot, once per array object (Dask's
-token, cached in :mod:`daskdag.transport.protocol`). So an in-place change to anything a function
-closes over changes its token, and no process reuses a stale copy.
+The token hashes the pickled bytes and every array's content (NumPy arrays on every pack, since
+they change in place; JAX arrays once per object), so no process reuses a stale copy.
 
-The receiving side unpickles a :class:`Packed` lazily, on first use: the scheduler, which
-unpickles task graphs, only ever sees bytes. A process keeps the last functions it received
-(:data:`RECEIVED_FUNCTIONS`) and hands out the same one for the same token, so ``jax.jit``
-compiles once per worker, not once per call.
+A :class:`Packed` is unpickled lazily, on first use: the scheduler only ever sees bytes. A
+process keeps the last functions it received (:data:`RECEIVED_FUNCTIONS`) and hands out the
+same one for the same token, so ``jax.jit`` compiles once per worker, not once per call.
 """
 
 from __future__ import annotations
@@ -46,12 +42,9 @@ _UNSET = object()
 
 
 class Packed:
-    """A value as it travels: pickled bytes plus out-of-band arrays, and their content token.
-
-    ``load()`` gives the value: the original object in the process that packed it, an
-    unpickled copy elsewhere. ``token`` may be given as ``None`` (``pack(hashed=False)``):
-    it is then computed where it is first asked for, if ever.
-    """
+    """A value as it travels: pickled bytes plus out-of-band arrays, and their content token
+    (``None``: computed when first asked for). ``load()`` gives the original object in the
+    process that packed it, an unpickled copy elsewhere."""
 
     __slots__ = ("_token", "skeleton", "arrays", "_value")
 
@@ -105,10 +98,9 @@ def _receive_function(token, skeleton, arrays) -> Function:
 def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | None = None) -> Packed:
     """``obj`` packed for travel (see the module's docstring); raises what pickling raised.
 
-    ``hashed=False`` leaves the content token to be computed when first asked for: for values
-    that travel under keys of their own (a sweep's scattered items), which are never asked, so
-    their arrays are not hashed (most of the cost of packing them). ``tokens``: array tokens by
-    ``id`` already computed in this call (see :func:`ship`), added to."""
+    ``hashed=False`` leaves the token to be computed when first asked for (values that travel
+    under keys of their own, whose arrays then need no hashing). ``tokens``: array tokens by
+    ``id`` already computed in this call, added to."""
     arrays: list = []
     buffer = io.BytesIO()
     Pickler(buffer, arrays).dump(obj)  # (the user's code by value: this pickler's, not process-wide)
@@ -151,18 +143,13 @@ _packed_functions: ByObject = ByObject("packed functions", PACKED_FUNCTIONS)
 _current: ByObject[_Current] = ByObject("functions as they are now", PACKED_FUNCTIONS)
 
 
-
-
 def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
                   prints: dict | None = None):
-    """``fn`` packed as a :class:`Function` (:func:`pack_for`), without pickling it again while
-    the :class:`~daskdag.transport.fingerprints.Fingerprint` it had when it was last packed
-    still holds (:meth:`~daskdag.transport.fingerprints.Fingerprint.holds`): what it closes
-    over and the globals it uses are read again and compared, NumPy arrays by content, and
-    anything changed packs it anew. A function whose fingerprint cannot be taken is packed on
-    every call, and so is every function while ``dask.config``'s ``daskdag.prepared-calls`` is
-    0. ``prints``: fingerprints taken already in this call, by ``id`` (one taken here is
-    added)."""
+    """``fn`` packed as a :class:`Function` (:func:`pack_for`), not pickled again while the
+    :class:`~daskdag.transport.fingerprints.Fingerprint` it had when last packed still holds. A
+    function whose fingerprint cannot be taken is packed on every call, and so is every function
+    while ``daskdag.prepared-calls`` is 0. ``prints``: fingerprints taken already in this call,
+    by ``id`` (one taken here is added)."""
     target = held(fn)
     keeping = config.get("prepared-calls") > 0  # (0: nothing prepared is kept: packed anew too)
     hit = _packed_functions.get(target) if keeping else None
@@ -194,14 +181,10 @@ def unwrap(fn):
 
 def current(fn):
     """``fn`` (maybe packed) as the one object this process uses for its content, for the caches
-    keyed by a function's identity: ``jax.jit``'s, and the compiled programs of fused stages
-    and vmap nodes. A function this process received already is one (the function it keeps
-    for its token). In the process that packed it, it is the user's own function, whose
-    identity outlives an in-place change to an array it closes over: there it is wrapped in a
-    :class:`_Current` for its latest content, so that a changed function is traced anew
-    instead of running a program compiled with its old values. (Only the latest: a function
-    whose closure changes before every call is compiled for every call, and no program
-    compiled for an older content outlives the change.)"""
+    keyed by a function's identity (``jax.jit``'s, compiled stages). A function this process
+    received is one already. In the process that packed it, the user's own function outlives an
+    in-place change to an array it closes over: it is wrapped in a :class:`_Current` for its
+    latest content (only the latest), so that a changed function is traced anew."""
     if not isinstance(fn, Function):
         return fn
     loaded = fn.load()

@@ -4,18 +4,13 @@ value, ``jax.custom_vjp`` functions rebuilt from their parts, and the user's cod
 (:func:`~daskdag.transport.fingerprints.is_user_module`: functions, classes, modules) pickled
 by value.
 
-Only daskdag's own pickler does so: :meth:`Pickler.reducer_override` decides by value for
-the user's code itself, so nothing process-wide changes. (``cloudpickle.register_pickle_by_value``
-would be process-wide: any other thread's cloudpickle, distributed's ``client.submit`` of a
-function of an installed module of the user's, would meanwhile pickle it by value too.) A
-module the user registered by value himself stays so, here as everywhere.
+Only daskdag's own pickler does so (:meth:`Pickler.reducer_override`), so nothing process-wide
+changes, as ``cloudpickle.register_pickle_by_value`` would for every other thread's pickling.
 
-It is the one place daskdag reaches into cloudpickle: deciding by value itself means calling
-cloudpickle's reducers for a dynamic function, class, module or type variable (the names in
-:data:`PRIVATE`), and a function's state is cloudpickle's ``_function_getstate`` with the look
-for submodules (``_find_imported_submodules``) answered from what it found before, as long as
-no module came or went (:class:`_Submodules`). ``tests/test_internal_shipping.py`` fails when a
-cloudpickle release drops one of these names, so that the loss is not silent.
+It is the one place daskdag reaches into cloudpickle's private names (:data:`PRIVATE`, which
+``tests/test_internal_shipping.py`` checks): its reducers for a dynamic function, class, module
+or type variable, and its ``_function_getstate`` with a memoized look for submodules
+(:class:`_Submodules`).
 """
 
 from __future__ import annotations
@@ -177,13 +172,9 @@ def import_or_load(module: str, qualname: str, by_value: ByValue):
 
 
 def _stand_in(module: str, qualname: str, cls) -> None:
-    """Put a rebuilt class where pickle looks a class up by reference, in a stand-in module.
-
-    Dask pickles the classes of results it reports (``Future.type``): by reference from here,
-    the client, which has the real module, gets its own class back, instead of cloudpickle's
-    copy, which would reset the methods of the client's class under its pytree registration.
-    (Classes of ``__main__`` and nested ones always travel by value: nothing to do there.)
-    """
+    """Put a rebuilt class in a stand-in module, where pickle looks it up by reference: the
+    classes of results Dask reports (``Future.type``) then reach the client as its own class,
+    not as cloudpickle's copy, which would reset its methods under its pytree registration."""
     if module == "__main__" or "." in qualname:
         return
     stand_in = sys.modules.get(module)
@@ -195,14 +186,10 @@ def _stand_in(module: str, qualname: str, cls) -> None:
 
 
 def _keep_rebuilt(cls, origin: tuple) -> None:
-    """Make a class rebuilt by value behave as its original when its instances travel on.
-
-    Its instances pickle with a reference to ``origin`` (so a receiving process rebuilds the
-    class once, as here), not with cloudpickle's copy of the class, whose arrival would reset
-    the class's methods under its pytree registration; and a class that
-    ``jax.tree_util.register_pytree_node_class`` registered (a decorator does not run again
-    here) is registered again, looking its methods up at each use.
-    """
+    """Make a class rebuilt by value behave as its original when its instances travel on: they
+    pickle with a reference to ``origin`` (not cloudpickle's copy of the class), and a class
+    ``register_pytree_node_class`` registered (a decorator does not run again here) is
+    registered again."""
     def reduce_ex(obj, protocol):
         rv = object.__reduce_ex__(obj, protocol)
         if type(obj) is not cls:  # a subclass: not ours to redirect
@@ -254,11 +241,9 @@ def _by_value(obj) -> bool:
 
 
 class _Submodules:
-    """cloudpickle's look for the submodules a function reaches through a package it uses
-    (``jnp`` for ``jax.numpy``: ``_find_imported_submodules``), answered from what it found
-    before as long as no module came or went: it walks all of ``sys.modules`` for each such
-    package of each function, most of what pickling a function costs in a process that
-    imported a lot (jax, torch)."""
+    """cloudpickle's ``_find_imported_submodules`` (``jnp`` for ``jax.numpy``), answered from
+    what it found before as long as no module came or went: it walks all of ``sys.modules``
+    for each package of each function."""
 
     state: tuple = (None, None)  # (size of sys.modules, its last name) when memo was started
     memo: dict = {}  # (code, ids of its packages) -> its submodules

@@ -1,15 +1,10 @@
 """How JAX values and daskdag's objects meet Dask, registered with Dask's own tables, in one
-place.
+place: tokens (a JAX array's hashed once per array), sizes and frames (a JAX array as NumPy's
+zero-copy frames; a packed value by its bytes; each family of daskdag's objects that travel,
+registered once with :func:`travels`).
 
-- tokens: a JAX array's content hash, computed once per array (they are immutable);
-- sizes and frames: a JAX array as NumPy's zero-copy frames; a packed value
-  (:mod:`daskdag.transport.packing`) by its bytes; and each family of daskdag's own objects
-  that travel (pullbacks, :mod:`daskdag.rules.pullback`; nodes), registered once per family
-  with :func:`travels`: sized as the family says, pickled with their arrays out of band.
-
-``distributed``'s serializers are registered once ``distributed`` is in use
-(:func:`with_distributed`: when this module is imported in a worker, or a call goes to a
-cluster), so that a call on threads never imports it.
+``distributed``'s serializers are registered only once ``distributed`` is in use
+(:func:`with_distributed`), so that a call on threads never imports it.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ _jax_tokens: dict[int, tuple[weakref.ref, str]] = {}  # id(array) -> (weakref to
 
 @normalize_token.register(jax.Array)
 def _normalize_jax_array(a):
-    """A JAX array's token, hashed once per array: JAX arrays are immutable, so repeated calls
-    with the same weights hash nothing again (NumPy arrays, which can change in place, are
-    hashed every time by Dask itself). An entry leaves with its array."""
+    """A JAX array's token, hashed once per array (JAX arrays are immutable); an entry leaves
+    with its array."""
     hit = _jax_tokens.get(id(a))
     if hit is not None and hit[0]() is a:
         return "jax.Array", hit[1]
@@ -107,7 +101,7 @@ def with_distributed() -> None:
 
 
 def _serialize_jax_array(a):
-    # As NumPy's zero-copy frames: distributed's fallback pickles JAX arrays, 3x slower.
+    # As NumPy's zero-copy frames: distributed's fallback would pickle JAX arrays.
     from distributed.protocol import serialize
     return serialize(np.asarray(a))
 
@@ -119,9 +113,8 @@ def _deserialize_jax_array(header, frames):
 
 def travels(size: Callable[[Any], int]):
     """Register a family of daskdag's objects (a base class: its subclasses too) with Dask:
-    ``size(obj)`` is what the scheduler counts it as (for placing tasks beside it and for
-    worker memory); it crosses processes pickled (its ``__reduce__``), its arrays as
-    zero-copy frames (distributed's pickle family, registered by :func:`with_distributed`)."""
+    ``size(obj)`` is what the scheduler counts it as; it crosses processes pickled (its
+    ``__reduce__``), its arrays as zero-copy frames."""
     def register(family: type) -> type:
         sizeof.register(family)(lambda obj: int(size(obj)))
         _families.append(family)

@@ -3,14 +3,12 @@ a named family of three, one chosen per call (:func:`for_call`), as ``distribute
 serializer family per message.
 
 - :data:`IN_PROCESS`: an eager call on this process's threads. Values and functions go into the
-  graph as they are, and every key carries one token of the call (Dask's local schedulers keep
-  nothing between calls, so keys need only be unique within one): nothing is pickled or hashed.
-  Only ``jit=True`` nodes' functions are packed, since their compiled programs are cached by
-  content.
+  graph as they are, and every key carries one token of the call (keys need only be unique
+  within it): nothing is pickled or hashed, but ``jit=True`` nodes' functions (their compiled
+  programs are cached by content).
 - :data:`LAZY`: a call not computed yet (:func:`daskdag.grads`), which may run anywhere. Values
-  and functions are packed (:mod:`daskdag.transport.packing`) and keys are content tokens, so
-  that calls computed together share their keys; what cannot be pickled goes as it is, since a
-  local scheduler may still run it.
+  and functions are packed and keys are content tokens, so that calls computed together share
+  keys; what cannot be pickled goes as it is, for a local scheduler.
 - :data:`CLUSTER`: a call sent to a ``distributed`` cluster. Packed under content tokens as for
   :data:`LAZY`, and everything must pickle: what cannot is a :class:`~daskdag.DAGError` naming it.
 """

@@ -1,10 +1,8 @@
 """How what daskdag keeps between calls holds the user's functions: weakly.
 
-A compiled call (:mod:`daskdag.running.programs`) keeps a DAG's checked plan, packed functions
-and graph for the next calls; it must not keep the user's functions alive (nor what they close
-over) once the user lets them go. Its nodes hold each function as a :class:`Weak`, which calls
-it as it is, travels as it (pickled, it is the function itself), and, when the function goes,
-tells whoever asked (:meth:`Weak.on_gone`), so that the program goes too.
+A compiled call (:mod:`daskdag.running.programs`) must not keep the user's functions alive once
+the user lets them go. Its nodes hold each as a :class:`Weak`, which calls it, pickles as it, and
+tells whoever asked when it goes (:meth:`Weak.on_gone`), so that the program goes too.
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ from typing import Any, Callable
 
 
 class Weak:
-    """A user's function (or other callable) held weakly, where it can be (a function that
-    cannot be weakly referenced, a builtin, is held as it is: such functions live as long as
-    their modules anyway). Called, it calls the function."""
+    """A user's function held weakly where it can be (a builtin is held as it is: it lives as
+    long as its module anyway). Called, it calls the function."""
 
     __slots__ = ("_ref", "_gone", "__weakref__")
 
