@@ -180,16 +180,18 @@ def test_a_node_that_writes_into_a_kept_value_fails_naming_itself(tmp_path):
     assert "read-only" in str(e.value)
 
 
-def test_lazy_calls_compute_everything_their_graph_holds(tmp_path):
-    """A lazy call (``grads``) is a graph Dask computes later: it keeps and reuses nothing, and
-    its numbers are JAX's."""
+def test_lazy_calls_reuse_what_an_earlier_call_kept(tmp_path):
+    """A lazy call (``grads``) is a graph Dask computes later: the first computes the trunk in
+    its graph and keeps its value once computed; the next takes it as an input, and runs no
+    trunk. The numbers are JAX's."""
     log = RunLog(tmp_path / "runs")
     dag = _dag(log, jit=True)
-    for _ in range(2):
+    for step in range(2):
         call = daskdag.grads(dag, {"p": jnp.ones(3), "d": D}, "H", wrt=["p"])
         res = call.compute()
         _check(res, jnp.ones(3), D)
-    assert len(log.pids("T")) == 2
+        assert res.info.reused == (() if step == 0 else ("T",))
+    assert len(log.pids("T")) == 1
 
 
 @pytest.mark.cluster

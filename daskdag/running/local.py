@@ -1,18 +1,15 @@
 """Running a call's graph in this process: Dask's threaded scheduler, with tasks too short to gain
 from a thread of their own run in the calling thread.
 
-A task handed to a pool thread, and its result handed back, costs two thread wake-ups, which
-under the GIL, with JAX's eager dispatch holding it between ops, cost as much as a tiny node's
-work (docs/performance.md, "Measurements behind the code"). Threads pay off for nodes that wait or release
-the GIL for long (a solver, I/O, ``time.sleep``, large NumPy or SciPy work). So
+A task handed to a pool thread and back costs two thread wake-ups, as much as a tiny node's work
+under the GIL; threads pay off for nodes that wait or release the GIL for long. So
 :class:`Inline`, the pool a call's tasks are submitted to, runs a task in the calling thread
-when it is the only task running (nothing could run beside it anyway), or when it is known to
-be short (:data:`SHORT`): a forward task whose node functions took less recently, a backward
-task whose forward did, a task that only picks or sums values. Any other goes to the pool, so
-independent stages of unknown or long duration run side by side from the first call on. A call
-whose forward tasks are all known to be short, but one at most, runs its tasks one after
-another in the order daskdag made them (:func:`in_order`). Durations
-are measured on every call, so a node that turns slow goes back to the pool the next time.
+when it is the only task running, or when it is known to be short (:data:`SHORT`): a forward
+task whose node functions took less recently, a backward task whose forward did, a task that
+only picks or sums values. Any other goes to the pool, so independent stages of unknown or long
+duration run side by side from the first call on. A call whose forward tasks are all known to
+be short, but one at most, runs its tasks in order (:func:`in_order`). Durations are measured on
+every call, so a node that turns slow goes back to the pool the next time.
 """
 
 from __future__ import annotations
@@ -57,11 +54,9 @@ _threads: list = []  # the pool, once made
 
 def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
     """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool; or, when every forward
-    task of the call but one at most was short recently (two long ones could run side by
-    side; one alone gains nothing from threads), :func:`in_order`. (Called from another thread
-    than the main one, plain ``dask.threaded.get``, which gives each calling thread a pool of
-    its own.) ``functions``: each forward task's :func:`functions_of`, where known already (a
-    :class:`Template`'s)."""
+    task but one at most was short recently, :func:`in_order`. (From a thread other than the
+    main one, plain ``dask.threaded.get``, which gives each calling thread a pool of its own.)
+    ``functions``: each forward task's :func:`functions_of`, where known already."""
     if threading.current_thread() is not threading.main_thread():
         return dask.threaded.get(dsk, keys, **kwargs)
     timer = _Timer(keys[0], functions or {})
@@ -74,10 +69,10 @@ def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
 
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
     """The values of ``keys``: ``dsk``'s tasks run one after another in this thread, in the
-    order the graph holds them (daskdag makes each task after the tasks it takes: see
-    ``daskdag.graph.assembly.TaskGraph``), each value let go once no later task takes it; ``timer`` times
-    the forward tasks. For a call of short tasks only: Dask's synchronous scheduler orders the
-    graph and keeps its books per task, ~0.1 ms a task, as much as a tiny node's work."""
+    order the graph holds them (each task after the tasks it takes:
+    ``daskdag.graph.assembly.TaskGraph``), each value let go once no later task takes it;
+    ``timer`` times the forward tasks. For short tasks, whose work Dask's synchronous
+    scheduler's books per task would outweigh."""
     takers = Counter(d for task in dsk.values() for d in task.dependencies)
     values: dict[Any, Any]
     wanted, values = set(keys), {}
@@ -174,10 +169,8 @@ class Inline:
         return done
 
     def _timed(self, fn, args):
-        # Tasks running side by side share the GIL: a task that holds it takes about as many
-        # times longer as there are, so its time is divided by them. (A task that waits, which
-        # threads are for, is then under-estimated as much: it still counts as long from 2 ms
-        # x threads.)
+        # Tasks running side by side share the GIL, so a task's time is divided by how many
+        # ran (a task that waits is under-estimated as much: long still from SHORT x threads).
         state = self.timer.state
         alongside = min(running(state), self._max_workers + 1) if state is not None else 1
         start = time.perf_counter()
@@ -225,8 +218,7 @@ def functions_of(task) -> tuple:
 
 def _remember(functions: tuple, seconds: float) -> None:
     """Keep the last :data:`SAMPLES` durations: the shortest of them is what the functions
-    take (a task is slowed by the machine, not sped up: one stalled 2.1 ms sample of the
-    20,000 stages sharing one function sent them all to the pool, 1.6x slower)."""
+    take (a task is slowed by the machine, never sped up)."""
     _durations.setdefault(functions, lambda: deque(maxlen=SAMPLES)).append(seconds)
 
 
@@ -239,17 +231,14 @@ def _pool():
 
 
 class GraphInOneTask:
-    """A cluster call's graph run whole inside one task: a :class:`Template` built for the
-    cluster (its functions and values packed), kept on the cluster under its :attr:`token` and
-    sent once; each call sends the values of its ``slots`` (``(kind, name)`` as :func:`slot`
-    takes them; the stop signal is the task's own) and one task, which fills the template and
-    runs its tasks in order in the worker's thread (:func:`in_order`). For a call of short
-    stages, whose spreading over the workers costs more than their work
-    (:class:`~daskdag.running.jobs.Spreading` decides).
+    """A cluster call's graph run whole inside one task, for short stages whose spreading costs
+    more than their work (:class:`~daskdag.running.jobs.Spreading` decides): a packed
+    :class:`Template`, kept on the cluster under its :attr:`token` and sent once; each call
+    sends the values of its ``slots`` (``(kind, name)`` as :func:`slot` takes them) and one task,
+    which fills the template and runs it in order (:func:`in_order`).
 
-    ``kept``: what the graph takes from the cluster's kept values (its large nodes and
-    constants, :mod:`daskdag.running.resident`), as the template was built: ``(key, fn,
-    payload, needs)``, placed again by each call (so they stay kept) and given to its task."""
+    ``kept``: the cluster's kept values the graph takes (:mod:`daskdag.running.resident`):
+    ``(key, fn, payload, needs)``, placed again by each call (so they stay kept)."""
 
     def __init__(self, template: Template, slots: tuple[tuple[str, str], ...], needs: dict,
                  kept: tuple = ()):
@@ -270,9 +259,9 @@ class GraphInOneTask:
 
     @functools.cached_property
     def token(self) -> str:
-        """What the graph is: its keys, which are the content tokens of their tasks, and the
-        slots and kept keys a call gives it values for, in order (graphs of the same tasks may
-        take their values in different slots: an input no task takes has one too)."""
+        """What the graph is: its keys (content tokens of their tasks), and the slots and kept
+        keys a call gives it values for, in order (the same tasks may take values in other
+        slots)."""
         return tokenize(self.template.keys, list(self.template.dsk), self.slots, self.kept_keys)
 
     def __reduce__(self):

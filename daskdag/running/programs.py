@@ -1,14 +1,11 @@
 """Programs: a call compiled once and run at every call that fits it, in JAX's ``jit`` ->
 ``Compiled`` idiom, for as long as nothing it relies on has changed.
 
-A kind of call (:mod:`daskdag.api`, :mod:`daskdag.full_jacobians`, :mod:`daskdag.forward_mode`,
-:mod:`daskdag.hessians`, sweeps) compiles a call of a DAG with inputs like ``x`` and its options
-(:func:`compile`): it parses and checks the DAG, plans it, groups its stages, packs the
-functions that need packing, traces nodes for a mode or a sparsity pattern, colours patterns,
-and builds the graph of a call in this process, or the whole call as one XLA program
-(:mod:`daskdag.graph.whole`). The result is a :class:`Program`, which the kind runs with each
-call's inputs, cotangents, tangents or directions: those are a program's inputs, never its
-structure.
+A kind of call compiles a call of a DAG with inputs like ``x`` and its options (:func:`compile`):
+it checks and plans the DAG, groups its stages, packs functions, traces nodes for a mode or a
+sparsity pattern, and builds the call's graph, or the whole call as one XLA program. The
+result is a :class:`Program`, run with each call's inputs, cotangents, tangents or directions:
+those are a program's inputs, never its structure.
 
 What a program relies on, and how a call checks it:
 
@@ -20,11 +17,9 @@ What a program relies on, and how a call checks it:
   (:mod:`daskdag.transport.fingerprints`), each checked by the check it compiled.
 
 An eager call finds its program by a key of the first four (:data:`PROGRAMS`) and checks the
-fingerprints. A prepared function (:class:`daskdag.Prepared`) holds its programs itself, per
-input signature (:class:`Held`), as ``jax.jit``'s wrapper holds its executables: a call asks
-its program whether it is stale (:meth:`Program.stale`: the DAG's entries by identity, the
-settings, the fingerprints), then runs it. Anything new or changed compiles anew, and
-:func:`compile` says why.
+fingerprints. A prepared function holds its programs itself, per input signature
+(:class:`Held`), and asks one whether it is stale (:meth:`Program.stale`) before running it.
+Anything new or changed compiles anew, and :func:`compile` says why.
 """
 
 from __future__ import annotations
@@ -55,12 +50,10 @@ OFF = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
 
 
 class Watch:
-    """What a program relies on, as it is compiled: ``watch(node name, fn)`` takes the
-    fingerprint of a function before the program packs or traces it, and returns it (None:
-    it cannot be taken, and the program is not kept); ``hold(fn)``: the function as the
-    program holds it, weakly (:class:`~daskdag.transport.weak.Weak`: when it goes, the
-    program goes); ``refuse(why)``: the program holds for this call only (a sparsity
-    pattern probed at this point), and is not kept."""
+    """What a program relies on, as it is compiled: ``watch(node name, fn)`` takes a function's
+    fingerprint before the program packs or traces it (None: it cannot be taken, and the
+    program is not kept); ``hold(fn)``: the function held weakly (when it goes, the program
+    goes); ``refuse(why)``: the program serves this call only, and is not kept."""
 
     def __init__(self) -> None:
         self.watched: list[tuple[str, Any, Fingerprint]] = []
@@ -90,11 +83,9 @@ class Watch:
 
 @dataclass(frozen=True, eq=False)
 class Program(Generic[P]):
-    """A call compiled: the kind's compiled ``value`` (its plan, stages, transport, graph
-    template or whole program), the functions whose content it relies on (``watched``:
-    ``(node name, function, fingerprint)``, each function held weakly), its ``key``, and
-    ``kept``: it may serve later calls (False: it serves this call only, and ``why`` says
-    why)."""
+    """A call compiled: the kind's compiled ``value``, the functions whose content it relies on
+    (``watched``: ``(node name, function, fingerprint)``), its ``key``, and ``kept``: it may
+    serve later calls (False: this call only, and ``why`` says why)."""
 
     value: P
     watched: tuple[tuple[str, Any, Fingerprint], ...]
@@ -112,9 +103,8 @@ class Program(Generic[P]):
         return None
 
     def stale(self, entries: Entries) -> str | None:
-        """Why this program cannot serve a call whose DAG's entries are ``entries`` (those it
-        was compiled with, read again: :meth:`Entries.same`), or None: the entries, the
-        settings, then the fingerprints, each as cheaply as it can be checked."""
+        """Why this program cannot serve a call whose DAG's entries are ``entries``, or None:
+        the entries, the settings, then the fingerprints, cheapest first."""
         if not self.kept:
             return self.why
         if not entries.same():
@@ -175,10 +165,9 @@ def _forget(made: Program) -> None:
 
 
 class Entries:
-    """A DAG's entries as a program was compiled with them, to tell at the next call, in one
-    pass and without a key, whether the DAG is still the same: the same entry objects under
-    the same names, each with the same function objects, deps and resources (lists and dicts
-    change in place). Held by a prepared function, which holds its DAG anyway."""
+    """A DAG's entries as a program was compiled with them, to tell at the next call, without a
+    key, whether the DAG is the same: the same entry objects under the same names, with the
+    same functions, deps and resources (lists and dicts change in place)."""
 
     __slots__ = ("dag", "parts")
 
@@ -221,10 +210,9 @@ def _content(entry) -> tuple:
 
 
 class Held:
-    """A prepared function's own programs, by the signature of its call's inputs (and where
-    it runs), the latest :data:`HELD` of them, as ``jax.jit``'s wrapper holds its executables;
-    each with the DAG's :class:`Entries` it was compiled with. Emptied by
-    :func:`daskdag.clear_caches`, and unused while ``daskdag.prepared-calls`` is 0."""
+    """A prepared function's own programs by the signature of its call's inputs (and where it
+    runs), the latest :data:`HELD`, each with its :class:`Entries`, as ``jax.jit``'s wrapper
+    holds its executables. Unused while ``daskdag.prepared-calls`` is 0."""
 
     __slots__ = ("programs", "__weakref__")
 
@@ -284,10 +272,9 @@ def settings() -> tuple:
 
 
 def dag_key(dag: Any) -> tuple | None:
-    """The DAG as a key: per entry its name, the identity of its functions, its deps, resources
-    and options by value (lists and dicts can change in place); None for what is not a
-    well-formed DAG. (A program holds those functions weakly and goes with them, so no
-    other function takes an id in its key while it lasts.)"""
+    """The DAG as a key: per entry its name, its functions' identities, its deps, resources and
+    options by value; None for what is not a well-formed DAG. (A program goes with its
+    functions, so no other function takes an id in its key while it lasts.)"""
     if not isinstance(dag, Mapping):
         return None
     parts: list[tuple] = []
