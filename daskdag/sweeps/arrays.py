@@ -86,21 +86,15 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
         raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
                        "runs at sweep time): show progress where the arrays are computed, with "
                        "dask.diagnostics.ProgressBar or distributed.progress")
-    size = batch_size(values, batched)
     if every is not None and chunk_size is None and not holds_dask(values, batched):
-        chunk_size = max(1, math.ceil(size / every))
+        chunk_size = max(1, math.ceil(batch_size(values, batched) / every))
     aligned(values, batched, chunk_size)  # (its checks, before any other look at the items)
-    like = {i: stand_in(v) if i in batched else v for i, v in values.items()}
-    one = {i: jax.tree.map(lambda a: planning.first_row(a, size), like[i]) if i in batched
-           else v for i, v in like.items()}
-    lowering = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, Watch())
-    lowered, cts = kind.inputs(lowering, values, data, batched=frozenset(batched))
-    inputs, chunks, size = aligned(lowered, batched, chunk_size)
-    stand_ins = {i: stand_in(v) if i in batched else v for i, v in lowered.items()}
     transport = transports.for_call(client, lazy=True)
-    planned = replace(planning.plan_sweep(lowering.plan.spec, names, stand_ins, batched,
-                                          lowering.plan.wrt, cts, size, transport),
-                      lowering=lowering)
+    planned = planning.prepare(kind, stand_in(xs), data, batched, transport, Watch())
+    lowered, cts = kind.inputs(planned.lowering, values, data, batched=planned.batched)
+    inputs, chunks, size = aligned(lowered, batched, chunk_size)
+    planned = replace(planned, size=size, cotangents=cts, values={
+        i: stand_in(v) if i in batched else v for i, v in lowered.items()})
     if client is not None:
         cluster.check(client, planned.plan)
     shapes = _shapes(planned, spec)
@@ -112,6 +106,7 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
         planned = replace(planned, values={**planned.values,
                                            **{n: made[n][0] for n in once.outputs}})
     computed = _block_graph(planned, inputs, chunks, shapes)
+    lowering = planned.lowering
     info = replace(kind.info(lowering, data, "a sweep over dask arrays is prepared as it is made",
                              LAZY), call=kind.sweep_call)
     return kind.finish(lowering, info, computed, {})
