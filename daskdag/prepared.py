@@ -95,8 +95,8 @@ class Prepared:
         """The call for every item of ``xs`` (and of its data, where a batched input's carry
         the items too), as [`sweep_grads`][daskdag.sweep_grads] and its siblings sweep:
         ``batched``, ``chunk_size``, ``errors`` and ``store`` as there. Returns what a call
-        returns, each part stacked over the items; with ``errors='collect'``, the failed
-        items are in ``f.info``'s call's ``f.failed``."""
+        returns, each part stacked over the items; with ``errors='collect'``,
+        ``f.failed`` says which items failed."""
         try:
             results = swept(self._kind, xs, *data, batched=batched, chunk_size=chunk_size,
                             client=self._client, scheduler=self._scheduler,
@@ -164,15 +164,9 @@ def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     """``dag`` as a function ``f(x) -> (values, grads)``, as ``jax.value_and_grad`` of the
     composed function.
 
-    Args:
-        dag: as for [`compute_grads`][daskdag.compute_grads].
-        outputs: as for [`compute_grads`][daskdag.compute_grads].
-        wrt: as for [`compute_grads`][daskdag.compute_grads].
-        cotangents: as for [`compute_grads`][daskdag.compute_grads], the same at every call.
-        client: as for [`compute_grads`][daskdag.compute_grads]; None: the default client in effect at
-            each call, else Dask's threads.
-        scheduler: as for [`compute_grads`][daskdag.compute_grads].
-        progress: as for [`compute_grads`][daskdag.compute_grads].
+    Arguments as for [`compute_grads`][daskdag.compute_grads] (``cotangents``: the same at
+    every call; ``client`` None: the default client in effect at each call, else Dask's
+    threads).
 
     Returns:
         A [`Prepared`][daskdag.Prepared] function. ``f(x)`` returns ``(value, grad)`` for a
@@ -205,20 +199,11 @@ def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     """``dag`` as a function ``f(x) -> (values, jacobians)``, as ``jax.jacrev`` (or
     ``jax.jacfwd``) of the composed function, with its values.
 
-    Args:
-        dag: as for [`jacobian`][daskdag.jacobian].
-        outputs: as for [`jacobian`][daskdag.jacobian].
-        wrt: as for [`jacobian`][daskdag.jacobian].
-        mode: as for [`jacobian`][daskdag.jacobian]; ``"auto"`` decides at the first call (and again
-            only when the inputs' shapes or the DAG change).
-        sparsity: as for [`jacobian`][daskdag.jacobian]; ``"detect"`` detects the pattern at the
-            first call, and later calls reuse it (unless a node's pattern had to be probed at
-            the point: then at every call).
-        sparse: as for [`jacobian`][daskdag.jacobian].
-        chunk_size: as for [`jacobian`][daskdag.jacobian].
-        client: as for [`value_and_grad`][daskdag.value_and_grad].
-        scheduler: as for [`jacobian`][daskdag.jacobian].
-        progress: as for [`jacobian`][daskdag.jacobian].
+    Arguments as for [`jacobian`][daskdag.jacobian] (``client`` as for
+    [`value_and_grad`][daskdag.value_and_grad]). ``mode="auto"`` decides at the first call,
+    and again only when the inputs' shapes or the DAG change; ``sparsity="detect"`` detects
+    the pattern at the first call, and later calls reuse it (unless a node's pattern had to be
+    probed at the point: then at every call).
 
     Returns:
         A [`Prepared`][daskdag.Prepared] function: ``f(x)`` returns ``(value, jac)`` for a
@@ -244,19 +229,14 @@ def value_and_jacobian(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
 
 
 def value_and_jvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
-                  wrt: Sequence[str] | None = None, batched: bool = False, client: Client | None = None,
-                  scheduler: str | Client | None = None, progress: bool = False) -> Prepared:
+                  wrt: Sequence[str] | None = None, batched: bool = False,
+                  client: Client | None = None, scheduler: str | Client | None = None,
+                  progress: bool = False) -> Prepared:
     """``dag`` as a function ``f(x, tangents) -> (values, tangents out)``, as ``jax.jvp`` of
     the composed function.
 
-    Args:
-        dag: as for [`compute_jvps`][daskdag.compute_jvps].
-        outputs: as for [`compute_jvps`][daskdag.compute_jvps].
-        wrt: as for [`compute_jvps`][daskdag.compute_jvps].
-        batched: as for [`compute_jvps`][daskdag.compute_jvps].
-        client: as for [`value_and_grad`][daskdag.value_and_grad].
-        scheduler: as for [`compute_jvps`][daskdag.compute_jvps].
-        progress: as for [`compute_jvps`][daskdag.compute_jvps].
+    Arguments as for [`compute_jvps`][daskdag.compute_jvps] (``client`` as for
+    [`value_and_grad`][daskdag.value_and_grad]).
 
     Returns:
         A [`Prepared`][daskdag.Prepared] function: ``f(x, tangents)`` returns ``(value,
@@ -288,14 +268,8 @@ def value_grad_and_hvp(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     Hessian-vector products along ``v``, as [`compute_hvps`][daskdag.compute_hvps] gives them (for
     ``scipy.optimize.minimize``'s ``hessp``, or a Newton-CG step).
 
-    Args:
-        dag: as for [`compute_hvps`][daskdag.compute_hvps].
-        outputs: as for [`compute_hvps`][daskdag.compute_hvps].
-        wrt: as for [`compute_hvps`][daskdag.compute_hvps].
-        cotangents: as for [`compute_hvps`][daskdag.compute_hvps], the same at every call.
-        client: as for [`value_and_grad`][daskdag.value_and_grad].
-        scheduler: as for [`compute_hvps`][daskdag.compute_hvps].
-        progress: as for [`compute_hvps`][daskdag.compute_hvps].
+    Arguments as for [`compute_hvps`][daskdag.compute_hvps] (``cotangents``: the same at
+    every call; ``client`` as for [`value_and_grad`][daskdag.value_and_grad]).
 
     Returns:
         A [`Prepared`][daskdag.Prepared] function: ``f(x, v)`` returns ``(value, grad, hvp)``
