@@ -160,9 +160,12 @@ class Jacobian(Derivative):
             return per_output(self.outputs, {o: replace(items[0][o], failed=failed, **{
                 f: jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
                 for f in ("value", "grad")}) for o in computed})
-        results = self._results(layout, info, computed, failed is not None)
-        return per_output(self.outputs, {o: replace(r, failed=failed or {})
-                                         for o, r in results.items()})
+        unknown = {o: Result(None, None, failed or {}, info)  # (no item gave one, nor a trace)
+                   for o, (value, _) in computed.items() if value is None}
+        results = self._results(layout, info, {o: c for o, c in computed.items()
+                                               if o not in unknown}, failed is not None)
+        return per_output(self.outputs, {**unknown, **{o: replace(r, failed=failed or {})
+                                                       for o, r in results.items()}})
 
     def _results(self, layout: Layout, info: CallInfo, computed: dict, items: bool = False
                  ) -> dict:
@@ -216,7 +219,8 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
                 raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
                                f"Jacobian needs real outputs, as jax.jacrev does")
         lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
-        pushed = [leaf.reshape(*lead, k, -1) for leaf in getattr(lifted_value, "tangent", ())]
+        pushed = [leaf.reshape(*lead, k, int(np.prod(np.shape(leaf)[len(lead) + 1:])))
+                  for leaf in getattr(lifted_value, "tangent", ())]
         passes = (np.concatenate(pushed, axis=-1) if pushed else
                   np.zeros((*lead, k, _per_item(value, items))))  # (each leaf's elements)
         if patterns is None:

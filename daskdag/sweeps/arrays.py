@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import cloudpickle
 import dask
 import jax
-import jax.numpy as jnp
 import numpy as np
 from dask.base import tokenize
 from dask.delayed import Delayed
@@ -149,35 +148,21 @@ def stand_in(tree):
 
 
 def _shapes(planned, spec) -> tuple[dict, dict]:
-    """One item's ``({output: value}, {output: {input: grad}})`` as ``ShapeDtypeStruct``
-    trees (a Jacobian's rows first in each gradient); a :class:`DAGError` where
+    """One item's ``({output: value}, {output: {input: grad}})`` as ``ShapeDtypeStruct`` trees
+    (:func:`~daskdag.sweeps.results.item_shapes`); a :class:`DAGError` where
     ``jax.eval_shape`` cannot find them."""
-    values, grads = item_shapes(planned.plan, planned.values, planned.batched)
-    rows = planned.lowering.rows
-    per_output = {o: grads if rows is None else {
-        i: jax.tree.map(lambda a, o=o: jax.ShapeDtypeStruct(
-            (_rows(values[o], rows.colours_of(o)), *a.shape), a.dtype), g)
-        for i, g in grads.items()} for o in values}
+    values, grads = item_shapes(planned.plan, planned.values, planned.batched, planned.lowering)
     for o, v in values.items():
         if v is None:
             raise DAGError(f"the shape of output {o!r} cannot be found by tracing its nodes with "
                            f"jax.eval_shape (a node on its way has Python control flow on values, "
                            f"float(x), or non-JAX code); sweeps over dask arrays need it to "
                            f"describe the result arrays before computing them")
-    for i, g in grads.items():
-        if g is None and i in spec.nodes:
+    for i in planned.plan.wrt:
+        if i in spec.nodes and any(g[i] is None for g in grads.values()):
             raise DAGError(f"the shape of node {i!r} (named in wrt) cannot be found by tracing "
                            f"it with jax.eval_shape; sweeps over dask arrays need it")
-    return values, per_output
-
-
-def _rows(aval, colours) -> int:
-    """A Jacobian's rows for an output of one item shaped as ``aval``: its elements, or its
-    colours."""
-    if colours is not None:
-        return int(max(colours)) + 1 if len(colours) else 0
-    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(aval)
-               if jnp.issubdtype(a.dtype, jnp.inexact))
+    return values, grads
 
 
 class _Slot:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,13 +67,15 @@ def _mark_missing(a, rows):
     a[rows] = np.nan if np.issubdtype(a.dtype, np.inexact) else 0
 
 
-def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:
-    """One item's ``({output: value shape}, {input: gradient shape})``, as ``ShapeDtypeStruct``
-    trees, without running any node on data (:func:`daskdag.model.shapes.abstract_values`).
+def item_shapes(plan, values: dict, batched: frozenset, lowering=None) -> tuple[dict, dict]:
+    """One item's ``({output: value shape}, {output: {input: gradient shape}})``, as
+    ``ShapeDtypeStruct`` trees, without running any node on data
+    (:func:`daskdag.model.shapes.abstract_values`).
 
-    A gradient is shaped like its input's item, with ``None`` for leaves that are not floating
-    arrays. A value is ``None`` when a node on its way cannot be traced abstractly (Python
-    control flow on values, ``float(x)``, non-JAX code).
+    A gradient is shaped like its input's item (a Jacobian's, where ``lowering`` has ``rows``,
+    after the output's rows), with ``None`` for leaves that are not floating arrays. A value is
+    ``None`` when a node on its way cannot be traced abstractly (Python control flow on values,
+    ``float(x)``, non-JAX code).
     """
     def call(node):
         chunk = chunk_of(node)
@@ -79,11 +83,24 @@ def item_shapes(plan, values: dict, batched: frozenset) -> tuple[dict, dict]:
 
     avals = abstract_values(plan.spec, plan.needed,
                             {i: abstract(v, i in batched) for i, v in values.items()}, call)
-    grads = {i: jax.tree.map(_cotangent_shape, avals[i]) for i in plan.wrt}
-    return {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}, grads
+    values = {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}
+    rows = getattr(lowering, "rows", None)
+    grads = {o: {i: jax.tree.map(partial(_cotangent_shape, lead=() if rows is None else (
+        _rows(values[o], rows.colours_of(o)),)), avals[i]) for i in plan.wrt}
+        for o in plan.outputs}
+    return values, grads
 
 
-def _cotangent_shape(a):
+def _rows(aval, colours) -> int:
+    """A Jacobian's rows for an output of one item shaped as ``aval``: its elements, or its
+    colours."""
+    if colours is not None:
+        return int(max(colours)) + 1 if len(colours) else 0
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(aval)
+               if jnp.issubdtype(a.dtype, jnp.inexact))
+
+
+def _cotangent_shape(a, lead: tuple = ()):
     if isinstance(a, jax.ShapeDtypeStruct) and jnp.issubdtype(a.dtype, jnp.inexact):
-        return a
+        return jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype)
     return None

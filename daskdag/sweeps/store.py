@@ -239,15 +239,15 @@ class Store:
 
     def view(self, shapes) -> dict:
         """The results as dask arrays reading the store: ``{output: (value, {input: grad})}``.
-        ``shapes()``: one item's ``({output: value}, {input: grad})`` as ``ShapeDtypeStruct``
-        trees, for results no item gave (their arrays are made, all NaN); a value whose shape
-        is unknown is ``None``."""
+        ``shapes()``: one item's ``({output: value}, {output: {input: grad}})`` as
+        ``ShapeDtypeStruct`` trees, for results no item gave (their arrays are made, all NaN);
+        a value whose shape is unknown is ``None``."""
         import dask.array as da
         missing = [o for o in self.identity["outputs"] if o not in self.trees]
         if missing:
             values, grads = shapes()
             for o in missing:
-                self._create(o, values[o], {i: grads[i] for i in self.identity["wrt"]})
+                self._create(o, values[o], {i: grads[o][i] for i in self.identity["wrt"]})
         arrays = self._arrays()
         return self._results(lambda path: da.from_zarr(arrays[path]))
 

@@ -116,7 +116,7 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
         shared = {i: v for i, v in values.items() if i not in planned.batched}
         blocks = [leaf.chunks[0][0] for i in planned.batched
                   for leaf in jax.tree.leaves(values[i]) if is_dask_array(leaf)]
-        kept = Store(store, identity(kind, planned.plan.outputs, planned.lowering.wrt,
+        kept = Store(store, identity(kind, planned.plan.outputs, planned.plan.wrt,
                                      planned.batched, size, shared, planned.cotangents, errors),
                      chunk_size, blocks[0] if blocks else default)
         by_time = chunk_size is None and not blocks and planned.by_item
@@ -199,7 +199,8 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             if bar:
                 bar.close()
     if stacked is None and store is not None:  # (a lazy store's: dask arrays reading it)
-        return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched)), failed
+        return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched,
+                                              sweep.lowering)), failed
     return _finish(sweep, stacked), failed
 
 
@@ -453,8 +454,9 @@ def _finish(sweep, stacked) -> dict:
     grads: dict
     values, grads = {}, {}
     if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
-        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched)
-    return {o: (v.result(values.get(o)), {i: s.result(grads.get(i)) for i, s in g.items()})
+        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowering)
+    return {o: (v.result(values.get(o)), {i: s.result(grads.get(o, {}).get(i))
+                                          for i, s in g.items()})
             for o, (v, g) in stacked.items()}
 
 
