@@ -1,9 +1,8 @@
 """What daskdag keeps between calls in this process, and :func:`clear_caches`, which drops it all.
 
-Every cache is a :class:`Cache`: bounded (least recently used out first), thread-safe, and keyed
-by what makes an entry valid, so that an entry is either right for the key or absent. Caches that
-hold their entries weakly (they go with the objects they describe) register how to empty them
-with :func:`register`.
+Every cache is a :class:`Cache` (bounded, thread-safe), keyed by what makes an entry valid, so
+that an entry is either right for the key or absent; others register how to empty them
+(:func:`register`).
 """
 
 from __future__ import annotations
@@ -119,9 +118,10 @@ def register(name: str, clear: Callable[[], None]) -> None:
 
 def clear_caches() -> None:
     """Drop everything daskdag keeps between calls in this process: prepared calls (a
-    [`Prepared`][daskdag.Prepared] function's own included), packed functions and their fingerprints, compiled programs, sparsity patterns and colourings,
-    learned task durations. The next call prepares everything again, as a first call does.
-    (JAX's own compilation caches are JAX's: ``jax.clear_caches()``.)
+    [`Prepared`][daskdag.Prepared] function's own included), packed functions and their
+    fingerprints, compiled programs, sparsity patterns and colourings, learned task durations.
+    The next call prepares everything again, as a first call does. (JAX's own compilation
+    caches are JAX's: ``jax.clear_caches()``.)
 
     For example:
 

@@ -1,9 +1,5 @@
 """Stopping a call that no one waits for any more: between two nodes of a stage, or two items
 of a sweep's chunk, a running task asks :func:`dropped` and raises :class:`Cancelled`.
-
-On a ``distributed`` worker a task is dropped once the worker dropped it (its client cancelled
-or released it); in this process, once the call's :class:`Stop` is set (Ctrl-C, or a failed
-node, on Dask's local threads).
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def check(dropped: Callable[[], bool] | None, node: str) -> None:
 def dropped(stop: Stop | None = None) -> Callable[[], bool]:
     """For the task this thread runs: whether no one waits for it any more. On a ``distributed``
     worker, once the worker dropped the task (its client cancelled or released it); elsewhere,
-    once ``stop`` is set (Ctrl-C interrupted a call on Dask's local threads)."""
+    once ``stop`` is set (Ctrl-C, or a failed node, on Dask's local threads)."""
     module = sys.modules.get("distributed")  # (not imported: not a worker)
     try:
         if module is None:

@@ -50,10 +50,8 @@ class DAGError(ValueError):
 class NodeError(RuntimeError):
     """A node's function (or its pullback) raised. ``node`` names it, ``item`` the sweep item
     (else ``None``); the original exception is ``__cause__``. For JAX's tracer errors the
-    message ends with a hint (``HINTS``).
-
-    Picklable, cause included, so it survives the trip back from a ``distributed`` worker.
-    """
+    message ends with a hint (``HINTS``). Picklable, cause included, so it survives the trip
+    back from a ``distributed`` worker."""
 
     def __init__(self, node: str, phase: str, original: BaseException, item: int | None = None):
         where = f"item {item}: " if item is not None else ""
@@ -69,14 +67,12 @@ class NodeError(RuntimeError):
 
 class GradientCheckError(AssertionError):
     """A node's VJP disagrees with central finite differences of the node alone
-    ([`daskdag.check_grads`][daskdag.check_grads]). ``node`` and ``dep`` name them (``position``: the dep's index
-    among the node's deps); ``fd`` and ``ad`` are ``<u, J v>`` by finite differences and from
-    the VJP, for a random tangent ``v`` of the dep and cotangent ``u`` of the output; ``error``
-    is ``|fd - ad|``, over ``tolerance``; ``eps`` the finite-difference step (before each leaf's
-    magnitude scales it); ``others``: the names of the other nodes that failed too.
-
-    Picklable, like [`NodeError`][daskdag.NodeError].
-    """
+    ([`daskdag.check_grads`][daskdag.check_grads]). ``node`` and ``dep`` name them
+    (``position``: the dep's index among the node's deps); ``fd`` and ``ad`` are ``<u, J v>``
+    by finite differences and from the VJP, for a random tangent ``v`` of the dep and cotangent
+    ``u`` of the output; ``error`` is ``|fd - ad|``, over ``tolerance``; ``eps`` the
+    finite-difference step (before each leaf's magnitude scales it); ``others``: the names of
+    the other nodes that failed too. Picklable, like [`NodeError`][daskdag.NodeError]."""
 
     def __init__(self, node: str, dep: str, position: int, fd: float, ad: float, error: float,
                  tolerance: float, eps: float, others: tuple[str, ...] = ()):
@@ -98,9 +94,10 @@ class GradientCheckError(AssertionError):
 
 class TotalCheckError(GradientCheckError):
     """An output's gradient by an input disagrees with central finite differences of the
-    composed DAG ([`daskdag.check_totals`][daskdag.check_totals]): ``output`` and ``input`` name them; ``fd``,
-    ``ad``, ``error``, ``tolerance`` and ``eps`` as for [`GradientCheckError`][daskdag.GradientCheckError];
-    ``others``: the other ``(output, input)`` pairs that failed too."""
+    composed DAG ([`daskdag.check_totals`][daskdag.check_totals]): ``output`` and ``input``
+    name them; ``fd``, ``ad``, ``error``, ``tolerance`` and ``eps`` as for
+    [`GradientCheckError`][daskdag.GradientCheckError]; ``others``: the other
+    ``(output, input)`` pairs that failed too."""
 
     def __init__(self, output: str, input: str, fd: float, ad: float, error: float,
                  tolerance: float, eps: float, others: tuple = ()):
@@ -136,11 +133,9 @@ class StoreError(RuntimeError):
 @contextlib.contextmanager
 def node_errors(node: str, phase: str) -> Iterator[None]:
     """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a
-    :class:`NodeError` naming it, but for Ctrl-C in the user's own process, which must stay one.
-
-    A node raising KeyboardInterrupt or SystemExit is a failing node, not a reason to stop the
-    process that runs it: a distributed worker dies of it, and Dask retries on the next worker.
-    """
+    :class:`NodeError` naming it, but for Ctrl-C in the user's own process. A node raising
+    KeyboardInterrupt or SystemExit is a failing node (else a worker would die of it, and Dask
+    retry it on the next)."""
     try:
         yield
     except NodeError:  # already names its node (one of a fused stage's)

@@ -40,10 +40,9 @@ def common(dag) -> dict:
 
 def node_parts(name: str, node: Node, digests: dict | None = None) -> dict:
     """A node as a store records it, by part: its function's content tokens
-    (:func:`daskdag.transport.content.parts`: code, each global read, each value closed over,
-    defaults, attributes; not where it is written), its rules' (``"vjp code"``...), its
-    ``"deps"`` and its ``"options"`` (``jit``, ``vmap``, ``remat``). Raises
-    :class:`~daskdag.DAGError` naming the node for a function whose content cannot be read."""
+    (:func:`daskdag.transport.content.parts`), its rules' (``"vjp code"``...), its ``"deps"``
+    and its ``"options"`` (``jit``, ``vmap``, ``remat``). Raises :class:`~daskdag.DAGError`
+    naming the node for a function whose content cannot be read."""
     out: dict = {}
     for rule, fn in (("", node.fn), *((f"{r} ", getattr(node, r)) for r in RULES)):
         if fn is None:

@@ -34,9 +34,8 @@ def group(attributes: dict) -> dict:
 
 
 class Keys:
-    """A Zarr store's keys, as a durable sweep or call uses them: JSON and bytes read and
-    written whole, children listed, and the store held by one sweep or call at a time (a lease
-    group, renewed while held)."""
+    """A Zarr store's keys, as a durable sweep or call uses them (see the module's docstring),
+    held by a lease group, renewed while held."""
 
     LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
     CONFIRM = 0.2  # seconds between taking a lease and reading it again

@@ -1,17 +1,13 @@
-"""Assembling a call's Dask graph: task keys, how a graph takes in values it does not compute
-(:class:`Intake`), and the graph itself (:class:`TaskGraph`). The reverse-mode builder
-(:mod:`daskdag.graph.build`), the forward-mode one (:mod:`daskdag.graph.forward`) and the checks'
-(:mod:`daskdag.checks`) all assemble their graphs from these.
+"""Assembling a call's Dask graph, for every builder: task keys, how a graph takes in values it
+does not compute (:class:`Intake`), and the graph itself (:class:`TaskGraph`).
 
 Keys are readable, and their prefix (:func:`key`) names the stage, so that Dask learns how long
-each stage takes (it learns per prefix, ``dask.utils.key_split``): ``fwd:B+C-<token>``. Keys
-are read back only through :func:`kind_of` and :func:`token_of`, here. Each key is a function
-of its whole task: the same key never names two tasks that differ (distributed's "different
-`run_spec`").
+each stage takes: ``fwd:B+C-<token>``. Keys are read back only through :func:`kind_of` and
+:func:`token_of`. Each key is a function of its whole task: the same key never names two tasks
+that differ (distributed's "different `run_spec`").
 
-The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph` (``dask.task_spec``
-tasks), never through ``dask.delayed`` calls: each of those merges the graphs of its arguments,
-so building that way is quadratic in the number of nodes.
+The tasks go straight into one :class:`~dask.highlevelgraph.HighLevelGraph`, never through
+``dask.delayed`` calls, each of which merges its arguments' graphs (quadratic in the nodes).
 """
 
 from __future__ import annotations
@@ -31,10 +27,9 @@ from daskdag.graph.run import identity
 from daskdag.transport.packing import unpack
 from daskdag.transport.transports import Transport
 
-# A packed input or node of at most this many bytes travels inside each task that takes it, as
-# Dask's own graphs carry small arguments: a task whose inputs are all small then depends on no
-# other task, and the scheduler spreads such tasks over the workers (it places a task with
-# dependencies beside them). A larger one is a task of its own, sent once.
+# A packed input or node of at most this many bytes travels inside each task that takes it: a
+# task whose inputs are all small then depends on no other task, and the scheduler spreads such
+# tasks over the workers. A larger one is a task of its own, sent once.
 INLINE_BYTES = 64 * 1024
 
 
@@ -100,12 +95,9 @@ class Intake:
     """How one call's graph takes in what it does not compute, its inputs and nodes, and the
     tokens of its keys, as its ``transport`` says (:mod:`daskdag.transport.transports`).
 
-    In this process (:data:`~daskdag.transport.transports.IN_PROCESS`) values go in as they
-    are, and every key carries one token of the call. Otherwise values are packed and keys are
-    content tokens: a value of at most :data:`INLINE_BYTES` goes inline, a nested task
-    unpacking it, in each task that takes it; a larger one is a task of its own: kept on the
-    cluster by ``place(key, fn, payload, needs) -> Future`` (:mod:`daskdag.running.resident`)
-    when given, else a task of the graph (``graph``, a :class:`TaskGraph`)."""
+    Where values are packed, one of at most :data:`INLINE_BYTES` goes inline in each task that
+    takes it; a larger one is a task of its own: kept on the cluster by ``place(key, fn,
+    payload, needs) -> Future`` when given, else a task of ``graph``."""
 
     def __init__(self, graph: "TaskGraph", transport: Transport, place=None,
                  keep: Keeper | None = None):
@@ -217,11 +209,9 @@ class TaskGraph:
         an :class:`Inline` by what it carries. ``root``: a task that computes from the call's
         inputs alone (:func:`is_root`)."""
         args = tuple(_within(a.arg if isinstance(a, Inline) else a) for a in args)
-        # Marked as Dask marks the tasks that read its arrays' chunks (dask.array.from_array):
-        # distributed then queues such tasks and hands each to the next worker with a free
-        # thread, whatever the estimates of their durations, so independent branches spread
-        # evenly from the first call on (it places other tasks by estimates, learned per
-        # prefix, which a first call's compilations throw off).
+        # Marked as Dask marks the tasks that read an array's chunks: distributed queues them
+        # and hands each to the next worker with a free thread, whatever the estimates of their
+        # durations (a first call's compilations throw those off).
         return self._add(key, needs, Task(key, fn, *args, _data_producer=root))
 
     def _add(self, key, needs, task) -> TaskRef:

@@ -1,10 +1,7 @@
 """A function compiled once, forward, backward and both together, for every call of the same
-shapes: ``jax.jit``, or along the args' leading axes ``jax.jit(jax.vmap(...))``.
-
-A fused stage (:mod:`daskdag.graph.stages`) runs as one: the stage's nodes as one function,
-linearized as one XLA program. The programs are cached per function (the one object a process
-keeps for its content, :func:`~daskdag.transport.packing.current`), so later calls compile
-nothing, and an in-place change to what it closes over (a new content) compiles anew.
+shapes: ``jax.jit``, or along the args' leading axes ``jax.jit(jax.vmap(...))``. A fused stage
+runs as one. The programs are cached per function (:func:`~daskdag.transport.packing.current`),
+so later calls compile nothing, and an in-place change to what it closes over compiles anew.
 """
 
 from __future__ import annotations
@@ -111,11 +108,10 @@ _cache: ByObject[tuple] = ByObject("compiled programs of fused stages and jit no
 
 
 def _programs(compiled: Compiled) -> tuple:
-    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function. jax.jit caches
-    compilations by function identity, so they are kept per node function (the one object a
-    process uses for its content, :func:`~daskdag.transport.packing.current`), for as long as it lives:
-    across chunks and sweeps, not past an in-place change to what it closes over. A
-    function that cannot be weakly referenced gets them per :class:`Compiled`."""
+    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function, kept per node
+    function (:func:`~daskdag.transport.packing.current`) while it lives, as jax.jit caches
+    compilations by function identity. A function that cannot be weakly referenced gets them
+    per :class:`Compiled`."""
     fn = current(compiled.fn)
     for owner in (fn, compiled):
         hit = _cache.get(owner)
@@ -139,9 +135,8 @@ def _make_programs(fn_of) -> tuple:
         if active is None:
             return vmapped(*args)
         primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
-        # vjp_fn is a pytree whose leaves are the residuals: they leave jit, those that are not
-        # inputs. Its function is part of the treedef, the same object for every call of this
-        # program, so the backward compiles once too.
+        # vjp_fn is a pytree whose leaves are the residuals (those not inputs leave jit); its
+        # function, in the treedef, is the same for every call, so the backward compiles once.
         residuals, vjp_def = jax.tree.flatten(vjp_fn)
         inputs = {id(x): i for i, x in enumerate(dynamic)}
         where = tuple(inputs.get(id(r)) for r in residuals)
@@ -152,10 +147,8 @@ def _make_programs(fn_of) -> tuple:
         treedef, consts, in_axes, active, seeded = static
         args = rebuild(treedef, consts, dynamic)
         fn = replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
-        # One vjp per backward pass, of its seeded values alone: XLA shares the forward work
-        # between them, as in jit(value_and_grad) of each. (Not one vjp of all the values with
-        # its passes vmapped: XLA cannot drop the products with the zeros where a pass does not
-        # start.)
+        # One vjp per backward pass, of its seeded values alone, XLA sharing the forward work
+        # (one vmapped vjp of all values would keep the products with the unseeded zeros).
         out = []
         for ones in seeded:
             picked = [e for e, on in enumerate(ones) if on]

@@ -1,20 +1,15 @@
 """A stage's backward pass carried as its dense Jacobian, where that is small.
 
 On a cluster, a stage's backward pass is normally a task of its own, beside the residuals its
-forward task left: it waits for the cotangents of the stages downstream, pulls them back, and
-sends its shares on to the next task. For a stage with few differentiated inputs (a first layer
-of branches that each take a small parameter vector, as in a design study or a wide ensemble)
-that round trip costs more than the arithmetic. Such a stage's forward task turns its pullback
-into the Jacobian of its exposed values with respect to its deps (:func:`densify`): ``rows``
-pullbacks of its own residuals under ``jax.vmap``, one per element of its exposed values, never
-a second forward pass. The Jacobian is small, so it travels with the values, and the stage's
-backward pass becomes a contraction that runs inside whichever task takes its cotangents (the
-gradient task): one task less per stage, and no message to it
-(:mod:`daskdag.graph.build`).
+forward task left; for a stage with few differentiated inputs (branches that each take a small
+parameter vector) that round trip costs more than the arithmetic. Such a stage's forward task
+turns its pullback into the Jacobian of its exposed values with respect to its deps
+(:func:`densify`: its own residuals pulled back under ``jax.vmap``, one row per element, no
+second forward pass). The small Jacobian travels with the values, and the backward pass becomes
+a contraction inside whichever task takes its cotangents: one task less per stage.
 
-Where it stops paying (more than :data:`MOST_ROWS` rows, or a Jacobian larger than
-:data:`MOST_BYTES`), :func:`densify` keeps the pullback, which then travels with the values: the
-same numbers, moved rather than computed.
+Beyond :data:`MOST_ROWS` rows or :data:`MOST_BYTES`, :func:`densify` keeps the pullback, which
+then travels with the values.
 """
 
 from __future__ import annotations
@@ -87,8 +82,7 @@ class DensePullback(Pullback):
 
     def _contract(self, cts: tuple, lead: int) -> tuple:
         """``lead``: 1 when each cotangent leaf is stacked over rows. In NumPy: a few small
-        products, where each JAX op would cost its dispatch (the gradient task turns the sums
-        into JAX arrays)."""
+        products, where each JAX op would cost its dispatch."""
         shapes = next(j for j in self.jacobian if j is not None)  # (of each dep's zeros)
         head = next((np.shape(c[0])[:lead] for c in cts if c is not None), (0,) * lead)
         out: list = [None] * len(shapes)

@@ -1,21 +1,13 @@
-"""Running a stage (:mod:`daskdag.graph.stages`) in its forward task: its nodes, and the
-pullback its backward task takes.
-
-In:  a :class:`~daskdag.graph.stages.Stage`, its nodes, the values of its deps.
-Out: :func:`linearize`: its exposed values, and with them a :class:`~daskdag.rules.pullback.Pullback`
-     when some node ran under vjp; :func:`gradients`: a closed fused stage's forward and
-     backward passes as one program.
-
-How each kind of stage runs:
+"""Running a stage in its forward task: its exposed values, and the pullback its backward task
+takes (:func:`linearize`), or a closed fused stage's both passes as one program
+(:func:`gradients`).
 
 - a fused stage: its nodes as one function (:class:`Fused`), compiled as one program
-  (:class:`~daskdag.graph.compiled.Compiled`; over a sweep's chunk, as its nodes' kind says,
-  :attr:`~daskdag.rules.registry.Rules.batch`), leaving a :class:`FusedPullback`;
+  (:class:`~daskdag.graph.compiled.Compiled`; over a sweep's chunk, as its nodes' kind says),
+  leaving a :class:`FusedPullback`;
 - a chain of JAX nodes: under one ``jax.vjp`` of the chain, each node still called once, in
-  order, op by op, as hand-written VJP plumbing takes one vjp of a shared
-  pipeline (likewise item by item over a sweep's chunk);
-- any other: node by node, each under its kind's rule (:mod:`daskdag.rules.registry`),
-  leaving a :class:`StagePullback` of their pullbacks.
+  order, op by op (likewise item by item over a sweep's chunk);
+- any other: node by node, each under its kind's rule, leaving a :class:`StagePullback`.
 """
 
 from __future__ import annotations
@@ -88,13 +80,10 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
 
 class StagePullback(Pullback):
     """The backward half of a stage run node by node: its nodes' pullbacks, and the values of
-    its own nodes that later nodes took as inputs (a pullback that moved to another process
-    takes its input residuals from them, see :class:`~daskdag.rules.vjp.JaxPullback`).
-
-    Called as a :class:`~daskdag.rules.pullback.Pullback`: one cotangent per exposed node and
-    the values of ``stage.deps`` in; each dep's cotangent out. A node that fails is named in a
-    :class:`~daskdag.NodeError`.
-    """
+    its own nodes that later nodes took as inputs (a pullback moved to another process takes
+    its input residuals from them). Called as a :class:`~daskdag.rules.pullback.Pullback`,
+    one cotangent per exposed node in; a node that fails is named in a
+    :class:`~daskdag.NodeError`."""
 
     __slots__ = ("stage", "pullbacks", "values")
 
@@ -282,9 +271,7 @@ _by_nodes: Cache = Cache("fused stages by their node objects", 256)  # ids of no
 def fused_function(stage: Stage, nodes: Sequence[Node]):
     """The fused stage as one compiled function (:class:`~daskdag.graph.compiled.Compiled`, or
     over a batch as its nodes' kind runs one), the same object while the same node functions
-    live: its programs are cached by function, so later calls compile nothing. (The same node
-    objects, a prepared call's, find it at once: a node's function is a packed one, whose
-    content its token fixes.)"""
+    live: its programs are cached by function, so later calls compile nothing."""
     key = tuple(map(id, nodes))
     hit = _by_nodes.get(key)
     if hit is not None and hit[1] is stage and all(r() is n for r, n in zip(hit[0], nodes)):

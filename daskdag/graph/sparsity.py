@@ -1,19 +1,12 @@
-"""The sparsity pattern of a DAG's Jacobians, found without computing them.
+"""The sparsity pattern of a DAG's Jacobians, found without computing them: :func:`detect`, per
+output a boolean ``scipy.sparse.csr_array``, ``(its elements, the elements of every wrt name in
+order)``, over differentiable leaves in ``jax.tree.leaves`` order, each flattened in C order.
 
-In:  a :class:`~daskdag.model.plan.Plan` (outputs, ``wrt``) and the input values.
-Out: :func:`detect`, ``{output: pattern}``: a boolean ``scipy.sparse.csr_array`` per output,
-     ``(its elements, the elements of every wrt name in order)``, over differentiable leaves in
-     ``jax.tree.leaves`` order, each leaf flattened in C order: True where the output element
-     may depend on the input element.
-
-The DAG's structure composes each node's own pattern (per dep, which of the dep's elements each
-element of its value may depend on): a node's value depends on what its deps' values depend on.
-A node's own pattern comes from its jaxpr (:func:`daskdag.rules.sparsity.jaxpr_pattern`, exact
-up to its rules and sound everywhere), or, for a node that cannot be traced (Python control flow
-on values, NumPy code under its own rule), from probes: its Jacobian by its own rule at the
-point and at :data:`PROBES` random points near it, united. Probing runs that node and the
-nodes before it once more, here, and is only as sound as the probes are typical (a zero that
-happens at all of them is taken for structural).
+The DAG's structure composes each node's own pattern: from its jaxpr
+(:func:`daskdag.rules.sparsity.jaxpr_pattern`, sound everywhere), or for a node that cannot be
+traced, from probes: its Jacobian at the point and at :data:`PROBES` random points near it,
+united. Probing runs that node and those before it once more, and is only as sound as the
+probes are typical (a zero at all of them is taken for structural).
 """
 
 from __future__ import annotations

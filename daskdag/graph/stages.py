@@ -1,34 +1,23 @@
-"""Stages: the units a call runs as Dask tasks, between the plan and the graph.
-
-In:  a :class:`~daskdag.model.plan.Plan`.
-Out: its needed nodes grouped into :class:`Stage` s, in topological order. Nothing here runs a
-     node: :mod:`daskdag.graph.run` runs a stage's nodes, in the stage's forward task.
-
-A stage runs as one forward task and one backward task (for every output whose gradient passes
-through it: :func:`daskdag.graph.tasks.backward` pulls their cotangents back together). Two kinds:
+"""Stages: a plan's needed nodes grouped into the units a call runs as Dask tasks, in
+topological order (:mod:`daskdag.graph.run` runs them). A stage runs as one forward task and one
+backward task (for every output whose gradient passes through it). Two kinds:
 
 - **chains** of eager nodes ``n1 -> n2 -> ... -> nk``: each node but the last feeds only the next
-  and is no requested output. Every edge in a chain is a dependency Dask could never use (the
-  next node needs the value at once), while on a ``distributed`` cluster each task costs a
-  scheduler round trip of a few milliseconds. The nodes run one by one, under one ``jax.vjp``
-  of the chain (or each under its kind's rule, :mod:`daskdag.rules.registry`), so they keep
-  their semantics: called once, in order, op by op, Python control flow and side effects
-  included. A node with several consumers ends its
-  chain, so fan-out keeps its parallelism; a node that takes values from other stages starts a
-  chain of its own, so fan-in does too (a stage starts once all its deps are there).
+  and is no requested output, so each edge is a dependency Dask could never use, while each task
+  costs a scheduler round trip on a cluster. The nodes run one by one, under one ``jax.vjp`` of
+  the chain (or each under its kind's rule), so they keep their semantics: called once, in
+  order, op by op, side effects included. A node with several consumers ends its chain, and a
+  node that takes values from other stages starts one, so fan-out and fan-in keep their
+  parallelism (a stage starts once all its deps are there).
 - **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
-  function of the group's inputs, linearized once as one XLA program (in a sweep,
-  ``jit(vmap(vjp))`` over the chunk), so XLA sees across node boundaries. Several of its nodes
-  may be used outside it (or be requested outputs); their values are the stage's ``exposed``
-  values.
+  function of the group's inputs, linearized once as one XLA program, so XLA sees across node
+  boundaries. The values of its nodes used outside it (or requested) are its ``exposed`` values.
 
-A stage whose cotangents all start at its own outputs is *closed* (:mod:`daskdag.graph.build`): its
-forward task runs its backward pass too (:func:`daskdag.graph.tasks.forward_backward`); a fused one
-then runs as one program (:func:`daskdag.graph.run.gradients`), as ``jax.jit`` of each output's
-``value_and_grad`` would.
+A stage whose cotangents all start at its own outputs is *closed*: its forward task runs its
+backward pass too; a fused one as one program (:func:`daskdag.graph.run.gradients`).
 
-All nodes of a stage need the same resources. ``dask.config`` ``daskdag.fuse-chains`` (default
-True): False makes every node its own stage. A ``remat`` node is always a stage of its own.
+All nodes of a stage need the same resources. ``daskdag.fuse-chains`` False makes every node
+its own stage. A ``remat`` node is always a stage of its own.
 """
 
 from __future__ import annotations
@@ -102,11 +91,8 @@ class Stage:
 
 def stages_for(plan: Plan, packs: bool) -> tuple[Stage, ...]:
     """The plan's stages for a call whose graph takes its values packed (``packs``: it runs on
-    a cluster, or lazily) or as they are: connected jittable nodes join into one fused stage
-    (``fan_in``) in this process, where XLA spreads a large op over the cores anyway, and
-    elsewhere when every node the call needs is ``jit=True``: an all-``jit`` DAG is one program,
-    one task. Otherwise a node that takes values from several fused groups joins one of them,
-    so that the others can run side by side on other workers."""
+    a cluster, or lazily) or as they are: with ``fan_in`` (:func:`make_stages`) in this process,
+    and elsewhere when every node the call needs is ``jit=True``."""
     return make_stages(plan, fan_in=not packs or all(plan.spec.nodes[n].jit for n in plan.needed))
 
 
@@ -116,8 +102,7 @@ def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
     ``fan_in``: a jittable node that takes values from several fused groups joins them all
     into one (where no other group stands between them), so that a DAG of ``jit=True`` nodes
     is one program; else it joins one of them, and the others stay tasks of their own, which a
-    cluster can run side by side. (A call in this process takes the first: its tasks run on
-    one machine, where XLA spreads a large op over the cores anyway.)"""
+    cluster can run side by side."""
     grouping = _Grouping(plan, fan_in)
     for n in plan.needed:
         grouping.add(n)
@@ -135,8 +120,7 @@ class _Grouping:
     group of jittable nodes; ``alone[g]``, a ``remat`` node's group, which takes no other node;
     ``takes[g]``, the groups it takes values from.
 
-    A remat node is a stage of its own, run node by node: its backward task then redoes that
-    node alone, and no joint vjp of a chain, nor a fused program, keeps its residuals."""
+    A remat node is a stage of its own, so that its backward task redoes that node alone."""
 
     def __init__(self, plan: Plan, fan_in: bool):
         self.plan, self.spec, self.fan_in = plan, plan.spec, fan_in
@@ -189,11 +173,9 @@ class _Grouping:
 
     def _chain(self, n: str, deps: list[str]) -> int | None:
         """The chain of an eager node's dep ``d`` that ``n`` follows: ``d`` is its group's last
-        node, no output, and ``n`` its one consumer in the whole DAG (so that calls that need
-        different parts of it cut the chains they share alike, and calls computed together
-        share those stages' tasks); and ``n`` takes nothing the group does not wait for
-        already (a stage starts once all its deps are there: a fan-in node joining one
-        branch's chain would hold that branch back until the others are done)."""
+        node, no output, and ``n`` its one consumer in the whole DAG (so that calls computed
+        together cut, and share, their chains alike); and ``n`` takes nothing the group does
+        not wait for already (a fan-in node would hold that branch back)."""
         spec, node = self.spec, self.spec.nodes[n]
         for d in deps:
             g = self.group_of[d]

@@ -1,21 +1,12 @@
 """A call whose graph is one closed fused stage, run as one jitted program: one dispatch in this
 process, one task on a cluster (:func:`one_task`).
 
-In:  a :class:`~daskdag.model.plan.Plan` whose needed nodes are all one fused stage
-     (:mod:`daskdag.graph.stages`: every one ``jit=True``, none with rules of its own), whose
-     differentiated names are that stage's deps (the call's free inputs), and the stage's
-     nodes (their functions packed: :func:`daskdag.model.plan.ship`).
-Out: :class:`WholeGradients`: called with the input values and the outputs' cotangents, the
-     call's ``{output: (value, {input: grad})}`` as the call's graph computes it.
-
-In this process such a call's graph would run the stage's forward and backward passes as one
-program (:func:`daskdag.graph.tasks.forward_backward`) and then tasks that pick its values and
-lay out its gradients. Here all of it is one XLA program, compiled once for the call's shapes:
-the stage's nodes once, one backward pass per output that a differentiated input reaches,
-seeded by its cotangent (1 for a real scalar, else the one given: an input of the program, not
-part of it), and each gradient laid out as :func:`daskdag.graph.tasks.gradient` lays it out
-(the input's structure, its differentiable leaves of their JAX dtypes, ``None`` on the others).
-A call costs one dispatch of that program.
+Such a call's needed nodes are all one fused stage (every one ``jit=True``, none with rules of
+its own), its differentiated names that stage's deps. :class:`WholeGradients` computes the
+call's ``{output: (value, {input: grad})}`` as its graph would, as one XLA program compiled once
+for the call's shapes: the stage's nodes once, one backward pass per output a differentiated
+input reaches, seeded by its cotangent (an input of the program), and each gradient laid out as
+:func:`daskdag.graph.tasks.gradient` lays it out.
 """
 
 from __future__ import annotations
@@ -140,10 +131,9 @@ _made: Cache[Any] = Cache("whole programs", 64)
 
 def made_once(make: Callable[[], Any], what: tuple, nodes: Sequence[Node]) -> Any:
     """``make()``, a whole program of ``nodes``, or the one made already for the same ``what``
-    (its class, stage, outputs, inputs, mode) and the same functions (:func:`~daskdag.transport.
-    packing.current`: the same objects with the same content): a call compiled anew (prepared
-    calls off, a DAG entry replaced by an equal one) runs the program compiled already; a
-    function changed in place is another program."""
+    (its class, stage, outputs, inputs, mode) and the same functions with the same content
+    (:func:`~daskdag.transport.packing.current`): a call compiled anew runs the program
+    compiled already; a function changed in place is another program."""
     fns = [current(n.fn) for n in nodes]
     key = (*what, tuple(map(id, fns)))
     hit = _made.get(key)
@@ -202,12 +192,11 @@ WHAT = {"input": "input {!r}", "cotangent": "the cotangent of {!r}"}
 def program_task(program: Any, label: str, needs: Any, run: Callable,
                  slots: Sequence[tuple[str, str, Any]], transport: Transport, place,
                  kept: Sequence[tuple] = ()) -> OneTask:
-    """``run(program, *values)`` as one task on a cluster: ``program`` (with a ``token``) is a
-    value kept there under its token (``place``, :mod:`daskdag.running.resident`), sent by
-    the first call and reused by the worker that holds it; ``values`` are those of ``slots``
-    (``(kind, name, value)``, None where not given), packed for ``transport``, then the
-    cluster's kept values ``kept`` (``(key, fn, payload, needs)``, placed again so that they
-    stay). ``label`` names the task, ``needs`` its resources."""
+    """``run(program, *values)`` as one task on a cluster: ``program`` (with a ``token``) is
+    kept there under its token (``place``), sent by the first call; ``values`` are those of
+    ``slots`` (``(kind, name, value)``, None where not given), packed for ``transport``, then
+    the cluster's kept values ``kept`` (``(key, fn, payload, needs)``, placed again so that
+    they stay). ``label`` names the task, ``needs`` its resources."""
     intake = Intake(TaskGraph(), transport, place)
     held = intake.kept("program", label, program.token, identity, program, needs)
     args = [None if v is None else intake.packed(kind, name, WHAT[kind].format(name), v)

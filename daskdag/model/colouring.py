@@ -1,12 +1,10 @@
 """Sparse Jacobians in few passes: rows (reverse mode) or columns (forward mode) of a sparsity
 pattern grouped by a greedy graph colouring, as OpenMDAO colours total Jacobians.
 
-In:  a boolean pattern (``scipy.sparse`` or NumPy), ``(output elements, input elements)``.
-Out: :func:`colour_rows`, a colour per row such that no two rows of one colour share a column
-     (so the sum of a colour's rows, one reverse pass seeded with ones on them, still holds each
-     row's entries apart); :func:`colour_columns`, the same for columns (forward passes);
-     :func:`seeds`, one seed per colour; :func:`from_rows` / :func:`from_columns`, the Jacobian
-     back from the compressed passes, as a ``scipy.sparse.csr_array``.
+A pattern is boolean, ``(output elements, input elements)``. No two rows of one colour share a
+column, so one reverse pass seeded with ones on a colour's rows still holds each row's entries
+apart (columns likewise, forward); :func:`from_rows` and :func:`from_columns` take the Jacobian
+back from the compressed passes.
 """
 
 from __future__ import annotations
@@ -36,9 +34,7 @@ def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
 
 def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     """A colour (0, 1, ...) per row: rows that share a column get different colours. Greedy,
-    rows with the most entries first (Welsh-Powell); a band of width w takes w colours, a
-    block-diagonal pattern with blocks of b rows takes b. Remembered by the pattern's content
-    (a pattern detected once is used for many calls; a changed one is coloured anew)."""
+    rows with the most entries first (Welsh-Powell). Remembered by the pattern's content."""
     csr = as_pattern(pattern)
     csr.sort_indices()
     digest = hashlib.sha1(np.asarray(csr.shape).tobytes() + csr.indptr.tobytes()

@@ -39,10 +39,9 @@ def is_numeric(leaf) -> bool:
 
 
 def partition(tree, kind: Callable[[Any], int], kinds: int = 2) -> tuple[list[list], Callable]:
-    """``tree``'s leaves in ``kinds`` groups, by ``kind(leaf)`` (0, 1, ...), and ``combine(*groups)``,
-    the tree again from groups like them (iterables, each read in turn): equinox's
-    ``partition``/``combine``, on flat groups. An array is its own one leaf (no pytree walk:
-    the common case, paid per node per call)."""
+    """``tree``'s leaves in ``kinds`` groups, by ``kind(leaf)`` (0, 1, ...), and
+    ``combine(*groups)``, the tree again from groups like them: equinox's ``partition`` and
+    ``combine``, on flat groups. An array is its own one leaf (no pytree walk)."""
     leaves, treedef = ([tree], None) if isinstance(tree, ARRAYS) else jax.tree.flatten(tree)
     which = [kind(leaf) for leaf in leaves]
     groups: list[list] = [[] for _ in range(kinds)]

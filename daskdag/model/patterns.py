@@ -51,8 +51,6 @@ class Colours:
         return sum(count(c) for c in self.rows.values())
 
 
-
-
 def pattern_key(sparsity: Any) -> Any:
     """A ``sparsity`` argument as (part of) a preparation's key: by content (a pattern given as
     an array can change in place), ``"detect"`` or None as they are."""
@@ -81,10 +79,9 @@ def pattern_key(sparsity: Any) -> Any:
 
 def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], sparsity: Any,
                   outputs: str | Sequence[str]) -> dict[str, sp.csr_array]:
-    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, each a
-    boolean pattern (or of 0 and 1) checked against ``widths``, the elements of each wrt input
-    given (a node's are not known yet), and ``elements``, those of each output whose shape is
-    known before it runs: a :class:`~daskdag.DAGError` naming the output and input otherwise."""
+    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, each
+    checked against ``widths`` (each given wrt input's elements) and ``elements`` (each output's,
+    where known before it runs): a :class:`~daskdag.DAGError` naming the output and input."""
     import scipy.sparse as sp
     one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
         isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)

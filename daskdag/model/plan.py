@@ -1,8 +1,6 @@
-"""What one call needs: which nodes run, which run under ``jax.vjp``, which feed each gradient.
-
-In:  a :class:`~daskdag.model.spec.Spec`, the requested outputs, the inputs to differentiate (``wrt``).
-Out: a :class:`Plan`, and the plan with its node functions packed to travel (:func:`ship`).
-Nothing here runs a node.
+"""What one call needs (a :class:`Plan` of a spec, its outputs and ``wrt``): which nodes run,
+which run under ``jax.vjp``, which feed each gradient; :func:`ship` packs its node functions to
+travel. Nothing here runs a node.
 """
 
 from __future__ import annotations
@@ -30,10 +28,9 @@ class Plan:
         return [(c, i) for c, i in self.spec.uses.get(name, ()) if c in on_path]
 
     def cut(self, first) -> tuple[Spec, tuple[str, ...], Spec]:
-        """The plan cut in two: ``(part, taken, rest)``: ``part``, the spec of the needed nodes
-        ``first`` (which take nothing from the others), ``taken``, those of them the other
-        needed nodes take, and ``rest``, the spec of the other needed nodes, which take the
-        values of ``taken`` as inputs."""
+        """The plan cut in two: ``(part, taken, rest)``: the spec of the needed nodes ``first``
+        (which take nothing from the others), those of them the others take, and the spec of
+        the others, which take the values of ``taken`` as inputs."""
         first = [n for n in self.needed if n in set(first)]
         others = [n for n in self.needed if n not in set(first)]
         taken = tuple(n for n in first if any(c in others for c, _ in self.spec.uses.get(n, ())))
@@ -66,13 +63,10 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
 
 
 def ship(plan, transport: Transport, prints: dict | None = None):
-    """``plan`` with the function of every node it runs packed for ``transport``
-    (:meth:`~daskdag.transport.transports.Transport.packs_function`: every one, or in this
-    process only those of ``jit=True`` nodes; the others are called as they are), each distinct
-    function once, and each distinct array they hold hashed once (an array several functions
-    close over: a node's forward and backward rules, nodes sharing weights). The arrays live
-    through the call, so their ids name them. ``prints``: the functions' fingerprints already
-    taken in this call, by ``id`` (added to)."""
+    """``plan`` with the function of every node it runs packed where ``transport`` packs it
+    (:meth:`~daskdag.transport.transports.Transport.packs_function`), each distinct function
+    once, and each array they share hashed once (the arrays live through the call, so their
+    ids name them). ``prints``: fingerprints already taken in this call, by ``id`` (added to)."""
     packed: dict[int, object] = {}
     tokens: dict[int, str] = {}
     prints = {} if prints is None else prints

@@ -1,10 +1,7 @@
-"""One request, checked the same way for every entry point and the command line.
-
-In:  what the user passed: the DAG, the inputs, the outputs, ``wrt``, cotangents, tangents, a
-     sweep's ``batched`` inputs and ``chunk_size``.
-Out: a :class:`Request` (:func:`prepare`): the parsed spec, the output names, the input values,
-     the names to differentiate, the cotangents; or a :class:`~daskdag.DAGError` naming the
-     input, output or node at fault, before anything runs.
+"""What the user passed (DAG, inputs, outputs, ``wrt``, cotangents, tangents, a sweep's
+``batched`` and ``chunk_size``), checked the same way for every entry point and the command
+line, before anything runs: a :class:`Request`, or a :class:`~daskdag.DAGError` naming the
+input, output or node at fault.
 """
 
 from __future__ import annotations
@@ -72,10 +69,9 @@ def input_values(spec, x, outputs) -> dict[str, Any]:
     """``{input: value}`` for the inputs given, checking that every needed one is.
 
     With several free inputs, ``x`` is a mapping ``{input_name: value}``. With one, ``x`` is its
-    value, any pytree, but for two readings of a mapping: one with the input's name as a key
-    is the ``{input_name: value}`` form (other keys are then refused), and one that reads as a
-    value given under another name is refused (:func:`_misnamed`). Raises :class:`DAGError`
-    naming the input, and the node a misspelt dep comes from."""
+    value, any pytree, except a mapping with the input's name as a key (the ``{input_name:
+    value}`` form) or one that reads as a value given under another name (:func:`_misnamed`,
+    refused)."""
     if len(spec.inputs) == 1:
         (name,) = spec.inputs
         if _names_the_input(name, x):
@@ -280,10 +276,9 @@ def _differentiable(value) -> bool:
 
 def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
     """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
-    k)``, for the inputs with a differentiable leaf (the others are held constant), ``k`` the
-    number of directions with ``batched``, else None. (A sweep's batched inputs and their
-    tangents carry its items alike, dask arrays too, kept as they are.) ``None`` at a differentiable leaf is a zero
-    tangent; at other leaves a tangent must be None. Raises :class:`DAGError` naming the input."""
+    k)``, for the inputs with a differentiable leaf, ``k`` the number of directions with
+    ``batched``, else None (dask arrays kept as they are). ``None`` at a differentiable leaf is
+    a zero tangent; at other leaves a tangent must be None."""
     if len(spec.inputs) == 1:  # (x's reading: a mapping with the input's name as a key names it)
         (name,) = spec.inputs
         if _names_the_input(name, tangents):

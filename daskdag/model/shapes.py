@@ -1,12 +1,6 @@
-"""The shapes of a DAG's values, found without running a node on data.
-
-In:  a spec, the names wanted, the inputs' values (or one item's shapes), and how to call a node.
-Out: ``{name: ShapeDtypeStruct tree}``; :data:`UNKNOWN` where a node cannot be traced abstractly;
-     on request, each traced node's jaxpr (:class:`Traced`), for what its rules can do.
-
-Each node is traced with ``jax.eval_shape`` (or ``jax.make_jaxpr``) on its deps' shapes: its
-Python code runs once on abstract values (no arithmetic; a ``jit=True`` node's trace is the one
-its call reuses).
+"""The shapes of a DAG's values, found without running a node on data: each node traced with
+``jax.eval_shape`` (or ``jax.make_jaxpr``, :class:`Traced`) on its deps' shapes, its Python code
+run once on abstract values; :data:`UNKNOWN` where it cannot be.
 """
 
 from __future__ import annotations
@@ -104,10 +98,9 @@ def _traced(fn, args, jaxpr: bool) -> tuple[Any, Traced | None]:
 
 def signature(value) -> tuple:
     """What a call's preparation may depend on in an input, as a hashable key: its pytree
-    structure and, per leaf, the shape and JAX dtype of an array, NumPy's or JAX's (a JAX
-    array's weak type too), the value of an integer, boolean or string (held constant, it may set a shape), the
-    type of a float (differentiated: its value changes nothing prepared), and any other object
-    itself (a function held constant: by its equality, which for a function is identity)."""
+    structure and, per leaf, an array's shape and JAX dtype (and weak type), the value of an
+    integer, boolean or string (it may set a shape), the type of a float (differentiated: its
+    value changes nothing prepared), and any other object itself (by equality)."""
     leaves, treedef = jax.tree.flatten(value)
     return treedef, tuple(map(_leaf_signature, leaves))
 

@@ -1,8 +1,5 @@
-"""The user's DAG dict, validated into a :class:`Spec`.
-
-In:  ``{name: (fn, [dep, ...])}`` or ``{name: Node(fn, deps, jit=...)}``; a dep that is not a node
-     name is a free input.
-Out: a :class:`Spec`: the nodes, the free inputs, and a topological order.
+"""The user's DAG dict, ``{name: (fn, [dep, ...])}`` or ``{name: Node(fn, deps, ...)}``, validated
+into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), a topological order.
 """
 
 from __future__ import annotations
@@ -51,11 +48,10 @@ class Node:
         jvp: for forward mode, ``jvp(args, tangents) -> (out, out_tangent)``.
         remat: keep no residuals between the node's forward and backward tasks: its backward
             task runs the node's forward pass again (under its rule, the user's own ones
-            included) and pulls the cotangent back at once, as ``jax.checkpoint`` does. It
-            trades one more forward pass of the node for the memory its residuals would hold
-            until the backward pass. ``None`` (the default) takes ``dask.config``'s
-            ``daskdag.remat`` (default False) when the DAG is parsed. A remat node is a stage (a
-            task) of its own.
+            included) and pulls the cotangent back at once, as ``jax.checkpoint`` does, trading
+            one more forward pass for the memory its residuals would hold. ``None`` (the
+            default) takes ``dask.config``'s ``daskdag.remat`` (default False) when the DAG is
+            parsed. A remat node is a stage (a task) of its own.
 
     Examples of each kind of node: the guides, "Gradients" and "Nodes outside JAX".
     """
@@ -78,8 +74,8 @@ class Node:
         return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        # jax caches compilations by the wrapped function, so re-wrapping costs nothing; a
-        # packed function is jitted as the one object its process keeps for its content.
+        # jax caches compilations by the wrapped function; a packed one is jitted as the one
+        # object its process keeps for its content.
         return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
 
     def __reduce__(self) -> tuple:

@@ -1,24 +1,14 @@
 """Nodes outside JAX: a function whose derivatives the user gives, run on plain NumPy values.
 
-In:  from :class:`~daskdag.Node`, one of
-     ``Node(fn, deps, vjp=vjp)``: ``vjp(ct, out, *args)``, from the output's cotangent, the
-     output and the node's inputs, returns one cotangent per dep; or
-     ``Node(fwd=fwd, bwd=bwd, deps=deps)``: ``fwd(*args) -> (out, residuals)`` and
-     ``bwd(residuals, ct)`` returning one cotangent per dep, as :func:`jax.custom_vjp`'s;
-     with either, or alone beside ``fn``, ``jvp=jvp``: ``jvp(args, tangents) -> (out,
-     out_tangent)``, as :func:`jax.custom_jvp`'s rule, for :func:`daskdag.compute_jvps`.
-Out: rules for a :class:`~daskdag.model.custom.Custom` function (the parsed node's ``fn``),
-     registered (:mod:`daskdag.rules.registry`): its forward pass leaves a :class:`CustomPullback`;
-     in forward mode it runs the user's ``jvp``.
+The rules of a :class:`~daskdag.model.custom.Custom` function (``vjp=``, ``fwd=``/``bwd=``,
+``jvp=``, as :class:`~daskdag.Node` documents them), registered with
+:mod:`daskdag.rules.registry`: its forward pass leaves a :class:`CustomPullback`; forward mode
+runs the user's ``jvp``.
 
-The user's functions get the values as NumPy arrays (JAX arrays converted; other leaves as they
-are), never tracers, and may run any Python code. A cotangent handed to ``vjp``/``bwd`` has the
-output's structure, ``None`` at the leaves held constant (integers...); what they return is
-checked against the deps: one cotangent per dep, each with its dep's structure and shapes
-(``None`` for a dep, or a leaf, with no cotangent: zeros), else an error naming the node,
-the dep and what was expected. Residuals are any pytree: when Dask moves the backward task to
-another process they travel with it (NumPy arrays as zero-copy frames), the functions by value
-(:mod:`daskdag.transport.packing`).
+The user's functions get NumPy values, never tracers. A cotangent handed to ``vjp``/``bwd`` has
+the output's structure, ``None`` at the leaves held constant; what they return is checked: one
+cotangent per dep, each with its dep's structure and shapes (``None``: zeros), else an error
+naming the node, the dep and what was expected. Residuals are any pytree, packed to travel.
 """
 
 from __future__ import annotations
@@ -65,12 +55,9 @@ def push(custom: Custom, node, args: Sequence[Any], tangents: Sequence[Any],
 
 
 class CustomPullback(Pullback):
-    """The backward half of a :class:`Custom` node at one point: its residuals (``fwd``'s, or
-    for ``vjp=`` the output; the inputs come with each call). Called as a
-    :class:`~daskdag.rules.pullback.Pullback`: ``(ct, inputs)``, ``ct`` a flat tuple over the output's
-    differentiable leaves; returns per dep a flat tuple of its leaves' cotangents, ``None`` for
-    the deps held constant. ``fn``: the node's function as the node holds it (packed, so that
-    it travels by value)."""
+    """The backward half of a :class:`Custom` node at one point, called as a
+    :class:`~daskdag.rules.pullback.Pullback`: its residuals (``fwd``'s, or for ``vjp=`` the
+    output). ``fn``: the node's function as the node holds it (packed, to travel by value)."""
 
     batching = None  # never stacked under vmap: the user's code takes one cotangent
     traceable = False  # (nor traced: a Jacobian's rows go one by one)
@@ -103,8 +90,7 @@ class CustomPullback(Pullback):
         return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(self.residuals))
 
     def __reduce__(self):
-        # Residuals and the output's structure travel packed, as inputs do: by value where they
-        # are the user's classes, arrays as out-of-band (zero-copy) buffers.
+        # Residuals and the output's structure travel packed, as inputs do.
         return _received, (self.fn, self.deps, self.active,
                            pack((self.out_def, self.mask, self.residuals), hashed=False))
 

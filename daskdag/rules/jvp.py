@@ -39,11 +39,10 @@ def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[b
 
 
 def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None = None):
-    """``rule(args, tangents, active)`` for ``k`` directions at once: ``tangents`` carry a
-    leading axis of ``k``, and so does the returned tangent. One call under ``jax.vmap`` over
-    that axis (the primal is not batched); where that fails (code ``vmap`` cannot trace), one
-    call per direction. ``chunk``: at most that many directions per call (each call runs the
-    rule, so the node's function, once more)."""
+    """``rule(args, tangents, active)`` for ``k`` directions at once (``tangents`` and the
+    returned tangent carry a leading axis of ``k``): one call under ``jax.vmap``, else, where
+    ``vmap`` cannot trace it, one call per direction. ``chunk``: at most that many directions
+    per call."""
     if chunk is not None and chunk < k:
         parts = [directions(rule, args, jax.tree.map(lambda a: a[s:s + chunk], tuple(tangents)),
                             active, min(chunk, k - s)) for s in range(0, k, chunk)]

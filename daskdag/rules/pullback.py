@@ -1,11 +1,6 @@
-"""The pullback protocol: what every backward half of a forward pass offers, whoever made it.
-
-A pullback is what a forward task leaves for its backward task: JAX's vjp of a node
-(:class:`~daskdag.rules.vjp.JaxPullback`), the user's own rule
-(:class:`~daskdag.rules.custom.CustomPullback`), a stage's nodes together
-(:mod:`daskdag.graph.run`), a sweep chunk's items (:mod:`daskdag.sweeps.chunked`). All of them
-are :class:`Pullback` s, so Dask sizes and moves every one the same way, registered once
-(:func:`daskdag.transport.protocol.travels`).
+"""The pullback protocol: what every backward half of a forward pass offers, whoever made it
+(JAX's vjp, the user's rule, a stage's nodes together, a sweep's chunk), so that Dask sizes and
+moves every one the same way, registered once (:func:`daskdag.transport.protocol.travels`).
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ class Batching:
 
 
 # A compiled program's batched trace is cached, so batching gains from 2 cotangents on. vmap of
-# an eager pullback traces it anew each call: it pays only for many small cotangents, where
-# dispatching op by op costs more than the ops (the figures: docs/performance.md, "Measurements
-# behind the code").
+# an eager pullback traces it anew each call: it pays only for many small cotangents.
 COMPILED = Batching(2)
 EAGER = Batching(8, 2 ** 15)
 
@@ -50,20 +43,15 @@ class Pullback(abc.ABC):
     """The backward half of a forward pass at one point.
 
     Call: ``pullback(ct, inputs, dropped=None)``. ``ct``: the cotangent of what the forward
-    pass returned, as flat tuples of leaves (:mod:`daskdag.model.leaves`; a stage's pullback
-    takes one per exposed node, ``None`` where none flows); ``inputs``: the forward pass's
-    inputs, which the backward task holds anyway; ``dropped()``, asked between two nodes, stops
-    it (:class:`~daskdag.cancel.Cancelled`). Returns one cotangent per input, ``None`` for
-    those held constant.
-
-    It crosses processes by pickling (its ``__reduce__``), its arrays as zero-copy frames; what
-    moving it costs, :meth:`residual_nbytes`, is what Dask counts it as.
+    pass returned, as flat tuples of leaves (a stage's pullback takes one per exposed node,
+    ``None`` where none flows); ``inputs``: the forward pass's inputs, which the backward task
+    holds anyway; ``dropped()``, asked between two nodes, stops it. Returns one cotangent per
+    input, ``None`` for those held constant. Dask counts it as :meth:`residual_nbytes`.
     """
 
-    #: When several cotangents are best pulled back at once (:func:`daskdag.graph.tasks.backward`):
-    #: :data:`COMPILED`, a program of a stable identity, which ``jax.vmap`` batches once and
-    #: reuses; :data:`EAGER`, JAX's vjp of plain code, whose ops ``vmap`` traces anew on every
-    #: call; None, never (the user's code, or the vjp of a jitted function, which ``vmap``
+    #: When several cotangents are best pulled back at once: :data:`COMPILED` (a program
+    #: ``jax.vmap`` batches once), :data:`EAGER` (JAX's vjp of plain code, traced anew each
+    #: call), None: never (the user's code, or the vjp of a jitted function, which ``vmap``
     #: recompiles on every call).
     batching: Batching | None = None
     #: JAX can trace it (``jax.vmap`` over a Jacobian's rows); the user's own NumPy code cannot.

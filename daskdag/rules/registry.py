@@ -29,11 +29,10 @@ class Rules:
     linearize: Callable | None = None
     push: Callable | None = None
     #: For a function that maps one element's node over a batch (a sweep's chunk of items):
-    #: ``element(fn) -> (node, in_axes)``, the node one element runs and, per dep, its batch
-    #: axis (0) or None; and ``batch(fn, in_axes, vectorized)``, a function of one element (a
-    #: fused stage's nodes) made to run over the batch the same way, as
-    #: :class:`~daskdag.graph.compiled.Compiled` does (``vectorized``: under ``jax.vmap``, else
-    #: element by element, its ``linearize_values`` a chain's values).
+    #: ``element(fn) -> (node, in_axes)``, the node one element runs and per dep its batch axis
+    #: (0) or None; ``batch(fn, in_axes, vectorized)``, a function of one element (a fused
+    #: stage's nodes) made to run over the batch the same way (``vectorized``: under
+    #: ``jax.vmap``, else element by element).
     element: Callable | None = None
     batch: Callable | None = None
 

@@ -1,12 +1,8 @@
 """Rematerialization (``Node(..., remat=True)``, ``daskdag.remat``): a node's forward task keeps
 no residuals; its backward task runs the node's forward pass again, under the node's own rule
-(:func:`daskdag.rules.registry.linearizer`: JAX's vjp, a jitted function's, the user's
-``vjp=``/``fwd=``/``bwd=``, a sweep's chunk), and pulls the cotangents back at once, as
-:func:`jax.checkpoint` does inside one program.
-
-The backward task holds the node's inputs anyway (:class:`~daskdag.rules.pullback.Pullback`'s
-``inputs``), so the :class:`RematPullback` a forward task leaves holds only the node and which
-deps are differentiated: Dask counts it as nothing, and it moves between workers as the node.
+(:func:`daskdag.rules.registry.linearizer`), and pulls the cotangents back at once, as
+:func:`jax.checkpoint` does. The backward task holds the node's inputs anyway, so a
+:class:`RematPullback` holds only the node and its active deps: Dask counts it as nothing.
 """
 
 from __future__ import annotations
@@ -33,10 +29,9 @@ def forward(node: Node, inputs: Sequence[Any], active: tuple[bool, ...]):
 
 
 class RematPullback(Pullback):
-    """The backward half of a ``remat`` node: its node and ``active`` (per dep, differentiated),
-    no residuals. :meth:`materialize` redoes the forward pass on the backward task's inputs and
-    returns the node's ordinary pullback, which the backward task uses for all its cotangents
-    and drops when it ends; calling it directly does both."""
+    """The backward half of a ``remat`` node: its node and ``active``, no residuals.
+    :meth:`materialize` redoes the forward pass on the backward task's inputs and returns the
+    node's ordinary pullback, used for all the task's cotangents; calling it does both."""
 
     batching = None  # (not until materialized: then its node's pullback's)
     traceable = False

@@ -1,21 +1,16 @@
 """The sparsity pattern of a JAX function's Jacobian, read off its jaxpr.
 
-In: a function, its positional arguments (pytrees of arrays, Python scalars or
-``jax.ShapeDtypeStruct``) and, per argument, whether it is differentiated. Out: per active
-argument a boolean ``scipy.sparse.csr_array`` of shape ``(n_out, n_arg)`` whose entry
-``[r, c]`` is True when output element ``r`` may depend on argument element ``c``; rows and
-columns count only differentiable leaves (:func:`daskdag.model.leaves.is_differentiable`), in
-``jax.tree.leaves`` order, each leaf flattened C-order. Used to compress Jacobians (fewer
-probes), so it must be *sound*: a superset of the nonzeros of the Jacobian at any point.
+Per active argument, a boolean ``scipy.sparse.csr_array`` ``(n_out, n_arg)``, True where output
+element ``r`` may depend on argument element ``c``, over differentiable leaves in
+``jax.tree.leaves`` order, each flattened C-order. It must be *sound*: a superset of the
+Jacobian's nonzeros at any point. A function JAX cannot trace abstractly gives None (the caller
+probes instead).
 
-A function JAX cannot trace abstractly (Python control flow on values, NumPy code) gives None:
-the caller probes instead.
-
-How: the function is traced with abstract arguments (their values are never used, inactive
-ones included: the pattern depends only on shapes, dtypes and ``fn``'s own constants), and the jaxpr is interpreted carrying, per variable, a
-boolean matrix ``D`` (one row per element, one column per input element: "may depend on"),
-and, for variables that depend on no argument (constants, literals, iota and ops on them), the
-value. Each primitive has a rule; a rule is exact only where it can see structure:
+How: the function is traced with abstract arguments (the pattern depends only on shapes, dtypes
+and ``fn``'s own constants), and the jaxpr is interpreted carrying, per variable, a boolean
+matrix ``D`` (one row per element, one column per input element: "may depend on") and, for
+variables that depend on no argument (constants, iota and ops on them), the value. Each
+primitive has a rule, exact only where it can see structure:
 
 * elementwise ops: row ``i`` of the output is the union of row ``i`` of the operands;
 * data movement (slice, gather, pad, ...): the primitive is run on integer arrays holding
@@ -25,9 +20,10 @@ value. Each primitive has a rule; a rule is exact only where it can see structur
 * calls (jit, custom_jvp/vjp, checkpoint): the sub-jaxpr is interpreted (for custom rules,
   the primal's structure, which the rule's must share).
 
-Any other primitive (control flow, sort, scatter...), or a rule that cannot see enough (an
-index that depends on the arguments), takes the union of all its operands' rows for every output element: sound, since
-an output can depend only on its operands. Integer and boolean values carry no derivative.
+Any other primitive (control flow, sort, scatter...), or a rule that cannot see enough (an index
+that depends on the arguments), gives every output element the union of all its operands' rows:
+sound, since an output depends only on its operands. Integer and boolean values carry no
+derivative.
 """
 
 from __future__ import annotations

@@ -21,18 +21,13 @@ from daskdag.transport import programs
 
 class JaxPullback(Pullback):
     """The backward half of one node's ``jax.vjp`` at one point, in the process that ran its
-    forward pass: JAX's own vjp function, which holds the residuals.
-
-    Called as a :class:`~daskdag.rules.pullback.Pullback`: the cotangent of the node's output
-    (a flat tuple) and the node's dep values in; each differentiated dep's cotangent out,
-    ``None`` for the deps held constant. Its ``batching`` is
+    forward pass: JAX's own vjp function, which holds the residuals. Its ``batching`` is
     :data:`~daskdag.rules.pullback.EAGER` for JAX's vjp of plain code, as given for a compiled
     program, else None.
 
-    When Dask moves it elsewhere it travels as :meth:`portable` and arrives as a
-    :class:`ProgramPullback`: an exported program plus its residual arrays, less those that
-    are the node's own inputs, which the backward task holds anyway. A program that cannot be
-    exported (a host callback inside) arrives as a :class:`RedonePullback` instead.
+    Moved elsewhere, it travels as :meth:`portable` and arrives as a :class:`ProgramPullback`
+    (an exported program plus its residual arrays, less the node's own inputs), or where the
+    program cannot be exported (a host callback inside) as a :class:`RedonePullback`.
     """
 
     __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_rows")
@@ -120,12 +115,9 @@ class RedonePullback(Pullback):
 
 
 def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
-    """Run the node's function once under ``jax.vjp``, differentiating the differentiable leaves
-    of the ``active`` args; everything else (inactive args, other leaves) is held constant, so
-    it gets no cotangent and costs no backward work.
-
-    Returns ``(primal, Pullback)``; the primal is the function's output as it returned it.
-    """
+    """``(primal, Pullback)``: the node's function run once under ``jax.vjp``, differentiating
+    the differentiable leaves of the ``active`` args; everything else is held constant (no
+    cotangent, no backward work)."""
     primal, primal_diff, vjp_fn = vjp_leaves(node.callable(), args, active)
     return primal, JaxPullback(node, active, diff_counts(args, active), vjp_fn, tuple(args),
                             ct_avals(primal_diff))
@@ -142,10 +134,9 @@ def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
 
 def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
     """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
-    and ``jax.jvp`` (:func:`daskdag.graph.forward.jvp_leaves`): returns ``(diff, fn_of_diff, rebuild)``:
-    those leaves; ``fn_of_diff(*diff)``, which gives the differentiable leaves of ``fn``'s
-    output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, once it ran, the
-    output as ``fn`` returned it."""
+    and ``jax.jvp``: ``(diff, fn_of_diff, rebuild)``: those leaves; ``fn_of_diff(*diff)``, the
+    differentiable leaves of ``fn``'s output and, as aux, its other numeric leaves;
+    ``rebuild(out_diff, held)``, once it ran, the output as ``fn`` returned it."""
     parts = [partition(a, _differentiated) if on else ([[], [a]], _itself)
              for a, on in zip(args, active)]
     diff = [leaf for (taken, _), _ in parts for leaf in taken]

@@ -1,9 +1,6 @@
-"""Checks on a ``distributed`` cluster before a graph goes to it.
-
-Each failure they catch would otherwise be cryptic or silent: a closed client fails deep inside
-distributed; a scheduler without workers, or without a worker offering a resource a node needs,
-leaves tasks waiting forever; a backward program exported under other JAX versions may compute
-something else.
+"""Checks on a ``distributed`` cluster before a graph goes to it, for failures that would
+otherwise be cryptic or silent: a closed client, no worker (or none offering a node's resource),
+workers under other JAX versions (whose backward programs may compute something else).
 """
 
 from __future__ import annotations
@@ -32,13 +29,9 @@ _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> (
 
 
 def workers(client, timeout: float | None = None) -> dict[str, dict]:
-    """``{address: info}`` of the cluster's workers, asked of the scheduler now; ``timeout``:
-    seconds to wait for its answer (default: distributed's connect timeout, 30 s) before
-    ``TimeoutError``.
-
-    (``client.scheduler_info()`` can return a cached copy without workers, which a background
-    refresh may have just written.)
-    """
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now (not
+    ``client.scheduler_info()``, whose cached copy may lack them); ``timeout``: seconds to wait
+    (default: distributed's connect timeout) before ``TimeoutError``."""
     return client.sync(client.scheduler.identity, n_workers=-1,
                        callback_timeout=timeout)["workers"]
 
@@ -52,16 +45,10 @@ def check(client, plan: Plan) -> dict[str, dict]:
     """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
     return the workers found (:func:`workers`).
 
-    A check stands for :data:`RECHECK` seconds: the calls of a loop ask the scheduler once a
-    second, not once each (a refusal is always asked again).
-
-    With no worker yet, waits up to ``dask.config`` ``daskdag.worker-wait`` (default 30 s) for
-    one to join, asking for it the way a task would, so adaptive clusters scale up.
-
-    Then, once per client, after the version check (so that workers can unpickle them),
-    registers daskdag's worker plugins: its serializers (:func:`serializers_on_workers`) and,
-    where ``daskdag.tune-workers`` is true (it is off by default), the malloc tuning
-    (:mod:`daskdag.running.workers`).
+    A check stands for :data:`RECHECK` seconds (a refusal is always asked again). With no worker
+    yet, it waits up to ``daskdag.worker-wait`` for one, asking the way a task would, so adaptive
+    clusters scale up. Then, once per client, after the version check, it registers daskdag's
+    worker plugins (:func:`serializers_on_workers`, :func:`tune_workers`).
     """
     check_client(client)
     last = _checked.get(client)
@@ -86,9 +73,8 @@ _told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered t
 
 def serializers_on_workers(client) -> None:
     """Register :class:`daskdag.running.workers.Serializers` with ``client``'s scheduler, once
-    per client object: every worker, and every worker that joins later, then knows daskdag's
-    serializers (JAX arrays as zero-copy frames) before it runs any of daskdag's tasks.
-    (Workers import daskdag's modules only when a task needs them.)"""
+    per client object, so that every worker, now or later, knows daskdag's serializers before
+    it runs any of daskdag's tasks."""
     if client in _told:
         return
     _told.add(client)
@@ -162,10 +148,8 @@ def _check_resources(plan: Plan, workers: dict) -> None:
 
 
 def _check_versions(client, listed: dict[str, dict]) -> None:
-    # Each worker process once: it cannot change its versions, but a worker replaced at the same
-    # address may run others, so a worker is known by its address and its local directory,
-    # which distributed makes anew for each worker process. Asking costs one round trip to the
-    # workers, about 4 ms on a local 2-worker cluster.
+    # Each worker process once, known by its address and its local directory (made anew for
+    # each worker process: one replaced at the same address may run other versions).
     known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
     ask = [a for a, k in known.items() if k not in _same_versions or k[1] is None]
     if not ask:
@@ -174,17 +158,14 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
     try:
         found = client.run(versions, workers=ask, on_error="return", callback_timeout=VERSIONS_WAIT)
     except TimeoutError:
-        # A worker that died just as it joined is still listed until the scheduler gives up
-        # on it, and reaching it waits for distributed's connect timeout (30 s): the call goes
-        # on (the scheduler moves work off dead workers), and the next call asks again.
+        # A worker that died as it joined stays listed, and reaching it waits for the connect
+        # timeout: the call goes on, and the next call asks again.
         return
     with _lock:
         _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
         while len(_same_versions) > KNOWN_WORKERS:
             _same_versions.pop()
-    # A worker that could not be reached (it died since it was listed, as when a whole cluster
-    # is lost and restarted) says nothing about versions: it is asked again when it is back,
-    # and the scheduler gives its work to others meanwhile.
+    # A worker that could not be reached says nothing about versions: it is asked again later.
     wrong = {addr: v for addr, v in found.items()
              if v != here and not isinstance(v, (OSError, TimeoutError))}
     if wrong:
@@ -198,10 +179,9 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
 
 class Watch:
     """Whether a call waiting on ``client``'s cluster can still finish there: :meth:`check`,
-    called now and then while it waits, raises :class:`~daskdag.ClusterError` once the cluster
-    has had no worker that can run the call (none at all, or none offering a resource one of
-    the ``plan``'s nodes needs) for longer than ``daskdag.worker-wait``. Workers that come back
-    within that time (a nanny restarting them) take the call up again."""
+    called now and then, raises :class:`~daskdag.ClusterError` once no worker could run the
+    call (none at all, or none offering a node's resources) for longer than
+    ``daskdag.worker-wait``; workers back within that time take the call up again."""
 
     def __init__(self, client, plan: Plan | None = None):
         self.client, self.plan = client, plan

@@ -1,17 +1,14 @@
 """Running one call's graph: on Dask's local scheduler or a ``distributed`` client, with an
 optional progress bar over its tasks, and leaving nothing running when interrupted.
 
-Ctrl-C: Dask's local scheduler hands a task to a thread only when one is free, so once the
-interrupt leaves its loop no further task starts, and the stages running in the background stop
-at their next node (the call's ``stop`` event). On a cluster the call's futures are released, so
-the scheduler cancels every task of the call that no other call wants, and a running stage
-stops at its next node (:func:`daskdag.cancel.dropped`).
+Ctrl-C: locally no further task starts, and the stages running stop at their next node (the
+call's ``stop`` event). On a cluster the call's futures are released, so the scheduler cancels
+every task no other call wants, and a running stage stops at its next node
+(:func:`daskdag.cancel.dropped`).
 
-Workers lost: the scheduler runs again, on the workers left or on those that replace them, what
-the lost ones held or ran (a call's inputs and nodes are tasks too, :mod:`daskdag.running.resident`).
-While the cluster has no worker that can run the call, a :class:`~daskdag.running.cluster.Watch`
-counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.ClusterError`
-saying so, instead of waiting forever.
+Workers lost: the scheduler runs again what the lost ones held or ran (a call's inputs and nodes
+are tasks too). While no worker can run the call, a :class:`~daskdag.running.cluster.Watch`
+counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.ClusterError`.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
 
 def where(client, scheduler) -> tuple[Any, str | None]:
     """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here
-    (``"threads"``, ``"sync"``, or ``"processes"``: Dask's multiprocessing scheduler). As
-    ``dask.compute`` decides (``dask.base.get_scheduler``): ``scheduler=`` or ``client=`` given
-    first, then Dask's ``scheduler`` setting (``dask.config.set(scheduler="sync")``), then the
-    default ``distributed`` client, else threads."""
+    (``"threads"``, ``"sync"`` or ``"processes"``), as ``dask.compute`` decides: ``scheduler=``
+    or ``client=``, then Dask's ``scheduler`` setting, then the default client, else threads."""
     found = _where(client, scheduler)
     if found[0] is not None:  # (a cluster: distributed's serializers for daskdag's objects)
         protocol.with_distributed()
@@ -126,11 +121,10 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
             plan=None) -> dict:
     """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, a prepared local call's
     :class:`~daskdag.running.local.Filled` graph, or a cluster's call as one
-    :class:`~daskdag.graph.whole.OneTask`) computed, in that structure:
-    on ``client``, else on Dask's ``local`` scheduler (``"threads"``, ``"sync"``) in this
-    process, whatever default client exists. ``stop``: the ``daskdag.cancel.Stop`` a local
-    graph's stages watch; set when the call ends early. ``plan``: the call's, for what the
-    cluster must offer (:class:`~daskdag.running.cluster.Watch`)."""
+    :class:`~daskdag.graph.whole.OneTask`) computed, in that structure: on ``client``, else on
+    Dask's ``local`` scheduler, whatever default client exists. ``stop``: the
+    ``daskdag.cancel.Stop`` a local graph's stages watch; set when the call ends early.
+    ``plan``: the call's, for what the cluster must offer."""
     dsk: dict = {}
     known: dict = {}
     # (jax.tree sorts a dict's keys: the results go back in the order the call named them)
@@ -145,8 +139,8 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
         if client is None:  # (one graph: every result is a key of it)
             dsk, keys = dict(delayed[0].dask), [d.key for d in delayed]
     if client is None:
-        # The graph as it is, to the scheduler's own function: it is fused into stages
-        # already, so dask.compute's collection optimizations would cost a call for nothing.
+        # To the scheduler's own function: the graph is fused already, so dask.compute's
+        # optimizations would cost for nothing.
         try:
             from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
             with ProgressBar() if progress else contextlib.nullcontext():
@@ -176,12 +170,10 @@ def _in_order(results: dict, order) -> dict:
 
 
 def wait(client, futures: list, watch: Watch) -> None:
-    """Until every future is done (finished, failed or cancelled), looking at the cluster every
-    :data:`POLL` seconds meanwhile (``watch.check()`` raises when it can no longer run them).
-
-    (Told by the futures' own callbacks: ``distributed.wait`` needs the client made current,
-    and ``Client.as_current`` sets Dask's global config, which calls from several threads at
-    once leave set to ``dask.distributed`` when they finish out of order.)"""
+    """Until every future is done, looking at the cluster every :data:`POLL` seconds meanwhile
+    (``watch.check()`` raises when it can no longer run them). Told by the futures' callbacks:
+    ``distributed.wait`` needs ``Client.as_current``, which sets Dask's global config, left
+    wrong by calls from several threads that finish out of order."""
     done = Arrivals(futures)
     while not done.all(POLL):
         watch.check()
@@ -227,8 +219,7 @@ class Arrivals:
 @contextlib.contextmanager
 def _bar(client, futures):
     """distributed's text progress bar over ``futures``, drawn from a thread of its own while
-    the call waits (it blocks until they finish, and in a notebook the widget would return at
-    once and, not being displayed, show nothing)."""
+    the call waits (it blocks; a notebook's widget would show nothing)."""
     import distributed  # (imported once a call goes to a cluster)
     bar = threading.Thread(target=distributed.progress, args=(futures,), daemon=True,
                            kwargs={"scheduler": client.scheduler.address, "notebook": False})

@@ -1,13 +1,6 @@
-"""What daskdag reads of Dask's threaded scheduler (``dask.local``) that Dask does not document:
-in one place, so that a Dask release that changes it fails
-``tests/test_internal_dask_local.py`` rather than silently changing how local calls run.
-
-- ``dask.local`` hands its pool ``submit(batch_execute_tasks, batch)``, ``batch`` a list of
-  ``(key, (task, data), ...)`` tuples: :func:`batch_tasks`;
-- the ``start_state`` callback gets the scheduler's state dict, whose ``"running"`` holds the
-  keys running now: :func:`running`;
-- a ``concurrent.futures.ThreadPoolExecutor``'s thread count is ``_max_workers``:
-  :func:`threads_of`.
+"""What daskdag reads of Dask's threaded scheduler (``dask.local``) that Dask does not document,
+in one place, so that a Dask release that changes it fails ``tests/test_internal_dask_local.py``
+rather than silently changing how local calls run.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """A call as a Dask collection: built now, computed later, alone or with other Dask work.
 
-In:  a plan and the graph :func:`daskdag.graph.build.build` (or :func:`daskdag.graph.forward.build`) made of
-     it, ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph, and how to turn
-     the computed pieces into the eager function's result.
-Out: a :class:`Call`, a Dask collection (the ``__dask_graph__`` protocol): ``.compute()``
-     gives what the eager function returns; ``dask.compute``, ``dask.persist`` and
-     ``.visualize()`` take it with any other collection. Its keys are daskdag's content keys,
-     so two calls computed together share the forward tasks they have in common.
+A :class:`Call` wraps a call's graph (``{output: (value, {name: grad})}`` of ``Delayed``) and how
+to make the eager function's result of it. Its keys are content keys, so two calls computed
+together share the forward tasks they have in common.
 
-The cluster checks of an eager call (:func:`daskdag.running.cluster.check`: a running client, a
-worker, every resource a node needs, the same versions) run when Dask asks for the graph with
-a ``distributed`` client in effect: that is, at compute (or persist) time, on the client that
-will run it, before any task is sent. (Dask's ``__dask_optimize__`` hook is not called on the
-client by ``distributed``, so the graph's own accessor is where daskdag can still say no.)
+The cluster checks of an eager call (:func:`daskdag.running.cluster.check`) run when Dask asks
+for the graph with a ``distributed`` client in effect, before any task is sent (``distributed``
+does not call ``__dask_optimize__`` on the client, so the graph's accessor is the last place).
 """
 
 from __future__ import annotations
@@ -38,10 +32,11 @@ if TYPE_CHECKING:
 
 
 class Call(DaskMethodsMixin):
-    """One call of [`daskdag.grads`][daskdag.grads], [`daskdag.jacobians`][daskdag.jacobians] or [`daskdag.jvps`][daskdag.jvps],
-    not computed yet. ``outputs``: the outputs it computes; ``wrt``: what their gradients (or
-    tangents) are taken with respect to. ``.compute()`` returns ``{output: Result}`` (one
-    ``Result`` for a single output name), as the eager function does."""
+    """One call of [`daskdag.grads`][daskdag.grads], [`daskdag.jacobians`][daskdag.jacobians]
+    or [`daskdag.jvps`][daskdag.jvps], not computed yet. ``outputs``: the outputs it computes;
+    ``wrt``: what their gradients (or tangents) are taken with respect to. ``.compute()``
+    returns ``{output: Result}`` (one ``Result`` for a single output name), as the eager
+    function does."""
 
     __slots__ = ("_dask", "_name", "_keys", "_finish", "_plan", "_persisted_", "_keep")
 
@@ -54,9 +49,8 @@ class Call(DaskMethodsMixin):
     @classmethod
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any], keep: Any = None
            ) -> "Call":
-        """From ``daskdag.graph.build.build``'s ``{output: (value, {name: grad})}`` and
-        ``finish``, which makes the result of ``{output: (value, {name: grad})}`` computed;
-        ``keep``: what the call keeps alive (its DAG's entries)."""
+        """From a built ``{output: (value, {name: grad})}`` and ``finish``, which makes the
+        result of it computed; ``keep``: what the call keeps alive (its DAG's entries)."""
         keys = []
         for value, grads in built.values():
             keys.append(value.key)

@@ -2,9 +2,8 @@
 configure it, as a library should: ``logging.basicConfig(level=logging.INFO)`` or
 ``logging.getLogger("daskdag").setLevel(logging.DEBUG)`` with a handler).
 
-- INFO: each call as it is submitted: what (outputs, differentiated names), where (this
-  process's scheduler, or the cluster's scheduler address), how big (stages, tasks) and the
-  bytes it placed on the cluster; each sweep: items, chunks and where.
+- INFO: each call as it is submitted (outputs, wrt, where, stages, tasks, bytes placed on the
+  cluster); each sweep (items, chunks, where).
 - DEBUG: each task of a call's graph: its key and the function it runs.
 """
 

@@ -2,15 +2,12 @@
 ``compute_grads`` calls, and the shared inputs and chunk graphs of its last few sweeps, each
 under a content key, so a repeated call sends only what changed.
 
-A call's graph refers to these values instead of carrying them (:func:`daskdag.graph.build.build`'s
-``place``). Each goes to the cluster once, as a task whose result is the value: the scheduler
-keeps it as that task's recipe, so when the worker holding it dies it is computed again
-elsewhere (a scattered value would be lost with its only holder). Keys are content tokens
-(:mod:`daskdag.transport.packing`), so an in-place change to an input or a closed-over array gives a new
-key, and the old value is dropped once no recent call uses it.
+A call's graph refers to these values instead of carrying them (the builders' ``place``). Each
+goes to the cluster once, as a task (:func:`keep`). Keys are content tokens, so an in-place
+change gives a new key, and the old value is dropped once no recent call uses it.
 
-``dask.config`` ``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps;
-0 keeps none, and values travel inside each call's graph again.
+``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps; 0 keeps none,
+and values travel inside each call's graph again.
 """
 
 from __future__ import annotations
@@ -25,16 +22,13 @@ from collections import deque
 from dask.sizeof import sizeof
 import daskdag.config as config
 
-
-
 _FAILED = ("error", "cancelled", "lost")
 _lock = threading.Lock()
 _by_client: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> Resident
 
 
 class Resident:
-    """One client's kept values. ``sent`` counts the bytes placed so far (a measure, for the
-    benchmarks and the log)."""
+    """One client's kept values. ``sent`` counts the bytes placed so far (for the log)."""
 
     def __init__(self):
         # (No reference to the client: this object is the value of a weak-keyed dict.)
@@ -46,9 +40,9 @@ class Resident:
     @contextlib.contextmanager
     def keeping(self, client):
         """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
-        ``fn(payload)`` kept under ``key``, sent now unless a recent call sent it, to a worker
-        with the resources ``needs`` (those of the node that uses it). On exit, values that none
-        of the last ``daskdag.keep-calls`` calls, nor a call still under way, used are let go."""
+        ``fn(payload)`` kept under ``key``, sent unless a recent call sent it, to a worker with
+        the resources ``needs``. On exit, values that neither the last ``daskdag.keep-calls``
+        calls nor a call under way used are let go."""
         used: set = set()
 
         def place(key, fn, payload, needs=None):
@@ -81,11 +75,10 @@ class Resident:
 
 def keep(client, key: str, fn, payload, needs=None):
     """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
-    scheduler keeps a task's recipe (here the payload), so when the worker holding the result
-    dies it runs the task again on another (a scattered value is lost with its only holder).
-    ``needs``: the resources of the worker it must go to. No worker is named: a task restricted
-    to workers that all died waits for them forever (distributed 2026.8 gives a task whose
-    named workers are gone to a new worker only while some worker stayed)."""
+    scheduler keeps its recipe, so when the worker holding the result dies it runs it again
+    elsewhere (a scattered value is lost with its only holder). ``needs``: the resources of the
+    worker it must go to. No worker is named: a task restricted to workers that all died waits
+    for them forever."""
     with warnings.catch_warnings():  # sending the value in the graph, once, is the point
         warnings.filterwarnings("ignore", message="Sending large graph")
         return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
@@ -93,10 +86,8 @@ def keep(client, key: str, fn, payload, needs=None):
 
 @contextlib.contextmanager
 def placing(client):
-    """``place(key, fn, payload, needs=None) -> Future`` for one call, as
-    :meth:`Resident.call` yields it: through ``client``'s :class:`Resident`, so values stay for
-    the next calls; with keeping off (``daskdag.keep-calls`` 0), under keys of this call's own,
-    each cancelled and let go on exit."""
+    """``place`` for one call, as :meth:`Resident.keeping` yields it; with keeping off
+    (``daskdag.keep-calls`` 0), under keys of this call's own, each cancelled on exit."""
     kept = of(client)
     if kept is not None:
         with kept.keeping(client) as kept_place:

@@ -2,34 +2,21 @@
 (:class:`Serializers`), and glibc's malloc tuned back for JAX work in workers started by a
 nanny (:class:`TuneMalloc`, opt-in).
 
-A worker that has run none of daskdag's tasks must still take in a JAX array that another
-worker sends it as zero-copy frames, which needs daskdag's serializers
-(:func:`daskdag.transport.protocol.with_distributed`). :class:`Serializers` registers them in
-every worker, those that join later too (a nanny's restart, an adaptive cluster's new worker);
-in a worker without daskdag it does nothing, so that such a worker still starts.
+A worker that has run none of daskdag's tasks must still take in a JAX array another worker
+sends as zero-copy frames: :class:`Serializers` registers daskdag's serializers in every worker,
+those that join later too; in a worker without daskdag it does nothing, so that it still starts.
 
-distributed's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536`` (Dask config
-``distributed.nanny.pre-spawn-environ``), so that freed memory goes back to the OS at once.
-Setting it also turns off glibc's adaptive mmap threshold, which can never be turned back on
-in a running process: every temporary above 128 KiB (the fixed default) is mmapped, and its
-pages are faulted in afresh each time. Eager JAX nodes over arrays of a few hundred KB then
-run much slower in a worker than in a plain process.
+distributed's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also turns
+off glibc's adaptive mmap threshold for good: every temporary above 128 KiB is mmapped and its
+pages faulted in afresh each time, so eager JAX nodes over arrays of a few hundred KB run much
+slower in a worker than in a plain process. :class:`TuneMalloc` sets, with ``mallopt``, the
+thresholds the adaptive rule reaches at most on 64-bit glibc: mmap 32 MiB
+(``DEFAULT_MMAP_THRESHOLD_MAX``) and trim twice that, so large temporaries come from the heap
+and are reused, as in a plain process (``benchmarks/tools/worker_malloc.py`` measures it).
 
-:class:`TuneMalloc` sets, with ``mallopt``, the thresholds that the adaptive rule reaches at
-most on 64-bit glibc: an mmap threshold of 32 MiB (``DEFAULT_MMAP_THRESHOLD_MAX``) and a trim
-threshold of twice that, as the rule sets it. So large temporaries come from the heap and
-are reused, as in a plain process; at most 64 MiB of free heap per malloc arena is kept
-rather than returned to the OS, which is also what a plain process may keep. Measured with
-``benchmarks/tools/worker_malloc.py`` (48 items of 400 KB float32, eager nodes, one worker on a
-loaded 2-core machine), loop time / sweep time: 0.65 with the nanny's setting, 0.72 with only
-the mmap threshold raised, 0.72 with only the trim threshold raised, 0.86 with both; with and
-without this plugin in one run, 0.75 and 0.59 (see that script).
-
-:func:`daskdag.running.cluster.check` registers it once per client, before every call on a cluster;
-the scheduler then also gives it to workers that join later, when Dask config
-``daskdag.tune-workers`` is true. It is off by default: it changes the malloc of every worker
-of the user's cluster, other work's too, so the user opts in. distributed's own route, where
-the user starts the workers, is their environment: ``distributed.nanny.pre-spawn-environ``
+It is registered (:func:`daskdag.running.cluster.check`) only where ``daskdag.tune-workers`` is
+true: it changes the malloc of every worker of the user's cluster, so the user opts in. The
+other route is the workers' environment, ``distributed.nanny.pre-spawn-environ``
 (docs/guides/clusters.md, "Worker malloc").
 """
 
@@ -51,11 +38,9 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2 ** 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the adaptive rule's limit
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the mmap threshold
 
-# The plugins travel by value (distributed then pickles them with cloudpickle), needing only the
-# standard library and distributed on the worker: a worker joining later with another daskdag,
-# or none, unpickles them at start, and an error there would stop the worker from starting at
-# all. The version check then names that worker, as it should. (So this module holds nothing
-# else: whatever its functions use travels with the plugins.)
+# The plugins travel by value, needing only the standard library and distributed on the worker:
+# a worker joining later with another daskdag, or none, must still unpickle them and start (the
+# version check then names it). So this module holds nothing else.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
@@ -78,12 +63,9 @@ def _tune_malloc_class() -> type:
 
     class TuneMalloc(WorkerPlugin):
         """Raise glibc's mmap and trim thresholds in a worker whose environment set
-        ``MALLOC_TRIM_THRESHOLD_`` (as distributed's nanny does).
-
-        After ``setup``, ``applied`` is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}``
-        when the thresholds were set, else ``None``, and ``reason`` says why. It never raises:
-        a worker that cannot be tuned still works, only slower.
-        """
+        ``MALLOC_TRIM_THRESHOLD_`` (as distributed's nanny does). After ``setup``, ``applied``
+        is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}`` or ``None``, and
+        ``reason`` says why. It never raises: an untuned worker only runs slower."""
 
         idempotent = True  # the scheduler keeps the first registration; later clients add nothing
         name = NAME
@@ -106,11 +88,8 @@ def _serializers_class() -> type:
     from distributed import WorkerPlugin
 
     class Serializers(WorkerPlugin):
-        """Register daskdag's serializers in the worker, if it has daskdag: importing
-        :mod:`daskdag.transport.protocol` in a process that runs distributed registers them.
-
-        After ``setup``, ``registered`` says whether it did.
-        """
+        """Register daskdag's serializers in the worker, if it has daskdag; after ``setup``,
+        ``registered`` says whether it did."""
 
         idempotent = True
         name = SERIALIZERS
