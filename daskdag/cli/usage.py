@@ -17,8 +17,8 @@ EXIT_CODES = """exit codes:
        daskdag.ClusterError
   4    (sweep --errors collect) some items failed: RESULT.npz is written, with
        <output>.failed
-  5    (sweep --store) the store holds another sweep, or another sweep is
-       writing to it (daskdag.StoreError: what changed)
+  5    (--store) the store holds another call or sweep, or another is using
+       it (daskdag.StoreError: what changed)
   130  interrupted (Ctrl-C)"""
 
 

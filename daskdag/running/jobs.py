@@ -30,7 +30,7 @@ class CallInfo:
 
     Attributes:
         call: the function called: ``"compute_grads"``, ``"jacobian"``, ``"compute_jvps"``,
-            ``"compute_hvps"``, ``"sweep_grads"``.
+            ``"compute_hvps"``, or a sweep: ``"sweep_grads"``, ``"sweep_jacobians"``...
         mode: ``"rev"``: cotangents pulled back from the outputs (gradients; a Jacobian's rows);
             ``"fwd"``: tangents pushed forward from the inputs (JVPs; a Jacobian's columns);
             ``"rev-over-fwd"``: Hessian-vector products.
