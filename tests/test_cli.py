@@ -613,6 +613,58 @@ def test_ctrl_c_says_what_is_stored_and_the_resumed_sweeps_bar_counts_it(slow_da
     np.testing.assert_allclose(res["L.grad.x"], grads, rtol=1e-5, atol=1e-6)
 
 
+STORED_DAG = textwrap.dedent('''
+    import os
+    import time
+
+    import jax.numpy as jnp
+
+
+    def first(x):  # noted in first.log (in the command's directory) each time it runs
+        with open("first.log", "a") as f:
+            f.write("ran\\n")
+        return jnp.sin(x)
+
+
+    def then(a):  # waits until the file "go" exists
+        while not os.path.exists("go"):
+            time.sleep(0.02)
+        return jnp.sum(a ** 2)
+
+
+    dag = {"A": (first, ["x"]), "L": (then, ["A"])}
+''')
+
+
+@pytest.mark.timeout(240)
+def test_run_with_a_store_killed_resumes_from_its_finished_nodes(tmp_path):
+    """``daskdag run --store``, SIGKILLed while its second node waits, its first stored: the
+    same command again runs only the second (the first one's log has one line), and writes
+    what JAX gives; the same store with other inputs is exit 5, naming what changed."""
+    (tmp_path / "stored_dag.py").write_text(STORED_DAG)
+    np.savez(tmp_path / "in.npz", x=X)
+    args = ["run", "stored_dag.py", "--inputs", "in.npz", "--outputs", "L", "--store", "store",
+            "--out", "res.npz"]
+    killed = Command(*args, cwd=tmp_path)
+    marks = tmp_path / "store" / "stages"
+    eventually(lambda: any("sha256" in m.read_text() for m in marks.glob("*%3AA%3A*/zarr.json"))
+               or killed.proc.poll() is not None, 120, "node A stored")
+    assert killed.proc.poll() is None, killed.finish()
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.finish(timeout=60)
+    (tmp_path / "go").touch()
+    code, _, err = Command(*args, cwd=tmp_path).finish(timeout=120)
+    assert code == 0, err
+    assert (tmp_path / "first.log").read_text().split() == ["ran"]  # (A was read back)
+    res = dict(np.load(tmp_path / "res.npz"))
+    value, grad = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(X)
+    np.testing.assert_allclose(res["L.value"], value, rtol=1e-5)
+    np.testing.assert_allclose(res["L.grad.x"], grad, rtol=1e-5, atol=1e-6)
+    np.savez(tmp_path / "in.npz", x=X + 1)
+    code, _, err = Command(*args, cwd=tmp_path).finish(timeout=120)
+    assert code == 5 and "holds another call" in err and "'x'" in err, err
+
+
 # -- a TLS cluster, started with the `dask` command ------------------------------------------------
 
 def _scheduler_address(path: Path, proc, timeout: float = 180) -> str:
