@@ -1,31 +1,22 @@
 """Durable calls: ``compute_grads``, ``jacobian``, ``compute_jvps`` and ``compute_hvps`` with
 ``store=``. Each stage's forward result (its nodes' values, and the pullback holding their
-residuals: what its backward pass needs) is written to a Zarr store by the task that computed
-it, as it finishes, wherever it ran; the same call again, after its client or scheduler died,
-reads the stages the store holds and runs only the others.
+residuals) is written to a Zarr store by the task that computed it, as it finishes, wherever it
+ran; the same call again, after its client or scheduler died, reads the stages the store holds
+and runs only the others.
 
 The store is the format of durable sweeps (:mod:`daskdag.sweeps.store`), under the same rules
-(:mod:`daskdag.durable.rules`) and keys (:mod:`daskdag.durable.keys`)::
+(:mod:`daskdag.durable.rules`) and keys (:mod:`daskdag.durable.keys`); its keys in full:
+docs/guides/durable-calls.md, "What is kept". Its root group's attribute "daskdag" is what the
+call is (:func:`identity`). Each stage's task has an entry, named for its kind, nodes and what
+it computes (``fwd:A+B:forward``), quoted: ``stages/<entry>/result``, a uint8 array of the
+pickled forward result, then ``stages/<entry>/zarr.json``, written once that is durable, with
+the hash of the stage's input values and of the result's bytes.
 
-    zarr.json                  the root group; its attribute "daskdag" is what the call is
-                               (:func:`identity`): format, versions, each node's content tokens
-                               by part, deps and options, the call ("compute_grads", ...), its
-                               outputs and wrt, the hash of each input, its options and data
-                               (cotangents, tangents, directions) by value or hash, settings
-    stages/<entry>/result      a uint8 array: the stage's forward result, pickled
-    stages/<entry>/zarr.json   the stage's group, written last, once the result is durable: the
-                               hash of the stage's input values and of the result's bytes
-    lock                       (another store than local files) a lease group while a call
-                               runs
-
-``<entry>`` names the stage's task: its kind, its nodes and what it computes
-(``fwd:A+B:forward``), quoted. An entry is complete when its group records both hashes and the
-bytes still hash as it says; the stage's inputs must hash as recorded, else (an upstream node
-that computed something else this time) the stage runs again and its entry is written anew: no
-result is ever mixed with inputs it was not computed from. A result that is torn, truncated or
-corrupted is computed again, never returned. Backward passes (cotangents pulled back through the
-stored pullbacks) run at every call: they are not stored. The results are pickles: open only
-stores you trust, as you would a pickle.
+An entry is complete when its group records both hashes and the bytes still hash as it says;
+the stage's inputs must hash as recorded, else (an upstream node computed something else) the
+stage runs again and its entry is written anew: no result is ever mixed with inputs it was not
+computed from, and a torn or corrupted one is computed again, never returned. Backward passes
+run at every call: they are not stored. The results are pickles: open only stores you trust.
 """
 
 from __future__ import annotations
@@ -94,8 +85,7 @@ def _keeping(job: Job, keeper: Stages) -> Job:
 def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, store: Any,
             lazy: bool = False) -> tuple[Job, dict]:
     """The job of a durable call, and what its store records of it. Its chains of nodes are not
-    fused (``daskdag.fuse-chains``), so that each node is a stage of its own, kept as it
-    finishes."""
+    fused (``daskdag.fuse-chains``): each node is a stage, kept as it finishes."""
     if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
         raise TypeError(f"a call's store is a directory or a Zarr store, not "
                         f"{type(store).__name__}")
@@ -110,10 +100,8 @@ def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, st
 
 def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
     """What a call is, as its store records it: what every store records
-    (:func:`daskdag.durable.identity.common`: format, versions, each node's parts, settings),
-    the function called, the outputs, ``wrt``, each input's hash, the kind's options
-    (:func:`daskdag.durable.identity.options`) and its data by hash (the ``tangents`` of
-    ``compute_jvps``, the ``directions`` of ``compute_hvps``)."""
+    (:func:`daskdag.durable.identity.common`), the call's arguments, each input by hash, the
+    kind's options (:func:`daskdag.durable.identity.options`) and its data by hash."""
     record = {**common(kind.dag), CALL: kind.call, "outputs": list(outputs), "wrt": list(wrt),
               "inputs": {i: hash_tree(v) for i, v in sorted(given_values(spec, x).items())},
               **options(kind)}

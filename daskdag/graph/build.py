@@ -5,15 +5,13 @@ In:  a plan, the input values, where the outputs' cotangents start (a seeding:
 :class:`~daskdag.transport.transports.Transport`).
 Out: ``{output: (value, {input: grad})}`` of ``dask.delayed.Delayed`` objects sharing one graph.
 
-Tasks are per stage (:mod:`daskdag.graph.stages`: nodes run as one task), assembled with
-:mod:`daskdag.graph.assembly`, whose keys name them: ``fwd:B+C-<token>`` runs the stage of
-nodes B and C (plus ``val:C-<token>`` taking C's value apart from the stage's pullback, so
-later stages never fetch residuals), ``bwd:B+C[D+E]-<token>`` its backward pass for outputs D
-and E (an output's own stage starts from its seed cotangent; for a stage where every cotangent
-starts, a closed one, the forward task runs the backward pass too and ``bwd:`` just takes its
-cotangents), ``grad:D[x]-<token>`` input x's gradient for D (for a Jacobian, its rows), or a
-node's, for a node named in ``wrt``. Outputs share forward keys, so every node runs once per
-call.
+Tasks are per stage (:mod:`daskdag.graph.stages`), assembled with :mod:`daskdag.graph.assembly`,
+whose keys name them: ``fwd:B+C-<token>`` runs the stage of nodes B and C (``val:C-<token>``
+takes C's value apart from its pullback, so later stages never fetch residuals),
+``bwd:B+C[D+E]-<token>`` its backward pass for outputs D and E (for a closed stage, where every
+cotangent starts at its own outputs, the forward task runs it too and ``bwd:`` takes its
+cotangents), ``grad:D[x]-<token>`` input (or ``wrt`` node) x's gradient for D (for a Jacobian,
+its rows). Outputs share forward keys, so every node runs once per call.
 """
 
 from __future__ import annotations
@@ -40,11 +38,10 @@ from daskdag.transport.transports import Transport
 class GradientSeeding:
     """Seeding for gradients: each output starts from its seed (1 for a real scalar, else its
     cotangent in ``cotangents``), one cotangent per output
-    (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``items``: the call runs over a sweep's chunk,
-    its values seeded and its gradients gathered as this
-    :class:`~daskdag.rules.seeds.PerItem` says. A cotangent that is a ``TaskRef`` (a template's slot,
-    :func:`daskdag.running.local.slot`) is the call's data: the seed is made from it as the
-    tasks run."""
+    (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``items``: over a sweep's chunk, the
+    :class:`~daskdag.rules.seeds.PerItem` that seeds its values and gathers its gradients. A
+    cotangent that is a ``TaskRef`` (a template's slot, :func:`daskdag.running.local.slot`) is
+    the call's data: the seed is made from it as the tasks run."""
 
     cotangents: dict = field(default_factory=dict)
     items: PerItem | None = None
@@ -174,8 +171,7 @@ class _Wiring:
 
     def forward(self) -> None:
         """Each stage once (its nodes under jax.vjp where they depend on a differentiated
-        input); ``val`` tasks take its values apart from its pullback, so that later stages
-        never fetch residuals."""
+        input), and the ``val`` tasks of its values (:meth:`_values`)."""
         spec, intake, val = self.plan.spec, self.intake, self.val
         for s in self.stages:
             sent = [intake.node(n, spec.nodes[n]) for n in s.nodes]

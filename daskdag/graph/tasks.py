@@ -1,14 +1,12 @@
-"""The functions Dask runs: one forward task per stage, one backward task per stage (for every
-output whose gradient passes through it), one gradient task per (output, input). See
-:mod:`daskdag.graph.stages` for what a stage is.
+"""The functions Dask runs: per stage (:mod:`daskdag.graph.stages`) one forward task and one
+backward task (for every output whose gradient passes through it), and one gradient task per
+(output, input). A failure is a :class:`~daskdag.errors.NodeError` naming the node.
 
-How cotangents are pulled back is one strategy, a task's ``pull``: :data:`PER_OUTPUT` for
-gradients (one cotangent per output), or, for a Jacobian (:func:`daskdag.jacobian`), a
-:class:`Rows`: every cotangent is a stack of rows (an output starts from the rows of the
-identity over its elements, :class:`Basis`), and each pullback maps a stack to a stack, some
-rows at a time under ``jax.vmap``.
-
-A failure is a :class:`~daskdag.errors.NodeError` naming the node.
+How cotangents are pulled back is a task's ``pull``: :data:`PER_OUTPUT` for gradients (one
+cotangent per output), or, for a Jacobian (:func:`daskdag.jacobian`), a :class:`Rows`: every
+cotangent is a stack of rows (an output starts from the rows of the identity over its
+elements, :class:`Basis`), and each pullback maps a stack to a stack, some rows at a time under
+``jax.vmap``.
 """
 
 from __future__ import annotations
@@ -30,12 +28,10 @@ from daskdag.rules.seeds import PerItem, basis, basis_rows, check_scalar, seed, 
 def forward(stage: Stage, stop, *args):
     """Run the stage (:func:`daskdag.graph.run.linearize`). ``args``: the stage's ``Node`` s, then
     the values of its ``deps``. Returns ``(exposed values, pullback)`` when some node ran under
-    ``jax.vjp``, else the exposed values, or the value itself when it is one.
-
-    Between two nodes it stops (:class:`~daskdag.cancel.Cancelled`) once no one waits for it
+    ``jax.vjp``, else the exposed values, or the value itself when it is one. Between two nodes
+    it stops (:class:`~daskdag.cancel.Cancelled`) once no one waits for it
     (:func:`~daskdag.cancel.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
-    stops a call at its next node, as it did when every node was a task of its own.
-    """
+    stops a call at its next node."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0] if stage.value_only else out
@@ -91,8 +87,7 @@ def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list
     stage's deps (a pullback that moved takes its input residuals from them), then the sources of
     the cotangents: the results of consumer stages' backward tasks. ``flows[k][e]`` says where
     output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere; else a
-    :class:`Seed`, :class:`Basis` or :class:`Shares`. ``stop``: as for :func:`forward`.
-
+    :class:`Seed`, :class:`Basis` or :class:`Shares`. ``stop``: as for :func:`forward`;
     ``pull``: how the cotangents are pulled back, :data:`PER_OUTPUT` or a Jacobian's
     :class:`Rows`.
     """
@@ -218,7 +213,7 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
         if all(c is None for c in column):
             stacked.append(None)
             continue
-        # (In NumPy where the rows are: a JAX op each would be dispatched, ~30 µs apiece.)
+        # (In NumPy where the rows are: in JAX each op would be dispatched.)
         zeros = [tuple(np.zeros((n, *np.shape(leaf)), jnp.result_type(leaf))
                        for leaf in differentiable_leaves(value)) for n in counts]
         parts = (z if c is None else c for c, z in zip(column, zeros))
@@ -271,14 +266,13 @@ def dropped_of(stage: Stage, stop):
 def gradient(locations: tuple, x, output, basis, own, items, *sources):
     """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
     its shares ``sources[j][k][i]`` for ``(k, i)`` in ``locations`` (see :func:`backward`) and of
-    ``own``, the output's seed flow (:func:`backward`'s ``flows``) when ``x`` is the output
-    itself, else None, on its differentiable leaves (zeros when the output does not use it),
-    ``None`` on the leaves held constant. For a Jacobian, ``output`` is the output's value, and
-    each leaf is stacked over its rows (``basis``, its :class:`Basis`); else it is ``None``. Each leaf is a JAX
-    array of its input leaf's JAX dtype, whoever computed it (JAX, or a node's own NumPy rule:
-    a Python float's gradient is float32, as ``jax.grad`` gives it). A value over a sweep's
-    chunk of items gets its gradient as its ``items`` (an
-    :class:`~daskdag.rules.seeds.PerItem`) gathers it; None: a call's."""
+    ``own``, the output's seed flow when ``x`` is the output itself (else None), on its
+    differentiable leaves (zeros when the output does not use it), ``None`` on the leaves held
+    constant. For a Jacobian, ``output`` is the output's value and each leaf is stacked over its
+    rows (``basis``, its :class:`Basis`); else both are None. Each leaf is a JAX array of its
+    input leaf's JAX dtype, whoever computed it (a node's own NumPy rule too: a Python float's
+    gradient is float32, as ``jax.grad`` gives it). ``items``: over a sweep's chunk, the
+    :class:`~daskdag.rules.seeds.PerItem` that gathers the gradient; None: a call's."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, locations)]

@@ -93,19 +93,17 @@ def by_output(value: PyTree, jacs: dict) -> PyTree:
 
 
 def to_jax(a: np.ndarray) -> jax.Array:
-    """A JAX array of ``a``, this call's own array, which nothing changes after: a large one put
-    on the device as it is, its buffer taken where JAX can (``jnp.asarray`` would copy it), a
-    small one by ``jnp.asarray`` (the cheaper call)."""
+    """A JAX array of ``a`` (this call's own, never changed after): a large one's buffer taken
+    where JAX can (``jnp.asarray`` would copy it), a small one by the cheaper ``jnp.asarray``."""
     return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
 
 
 def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; see :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from the
-    rows' NumPy values, sliced and reshaped there (in JAX each would be an op dispatched).
-    ``items``: a sweep's, every array with a leading axis of items (kept as they come: NumPy,
-    or dask arrays, laid out lazily)."""
+    elsewhere; :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from NumPy
+    slices (in JAX each slice would be an op dispatched). ``items``: a sweep's, with a leading
+    axis of items, kept as they come (NumPy, or dask arrays laid out lazily)."""
     lead = 1 if items else 0
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
     if not items:

@@ -1,10 +1,9 @@
 """Where cotangents start, and how they add up: an output's seed (1 for a real scalar, else
 the user's cotangent), a Jacobian's rows (the identity over an output's elements), and sums of
 cotangents (flat tuples, one array per differentiable leaf, :mod:`daskdag.model.leaves`).
-
-:func:`seed` dispatches on the value's type (a lifted value's, :mod:`daskdag.rules.lifted`).
-Values over a sweep's chunk of items are seeded and gathered as a call's :class:`PerItem`
-says (a sweep's own, :mod:`daskdag.sweeps.chunked`, for values it passes item by item).
+:func:`seed` dispatches on the value's type (a lifted value's, :mod:`daskdag.rules.lifted`);
+values over a sweep's chunk are seeded and gathered as the call's :class:`PerItem` says (a
+sweep's own, :mod:`daskdag.sweeps.chunked`, for values it passes item by item).
 """
 
 from __future__ import annotations
@@ -23,13 +22,11 @@ from daskdag.model.leaves import describe, differentiable_leaves, is_differentia
 
 @singledispatch
 def seed(primal, output: str, ct, batched: bool = False) -> tuple:
-    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct``, as a
-    flat tuple over the output's differentiable leaves (see :mod:`daskdag.rules.pullback`).
-
-    ``ct`` has the output's structure (``None`` allowed where a leaf is held constant).
-    ``batched``: the output carries a leading item axis (a sweep's chunk); ``ct`` and the checks
-    are for one item, and the seed is broadcast over the items.
-    """
+    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct`` (the
+    output's structure, ``None`` where a leaf is held constant), as a flat tuple over the
+    output's differentiable leaves (:mod:`daskdag.rules.pullback`). ``batched``: the output
+    carries a leading item axis (a sweep's chunk); ``ct`` and the checks are one item's, the
+    seed broadcast over the items."""
     if ct is None:
         check_scalar(primal, output, batched)
         return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
@@ -69,12 +66,10 @@ def check_scalar(primal, output: str, batched: bool = False) -> None:
 
 def basis(output: str, primal, colours=None) -> tuple:
     """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
-    ``jax.tree.leaves`` order, as a cotangent: a tuple with one ``[rows, *leaf.shape]`` array per
-    leaf. Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian.
-
-    ``colours``: a colour per element (:mod:`daskdag.model.colouring`); then row ``k`` is 1 on
-    every element of colour ``k``, and pulled back gives the sum of those elements' gradients.
-    """
+    ``jax.tree.leaves`` order, as a cotangent: one ``[rows, *leaf.shape]`` array per leaf.
+    Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian. With
+    ``colours``, a colour per element (:mod:`daskdag.model.colouring`), row ``k`` is 1 on every
+    element of colour ``k``, and pulled back gives the sum of those elements' gradients."""
     leaves = differentiable_leaves(primal)
     for leaf in leaves:
         if jnp.iscomplexobj(leaf):

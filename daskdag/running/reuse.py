@@ -2,24 +2,19 @@
 through (they read no ``wrt`` input: a trunk over fixed data) run again only when their inputs
 changed since the call before.
 
-Which nodes may be kept is ``daskdag.reuse``: ``"jit"`` (the default), the ``jit=True``
-nodes, pure by contract; ``"all"``, every node, for eager nodes known to be pure (no printing,
-no file read, no state kept between calls); ``"none"``. A node is kept only with every node it
-takes values from. What a call's program relies on (the nodes' functions, what they read, the
-settings) is checked by the program itself (:mod:`daskdag.running.programs`): where any of it
-changed, the call has a program of its own, which keeps nothing yet. The inputs are compared
-here (:class:`Seen`): JAX arrays by identity (they cannot change), every other leaf by its
-content (``dask.base.tokenize``: NumPy arrays by their bytes), each once a call.
+Which nodes may be kept is ``daskdag.reuse``: ``"jit"`` (the default), the ``jit=True`` nodes,
+pure by contract; ``"all"``, every node, for eager nodes known to be pure (no printing, no file
+read, no state kept between calls); ``"none"``. A node is kept only with every node it takes
+values from. What a call's program relies on (functions, what they read, settings) is checked
+by the program itself (:mod:`daskdag.running.programs`: a change makes a new program, which
+keeps nothing yet); the inputs are compared here (:class:`Seen`), once a call: JAX arrays by
+identity (they cannot change), every other leaf by its content (``dask.base.tokenize``).
 
-One call's values are kept, the last's, at most ``daskdag.reuse-bytes`` of them; NumPy arrays
-among them are made read-only, so that a node that would change one in place fails, naming
-itself, instead of changing what the next call reuses.
-
-A lazy call takes the values the last call kept where its inputs are the same, else computes
-the nodes in its graph and, once computed, keeps their values for the next
-(:meth:`Kept.lazily`): where Dask finishes it (on a cluster's worker, as Dask finishes any
-collection there), its result travels back to this process with them, and gives them to the
-program as it arrives.
+The last call's values are kept, at most ``daskdag.reuse-bytes`` of them; NumPy arrays among
+them are made read-only, so that a node changing one in place fails, naming itself, instead of
+changing what the next call reuses. A lazy call reuses them likewise, else keeps its own once
+computed (:meth:`Kept.lazily`): where Dask finishes it elsewhere (a cluster's worker), they
+travel back to this process with its result.
 """
 
 from __future__ import annotations
@@ -48,12 +43,11 @@ POLICIES = ("jit", "all", "none")
 
 
 def kept_part(plan: Plan, moving: tuple[str, ...] = ()) -> tuple[Plan, Plan] | None:
-    """``plan`` cut where ``daskdag.reuse`` says (the module's docstring): ``(kept, rest)``,
-    ``kept`` computing the values of the nodes that may be kept which the others take (its
-    outputs), ``rest`` the plan without them, taking those values as inputs; None where there
-    are none. Outputs, nodes in ``wrt`` and nodes that read an input in ``moving`` (one that
-    carries a call's tangents), directly or not, are never kept (an output's gradients flow
-    through its value)."""
+    """``plan`` cut where ``daskdag.reuse`` says: ``(kept, rest)``, ``kept`` computing the
+    values of the nodes that may be kept which the others take (its outputs), ``rest`` the plan
+    without them, taking those values as inputs; None where there are none. Outputs, nodes in
+    ``wrt`` and nodes that read an input in ``moving`` (carrying a call's tangents), directly
+    or not, are never kept (an output's gradients flow through its value)."""
     policy = config.get("reuse")
     if policy not in POLICIES:
         raise ValueError(f"daskdag.reuse must be one of {list(POLICIES)}, got {policy!r}")

@@ -1,21 +1,19 @@
-"""Sweeps over dask arrays: :func:`daskdag.sweep_grads` (and every kind's sweep) where batched inputs are ``dask.array``
-arrays chunked along the item axis, returning dask arrays of values and gradients with the
-same item chunks, lazily: nothing runs until the user computes them (``dask.compute``,
-``da.to_zarr``), so a sweep can stream from storage to storage, a few blocks per worker at a
-time, whatever the number of items.
+"""Sweeps over dask arrays: every kind's sweep (:func:`daskdag.sweep_grads`...) where batched
+inputs are dask arrays chunked along the item axis, returning dask arrays of values and
+gradients on the same item chunks, lazily: nothing runs until the user computes them
+(``dask.compute``, ``da.to_zarr``), so a sweep streams from storage to storage, a few blocks
+per worker at a time.
 
-Each block (item chunk) is one task, :func:`_run_block`: it runs the sweep's chunk graph
-(:func:`daskdag.sweeps.engines.chunk_graph`, the one a pinned cluster chunk runs) with Dask's
-synchronous scheduler inside the task, over that block's items, and returns the block's values
-and gradients as a list of NumPy arrays, one per leaf. Every output's value and gradient leaf is
-a dask array whose blocks pick their leaf out of those tasks (one small ``getitem`` task per
-block and leaf). Their shapes and dtypes come from ``jax.eval_shape`` on one item
-(:func:`daskdag.sweeps.results.item_shapes`), so the arrays are described without computing anything.
+Each block (item chunk) is one task, :func:`_run_block`: the sweep's chunk graph
+(:func:`daskdag.sweeps.engines.chunk_graph`) run by Dask's synchronous scheduler over the
+block's items, giving one NumPy array per value and gradient leaf. Each leaf is a dask array
+whose blocks pick it out of those tasks (``getitem``), its shape and dtype from
+``jax.eval_shape`` on one item (:func:`daskdag.sweeps.results.item_shapes`): nothing computed.
 
-The shared inputs, the nodes computed from them alone through which no gradient passes
-(:func:`daskdag.sweeps.shared.constants_part`), and the chunk graph itself, are one task each
-in the graph, which every block depends on: computed once (on a cluster, once, then copied to
-the workers that need them). The chunk graph travels as bytes (:class:`_Deferred`): the scheduler never unpickles it.
+The shared inputs, the nodes of them alone through which no gradient passes
+(:func:`daskdag.sweeps.shared.constants_part`) and the chunk graph are one task each, which
+every block depends on: computed once. The chunk graph travels as bytes (:class:`_Deferred`):
+the scheduler never unpickles it.
 """
 
 from __future__ import annotations
@@ -65,12 +63,10 @@ def holds_dask(values: dict, batched) -> bool:
 
 def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str,
             every: int | None = None):
-    """A sweep of ``kind`` over dask arrays (see the module's docstring), where a batched input
-    holds one (else None): ``{output: result}`` as the kind makes them, each leaf a dask
-    array, computing nothing. ``client``: the one in effect (checked now); the arrays are
-    computed later, wherever Dask computes them. ``every``: with no ``chunk_size`` and no
-    dask array, cut the items into that many blocks (the batched inputs' arrays become dask
-    arrays: a sweep for Dask's multiprocessing scheduler)."""
+    """A sweep of ``kind`` over dask arrays, where a batched input holds one (else None): the
+    kind's results, each leaf a dask array, computing nothing. ``client``: the one in effect
+    (checked now). ``every``: with no ``chunk_size`` and no dask array, the items cut into
+    that many blocks (a sweep for Dask's multiprocessing scheduler)."""
     spec, names, values = parsed(kind.dag, xs, kind.outputs)
     batched = batched_names(values, batched)
     if not holds_dask(values, batched) and every is None:
@@ -214,8 +210,7 @@ def _loaded(deferred: _Deferred):
 
 
 def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]) -> dict:
-    """``{output: (value, {input: grad})}`` as trees of dask arrays over the blocks (see the
-    module's docstring)."""
+    """``{output: (value, {input: grad})}`` as trees of dask arrays over the blocks."""
     values, grads = shapes
     layer: dict = {}
     keys = {}
@@ -305,13 +300,11 @@ def _needs(plan) -> dict:
 # -- in the task that runs a block ----------------------------------------------------------------
 
 def _run_block(loaded: tuple, start: int, *args) -> list:
-    """One block: the chunk graph run by Dask's synchronous scheduler over its items (``args``:
-    the shared inputs, those broadcast, then the block of each dask array). Returns the block's
-    value and gradient leaves, NumPy arrays with a leading axis of its items, in the order of
-    :meth:`_Blocks.leaves`. Its :class:`~daskdag.NodeError` names the first failing item
-    (``start`` is the block's first): an item that fails is kept with the block, which goes on
-    with its other items (:func:`daskdag.sweeps.progress.fail`); a block that fails as a whole
-    is rerun item by item."""
+    """One block: the chunk graph over its items (``args``: the shared inputs, those broadcast,
+    then the block of each dask array); its value and gradient leaves as NumPy arrays over its
+    items, in :meth:`_Blocks.leaves`' order. Its :class:`~daskdag.NodeError` names the first
+    failing item (``start``: the block's first), the block rerun item by item where it failed
+    as a whole."""
     tasks, key, blocks = loaded
     shared = dict(zip(blocks.shared.values(), args))
     bcast = dict(zip(blocks.broadcast, args[len(shared):]))

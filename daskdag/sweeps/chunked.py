@@ -1,22 +1,18 @@
 """A node over a chunk of sweep items: its function, and its forward pass under ``jax.vjp``.
 
-``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``: forward and
-pullback are each one compiled program, cached per node function, so chunks of the same shapes
-(and later sweeps of the same function) compile nothing. The others run item by item, each
-item under its own ``jax.vjp`` (one vjp around the whole loop is slower per item, see the
-sweep benchmarks), leaving an :class:`ItemPullbacks`. Between items they pass a
-:func:`~daskdag.sweeps.progress.checkpoint`: progress, and where a cancelled chunk stops.
-
-The compiled programs are :class:`~daskdag.graph.compiled.Compiled`'s, as for a fused stage
-outside a sweep. A chunk's node kind is registered with :mod:`daskdag.rules.registry`, so the
-core runs it as it runs any node, and fuses a sweep's stages over the items (``batch``).
+``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``, forward and pullback
+each one program (:class:`~daskdag.graph.compiled.Compiled`'s, cached per node function, as for
+a fused stage). The others run item by item, each item under its own ``jax.vjp`` (faster per
+item than one vjp around the loop), leaving an :class:`ItemPullbacks`, and pass a
+:func:`~daskdag.sweeps.progress.checkpoint` between items. The node kind is registered with
+:mod:`daskdag.rules.registry`: the core runs it as any node, and fuses a sweep's stages over the
+items (``batch``).
 
 An item that fails in an item-by-item node, forward or backward, is kept with its chunk
-(:func:`~daskdag.sweeps.progress.fail`) and the chunk goes on with its other items: the failed
-item's value is :data:`SKIPPED`, which later nodes pass on without running, and which has no
-leaves to differentiate; its cotangents are zeros, and its pullbacks do not run. A ``vmap``
-node takes another item's values in the rows of the items that failed (their results are
-dropped), and a chunk none of whose items is left stops
+(:func:`~daskdag.sweeps.progress.fail`), which goes on with its other items: the failed item's
+value is :data:`SKIPPED`, which later nodes pass on without running; its cotangents are zeros,
+its pullbacks do not run. A ``vmap`` node takes another item's values in the failed items' rows
+(their results dropped); a chunk none of whose items is left stops
 (:class:`~daskdag.sweeps.progress.NothingLeft`).
 """
 
@@ -109,11 +105,10 @@ class Chunked:
                                              [len(differentiable_leaves(p)) for p in primals])
 
     def linearize_values(self, args: Sequence[Any], active: tuple[bool, ...], count: int):
-        """:meth:`linearize` of an item-by-item function that returns a tuple of ``count``
-        values (a chain of nodes as one function): ``(values, pullback)``, ``values`` a tuple of
-        :class:`Items`, one per value; the pullback takes the cotangent of those (each value's
-        in turn, each item's leaves in turn within it) and gives the args' as
-        :class:`ItemPullbacks` does."""
+        """:meth:`linearize` of an item-by-item function returning ``count`` values (a chain of
+        nodes as one): ``(values, pullback)``, an :class:`Items` per value; the pullback takes
+        their cotangent (each value's in turn, each item's leaves in turn within it) and gives
+        the args' as :class:`ItemPullbacks` does."""
         primals, pullback = self.linearize(args, active)
         values = tuple(Items(SKIPPED if p is SKIPPED else p[e] for p in primals)
                        for e in range(count))
@@ -151,10 +146,9 @@ def chunk_of(node: Node) -> Chunked | None:
 
 
 def _attempt(name: str | None, index: int, args: tuple, phase: str, call):
-    """``call()``, item ``index``'s pass of a node (``args``: its args), or :data:`SKIPPED`:
-    where the item failed in this chunk already, or an arg of it is :data:`SKIPPED`, or it
-    fails now (kept with the chunk, :func:`~daskdag.sweeps.progress.fail`; where no chunk keeps
-    it, it raises)."""
+    """``call()``, item ``index``'s pass of a node (``args``: its args), or :data:`SKIPPED` where
+    the item failed already, an arg is :data:`SKIPPED`, or it fails now and its chunk keeps it
+    (:func:`~daskdag.sweeps.progress.fail`; with no chunk, it raises)."""
     if failed_already(index) or any(a is SKIPPED for a in args):
         return SKIPPED
     try:
@@ -182,11 +176,10 @@ def _count(arg) -> int:
 
 
 class Items(list):
-    """A node's values over a chunk, one per item, as the item-by-item nodes made them: they
-    pass them on unstacked (stacking every node's values and splitting them again in the next
-    node would cost every eager sweep a pass over its values). A pytree whose children are the items,
-    so a cotangent of ``Items`` (a flat tuple, see :mod:`daskdag.rules.pullback`) is each item's
-    cotangent in turn. :func:`stacked` makes one array per leaf, where one is needed."""
+    """A node's values over a chunk, one per item, as item-by-item nodes pass them on: unstacked
+    (stacking and splitting them at every node would cost a pass over the values). A pytree of
+    the items, so a cotangent of ``Items`` (a flat tuple, :mod:`daskdag.rules.pullback`) is each
+    item's in turn; :func:`stacked` makes one array per leaf where one is needed."""
 
 
 jax.tree_util.register_pytree_node(Items, lambda items: (list(items), None),
@@ -284,12 +277,11 @@ class _ForItems(Pullback):
 
 
 class ItemPullbacks(Pullback):
-    """The pullbacks of a chunk's items (None for an item that failed). Call: ``(ct, inputs)``
-    as for a :class:`~daskdag.rules.pullback.Pullback`: ``ct`` the cotangent of the node's
-    :class:`Items` (each item's leaves in turn, ``counts[i]`` of them for item ``i``); it
-    returns, for each dep that came as ``Items``, its cotangent likewise, for the others
-    (stacked) one stacked array per leaf. An item that failed, in this node or elsewhere in the
-    chunk (or fails here: kept with the chunk as failing in the node ``name``), gets zeros."""
+    """The pullbacks of a chunk's items (None for an item that failed). Called as a
+    :class:`~daskdag.rules.pullback.Pullback`, ``ct`` the cotangent of the node's :class:`Items`
+    (each item's leaves in turn, ``counts[i]`` of them for item ``i``), it returns each dep's
+    cotangent likewise where it came as ``Items``, else one stacked array per leaf. An item that
+    failed in the chunk (or fails here: kept as failing in the node ``name``) gets zeros."""
 
     def __init__(self, pullbacks: list, in_axes: tuple[int | None, ...], active: tuple,
                  name: str | None, counts: list[int]):
@@ -367,9 +359,8 @@ def item_args(args, in_axes) -> list[tuple]:
 
 
 def unstack(tree) -> list:
-    """A pytree whose array leaves carry a leading item axis, as a list of per-item pytrees;
-    other leaves (functions, static fields) are shared by every item. :class:`Items` as they
-    are."""
+    """A pytree whose array leaves carry a leading item axis as a list of per-item pytrees, its
+    other leaves (functions, static fields) in every item; :class:`Items` as they are."""
     if isinstance(tree, Items):
         return list(tree)
     leaves, treedef = jax.tree.flatten(tree)

@@ -1,12 +1,10 @@
 """Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
 
-An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start, stop)``),
-waits for some chunk to finish, gives a finished chunk's results (:class:`Done`: ``{output:
-(value, {input: grad})}`` over its items, and its items that failed; or raises its
-:class:`~daskdag.NodeError` where the chunk failed as a whole), lets go of it, and on
-:meth:`close` stops everything it started: queued chunks never start, running ones stop at
-their next item (:mod:`daskdag.sweeps.progress`), and on a cluster every future it made is released,
-whatever way the sweep ended.
+An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start,
+stop)``), waits for some to finish, gives a finished chunk's :class:`Done` (or raises its
+:class:`~daskdag.NodeError` where it failed as a whole), lets go of it, and on :meth:`close`,
+however the sweep ended, stops everything it started: queued chunks never start, running ones
+stop at their next item (:mod:`daskdag.sweeps.progress`), a cluster's futures are released.
 """
 
 from __future__ import annotations
@@ -135,28 +133,22 @@ class Here:
 class Cluster:
     """Chunks as tasks of a ``distributed`` cluster; shared inputs placed on it once.
 
-    ``pin``: each chunk runs as one task on one worker, the one with the fewest chunks in
-    flight (loosely: the scheduler can still move it). Left to itself the scheduler would put
-    every chunk beside the data it needs, the shared inputs held by one worker, and a chunk
-    split into tasks shipped pullbacks and cotangents between workers, each task paying distributed's per-task overhead. Chunks whose
-    nodes need resources stay task graphs, which the scheduler places node by node (their bar
-    advances per chunk, and they stop at the next task, not item).
+    ``pin``: each chunk runs as one task on the worker with the fewest chunks in flight
+    (loosely: the scheduler can still move it), not beside the shared inputs on one worker, nor
+    split into tasks that ship pullbacks and cotangents between workers at a per-task cost.
+    Chunks whose nodes need resources stay task graphs, placed node by node (their bar advances
+    per chunk; they stop at the next task, not item).
 
-    A pinned chunk's items travel inside its task, as Dask's own graphs carry their data, so the
-    scheduler holds the chunk's recipe whole: when its worker dies, or every worker at once, it
-    runs the chunk again elsewhere (data placed with ``Client.scatter`` would be lost with its
-    only holder). Its results come straight back from its worker as NumPy frames
-    (``Client.gather``; ``Client(direct_to_workers=False)`` routes them through the scheduler,
-    for clients that cannot reach the workers). A chunk whose worker left while it waited (a
-    loose restriction to workers that all died keeps a task waiting for them), or whose task
-    was lost (``KilledWorker``: its workers kept dying while it ran), is sent again, up to
+    A pinned chunk's items travel inside its task, so the scheduler holds its recipe whole and
+    reruns it elsewhere when its worker, or every worker, dies (scattered data would be lost
+    with its holder). Its results come straight back from its worker (``Client.gather``;
+    through the scheduler with ``Client(direct_to_workers=False)``). A chunk whose worker left
+    while it waited, or whose task was lost (``KilledWorker``), is sent again, up to
     :data:`RESENDS` times.
 
-    A pinned chunk's task carries no graph: every chunk of a sweep has the same one but for its
-    items, so the sweep's chunk graph is built and pickled once (:func:`chunk_graph`), placed
-    on the cluster as the shared inputs are, and each chunk's task binds its own items into a
-    copy of it (:func:`_run_chunk`), rather than building, tokenizing and pickling it for
-    each chunk in this process, on time taken from the workers.
+    The task carries no graph: the sweep's chunk graph, the same for every chunk but its items,
+    is built and pickled once (:func:`chunk_graph`), placed on the cluster as the shared inputs
+    are, and each task binds its items into a copy of it (:func:`_run_chunk`).
     """
 
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
@@ -218,10 +210,10 @@ class Cluster:
         return min(running or found, key=lambda w: sum(1 for other in self.chunks if other.worker == w))
 
     def _workers(self, fresh: bool = False) -> dict:
-        """The cluster's workers (:func:`daskdag.running.cluster.workers`), as the scheduler listed them
-        at most :data:`LIST_EVERY` seconds ago unless ``fresh`` (asking for every chunk would
-        cost this thread a round trip each). An empty list is not kept: with no worker yet (an
-        adaptive cluster) each chunk asks again."""
+        """The cluster's workers (:func:`daskdag.running.cluster.workers`), as the scheduler
+        listed them at most :data:`LIST_EVERY` seconds ago unless ``fresh`` (asking each time
+        would cost a round trip, and on a large cluster the scheduler's time); an empty list
+        (an adaptive cluster with no worker yet) is not kept."""
         now = time.monotonic()
         if fresh or not self.found or now - self.listed > LIST_EVERY:
             self.found, self.listed = workers(self.client, timeout=self.watch.ask), now
@@ -256,11 +248,10 @@ class Cluster:
         return done
 
     def _stranded(self, chunks) -> None:
-        """Send again the pinned chunks stranded by the loss of every worker: a task whose
-        named worker left while no worker was running waits for that worker forever, even once
-        new workers join (distributed 2026.8 looks for another only while some worker runs).
-        A chunk is taken for stranded when none of the workers there when it was sent is left.
-        And give up once the cluster has had no worker for ``daskdag.worker-wait``."""
+        """Send again the pinned chunks stranded by the loss of every worker (none of those
+        there when it was sent is left): a task whose named worker left while none ran waits
+        for it forever, even once new workers join (distributed 2026.8 looks for another only
+        while some worker runs). Give up once no worker was there for ``daskdag.worker-wait``."""
         found, failed = None, None
         try:
             found = self._workers()
@@ -350,10 +341,9 @@ RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep f
 class Lost(Exception):
     """A chunk of several items lost with the workers that ran it (``KilledWorker``): the
     sweep runs its items again one by one (:func:`daskdag.sweeps.sweep._run_chunks`)."""
-# Seconds a list of the workers is used for before the scheduler is asked again (a list of
-# every worker's state: on a large cluster, asking each time the progress bar is refreshed
-# takes the scheduler's time from the chunks).
-LIST_EVERY = 1.0
+
+
+LIST_EVERY = 1.0  # seconds a list of the workers serves before the scheduler is asked again
 
 
 class _Chunk:
@@ -372,12 +362,10 @@ class _Chunk:
 
 
 def place_shared(place, name: str, value) -> distributed.Future:
-    """Put the shared input ``name`` on the cluster for every chunk to use, with ``place``
+    """Put the shared input ``name`` (packed) on the cluster for every chunk, with ``place``
     (:func:`daskdag.running.resident.placing`): under its content key, which a later sweep or
-    ``compute_grads`` call with the same value finds there, and as a task whose result is the
-    value, so it survives the loss of its worker, where a scattered value would fail every
-    chunk needing it. The value travels packed, as every input does (:mod:`daskdag.transport.packing`).
-    """
+    call with the same value finds, as a task whose result is the value, so that it survives
+    the loss of its worker, where a scattered value would fail every chunk needing it."""
     packed = CLUSTER.pack(f"input {name!r}", value)
     return place(key("input", name, tokenize(packed)), unpack, packed)
 
@@ -398,8 +386,7 @@ def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     flat = [d for value, grads in results.values() for d in (value, *grads.values())]
     tasks = dict(flat[0].__dask_graph__())  # (one graph: every result is a key of it)
     shape = [(o, list(grads)) for o, (_, grads) in results.items()]
-    # A content key, as the results' keys are (not dask.delayed of the results, which walks
-    # their graphs).
+    # A content key, as the results' are (dask.delayed of them would walk their graphs).
     done = key("sweep", "results", tokenize([d.key for d in flat], shape))
     tasks[done] = Task(done, _assemble, shape, *(TaskRef(d.key) for d in flat))
     return tasks, done
@@ -414,12 +401,10 @@ def _assemble(shape: list, *flat):
 
 def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int,
                report: list | None, count: int) -> Done:
-    """A whole chunk of ``count`` items as one task, in one worker: the sweep's chunk graph
-    (:func:`chunk_graph`; unpickled once on the worker that made it, copied to others as an
-    object) run by Dask's synchronous scheduler, with the shared inputs and the chunk's packed
-    items (``{item_key: Packed}``), which distributed fetched for this task, as data. Returns
-    its :class:`Done`, the results with NumPy leaves: distributed sends NumPy arrays as
-    zero-copy frames, and the client stacks them into NumPy arrays anyway."""
+    """A whole chunk of ``count`` items as one task on a worker: the sweep's chunk graph
+    (:func:`chunk_graph`) run by Dask's synchronous scheduler, the shared inputs and the chunk's
+    packed items (``{item_key: Packed}``) as data. Its :class:`Done` has NumPy leaves:
+    distributed sends those as zero-copy frames, and the client stacks into NumPy anyway."""
     tasks, key = graph
     tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks, maybe at once
     for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:

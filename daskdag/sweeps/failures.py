@@ -10,13 +10,9 @@ from daskdag.errors import NodeError
 
 
 def detached(e: NodeError, item: int | None) -> NodeError:
-    """``e`` for ``item``, holding no stack frames.
-
-    A traceback holds its frames, and they every local of the calls they came through: an error
-    from a cluster arrives with a traceback rebuilt on top of this sweep's own frames, so a kept
-    error kept the sweep's futures (their tasks stayed on the cluster) and arrays alive. The
-    original exception's traceback (where the node raised) stays, as text in a note.
-    """
+    """``e`` for ``item``, holding no stack frames: a traceback holds every local of the calls
+    it came through (from a cluster, this sweep's own frames: its futures and arrays), which a
+    kept error would keep alive. The original's traceback stays, as text in a note."""
     todo: list[BaseException | None]
     seen, todo = set(), [e.original]
     while todo:  # the original and the exceptions chained to it

@@ -13,12 +13,10 @@ from daskdag.durable.rules import SWEEP
 def identity(kind, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
              ) -> dict:
     """What a sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) is, as a store
-    records it: what every store records (:func:`daskdag.durable.identity.common`: the format,
-    versions, each node's parts, the settings), the outputs, ``wrt``, the batched inputs, the
-    number of items, the hashes of the shared inputs (their tangents with them) and of the
-    cotangents, and ``errors`` (what becomes of failing items); for another kind than
-    gradients, the kind and its options (:func:`daskdag.durable.identity.options`) too (a
-    record without them is a gradient sweep's)."""
+    records it: what every store records (:func:`daskdag.durable.identity.common`) and the
+    sweep's arguments, shared inputs (their tangents with them) and cotangents by hash; for
+    another kind than gradients, the kind and its options too
+    (:func:`daskdag.durable.identity.options`): a record without them is a gradient sweep's."""
     record = {**common(kind.dag), "outputs": list(outputs), "wrt": list(wrt),
               "batched": sorted(batched), "items": size,
               "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},

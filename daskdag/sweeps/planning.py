@@ -2,10 +2,10 @@
 item's shapes (:func:`prepare`, keyed by :func:`item_signature`), and how big its chunks are
 (:func:`default_chunk_size`) and how many item steps each takes (:func:`chunk_steps`).
 
-Each chunk of items is the graph :func:`daskdag.graph.build.build` makes for one call, over a spec
-whose node functions take a whole chunk (:class:`~daskdag.sweeps.chunked.Chunked`): vectorized with
-``jax.vmap`` for ``Node(vmap=True)``, else item by item (:func:`plan_sweep`). The loop over the
-chunks is :mod:`daskdag.sweeps.sweep`'s.
+Each chunk is the graph :func:`daskdag.graph.build.build` makes for one call, over a spec whose
+node functions take a whole chunk (:class:`~daskdag.sweeps.chunked.Chunked`: vectorized for
+``Node(vmap=True)``, else item by item; :func:`plan_sweep`). The loop over the chunks is
+:mod:`daskdag.sweeps.sweep`'s.
 """
 
 from __future__ import annotations
@@ -159,8 +159,7 @@ def item_signature(dag, xs, batched) -> tuple | None:
 
 
 def item(value):
-    """One item's stand-in: each array leaf's first row (a view, or its shape where it has
-    none)."""
+    """One item's stand-in: each array leaf's shape and dtype, less the item axis."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
                         if is_array(a) and a.ndim else a, value)
 
@@ -204,9 +203,8 @@ def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
     per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
     program over its items): also about four per slot, so that items and results travel while
     other chunks compute, but none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's
-    fixed cost, tens of milliseconds on a cluster, would outweigh it) unless that leaves a slot
-    without a chunk, and none over ``[1]``, to bound memory. (2-worker cluster, 2 cores,
-    items of 32 KiB: 256 items ran fastest in 2 chunks, 2048 items in 4 to 8.)"""
+    fixed cost would outweigh it) unless that leaves a slot without a chunk, and none over
+    ``[1]``, to bound memory."""
     size = sweep.size
     if not sweep.vectorized:
         return max(1, min(256, math.ceil(size / (4 * parallelism))))

@@ -1,23 +1,19 @@
 """What a running sweep chunk tells the sweep (how far it got, which items failed) and asks it
 (was it cancelled?).
 
-A chunk runs as one task (a thread of this process, or one task on a ``distributed`` worker)
-and loops over its items inside each node (:mod:`daskdag.sweeps.chunked`). Between two items it calls
+A chunk runs as one task (a thread here, or a task on a ``distributed`` worker) and loops over
+its items inside each node (:mod:`daskdag.sweeps.chunked`). Between two items it calls
 :func:`checkpoint`, which counts the step and raises :class:`Cancelled` once the sweep stopped
-waiting for the chunk, so Ctrl-C does not wait for whole chunks to finish. An item that fails
-is kept with its chunk (:func:`fail`) and the chunk goes on with the others: the item's later
-nodes do not run for it (:func:`failed_already`), and the chunk's result says which items
-failed, so that no item is computed twice to find out.
+waiting for the chunk, so Ctrl-C does not wait for whole chunks. An item that fails is kept
+with its chunk (:func:`fail`), whose later nodes skip it (:func:`failed_already`): no item is
+computed twice to find out which failed.
 
-On the client, :class:`Progress` is the progress bar over items: finished chunks count whole,
-running chunks by the fraction of their item steps done. On a cluster chunks report through
-distributed's event log (``Worker.log_event`` to one topic, ``Client.subscribe_topic``).
-
-It has the look of the bar of every other call, Dask's text bar (``dask.diagnostics.ProgressBar``
-on the local scheduler, ``distributed.progress`` on a cluster: ``[####    ] | 40% Completed |
-1.20 s``), and is the one exception in what it counts: items, not tasks (a chunk is one task of
-many items, which a count of tasks would show only when it ends), so it also says ``4/10
-items``. It is drawn by tqdm (:data:`BAR`), as text on stderr, in a notebook too.
+On the client, :class:`Progress` is the bar over items: finished chunks count whole, running
+ones by the fraction of their item steps done; on a cluster chunks report through distributed's
+event log (``Worker.log_event``, ``Client.subscribe_topic``). It looks like Dask's text bar,
+every other call's (``[####    ] | 40% Completed | 1.20 s``), but counts items, not tasks (a
+chunk is one task of many items), so it also says ``4/10 items``; tqdm draws it (:data:`BAR`),
+as text on stderr, in a notebook too.
 """
 
 from __future__ import annotations

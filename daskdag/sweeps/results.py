@@ -14,12 +14,9 @@ from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
 
 
 class Stacked:
-    """One output's values, or one gradient, stacked over all items as chunks arrive.
-
-    Leaves that are ``None`` (a gradient's non-differentiated leaves) stay ``None``:
-    ``jax.tree.map`` skips them. Rows of items that never arrived (failed) are NaN, or 0
-    where the dtype has no NaN.
-    """
+    """One output's values, or one gradient, stacked over all items as chunks arrive. ``None``
+    leaves (not differentiated) stay ``None``; rows of items that never arrived (failed) are
+    NaN, or 0 where the dtype has none."""
 
     def __init__(self, size: int):
         self.size, self.tree, self.arrived = size, None, np.zeros(size, bool)
@@ -35,8 +32,7 @@ class Stacked:
         if not carries_items:  # the same for every item
             tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
         if self.tree is None:
-            # Uninitialised: filling it first would write every row twice (for a large sweep,
-            # a pass over hundreds of MB); rows that never arrive are filled in result().
+            # Uninitialised: filling it would write every row twice; result() fills the rest.
             self.tree = jax.tree.map(lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
                                      tree)
 
@@ -63,20 +59,16 @@ class Stacked:
 
 
 def _mark_missing(a, rows):
-    # NaN marks the rows of items that failed, where the dtype has one.
     a[rows] = np.nan if np.issubdtype(a.dtype, np.inexact) else 0
 
 
 def item_shapes(plan, values: dict, batched: frozenset, lowering=None) -> tuple[dict, dict]:
-    """One item's ``({output: value shape}, {output: {input: gradient shape}})``, as
-    ``ShapeDtypeStruct`` trees, without running any node on data
-    (:func:`daskdag.model.shapes.abstract_values`).
-
-    A gradient is shaped like its input's item (a Jacobian's, where ``lowering`` has ``rows``,
-    after the output's rows), with ``None`` for leaves that are not floating arrays. A value is
-    ``None`` when a node on its way cannot be traced abstractly (Python control flow on values,
-    ``float(x)``, non-JAX code).
-    """
+    """One item's ``({output: value shape}, {output: {input: gradient shape}})`` as
+    ``ShapeDtypeStruct`` trees, traced abstractly (:func:`daskdag.model.shapes.abstract_values`).
+    A gradient is shaped like its input's item (a Jacobian's after the output's rows, where
+    ``lowering`` has ``rows``), ``None`` on leaves that are not floating arrays; a value is
+    ``None`` where a node on its way cannot be traced (Python control flow on values,
+    ``float(x)``, non-JAX code)."""
     def call(node):
         chunk = chunk_of(node)
         return (chunk.node if chunk else node).callable()

@@ -1,22 +1,17 @@
 """Work every item of a sweep shares: the nodes it computes from its shared inputs alone run
-once for the whole sweep, not once per chunk or per item (:func:`share`).
+once for the whole sweep, not once per chunk or per item (:func:`share`). Two kinds, each taken
+out of the chunks' plan:
 
-Two kinds, each taken out of the chunks' plan:
+- **Constants**, through which no gradient passes: run once as a graph of their own (here or on
+  the cluster), their values shared inputs of every chunk (:func:`constants`).
+- **Differentiated per item**, of shared inputs in ``wrt``: run once, as one task, their
+  pullback kept (:class:`Through`); chunks take their values as inputs differentiated per item,
+  and after a chunk its items' gradients there are pulled back through the kept pullback
+  (:func:`differentiated`).
 
-- **Constants**: nodes through which no gradient passes (no ``wrt`` input among their
-  ancestors). They run once as a graph of their own, here or on the cluster, where independent
-  ones run side by side; their values become shared inputs of every chunk
-  (:func:`constants`).
-- **Differentiated per item**: nodes of shared inputs named in ``wrt`` (each item gets its
-  gradient with respect to them). They run once, as one task, each under its rule, and their
-  pullback is kept (:class:`Through`). Every chunk takes their values as inputs differentiated
-  per item, as it takes those shared inputs; after a chunk, its items' gradients at them are
-  pulled back to the shared inputs through the kept pullback: every output's rows at once under
-  ``jax.vmap``, or row by row for a rule that cannot be vmapped (:func:`differentiated`).
-
-Outputs and nodes named in ``wrt`` stay in the chunks (their values and gradients are per item),
-and so do the nodes after them. Where one of these nodes fails, the chunks run it, as they
-would without this, and the error names the item as ``errors=`` says.
+Outputs and nodes in ``wrt`` stay in the chunks (their values and gradients are per item), and
+so do the nodes after them. Where a node run once fails, the chunks run it, as they would
+without this, and the error names the item as ``errors=`` says.
 """
 
 from __future__ import annotations
@@ -137,12 +132,11 @@ def differentiated(planned: Sweep, client) -> Sweep:
 
 def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
     """The nodes a sweep computes from its shared inputs alone that its gradients pass through
-    (they depend on a shared input named in ``wrt``), and need nothing the chunks compute:
-    ``(plan, stage, rest)``, where ``plan`` computes, from the shared inputs, the values of
-    those the other nodes take (its outputs), with ``wrt`` the shared inputs it takes; ``stage``
-    is its nodes as one stage; ``rest`` is the sweep without them, those values inputs its
-    chunks differentiate per item, as they do the shared inputs in ``wrt``. None where there
-    are none, or where they need different resources (they run as one task)."""
+    (they depend on a shared input in ``wrt``) and that need nothing the chunks compute:
+    ``(plan, stage, rest)``: ``plan`` computes from the shared inputs the values the other
+    nodes take (its outputs), its ``wrt`` the shared inputs it takes; ``stage`` is its nodes as
+    one stage; ``rest`` the sweep without them, those values inputs its chunks differentiate
+    per item. None where there are none, or they need different resources (they run as one task)."""
     plan, spec = sweep.plan, sweep.plan.spec
     kept = set(plan.outputs) | set(plan.wrt)
     of_items: set[str] = set(sweep.batched)

@@ -1,36 +1,22 @@
 """Durable sweeps: each chunk's results written to a Zarr store as the chunk finishes, so that a
 sweep outlives its client, and the same call resumes it.
 
-A store is a Zarr (v3) hierarchy, in a local directory or in any store Zarr can open (an object
-store, say), readable with Zarr alone:
+A store is a Zarr (v3) hierarchy, in a local directory or any store Zarr can open, readable with
+Zarr alone (its keys in full: docs/guides/sweeps.md, "What is in the store"): ``zarr.json``, the
+root group, whose attribute "daskdag" is what the sweep is (:mod:`daskdag.sweeps.identity`) and
+"trees" each result's pytree structure (pickled); ``values/<output>/<k>`` and
+``grads/<output>/<input>/<k>``, an array per leaf, ``(items, *leaf shape)``, chunked by the
+sweep's chunk size; ``done/<start>-<stop>``, a group written once those items are durable: the
+hash of their input items, of their rows in every array, and the failed items' errors
+(pickled); ``lock``, a lease while a sweep writes (stores other than local files).
 
-```text
-zarr.json                      the root group; its attribute "daskdag" is what the sweep is
-                               (identity): format, daskdag's and JAX's versions, each node's
-                               content tokens by part (not where its source is written), deps and
-                               options, outputs, wrt, batched inputs, items, chunk size, the
-                               shared inputs' and cotangents' hashes, the settings numbers depend
-                               on; "trees" is each result's pytree structure (pickled)
-values/<output>/<k>            an array per leaf k of the output's value: (items, *leaf shape),
-                               chunked by the sweep's chunk size along items
-grads/<output>/<input>/<k>     the same for each gradient leaf
-done/<start>-<stop>            a group written once items start..stop-1 are durable (local
-                               files: synced): the hash of their input items, the hash of
-                               their rows in every array, and the errors of failed items
-                               (pickled)
-lock                           (another store than local files) a lease group while a sweep writes
-```
-
-Rows of items that never arrived (failed) hold NaN (0 where the dtype has none). Items are
-complete when a ``done`` group covers them and their rows still hash as it says: a crash at any
-instant leaves each piece complete or absent, and a truncated or corrupted chunk is computed
-again, never returned. A resumed sweep runs the pieces that are not complete; the identity and
-each complete piece's input items must be those of the call, else
-:class:`~daskdag.StoreError` names what changed. The trees and errors are pickles: open only
-stores you trust, as you would a pickle.
-
-What a sweep is: :mod:`daskdag.sweeps.identity`; the format, the rules and the keys every
-store shares (calls' too): :mod:`daskdag.durable`.
+Failed items' rows hold NaN (0 where the dtype has none). Items are complete when a ``done``
+group covers them and their rows still hash as it says: a crash at any instant leaves each piece
+complete or absent; a truncated or corrupted chunk is computed again, never returned. A resumed
+sweep runs the pieces that are not complete; the identity and each complete piece's input items
+must be the call's, else :class:`~daskdag.StoreError` names what changed. The trees and errors
+are pickles: open only stores you trust. The format, rules and keys every store shares (calls'
+too): :mod:`daskdag.durable`.
 """
 
 from __future__ import annotations
@@ -146,10 +132,9 @@ class Store:
         """The complete pieces, each checked once: ``(start, stop, results, failed)``,
         ``results`` (``{output: (value, {input: grad})}``, NumPy rows) only when ``read``.
         ``hashes(start, stop)``: the hash of the call's input items there, which must be the
-        stored one (else, once every piece was looked at, :class:`~daskdag.StoreError` names
+        stored one (else, once every piece was looked at, a :class:`~daskdag.StoreError` names
         the items whose inputs changed; with ``changed_items="recompute"`` their marks are
-        removed, to be computed again). Pieces a crash or a corruption left incomplete are
-        removed. One chunk of every array is in memory at a time."""
+        removed). Incomplete pieces are removed. One chunk of every array is in memory at a time."""
         marks = self._marks()
         changed = []
         arrays = self._arrays()

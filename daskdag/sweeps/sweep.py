@@ -1,14 +1,11 @@
 """Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
 
-Each chunk of items is the graph of the sweep's plan (:mod:`daskdag.sweeps.planning`: what every
-chunk shares, and the chunk sizes). Chunks run on threads or a cluster
-(:mod:`daskdag.sweeps.engines`; on a cluster a chunk is one task on one worker, its items sent
-straight to that worker and its results straight back, and shared inputs are placed on the
-cluster once). A few chunks are in flight at a time; their results are written into the
-stacked outputs (:mod:`daskdag.sweeps.results`) as they finish and their intermediates released, so
-memory stays bounded however many items there are. An item that fails is kept with its chunk's
-results, which go on without it; a chunk that fails as a whole is rerun item by item, to name
-the item and keep the rest.
+Each chunk of items is the graph of the sweep's plan (:mod:`daskdag.sweeps.planning`), run on
+threads or a cluster (:mod:`daskdag.sweeps.engines`). A few chunks are in flight at a time; their
+results go into the stacked outputs (:mod:`daskdag.sweeps.results`) as they finish, their
+intermediates released, so memory stays bounded however many items there are. An item that
+fails is kept with its chunk's results; a chunk that fails as a whole is rerun item by item, to
+name the item and keep the rest.
 """
 
 from __future__ import annotations
@@ -99,12 +96,11 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed)`` as :func:`run` returns
     them, chunks of ``chunk_size`` items (default
     :func:`~daskdag.sweeps.planning.default_chunk_size`, or the store's) on ``client``'s
-    cluster or this process's ``local`` threads. ``store``: a directory where each chunk's
-    results are kept as it finishes, and where a sweep of the same ``kind`` resumes
-    (:mod:`daskdag.sweeps.store`); there, when ``chunk_size`` is not given and items are
-    computed one by one (no ``vmap=True`` node, items in memory), chunks run in pieces sized
-    by time (``by_time``, :class:`_Pieces`), so that an interrupt early in a long sweep finds
-    something saved. Ctrl-C there raises :class:`Interrupted`, saying how much is saved."""
+    cluster or ``local`` threads. ``store``: where each chunk's results are kept as it
+    finishes, and a sweep of the same ``kind`` resumes (:mod:`daskdag.sweeps.store`); there,
+    with no ``chunk_size`` and items computed one by one in memory, chunks run in pieces sized
+    by time (:class:`_Pieces`), so that an early interrupt finds something saved; Ctrl-C
+    raises :class:`Interrupted`, saying how much is."""
     size = batch_size(values, tuple(planned.batched))
     planned = replace(planned, values=values, size=size,
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
@@ -135,17 +131,16 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
         workers: dict | None = None, store: Store | None = None, by_time: bool = False,
         local: str | None = None):
-    """Compute every chunk, ``in_flight`` at a time. Returns ``(computed, failed)``.
-    ``workers``: ``client``'s workers as just listed (:func:`daskdag.running.cluster.workers`), if known.
-    ``by_time``: chunks run in pieces sized by time (:class:`_Pieces`). The nodes of shared
-    inputs alone run once first (:func:`daskdag.sweeps.shared.share`, on ``client``'s cluster,
-    else here or on Dask's ``local`` scheduler).
+    """Compute every chunk, ``in_flight`` at a time, after the nodes of shared inputs alone
+    (:func:`daskdag.sweeps.shared.share`). ``workers``: ``client``'s workers as just listed
+    (:func:`daskdag.running.cluster.workers`), if known; ``by_time``: chunks run in pieces
+    sized by time (:class:`_Pieces`).
 
-    ``computed``: ``{output: (value, {input: grad})}`` stacked over the items (NaN rows for
-    failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no item gave any);
-    ``failed``: ``{item: NodeError}`` (``errors='collect'``); with ``errors='raise'`` the first
-    failing item's error raises. Whatever way it ends, nothing of the sweep stays running or
-    held, here or on the cluster.
+    Returns ``(computed, failed)``: ``{output: (value, {input: grad})}`` stacked over the items
+    (NaN rows for failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no
+    item gave any), and ``{item: NodeError}`` (``errors='collect'``; with ``errors='raise'``
+    the first failing item's error raises). However it ends, nothing of the sweep stays
+    running or held, here or on the cluster.
     """
     stacked = None if store is not None and store.lazy else {
         o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
@@ -244,21 +239,18 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
 
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
                 done=None, keep=None, by_time=False):
-    """Chunks in order, at most ``in_flight`` at once. A chunk that fails as a whole is rerun
-    item by item, ahead of new chunks, to name its failing items and keep the others; so is one
-    lost with the workers that ran it (smaller pieces stand a better chance). With
-    ``errors='raise'`` no new chunk starts after a failure; the error raised is that of the
-    lowest failing item, once everything before it is known to have succeeded.
+    """Chunks in order, at most ``in_flight`` at once. An item that fails inside a chunk is kept
+    with the chunk's results, its other items going on (:mod:`daskdag.sweeps.chunked`); a chunk
+    that fails as a whole (a ``vmap=True`` node's program over it, a chunk of task graphs), or
+    is lost with the workers that ran it, is rerun item by item, ahead of new chunks, to name
+    its failing items and keep the others. With ``errors='raise'`` no new chunk starts after a
+    failure; the error raised is the lowest failing item's, once everything before it is known
+    to have succeeded.
 
-    An item that fails inside a chunk is kept with the chunk's results, and the chunk's other
-    items go on (:mod:`daskdag.sweeps.chunked`): no item is computed twice to find the failing
-    ones. Only a chunk that fails as a whole (a ``vmap=True`` node's program over it, a chunk of
-    task graphs) is rerun item by item.
-
-    ``done``: items a store had already; they are not run again: a chunk runs the pieces of it
-    that are not done (pieces never overlap). ``keep(chunk, computed, failed)``: called with
-    each chunk's results and its failed items' errors before they count (a store takes them to
-    write). ``by_time``: chunks are taken in pieces sized by time (:class:`_Pieces`)."""
+    ``done``: items a store had already, not run again (a chunk runs its pieces not done).
+    ``keep(chunk, computed, failed)``: takes each chunk's results and its failed items' errors
+    before they count (a store writes them). ``by_time``: chunks are taken in pieces sized by
+    time (:class:`_Pieces`)."""
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
@@ -349,9 +341,8 @@ class _Pieces:
 
 
 def _spread(chunks: deque, chunk_size: int, in_flight: int) -> deque:
-    """A resumed sweep's remaining chunks, cut smaller where they are too few to keep every slot
-    busy (``in_flight`` chunks at once). Only for item-by-item sweeps: each item is computed on
-    its own there, so the pieces give the numbers the chunks would have."""
+    """A resumed sweep's remaining chunks, cut smaller where too few to keep ``in_flight`` slots
+    busy; for item-by-item sweeps only, as :class:`_Pieces` is."""
     missing = sum(b - a for a, b in chunks)
     piece = max(1, -(-missing // in_flight))
     if piece >= chunk_size:
