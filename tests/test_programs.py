@@ -14,6 +14,7 @@ Each result is checked against ``jax.value_and_grad`` / ``jax.vjp`` of the compo
 import logging
 import time
 
+import dask
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from daskdag import Node
 from daskdag.graph import build as build_module
 from daskdag.graph.assembly import kind_of
 from daskdag.running import resident
+from daskdag.transport import fingerprints
 
 from .support.numbers import TraceLog, assert_tree_close
 
@@ -196,6 +198,56 @@ def test_each_jit_region_between_eager_nodes_is_one_task():
                           "bwd:C[L]": "backward", "bwd:A+B[L]": "backward"}, tasks.ran
     assert log.count("A") == 1 and log.count("D") == 1  # jit regions traced once
     assert log.count("C") == len(xs())  # the eager node runs at each call
+
+
+KINDS = {  # (every kind of call, each with its mode given: "auto" traces the nodes to choose)
+    "grads": lambda dag, x: daskdag.compute_grads(dag, x, "L").grad,
+    "jacobian_rev": lambda dag, x: daskdag.jacobian(dag, x, "L", mode="rev").grad,
+    "jacobian_fwd": lambda dag, x: daskdag.jacobian(dag, x, "L", mode="fwd").grad,
+    "jvps": lambda dag, x: daskdag.compute_jvps(dag, x, jnp.ones(5), "L").tangent,
+    "hvps": lambda dag, x: daskdag.compute_hvps(dag, x, jnp.ones(5), "L").hvp}
+WANT = {"grads": jax.grad(composed), "jacobian_rev": jax.jacrev(composed),
+        "jacobian_fwd": jax.jacfwd(composed),
+        "jvps": lambda x: jax.jvp(composed, (x,), (jnp.ones(5),))[1],
+        "hvps": lambda x: jax.jvp(jax.grad(composed), (x,), (jnp.ones(5),))[1]}
+
+
+COMPILED: list = []  # (XLA's compilations, as JAX reports them)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **_: COMPILED.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_prepared_anew_runs_the_program_compiled_already(kind):
+    """With preparations off, every call plans, packs and lifts the DAG anew, and still runs
+    the one program the first call compiled: XLA compiles nothing more."""
+    dag = seed_dag(TraceLog())
+    with dask.config.set({"daskdag.prepared-calls": 0}):
+        for k, x in enumerate(xs(3)):
+            assert_tree_close(KINDS[kind](dag, x), WANT[kind](x))
+            if k == 0:
+                compiled = len(COMPILED)
+    assert len(COMPILED) == compiled
+
+
+@pytest.mark.parametrize("make", [
+    lambda dag: daskdag.value_and_grad(dag, "L"),
+    lambda dag: daskdag.value_and_jacobian(dag, "L", mode="fwd"),
+    lambda dag: daskdag.value_and_jacobian(dag, "L", mode="rev"),
+    lambda dag: (lambda f: lambda x: f(x, jnp.ones(5)))(daskdag.value_and_jvp(dag, "L")),
+    lambda dag: (lambda f: lambda x: f(x, jnp.ones(5)))(daskdag.value_grad_and_hvp(dag, "L"))])
+def test_a_prepared_call_checks_each_node_function_once(make, monkeypatch):
+    """What a prepared call checks grows with what can change: each of the DAG's functions
+    once, not the packed or lifted functions daskdag made of them."""
+    f = make(seed_dag(TraceLog()))
+    f(xs()[0])
+    checked = []
+    holds = fingerprints.Fingerprint.holds
+    monkeypatch.setattr(fingerprints.Fingerprint, "holds",
+                        lambda self, fn: checked.append(fn) or holds(self, fn))
+    f(xs()[1])
+    assert len(checked) == 6  # (the six nodes' functions)
 
 
 # --- On a cluster ----------------------------------------------------------------------------------

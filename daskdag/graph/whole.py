@@ -32,7 +32,7 @@ from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import basis, basis_rows, seed
 from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
-from daskdag.transport.packing import current, unpack
+from daskdag.transport.packing import Function, current, unpack
 from daskdag.transport.transports import Transport
 
 
@@ -63,6 +63,7 @@ class WholeGradients:
         self.active = stage.dep_active()
         self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
         self._program = jax.jit(self._run, static_argnums=0)
+        self._then: dict[Any, Callable] = {}
 
     @classmethod
     def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False
@@ -89,16 +90,27 @@ class WholeGradients:
         node functions (their content tokens, where they are packed)."""
         return tokenize(self.stage, self.outputs, self.wrt, self.nodes, self.rows)
 
-    def __call__(self, values: dict[str, Any], cotangents: dict[str, Any]) -> dict | None:
+    def __call__(self, values: dict[str, Any], cotangents: dict[str, Any],
+                 then: Callable[[dict], Any] | None = None) -> Any:
         """``{output: (value, {input: grad})}`` for the input ``values`` and the outputs'
         ``cotangents`` (None: from 1); None where an input leaf that is held constant cannot be
-        a constant of a program (it is not hashable): the call's graph runs it instead."""
+        a constant of a program (it is not hashable): the call's graph runs it instead.
+        ``then``: a function of those results, jittable and hashable, run in the same
+        program (one compiled per ``then``); its results are the call's."""
         parts = split(tuple(values[d] for d in self.stage.deps), self.active)
         if parts is None:
             return None
         static, traced = parts
-        computed = self._program(static, traced,
-                                 tuple(cotangents.get(o) for o, _, _ in self.outputs))
+        cts = tuple(cotangents.get(o) for o, _, _ in self.outputs)
+        if then is None:
+            return self._by_name(self._program(static, traced, cts))
+        program = self._then.get(then)
+        if program is None:
+            program = self._then[then] = jax.jit(
+                lambda s, t, c: then(self._by_name(self._run(s, t, c))), static_argnums=0)
+        return program(static, traced, cts)
+
+    def _by_name(self, computed: tuple) -> dict:
         return {o: (value, dict(zip((i for i, _ in self.wrt), grads)))
                 for (o, _, _), (value, grads) in zip(self.outputs, computed)}
 
@@ -131,13 +143,15 @@ _made: Cache[Any] = Cache("whole programs", 64)
 
 def made_once(make: Callable[[], Any], what: tuple, nodes: Sequence[Node]) -> Any:
     """``make()``, a whole program of ``nodes``, or the one made already for the same ``what``
-    (its class, stage, outputs, inputs, mode) and the same functions with the same content
-    (:func:`~daskdag.transport.packing.current`): a call compiled anew runs the program
-    compiled already; a function changed in place is another program."""
-    fns = [current(n.fn) for n in nodes]
-    key = (*what, tuple(map(id, fns)))
+    (its class, stage, outputs, inputs, mode) and the same functions: packed ones with the same
+    content token (each preparation packs anew, and lifts anew what it packs), others the same
+    objects (:func:`~daskdag.transport.packing.current`). A call compiled anew runs the
+    program compiled already; a function changed in place is another program."""
+    parts = [n.fn.token if isinstance(n.fn, Function) else current(n.fn) for n in nodes]
+    key = (*what, tuple(p if isinstance(p, str) else id(p) for p in parts))
     hit = _made.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit.fused.fns, fns)):
+    if hit is not None and all(isinstance(p, str) or p is f
+                               for p, f in zip(parts, hit.fused.fns)):
         return hit
     return _made.put(key, make())
 

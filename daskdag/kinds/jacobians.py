@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -22,13 +23,13 @@ from daskdag.errors import DAGError
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.jacobian_layout import (flat_rows, jacrev_layout, joined, laid_out,
-                                           row_template)
+from daskdag.model.jacobian_layout import (dense_jacobian, dense_jacobian_of_columns, flat_rows,
+                                           jacrev_layout, joined, laid_out, row_template)
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.plan import Plan, make_plan
-from daskdag.model.request import (check_chunk_size, nodes_in_wrt, parsed, rules_missing,
-                                   with_rules, wrt_names)
+from daskdag.model.request import (check_chunk_size, nodes_in_wrt, one_input, parsed,
+                                   rules_missing, with_rules, wrt_names)
 from daskdag.model.shapes import UNKNOWN, Traced
 from daskdag.rules.jvp import why_no_jvp
 from daskdag.rules.registry import function_of
@@ -84,7 +85,7 @@ class Jacobian(Derivative):
         check_chunk_size(self.chunk_size)
         if self.mode not in MODES:
             raise DAGError(f"mode must be one of {MODES}, got {self.mode!r}")
-        return self.mode, pattern_key(self.sparsity), self.chunk_size
+        return self.mode, pattern_key(self.sparsity), self.chunk_size, self.sparse
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
         plan = make_plan(spec, outputs, wrt_names(spec, values, self.wrt, candidates=candidates))
@@ -110,7 +111,8 @@ class Jacobian(Derivative):
             rows = Rows(self.chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in (
                 colours.rows.items() if patterns is not None else ())))
             return Lowering(plan, tuple(values), spec, plan.wrt, rows=rows,
-                            extra=Layout(plan, mode, mode_why, colours, source))
+                            extra=Layout(plan, mode, mode_why, colours, source),
+                            tail=_dense(plan, mode, patterns, self.sparse, ()))
         templates = _templates(plan, values)
         dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
         seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype)
@@ -125,9 +127,12 @@ class Jacobian(Derivative):
                 start += width
             tangents[i] = tuple(leaves)
         lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
+        flat = (jax.tree.flatten(templates[i], is_leaf=_none) for i in plan.wrt)
         return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
                         where.moving,
-                        extra=Layout(plan, mode, mode_why, colours, source, templates, tangents, k))
+                        extra=Layout(plan, mode, mode_why, colours, source, templates, tangents, k),
+                        tail=_dense(plan, mode, patterns, self.sparse, tuple(
+                            (treedef, tuple(leaves)) for leaves, treedef in flat)))
 
     def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
         layout = lowering.extra
@@ -146,6 +151,14 @@ class Jacobian(Derivative):
 
     def finish(self, lowering, info, computed, failed=None) -> Any:
         layout = lowering.extra
+        if failed is None and lowering.tail is not None and computed and \
+                not isinstance(next(iter(computed.values())), Laid) and _arrays(computed):
+            computed = _laid(lowering.tail, computed)  # (where the passes' program did not)
+        if computed and all(isinstance(c, Laid) for c in computed.values()):
+            info = replace(info, passes=layout.directions if layout.mode == "fwd" else
+                           sum(_per_item(c.value, False) for c in computed.values()))
+            return per_output(self.outputs, {o: Result(c.value, c.jacobian, {}, info)
+                                             for o, c in computed.items()})
         if self.sparse and failed is not None:
             raise DAGError("sparse=True does not apply to a sweep: its Jacobians are stacked "
                            "over the items, in jax.jacrev's layout (give a sparsity pattern to "
@@ -173,6 +186,64 @@ class Jacobian(Derivative):
         for every item at once (NumPy or dask arrays alike)."""
         results = _reverse_results if layout.mode == "rev" else _forward_results
         return results(layout, self.sparse, info, computed, items)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["value", "jacobian"], meta_fields=[])
+@dataclass(frozen=True)
+class Laid:
+    """An output's value and its dense Jacobian laid out, by the call's program
+    (:class:`Dense`)."""
+
+    value: Any
+    jacobian: Any
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A dense Jacobian's layout, as the last step of the call's one program where it is one
+    (its lowering's ``tail``): each output's :class:`Laid` of the passes' results. ``names``:
+    the differentiated names; ``single``: :func:`~daskdag.model.request.one_input`;
+    ``templates``: a forward pass's, each name's row template flattened."""
+
+    mode: str
+    names: tuple[str, ...]
+    single: bool
+    templates: tuple
+
+    def __call__(self, computed: dict) -> dict:
+        out = {}
+        for o, (value, per_name) in computed.items():
+            if self.mode == "rev":
+                out[o] = Laid(value, dense_jacobian(self.names, self.single, value,
+                                                                per_name))
+                continue
+            primal = getattr(value, "primal", value)
+            _real(o, primal)
+            out[o] = Laid(primal, dense_jacobian_of_columns(
+                self.names, self.single, self.templates, primal,
+                tuple(getattr(value, "tangent", ()))))
+        return out
+
+
+@partial(jax.jit, static_argnums=0)
+def _laid(tail: Dense, computed: dict) -> dict:
+    return tail(computed)
+
+
+def _dense(plan: Plan, mode: str, patterns: Any, sparse: bool, templates: tuple
+           ) -> Dense | None:
+    """The call's :class:`Dense` tail, where its Jacobians are dense and in ``jax.jacrev``'s
+    layout."""
+    if patterns is not None or sparse:
+        return None
+    return Dense(mode, plan.wrt, one_input(plan.spec, dict.fromkeys(plan.wrt)), templates)
+
+
+def _real(output: str, value: PyTree) -> None:
+    for leaf in differentiable_leaves(value):
+        if jnp.iscomplexobj(leaf):
+            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                           f"Jacobian needs real outputs, as jax.jacrev does")
 
 
 def _items(tree: Any) -> int:
@@ -214,10 +285,7 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     results = {}
     for o, (lifted_value, _) in computed.items():
         value = getattr(lifted_value, "primal", lifted_value)
-        for leaf in differentiable_leaves(value):
-            if jnp.iscomplexobj(leaf):
-                raise DAGError(f"output {o!r} is complex ({jnp.result_type(leaf)}): a "
-                               f"Jacobian needs real outputs, as jax.jacrev does")
+        _real(o, value)
         lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
         pushed = [leaf.reshape(*lead, k, int(np.prod(np.shape(leaf)[len(lead) + 1:])))
                   for leaf in getattr(lifted_value, "tangent", ())]
@@ -234,6 +302,15 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
                                           dense=not sparse)
         results[o] = _result(plan, value, full, layout.templates or {}, sparse, info, items)
     return results
+
+
+def _arrays(*trees: PyTree) -> bool:
+    """Every leaf an array: what a program of its own lays out (:class:`Dense`)."""
+    return all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(trees))
+
+
+def _none(leaf: Any) -> bool:
+    return leaf is None
 
 
 def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,

@@ -1,7 +1,8 @@
 """A Jacobian's results laid out: from one matrix over every differentiated name's elements
 (rows per output element) to ``jax.jacrev``'s layout (the output's structure of the inputs'
-structures), or to ``scipy.sparse`` blocks per name. In: NumPy or ``scipy.sparse`` matrices.
-Out: pytrees of JAX arrays, or ``scipy.sparse`` arrays."""
+structures), or to ``scipy.sparse`` blocks per name. In: NumPy or ``scipy.sparse`` matrices,
+or JAX's tracers inside a program (:func:`dense_jacobian`). Out: pytrees of JAX arrays, or
+``scipy.sparse`` arrays."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict
     return joined(plan, value, jacs)
 
 
-def stacked_rows(block: np.ndarray, template: PyTree) -> PyTree:
+def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:
     """``block`` ``(..., output elements, name elements)`` as stacked rows in the name's
     structure."""
     leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
@@ -92,6 +93,29 @@ def by_output(value: PyTree, jacs: dict) -> PyTree:
                               {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
 
 
+def dense_jacobian(names: tuple[str, ...], single: bool, value: PyTree, rows: dict) -> PyTree:
+    """One output's dense Jacobian, :func:`jacrev_layout` of each name's ``rows``
+    :func:`joined` (``single``: :func:`~daskdag.model.request.one_input`), as JAX traces it."""
+    jacs = {i: jacrev_layout(value, rows[i]) for i in names}
+    return jacs[names[0]] if single else by_output(value, jacs)
+
+
+def dense_jacobian_of_columns(names: tuple[str, ...], single: bool, templates: tuple,
+                              value: PyTree, columns: tuple) -> PyTree:
+    """:func:`dense_jacobian` of a forward pass's ``columns`` (its tangent's leaves, each
+    ``(inputs' elements, *leaf shape)``); ``templates``: each name's :func:`row_template`,
+    flattened (``(treedef, leaves)``)."""
+    widths = [sum(int(np.prod(leaf.shape)) for leaf in leaves if leaf is not None)
+              for _, leaves in templates]
+    full = (jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
+            if columns else jnp.zeros((0, sum(widths))))  # (an output of no float leaves)
+    rows, start = {}, 0
+    for i, (treedef, leaves), width in zip(names, templates, widths):
+        rows[i] = stacked_rows(full[:, start:start + width], treedef.unflatten(leaves))
+        start += width
+    return dense_jacobian(names, single, value, rows)
+
+
 def to_jax(a: np.ndarray) -> jax.Array:
     """A JAX array of ``a`` (this call's own, never changed after): a large one's buffer taken
     where JAX can (``jnp.asarray`` would copy it), a small one by the cheaper ``jnp.asarray``."""
@@ -106,7 +130,7 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
     axis of items, kept as they come (NumPy, or dask arrays laid out lazily)."""
     lead = 1 if items else 0
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    if not items:
+    if not items and not _traced(in_leaves):
         in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
     out_leaves, out_def = jax.tree.flatten(value)
     per_leaf: list = []
@@ -126,4 +150,8 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
 
 
 def _made(a, items: bool):
-    return a if items else to_jax(a)
+    return a if items or isinstance(a, jax.core.Tracer) else to_jax(a)
+
+
+def _traced(leaves: list) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)

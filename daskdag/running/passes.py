@@ -65,7 +65,9 @@ class Lowering:
     ``moving``, the inputs whose values are the call's data (tangents: no node that reads
     them is kept between calls), ``rows`` (a Jacobian's reverse pass, else None: seeded by
     cotangents), the user's ``spec``, and what the kind itself needs to make its results of
-    the passes' (``extra``)."""
+    the passes' (``extra``). ``tail``: where the call is one program in this process, the
+    first part of the kind's ``finish``, run in that program (jittable and hashable, the
+    same for the same call, of the passes' results; ``finish`` takes what it returns)."""
 
     plan: Plan
     inputs: tuple[str, ...]
@@ -74,13 +76,21 @@ class Lowering:
     moving: tuple[str, ...] = ()
     rows: Rows | None = None
     extra: Any = None
+    tail: Callable[[dict], Any] | None = None
 
     def bare(self) -> Lowering:
         """The lowering without the user's functions (:meth:`Plan.bare`; its ``extra``'s too,
         where it has a ``bare``): what its results are made with, which travels with a lazy
-        call to where Dask finishes it."""
-        extra = self.extra.bare() if hasattr(self.extra, "bare") else self.extra
-        return replace(self, plan=self.plan.bare(), spec=self.spec.bare(), extra=extra)
+        call to where Dask finishes it. Made once."""
+        made = self.__dict__.get("_bare")
+        if made is None:
+            extra = self.extra.bare() if hasattr(self.extra, "bare") else self.extra
+            made = replace(self, plan=self.plan.bare(), spec=self.spec.bare(), extra=extra)
+            object.__setattr__(self, "_bare", made)
+        return made
+
+    def __getstate__(self) -> dict:  # (its bare form travels as itself, never beside it)
+        return {k: v for k, v in self.__dict__.items() if k != "_bare"}
 
 
 @dataclass(frozen=True)
@@ -111,19 +121,19 @@ class Passes:
         kept = None if split is None else (
             Kept(split[0], transport),
             cls.of(split[1], (*lowering.inputs, *split[0].outputs), transport, lowering.rows))
-        return replace(cls.of(plan, lowering.inputs, transport, lowering.rows, kept),
-                       lowering=lowering)
+        return cls.of(plan, lowering.inputs, transport, lowering.rows, kept, lowering)
 
     @classmethod
     def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
-           rows: Rows | None = None, kept: tuple[Kept, Passes] | None = None) -> Passes:
+           rows: Rows | None = None, kept: tuple[Kept, Passes] | None = None,
+           lowering: Lowering | None = None) -> Passes:
         """The passes of ``plan`` (shipped), whose calls give values to ``inputs``; with
         ``kept``, a call now runs ``kept``'s passes."""
         stages = stages_for(plan, transport.packs)
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs,
                                                               rows is not None)
-        made = cls(plan, stages, inputs, transport, rows, whole, kept=kept)
+        made = cls(plan, stages, inputs, transport, rows, whole, kept=kept, lowering=lowering)
         _ = made.template  # (built now, with the program: a call only fills it)
         return made
 
@@ -227,16 +237,18 @@ class Passes:
 
         done = partial(finish, info)
         direct = None if whole is None or self.transport.packs else partial(
-            _directly, whole, done, values, cts)
+            _directly, whole, done, values, cts,
+            None if self.lowering is None else self.lowering.tail)
         return Job(plan, make, done, info.call, keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
                    spreading=self.spreading, stored=stored)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
-              cts: dict) -> Any:
-    """The call's result from its one program, or None where it cannot run it."""
-    computed = whole(values, cts)
+              cts: dict, tail: Callable[[dict], Any] | None) -> Any:
+    """The call's result from its one program (and its ``tail``), or None where it cannot
+    run it."""
+    computed = whole(values, cts, tail)
     return None if computed is None else finish(computed)
 
 

@@ -38,7 +38,9 @@ import daskdag.config as config
 from daskdag.caches import Cache, register
 from daskdag.model.shapes import signature
 from daskdag.model.spec import Node
+from daskdag.rules.lifted import Lift
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
+from daskdag.transport.packing import Packed
 from daskdag.transport.weak import Weak
 
 P = TypeVar("P")
@@ -47,6 +49,12 @@ _UNSET = object()
 PROGRAMS: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
 _last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (key, note)
 OFF = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
+
+
+#: Functions daskdag makes of a DAG's own (packed, lifted): fingerprinted to be packed, not
+#: watched, for what they hold is a packed copy of a function watched as it was packed, or the
+#: DAG's function itself, called as it is.
+MADE = (Packed, Lift)
 
 
 class Watch:
@@ -73,7 +81,7 @@ class Watch:
         if print_ is None:
             self.refuse(f"node {name!r}: its function holds something a fingerprint cannot "
                         f"read (a lock, a file, a generator...)")
-        else:
+        elif not isinstance(fn, MADE):
             self.watched.append((name, fn, print_))
         return print_
 
