@@ -1,10 +1,8 @@
 """The public calls, each a derivative kind (:mod:`daskdag.kinds`) in one of its forms: now
-(``compute_grads``, ``jacobian``, ``compute_jvps``, ``compute_hvps``), lazily as a Dask
-collection (``grads``, ``jacobians``, ``jvps``, ``hvps``), and over many items
-(``sweep_grads``, ``sweep_jacobians``, ``sweep_jvps``, ``sweep_hvps``); prepared once and
-called many times: :mod:`daskdag.prepared`. Every form of every kind takes ``store=``, runs on
-threads or any cluster, and reuses its preparation and unchanged nodes from call to call: one
-program each (:mod:`daskdag.running.passes`)."""
+(``compute_grads``, ``jacobian``...), lazily as a Dask collection (``grads``...), and over many
+items (``sweep_grads``...); prepared once and called many times: :mod:`daskdag.prepared`. Every
+form of every kind takes ``store=``, runs on threads or any cluster, and reuses its preparation
+and unchanged nodes from call to call: one program each (:mod:`daskdag.running.passes`)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ def now(kind: Derivative, x: PyTree, *data: Any, client: Client | None,
 
 
 def later(kind: Derivative, x: PyTree, *data: Any, store: Any = None) -> Call:
-    """A call of ``kind`` as a Dask collection, its stages kept in ``store`` where one is
-    given."""
+    """A call of ``kind`` as a Dask collection, its stages kept in ``store`` where one is given."""
     if store is not None:
         return durable.lazy(kind, x, *data, store=store)
     return lazy(kind, x, *data)
@@ -109,16 +106,14 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
             even while a default client exists; a ``distributed.Client`` is ``client=``.
         progress: show Dask's progress bar over the call's tasks (``dask.diagnostics.ProgressBar``
             on the local scheduler, ``distributed.progress``'s text bar on a cluster).
-        store: a directory (made if missing) or a Zarr store object, where each stage's
-            forward result (its nodes' values and the residuals its backward pass needs) is
-            written durably by the task that computed it, as it finishes, so that the call
-            outlives its client and its scheduler: the same call with the same store runs
-            only the stages the store does not hold, and returns what an uninterrupted call
-            returns, bit for bit. A store holding another call (a node, input, output,
-            ``wrt``, cotangent or setting changed, an array changed in place included) raises
-            [`StoreError`][daskdag.StoreError] naming what changed, and so does one another
-            call or sweep is using, or a location that holds something else. Default None:
-            nothing is kept. See the guide "Durable calls".
+        store: a directory (made if missing) or a Zarr store object, where the task that
+            computed each stage writes its forward result (its nodes' values and the residuals
+            its backward pass needs) durably as it finishes, so that the call outlives its
+            client and scheduler: the same call with the same store runs only the stages the
+            store lacks, and returns what an uninterrupted call returns, bit for bit. A store
+            holding another call (a node, input, output, ``wrt``, cotangent or setting changed,
+            an array changed in place included) is refused (see Raises). Default None: nothing
+            is kept. See the guide "Durable calls".
 
     Returns:
         ``{output: Result(value, grad)}`` (a single name: one [`Result`][daskdag.Result]);
@@ -130,11 +125,10 @@ def compute_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str
     Raises:
         DAGError: a malformed call, naming the node, input or output concerned.
         NodeError: a node raised, in its forward or backward pass.
-        ClusterError: the cluster cannot run the graph: a client that is not running, no
-            worker within ``daskdag.worker-wait``, a resource no worker offers, versions that
-            differ.
-        StoreError: with ``store``: the store holds another call, or is in use, or is not a
-            daskdag store, or its disk is full (the stages written before stay usable).
+        ClusterError: the cluster cannot run the graph: a client that is not running, no worker
+            within ``daskdag.worker-wait``, a resource no worker offers, versions that differ.
+        StoreError: with ``store``: it holds another call (naming what changed), or is in use,
+            or is not a daskdag store, or its disk is full (the stages written before stay usable).
 
     For example:
 
@@ -155,13 +149,12 @@ def grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
           wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
           store: str | os.PathLike | ZarrStore | None = None) -> Call:
     """[`compute_grads`][daskdag.compute_grads], not computed yet: a Dask collection (``Call``)
-    whose ``.compute()`` returns what [`compute_grads`][daskdag.compute_grads] does; ``dask.compute``,
-    ``dask.persist`` and ``.visualize()`` take it with any other Dask collection, and the
-    forward tasks of calls computed together are shared. It runs where Dask runs it: the
-    default ``distributed`` client in effect at compute time (checked then, as
-    [`compute_grads`][daskdag.compute_grads] checks it), else the scheduler passed to ``compute``, else threads.
-    ([`compute_grads`][daskdag.compute_grads] on a cluster also keeps the call's inputs and nodes there for the
-    next calls; a lazy call carries them in its graph.)
+    whose ``.compute()`` returns what that returns; ``dask.compute``, ``dask.persist`` and
+    ``.visualize()`` take it with any other Dask collection, and the forward tasks of calls
+    computed together are shared. It runs where Dask runs it: the default ``distributed``
+    client in effect at compute time (checked then, as the eager call checks it), else the
+    scheduler passed to ``compute``, else threads. (The eager call on a cluster also keeps the
+    call's inputs and nodes there for the next calls; a lazy call carries them in its graph.)
 
     For example:
 
@@ -206,42 +199,42 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
                 progress: bool = False, errors: str = "raise",
                 store: str | os.PathLike | SweepStore | ZarrStore | None = None
                 ) -> Result | dict[str, Result]:
-    """[`compute_grads`][daskdag.compute_grads] for every item of a batch, spread over the cluster in chunks.
+    """[`compute_grads`][daskdag.compute_grads] for every item of a batch, in chunks over the
+    cluster.
 
     Args:
-        xs: like ``x`` of [`compute_grads`][daskdag.compute_grads], the ``batched`` inputs carrying a leading
-            item axis of one common length N.
+        xs: like ``x`` of [`compute_grads`][daskdag.compute_grads], the ``batched`` inputs
+            carrying a leading item axis of one common length N.
         batched: the inputs that carry it (default: all given); the others are shared by every
             item and sent to each worker once.
         wrt: default every batched input with floating leaves. A shared input named here gets
             a gradient per item; a node, its gradient per item (as for compute_grads).
-        cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one item's
-            output; the same for every item.
-        client: as for [`compute_grads`][daskdag.compute_grads] (``"sync"``: one chunk at a time).
-        scheduler: as for [`compute_grads`][daskdag.compute_grads] (``"sync"``: one chunk at a time).
+        cotangents: ``{output: ct}`` for outputs that are not real scalars, shaped like one
+            item's output; the same for every item.
+        client: as for [`compute_grads`][daskdag.compute_grads].
+        scheduler: as for [`compute_grads`][daskdag.compute_grads] (``"sync"``: one chunk at a
+            time).
         chunk_size: items per chunk (default: about four chunks per worker thread, at most 256;
-            when every node that carries items is ``vmap=True``, one chunk per worker
-            thread, at most 64 MiB of items each).
-            Within a chunk, ``Node(vmap=True)`` nodes run vectorized, others item by item.
-        progress: show a progress bar over items, in the look of a call's (Dask's text bar),
-            on stderr; it advances as items are done inside running chunks, and ends at the
-            exact number of items computed.
-        errors: ``'raise'``: the first failing item's [`NodeError`][daskdag.NodeError], naming the
-            item and node. ``'collect'``: every item that succeeded, and in
+            when every node that carries items is ``vmap=True``, one chunk per worker thread,
+            at most 64 MiB of items each). Within a chunk, ``Node(vmap=True)`` nodes run
+            vectorized, others item by item.
+        progress: a progress bar over the items on stderr (Dask's text bar, as a call's); it
+            advances as items finish inside running chunks, and ends at the number computed.
+        errors: ``'raise'``: the first failing item's [`NodeError`][daskdag.NodeError], naming
+            the item and node. ``'collect'``: every item that succeeded, and in
             ``Result.failed`` the ones that did not; their rows hold NaN.
-        store: a directory (made if missing), a Zarr store object (an object store...), or a
-            [`SweepStore`][daskdag.SweepStore], where each chunk's values, gradients and failed items
-            are written as the chunk finishes, durably, so that the sweep outlives this
-            process: the same call with the same store computes only the chunks it does not
-            hold, and returns what an uninterrupted sweep returns. A store holding another
-            sweep (another DAG, other inputs, outputs or settings) raises
-            [`StoreError`][daskdag.StoreError] naming what changed, and so does one another sweep is
-            writing to, or a location that holds something else. Its chunk size is the
-            store's; without ``chunk_size``, items computed one by one (no ``vmap=True`` node)
-            are written in pieces of about 10 s of work, so that an interrupt early in a long
-            sweep finds something saved. With dask-array items, or
-            ``SweepStore(..., lazy=True)``, the results are dask arrays reading the store. See
-            the sweeps guide, "Durable sweeps".
+        store: a directory (made if missing), a Zarr store object (an object store...) or a
+            [`SweepStore`][daskdag.SweepStore], where each chunk's values, gradients and failed
+            items are written durably as the chunk finishes, so that the sweep outlives this
+            process: the same call with the same store computes only the chunks it lacks, and
+            returns what an uninterrupted sweep returns. A store holding another sweep (another
+            DAG, other inputs, outputs or settings) raises [`StoreError`][daskdag.StoreError]
+            naming what changed, as does one another sweep is writing to, or a location holding
+            something else. Its chunk size is the store's; without ``chunk_size``, items
+            computed one by one (no ``vmap=True`` node) are written in pieces of about 10 s of
+            work, so that an interrupt early in a long sweep finds something saved. With
+            dask-array items, or ``SweepStore(..., lazy=True)``, the results are dask arrays
+            reading the store. See the sweeps guide, "Durable sweeps".
 
     Returns:
         ``{output: Result(value, grad, failed)}``, values and gradients as NumPy arrays
@@ -249,11 +242,10 @@ def sweep_grads(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str]
             values ``(N, *item output shape)``).
 
     When no item gives a result (N = 0, or every item failed with ``errors='collect'``), the
-    shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (no data;
-    a node's Python code runs once on abstract values): gradients are always shaped (zero or
-    NaN rows), and values too unless a node on the way cannot be traced abstractly (Python
-    control flow on values, ``float(x)``, non-JAX code). Then that output's ``value`` is
-    ``None``.
+    shapes come from tracing the nodes with ``jax.eval_shape`` on one item's shapes (a node's
+    Python code runs once, on abstract values): gradients are always shaped (zero or NaN rows),
+    values too unless a node on the way cannot be traced abstractly (Python control flow on
+    values, ``float(x)``, non-JAX code): then that output's ``value`` is ``None``.
 
     Ctrl-C (``KeyboardInterrupt``) stops the sweep: chunks that have not started never do,
     running ones stop after their current item, on threads and on a cluster. With a store,
@@ -304,46 +296,42 @@ def jacobian(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str], *,
     """Values and full Jacobians of ``outputs`` of ``dag``, as ``jax.jacrev`` of the composed
     function gives them, each node computed once.
 
-    Arguments as for [`compute_grads`][daskdag.compute_grads]; outputs may be any real arrays or pytrees.
+    Arguments as for [`compute_grads`][daskdag.compute_grads]; outputs: any real arrays or pytrees.
 
     Args:
-        mode: ``"rev"`` pulls back the rows of the identity over each output's elements
-            through each node's pullback under ``jax.vmap`` (one pass per output element;
-            every output passing through a stage goes in one call); ``"fwd"`` pushes the
-            columns of the identity over the inputs' elements forward through each node's
-            JVP under ``jax.vmap`` (one pass per input element, as ``jax.jacfwd``; free
-            inputs only, and nodes of your own code need ``jvp=``). ``"auto"`` (default)
-            takes the one with fewer passes, forward on a tie (as OpenMDAO does; forward
-            keeps no residuals and runs one task per stage), among the modes every node can
-            take. To count the outputs' elements it traces the nodes on shapes once (no
-            arithmetic; an eager node's Python code runs once more, on abstract values; later
-            calls with the same DAG and shapes reuse the count); where a node cannot be
-            traced, reverse. The same trace says which mode a node cannot take: forward
-            through a ``jax.custom_vjp`` function, reverse through a ``jax.custom_jvp`` rule
-            that cannot be transposed (a ``jax.pure_callback``), or either without the rule
-            of your own (``vjp=``, ``jvp=``). An explicit mode checks your rules and the nodes
-            whose function is a ``jax.custom_jvp`` or ``jax.custom_vjp`` (traced with the
-            nodes before them). The mode taken is ``Result.info.mode``, why it was taken
-            ``Result.info.mode_why``.
-        sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or columns
-            (forward): those a greedy colouring groups, sharing no column (row). A boolean
-            array (NumPy or ``scipy.sparse``) shaped ``(output elements, input elements)``,
-            over the differentiable leaves in ``jax.tree.leaves`` order, each flattened in
-            C order; with several outputs ``{output: ...}``, with several inputs
-            ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes;
-            a False where it is not gives a wrong Jacobian. ``"detect"`` finds it
-            ([`jacobian_sparsity`][daskdag.jacobian_sparsity]). The mode then counts colours, not elements.
+        mode: ``"rev"`` pulls the identity's rows over each output's elements back through each
+            node's pullback under ``jax.vmap`` (one pass per output element; every output passing
+            through a stage goes in one call); ``"fwd"`` pushes the identity's columns over the
+            inputs' elements forward through each node's JVP under ``jax.vmap`` (one pass per input
+            element, as ``jax.jacfwd``; free inputs only, and nodes of your own code need ``jvp=``).
+            ``"auto"`` (default) takes the one with fewer passes, forward on a tie (as OpenMDAO
+            does; forward keeps no residuals and runs one task per stage), among the modes every
+            node can take. To count the outputs' elements it traces the nodes on shapes once (no
+            arithmetic; an eager node's Python code runs once more, on abstract values; later calls
+            with the same DAG and shapes reuse the count); where a node cannot be traced, reverse.
+            The same trace says which mode a node cannot take: forward through a ``jax.custom_vjp``
+            function, reverse through a ``jax.custom_jvp`` rule that cannot be transposed (a
+            ``jax.pure_callback``), or either without your own rule (``vjp=``, ``jvp=``). An
+            explicit mode checks your rules and the nodes whose function is a ``jax.custom_jvp`` or
+            ``jax.custom_vjp`` (traced with the nodes before them). ``Result.info.mode`` is the mode
+            taken, ``Result.info.mode_why`` why.
+        sparsity: the Jacobian's pattern, so that one pass serves many rows (reverse) or
+            columns (forward): those a greedy colouring groups, sharing no column (row). A
+            boolean array (NumPy or ``scipy.sparse``) shaped ``(output elements, input
+            elements)``, over the differentiable leaves in ``jax.tree.leaves`` order, each
+            flattened in C order; with several outputs ``{output: ...}``, with several inputs
+            ``{input: ...}`` (per output). A True where the Jacobian is zero costs passes; a
+            False where it is not gives a wrong Jacobian. ``"detect"`` finds it
+            ([`jacobian_sparsity`][daskdag.jacobian_sparsity]); the mode then counts colours.
         sparse: return each Jacobian as a ``scipy.sparse.csr_array`` ``(output elements, input
             elements)`` (``{input: ...}`` with several inputs) instead of the dense layout.
         chunk_size: rows (reverse) or columns (forward) per ``jax.vmap`` call (default: all of
-            them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or
-            values (forward): pass fewer to bound memory. In forward mode each chunk runs a
-            node's function once more. A pullback that cannot be vmapped (a host callback)
-            runs row by row.
+            them). A call holds about ``chunk_size`` times a stage's residuals (reverse) or values
+            (forward): pass fewer to bound memory. In forward mode each chunk runs a node's function
+            once more. A pullback that cannot be vmapped (a host callback) runs row by row.
         store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
-            kept as it finishes (reverse: values and residuals; forward: values and
-            tangents); the mode, pattern and ``chunk_size`` are part of what the store
-            records.
+            kept as it finishes (reverse: values and residuals; forward: values and tangents);
+            the mode, pattern and ``chunk_size`` are part of what the store records.
 
     Returns:
         ``{output: Result(value, jac)}`` (a single name: one [`Result`][daskdag.Result]);
@@ -429,7 +417,6 @@ def jacobian_sparsity(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence
     return out[outputs] if isinstance(outputs, str) else out
 
 
-
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
 def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str,
                  *, wrt: Sequence[str] | None = None, batched: bool = False,
@@ -455,22 +442,15 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
     """Values and Jacobian-vector products (forward mode) of ``outputs`` of ``dag``, each node
     computed once.
 
+    The other arguments as for [`compute_grads`][daskdag.compute_grads].
+
     Args:
-        dag: as for [`compute_grads`][daskdag.compute_grads].
-        x: as for [`compute_grads`][daskdag.compute_grads].
-        outputs: as for [`compute_grads`][daskdag.compute_grads].
-        client: as for [`compute_grads`][daskdag.compute_grads].
-        scheduler: as for [`compute_grads`][daskdag.compute_grads].
-        progress: as for [`compute_grads`][daskdag.compute_grads].
-        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's values and
-            tangents kept as they finish (forward mode has no residuals to keep); the
-            tangents are part of what the store records.
-        tangents: with one free input, a pytree shaped like ``x``: the tangent of each floating-point
-            leaf (``None`` there means zero), ``None`` at the leaves held constant (ints,
-            bools, functions); or ``{input_name: tangent}``, read as ``x`` is. With several
-            inputs, a dict ``{input_name: tangent}``; the inputs left out are held constant.
-            A node named in ``wrt`` takes its tangent here too (``{"B": tB, ...}``, shaped
-            like its value), added at its value.
+        tangents: with one free input, a pytree shaped like ``x``: the tangent of each
+            floating-point leaf (``None`` there means zero), ``None`` at the leaves held
+            constant (ints, bools, functions); or ``{input_name: tangent}``, read as ``x`` is.
+            With several inputs, a dict ``{input_name: tangent}``; the inputs left out are held
+            constant. A node named in ``wrt`` takes its tangent here too (``{"B": tB, ...}``,
+            shaped like its value), added at its value.
         wrt: the names that move: inputs, whose tangents are given (a name without one
             moves by zero; a tangent for another input is ignored, that input held
             constant), and nodes, at whose value the given tangent is added (the sensitivity
@@ -479,10 +459,12 @@ def compute_jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: s
         batched: every tangent leaf has a leading axis of K directions, and so has every
             output's tangent, ``(K, *output shape)``: with the identity as the K directions,
             row ``k`` is the Jacobian's column ``k``, so the whole is the transpose of
-            ``jax.jacfwd``'s Jacobian (which puts the output's axes first). Each node's jvp runs
-            under ``jax.vmap`` over the directions (its function still runs once); a node
-            whose jvp cannot be vmapped (non-JAX code under its own JVP rule) runs once per
-            direction.
+            ``jax.jacfwd``'s Jacobian (which puts the output's axes first). Each node's jvp
+            runs under ``jax.vmap`` over the directions (its function still runs once), or once
+            per direction where it cannot be vmapped (non-JAX code under its own JVP rule).
+        store: as for [`compute_grads`][daskdag.compute_grads]: each stage's values and
+            tangents kept as they finish (forward mode has no residuals to keep); the
+            tangents are part of what the store records.
 
     Returns:
         ``{output: JVPResult(value, tangent)}`` (a single name: one
@@ -531,7 +513,6 @@ def jvps(dag: Mapping[str, Any], x: PyTree, tangents: PyTree, outputs: str | Seq
     return later(JVPs(dag, outputs, wrt, batched), x, tangents, store=store)
 
 
-
 @overload  # (a str is a Sequence[str] too: the first that fits, str, wins)
 def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str, *,
                  wrt: Sequence[str] | None = None, cotangents: Mapping[str, PyTree] | None = None,
@@ -556,23 +537,17 @@ def compute_hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Se
     computed once: ``jax.jvp(jax.grad(f), (x,), (v,))`` of the composed function, in one
     backward pass (reverse over forward, see ``daskdag.kinds.hessians``).
 
+    The other arguments as for [`compute_grads`][daskdag.compute_grads].
+
     Args:
-        dag: as for [`compute_grads`][daskdag.compute_grads].
-        x: as for [`compute_grads`][daskdag.compute_grads].
-        v: the vector, as ``tangents`` of [`compute_jvps`][daskdag.compute_jvps]: with one free
-            input a pytree shaped like ``x`` (``None`` at the leaves held constant), else a
-            dict ``{input: v}``; the inputs left out move by zero. An input outside ``wrt`` is
-            held constant, so its part of ``v`` is ignored: ``hvp`` is the Hessian over the
-            ``wrt`` inputs times ``v``'s part on them.
-        outputs: as for [`compute_grads`][daskdag.compute_grads].
+        v: the vector, as ``tangents`` of [`compute_jvps`][daskdag.compute_jvps] (the inputs left
+            out move by zero). An input outside ``wrt`` is held constant, so its part of ``v`` is
+            ignored: ``hvp`` is the Hessian over the ``wrt`` inputs times ``v``'s part on them.
         wrt: as for [`compute_grads`][daskdag.compute_grads]; a node named here takes its
             part of ``v`` (``{"B": vB, ...}``) added at its value, and its ``grad`` and
             ``hvp`` are those of a change added there.
-        cotangents: as for [`compute_grads`][daskdag.compute_grads]; then ``hvp`` is the Hessian of
-            ``<ct, output>`` times ``v``.
-        client: as for [`compute_grads`][daskdag.compute_grads].
-        scheduler: as for [`compute_grads`][daskdag.compute_grads].
-        progress: as for [`compute_grads`][daskdag.compute_grads].
+        cotangents: as for [`compute_grads`][daskdag.compute_grads]; then ``hvp`` is the
+            Hessian of ``<ct, output>`` times ``v``.
         store: as for [`compute_grads`][daskdag.compute_grads]: each stage's forward result
             (values and tangents, and the residuals of their backward pass) kept as it
             finishes; ``v`` is part of what the store records.
@@ -622,7 +597,6 @@ def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[s
     ```
     """
     return later(HVPs(dag, outputs, wrt, cotangents), x, v, store=store)
-
 
 
 def sweep_jacobians(dag: Mapping[str, Any], xs: PyTree, outputs: str | Sequence[str], *,

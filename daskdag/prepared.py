@@ -6,13 +6,9 @@
 ``f = daskdag.value_and_grad(dag, "loss")`` then ``loss, grads = f(params)`` in a loop, as
 ``jax.value_and_grad(loss_fn)`` would be; pytrees in and out, so ``f`` drops into an optax
 loop, and with one output and one free input into ``scipy.optimize.minimize(f, x0,
-jac=True)``. Each computes what the eager call it stands for computes
-(:func:`~daskdag.compute_grads`, :func:`~daskdag.jacobian`, :func:`~daskdag.compute_jvps`,
-:func:`~daskdag.compute_hvps`), by the same kind of call
-(:mod:`daskdag.kinds`); it holds the programs it compiled
-(:mod:`daskdag.running.programs`), one per signature of its inputs, and runs one again while
-the DAG and what its node functions hold stay the same (the guide "Repeated calls and
-optimisation loops").
+jac=True)``. Each computes what the eager call it stands for computes, by the same kind of
+call (:mod:`daskdag.kinds`), and holds its compiled programs as :class:`Prepared` says (the
+guide "Repeated calls and optimisation loops").
 """
 
 from __future__ import annotations
@@ -40,11 +36,11 @@ if TYPE_CHECKING:
 
 
 class Prepared:
-    """A DAG's call as a function of its inputs (made by [`value_and_grad`][daskdag.value_and_grad] and its
-    siblings): call it as ``f(x)`` (``f(x, tangents)``, ``f(x, v)``), or over many items as
-    ``f.sweep(xs)``; ``f.info`` is the [`CallInfo`][daskdag.CallInfo] of its latest call in
-    this thread: the mode and passes, and whether the call reused an earlier call's
-    preparation, and if not, why.
+    """A DAG's call as a function of its inputs (made by
+    [`value_and_grad`][daskdag.value_and_grad] and its siblings): call it as ``f(x)``
+    (``f(x, tangents)``, ``f(x, v)``), or over many items as ``f.sweep(xs)``; ``f.info`` is the
+    [`CallInfo`][daskdag.CallInfo] of its latest call in this thread: the mode and passes, and
+    whether the call reused an earlier call's preparation, and if not, why.
 
     It holds a compiled program per signature of its inputs (their structure, shapes and
     dtypes) and per place it runs, as ``jax.jit``'s wrapper holds its executables: a call asks
@@ -61,8 +57,7 @@ class Prepared:
         self._held = programs.Held()
 
     def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
-        """The call for inputs ``x`` (and its data: tangents, ``v``). ``store``: a directory or
-        Zarr store where the call keeps its stages as they finish, and resumes from, as
+        """The call for inputs ``x`` (and its data: tangents, ``v``); ``store`` as
         [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
         if store is not None:
             return self._unpacked(now(self._kind, x, *data, client=self._client,
@@ -92,11 +87,10 @@ class Prepared:
 
     def sweep(self, xs: PyTree, *data: PyTree, batched: Sequence[str] | None = None,
               chunk_size: int | None = None, errors: str = "raise", store: Any = None) -> Any:
-        """The call for every item of ``xs`` (and of its data, where a batched input's carry
-        the items too), as [`sweep_grads`][daskdag.sweep_grads] and its siblings sweep:
-        ``batched``, ``chunk_size``, ``errors`` and ``store`` as there. Returns what a call
-        returns, each part stacked over the items; with ``errors='collect'``,
-        ``f.failed`` says which items failed."""
+        """The call for every item of ``xs`` (and of its data, where a batched input's carry the
+        items too), as [`sweep_grads`][daskdag.sweep_grads] and its siblings sweep: ``batched``,
+        ``chunk_size``, ``errors`` and ``store`` as there. Returns what a call returns, each part
+        stacked over the items; with ``errors='collect'``, ``f.failed`` says which items failed."""
         try:
             results = swept(self._kind, xs, *data, batched=batched, chunk_size=chunk_size,
                             client=self._client, scheduler=self._scheduler,
@@ -164,9 +158,8 @@ def value_and_grad(dag: Mapping[str, Any], outputs: str | Sequence[str], *,
     """``dag`` as a function ``f(x) -> (values, grads)``, as ``jax.value_and_grad`` of the
     composed function.
 
-    Arguments as for [`compute_grads`][daskdag.compute_grads] (``cotangents``: the same at
-    every call; ``client`` None: the default client in effect at each call, else Dask's
-    threads).
+    Arguments as for [`compute_grads`][daskdag.compute_grads] (``cotangents``: the same at every
+    call; ``client`` None: the default client in effect at each call, else Dask's threads).
 
     Returns:
         A [`Prepared`][daskdag.Prepared] function. ``f(x)`` returns ``(value, grad)`` for a

@@ -1,8 +1,6 @@
 """Durable calls: ``compute_grads``, ``jacobian``, ``compute_jvps`` and ``compute_hvps`` with
-``store=``. Each stage's forward result (its nodes' values, and the pullback holding their
-residuals) is written to a Zarr store by the task that computed it, as it finishes, wherever it
-ran; the same call again, after its client or scheduler died, reads the stages the store holds
-and runs only the others.
+``store=``, each stage's forward result (its nodes' values, and the pullback holding their
+residuals) written by the task that computed it, wherever it ran (:func:`daskdag.compute_grads`).
 
 The store is the format of durable sweeps (:mod:`daskdag.sweeps.store`), under the same rules
 (:mod:`daskdag.durable.rules`) and keys (:mod:`daskdag.durable.keys`); its keys in full:
@@ -112,9 +110,8 @@ def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) ->
 
 @contextlib.contextmanager
 def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]:
-    """The store at ``where`` held for this call, its record ``mine`` (written in a new store;
-    else the stored one must be it: :func:`daskdag.durable.rules.agree`): its
-    :class:`Stages`."""
+    """The store at ``where`` held for this call, its record ``mine`` (written in a new store; else
+    the stored one must be it: :func:`daskdag.durable.rules.agree`): its :class:`Stages`."""
     import zarr
 
     keys = keys_of(where)
@@ -208,4 +205,3 @@ def _read(keys: Keys, path: str) -> bytes | None:
                           np.uint8).tobytes()
     except Exception:
         return None
-

@@ -1,8 +1,7 @@
 """What a durable store records of what it holds (one format for sweeps and calls): the parts
-common to both (:func:`common`: the format, versions, each node's content, the settings), how a
-stored record differs from a call's (:func:`differences`), and the hashes of values and stored
-rows. A sweep's own record: :func:`daskdag.sweeps.identity.identity`; a call's:
-:func:`daskdag.durable.calls.identity`."""
+common to both (:func:`common`), how a stored record differs from a call's
+(:func:`differences`), and the hashes of values and stored rows. A sweep's own record:
+:func:`daskdag.sweeps.identity.identity`; a call's: :func:`daskdag.durable.calls.identity`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The rules every durable store keeps, a sweep's and a call's alike: a location that holds
-something else is refused before anything is written there (:func:`claim`); a stored record must
-be the call's, else :class:`~daskdag.StoreError` says what changed (:func:`agree`); and a full
-disk is a :class:`~daskdag.StoreError` saying what stays usable (:func:`full`)."""
+"""The rules every durable store keeps, a sweep's and a call's alike: what a location may hold
+(:func:`claim`), what its record must be (:func:`agree`), and a full disk (:func:`full`)."""
 
 from __future__ import annotations
 

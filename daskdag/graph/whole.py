@@ -69,10 +69,9 @@ class WholeGradients:
     def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False
            ) -> WholeGradients:
         """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`);
-        ``shared``: the one already made for the same stage, outputs, inputs and functions, if
-        any (:func:`made_once`), for a program that runs in this process; ``rows``: each
-        output's gradients are its Jacobian's rows (the identity's rows over its elements
-        pulled back, as a :class:`~daskdag.graph.tasks.Rows` seeding pulls them)."""
+        ``shared``: the one made already (:func:`made_once`), for a program that runs in this
+        process; ``rows``: each output's gradients are its Jacobian's rows (the identity's rows
+        over its elements pulled back, as a :class:`~daskdag.graph.tasks.Rows` seeding does)."""
         outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
         wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
         nodes = [plan.spec.nodes[n] for n in stage.nodes]
@@ -179,8 +178,7 @@ def fits(stage: Stage, values: dict[str, Any]) -> bool:
 @dataclass(frozen=True)
 class OneTask:
     """A call that is one task on a cluster, as ``distributed.Client.submit`` takes it:
-    ``fn(*args)`` under ``key`` on a worker with the resources ``needs``; the call's result is
-    its result."""
+    ``fn(*args)`` under ``key`` on a worker with the resources ``needs``, its result the call's."""
 
     key: str
     fn: Callable
@@ -234,9 +232,8 @@ def run_task(program: WholeGradients, *args) -> dict:
 
 
 def _laid_out(x, share: tuple | None, lead: tuple = ()):
-    """The gradient of ``x`` from its differentiable leaves' cotangents (``share``; None:
-    zeros; ``lead``: stacked over a Jacobian's rows), as :func:`daskdag.graph.tasks.gradient`
-    makes it."""
+    """The gradient of ``x`` from its differentiable leaves' cotangents (``share``; None: zeros;
+    ``lead``: stacked over a Jacobian's rows), as :func:`daskdag.graph.tasks.gradient` makes it."""
     leaves, treedef = jax.tree.flatten(x)
     flat = iter(share if share is not None else
                 [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))

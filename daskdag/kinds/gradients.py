@@ -43,8 +43,7 @@ class Result:
 
 
 def per_output(outputs: str | Sequence[str], results: dict) -> Any:
-    """``results`` (``{output: result}``) as a call returns them: one result for a single
-    output name."""
+    """``results`` (``{output: result}``) as a call returns them: one for a single output name."""
     return results[outputs] if isinstance(outputs, str) else results
 
 
@@ -59,9 +58,8 @@ def results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
 
 @dataclass(frozen=True)
 class Gradients(Derivative):
-    """[`compute_grads`][daskdag.compute_grads] as a kind: the user's DAG, reverse from the
-    outputs' ``cotangents`` (given once, as [`value_and_grad`][daskdag.value_and_grad] takes
-    them)."""
+    """[`compute_grads`][daskdag.compute_grads] as a kind: the user's DAG, reverse from the outputs'
+    ``cotangents`` (given once, as [`value_and_grad`][daskdag.value_and_grad] takes them)."""
 
     cotangents: Mapping[str, PyTree] | None = None
     call = "compute_grads"

@@ -1,15 +1,13 @@
 """Hessian-vector products: reverse over forward. The DAG is lifted where ``v`` enters
-(:mod:`daskdag.rules.lifted`) and its reverse pass seeded with ``(0, ct)`` at each output, on
-its tangent alone. The gradient it gives at an input's pair ``(x, v)`` is ``(H v, g)``: the
-derivative of ``<ct, J v>`` by ``x`` is the Hessian of ``<ct, f>`` times ``v``, and by ``v`` it
-is ``J^T ct``, the gradient itself. So one backward pass gives both, each node runs once (its
-jvp, under ``jax.vjp`` in its forward task), and its residuals travel between workers as any
-pullback's do.
+(:mod:`daskdag.rules.lifted`) and its reverse pass seeded with ``(0, ct)`` at each output, on its
+tangent alone. The gradient it gives at an input's pair ``(x, v)`` is ``(H v, g)``: the derivative
+of ``<ct, J v>`` by ``x`` is the Hessian of ``<ct, f>`` times ``v``, and by ``v`` it is ``J^T ct``,
+the gradient itself. So one backward pass gives both, each node runs once (its jvp, under
+``jax.vjp`` in its forward task), and its residuals travel between workers as any pullback's do.
 
 This is the same product as forward over reverse (``jax.jvp`` of ``jax.grad``): the Hessian is
-symmetric. Reverse over forward keeps the backward graph as it is; a JVP of the backward graph
-would need the tangents of every residual to travel with it, or each node recomputed in its
-backward task.
+symmetric. Reverse over forward keeps the backward graph as it is; a JVP of the backward graph would
+need the tangents of every residual to travel with it, or each node recomputed in its backward task.
 """
 
 from __future__ import annotations
@@ -40,12 +38,10 @@ class HVPResult:
         grad: its gradient (of ``<ct, output>`` for a cotangent ``ct``), shaped like ``x`` with
             one free input, else a dict ``{input: ...}``.
         hvp: its Hessian times ``v``, shaped as ``grad``.
-        tangent: its Jacobian-vector product along the same ``v``, in the output's structure
-            (zeros where no ``wrt`` input reaches it, as [`compute_jvps`][daskdag.compute_jvps]
-            gives).
+        tangent: its Jacobian-vector product along the same ``v``, in the output's structure (zeros
+            where no ``wrt`` input reaches it, as [`compute_jvps`][daskdag.compute_jvps] gives).
         info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
-        failed: from a sweep with ``errors='collect'``, each item that failed and its
-            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+        failed: as [`Result`][daskdag.Result]'s ``failed``.
 
     From a sweep, each is stacked over the items.
     """
@@ -97,4 +93,3 @@ class HVPs(Gradients):
             results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp,
                                    tangent, info, failed or {})
         return per_output(self.outputs, results)
-

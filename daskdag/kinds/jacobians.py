@@ -1,8 +1,6 @@
-"""Full Jacobians, as a kind: pulled back row by row (reverse mode, the reverse pass seeded
-with the rows of the identity over each output's elements) or pushed forward column by column
-(forward mode, the DAG lifted with the identity's columns as its tangents' directions).
-``mode="auto"`` takes the one with fewer passes, forward on a tie, as OpenMDAO's
-``compute_totals`` does. A sparse Jacobian's rows (or columns) are grouped by colour
+"""Full Jacobians, as a kind: pulled back row by row (reverse mode) or pushed forward column by
+column (forward mode), as the table of :mod:`daskdag.running.passes` says; the mode taken:
+:func:`_mode`. A sparse Jacobian's rows (or columns) are grouped by colour
 (:mod:`daskdag.model.colouring`): one pass per colour, the entries recovered from the pattern.
 Either way the result has ``jax.jacrev``'s layout, or is ``scipy.sparse``; from a sweep, each
 item's stacked.
@@ -191,8 +189,7 @@ class Jacobian(Derivative):
 @partial(jax.tree_util.register_dataclass, data_fields=["value", "jacobian"], meta_fields=[])
 @dataclass(frozen=True)
 class Laid:
-    """An output's value and its dense Jacobian laid out, by the call's program
-    (:class:`Dense`)."""
+    """An output's value and its dense Jacobian laid out, by the call's program (:class:`Dense`)."""
 
     value: Any
     jacobian: Any
@@ -322,7 +319,7 @@ def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
                   info=info)
 
 
-# -- sparsity patterns ------------------------------------------------------------------------------
+# -- sparsity patterns ---------------------------------------------------------------------------
 
 def jacobian_patterns(dag, x, outputs, wrt) -> tuple[Plan, dict]:
     """The plan of [`jacobian_sparsity`][daskdag.jacobian_sparsity]'s call and its detected
@@ -354,7 +351,7 @@ def detected_patterns(plan: Plan, values: dict, watch: programs.Watch,
     return found
 
 
-# -- the mode -----------------------------------------------------------------------------------------
+# -- the mode ------------------------------------------------------------------------------------
 
 def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str],
                     traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
@@ -457,9 +454,8 @@ def _explicitly(plan: Plan) -> list[str]:
 def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
     """What keeps the call from forward (``forward``) or reverse mode, node by node in order:
     a node of your own code without the rule (:func:`daskdag.model.request.rules_missing`), or
-    a node whose jaxpr (in ``traces``) JAX cannot differentiate that way (a ``jax.custom_vjp``
-    function has no forward rule; a ``jax.custom_jvp`` rule through ``jax.pure_callback``
-    cannot be transposed). A node not traced gives no verdict."""
+    a node whose jaxpr (in ``traces``) JAX cannot differentiate that way (as
+    :func:`daskdag.jacobian`'s ``mode`` says). A node not traced gives no verdict."""
     missing = rules_missing(plan, forward)
     why_no = why_no_jvp if forward else why_no_vjp
     for n in plan.needed:

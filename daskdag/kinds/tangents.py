@@ -33,8 +33,7 @@ class JVPResult:
             held constant (not floating-point), zeros where no tangent reaches it; with
             ``batched=True`` each leaf has a leading axis of directions.
         info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
-        failed: from a sweep with ``errors='collect'``, each item that failed and its
-            [`NodeError`][daskdag.NodeError]; its rows hold NaN. Empty otherwise.
+        failed: as [`Result`][daskdag.Result]'s ``failed``.
     """
 
     value: Any

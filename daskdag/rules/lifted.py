@@ -42,10 +42,9 @@ class Pair:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class OnTangent:
-    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone: a
-    reverse pass over a lifted DAG from it gives the gradient of ``<ct, J v>``: ``(H v, J^T
-    ct)`` at each input's pair. (Never None itself, so no stage takes it for a plain
-    scalar's seed of 1.)"""
+    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone
+    (:mod:`daskdag.kinds.hessians`). Never None itself, so no stage takes it for a plain
+    scalar's seed of 1."""
 
     ct: Any = None
 
@@ -59,10 +58,9 @@ def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
 
 class Lift:
     """A node's function lifted (see the module's docstring): called with its deps' values, a
-    :class:`Pair` where ``active`` (per dep), and, where ``added``, the tangent added at its
-    own value last. ``directions``: each tangent carries a leading axis of directions, pushed
-    together under ``jax.vmap`` (:func:`daskdag.rules.jvp.directions`), at most ``chunk`` at a
-    time."""
+    :class:`Pair` where ``active`` (per dep), and, where ``added``, the tangent added at its own
+    value last. ``directions``: each tangent carries a leading axis of directions, pushed together
+    under ``jax.vmap`` (:func:`daskdag.rules.jvp.directions`), at most ``chunk`` at a time."""
 
     def __init__(self, node: Node, active: tuple[bool, ...], directions: bool = False,
                  chunk: int | None = None, added: bool = False):

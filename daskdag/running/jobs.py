@@ -52,12 +52,11 @@ class CallInfo:
         where: where it ran: this process's threads, a cluster, or a lazy call's Dask.
         reused: the nodes whose values this call took from the call before, their inputs the
             same (``daskdag.reuse``; see "Repeated calls" in the guides); empty when none.
-        mode_why: why a Jacobian took its ``mode``: asked for; or, with ``mode="auto"``, the
-            passes each mode takes (``"fewer passes: 2 passes forward (input elements) against
-            6 reverse (output elements)"``, ``"forward on a tie: ..."``), or the only mode
-            every node can take (``"the only mode that can serve this call: forward mode
-            cannot: node 'f' calls a jax.custom_vjp function ..."``). None for the other calls,
-            which have one mode each.
+        mode_why: why a Jacobian took its ``mode``: asked for; or, with ``mode="auto"``, the passes
+            each mode takes (``"fewer passes: 2 passes forward (input elements) against 6 reverse
+            (output elements)"``, ``"forward on a tie: ..."``), or the only mode every node can take
+            (``"the only mode that can serve this call: forward mode cannot: node 'f' calls a
+            jax.custom_vjp function ..."``). None for the other calls, which have one mode each.
     """
 
     call: str
@@ -117,12 +116,8 @@ class Job:
 
 
 class Kind(Protocol):
-    """A kind of call (gradients, a Jacobian, JVPs, HVPs) as a strategy, with the DAG, outputs
-    and options of one call (or of a prepared function's every call): :meth:`compile`, its
-    program for inputs like ``x``, and :meth:`job`, the call of a program with its inputs and
-    ``data`` (cotangents, tangents, directions: the program's inputs, never its structure).
-    ``why``: why the program was compiled for this call (None: an earlier call's served it);
-    ``where``: where the call runs, in words."""
+    """What :func:`call` and :func:`lazy` need of a kind of call: its ``dag``, :meth:`compile`
+    and :meth:`job`, as :class:`~daskdag.running.passes.Derivative` gives them."""
 
     @property
     def dag(self) -> Mapping[str, Any]:
@@ -148,8 +143,7 @@ LAZY = "lazy (where Dask computes it)"
 
 def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool) -> Any:
     """A call of ``kind`` computed now (:func:`run`): on ``client``, else on Dask's ``local``
-    scheduler. On Dask's multiprocessing scheduler (``"processes"``) it is the lazy call
-    (its functions and values packed to travel) computed there."""
+    scheduler; on its multiprocessing scheduler, as its lazy call (:func:`computed`)."""
     if local == "processes":
         program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
         return computed(kind.job(program, x, data, why=why, where=log.where(None, local)),

@@ -2,12 +2,10 @@
 pulls cotangents back, a reverse pass from its outputs' seeds (:class:`Passes`), and the
 derivative kinds as strategies over it (:class:`Derivative`).
 
-A kind of call is *lowered* (:class:`Lowering`) to what those passes run: the user's DAG, or,
-where the call pushes tangents forward, the DAG lifted to forward-mode pairs
-(:mod:`daskdag.rules.lifted`); the names its reverse pass differentiates (none: a forward pass
-alone); and its seeds: each output's cotangent, the call's data (gradients; Hessian-vector
-products, on the lifted DAG), or the rows of the identity over each output's elements (a
-Jacobian's rows, :class:`~daskdag.graph.tasks.Rows`). So:
+A kind of call is *lowered* (:class:`Lowering`) to what those passes run: a DAG (the user's,
+or lifted to forward-mode pairs where the call pushes tangents: :mod:`daskdag.rules.lifted`),
+the names its reverse pass differentiates (none: a forward pass alone) and its seeds (a
+Jacobian's rows: :class:`~daskdag.graph.tasks.Rows`):
 
 =================  ===========================  ==================  =======================
 kind               DAG                          reverse pass        seeds
@@ -58,16 +56,15 @@ from daskdag.transport.transports import Transport
 
 @dataclass(frozen=True)
 class Lowering:
-    """A kind of call lowered to passes (the module's docstring): the ``plan`` they run (over
-    the user's DAG or the lifted one, its functions not packed yet; its ``wrt`` what the
-    reverse pass differentiates, none for a forward pass alone), the ``inputs`` a call gives,
-    ``wrt``, the names the call differentiates by (inputs and nodes, as resolved),
-    ``moving``, the inputs whose values are the call's data (tangents: no node that reads
-    them is kept between calls), ``rows`` (a Jacobian's reverse pass, else None: seeded by
-    cotangents), the user's ``spec``, and what the kind itself needs to make its results of
-    the passes' (``extra``). ``tail``: where the call is one program in this process, the
-    first part of the kind's ``finish``, run in that program (jittable and hashable, the
-    same for the same call, of the passes' results; ``finish`` takes what it returns)."""
+    """A kind of call lowered to passes (the module's docstring): the ``plan`` they run (its
+    functions not packed yet; its ``wrt``, what the reverse pass differentiates), the
+    ``inputs`` a call gives, ``wrt``, the names the call differentiates by (inputs and nodes,
+    as resolved), ``moving``, the inputs whose values are the call's data (tangents: no node
+    that reads them is kept between calls), ``rows`` (a Jacobian's reverse pass, else None:
+    seeded by cotangents), the user's ``spec``, and what the kind needs to make its results
+    of the passes' (``extra``). ``tail``: where the call is one program in this process, the
+    first part of the kind's ``finish``, run in that program (jittable and hashable, the same
+    for the same call; ``finish`` takes what it returns)."""
 
     plan: Plan
     inputs: tuple[str, ...]
@@ -95,12 +92,9 @@ class Lowering:
 
 @dataclass(frozen=True)
 class Passes:
-    """A lowered call compiled (:mod:`daskdag.running.programs`): its plan, the node functions
-    packed for its ``transport``, its stages, the names of its ``inputs``, a Jacobian's
-    ``rows``; the whole call as one program where it is one (:mod:`daskdag.graph.whole`); on a
-    cluster, how its calls spread (:class:`~daskdag.running.jobs.Spreading`); where some nodes
-    keep their values from one call to the next (:mod:`daskdag.running.reuse`), those nodes
-    and the passes of the others, which a call now runs."""
+    """A lowered call compiled (:mod:`daskdag.running.programs`), its node functions packed for
+    its ``transport``: the parts the module's docstring lists; ``kept``: where some nodes keep
+    their values between calls, those nodes and the passes of the others, which a call runs."""
 
     plan: Plan
     stages: tuple[Stage, ...]
@@ -172,10 +166,8 @@ class Passes:
     def job(self, values: dict, cts: dict, info: CallInfo, finish: Callable[[CallInfo, dict], Any],
             keep: Any = None) -> Job:
         """The call of the input ``values`` (by name) and the outputs' cotangents ``cts``,
-        whose results ``finish(info, computed)`` makes; ``keep`` as for
-        :class:`~daskdag.running.jobs.Job`. Where some nodes are kept between calls, a call
-        now first gets their values (:class:`~daskdag.running.reuse.Kept`), then runs the
-        passes of the others."""
+        whose results ``finish(info, computed)`` makes (with :attr:`kept`, its values first);
+        ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
         job = self._job(values, cts, info, finish, keep)
         if self.kept is None:
             return job
@@ -205,9 +197,8 @@ class Passes:
 
     def build(self, values: dict, cts: dict, place: Any = None, stop: Any = None,
               keep: Any = None, base: Any = None) -> dict:
-        """The graph of a call of ``values`` and cotangents ``cts`` (a Jacobian's: its
-        ``rows``; :func:`~daskdag.graph.build.build`, ``place``, ``stop``, ``keep`` and
-        ``base`` as there)."""
+        """The graph of a call of ``values`` and cotangents ``cts`` (a Jacobian's: its ``rows``;
+        :func:`~daskdag.graph.build.build`, ``place``, ``stop``, ``keep`` and ``base`` as there)."""
         seeding = GradientSeeding(dict(cts)) if self.rows is None else JacobianSeeding(self.rows)
         return build(self.plan, values, seeding, self.transport, place=place, stop=stop,
                      stages=self.stages, keep=keep, base=base)
@@ -246,8 +237,7 @@ class Passes:
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
               cts: dict, tail: Callable[[dict], Any] | None) -> Any:
-    """The call's result from its one program (and its ``tail``), or None where it cannot
-    run it."""
+    """The call's result from its one program (and its ``tail``), or None where it cannot run it."""
     computed = whole(values, cts, tail)
     return None if computed is None else finish(computed)
 
@@ -280,21 +270,18 @@ def names_key(names: Any) -> Any:
 @dataclass(frozen=True)
 class Derivative:
     """A derivative kind, as a strategy over :class:`Passes` (the module's docstring), with the
-    DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call).
-    The kind says what it is (:attr:`call`, :attr:`call_mode`), how it lowers (:meth:`lower`), what
-    a call's inputs and cotangents are (:meth:`inputs`), and its results from the passes'
-    (:meth:`finish`); everything else (:meth:`compile`, :meth:`job`, and what
-    :mod:`daskdag.durable` and :mod:`daskdag.sweeps` make of them) is the same for every kind.
-
-    A call's data (cotangents, tangents, directions: ``data``, a tuple) are its inputs, never
-    its program's structure."""
+    DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call). A
+    kind says what it is (:attr:`call`, :attr:`call_mode`), how it lowers (:meth:`lower`), a
+    call's inputs and cotangents (:meth:`inputs`) and its results (:meth:`finish`); the rest
+    (:meth:`compile`, :meth:`job`, and what :mod:`daskdag.durable` and :mod:`daskdag.sweeps`
+    make of them) is the same for every kind. A call's ``data`` (cotangents, tangents,
+    directions; a tuple) are its inputs, never its program's structure."""
 
     dag: Mapping[str, Any]
     outputs: str | Sequence[str]
     wrt: Sequence[str] | None
 
-    #: The public function of this kind, as a call's :class:`~daskdag.CallInfo` names it, and
-    #: its sweep's.
+    #: The public function of this kind and its sweep's, as :class:`~daskdag.CallInfo` names it.
     call: ClassVar[str]
     sweep_call: ClassVar[str]
     #: Its mode, as :class:`~daskdag.CallInfo` gives it (a kind with several: :meth:`info`).

@@ -1,11 +1,10 @@
 """Programs: a call compiled once and run at every call that fits it, in JAX's ``jit`` ->
 ``Compiled`` idiom, for as long as nothing it relies on has changed.
 
-A kind of call compiles a call of a DAG with inputs like ``x`` and its options (:func:`compile`):
-it checks and plans the DAG, groups its stages, packs functions, traces nodes for a mode or a
-sparsity pattern, and builds the call's graph, or the whole call as one XLA program. The
-result is a :class:`Program`, run with each call's inputs, cotangents, tangents or directions:
-those are a program's inputs, never its structure.
+Compiling a call of a DAG with inputs like ``x`` and its options (:func:`compile`) checks and
+plans the DAG, groups its stages, packs functions, traces nodes for a mode or a sparsity
+pattern, and builds the call's graph or the whole call as one XLA program: a :class:`Program`,
+whose inputs a call's inputs, cotangents, tangents or directions are, never its structure.
 
 What a program relies on, and how a call checks it:
 
@@ -49,7 +48,6 @@ _UNSET = object()
 PROGRAMS: Cache = Cache("prepared calls", lambda: config.get("prepared-calls"))
 _last: Cache = Cache("the last key per DAG", 256)  # (kind, id(dag)) -> (key, note)
 OFF = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
-
 
 #: Functions daskdag makes of a DAG's own (packed, lifted): fingerprinted to be packed, not
 #: watched, for what they hold is a packed copy of a function watched as it was packed, or the
@@ -128,10 +126,9 @@ class Program(Generic[P]):
 def compile(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
             inputs: Any = _UNSET) -> tuple[Program[P], str | None]:
     """The program of a call of ``kind`` on ``dag`` with inputs like ``x`` and ``options``
-    (hashable): the one compiled before while it holds, else ``make(watch)``, which calls
-    ``watch(name, fn)`` for each node function whose content it relies on. Returns it and why
-    it was compiled now (None: reused). ``inputs``: what of ``x`` the program depends on, as a
-    key (default: :func:`~daskdag.model.shapes.signature` of ``x``; None: no key fits)."""
+    (hashable): the one compiled before while it holds, else ``make(watch)`` (:class:`Watch`).
+    Returns it and why it was compiled now (None: reused). ``inputs``: what of ``x`` the
+    program depends on, as a key (default: :func:`signature` of ``x``; None: no key fits)."""
     key = _key(kind, dag, x, options, inputs)
     if key is None:  # (a malformed DAG or unhashable options: make() says what is wrong)
         why = "its arguments cannot key a prepared call"
@@ -264,7 +261,6 @@ def _clear_held() -> None:
 
 
 register("prepared functions' own programs", _clear_held)
-
 
 #: daskdag's settings that each call reads as it runs: no program depends on them.
 PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-calls",

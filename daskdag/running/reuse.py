@@ -13,8 +13,7 @@ identity (they cannot change), every other leaf by its content (``dask.base.toke
 The last call's values are kept, at most ``daskdag.reuse-bytes`` of them; NumPy arrays among
 them are made read-only, so that a node changing one in place fails, naming itself, instead of
 changing what the next call reuses. A lazy call reuses them likewise, else keeps its own once
-computed (:meth:`Kept.lazily`): where Dask finishes it elsewhere (a cluster's worker), they
-travel back to this process with its result.
+computed, wherever Dask finishes it (:meth:`Kept.lazily`).
 """
 
 from __future__ import annotations
@@ -128,8 +127,7 @@ class Kept:
                      stop=stop)
 
     def remember(self, inputs: dict, values: dict) -> dict:
-        """``values``, computed for ``inputs``, kept for the next call (at most
-        ``daskdag.reuse-bytes`` of them; NumPy arrays made read-only)."""
+        """``values``, computed for ``inputs``, kept for the next call (the module's docstring)."""
         if sizeof(values) > dask.utils.parse_bytes(config.get("reuse-bytes")):
             with self._lock:
                 self._last = None
@@ -144,8 +142,7 @@ class Kept:
 
     def lazily(self, inputs: dict, finish: Callable[[dict], Any]) -> Remembering:
         """``finish`` of a lazy call whose graph computes the kept nodes' values for these
-        ``inputs`` (under :data:`KEPT`, beside its outputs): it keeps them for the next call,
-        here or, finished elsewhere, as its result arrives (:class:`Remembering`)."""
+        ``inputs`` (under :data:`KEPT`), keeping them for the next call (:class:`Remembering`)."""
         call = uuid.uuid4().hex
         _pending.put(call, (self, inputs))
         return Remembering(finish, call, os.getpid())
