@@ -59,11 +59,11 @@ class Prepared:
     def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
         """The call for inputs ``x`` (and its data: tangents, ``v``); ``store`` as
         [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
-        if store is not None:
+        client, local = where(self._client, self._scheduler)
+        if store is not None or local == "processes":  # (processes keep nothing between calls)
             return self._unpacked(now(self._kind, x, *data, client=self._client,
                                       scheduler=self._scheduler, progress=self._progress,
                                       store=store))
-        client, local = where(self._client, self._scheduler)
         transport = transports.for_call(client)
         try:
             held_as = (transport, frozenset(x) if isinstance(x, Mapping) else None, signature(x),

@@ -120,14 +120,27 @@ def test_the_processes_setting_runs_eager_calls_in_other_processes(tmp_path):
     assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum((jnp.tanh(x) * 2) ** 2))(X))
 
 
-def test_the_processes_setting_is_refused_where_a_call_cannot_run_there():
-    dag = {"A": (jnp.sin, ["x"]), "L": (jnp.sum, ["A"])}
-    with dask.config.set(scheduler="processes"):
-        with pytest.raises(daskdag.DAGError, match="sweep_grads cannot run on Dask's "
+@pytest.mark.timeout(180)
+def test_the_processes_setting_runs_sweeps_and_prepared_calls_and_refuses_what_cannot_run_there(
+        tmp_path):
+    log = RunLog(tmp_path / "runs")
+    dag = _pid_dag(log)
+    composed = lambda x: jnp.sum((jnp.tanh(x) * 2) ** 2)  # noqa: E731
+    xs = jnp.stack([X, X + 1.0])
+    with dask.config.set(scheduler="processes", num_workers=2):
+        swept = daskdag.sweep_grads(dag, xs, "L")
+        f = daskdag.value_and_grad(dag, "L")
+        value, grad = f(X)
+        with pytest.raises(daskdag.DAGError, match="sweep_grads with store= cannot run on "
+                                                   "Dask's multiprocessing scheduler"):
+            daskdag.sweep_grads(dag, xs, "L", store=str(tmp_path / "store"))
+        with pytest.raises(daskdag.DAGError, match="check_grads cannot run on Dask's "
                                                    "multiprocessing scheduler"):
-            daskdag.sweep_grads(dag, jnp.stack([X, X]), "L")
-        with pytest.raises(daskdag.DAGError, match="'processes'"):
-            daskdag.value_and_grad(dag, "L")(X)
+            daskdag.check_grads(dag, X, "L")
+    assert_tree_close(swept.grad, jax.vmap(jax.grad(composed))(xs))
+    assert_tree_close((value, grad), jax.value_and_grad(composed)(X))
+    assert f.info.where == "Dask's multiprocessing scheduler (processes)"
+    assert set(log.pids("A")) - {os.getpid()}  # (a sweep traces its nodes here first)
 
 
 # -- with a cluster --------------------------------------------------------------------------------

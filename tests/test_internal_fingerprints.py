@@ -3,12 +3,16 @@ would see change, stays the same otherwise, and keeps nothing of its function al
 
 import functools
 import gc
+import sys
 import threading
+import types
 import weakref
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daskdag.transport import packing, pickler
 from daskdag.transport.fingerprints import by_reference, fingerprint
@@ -136,12 +140,6 @@ def test_cloudpickles_private_submodule_finder_is_there():
 
 # -- a fingerprint's compiled check holds exactly when a new fingerprint would be equal ----------
 
-import sys  # noqa: E402
-import types  # noqa: E402
-
-import jax  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 class _Box:

@@ -82,14 +82,13 @@ class HVPs(Gradients):
         return paired(lowering, values, data[0]), seeds
 
     def finish(self, lowering, info, computed, failed=None) -> Any:
-        spec = lowering.spec
+        inputs = list(lowering.spec.inputs)
         results = {}
         for o, (value, pairs) in computed.items():
-            one = len(spec.inputs) == 1 and list(pairs) == list(spec.inputs)
             hvp = {i: g.primal for i, g in pairs.items()}
             grad = {i: on_differentiable(g.primal, g.tangent) for i, g in pairs.items()}
+            if list(pairs) == inputs == inputs[:1]:  # (one free input: its arrays alone)
+                hvp, grad = hvp[inputs[0]], grad[inputs[0]]
             value, tangent = unpaired(value, None)
-            i0 = spec.inputs[0]
-            results[o] = HVPResult(value, grad[i0] if one else grad, hvp[i0] if one else hvp,
-                                   tangent, info, failed or {})
+            results[o] = HVPResult(value, grad, hvp, tangent, info, failed or {})
         return per_output(self.outputs, results)

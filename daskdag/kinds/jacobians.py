@@ -125,7 +125,7 @@ class Jacobian(Derivative):
                 start += width
             tangents[i] = tuple(leaves)
         lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
-        flat = (jax.tree.flatten(templates[i], is_leaf=_none) for i in plan.wrt)
+        flat = (jax.tree.flatten(templates[i], is_leaf=lambda t: t is None) for i in plan.wrt)
         return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
                         where.moving,
                         extra=Layout(plan, mode, mode_why, colours, source, templates, tangents, k),
@@ -211,14 +211,13 @@ class Dense:
         out = {}
         for o, (value, per_name) in computed.items():
             if self.mode == "rev":
-                out[o] = Laid(value, dense_jacobian(self.names, self.single, value,
-                                                                per_name))
-                continue
-            primal = getattr(value, "primal", value)
-            _real(o, primal)
-            out[o] = Laid(primal, dense_jacobian_of_columns(
-                self.names, self.single, self.templates, primal,
-                tuple(getattr(value, "tangent", ()))))
+                out[o] = Laid(value, dense_jacobian(self.names, self.single, value, per_name))
+            else:
+                primal = getattr(value, "primal", value)
+                _real(o, primal)
+                out[o] = Laid(primal, dense_jacobian_of_columns(
+                    self.names, self.single, self.templates, primal,
+                    tuple(getattr(value, "tangent", ()))))
         return out
 
 
@@ -229,8 +228,7 @@ def _laid(tail: Dense, computed: dict) -> dict:
 
 def _dense(plan: Plan, mode: str, patterns: Any, sparse: bool, templates: tuple
            ) -> Dense | None:
-    """The call's :class:`Dense` tail, where its Jacobians are dense and in ``jax.jacrev``'s
-    layout."""
+    """The call's :class:`Dense` tail, where its Jacobians are dense (``jax.jacrev``'s layout)."""
     if patterns is not None or sparse:
         return None
     return Dense(mode, plan.wrt, one_input(plan.spec, dict.fromkeys(plan.wrt)), templates)
@@ -304,10 +302,6 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
 def _arrays(*trees: PyTree) -> bool:
     """Every leaf an array: what a program of its own lays out (:class:`Dense`)."""
     return all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(trees))
-
-
-def _none(leaf: Any) -> bool:
-    return leaf is None
 
 
 def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,

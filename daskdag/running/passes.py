@@ -18,14 +18,12 @@ HVPs               lifted, your ``v``           from the outputs    ``(0, ct)`` 
 =================  ===========================  ==================  =======================
 
 Everything else is written once, here and below, for every kind: the program compiled once
-and kept while nothing it relies on changes (:mod:`daskdag.running.programs`); the graph of a
-call in this process built once, its inputs in slots (:class:`~daskdag.running.local.Template`);
-the whole call as one XLA program where it is one closed fused stage (:mod:`daskdag.graph.whole`);
-on a cluster, spread or in one task (:class:`~daskdag.running.jobs.Spreading`); nodes that read
-nothing the call moves kept from one call to the next (:mod:`daskdag.running.reuse`); each
-stage kept in a durable store (:attr:`~daskdag.running.jobs.Job.stored`); a lazy call
-(:func:`~daskdag.running.jobs.as_collection`); sweeps (:mod:`daskdag.sweeps`) run the same
-lowering over chunks of items.
+(:mod:`daskdag.running.programs`); the graph of a call in this process built once
+(:class:`~daskdag.running.local.Template`); the whole call as one XLA program
+(:mod:`daskdag.graph.whole`); on a cluster, spread or in one task
+(:class:`~daskdag.running.jobs.Spreading`); reuse across calls (:mod:`daskdag.running.reuse`);
+a durable store (:attr:`~daskdag.running.jobs.Job.stored`); a lazy call
+(:func:`~daskdag.running.jobs.as_collection`); sweeps (:mod:`daskdag.sweeps`).
 """
 
 from __future__ import annotations
@@ -174,12 +172,12 @@ class Passes:
         kept, rest = self.kept
 
         def before(client: Any, local: str | None, progress: bool) -> Job:
-            found = kept.values(values, client, local, progress)
-            reused = kept.plan.needed if found.reused else ()
+            found, again = kept.values(values, client, local, progress)
+            reused = kept.plan.needed if again else ()
             if reused:
                 log.reused(info.call, reused)
-            return rest._job({**values, **found.values}, cts, replace(info, reused=reused),
-                             finish, keep)
+            return rest._job({**values, **found}, cts, replace(info, reused=reused), finish,
+                             keep)
 
         def later() -> tuple[dict, Callable[[dict], Any]]:
             found = kept.last(values)
@@ -345,4 +343,6 @@ class Derivative:
     def finishing(self, lowering: Lowering) -> Callable[..., Any]:
         """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
         code (a lazy call's travels to where Dask finishes it, which may not import it)."""
-        return partial(replace(self, dag={}).finish, lowering.bare())
+        bare = self.__dict__.get("_bare") or replace(self, dag={})
+        object.__setattr__(self, "_bare", bare)  # (the kind without its DAG, made once)
+        return partial(bare.finish, lowering.bare())

@@ -1,14 +1,11 @@
 """Values kept from one call to the next: the nodes of a prepared call that no gradient passes
-through (they read no ``wrt`` input: a trunk over fixed data) run again only when their inputs
-changed since the call before.
+through (a trunk over fixed data) run again only when their inputs changed since the call before.
 
 Which nodes may be kept is ``daskdag.reuse``: ``"jit"`` (the default), the ``jit=True`` nodes,
-pure by contract; ``"all"``, every node, for eager nodes known to be pure (no printing, no file
-read, no state kept between calls); ``"none"``. A node is kept only with every node it takes
-values from. What a call's program relies on (functions, what they read, settings) is checked
-by the program itself (:mod:`daskdag.running.programs`: a change makes a new program, which
-keeps nothing yet); the inputs are compared here (:class:`Seen`), once a call: JAX arrays by
-identity (they cannot change), every other leaf by its content (``dask.base.tokenize``).
+pure by contract; ``"all"``, every node (eager nodes known to be pure); ``"none"``. A node is
+kept only with every node it takes values from. What a call's program relies on is checked by
+the program itself (:mod:`daskdag.running.programs`: a change makes a new program, which keeps
+nothing yet); the inputs are compared here (:class:`Seen`), once a call.
 
 The last call's values are kept, at most ``daskdag.reuse-bytes`` of them; NumPy arrays among
 them are made read-only, so that a node changing one in place fails, naming itself, instead of
@@ -21,7 +18,6 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import dask
@@ -85,14 +81,6 @@ class Seen:
                         else a == b for a, b in zip(self.leaves, other.leaves)))
 
 
-@dataclass
-class Reused:
-    """The values kept by the last call (:class:`Kept`), and whether this call reused them."""
-
-    values: dict
-    reused: bool
-
-
 class Kept:
     """A program's nodes whose values are kept between its calls: their ``plan``
     (:func:`kept_part`), computed by :meth:`values` (or not)."""
@@ -102,18 +90,17 @@ class Kept:
         self._last: tuple[Seen, dict] | None = None
         self._lock = threading.Lock()
 
-    def values(self, inputs: dict, client, local: str | None, progress: bool) -> Reused:
-        """The values of the plan's outputs for these ``inputs`` (all of the call's): the last
-        call's where its inputs were the same, else computed now, on ``client``'s cluster or
-        Dask's ``local`` scheduler, and kept for the next call."""
+    def values(self, inputs: dict, client, local: str | None,
+               progress: bool) -> tuple[dict, bool]:
+        """The values of the plan's outputs for these ``inputs`` (all of the call's), and
+        whether they are the last call's (its inputs the same); else computed now, on
+        ``client``'s cluster or Dask's ``local`` scheduler, and kept for the next call."""
         found = self.last(inputs)
         if found is not None:
-            return Reused(found, True)
+            return found, True
         stop = Stop() if client is None else None
-        graph = self.graph(inputs, stop)
-        computed = compute(graph, client, progress, stop, local, self.plan)
-        return Reused(self.remember(inputs, {n: computed[n][0] for n in self.plan.outputs}),
-                      False)
+        computed = compute(self.graph(inputs, stop), client, progress, stop, local, self.plan)
+        return self.remember(inputs, {n: computed[n][0] for n in self.plan.outputs}), False
 
     def last(self, inputs: dict) -> dict | None:
         """The last call's values, where its inputs were these ``inputs``; else None."""

@@ -54,11 +54,10 @@ class Interrupted(KeyboardInterrupt):
 
 def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | None,
             progress: bool, errors: str, store=None):
-    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`: every kind sweeps
-    the same way) over the items of ``xs`` and ``data``, on ``client``'s cluster or Dask's
-    ``local`` scheduler: the kind compiled for one item's shapes, its passes over chunks of
-    items (:func:`sweep`, or over dask arrays, lazily, :mod:`daskdag.sweeps.arrays`), and its
-    results of them, stacked."""
+    """A sweep of ``kind`` (every :class:`~daskdag.running.passes.Derivative` alike) over the
+    items of ``xs`` and ``data``, on ``client``'s cluster or Dask's ``local`` scheduler: compiled
+    for one item, run over chunks (:func:`sweep`; lazily over dask arrays:
+    :mod:`daskdag.sweeps.arrays`), its results stacked."""
     check_errors(errors)
     check_chunk_size(chunk_size)
     if local == "processes":  # (the sweep as dask arrays, computed there, four blocks a core)
