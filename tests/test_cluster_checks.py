@@ -1,19 +1,23 @@
 """What a call checks of its cluster, and the errors that say what is wrong, on real clusters as
-users run them: a closed client, a node's resources that no worker offers, no workers (an error
-after ``daskdag.worker-wait``; an adaptive cluster scales up instead), a worker replaced by one
+users run them: a closed client, a node's resources that no worker offers (an error after
+``daskdag.worker-wait``; a worker that joins meanwhile runs the node), no workers (an error
+after the wait too; an adaptive cluster scales up instead), a worker replaced by one
 with another daskdag version; and the progress bar a call shows there. (Lost workers:
 test_lost_workers.py; Ctrl-C: test_interrupts.py.)"""
 
+import os
+import threading
 import time
 
 import dask
+import jax
 import jax.numpy as jnp
 import pytest
 from distributed import Client
 
 import daskdag
 from daskdag import ClusterError, Node
-from .support.clusters import (DaskCLI, eventually, free_port, live_workers, local_client,
+from .support.clusters import (DaskCLI, RunLog, eventually, free_port, live_workers, local_client,
                                task_states)
 from .support.numbers import assert_tree_close, two_node_dag, two_node_grad
 
@@ -39,7 +43,9 @@ def test_closed_client_is_named(cluster):
                                          ({"GPU": 1, "MEM": 1e9}, '--resources "GPU=1 MEM=1e\\+09"')])
 def test_missing_resource_suggests_the_resources_needed(client, needs, flag):
     dag = {"A": Node(jnp.sin, ["x"], resources=needs), "B": (jnp.sum, ["A"])}
-    with pytest.raises(ClusterError, match=f"node 'A' needs resources .*`dask worker ADDRESS {flag}`"):
+    with dask.config.set({"daskdag.worker-wait": "0.5s"}), \
+            pytest.raises(ClusterError, match=f"node 'A' needs resources .*joined within 0.5 s "
+                                              f"\\(daskdag.worker-wait\\).*`dask worker ADDRESS {flag}`"):
         daskdag.compute_grads(dag, X, "B", client=client)
 
 
@@ -69,6 +75,37 @@ def test_no_worker_is_an_error_after_the_wait_and_an_adaptive_cluster_proceeds()
         with dask.config.set({"daskdag.worker-wait": "60s"}):
             res = daskdag.compute_grads(two_node_dag(), X, "B", client=client)
         assert_tree_close(res.grad, two_node_grad(X))
+
+
+@pytest.mark.timeout(240)
+def test_a_node_waits_for_a_resource_that_appears_after_the_call_starts(tmp_path):
+    """A GPU worker that joins after the call started (an adaptive cluster or a batch queue
+    starting it) runs the node that needs it: the call waits, then runs there."""
+    log = RunLog(tmp_path / "runs")
+    dag = {"A": Node(log.wrap("A", lambda x: jnp.sin(x) * 2.0), ["x"], resources={"GPU": 1}),
+           "B": (log.wrap("B", jnp.sum), ["A"])}
+    cli = DaskCLI(tmp_path)
+    try:
+        address = cli.scheduler()
+        cli.worker("--no-nanny")  # a worker without the resource
+        with Client(address, set_as_default=False, timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            joined: list = []
+            later = threading.Timer(2.0, lambda: joined.append(
+                cli.worker("--no-nanny", "--resources", "GPU=1")))
+            started = time.monotonic()
+            later.start()
+            try:
+                with dask.config.set({"daskdag.worker-wait": "120s"}):
+                    res = daskdag.compute_grads(dag, X, "B", client=client)
+            finally:
+                later.cancel()
+            assert time.monotonic() - started > 2.0  # (it waited for the worker)
+            assert_tree_close(res.grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) * 2.0))(X))
+            assert log.pids("A") == [joined[0].pid]  # (on the worker that joined, once)
+            assert set(live_workers(client)) == set(client.run(os.getpid))  # (both there)
+    finally:
+        cli.stop()
 
 
 @pytest.mark.timeout(180)

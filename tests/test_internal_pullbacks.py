@@ -3,6 +3,7 @@ sweep chunk's, item by item or vectorized), compile caching, placement, version 
 
 import pickle
 
+import dask
 import distributed
 import jax
 import jax.numpy as jnp
@@ -220,7 +221,8 @@ def test_backward_beside_its_forward_serializes_nothing(client):
 @pytest.mark.timeout(60)
 def test_missing_resource_is_an_error_not_a_hang(client):
     dag = {"A": Node(jnp.sin, ["x"], resources={"TPU": 1}), "B": (jnp.sum, ["A"])}
-    with pytest.raises(ClusterError, match="node 'A' needs resources \\{'TPU': 1\\}, but no worker"):
+    with dask.config.set({"daskdag.worker-wait": "0.5s"}), \
+            pytest.raises(ClusterError, match="node 'A' needs resources \\{'TPU': 1\\}, but no worker"):
         daskdag.compute_grads(dag, X, "B", client=client)
 
 

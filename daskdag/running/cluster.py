@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import warnings
 import weakref
 
@@ -46,21 +47,18 @@ def check(client, plan: Plan) -> dict[str, dict]:
     return the workers found (:func:`workers`).
 
     A check stands for :data:`RECHECK` seconds (a refusal is always asked again). With no worker
-    yet, it waits up to ``daskdag.worker-wait`` for one, asking the way a task would, so adaptive
-    clusters scale up. Then, once per client, after the version check, it registers daskdag's
+    yet, or none offering a node's resources, it waits up to ``daskdag.worker-wait`` for one,
+    asking the way a task would, so adaptive clusters scale up. Then, once per client, after the version check, it registers daskdag's
     worker plugins (:func:`serializers_on_workers`, :func:`tune_workers`).
     """
     check_client(client)
     last = _checked.get(client)
     if last is not None and time.monotonic() - last[0] < RECHECK:
-        try:  # (what the scheduler said a moment ago; a refusal is asked again below)
-            _check_resources(plan, last[1])
+        if _unmet(plan, last[1]) is None:  # (what the scheduler said a moment ago)
             tune_workers(client)
             return last[1]
-        except ClusterError:
-            pass
     found = workers(client) or _wait_for_a_worker(client)
-    _check_resources(plan, found)
+    found = _wait_for_resources(client, plan, found)
     _check_versions(client, found)
     _checked[client] = (time.monotonic(), found)
     tune_workers(client)
@@ -115,18 +113,24 @@ def _probe() -> None:
     """A task that any worker can run: its only use is to be waiting for one."""
 
 
-def _wait_for_a_worker(client) -> dict[str, dict]:
-    # A task waiting for a worker is what makes an adaptive cluster scale up from zero
-    # (Scheduler.adaptive_target), so wait on one rather than on the worker count alone.
-    wait = parse_timedelta(config.get("worker-wait"), default="s")
-    probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{client.id}")
+def _waited(client, wait: float, needs: dict | None = None) -> dict[str, dict]:
+    """The workers once one (offering ``needs``) ran a probe task, or after ``wait`` seconds.
+    A task waiting for a worker is what makes an adaptive cluster scale up
+    (``Scheduler.adaptive_target``), so the wait is on one, not on the worker list alone."""
+    probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{uuid.uuid4().hex}",
+                          resources=needs)
     try:
-        probe.result(timeout=wait)
-    except Exception:  # timed out, or its worker left again: the count below decides
+        probe.result(timeout=max(wait, 0.001))
+    except Exception:  # timed out, or its worker left again: the list below decides
         pass
     finally:
         probe.release()
-    found = workers(client)
+    return workers(client)
+
+
+def _wait_for_a_worker(client) -> dict[str, dict]:
+    wait = parse_timedelta(config.get("worker-wait"), default="s")
+    found = _waited(client, wait)
     if not found:
         raise ClusterError(f"{describe(client)}: the scheduler has no workers, and none joined "
                            f"within {wait:g} s: start some (`dask worker ADDRESS`), or wait longer "
@@ -134,17 +138,39 @@ def _wait_for_a_worker(client) -> dict[str, dict]:
     return found
 
 
-def _check_resources(plan: Plan, workers: dict) -> None:
+def _unmet(plan: Plan, workers: dict) -> tuple[str, dict] | None:
+    """The first needed node whose resources no worker offers, and its needs; else None."""
     for n in plan.needed:
         needs = plan.spec.nodes[n].needs
-        if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())
-                             for w in workers.values()):
-            offered = {addr: w.get("resources", {}) for addr, w in workers.items()}
-            flag = " ".join(f"{r}={amount:g}" for r, amount in needs.items())
-            flag = f'"{flag}"' if len(needs) > 1 else flag
-            raise ClusterError(
-                f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
-                f"{offered}); start a worker with e.g. `dask worker ADDRESS --resources {flag}`")
+        if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
+                                 for r, amount in needs.items()) for w in workers.values()):
+            return n, dict(needs)
+    return None
+
+
+def _wait_for_resources(client, plan: Plan, found: dict) -> dict[str, dict]:
+    """The workers once some offer every needed node's resources: up to ``daskdag.worker-wait``
+    for those no worker offers yet (a GPU worker an adaptive cluster is starting), then a
+    :class:`~daskdag.ClusterError` naming the node."""
+    unmet = _unmet(plan, found)
+    if unmet is None:
+        return found
+    wait = parse_timedelta(config.get("worker-wait"), default="s")
+    deadline = time.monotonic() + wait
+    while unmet is not None and time.monotonic() < deadline:
+        found = _waited(client, deadline - time.monotonic(), unmet[1])
+        unmet = _unmet(plan, found)
+    if unmet is None:
+        return found
+    n, needs = unmet
+    offered = {addr: w.get("resources", {}) for addr, w in found.items()}
+    flag = " ".join(f"{r}={amount:g}" for r, amount in needs.items())
+    flag = f'"{flag}"' if len(needs) > 1 else flag
+    raise ClusterError(
+        f"node {n!r} needs resources {needs}, but no worker offers them (workers offer "
+        f"{offered}), and none that does joined within {wait:g} s (daskdag.worker-wait); "
+        f"start a worker with e.g. `dask worker ADDRESS --resources {flag}`, or wait longer "
+        f"with dask.config.set({{'daskdag.worker-wait': '120s'}})")
 
 
 def _check_versions(client, listed: dict[str, dict]) -> None:
@@ -217,9 +243,7 @@ class Watch:
             return "the cluster has no worker left"
         if self.plan is None:
             return None
-        for n in self.plan.needed:
-            needs = self.plan.spec.nodes[n].needs
-            if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
-                                     for r, amount in needs.items()) for w in found.values()):
-                return f"no worker left offers the resources {needs} that node {n!r} needs"
+        unmet = _unmet(self.plan, found)
+        if unmet is not None:
+            return f"no worker left offers the resources {unmet[1]} that node {unmet[0]!r} needs"
         return None
