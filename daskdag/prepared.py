@@ -26,7 +26,7 @@ from daskdag.model.leaves import PyTree
 from daskdag.model.shapes import signature
 from daskdag.running import log, programs
 from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, run
+from daskdag.running.jobs import CallInfo, one_program_here, run
 from daskdag.running.passes import Derivative
 from daskdag.sweeps.sweep import Interrupted
 from daskdag.transport import transports
@@ -74,6 +74,10 @@ class Prepared:
         hit = self._held.get(held_as) if held_as is not None else None
         stale = hit[0].stale(hit[1]) if hit is not None else None
         if hit is not None and stale is None:
+            if one_program_here(client, local, self._progress):
+                result = self._kind.directly(hit[0], x, data, log.where(client, local))
+                if result is not None:
+                    return self._unpacked(result)
             program, why = hit[0], None
         else:
             program, why = self._kind.compile(x, data, transport=transport)

@@ -91,6 +91,8 @@ def split(args, active):
     call takes a list's leaves by its slower path), and the rest as hashable constants; None
     where a constant is not hashable."""
     leaves, treedef = jax.tree.flatten(tuple(args))
+    if all(map(is_array, leaves)):  # (every leaf traced: the common call, at once)
+        return (treedef, (_TRACED,) * len(leaves)), tuple(leaves)
     on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
     # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
     # functions) stay constants, concrete in fn as under plain vmap.

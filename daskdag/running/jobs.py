@@ -168,6 +168,13 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
     return as_collection(kind.job(program, x, data, why=why, where=LAZY))
 
 
+def one_program_here(client, local: str | None, progress: bool) -> bool:
+    """Whether a call may run as one program in this process (:attr:`Job.direct`): no cluster,
+    not Dask's multiprocessing scheduler, and nothing watching its graph's tasks (a progress
+    bar, another Dask callback)."""
+    return client is None and local != "processes" and not progress and not Callback.active
+
+
 def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
     (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. ``keep``:
@@ -179,8 +186,7 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
         raise DAGError(not_on_processes(job.kind if keep is None else f"{job.kind} with store="))
     if job.before is not None and keep is None:
         job = job.before(client, local, progress)
-    if client is None and job.direct is not None and not progress and not Callback.active \
-            and keep is None:
+    if job.direct is not None and keep is None and one_program_here(client, local, progress):
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()
         if result is not None:

@@ -340,6 +340,22 @@ class Derivative:
         return passes.job(values, cts, info, self.finishing(lowering),
                           keep=tuple(self.dag.values()))
 
+    def directly(self, program: Program[Passes], x: PyTree, data: tuple, where: str) -> Any:
+        """The results of a call of ``program`` from its one program in this process, with no
+        job made (a prepared call's path, where :func:`~daskdag.running.jobs.one_program_here`);
+        None where the program has none or cannot run the call (then its job runs it)."""
+        passes = program.value
+        lowering = passes.lowering
+        if passes.whole is None or passes.transport.packs or passes.kept is not None or \
+                lowering is None:
+            return None
+        values, cts = self.inputs(lowering, given_values(lowering.spec, x), data)
+        done = partial(self.finishing(lowering), self.info(lowering, data, None, where))
+        result = _directly(passes.whole, done, values, cts, lowering.tail)
+        if result is not None:
+            log.ran_whole(self.call, lowering.plan, where)
+        return result
+
     def finishing(self, lowering: Lowering) -> Callable[..., Any]:
         """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
         code (a lazy call's travels to where Dask finishes it, which may not import it)."""
