@@ -189,7 +189,7 @@ GLANCE = (
      "wide DAGs on a cluster: at parity with the graph you would write"),
     ("a hand-written Dask graph", "1,000 tiny nodes fanned out, 2 workers",
      "overhead", "fan_out, N=1000", "daskdag_2w/dask_2w",
-     "not for thousands of tiny nodes on a cluster: each costs daskdag three tasks"),
+     "many tiny nodes on a cluster: a node is about one task, as in the graph you would write"),
     ("PyTorch", "K = 8 heads over a shared trunk, eager nodes", "k_heads", "K=8, eager",
      "daskdag_threads/torch",
      "your code is JAX: PyTorch's eager CPU kernels are faster on small matrices"),

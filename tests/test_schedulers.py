@@ -85,6 +85,51 @@ def test_explicit_client_runs_every_task_on_the_cluster(cluster, tmp_path):
         assert sorted(t["key"] for t in ts.data) == sorted(tasks)  # each ran once, on the cluster
 
 
+def _tasks_by_kind(keys) -> dict:
+    kinds: dict = {}
+    for k in keys:  # (daskdag's keys say what each task is: fwd:, val:, bwd:, grad:, program:)
+        kind = str(k).split(":")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_the_scheduler_runs_about_one_task_per_node(cluster):
+    """What the scheduler ran for a call, counted: a stage's nodes share its tasks, and a closed
+    stage's forward task runs its backward pass too, so a fan-out of 50 tiny nodes costs one task
+    a node and three for the call, a chain of 12 four tasks in all, and a call of the same chain
+    once run in one task (``Spreading``) one task; never three a node."""
+    x = jnp.linspace(-1.0, 1.0, 8)
+    n = 50
+    fan = {f"n{i}": ((lambda x, i=i: jnp.sin(x) * i), ["x"]) for i in range(n)}
+    fan["L"] = (lambda *a: sum(jnp.sum(v) for v in a), [f"n{i}" for i in range(n)])
+    chain = {"n0": (jnp.sin, ["x"]), **{f"n{i}": ((lambda a: jnp.tanh(a) * 1.01), [f"n{i - 1}"])
+                                        for i in range(1, 12)},
+             "L": (lambda a: jnp.sum(a ** 2), ["n11"])}
+    ran: dict = {}
+    with Client(cluster, set_as_default=False) as client:
+        for name, dag, calls in (("fan", fan, 1), ("chain", chain, 6)):
+            for _ in range(calls):
+                with distributed.get_task_stream(client) as ts:
+                    r = daskdag.compute_grads(dag, x, "L", client=client)
+                ran.setdefault(name, []).append(_tasks_by_kind(t["key"] for t in ts.data))
+    want_fan = jax.grad(lambda x: sum(jnp.sum(jnp.sin(x) * i) for i in range(n)))(x)
+    assert_tree_close(daskdag.compute_grads(fan, x, "L").grad, want_fan)
+
+    def chained(x):
+        h = jnp.sin(x)
+        for _ in range(11):
+            h = jnp.tanh(h) * 1.01
+        return jnp.sum(h ** 2)
+
+    assert_tree_close(r.grad, jax.grad(chained)(x))  # (the chain's last call, in one task)
+    fan_tasks = ran["fan"][0]
+    assert fan_tasks == {"fwd": n + 1, "val": 1, "grad": 1}, fan_tasks  # 53 tasks, 51 nodes
+    assert ran["chain"][0] == {"fwd": 1, "val": 1, "bwd": 1, "grad": 1}, ran["chain"]
+    assert sum(ran["chain"][-1].values()) == 1, ran["chain"]  # (the whole call in one task)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_active_client_is_used_by_default(cluster, tmp_path):
