@@ -223,6 +223,8 @@ def run(quick: bool, clients: dict) -> dict:
                "bound": 1.2, "source": "issue 21"},
               {"case": f"layered, N={cfg.nodes[-1]}", "ratio": "per_node_largest/per_node_1000",
                "op": "<=", "bound": 1.25, "source": "issue 21"}]
+    wanted += [{"case": f"layered, N={n}", "ratio": "daskdag_threads/jax_loop", "op": "<=",
+                "bound": 1.2, "source": "issue 52"} for n in cfg.nodes if n >= 20000]
     return {"title": TITLE, "config": asdict(cfg), "cases": cases,
             "targets": common.targets(cases, wanted)}
 
