@@ -69,6 +69,31 @@ def test_default_is_threads_and_starts_no_cluster():
     assert_tree_close(r.grad, jax.grad(lambda x: jnp.sum(2 * x * (2 * x + 1)))(X))
 
 
+def test_what_a_node_function_takes_is_learned_once_for_all_its_nodes(monkeypatch):
+    """Tiny nodes run in the calling thread once known to be short (daskdag.running.local); what
+    a function takes is learned by the function, not per node, so a DAG of more nodes than the
+    durations kept (``local.KNOWN``, here made 16) of a few functions runs there from its
+    second call: no thread hand-offs, which cost tiny nodes as much as their work."""
+    from daskdag.caches import Cache
+    from daskdag.running import local
+
+    monkeypatch.setattr(local, "_durations", Cache("test: learned durations", 16))
+    ran: list = []
+
+    def step(x):
+        ran.append(threading.get_ident())
+        return jnp.sin(x)
+
+    n = 64
+    dag = {f"n{i}": (step, ["x"]) for i in range(n)}
+    dag["L"] = (lambda *a: sum(jnp.sum(v) for v in a), list(dag))
+    daskdag.compute_grads(dag, X, "L")  # (learns what step takes)
+    ran.clear()
+    r = daskdag.compute_grads(dag, X, "L")
+    assert ran == [threading.get_ident()] * n  # every node here, in the calling thread
+    assert_tree_close(r.grad, jax.grad(lambda x: n * jnp.sum(jnp.sin(x)))(X))
+
+
 # cluster: conftest's fixture, one two-worker LocalCluster for the module
 
 @pytest.mark.cluster

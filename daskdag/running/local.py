@@ -39,6 +39,7 @@ from daskdag.model.custom import Custom
 from daskdag.graph.assembly import kind_of
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unpack, unwrap
+from daskdag.transport.weak import held
 from daskdag.model.spec import Node
 
 SHORT = 5e-3  # seconds: a task shorter than this gains nothing from a thread of its own
@@ -211,8 +212,8 @@ def functions_of(task) -> tuple:
     ids: list[Any] = []
     for a in task.args:
         if isinstance(a, Node):
-            fn = unwrap(a.fn)
-            ids.extend(map(id, (fn.fn, fn.fwd) if isinstance(fn, Custom) else (fn,)))
+            fn = held(unwrap(a.fn))
+            ids.extend(id(held(f)) for f in ((fn.fn, fn.fwd) if isinstance(fn, Custom) else (fn,)))
     return tuple(ids)
 
 
