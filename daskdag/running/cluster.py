@@ -48,8 +48,9 @@ def check(client, plan: Plan) -> dict[str, dict]:
 
     A check stands for :data:`RECHECK` seconds (a refusal is always asked again). With no worker
     yet, or none offering a node's resources, it waits up to ``daskdag.worker-wait`` for one,
-    asking the way a task would, so adaptive clusters scale up. Then, once per client, after the version check, it registers daskdag's
-    worker plugins (:func:`serializers_on_workers`, :func:`tune_workers`).
+    asking the way a task would, so adaptive clusters scale up. Then, once per client, after
+    the version check, it registers daskdag's worker plugins (:func:`serializers_on_workers`,
+    :func:`tune_workers`).
     """
     check_client(client)
     last = _checked.get(client)
