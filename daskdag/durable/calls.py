@@ -38,7 +38,7 @@ from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running import log
-from daskdag.running.jobs import LAZY, Job, as_collection, computed, run
+from daskdag.running.jobs import LAZY, Job, as_collection, on_processes, run
 from daskdag.running.passes import Derivative
 from daskdag.running.compute import active_client
 from daskdag.running.lazy import Call
@@ -58,7 +58,7 @@ def call(kind: Derivative, x: Any, *data: Any, client, local: str | None, progre
     job, mine = _stored(kind, x, data, client, local, store, lazy=local == "processes")
     with opened(store, mine) as keeper:
         if local == "processes":  # (Dask's multiprocessing scheduler: the call made lazy)
-            return computed(_keeping(job, keeper), progress)
+            return on_processes(as_collection(_keeping(job, keeper)), progress)
         return run(job, client, local, progress, keep=keeper)
 
 

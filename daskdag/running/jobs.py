@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import dask
 from dask.callbacks import Callback
 
 from daskdag.cancel import Stop
@@ -146,19 +147,20 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     scheduler; on its multiprocessing scheduler, as its lazy call (:func:`computed`)."""
     if local == "processes":
         program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
-        return computed(kind.job(program, x, data, why=why, where=log.where(None, local)),
-                        progress)
+        return on_processes(as_collection(kind.job(program, x, data, why=why,
+                                                   where=log.where(None, local))), progress)
     program, why = kind.compile(x, data, transport=transports.for_call(client))
     return run(kind.job(program, x, data, why=why, where=log.where(client, local)), client,
                local, progress)
 
 
-def computed(job: Job, progress: bool) -> Any:
-    """A job made to travel (its transport lazy) computed by Dask's multiprocessing scheduler
-    (``"processes"``), as its lazy call."""
+def on_processes(collection: Any, progress: bool) -> Any:
+    """``collection`` (a Dask collection, or what ``dask.compute`` takes: a lazy call, a
+    sweep's dask arrays) computed by Dask's multiprocessing scheduler (``"processes"``), under
+    Dask's progress bar where ``progress``."""
     from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
     with ProgressBar() if progress else contextlib.nullcontext():
-        return as_collection(job).compute(scheduler="processes")
+        return dask.compute(collection, scheduler="processes")[0]
 
 
 def lazy(kind: Kind, x: Any, *data: Any) -> Call:

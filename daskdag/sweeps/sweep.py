@@ -18,7 +18,6 @@ from collections import deque
 from dataclasses import replace
 from functools import partial
 
-import dask
 import jax
 import numpy as np
 
@@ -27,7 +26,7 @@ from daskdag.model.leaves import is_array
 from daskdag.model.request import (batch_size, check_chunk_size, check_errors, cotangents_for,
                                    given_values)
 from daskdag.running import cluster, programs
-from daskdag.running.jobs import not_on_processes
+from daskdag.running.jobs import not_on_processes, on_processes
 from daskdag.running.log import logger, where
 from daskdag.running.passes import names_key
 from daskdag.running.resident import placing
@@ -65,9 +64,7 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
             raise DAGError(not_on_processes(f"{kind.sweep_call} with store="))
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, None, progress, errors,
                               every=4 * parallelism(None))
-        from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
-        with ProgressBar() if progress else contextlib.nullcontext():
-            return dask.compute(lazy, scheduler="processes")[0]
+        return on_processes(lazy, progress)
     if store is None and arrays.holds_dask({"": xs}, [""]):
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, client, progress, errors)
         if lazy is not None:
