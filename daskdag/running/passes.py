@@ -359,6 +359,9 @@ class Derivative:
     def finishing(self, lowering: Lowering) -> Callable[..., Any]:
         """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
         code (a lazy call's travels to where Dask finishes it, which may not import it)."""
-        bare = self.__dict__.get("_bare") or replace(self, dag={})
-        object.__setattr__(self, "_bare", bare)  # (the kind without its DAG, made once)
-        return partial(bare.finish, lowering.bare())
+        return partial(self._bare.finish, lowering.bare())
+
+    @cached_property
+    def _bare(self) -> Derivative:
+        """The kind without its DAG (:meth:`finishing`), made once."""
+        return replace(self, dag={})
