@@ -34,6 +34,7 @@ from daskdag.rules.vjp import ct_avals
 from daskdag.rules.vjp import linearize as vjp_linearize
 from daskdag.caches import Cache
 from daskdag.transport.packing import Function, current
+from daskdag.transport.weak import ref
 
 
 def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
@@ -155,7 +156,7 @@ class Fused:
 
     def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
-        self._fns = tuple(_weak(f) if weakly else partial(identity, f) for f in fns)
+        self._fns = tuple(ref(f) if weakly else partial(identity, f) for f in fns)
 
     @property
     def fns(self) -> tuple:
@@ -173,13 +174,6 @@ class Fused:
 
     def __reduce__(self):
         return Fused, (self.stage, self.fns)
-
-
-def _weak(fn):
-    try:
-        return weakref.ref(fn)
-    except TypeError:
-        return partial(identity, fn)
 
 
 class FusedPullback(Pullback):

@@ -39,7 +39,7 @@ from daskdag.model.custom import Custom
 from daskdag.graph.assembly import kind_of
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unpack, unwrap
-from daskdag.transport.weak import held
+from daskdag.transport.weak import held, ref
 from daskdag.model.spec import Node
 
 SHORT = 5e-3  # seconds: a task shorter than this gains nothing from a thread of its own
@@ -48,7 +48,7 @@ KNOWN = 4096  # node functions whose durations are remembered (the most recent o
 SAMPLES = 8  # durations remembered per node functions
 
 _lock = threading.Lock()
-# ids of a stage's node functions -> its recent durations
+# a stage's node functions (Functions) -> their recent durations
 _durations: Cache[deque] = Cache("learned durations of local tasks", KNOWN)
 _threads: list = []  # the pool, once made
 
@@ -144,7 +144,7 @@ class _Timer:
         if self.key in dsk:
             self.state = state
 
-    def functions(self, key, task) -> tuple:
+    def functions(self, key, task) -> Functions:
         known = self.known.get(key)
         return known if known is not None else functions_of(task)
 
@@ -199,25 +199,47 @@ class Inline:
         return kind in FORWARD and _known_short(self.timer.functions(key, task))
 
 
-def _known_short(functions: tuple) -> bool:
+def _known_short(functions: Functions) -> bool:
     """Node ``functions`` (a forward task's) that took less than :data:`SHORT` recently."""
     recent = _durations.get(functions)
     return recent is not None and min(recent) < SHORT
 
 
-def functions_of(task) -> tuple:
+def functions_of(task) -> Functions:
     """What identifies the node functions a forward task runs (its args hold the stage's
-    nodes): their ids, as the user made them (a function packed for this call, or a node with
-    its own derivatives, is a new object each call)."""
-    ids: list[Any] = []
+    nodes): the functions as the user made them (a function packed for this call, or a node
+    with its own derivatives, is a new object each call)."""
+    fns: list[Any] = []
     for a in task.args:
         if isinstance(a, Node):
             fn = held(unwrap(a.fn))
-            ids.extend(id(held(f)) for f in ((fn.fn, fn.fwd) if isinstance(fn, Custom) else (fn,)))
-    return tuple(ids)
+            fns.extend(held(f) for f in ((fn.fn, fn.fwd) if isinstance(fn, Custom) else (fn,)))
+    return Functions(fns)
 
 
-def _remember(functions: tuple, seconds: float) -> None:
+class Functions:
+    """Node functions as a key: equal to another for the same live functions. Held weakly (a
+    builtin as it is), so a key outlives no function, and a function made later at a gone one's
+    address (its ``id``) is not taken for it."""
+
+    __slots__ = ("ids", "refs")
+
+    def __init__(self, fns: list) -> None:
+        self.ids = tuple(map(id, fns))
+        self.refs = tuple(map(ref, fns))
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Functions) and self.ids == other.ids
+                and all(a() is not None and a() is b() for a, b in zip(self.refs, other.refs)))
+
+    def __reduce__(self) -> tuple:  # (a template sent to a cluster carries its tasks' keys)
+        return Functions, ([r() for r in self.refs],)
+
+
+def _remember(functions: Functions, seconds: float) -> None:
     """Keep the last :data:`SAMPLES` durations: the shortest of them is what the functions
     take (a task is slowed by the machine, never sped up)."""
     _durations.setdefault(functions, lambda: deque(maxlen=SAMPLES)).append(seconds)

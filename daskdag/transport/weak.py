@@ -19,10 +19,7 @@ class Weak:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._gone: list[Callable[[], None]] = []
-        try:
-            self._ref: Callable[[], Any] = weakref.ref(fn, self._died)
-        except TypeError:
-            self._ref = _Held(fn)
+        self._ref = ref(fn, self._died)
 
     @property
     def target(self) -> Any:
@@ -53,6 +50,15 @@ class Weak:
 
     def __repr__(self) -> str:
         return f"Weak({self._ref()!r})"
+
+
+def ref(obj: Any, gone: Callable[[Any], None] | None = None) -> Callable[[], Any]:
+    """A weak reference to ``obj`` (``gone`` called with it when ``obj`` goes), or where ``obj``
+    takes none (a builtin), a call that returns it."""
+    try:
+        return weakref.ref(obj, gone)
+    except TypeError:
+        return _Held(obj)
 
 
 def held(fn: Any) -> Any:
