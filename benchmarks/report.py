@@ -196,6 +196,9 @@ GLANCE = (
     ("OpenMDAO `compute_totals`", "a dense model's Jacobian, repeated calls",
      "repeat_calls", "dense", "daskdag/openmdao",
      "an optimiser calls the same model many times"),
+    ("OpenMDAO, Newton on a cycle", "Sellar's coupled disciplines: values and Jacobians",
+     "implicit", "evaluation", "daskdag/openmdao",
+     "coupled or implicit models: solved and differentiated by the implicit function theorem"),
 )
 
 

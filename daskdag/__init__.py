@@ -38,10 +38,11 @@ if TYPE_CHECKING:  # (what the names are; they are imported when first asked for
     from daskdag.running.jobs import CallInfo
     from daskdag.prepared import (Prepared, grad, value_and_grad, value_and_jacobian,
                                   value_and_jvp, value_grad_and_hvp)
-    from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, StoreError,
-                                TotalCheckError)
+    from daskdag.errors import (ClusterError, DAGError, GradientCheckError, NodeError, SolveError,
+                                StoreError, TotalCheckError)
     from daskdag.running.lazy import Call
     from daskdag.model.spec import Node
+    from daskdag.model.implicit import Implicit, coupled
     from daskdag.sweeps.store import SweepStore
 
 # Where each public name is defined. `import daskdag` imports none of them (nor JAX's, Dask's
@@ -60,13 +61,15 @@ _WHERE = {
     "daskdag.prepared": ("Prepared", "grad", "value_and_grad", "value_and_jacobian",
                          "value_and_jvp", "value_grad_and_hvp"),
     "daskdag.errors": ("ClusterError", "DAGError", "GradientCheckError", "NodeError",
-                       "StoreError", "TotalCheckError"),
+                       "SolveError", "StoreError", "TotalCheckError"),
     "daskdag.running.lazy": ("Call",),
     "daskdag.model.spec": ("Node",),
+    "daskdag.model.implicit": ("Implicit", "coupled"),
     "daskdag.sweeps.store": ("SweepStore",),
 }
 # The public names are daskdag's, wherever they are defined (reprs, docs, pickles by reference).
-_RENAMED = ("JVPResult", "HVPResult", "Result", "Call", "Node", "ClusterError", "DAGError",
+_RENAMED = ("JVPResult", "HVPResult", "Result", "Call", "Node", "Implicit", "coupled",
+            "SolveError", "ClusterError", "DAGError",
             "GradientCheckError", "NodeError", "StoreError", "TotalCheckError", "CallInfo",
             "Prepared", "SweepStore")
 _lock = _threading.RLock()
@@ -101,8 +104,8 @@ __all__ = ["compute_grads", "jacobian", "compute_jvps", "compute_hvps", "grads",
            "jvps", "hvps", "sweep_grads", "sweep_jacobians", "sweep_jvps", "sweep_hvps",
            "jacobian_sparsity", "check_grads", "check_totals", "grad", "value_and_grad",
            "value_and_jacobian", "value_and_jvp", "value_grad_and_hvp", "Prepared", "Call",
-           "Node", "Result", "JVPResult", "HVPResult", "CallInfo", "DAGError", "NodeError",
-           "ClusterError", "StoreError", "GradientCheckError", "TotalCheckError",
+           "Node", "Implicit", "coupled", "Result", "JVPResult", "HVPResult", "CallInfo",
+           "DAGError", "NodeError", "SolveError", "ClusterError", "StoreError", "GradientCheckError", "TotalCheckError",
            "clear_caches", "SweepStore"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

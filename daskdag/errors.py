@@ -1,5 +1,6 @@
-"""The errors a user meets: a bad DAG spec, a node that failed while running, a cluster that
-cannot run the graph, a node whose VJP disagrees with finite differences."""
+"""The errors a user meets: a bad DAG spec, a node that failed while running, a solve that did
+not converge, a cluster that cannot run the graph, a node whose VJP disagrees with finite
+differences."""
 
 from __future__ import annotations
 
@@ -124,6 +125,42 @@ class ClusterError(RuntimeError):
     message names the client, the node or the workers."""
 
 
+class SolveError(RuntimeError):
+    """An implicit node's solve ([`Implicit`][daskdag.Implicit], [`coupled`][daskdag.coupled]) did not
+    converge. The message names the node, the residual's norm, the iterations and the
+    tolerance; raised from a node, it is a [`NodeError`][daskdag.NodeError]'s ``original``."""
+
+
+# Exceptions raised by a callback inside a compiled program, which JAX reports as a runtime
+# error whose message ends with the exception's: message -> the exception (the latest ones).
+_in_programs: dict[str, BaseException] = {}
+_IN_PROGRAMS = 64
+
+
+def raised_in_program(e: BaseException) -> BaseException:
+    """``e``, remembered so that a node raising it from inside a compiled program (a callback)
+    fails with ``e`` itself (:func:`node_errors`), not JAX's runtime error around it."""
+    with _lock:
+        _in_programs[f"{type(e).__name__}: {e}"] = e
+        while len(_in_programs) > _IN_PROGRAMS:
+            del _in_programs[next(iter(_in_programs))]
+    return e
+
+
+def _raised(e: BaseException) -> BaseException:
+    """What a node raised: ``e``, or the exception a callback raised inside its program."""
+    if isinstance(e, jax.errors.JaxRuntimeError):
+        lines = str(e).strip().splitlines()
+        with _lock:
+            found = _in_programs.get(lines[-1].strip()) if lines else None
+        if found is not None:
+            return found
+    return e
+
+
+_lock = threading.Lock()
+
+
 class StoreError(RuntimeError):
     """A durable sweep's store refuses the call: it holds another sweep (the DAG, its inputs,
     outputs or settings changed: the message says which), or another sweep is writing to it.
@@ -143,7 +180,8 @@ def node_errors(node: str, phase: str) -> Iterator[None]:
     except (Exception, KeyboardInterrupt, SystemExit) as e:
         if _may_be_ctrl_c(e):
             raise
-        raise NodeError(node, phase, e) from e
+        original = _raised(e)
+        raise NodeError(node, phase, original) from original
 
 
 def _may_be_ctrl_c(e: BaseException) -> bool:

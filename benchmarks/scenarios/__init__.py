@@ -30,7 +30,8 @@ from types import ModuleType
 
 NAMES = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
          "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat",
-         "repeat_calls", "durable_sweeps", "shared_work", "durable_calls", "import_time")
+         "repeat_calls", "durable_sweeps", "shared_work", "durable_calls", "implicit",
+         "import_time")
 
 
 def present(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""The user's DAG dict, ``{name: (fn, [dep, ...])}`` or ``{name: Node(fn, deps, ...)}``, validated
+"""The user's DAG dict, ``{name: (fn, [dep, ...])}``, ``{name: Node(fn, deps, ...)}`` or
+``{name: Implicit(residual, deps, guess)}`` (:mod:`daskdag.model.implicit`), validated
 into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), a topological order.
 """
 
@@ -15,6 +16,7 @@ from dask.sizeof import sizeof
 import daskdag.config as config
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
+from daskdag.model.implicit import Implicit
 from daskdag.transport.protocol import token_kept, travels
 from daskdag.transport.packing import Function, current, pack, unwrap
 
@@ -140,7 +142,10 @@ def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
             {name: node.deps for name, node in nodes.items()}).static_order() if n in nodes)
     except graphlib.CycleError as e:
         cycle = e.args[1]  # [a, b, ..., a], each a dep of the next
-        raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next)") from None
+        raise DAGError(f"the DAG has a cycle: {' -> '.join(cycle)} (each feeds the next); "
+                       f"nodes that depend on each other are solved together when declared "
+                       f"as one group: daskdag.coupled({{name: (fn, deps), ...}}, "
+                       f"guess={{name: value, ...}})") from None
     return Spec(nodes, inputs, order, _uses(nodes, order))
 
 
@@ -156,6 +161,10 @@ def _uses(nodes: Mapping[str, Node], order: tuple[str, ...]) -> dict:
 def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> Node:
     if not isinstance(name, str):
         raise DAGError(f"node names must be strings, got {name!r} ({type(name).__name__})")
+    if isinstance(entry, Implicit):
+        entry = Node(entry.solve(name, hold), entry.deps, jit=entry.jit, vmap=entry.vmap,
+                     device=entry.device, resources=entry.resources, remat=entry.remat)
+        hold = None  # (its Solve holds the user's functions as hold says)
     if isinstance(entry, Node):
         fn, deps = _function(name, entry, hold), entry.deps
         opts: dict[str, Any] = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import dask
@@ -16,6 +16,7 @@ from dask.callbacks import Callback
 
 from daskdag.cancel import Stop
 from daskdag.errors import DAGError
+from daskdag.model import implicit
 from daskdag.model.plan import Plan
 from daskdag.running import cluster, log, resident
 from daskdag.running.compute import active_client, compute
@@ -58,6 +59,12 @@ class CallInfo:
             (output elements)"``, ``"forward on a tie: ..."``), or the only mode every node can take
             (``"the only mode that can serve this call: forward mode cannot: node 'f' calls a
             jax.custom_vjp function ..."``). None for the other calls, which have one mode each.
+        solves: the solves of implicit nodes ([`Implicit`][daskdag.Implicit], a
+            [`coupled`][daskdag.coupled] group's node) that ran in this process (threads,
+            ``"sync"``): ``{node: [{"iterations": n, "residual": norm}, ...]}``,
+            one entry per solve (``iterations`` None for the user's own solver). Empty for a
+            call on a cluster, whose solves ran on the workers, and for a node solved inside
+            a compiled program (``jit=True``, a program of the whole call).
     """
 
     call: str
@@ -70,6 +77,7 @@ class CallInfo:
     where: str = ""
     mode_why: str | None = None
     reused: tuple[str, ...] = ()
+    solves: dict = field(default_factory=dict, compare=False)
 
     def __repr__(self) -> str:
         parts = [self.call, self.mode, f"{self.passes} pass{'es' if self.passes != 1 else ''}"]
@@ -80,6 +88,10 @@ class CallInfo:
             parts.append(self.where)
         if self.reused:
             parts.append(f"reused {', '.join(self.reused)}")
+        if self.solves:
+            parts.append("solves " + ", ".join(
+                f"{n}: {len(s)} ({max((e['iterations'] or 0) for e in s)} iterations at most)"
+                for n, s in self.solves.items()))
         return f"CallInfo({', '.join(parts)})"
 
 
@@ -114,6 +126,9 @@ class Job:
     #: The call as a Dask collection, where it is more than ``make``'s graph and ``finish``:
     #: ``later() -> (graph, finish)`` (:mod:`daskdag.running.reuse`).
     later: Callable[[], tuple[dict, Callable[[dict], Any]]] | None = None
+    #: Where the solves of implicit nodes run in this process are recorded (its
+    #: :attr:`CallInfo.solves`).
+    solves: dict | None = None
 
 
 class Kind(Protocol):
@@ -186,6 +201,11 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
         raise TypeError(f"{job.kind} cannot keep its stages")
     if local == "processes":
         raise DAGError(not_on_processes(job.kind if keep is None else f"{job.kind} with store="))
+    with implicit.recording(job.solves) if client is None else contextlib.nullcontext():
+        return _run(job, client, local, progress, keep)
+
+
+def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
     if job.before is not None and keep is None:
         job = job.before(client, local, progress)
     if job.direct is not None and keep is None and one_program_here(client, local, progress):

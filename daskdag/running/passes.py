@@ -230,7 +230,7 @@ class Passes:
             None if self.lowering is None else self.lowering.tail)
         return Job(plan, make, done, info.call, keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
-                   spreading=self.spreading, stored=stored)
+                   spreading=self.spreading, stored=stored, solves=info.solves)
 
 
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,

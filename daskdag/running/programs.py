@@ -36,6 +36,7 @@ import jax
 import daskdag.config as config
 from daskdag.caches import Cache, register
 from daskdag.model.shapes import signature
+from daskdag.model.implicit import Implicit
 from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
@@ -291,6 +292,15 @@ def dag_key(dag: Any) -> tuple | None:
             parts.append((name, type(deps), tuple(deps), *map(id, (
                 entry.fn, entry.vjp, entry.fwd, entry.bwd, entry.jvp)), entry.jit, entry.vmap,
                 entry.device, entry.remat,
+                None if resources is None else tuple(sorted(resources.items()))))
+        elif isinstance(entry, Implicit):
+            deps, resources = entry.deps, entry.resources
+            if not isinstance(deps, (list, tuple)) or not (
+                    resources is None or isinstance(resources, Mapping)):
+                return None
+            parts.append((name, Implicit, type(deps), tuple(deps), *map(id, (
+                entry.residual, entry.guess, entry.solver, entry.linear_solver)), entry.rtol,
+                entry.atol, entry.maxiter, entry.jit, entry.vmap, entry.device, entry.remat,
                 None if resources is None else tuple(sorted(resources.items()))))
         elif isinstance(entry, (tuple, list)) and len(entry) == 2:
             fn, deps = entry
