@@ -294,6 +294,25 @@ def test_a_stored_call_resumes_without_solving_again(tmp_path):
     np.testing.assert_array_equal(again.value, first.value)
 
 
+def test_an_implicit_node_on_fixed_data_is_solved_once_across_calls():
+    """A jit=True implicit node that reads only data the calls do not move is kept between
+    calls (daskdag.reuse) and not solved again; its gradient still flows to the moving input."""
+    dag = {"u": Implicit(lambda u, d: u ** 3 + u - d, ["data"], guess=jnp.zeros(3), jit=True),
+           "loss": (lambda p, u: jnp.sum(p * u ** 2), ["p", "u"])}
+    data = jnp.array([1.0, 2.0, 10.0])
+    u = np.array([scipy.optimize.brentq(lambda v, d=d: v ** 3 + v - d, -5, 5, xtol=1e-15)
+                  for d in np.asarray(data)])
+    infos = []
+    for step in range(3):
+        p = jnp.ones(3) * (step + 1.0)
+        res = daskdag.compute_grads(dag, {"p": p, "data": data}, "loss", wrt=["p"])
+        np.testing.assert_allclose(res.grad["p"], u ** 2, **TOL)
+        np.testing.assert_allclose(res.value, np.sum(np.asarray(p) * u ** 2), **TOL)
+        infos.append(res.info)
+    assert len(infos[0].solves["u"]) == 1 and infos[0].reused == ()
+    assert all(i.reused == ("u",) and i.solves == {} for i in infos[1:])
+
+
 def test_a_large_system_is_solved_matrix_free():
     """Over DENSE_UNKNOWNS unknowns, Newton's steps and the adjoint are GMRES on products with
     the Jacobian: never formed. A tridiagonal system of 2,000 unknowns."""

@@ -60,11 +60,11 @@ class CallInfo:
             (``"the only mode that can serve this call: forward mode cannot: node 'f' calls a
             jax.custom_vjp function ..."``). None for the other calls, which have one mode each.
         solves: the solves of implicit nodes ([`Implicit`][daskdag.Implicit], a
-            [`coupled`][daskdag.coupled] group's node) that ran in this process (threads,
-            ``"sync"``): ``{node: [{"iterations": n, "residual": norm}, ...]}``,
-            one entry per solve (``iterations`` None for the user's own solver). Empty for a
-            call on a cluster, whose solves ran on the workers, and for a node solved inside
-            a compiled program (``jit=True``, a program of the whole call).
+            [`coupled`][daskdag.coupled] group's node) of a call (not a sweep) that ran in
+            this process (threads, ``"sync"``): ``{node: [{"iterations": n, "residual":
+            norm}, ...]}``, one entry per solve (``iterations`` None for the user's own
+            solver). Empty for a call on a cluster, whose solves ran on the workers; it may
+            miss a solve that ran inside a compiled program of the whole call.
     """
 
     call: str
