@@ -284,6 +284,57 @@ def test_a_prepared_call_sees_a_changed_coefficient_and_records_its_solves(jit):
         assert solve["iterations"] >= 1 and solve["residual"] < 1e-9
 
 
+def test_a_residual_reaching_changed_state_by_any_path_is_solved_anew():
+    """Between calls of one prepared function, a NumPy array the residual reaches through an
+    object is changed in place, then an equinox module's weight is replaced in the DAG's
+    entry: each next call solves the new equation (compiled solves are kept, never stale)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Springs:
+        def __init__(self, k):
+            self.k = k
+
+    springs = Springs(np.array([1.0, 2.0]))
+
+    def residual(u, f):
+        return springs.k * u + u ** 3 - f
+
+    class Layer(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, u, f):
+            return self.w * u + u ** 3 - f
+
+    f = jnp.array([1.0, 3.0])
+
+    def solution(k):
+        return np.array([scipy.optimize.brentq(lambda v, k=k, f=f: k * v + v ** 3 - f, -9, 9,
+                                               xtol=1e-15) for k, f in zip(k, np.asarray(f))])
+
+    dag = {"u": Implicit(residual, ["f"], guess=jnp.zeros(2)), "L": (jnp.sum, ["u"])}
+    g = daskdag.value_and_grad(dag, "L")
+    np.testing.assert_allclose(g(f)[0], solution([1.0, 2.0]).sum(), **TOL)
+    springs.k[:] = [3.0, 0.5]  # (in place)
+    np.testing.assert_allclose(g(f)[0], solution([3.0, 0.5]).sum(), **TOL)
+
+    dag["u"] = Implicit(Layer(jnp.array([2.0, 2.0])), ["f"], guess=jnp.zeros(2))
+    np.testing.assert_allclose(g(f)[0], solution([2.0, 2.0]).sum(), **TOL)
+    dag["u"] = Implicit(eqx.tree_at(lambda m: m.w, dag["u"].residual, jnp.array([0.5, 4.0])),
+                        ["f"], guess=jnp.zeros(2))
+    value, grad = g(f)
+    np.testing.assert_allclose(value, solution([0.5, 4.0]).sum(), **TOL)
+    u = solution([0.5, 4.0])
+    np.testing.assert_allclose(grad, 1 / (np.array([0.5, 4.0]) + 3 * u ** 2), **TOL)
+
+
+@pytest.mark.parametrize("vmap", [False, True])
+def test_a_sweep_names_the_items_that_did_not_converge(vmap):
+    a = np.array([-1.0, 0.5, -4.0, 2.0])  # no root where a > 0
+    with pytest.raises(daskdag.NodeError, match="node 'u'.*did not converge") as raised:
+        daskdag.sweep_grads(no_root_dag(vmap=vmap), a, "L")
+    assert raised.value.item == 1  # (a batched solve's failure: its chunk run item by item)
+
+
 def test_a_stored_call_resumes_without_solving_again(tmp_path):
     dag = sellar_dag()
     first = daskdag.compute_grads(dag, SELLAR, "obj", store=tmp_path / "call")
