@@ -112,6 +112,9 @@ class Template:
         self.functions = {k: functions_of(t) for k, t in self.dsk.items()
                           if kind_of(k) in FORWARD}
 
+    def __getstate__(self) -> dict:  # (where it is sent, it runs in order: untimed)
+        return {**self.__dict__, "functions": {}}
+
     def fill(self, values: dict[TaskRef, Any]) -> "Filled":
         """The graph of one call, ``values`` in their slots (``{slot: value}``)."""
         dsk = {ref.key: DataNode(ref.key, value) for ref, value in values.items()}
@@ -235,8 +238,8 @@ class Functions:
         return (isinstance(other, Functions) and self.ids == other.ids
                 and all(a() is not None and a() is b() for a, b in zip(self.refs, other.refs)))
 
-    def __reduce__(self) -> tuple:  # (a template sent to a cluster carries its tasks' keys)
-        return Functions, ([r() for r in self.refs],)
+    def __reduce__(self) -> tuple:  # (where it arrives, they are not these functions)
+        return Functions, ([],)
 
 
 def _remember(functions: Functions, seconds: float) -> None:
