@@ -105,7 +105,7 @@ __all__ = ["compute_grads", "jacobian", "compute_jvps", "compute_hvps", "grads",
            "jacobian_sparsity", "check_grads", "check_totals", "grad", "value_and_grad",
            "value_and_jacobian", "value_and_jvp", "value_grad_and_hvp", "Prepared", "Call",
            "Node", "Implicit", "coupled", "Result", "JVPResult", "HVPResult", "CallInfo",
-           "DAGError", "NodeError", "SolveError", "ClusterError", "StoreError", "GradientCheckError", "TotalCheckError",
-           "clear_caches", "SweepStore"]
+           "DAGError", "NodeError", "SolveError", "ClusterError", "StoreError",
+           "GradientCheckError", "TotalCheckError", "clear_caches", "SweepStore"]
 # One source: pyproject.toml's version, as installed (the key checked across a cluster's workers).
 __version__ = _metadata.version("daskdag")

@@ -126,15 +126,17 @@ class ClusterError(RuntimeError):
 
 
 class SolveError(RuntimeError):
-    """An implicit node's solve ([`Implicit`][daskdag.Implicit], [`coupled`][daskdag.coupled]) did not
-    converge. The message names the node, the residual's norm, the iterations and the
-    tolerance; raised from a node, it is a [`NodeError`][daskdag.NodeError]'s ``original``."""
+    """An implicit node's solve ([`Implicit`][daskdag.Implicit],
+    [`coupled`][daskdag.coupled]) did not converge. The message names the node, the
+    residual's norm, the iterations and the tolerance; raised from a node, it is a
+    [`NodeError`][daskdag.NodeError]'s ``original``."""
 
 
 # Exceptions raised by a callback inside a compiled program, which JAX reports as a runtime
 # error whose message ends with the exception's: message -> the exception (the latest ones).
 _in_programs: dict[str, BaseException] = {}
 _IN_PROGRAMS = 64
+_lock = threading.Lock()
 
 
 def raised_in_program(e: BaseException) -> BaseException:
@@ -156,9 +158,6 @@ def _raised(e: BaseException) -> BaseException:
         if found is not None:
             return found
     return e
-
-
-_lock = threading.Lock()
 
 
 class StoreError(RuntimeError):
