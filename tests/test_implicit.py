@@ -412,6 +412,14 @@ def test_a_malformed_implicit_node_is_refused_naming_it(entry, match):
         daskdag.compute_grads({"u": entry}, jnp.array(1.0), "u")
 
 
+def test_a_residual_not_shaped_like_its_unknowns_is_refused_naming_the_node():
+    dag = {"u": Implicit(lambda u, a: jnp.sum(u) - a, ["a"], guess=jnp.zeros(3)),
+           "L": (jnp.sum, ["u"])}
+    with pytest.raises(daskdag.NodeError, match=r"node 'u': the residual returns float64\[\], "
+                                                r"but the unknowns .* are float64\[3\]"):
+        daskdag.compute_grads(dag, jnp.array(1.0), "L")
+
+
 def test_a_malformed_group_is_refused_naming_it():
     with pytest.raises(daskdag.DAGError, match=r"coupled group 'cycle\(y1,y2\)': guess must give "
                                                r"a starting value for each of its nodes"):

@@ -251,6 +251,8 @@ class Solve:
         def f(u):
             return self.residual(u, *args)
 
+        _same_shapes(self.name, jax.eval_shape(f, guess), guess)
+
         def solve(f, u0):
             if self.solver == "newton":
                 return _iterate(f, u0, rtol, atol, self.maxiter, linear)
@@ -301,6 +303,20 @@ class Solve:
     def __reduce__(self) -> tuple:
         return Solve, (self.name, self.residual, self.guess, self.solver, self.linear,
                        self.rtol, self.atol, self.maxiter)
+
+
+def _same_shapes(name: str, residual: Any, guess: Any) -> None:
+    """Refuse a residual not shaped like its unknowns (``guess``): one equation per unknown."""
+    def shapes(tree):
+        return jax.tree.map(lambda leaf: f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}", tree)
+
+    got, want = shapes(residual), shapes(guess)
+    if jax.tree.structure(got) != jax.tree.structure(want) or any(
+            jnp.shape(r) != jnp.shape(g)
+            for r, g in zip(jax.tree.leaves(residual), jax.tree.leaves(guess))):
+        raise ValueError(f"node {name!r}: the residual returns {got}, but the unknowns (shaped "
+                         f"like guess) are {want}: residual(u, ...) must return one equation "
+                         f"per unknown, shaped like u")
 
 
 def _norm(tree) -> jax.Array:
