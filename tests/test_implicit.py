@@ -328,6 +328,27 @@ def test_a_residual_reaching_changed_state_by_any_path_is_solved_anew():
     np.testing.assert_allclose(grad, 1 / (np.array([0.5, 4.0]) + 3 * u ** 2), **TOL)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_guess_changed_in_place_or_deps_reordered_is_seen_by_a_prepared_call(jit):
+    """u**2 = 2a + b has two roots: the guess picks one. A NumPy guess changed in place
+    between calls moves the solution to the other root; then the entry's deps list,
+    reordered in place, changes the equation to u**2 = 2b + a. Each next call gives the new
+    answer and gradient, never a stale one."""
+    guess = np.array(1.0)
+    entry = Implicit(lambda u, a, b: u ** 2 - 2 * a - b, ["a", "b"], guess=guess, jit=jit)
+    f = daskdag.value_and_grad({"u": entry}, "u")
+    x = {"a": jnp.array(4.0), "b": jnp.array(1.0)}
+    value, grad = f(x)  # u = 3, du = (2 da + db) / 2u
+    np.testing.assert_allclose([value, grad["a"], grad["b"]], [3.0, 1 / 3, 1 / 6], **TOL)
+    guess[...] = -1.0
+    value, grad = f(x)
+    np.testing.assert_allclose([value, grad["a"], grad["b"]], [-3.0, -1 / 3, -1 / 6], **TOL)
+    entry.deps[:] = ["b", "a"]  # u**2 = 2b + a = 6
+    value, grad = f(x)
+    u = -np.sqrt(6.0)
+    np.testing.assert_allclose([value, grad["a"], grad["b"]], [u, 1 / (2 * u), 1 / u], **TOL)
+
+
 @pytest.mark.parametrize("vmap", [False, True])
 def test_a_sweep_names_the_items_that_did_not_converge(vmap):
     a = np.array([-1.0, 0.5, -4.0, 2.0])  # no root where a > 0

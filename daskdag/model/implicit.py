@@ -221,7 +221,12 @@ class Solve:
         self.rtol, self.atol, self.maxiter = rtol, atol, maxiter
 
     def __call__(self, *args: Any) -> Any:
-        u, stats = self._program()(*args)
+        # (an argument, its NumPy arrays copied: JAX keeps a NumPy array it once took as a
+        # constant under the array's identity, and takes it so again, as it was, after the
+        # user changed it in place)
+        guess = None if callable(self.guess) else jax.tree.map(
+            lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, self.guess)
+        u, stats = self._program()(guess, *args)
         self._check(*stats)
         return u
 
@@ -239,9 +244,10 @@ class Solve:
             self.__dict__["_compiled"] = (print_, program)
         return program
 
-    def _solve(self, *args: Any) -> tuple:
-        """The solution and ``(iterations, residual norm, tolerance)``."""
-        guess = self.guess(*args) if callable(self.guess) else self.guess
+    def _solve(self, guess: Any, *args: Any) -> tuple:
+        """The solution and ``(iterations, residual norm, tolerance)``, from ``guess`` (None:
+        the guess function's)."""
+        guess = self.guess(*args) if guess is None else guess
         guess = jax.tree.map(jnp.asarray, guess)
         guess = jax.lax.stop_gradient(guess)
         flat, _ = ravel_pytree(guess)

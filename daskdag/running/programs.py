@@ -206,7 +206,7 @@ def _content(entry) -> tuple:
     deps, resources (copies, as they are now)."""
     if type(entry) is tuple and len(entry) == 2:
         return entry[0], list(entry[1]) if type(entry[1]) is list else entry[1]
-    if isinstance(entry, Node):
+    if isinstance(entry, (Node, Implicit)):
         deps, resources = entry.deps, entry.resources
         return (list(deps) if type(deps) is list else deps,
                 dict(resources) if type(resources) is dict else resources)
