@@ -282,34 +282,36 @@ def dag_key(dag: Any) -> tuple | None:
     functions, so no other function takes an id in its key while it lasts.)"""
     if not isinstance(dag, Mapping):
         return None
-    parts: list[tuple] = []
-    for name, entry in dag.items():
-        if isinstance(entry, Node):
-            deps, resources = entry.deps, entry.resources
-            if not isinstance(deps, (list, tuple)) or not (
-                    resources is None or isinstance(resources, Mapping)):
-                return None
-            parts.append((name, type(deps), tuple(deps), *map(id, (
-                entry.fn, entry.vjp, entry.fwd, entry.bwd, entry.jvp)), entry.jit, entry.vmap,
-                entry.device, entry.remat,
-                None if resources is None else tuple(sorted(resources.items()))))
-        elif isinstance(entry, Implicit):
-            deps, resources = entry.deps, entry.resources
-            if not isinstance(deps, (list, tuple)) or not (
-                    resources is None or isinstance(resources, Mapping)):
-                return None
-            parts.append((name, Implicit, type(deps), tuple(deps), *map(id, (
-                entry.residual, entry.guess, entry.solver, entry.linear_solver)), entry.rtol,
-                entry.atol, entry.maxiter, entry.jit, entry.vmap, entry.device, entry.remat,
-                None if resources is None else tuple(sorted(resources.items()))))
-        elif isinstance(entry, (tuple, list)) and len(entry) == 2:
-            fn, deps = entry
-            if not isinstance(deps, (list, tuple)):
-                return None
-            parts.append((name, type(deps), tuple(deps), id(fn)))
-        else:
-            return None
-    return tuple(parts)
+    parts = [_entry_key(name, entry) for name, entry in dag.items()]
+    return None if any(p is None for p in parts) else tuple(parts)
+
+
+def _entry_key(name: str, entry: Any) -> tuple | None:
+    """One entry's part of :func:`dag_key`: its functions by identity, its deps, options and
+    resources by value; None where it is malformed."""
+    if isinstance(entry, Node):
+        return _options_key(name, entry, (entry.fn, entry.vjp, entry.fwd, entry.bwd, entry.jvp),
+                            ())
+    if isinstance(entry, Implicit):
+        return _options_key(name, entry, (entry.residual, entry.guess, entry.solver,
+                                          entry.linear_solver),
+                            (Implicit, entry.rtol, entry.atol, entry.maxiter))
+    if isinstance(entry, (tuple, list)) and len(entry) == 2:
+        fn, deps = entry
+        return (name, type(deps), tuple(deps), id(fn)) if isinstance(deps, (list, tuple)) else None
+    return None
+
+
+def _options_key(name: str, entry: Any, functions: tuple, more: tuple) -> tuple | None:
+    """A :class:`Node`'s or an :class:`Implicit`'s :func:`_entry_key` (``more``: its kind's
+    own options)."""
+    deps, resources = entry.deps, entry.resources
+    if not isinstance(deps, (list, tuple)) or not (
+            resources is None or isinstance(resources, Mapping)):
+        return None
+    return (name, type(deps), tuple(deps), *map(id, functions), *more, entry.jit, entry.vmap,
+            entry.device, entry.remat,
+            None if resources is None else tuple(sorted(resources.items())))
 
 
 def _key(kind: str, dag: Any, x: Any, options: tuple, inputs: Any) -> tuple | None:
