@@ -447,6 +447,9 @@ def test_a_malformed_group_is_refused_naming_it():
         coupled({"y1": (lambda y2: y2, ["y2"]), "y2": (lambda y1: y1, ["y1"])}, guess={"y1": 0.0})
     with pytest.raises(daskdag.DAGError, match="node 'y2': expected"):
         coupled({"y1": (lambda y2: y2, ["y2"]), "y2": "y1"}, guess={"y1": 0.0, "y2": 0.0})
+    with pytest.raises(daskdag.DAGError, match="node 'y2': expected"):  # (deps "y1": a string)
+        coupled({"y1": (lambda y2: y2, ["y2"]), "y2": (lambda y1: y1, "y1")},
+                guess={"y1": 0.0, "y2": 0.0})
 
 
 def test_a_user_solver_is_used_and_its_result_checked():

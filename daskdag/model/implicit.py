@@ -164,7 +164,8 @@ def coupled(nodes: Mapping[str, Any], guess: Mapping[str, Any], *,
     group = name or f"cycle({','.join(nodes)})"
     fns, deps = {}, {}
     for n, entry in nodes.items():
-        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[0])):
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and callable(entry[0])
+                and isinstance(entry[1], (tuple, list))):
             raise DAGError(f"coupled group {group!r}: node {n!r}: expected (fn, [deps]), "
                            f"got {entry!r}")
         fns[n], deps[n] = entry[0], tuple(entry[1])
