@@ -225,18 +225,20 @@ class Functions:
     builtin as it is), so a key outlives no function, and a function made later at a gone one's
     address (its ``id``) is not taken for it."""
 
-    __slots__ = ("ids", "refs")
+    __slots__ = ("ids", "refs", "_hash")
 
     def __init__(self, fns: list) -> None:
         self.ids = tuple(map(id, fns))
         self.refs = tuple(map(ref, fns))
+        self._hash = hash(self.ids)
 
     def __hash__(self) -> int:
-        return hash(self.ids)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Functions) and self.ids == other.ids
-                and all(a() is not None and a() is b() for a, b in zip(self.refs, other.refs)))
+        return self is other or (
+            isinstance(other, Functions) and self.ids == other.ids
+            and all(a() is not None and a() is b() for a, b in zip(self.refs, other.refs)))
 
     def __reduce__(self) -> tuple:  # (where it arrives, they are not these functions)
         return Functions, ([],)
