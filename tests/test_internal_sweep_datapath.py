@@ -22,6 +22,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 import daskdag
 from daskdag import Node
 from daskdag.errors import ClusterError
+from daskdag.running import compute
 from daskdag.sweeps import engines
 
 from .support.clusters import eventually, local_client, scheduler_tasks, wait_only_kept_left
@@ -216,6 +217,37 @@ def test_a_chunk_lost_too_often_is_rerun_item_by_item_or_fails_the_sweep_clearly
                 daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=chunk_size,
                                     client=client)
         wait_only_kept_left(client, before, what="the sweep")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_chunk_lost_after_it_finished_is_collected_once_computed_again(monkeypatch):
+    """A chunk's task finishes and its future says so, then its result is lost with its worker
+    (SIGKILLed) before the sweep collects it: the scheduler computes it again, and its future
+    finishes again with no callback this time. The sweep reads its state anyway: it completes,
+    with the right results, instead of waiting for a callback forever."""
+    arrived, killed = compute.Arrivals._arrived, []
+
+    def kill_the_holder_first(self, future):
+        if not killed and future.status == "finished" and "_run_chunk" in str(future.key):
+            client = future.client
+            holder = client.who_has([future])[future.key][0]
+            os.kill(client.run(os.getpid, workers=[holder])[holder], signal.SIGKILL)
+            killed.append(future.key)
+            eventually(lambda: future.status == "lost", 60, "the chunk's result lost")
+        arrived(self, future)
+
+    monkeypatch.setattr(compute.Arrivals, "_arrived", kill_the_holder_first)
+    dag = {"H": (encode, ["x", "w"]), "E": (slow_energy, ["H"])}
+    values = inputs(6)
+    with local_client() as client:
+        before = scheduler_tasks(client)
+        res = daskdag.sweep_grads(dag, values, "E", batched=["x"], chunk_size=3, client=client)
+        wait_only_kept_left(client, before, what="the sweep")
+    assert len(killed) == 1
+    value, grad = jax.vmap(jax.value_and_grad(lambda x: jnp.mean(encode(x, 0.5) ** 2)))(values["x"])
+    assert_tree_close(res.value, value, rtol=1e-5)
+    assert_tree_close(res.grad["x"], grad, rtol=1e-5)
 
 
 # -- a shared input lost with its worker ----------------------------------------------------------

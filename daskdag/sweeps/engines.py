@@ -235,10 +235,11 @@ class Cluster:
     def wait_any(self, chunks) -> set:
         """The chunks among ``chunks`` that finished or failed. Those lost meanwhile (their task
         cancelled, or waiting for a worker that left) are sent again; a cluster that has had no
-        worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`."""
+        worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`. Every chunk's
+        state is read each time, not only when a callback told of one: a future finishes
+        again, with no callback, once its result was lost with its worker and computed anew."""
         if not self.arrivals.any(WAIT):
             self._stranded(chunks)
-            return set()
         done = set()
         for c in chunks:
             if c.future.cancelled():
