@@ -156,7 +156,11 @@ def _every_kind(make, x: dict, output: str, by_hand, client=None) -> None:
     value, grad = by_hand(x)
     leaves = {k: np.asarray(v, float) for k, v in x.items()}
     dag = make()
-    close(daskdag.compute_grads(dag, x, output, client=client).grad, grad, **tol)
+    res = daskdag.compute_grads(dag, x, output, client=client)
+    close(res.grad, grad, **tol)
+    # Each solve is in the call's info, told by the workers on a cluster.
+    assert set(res.info.solves) == {n for n, e in dag.items() if isinstance(e, Implicit)}
+    assert all(len(s) == 1 and s[0]["residual"] < 1e-4 for s in res.info.solves.values())
     for mode in ("rev", "fwd"):  # a scalar output: the Jacobian is the gradient
         close(daskdag.jacobian(dag, x, output, mode=mode, client=client).grad, grad, **tol)
     rng = np.random.default_rng(1)
@@ -189,11 +193,38 @@ def test_every_derivative_kind_on_a_two_worker_cluster(problem, client):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
+def test_concurrent_calls_on_one_client_each_get_their_own_solves(client):
+    """Two threads call at once on one client, each with its own equation (a node of the same
+    name) and new inputs at each call: the workers tell every solve to the client, and each
+    call keeps its own."""
+    barrier, out = threading.Barrier(2), {}
+
+    def call(name: str, a: float, maxiter: int) -> None:
+        dag = scalar_dag(maxiter=maxiter)  # (another residual each: nothing in common)
+        barrier.wait()
+        out[name] = [daskdag.compute_grads(dag, {"a": jnp.array(a), "p": jnp.array(p)}, "L",
+                                           client=client).info.solves for p in (1.0, 2.0, 3.0)]
+
+    threads = [threading.Thread(target=call, args=(n, a, m))
+               for n, a, m in (("a", 1.0, 40), ("b", -3.0, 41))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in "ab":  # one solve a call, not the other thread's too
+        assert [len(s["u"]) for s in out[name]] == [1, 1, 1], out[name]
+        assert all(s["u"][0]["residual"] < 1e-4 for s in out[name])
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
 def test_a_cluster_that_cannot_import_this_module_solves_and_differentiates(cli_client):
     value, grad = sellar_by_hand(SELLAR["z"], SELLAR["x"])[:2]
     res = daskdag.compute_grads(sellar_dag(), SELLAR, "obj", client=cli_client)
     np.testing.assert_allclose(res.value, value, **WORKERS_TOL)
     close(res.grad, grad, **WORKERS_TOL)
+    ((solve,),) = res.info.solves.values()  # told by the worker that solved
+    assert solve["iterations"] >= 1 and solve["residual"] < 1e-4
     vector = daskdag.jacobian(vector_dag(), vector_inputs(), "L", mode="fwd", client=cli_client)
     close(vector.grad, vector_by_hand(**vector_inputs())[1], **WORKERS_TOL)
 

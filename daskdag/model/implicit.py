@@ -14,8 +14,10 @@ vector-Jacobian products, by ``jax.lax.custom_linear_solve``).
 
 A solve that does not converge raises :class:`~daskdag.errors.SolveError`, naming the node, the
 residual's norm and the iterations (from inside a compiled program too:
-:func:`~daskdag.errors.raised_in_program`). Each solve that runs in the calling process, on
-values rather than tracers, is recorded for the call's ``info.solves`` (:func:`recording`).
+:func:`~daskdag.errors.raised_in_program`). Each solve run on values rather than tracers is
+recorded for the call's ``info.solves``: in the calling process into the call's record
+(:func:`recording`); in a ``distributed`` worker's task, told to the client through the
+worker's event log under :data:`TOPIC`, with the task's key.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from daskdag.cancel import current_task
 from daskdag.errors import DAGError, SolveError, raised_in_program
 from daskdag.transport.fingerprints import fingerprint
 from daskdag.transport.weak import held
@@ -290,11 +293,8 @@ class Solve:
         """Record the solve (:func:`recording`); raise :class:`SolveError` if it missed its
         tolerance. Over a sweep's items (``vmap``), the arguments are arrays."""
         iterations, norm, tol = (np.asarray(a) for a in (iterations, norm, tol))
-        record = _solves.get()
-        if record is not None:
-            record.setdefault(self.name, []).append(
-                {"iterations": None if iterations.max() < 0 else int(iterations.max()),
-                 "residual": float(norm.max())})
+        _record(self.name, {"iterations": None if iterations.max() < 0 else int(iterations.max()),
+                            "residual": float(norm.max())})
         bad = ~(norm <= tol)
         if not bad.any():
             return
@@ -422,6 +422,28 @@ logging.getLogger("jax._src.debugging").addFilter(_NotOurs())
 
 _solves: contextvars.ContextVar[dict | None] = contextvars.ContextVar("daskdag solves",
                                                                       default=None)
+
+
+TOPIC = "daskdag-solves"  # the workers' event log topic of the solves their tasks ran
+
+
+def _record(name: str, solve: dict) -> None:
+    """The solve of node ``name`` into the record of the call this thread runs (:func:`recording`),
+    or, in a ``distributed`` worker's task, to the worker's event log (:data:`TOPIC`) as
+    ``[task key, name, solve]``, for the client that listens; else nowhere."""
+    record = _solves.get()
+    if record is not None:
+        record.setdefault(name, []).append(solve)
+        return
+    task = current_task()
+    if task is not None:
+        worker, key = task
+        worker.log_event(TOPIC, [key, name, solve])
+
+
+def recorded() -> dict | None:
+    """The record of the call this thread runs (:func:`recording`), or None."""
+    return _solves.get()
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@
 - :mod:`~daskdag.running.lazy`: a call as a Dask collection (:class:`~daskdag.Call`);
 - :mod:`~daskdag.running.cluster`: what a cluster must offer (workers, resources, versions);
 - :mod:`~daskdag.running.resident`: a call's inputs and nodes kept on the cluster for the next;
+- :mod:`~daskdag.running.events`: what tasks on workers tell their client while they run;
 - :mod:`~daskdag.running.workers`: the worker plugin that tunes malloc;
 - :mod:`~daskdag.running.log`: what is logged of each call.
 

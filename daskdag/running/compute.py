@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 from daskdag.errors import DAGError
 from daskdag.transport import protocol
 from daskdag.graph.whole import OneTask
+from daskdag.model import implicit
+from daskdag.running import events
 from daskdag.running.cluster import Watch
 from daskdag.running.local import SCHEDULERS, Filled, threads
 
@@ -124,7 +126,9 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     :class:`~daskdag.graph.whole.OneTask`) computed, in that structure: on ``client``, else on
     Dask's ``local`` scheduler, whatever default client exists. ``stop``: the
     ``daskdag.cancel.Stop`` a local graph's stages watch; set when the call ends early.
-    ``plan``: the call's, for what the cluster must offer."""
+    ``plan``: the call's, for what the cluster must offer. On a cluster, the solves of implicit
+    nodes that its tasks tell of go into the record of the call this thread runs
+    (:func:`daskdag.model.implicit.recording`)."""
     dsk: dict = {}
     known: dict = {}
     # (jax.tree sorts a dict's keys: the results go back in the order the call named them)
@@ -152,16 +156,25 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
                 stop.set()
             raise
         return _in_order(jax.tree.unflatten(structure, computed), order)
-    futures = ([client.submit(graph.fn, *graph.args, key=graph.key, pure=False,
-                              resources=graph.needs or None)]
-               if isinstance(graph, OneTask) else client.compute(keys))
-    try:
-        with _bar(client, futures) if progress else contextlib.nullcontext():
-            wait(client, futures, Watch(client, plan))
-        return _in_order(jax.tree.unflatten(structure, client.gather(futures)), order)
-    finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
-        for f in futures:
-            f.release()
+    record = implicit.recorded()
+    told: list = []  # [task key, node, solve] that workers told of (implicit.TOPIC)
+    with events.listening(client, implicit.TOPIC, told.append) if record is not None \
+            else contextlib.nullcontext():  # (listening before the graph goes)
+        futures = ([client.submit(graph.fn, *graph.args, key=graph.key, pure=False,
+                                  resources=graph.needs or None)]
+                   if isinstance(graph, OneTask) else client.compute(keys))
+        try:
+            with _bar(client, futures) if progress else contextlib.nullcontext():
+                wait(client, futures, Watch(client, plan))
+            computed = client.gather(futures)
+        finally:  # early (Ctrl-C, a failed node): free the scheduler of this call's tasks now
+            for f in futures:
+                f.release()
+    ours = {graph.key} if isinstance(graph, OneTask) else delayed[0].dask
+    for key, node, solve in told:  # (the solves of other calls' tasks are theirs)
+        if key in ours:
+            record.setdefault(node, []).append(solve)  # type: ignore[union-attr]
+    return _in_order(jax.tree.unflatten(structure, computed), order)
 
 
 def _in_order(results: dict, order) -> dict:

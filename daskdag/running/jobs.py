@@ -60,11 +60,12 @@ class CallInfo:
             (``"the only mode that can serve this call: forward mode cannot: node 'f' calls a
             jax.custom_vjp function ..."``). None for the other calls, which have one mode each.
         solves: the solves of implicit nodes ([`Implicit`][daskdag.Implicit], a
-            [`coupled`][daskdag.coupled] group's node) of a call (not a sweep) that ran in
-            this process (threads, ``"sync"``): ``{node: [{"iterations": n, "residual":
-            norm}, ...]}``, one entry per solve (``iterations`` None for the user's own
-            solver). Empty for a call on a cluster, whose solves ran on the workers; it may
-            miss a solve that ran inside a compiled program of the whole call.
+            [`coupled`][daskdag.coupled] group's node) that a call (not a sweep) ran, here
+            or on a cluster's workers: ``{node: [{"iterations": n, "residual": norm}, ...]}``,
+            one entry per solve (``iterations`` None for the user's own solver); none for
+            a node whose value was reused. It may miss a solve that ran inside a compiled
+            program of the whole call, or whose program called back from a thread of its
+            own (JAX's callbacks on some accelerators).
     """
 
     call: str
@@ -126,8 +127,7 @@ class Job:
     #: The call as a Dask collection, where it is more than ``make``'s graph and ``finish``:
     #: ``later() -> (graph, finish)`` (:mod:`daskdag.running.reuse`).
     later: Callable[[], tuple[dict, Callable[[dict], Any]]] | None = None
-    #: Where the solves of implicit nodes run in this process are recorded (its
-    #: :attr:`CallInfo.solves`).
+    #: Where the solves of the call's implicit nodes are recorded (its :attr:`CallInfo.solves`).
     solves: dict | None = None
 
 
@@ -201,7 +201,7 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
         raise TypeError(f"{job.kind} cannot keep its stages")
     if local == "processes":
         raise DAGError(not_on_processes(job.kind if keep is None else f"{job.kind} with store="))
-    with implicit.recording(job.solves) if client is None else contextlib.nullcontext():
+    with implicit.recording(job.solves):  # (on a cluster, what its workers tell: compute)
         return _run(job, client, local, progress, keep)
 
 

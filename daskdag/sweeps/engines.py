@@ -10,6 +10,7 @@ stop at their next item (:mod:`daskdag.sweeps.progress`), a cluster's futures ar
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import uuid
@@ -160,14 +161,13 @@ class Cluster:
         self.graph: tuple | None = None  # (sweep, future of its chunk graph on the cluster)
         self.found: dict = found or {}  # the workers as last listed (_workers), and when
         self.listed = time.monotonic() if found else -float("inf")
-        self.listening = False
+        self.listening = contextlib.ExitStack()  # the progress bar's events, while it runs
         self.direct = client.direct_to_workers is not False
         self.watch = Watch(client, plan)  # (plan: for the resources its nodes need)
         self.arrivals = Arrivals()  # the chunks' futures tell it when they are done
         self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
         if bar is not None:
-            progress.listen(client, self.id, bar.report)
-            self.listening = True
+            self.listening.enter_context(progress.listen(client, self.id, bar.report))
 
     def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list[_Chunk]:
         """``chunks``: ``[((start, stop), steps)]``; returns a :class:`_Chunk` for each."""
@@ -324,9 +324,7 @@ class Cluster:
         held = [c.future for c in self.chunks if c.future is not None]
         self.graph = None
         self.chunks.clear()
-        if self.listening:
-            self.listening = False
-            progress.unlisten(self.client, self.id)
+        self.listening.close()
         if held:
             try:  # cancel stops chunks still running (each at its next item) and queued ones
                 self.client.cancel(held)

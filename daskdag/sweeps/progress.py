@@ -18,12 +18,14 @@ as text on stderr, in a notebook too.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
 
 from daskdag.cancel import Cancelled, dropped
 from daskdag.errors import NodeError
+from daskdag.running import events
 from daskdag.sweeps.failures import detached, picklable
 
 from tqdm.std import tqdm
@@ -173,33 +175,10 @@ class Progress:
         self.bar.close()
 
 
-_listening: dict[str, Callable] = {}  # sweep id -> its Progress.report, for the sweeps running here
-_subscribed: dict[str, int] = {}  # client id -> sweeps of that client running
-_lock = threading.Lock()
+def listen(client, sweep_id: str, report: Callable) -> contextlib.AbstractContextManager:
+    """Within it, the :data:`TOPIC` events of sweep ``sweep_id`` go to ``report(chunk, fraction)``."""
+    def heard(message: list) -> None:
+        if message[0] == sweep_id:
+            report((message[1], message[2]), message[3])
 
-
-def listen(client, sweep_id: str, report: Callable):
-    """Route the :data:`TOPIC` events of sweep ``sweep_id`` to ``report(chunk, fraction)``."""
-    with _lock:
-        _listening[sweep_id] = report
-        _subscribed[client.id] = _subscribed.get(client.id, 0) + 1
-        client.subscribe_topic(TOPIC, _event)  # the same handler every time: replacing it is harmless
-
-
-def unlisten(client, sweep_id: str):
-    with _lock:
-        _listening.pop(sweep_id, None)
-        _subscribed[client.id] -= 1
-        if not _subscribed[client.id]:
-            del _subscribed[client.id]
-            try:
-                client.unsubscribe_topic(TOPIC)
-            except Exception:  # a client already closed is subscribed to nothing
-                pass
-
-
-def _event(event):
-    _, (sweep_id, start, stop, fraction) = event
-    report = _listening.get(sweep_id)
-    if report is not None:
-        report((start, stop), fraction)
+    return events.listening(client, TOPIC, heard)
