@@ -8,26 +8,32 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 _lock = threading.Lock()
 # (client id, topic) -> {listener id: handler(message)}, for the listeners in this process
 _listeners: dict[tuple[str, str], dict[int, Callable[[Any], None]]] = {}
+_subscribed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its topics
 
 
 @contextlib.contextmanager
 def listening(client, topic: str, handler: Callable[[Any], None]) -> Iterator[None]:
     """Within it, ``handler(message)`` for each event of ``topic`` that reaches ``client`` (in
-    its event loop's thread). The client's subscription is sent before anything submitted
-    within it, and events reach the client in the order their workers logged them, before a
-    task's completion that the worker reported after them."""
+    its event loop's thread). The subscription is sent before anything submitted within it,
+    and a worker's events reach the client before the completion of a task that it reported
+    after them. A client stays subscribed to a topic once it was: an event that reaches it
+    when no one listens (from a task of a call that ended early) is dropped here, where
+    distributed would log an error for a topic it has no handler for."""
     where, me = (client.id, topic), object()
     with _lock:
-        first = where not in _listeners
         _listeners.setdefault(where, {})[id(me)] = handler
-        if first:
-            client.subscribe_topic(topic, lambda event: _heard(where, event))
+        topics = _subscribed.setdefault(client, set())
+        if topic not in topics:
+            client.subscribe_topic(topic, partial(_heard, where))
+            topics.add(topic)
     try:
         yield
     finally:
@@ -36,8 +42,6 @@ def listening(client, topic: str, handler: Callable[[Any], None]) -> Iterator[No
             mine.pop(id(me))
             if not mine:
                 del _listeners[where]
-                with contextlib.suppress(Exception):  # a closed client is subscribed to nothing
-                    client.unsubscribe_topic(topic)
 
 
 def _heard(where: tuple[str, str], event: tuple[float, Any]) -> None:
