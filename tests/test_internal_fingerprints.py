@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daskdag.transport import packing, pickler
-from daskdag.transport.fingerprints import by_reference, fingerprint
+from daskdag.transport.fingerprints import fingerprint
+from daskdag.transport.whose import by_reference
 from daskdag.transport.weak import Weak
 
 

@@ -255,7 +255,7 @@ def _in_axes(stage: Stage, elements) -> tuple:
     return tuple(in_axes)
 
 
-# (stage, ids of fns) -> (its compiled function, Fused), while its functions live
+# (stage, ids of fns, batch axes) -> (its compiled function, Fused), while its functions live
 _fused: Cache[tuple] = Cache("fused stages' functions", 1024)
 
 
@@ -279,14 +279,15 @@ def fused_function(stage: Stage, nodes: Sequence[Node]):
 def _fused_function(stage: Stage, nodes: Sequence[Node]):
     elements = [element_of(n) for n in nodes]
     fns = [current(element.fn) for element, _ in elements]
-    key = (stage, tuple(map(id, fns)))
+    batch = next((rules_of(n).batch  # type: ignore[union-attr]
+                  for n, (_, axes) in zip(nodes, elements) if axes is not None), None)
+    in_axes = _in_axes(stage, elements)
+    # (the same functions over a batch, or over one call's values: two programs)
+    key = (stage, tuple(map(id, fns)), in_axes, batch is not None)
     hit = _fused.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
         return hit[0]
     fused = Fused(stage, fns, weakly=True)
-    batch = next((rules_of(n).batch  # type: ignore[union-attr]
-                  for n, (_, axes) in zip(nodes, elements) if axes is not None), None)
-    in_axes = _in_axes(stage, elements)
     function = batch(fused, in_axes, True) if batch is not None else Compiled(fused, in_axes)
     _fused.put(key, (function, fused))
     for f in fns:  # the entry goes with the first of its functions to go

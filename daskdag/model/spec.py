@@ -14,6 +14,7 @@ import jax
 from dask.sizeof import sizeof
 
 import daskdag.config as config
+from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.model.custom import Custom
 from daskdag.model.implicit import Implicit
@@ -76,9 +77,9 @@ class Node:
         return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        # jax caches compilations by the wrapped function; a packed one is jitted as the one
-        # object its process keeps for its content.
-        return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
+        """The node's function as it runs here: ``jax.jit`` of it where ``jit``, made once per
+        content (:func:`jitted`), else the plain function."""
+        return jitted(self.fn) if self.jit else unwrap(self.fn)
 
     def __reduce__(self) -> tuple:
         # The function travels packed (by value where it is the user's code), whoever pickles it.
@@ -87,6 +88,20 @@ class Node:
         return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
                       *(pack(r, as_function=True) if r is not None else None for r in rules),
                       self.remat)
+
+
+# function, as this process runs its content -> its jax.jit; jax caches compilations by the
+# jitted function, so an unchanged node's function is jitted once and never compiled again
+_jitted: Cache = Cache("jitted node functions", 1024)
+
+
+def jitted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.jit`` of the node function ``fn`` (maybe packed), the same object for as long as
+    its content holds: a packed function is taken as the one object its process keeps for its
+    content (:func:`~daskdag.transport.packing.current`); a function object equal to one met
+    before (a lifted node's, :class:`daskdag.rules.lifted.Lift`) as that one."""
+    fn = current(fn)
+    return _jitted.setdefault(fn, lambda: jax.jit(fn))
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.model.leaves import differentiable_leaves
 from daskdag.model.spec import Node, Spec
 from daskdag.rules.jvp import directions as in_directions
 from daskdag.rules.registry import jvp_rule
 from daskdag.rules.seeds import seed
+from daskdag.transport.packing import current
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +94,19 @@ class Lift:
     def __reduce__(self):
         return Lift, (self.node, self.active, self.directions, self.chunk, self.added)
 
+    def _key(self) -> tuple:
+        # (the node's function as this process runs its content, and the node's options)
+        return (current(self.node.fn), self.node.jit, self.node.vmap, self.node.remat,
+                self.active, self.directions, self.chunk, self.added)
+
+    def __eq__(self, other: object) -> bool:
+        # Equal lifts of one node (made by each preparation of a call) are one function to
+        # jax.jit's caches: jitted once, compiled once.
+        return type(other) is Lift and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
 
 def _check_added(primal: Any, added: tuple, directions: bool) -> None:
     """The tangent given for a node must be shaped like its value's differentiable leaves."""
@@ -111,6 +126,11 @@ def zeros(value: Any, k: int | None) -> tuple:
                  for leaf in differentiable_leaves(value))
 
 
+# a lift -> the first equal one made: every preparation of a call lifts its nodes to the same
+# function objects, which the caches keyed by a function's identity (compiled stages) then hit
+_lifts: Cache = Cache("lifted node functions", 1024)
+
+
 def lift(spec: Spec, moving: set[str], added: dict[str, str], directions: bool = False,
          chunk: int | None = None) -> Spec:
     """``spec`` with every node a tangent reaches lifted (:class:`Lift`): those that take a
@@ -125,7 +145,8 @@ def lift(spec: Spec, moving: set[str], added: dict[str, str], directions: bool =
         active = tuple(d in lifted for d in node.deps)
         if any(active) or n in added:
             deps = (*node.deps, added[n]) if n in added else tuple(node.deps)
-            node = replace(node, fn=Lift(node, active, directions, chunk, n in added), deps=deps)
+            fn = Lift(node, active, directions, chunk, n in added)
+            node = replace(node, fn=_lifts.setdefault(fn, lambda: fn), deps=deps)
             lifted.add(n)
         nodes[n] = node
     return Spec.of({n: nodes[n] for n in spec.nodes}, spec.order)

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from daskdag.transport.fingerprints import (DYNAMIC_ATTRIBUTES, attributes, by_reference,
-                                            is_user_module, names)
+from daskdag.transport.fingerprints import DYNAMIC_ATTRIBUTES, attributes, names
 from daskdag.transport.pickler import Pickler
+from daskdag.transport.whose import by_reference, users, users_module
 
 _NOT_IN_CLASS = frozenset(("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
                            "__firstlineno__", "__static_attributes__", "_abc_impl"))
@@ -60,7 +60,7 @@ def parts(fn, digests: dict | None = None) -> dict[str, str]:
     Raises what pickling raises for a value that cannot be pickled (a lock, an open file).
     """
     digests = {} if digests is None else digests
-    if type(fn) is not types.FunctionType or not _users(fn):
+    if type(fn) is not types.FunctionType or not users(fn):
         return {"function": token(fn, digests)}
     state = _function_state(fn)
     code = fn.__code__  # (what it reads of a module held by a part: its code names it)
@@ -156,16 +156,16 @@ class _Canonical(Pickler):
         if isinstance(obj, types.CodeType):
             self.reads(obj)
             return _code, _code_form(obj)
-        if type(obj) is types.FunctionType and _users(obj):
+        if type(obj) is types.FunctionType and users(obj):
             # Its state after it (pickle's memo then knows it): a function that reaches
             # itself (recursion through a global) pickles once.
             return _function, (obj.__code__,), _stable(_function_state(obj))
         if isinstance(obj, type) and not by_reference(obj):
-            if not _users(obj):  # installed code's, not found under its name (``jax.Array``):
+            if not users(obj):  # installed code's, not found under its name (``jax.Array``):
                 # by its name still (cloudpickle would pickle it by value, under a random id)
                 return _named, (obj.__module__, obj.__qualname__)
             return _class, (type(obj), obj.__name__, obj.__bases__), _stable(_class_state(obj))
-        if isinstance(obj, types.ModuleType) and is_user_module(obj.__name__):
+        if isinstance(obj, types.ModuleType) and users_module(obj.__name__):
             if id(obj) not in self.modules:
                 self.modules[id(obj)] = (obj, len(self.modules), set())
             return _module, (self.modules[id(obj)][1],)  # (what is read of it: follow_modules)
@@ -176,14 +176,6 @@ class _Canonical(Pickler):
             # the wrapper's internals (``jax.jit`` keeps where ``f`` is written).
             return _wrapped, (type(obj), wrapped)
         return super().reducer_override(obj)
-
-
-def _users(obj) -> bool:
-    """A function or class of the user's, pickled by value: not one that pickles by reference,
-    nor one that installed code made (a class made inside one of its functions)."""
-    module = getattr(obj, "__module__", None)
-    return not by_reference(obj) and (not isinstance(module, str) or module not in sys.modules
-                                      or is_user_module(module))
 
 
 def _code_form(code: types.CodeType) -> tuple:

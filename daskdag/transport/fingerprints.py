@@ -1,6 +1,5 @@
-"""Whose code travels by value, and a function's fingerprint: what its behaviour depends on, as
-packing sees it (:mod:`daskdag.transport.packing`), read again and compared far faster than
-pickling it again.
+"""A function's fingerprint: what its behaviour depends on, as packing sees it
+(:mod:`daskdag.transport.packing`), read again and compared far faster than pickling it again.
 
 Packing pickles the user's functions by value: their code, the globals and closure cells they
 use, their defaults, and whatever those hold. A :class:`Fingerprint` walks the same objects and
@@ -17,9 +16,9 @@ keeps, for each, what can change under the same name:
   their code names, closure cells, defaults and attributes;
 - other objects: what pickling them would save (``copyreg``'s table, else ``__reduce_ex__``),
   else their ``__dict__``;
-- the user's modules (:func:`is_user_module`), however they are reached (a global, a closure
-  cell, an object's attribute, a container's item, another module's attribute): their identity,
-  then each attribute that some code the walk went through may read by name (its names, and the
+- the user's modules (:func:`~daskdag.transport.whose.users_module`), however they are
+  reached (a global, a closure cell, an object's attribute, a container's item, another
+  module's attribute): their identity, then each attribute that some code the walk went through may read by name (its names, and the
   identifier-like strings among its constants, for ``getattr(module, "NAME")``), until no new
   name or module turns up; every attribute but the dunder ones where such code names
   ``getattr``, ``vars`` or ``__dict__`` (a name computed as it runs). Other modules are taken by
@@ -35,10 +34,7 @@ from __future__ import annotations
 
 import copyreg
 import hashlib
-import os
-import site
 import sys
-import sysconfig
 import types
 from functools import cache, lru_cache
 from typing import Any, Callable
@@ -48,6 +44,7 @@ import numpy as np
 
 from daskdag.caches import Cache, register
 from daskdag.transport.weak import Weak
+from daskdag.transport.whose import by_reference, users_module
 
 LIMIT = 200_000  # facts a fingerprint may hold; beyond it, the function is unwatchable
 SMALL = 256  # bytes: a NumPy array up to this size is compared by its bytes, not a digest
@@ -234,7 +231,7 @@ class _Walk:
             return
         if isinstance(obj, types.ModuleType):
             self.identity(obj, at)
-            if id(obj) not in self.modules and is_user_module(obj.__name__):
+            if id(obj) not in self.modules and users_module(obj.__name__):
                 self.modules[id(obj)] = (obj, at, set())  # (its attributes: read in walk())
             return
         if kind is Weak:  # (a preparation's hold on a function: the function itself)
@@ -408,60 +405,12 @@ def attributes(code: types.CodeType) -> frozenset[str]:
     return frozenset(found)
 
 
-def by_reference(obj) -> bool:
-    """An object that pickles by reference: an installed package's function, class or other
-    object found under its own module and name (``jax.numpy.sin``), which the receiving side
-    imports. The user's own code (:func:`is_user_module`) and objects made inside functions
-    travel by value."""
-    module = getattr(obj, "__module__", None)
-    try:
-        name = obj.__qualname__
-    except AttributeError:
-        name = getattr(obj, "__name__", None)
-    if not isinstance(module, str) or not isinstance(name, str) or "<locals>" in name \
-            or is_user_module(module):
-        return False
-    found = sys.modules.get(module)
-    for part in name.split("."):
-        found = getattr(found, part, None)
-        if found is None:
-            return False
-    return found is obj
-
-
-# -- whose code travels by value ------------------------------------------------------------------
-
-@cache
-def _installed_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots |= set(site.getsitepackages()) | {site.getusersitepackages()}
-    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
-
-
-_decided: Cache[bool] = Cache("whose modules are the user's", 4096)  # (name, file) -> decided
 def _forget_names() -> None:
     names.cache_clear()
     attributes.cache_clear()
 
 
 register("names read by code objects", _forget_names)
-
-
-def is_user_module(name: str) -> bool:
-    """Whether module ``name`` is the user's own code (travels by value), not installed code
-    (travels by reference, so the cluster must have it installed). daskdag is installed code
-    on every worker, even from an editable checkout."""
-    if name == "__main__":
-        return True
-    module = sys.modules.get(name)
-    file: Any = getattr(module, "__file__", None)
-
-    def decide() -> bool:
-        return (bool(file) and name.partition(".")[0] != "daskdag"
-                and not os.path.realpath(file).startswith(_installed_roots()))
-
-    return _decided.setdefault((name, file), decide)
 
 
 _NOT_IN_CLASS = frozenset(("__dict__", "__weakref__", "__doc__"))

@@ -1,14 +1,15 @@
 """How packed values are pickled (:mod:`daskdag.transport.packing` packs with it): cloudpickle,
 with arrays out of band, the user's classes imported where they arrive or rebuilt from their
 value, ``jax.custom_vjp`` functions rebuilt from their parts, and the user's code
-(:func:`~daskdag.transport.fingerprints.is_user_module`: functions, classes, modules) pickled
+(:func:`~daskdag.transport.whose.users_module`: functions, classes, modules) pickled
 by value.
 
 Only daskdag's own pickler does so (:meth:`Pickler.reducer_override`), so nothing process-wide
 changes, as ``cloudpickle.register_pickle_by_value`` would for every other thread's pickling.
 
-It is the one place daskdag reaches into cloudpickle's private names (:data:`PRIVATE`, which
-``tests/test_internal_shipping.py`` checks): its reducers for a dynamic function, class, module
+It and :mod:`daskdag.transport.whose` (which asks whether a module was given to
+``cloudpickle.register_pickle_by_value``) are where daskdag reaches into cloudpickle's private
+names (:data:`PRIVATE`, which ``tests/test_internal_shipping.py`` checks): its reducers for a dynamic function, class, module
 or type variable, and its ``_function_getstate`` with a memoized look for submodules
 (:class:`_Submodules`).
 """
@@ -33,7 +34,7 @@ import jax
 import numpy as np
 from dask.base import tokenize
 
-from daskdag.transport.fingerprints import is_user_module
+from daskdag.transport.whose import users, users_module
 
 
 class Pickler(cloudpickle.Pickler):
@@ -57,7 +58,7 @@ class Pickler(cloudpickle.Pickler):
         return None
 
     def reducer_override(self, obj):
-        if isinstance(obj, type) and obj is not self.root and is_user_module(obj.__module__) \
+        if isinstance(obj, type) and obj is not self.root and users_module(obj.__module__) \
                 and "<locals>" not in obj.__qualname__:
             arrays: list[Any]
             buffer, arrays = io.BytesIO(), []
@@ -67,17 +68,17 @@ class Pickler(cloudpickle.Pickler):
         # The user's code by value, decided here, for this pickler only (see the module's
         # docstring); everything else as cloudpickle decides.
         if isinstance(obj, types.FunctionType):
-            if _by_value(obj) or not _cloudpickle._should_pickle_by_reference(obj):
+            if users(obj) or not _cloudpickle._should_pickle_by_reference(obj):
                 return (_cloudpickle._make_function, self._function_getnewargs(obj),
                         _function_state(obj), None, None, _cloudpickle._function_setstate)
         elif isinstance(obj, type):
-            if _by_value(obj):
+            if users(obj):
                 return _cloudpickle._dynamic_class_reduce(obj)
         elif isinstance(obj, types.ModuleType):
-            if obj.__name__ != "__main__" and is_user_module(obj.__name__):
+            if obj.__name__ != "__main__" and users_module(obj.__name__):
                 return _module_by_value(obj)
         elif isinstance(obj, typing.TypeVar):
-            if _by_value(obj):
+            if users(obj):
                 return _cloudpickle._make_typevar, _cloudpickle._decompose_typevar(obj)
         return super().reducer_override(obj)
 
@@ -230,16 +231,6 @@ def _custom_vjp(fun, nondiff_argnums, fwd, bwd, symbolic_zeros, optimize_remat):
     return f
 
 
-# -- whose code travels by value ------------------------------------------------------------------
-
-def _by_value(obj) -> bool:
-    """Whether a function, class or type variable is the user's code, which this pickler
-    pickles by value where cloudpickle would pickle it by reference (``__main__``'s, and what
-    no module holds, cloudpickle pickles by value itself)."""
-    module = getattr(obj, "__module__", None)
-    return isinstance(module, str) and module != "__main__" and is_user_module(module)
-
-
 class _Submodules:
     """cloudpickle's ``_find_imported_submodules`` (``jnp`` for ``jax.numpy``), answered from
     what it found before as long as no module came or went: it walks all of ``sys.modules``
@@ -298,4 +289,4 @@ def _module_by_value(module: types.ModuleType) -> tuple:
 # cloudpickle's private names this module uses: tests/test_internal_shipping.py checks they are there
 PRIVATE = ("_should_pickle_by_reference", "_find_imported_submodules", "_extract_code_globals", "_get_cell_contents",
            "_make_function", "_function_setstate", "_dynamic_class_reduce", "dynamic_subimport",
-           "_make_typevar", "_decompose_typevar")
+           "_make_typevar", "_decompose_typevar", "_is_registered_pickle_by_value")
