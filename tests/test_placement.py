@@ -174,7 +174,7 @@ def test_stages_and_programs_split_where_the_device_changes():
         {"J1+J2", "J3+L"}
     f = daskdag.value_and_grad(dag, "L")
     for _ in range(2):  # (two programs, no whole one: each on its device)
-        value, grad = f(X)
+        _, grad = f(X)
         np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(jnp.cos(jnp.sin(x) * 3)))(X),
                                    rtol=1e-5)
     same = {n: Node(node.fn, node.deps, jit=True, device="cpu:2") for n, node in dag.items()}
@@ -271,3 +271,17 @@ def test_a_device_no_worker_has_is_refused_on_a_cluster(client):
             pytest.raises(daskdag.ClusterError, match=r"node 'B' needs resources \{'TPU': 1\}"):
         daskdag.compute_grads({**dag, "B": Node(jnp.cos, ["A"], device="tpu")}, X, "L",
                               client=client)
+
+
+def test_nodes_without_a_device_take_jax_s_default_device():
+    sink: list = []
+    dag = {"A": Node(jnp.sin, ["x"], device="cpu:1"),
+           "L": (lambda a: sink.append(sorted(d.id for d in jnp.zeros(()).devices()))
+                 or jnp.sum(a), ["A"])}
+    jax.config.update("jax_default_device", jax.devices()[2])
+    try:
+        res = daskdag.compute_grads(dag, X, "L")
+    finally:
+        jax.config.update("jax_default_device", None)
+    assert sink == [[2]]
+    np.testing.assert_allclose(res.grad, jnp.cos(X), rtol=1e-6)

@@ -18,8 +18,8 @@ backward pass too; a fused one as one program (:func:`daskdag.graph.run.gradient
 
 All nodes of a stage need the same resources and run on the same device (``Node(device=)``),
 so that a stage's tasks run on its device (:mod:`daskdag.model.devices`) and no fused program
-spans two devices. ``daskdag.fuse-chains`` False makes every node
-its own stage. A ``remat`` node is always a stage of its own.
+spans two devices. ``daskdag.fuse-chains`` False makes every node its own stage. A ``remat``
+node is always a stage of its own.
 """
 
 from __future__ import annotations

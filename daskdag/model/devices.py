@@ -90,7 +90,7 @@ def resolve(device: str, node: str = "") -> jax.Device:
     :class:`~daskdag.DAGError` naming ``node`` and listing the devices there are where it has
     none such."""
     if device == DEFAULT:
-        default = jax.config.jax_default_device
+        default = getattr(jax.config, "jax_default_device")  # (a flag its stubs do not list)
         if default is None:
             return jax.devices()[0]
         return default if isinstance(default, jax.Device) else jax.devices(default)[0]
