@@ -1,9 +1,17 @@
-"""For every test of the repository, the fences of README.md and docs/ included: a fence that
-needs a program this machine lacks is skipped, saying which, as the tests that need it are."""
+"""For every test of the repository, the fences of README.md and docs/ included: JAX with four
+CPU devices, and a fence that needs a program this machine lacks is skipped, saying which, as
+the tests that need it are."""
 
+import os
 import shutil
 
 import pytest
+
+# Four CPU devices for JAX, here and in the cluster workers the tests start (they inherit the
+# environment), so that placement on devices is tested on any machine; set before JAX starts.
+_DEVICES = "--xla_force_host_platform_device_count=4"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
 
 # program -> what a fence that needs it calls
 NEEDS = {"dot": ".visualize("}

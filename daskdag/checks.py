@@ -34,6 +34,7 @@ from daskdag.errors import DAGError, GradientCheckError, TotalCheckError, node_e
 from daskdag.graph.assembly import Intake, TaskGraph, ident, key, token_of
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
+from daskdag.model import devices
 from daskdag.model.plan import make_plan
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
 from daskdag.rules.finite_differences import (PROJECTIONS, ROUNDING, check_node, compare,
@@ -272,6 +273,6 @@ def _graph(plan: Plan, forward: Plan, values: dict, checked: Sequence[str], eps:
 
 
 def _value(name: str, node: Node, *deps: Any) -> Any:
-    """A node that is not checked, run plainly: its value."""
-    with node_errors(name, "forward"):
-        return node.callable()(*deps)
+    """A node that is not checked, run plainly, on its device: its value."""
+    with devices.on(node.device, name), node_errors(name, "forward"):
+        return node.callable()(*devices.put(deps, node.device, name))

@@ -99,9 +99,10 @@ def _dockerfile_stages() -> dict[str, str]:
 
 
 def _gpu_dag():
-    """A DAG whose nodes G and H must run on a GPU worker, and its gradient in plain JAX."""
+    """A DAG whose nodes G and H must run on a GPU worker (the resource: the test's workers
+    have no GPU device), and its gradient in plain JAX."""
     dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]),
-           "G": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], device="gpu"),
+           "G": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], resources={"GPU": 1}),
            "H": Node(lambda g: g ** 2, ["G"], resources={"GPU": 1}),
            "D": (lambda h, a: jnp.sum(h * a), ["H", "A"]),
            "E": (lambda g: jnp.sum(g), ["G"])}

@@ -187,7 +187,7 @@ def test_host_callback_node_recomputes_where_backward_runs(client):
 @pytest.mark.timeout(120)
 def test_gpu_nodes_run_only_on_the_gpu_worker(client):
     dag = {"A": (lambda x: jnp.tanh(x) * 2, ["x"]),
-           "B": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], device="gpu"),
+           "B": Node(lambda a: jnp.sin(a) @ jnp.ones((5, 5)), ["A"], resources={"GPU": 1}),
            "C": Node(lambda b: b ** 2, ["B"], resources={"GPU": 1}),
            "D": (lambda c, a: jnp.sum(c * a), ["C", "A"]),
            "E": (lambda b: jnp.sum(b), ["B"])}
@@ -208,8 +208,9 @@ def test_gpu_nodes_run_only_on_the_gpu_worker(client):
 
 @pytest.mark.timeout(120)
 def test_backward_beside_its_forward_serializes_nothing(client):
-    dag = {"A": Node(plain, ["x"], device="gpu"), "B": Node(branchy, ["A"], device="gpu"),
-           "L": Node(jnp.sum, ["B"], device="gpu"), "M": Node(jnp.max, ["B"], device="gpu")}
+    gpu = {"GPU": 1}  # (the resource alone: the worker that offers it has no GPU device)
+    dag = {"A": Node(plain, ["x"], resources=gpu), "B": Node(branchy, ["A"], resources=gpu),
+           "L": Node(jnp.sum, ["B"], resources=gpu), "M": Node(jnp.max, ["B"], resources=gpu)}
     gpu = _worker(client, "gpu")
     before = client.run(programs.stats)
     res = daskdag.compute_grads(dag, X, ["L", "M"], client=client)

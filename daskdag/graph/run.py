@@ -8,6 +8,10 @@ takes (:func:`linearize`), or a closed fused stage's both passes as one program
 - a chain of JAX nodes: under one ``jax.vjp`` of the chain, each node still called once, in
   order, op by op (likewise item by item over a sweep's chunk);
 - any other: node by node, each under its kind's rule, leaving a :class:`StagePullback`.
+
+A stage with a device (:attr:`~daskdag.graph.stages.Stage.device`) runs there, forward
+(:func:`linearize`, :func:`gradients`) and backward (its pullback's calls): the values it takes
+put there, its eager ops there (:func:`placed`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from daskdag.cancel import check
 from daskdag.errors import node_errors
 from daskdag.graph.compiled import Compiled
 from daskdag.graph.stages import Stage
+from daskdag.model import devices
 from daskdag.model.leaves import differentiable_leaves
 from daskdag.model.spec import Node
 from daskdag.rules import remat
@@ -42,6 +47,22 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
     tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
     pullback)``. ``dropped()``, asked between two nodes, stops it
     (:class:`~daskdag.cancel.Cancelled`)."""
+    with placed(stage, deps) as deps:
+        return _linearize(stage, nodes, deps, dropped)
+
+
+@contextlib.contextmanager
+def placed(stage: Stage, values):
+    """On the stage's device (:mod:`daskdag.model.devices`), ``values`` put there: eager ops in
+    this context run there. Nothing changes for a stage without a device."""
+    if stage.device is None:
+        yield values
+        return
+    with devices.on(stage.device, stage.name):
+        yield devices.put(values, stage.device, stage.name)
+
+
+def _linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
     if stage.fused:
         return _linearize_fused(stage, nodes, deps)
     if len(nodes) > 1 and stage.has_pullback:
@@ -92,6 +113,10 @@ class StagePullback(Pullback):
         self.stage, self.pullbacks, self.values = stage, tuple(pullbacks), tuple(values)
 
     def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            return self._pull(cts, deps, dropped)
+
+    def _pull(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
         # autograd's backward pass: outgrads, per node, the sum of what its consumers gave.
         outgrads: list
         stage, outgrads = self.stage, [None] * len(self.stage.nodes)
@@ -118,10 +143,11 @@ class StagePullback(Pullback):
         """With each node's pullback materialized (:meth:`Pullback.materialize`: a ``remat``
         node's forward pass redone), for one backward task."""
         stage, pullbacks = self.stage, list(self.pullbacks)
-        for j, pb in enumerate(pullbacks):
-            if pb is not None:
-                with node_errors(stage.nodes[j], "backward"):
-                    pullbacks[j] = pb.materialize(stage.inputs(j, deps, self.values))
+        with placed(stage, deps) as deps:
+            for j, pb in enumerate(pullbacks):
+                if pb is not None:
+                    with node_errors(stage.nodes[j], "backward"):
+                        pullbacks[j] = pb.materialize(stage.inputs(j, deps, self.values))
         return self if all(a is b for a, b in zip(pullbacks, self.pullbacks)) else StagePullback(
             stage, pullbacks, self.values)
 
@@ -187,20 +213,22 @@ class FusedPullback(Pullback):
         self.stage, self.pullback, self.avals = stage, pullback, avals
 
     def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
-        flat = [leaf for ct, avals in zip(cts, self.avals)
-                for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
-        with node_errors(self.stage.name, "backward"):
-            return self.pullback(tuple(flat), deps)
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            flat = [leaf for ct, avals in zip(cts, self.avals)
+                    for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
+            with node_errors(self.stage.name, "backward"):
+                return self.pullback(tuple(flat), deps)
 
     def rows(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
         """Each row of ``cts`` pulled back: by the inner pullback's own rows (a compiled
         program's: a batched program compiled once), exposed nodes no row reaches in zeros."""
         n = next(len(leaf) for ct in cts if ct is not None for leaf in ct)
-        flat = [leaf for ct, avals in zip(cts, self.avals)
-                for leaf in (ct if ct is not None else [jnp.zeros((n, *a[0]), a[1])
-                                                         for a in avals])]
-        with node_errors(self.stage.name, "backward"):
-            return self.pullback.rows(tuple(flat), deps, dropped)
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            flat = [leaf for ct, avals in zip(cts, self.avals)
+                    for leaf in (ct if ct is not None else [jnp.zeros((n, *a[0]), a[1])
+                                                             for a in avals])]
+            with node_errors(self.stage.name, "backward"):
+                return self.pullback.rows(tuple(flat), deps, dropped)
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
@@ -312,7 +340,7 @@ def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: 
     cts)``, ``cts[k]`` aligned with ``stage.deps`` as a pullback returns them; None where the
     stage cannot run so (:meth:`~daskdag.graph.compiled.Compiled.gradients`)."""
     function = fused_function(stage, nodes)
-    with node_errors(stage.name, "forward"):
+    with placed(stage, deps) as deps, node_errors(stage.name, "forward"):
         return function.gradients(deps, stage.dep_active(), seeded)
 
 

@@ -16,8 +16,10 @@ backward task (for every output whose gradient passes through it). Two kinds:
 A stage whose cotangents all start at its own outputs is *closed*: its forward task runs its
 backward pass too; a fused one as one program (:func:`daskdag.graph.run.gradients`).
 
-All nodes of a stage need the same resources. ``daskdag.fuse-chains`` False makes every node
-its own stage. A ``remat`` node is always a stage of its own.
+All nodes of a stage need the same resources and run on the same device (``Node(device=)``),
+so that a stage's tasks run on its device (:mod:`daskdag.model.devices`) and no fused program
+spans two devices. ``daskdag.fuse-chains`` False makes every node its own stage. A ``remat``
+node is always a stage of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Stage:
     stage's node); ``("node", i)`` is the stage's own node ``i``. ``active[j][k]``: that dep is
     differentiated (a ``wrt`` input or a node that depends on one). ``exposed``: indices of the
     nodes whose values leave the stage (used by other stages, or requested). ``fused``: its
-    nodes run as one jitted function (see the module's docstring)."""
+    nodes run as one jitted function (see the module's docstring). ``device``: its nodes'
+    (:mod:`daskdag.model.devices`), where its tasks run; None: wherever JAX puts them."""
 
     nodes: tuple[str, ...]
     deps: tuple[str, ...]
@@ -52,6 +55,7 @@ class Stage:
     exposed: tuple[int, ...]
     needs: tuple  # the nodes' Dask resources, as sorted (name, amount) pairs
     fused: bool = False
+    device: str | None = None
 
     @property
     def name(self) -> str:
@@ -179,7 +183,7 @@ class _Grouping:
         spec, node = self.spec, self.spec.nodes[n]
         for d in deps:
             g = self.group_of[d]
-            if spec.nodes[d].needs != node.needs or self.jittable[g] or self.alone[g]:
+            if not together(spec.nodes[d], node) or self.jittable[g] or self.alone[g]:
                 continue
             if self._holds_wrt(g, deps):
                 continue
@@ -197,7 +201,7 @@ class _Grouping:
     def _fusable(self, g: int, n: str, deps: list[str]) -> bool:
         node = self.spec.nodes[n]
         return (self.jittable[g] == _jittable(node) and not self.alone[g]
-                and all(self.spec.nodes[m].needs == node.needs for m in self.groups[g][:1])
+                and all(together(self.spec.nodes[m], node) for m in self.groups[g][:1])
                 and not self._holds_wrt(g, deps))
 
     def _comes_after(self, e: int, g: int) -> bool:
@@ -260,7 +264,13 @@ def _stage(plan: Plan, nodes: tuple[str, ...], fused: bool, consumers) -> Stage:
     exposed = tuple(j for j, n in enumerate(nodes) if n in plan.outputs or n in plan.wrt
                     or any(c not in index for c in consumers(n)))
     needs = tuple(sorted(spec.nodes[nodes[0]].needs.items()))
-    return Stage(nodes, tuple(deps), tuple(sources), tuple(active), exposed, needs, fused)
+    return Stage(nodes, tuple(deps), tuple(sources), tuple(active), exposed, needs, fused,
+                 spec.nodes[nodes[0]].device)
+
+
+def together(a: Node, b: Node) -> bool:
+    """Nodes ``a`` and ``b`` may share a stage: the same resources, the same device."""
+    return a.device == b.device and a.needs == b.needs
 
 
 def abbreviate(names: Sequence[str]) -> str:

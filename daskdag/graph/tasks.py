@@ -92,11 +92,13 @@ def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list
     :class:`Rows`.
     """
     values, pullback = forward_out
-    deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
-    pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task only)
-    cts = [tuple(None if flow is None else flow.cotangent(value, sources)
-                 for value, flow in zip(values, per_output)) for per_output in flows]
-    return pull.pull(pullback, cts, values, deps, dropped_of(stage, stop))
+    # (On the stage's device: the shares of its consumers, from theirs, are summed there.)
+    with run.placed(stage, args) as args:
+        deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
+        pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task)
+        cts = [tuple(None if flow is None else flow.cotangent(value, sources)
+                     for value, flow in zip(values, per_output)) for per_output in flows]
+        return pull.pull(pullback, cts, values, deps, dropped_of(stage, stop))
 
 
 # -- where a cotangent comes from -----------------------------------------------------------------

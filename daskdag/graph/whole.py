@@ -2,11 +2,11 @@
 process, one task on a cluster (:func:`one_task`).
 
 Such a call's needed nodes are all one fused stage (every one ``jit=True``, none with rules of
-its own), its differentiated names that stage's deps. :class:`WholeGradients` computes the
-call's ``{output: (value, {input: grad})}`` as its graph would, as one XLA program compiled once
-for the call's shapes: the stage's nodes once, one backward pass per output a differentiated
-input reaches, seeded by its cotangent (an input of the program), and each gradient laid out as
-:func:`daskdag.graph.tasks.gradient` lays it out.
+its own, all on one device), its differentiated names that stage's deps. :class:`WholeGradients`
+computes the call's ``{output: (value, {input: grad})}`` as its graph would, as one XLA program
+compiled once for the call's shapes, on the stage's device: the stage's nodes once, one
+backward pass per output a differentiated input reaches, seeded by its cotangent (an input of
+the program), and each gradient laid out as :func:`daskdag.graph.tasks.gradient` lays it out.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.graph.assembly import Intake, TaskGraph, key
 from daskdag.graph.compiled import rebuild, replay, split
-from daskdag.graph.run import Fused, identity
+from daskdag.graph.run import Fused, identity, placed
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import Plan
@@ -101,13 +101,14 @@ class WholeGradients:
             return None
         static, traced = parts
         cts = tuple(cotangents.get(o) for o, _, _ in self.outputs)
-        if then is None:
-            return self._by_name(self._program(static, traced, cts))
-        program = self._then.get(then)
-        if program is None:
-            program = self._then[then] = jax.jit(
-                lambda s, t, c: then(self._by_name(self._run(s, t, c))), static_argnums=0)
-        return program(static, traced, cts)
+        with placed(self.stage, (traced, cts)) as (traced, cts):  # (on the stage's device)
+            if then is None:
+                return self._by_name(self._program(static, traced, cts))
+            program = self._then.get(then)
+            if program is None:
+                program = self._then[then] = jax.jit(
+                    lambda s, t, c: then(self._by_name(self._run(s, t, c))), static_argnums=0)
+            return program(static, traced, cts)
 
     def _by_name(self, computed: tuple) -> dict:
         return {o: (value, dict(zip((i for i, _ in self.wrt), grads)))

@@ -101,7 +101,7 @@ class Implicit:
     maxiter: int = 50
     jit: bool = False
     vmap: bool = False
-    device: str | None = None
+    device: str | jax.Device | None = None
     resources: Mapping[str, float] | None = None
     remat: bool | None = None
 

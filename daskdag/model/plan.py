@@ -1,6 +1,7 @@
 """What one call needs (a :class:`Plan` of a spec, its outputs and ``wrt``): which nodes run,
 which run under ``jax.vjp``, which feed each gradient; :func:`ship` packs its node functions to
-travel. Nothing here runs a node.
+travel (and refuses a device this process lacks, where it runs the plan). Nothing here runs a
+node.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from daskdag.model import devices
 from daskdag.model.spec import Spec
 from daskdag.transport.packing import Function
 from daskdag.transport.transports import Transport
@@ -66,7 +68,11 @@ def ship(plan, transport: Transport, prints: dict | None = None):
     """``plan`` with the function of every node it runs packed where ``transport`` packs it
     (:meth:`~daskdag.transport.transports.Transport.packs_function`), each distinct function
     once, and each array they share hashed once (the arrays live through the call, so their
-    ids name them). ``prints``: fingerprints already taken in this call, by ``id`` (added to)."""
+    ids name them). ``prints``: fingerprints already taken in this call, by ``id`` (added to).
+    Where ``transport`` runs the plan in this process, a node on a device that this process
+    does not have is refused here, before anything runs (:func:`daskdag.model.devices.check`)."""
+    if not transport.packs:
+        devices.check({n: plan.spec.nodes[n] for n in plan.needed})
     packed: dict[int, object] = {}
     tokens: dict[int, str] = {}
     prints = {} if prints is None else prints

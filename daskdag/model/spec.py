@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import graphlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax
@@ -16,6 +16,7 @@ from dask.sizeof import sizeof
 import daskdag.config as config
 from daskdag.caches import Cache
 from daskdag.errors import DAGError
+from daskdag.model import devices
 from daskdag.model.custom import Custom
 from daskdag.model.implicit import Implicit
 from daskdag.transport.protocol import token_kept, travels
@@ -38,9 +39,21 @@ class Node:
         vmap: in sweeps, run the node once per chunk of items as ``jax.jit(jax.vmap(fn))``,
             forward and backward, instead of item by item; ``fn`` must then be traceable, and
             its Python side effects run only when it is traced (once per shapes).
-        device: ``'gpu'`` places the node's forward and backward tasks on workers that
-            advertise the Dask resource ``GPU`` (``dask worker --resources GPU=1``); it means
-            ``resources={'GPU': 1}``. Other nodes run on any worker.
+        device: where the node's forward and backward passes run, in the process that runs
+            them (this one's threads, or a cluster's worker): a ``jax.Device``, a platform
+            (``'cpu'``, ``'gpu'``, ``'tpu'``: its first device there), or
+            ``'platform:index'`` (``'cpu:1'``: the index-th device of
+            ``jax.devices(platform)``). Its inputs and the cotangents reaching it are put
+            there (``jax.device_put``), its eager ops run there and its residuals stay there;
+            nodes on different devices never share a compiled program. ``None`` (the
+            default): ``dask.config``'s ``daskdag.eager-device`` for an eager node (one
+            without ``jit=True``), else JAX's default device (where some node of the DAG
+            has a device, the nodes without one are put on the default device, so that
+            values meet on one). On a cluster a GPU or TPU device also asks for the worker
+            resource ``GPU`` or ``TPU`` (``dask worker --resources GPU=1``), and the node
+            runs only on such workers. A device that this process does not have (on a
+            cluster: that no worker has) is refused before anything runs, naming the node
+            and the devices there are.
         resources: ``{'NAME': amount}``: Dask resources the node's tasks need on a worker.
         vjp: for a node outside JAX (NumPy, SciPy, a simulator; it then gets NumPy values, never
             tracers, ``daskdag.rules.custom``): ``vjp(ct, out, *args)``, returning one
@@ -63,7 +76,7 @@ class Node:
     deps: Sequence[str] = ()
     jit: bool = False
     vmap: bool = False
-    device: str | None = None
+    device: str | jax.Device | None = None
     resources: Mapping[str, float] | None = None
     vjp: Callable[..., Any] | None = None
     fwd: Callable[..., Any] | None = None
@@ -74,7 +87,7 @@ class Node:
     @property
     def needs(self) -> dict[str, float]:
         """The Dask resources this node's tasks need on a worker (empty: any worker)."""
-        return {**({"GPU": 1} if self.device == "gpu" else {}), **(self.resources or {})}
+        return {**devices.resources(self.device), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
         """The node's function as it runs here: ``jax.jit`` of it where ``jit``, made once per
@@ -151,6 +164,9 @@ def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
     if not dag:
         raise DAGError("the DAG is empty")
     nodes = {name: _node(name, entry, hold) for name, entry in dag.items()}
+    if any(node.device is not None for node in nodes.values()):  # (values meet on one device)
+        nodes = {name: node if node.device is not None else replace(node, device=devices.DEFAULT)
+                 for name, node in nodes.items()}
     inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
     try:
         order = tuple(n for n in graphlib.TopologicalSorter(
@@ -197,9 +213,9 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
     for d in deps:
         if not isinstance(d, str):
             raise DAGError(f"node {name!r}: dep {d!r} is not a string")
-    if opts.get("device") not in (None, "gpu"):
-        raise DAGError(f"node {name!r}: device must be 'gpu' or None, got {opts['device']!r}; "
-                       f"for other placements give resources={{'NAME': amount}}")
+    device = devices.normalised(opts.get("device"), f"node {name!r}")
+    if device is None and not opts.get("jit"):
+        device = devices.normalised(config.get("eager-device"), "the setting daskdag.eager-device")
     resources = opts.get("resources")
     if resources is not None and not (isinstance(resources, Mapping) and all(
             isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items())):
@@ -213,7 +229,7 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
                        f"got {remat!r}")
     if hold is not None and not isinstance(fn, Custom):
         fn = hold(fn)
-    return Node(fn, tuple(deps), **{**opts, "remat": remat})
+    return Node(fn, tuple(deps), **{**opts, "remat": remat, "device": device})
 
 
 def _function(name: str, node: Node, hold: Callable[[Any], Any] | None = None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.errors import node_errors
+from daskdag.model import devices
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.rules.registry import linearizer
 
@@ -34,7 +35,15 @@ def check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | Non
     Returns ``((largest relative error, failure), value)``: ``failure`` is ``None``, or for the
     first failing dep (by position; its worst projection) the keyword arguments of
     :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``; ``value``, the
-    node's output, for the nodes after it."""
+    node's output, for the nodes after it. On the node's device
+    (:mod:`daskdag.model.devices`), its deps' values put there."""
+    with devices.on(node.device, name):
+        return _check_node(name, node, active, eps, rtol,
+                           *devices.put(deps, node.device, name))
+
+
+def _check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | None,
+                rtol: float | None, *deps: Any) -> tuple[tuple[float, dict | None], Any]:
     inputs = list(deps)
     with node_errors(name, "forward"):
         primal, pullback = linearizer(node)(inputs, active)

@@ -17,6 +17,7 @@ import numpy as np
 
 from daskdag.errors import DAGError
 from daskdag.model.colouring import count
+from daskdag.model.devices import beside
 from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable
 
 
@@ -138,5 +139,6 @@ def total(cts):
 
 
 def add(a: tuple, b: tuple) -> tuple:
-    """Two cotangents (flat tuples) summed leaf by leaf."""
-    return tuple(x + y for x, y in zip(a, b))
+    """Two cotangents (flat tuples) summed leaf by leaf, each sum on its first leaf's device
+    where they are on two (:func:`~daskdag.model.devices.beside`)."""
+    return tuple(x + beside(x, y) for x, y in zip(a, b))

@@ -1,6 +1,7 @@
 """Checks on a ``distributed`` cluster before a graph goes to it, for failures that would
-otherwise be cryptic or silent: a closed client, no worker (or none offering a node's resource),
-workers under other JAX versions (whose backward programs may compute something else).
+otherwise be cryptic or silent: a closed client, no worker (or none offering a node's resource,
+or none having its device), workers under other JAX versions (whose backward programs may
+compute something else).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import weakref
 from dask.utils import parse_timedelta
 
 from daskdag.errors import ClusterError
+from daskdag.model import devices
 from daskdag.model.plan import Plan
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
 import daskdag.config as config
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 _same_versions: set[tuple[str, str | None]] = set()  # (address, local directory) of workers checked
+_devices: dict[tuple[str, str | None], tuple[str, ...]] = {}  # a worker's devices, as above
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
 VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
@@ -55,12 +58,13 @@ def check(client, plan: Plan) -> dict[str, dict]:
     check_client(client)
     last = _checked.get(client)
     if last is not None and time.monotonic() - last[0] < RECHECK:
-        if _unmet(plan, last[1]) is None:  # (what the scheduler said a moment ago)
-            tune_workers(client)
+        if _unmet(plan, last[1]) is None and _no_device(plan, last[1]) is None:
+            tune_workers(client)  # (what the scheduler said a moment ago)
             return last[1]
     found = workers(client) or _wait_for_a_worker(client)
     found = _wait_for_resources(client, plan, found)
     _check_versions(client, found)
+    _check_devices(client, plan, found)
     _checked[client] = (time.monotonic(), found)
     tune_workers(client)
     serializers_on_workers(client)
@@ -172,6 +176,55 @@ def _wait_for_resources(client, plan: Plan, found: dict) -> dict[str, dict]:
         f"{offered}), and none that does joined within {wait:g} s (daskdag.worker-wait); "
         f"start a worker with e.g. `dask worker ADDRESS --resources {flag}`, or wait longer "
         f"with dask.config.set({{'daskdag.worker-wait': '120s'}})")
+
+
+def _offering(needs: dict, workers: dict) -> list[str]:
+    """The addresses of the workers that offer the resources ``needs``."""
+    return [a for a, w in workers.items()
+            if all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())]
+
+
+def _no_device(plan: Plan, workers: dict) -> tuple[str, str, dict] | None:
+    """The first needed node whose device no worker that could run it has (workers not asked
+    yet may have it), that device, and those workers' devices; else None."""
+    for n in plan.needed:
+        node = plan.spec.nodes[n]
+        if node.device is None or node.device == devices.DEFAULT:
+            continue
+        have = {a: _devices.get((a, workers[a].get("local_directory")))
+                for a in _offering(node.needs, workers)}
+        if not any(d is None or node.device in d for d in have.values()):
+            return n, node.device, have
+    return None
+
+
+def _check_devices(client, plan: Plan, listed: dict[str, dict]) -> None:
+    """Ask the workers not asked yet for their devices (:func:`daskdag.model.devices.here`),
+    where some needed node has a device; raise :class:`~daskdag.ClusterError` naming the first
+    node whose device no worker that could run it has, and their devices."""
+    if all(plan.spec.nodes[n].device in (None, devices.DEFAULT) for n in plan.needed):
+        return
+    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
+    ask = [a for a, k in known.items() if k not in _devices]
+    if ask:
+        try:
+            found = client.run(devices.here, workers=ask, on_error="return",
+                               callback_timeout=VERSIONS_WAIT)
+        except TimeoutError:  # (the call goes on; its tasks say what a worker lacks)
+            found = {}
+        with _lock:
+            _devices.update((known[a], tuple(d)) for a, d in found.items()
+                            if a in known and isinstance(d, (tuple, list)))
+            while len(_devices) > KNOWN_WORKERS:
+                _devices.pop(next(iter(_devices)))
+    missing = _no_device(plan, listed)
+    if missing is not None:
+        n, device, have = missing
+        there = "; ".join(f"{a}: {', '.join(d or ())}" for a, d in sorted(have.items()))
+        raise ClusterError(
+            f"node {n!r}: no worker that could run it has device {device!r} (their devices: "
+            f"{there or 'no worker offers its resources'}); give the node a device the workers "
+            f"have, or start workers that have it")
 
 
 def _check_versions(client, listed: dict[str, dict]) -> None:

@@ -40,6 +40,7 @@ from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.tasks import Rows
 from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
 from daskdag.graph.whole import fits as whole_fits
+from daskdag.model import devices
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import given_values, parsed
@@ -233,6 +234,13 @@ class Passes:
                    spreading=self.spreading, stored=stored, solves=info.solves)
 
 
+def _on_one_device(finish: Callable[..., Any], info: CallInfo, computed: dict, *args: Any
+                   ) -> Any:
+    """``finish(info, computed, *args)``, the computed values put on JAX's default device first
+    (nodes on several devices computed them)."""
+    return finish(info, devices.put(computed, devices.DEFAULT), *args)
+
+
 def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
               cts: dict, tail: Callable[[dict], Any] | None) -> Any:
     """The call's result from its one program (and its ``tail``), or None where it cannot run it."""
@@ -358,8 +366,14 @@ class Derivative:
 
     def finishing(self, lowering: Lowering) -> Callable[..., Any]:
         """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
-        code (a lazy call's travels to where Dask finishes it, which may not import it)."""
-        return partial(self._bare.finish, lowering.bare())
+        code (a lazy call's travels to where Dask finishes it, which may not import it). Where
+        some node has a device, the results are made on JAX's default device, where the
+        computed values meet (:func:`_on_one_device`)."""
+        finish = partial(self._bare.finish, lowering.bare())
+        plan = lowering.plan
+        if all(plan.spec.nodes[n].device is None for n in plan.needed):
+            return finish
+        return partial(_on_one_device, finish)
 
     @cached_property
     def _bare(self) -> Derivative:

@@ -28,7 +28,7 @@ import daskdag.config as config
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.run import linearize
-from daskdag.graph.stages import Stage, one_stage
+from daskdag.graph.stages import Stage, one_stage, together
 from daskdag.graph.tasks import Rows
 from daskdag.model.leaves import differentiable_leaves, is_array, on_differentiable
 from daskdag.model.plan import Plan, make_plan
@@ -136,7 +136,8 @@ def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
     ``(plan, stage, rest)``: ``plan`` computes from the shared inputs the values the other
     nodes take (its outputs), its ``wrt`` the shared inputs it takes; ``stage`` is its nodes as
     one stage; ``rest`` the sweep without them, those values inputs its chunks differentiate
-    per item. None where there are none, or they need different resources (they run as one task)."""
+    per item. None where there are none, or they need different resources or devices (they run
+    as one task)."""
     plan, spec = sweep.plan, sweep.plan.spec
     kept = set(plan.outputs) | set(plan.wrt)
     of_items: set[str] = set(sweep.batched)
@@ -148,7 +149,7 @@ def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
         elif (n in sweep.carrying and n not in kept
               and all(d in free or (d not in spec.nodes and d in sweep.values) for d in deps)):
             free.append(n)
-    if not free or len({tuple(sorted(spec.nodes[n].needs.items())) for n in free}) > 1:
+    if not free or not all(together(spec.nodes[free[0]], spec.nodes[n]) for n in free):
         return None
     own = {n: chunk.node if (chunk := chunk_of(spec.nodes[n])) is not None else spec.nodes[n]
            for n in free}  # (each node's own, not over a chunk: they run once)

@@ -1,0 +1,156 @@
+"""Where a node runs, among the local devices of the process that runs it.
+
+A node's ``device`` (:class:`~daskdag.Node`) is held as a portable string, ``"platform:index"``
+(the ``index``-th device of ``jax.devices(platform)``), so that a node pickled to a worker names
+the device by what it is there; :func:`resolve` finds the ``jax.Device`` in the process that
+runs the node. :data:`DEFAULT` is the process's default device: what a node without a device
+gets in a DAG where some node has one, so that values from several devices meet on one.
+
+A placed stage's tasks put the values they take on its device (:func:`put`: ``jax.device_put``,
+asynchronous) and run their eager ops there (:func:`on`), forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from daskdag.errors import DAGError
+
+#: A node's device where it gives none, in a DAG where some node gives one: the default device
+#: of the process that runs it (``jax.config.jax_default_device``, else ``jax.devices()[0]``).
+DEFAULT = "default"
+#: The Dask worker resource a node on a device of these platforms asks for on a cluster.
+RESOURCES = {"gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}
+_FORM = re.compile(r"([a-z][a-z0-9_]*)(?::(\d+))?")
+
+
+def normalised(device: Any, what: str) -> str | None:
+    """``device`` as a node holds it: None; a ``jax.Device`` as ``"platform:index"``; a
+    platform (``"cpu"``) as its first device (``"cpu:0"``); ``"platform:index"`` as it is.
+    Anything else is a :class:`~daskdag.DAGError` naming ``what`` (``"node 'A'"``)."""
+    if device is None or device == DEFAULT:
+        return device
+    if isinstance(device, jax.Device):
+        return f"{device.platform}:{jax.devices(device.platform).index(device)}"
+    found = _FORM.fullmatch(device) if isinstance(device, str) else None
+    if found is None:
+        raise DAGError(f"{what}: device must be a jax.Device, a platform ('cpu', 'gpu', "
+                       f"'tpu') or 'platform:index' ('cpu:1'), or None, got {device!r}")
+    return f"{found[1]}:{int(found[2] or 0)}"
+
+
+def resources(device: str | None) -> dict[str, float]:
+    """The Dask worker resources a node on ``device`` needs: ``{"GPU": 1}`` on a GPU,
+    ``{"TPU": 1}`` on a TPU, none on a CPU or the default device."""
+    platform = platform_of(device)
+    return {RESOURCES[platform]: 1} if platform in RESOURCES else {}
+
+
+def platform_of(device: Any) -> str | None:
+    """The platform of a device as :func:`normalised` holds it (or as given: a ``jax.Device``, a
+    platform); None for None and :data:`DEFAULT`."""
+    if isinstance(device, jax.Device):
+        return device.platform
+    if not isinstance(device, str) or device == DEFAULT:
+        return None
+    return device.partition(":")[0]
+
+
+def here() -> tuple[str, ...]:
+    """This process's devices, as :func:`normalised` names them: its default backend's, then
+    its CPUs."""
+    names: list[str] = []
+    for platform in dict.fromkeys((jax.default_backend(), "cpu")):
+        names += [f"{platform}:{k}" for k in range(len(_platform(platform)))]
+    return tuple(names)
+
+
+def _platform(platform: str) -> list:
+    try:
+        return jax.devices(platform)
+    except RuntimeError:  # (no such backend in this process)
+        return []
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(device: str) -> jax.Device | None:
+    platform, _, index = device.partition(":")
+    devices = _platform(platform)
+    return devices[int(index)] if int(index) < len(devices) else None
+
+
+def resolve(device: str, node: str = "") -> jax.Device:
+    """The ``jax.Device`` that ``device`` (:func:`normalised`) names in this process; a
+    :class:`~daskdag.DAGError` naming ``node`` and listing the devices there are where it has
+    none such."""
+    if device == DEFAULT:
+        default = getattr(jax.config, "jax_default_device")  # (a flag its stubs do not list)
+        if default is None:
+            return jax.devices()[0]
+        return default if isinstance(default, jax.Device) else jax.devices(default)[0]
+    found = _resolved(device)
+    if found is None:
+        who = f"node {node!r}: " if node else ""
+        raise DAGError(f"{who}device {device!r} is not one of this process's devices "
+                       f"({', '.join(here())}); on a cluster, a node runs on a worker that "
+                       f"has its device")
+    return found
+
+
+def check(nodes: dict) -> None:
+    """Refuse, before anything runs, a node among ``nodes`` (name -> :class:`~daskdag.Node`)
+    whose device this process does not have (:func:`resolve`)."""
+    for name, node in nodes.items():
+        if node.device is not None:
+            resolve(node.device, name)
+
+
+@contextlib.contextmanager
+def on(device: str | None, node: str = "") -> Iterator[None]:
+    """Eager JAX ops in this context run on ``device`` (``jax.default_device``); where it is
+    None, wherever JAX puts them."""
+    if device is None:
+        yield
+        return
+    with jax.default_device(resolve(device, node)):
+        yield
+
+
+def put(values: Any, device: str | None, node: str = "") -> Any:
+    """``values`` (any pytree) with their JAX arrays put on ``device``, those not there already,
+    in one asynchronous ``jax.device_put``; as they are where ``device`` is None. NumPy arrays
+    and numbers stay as they are: JAX takes them where its ops run."""
+    if device is None:
+        return values
+    target = resolve(device, node)
+    there = _sharding(target)
+    leaves, treedef = jax.tree.flatten(values)
+    moving = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)
+              and not isinstance(x, jax.core.Tracer) and x.sharding != there]
+    if not moving:
+        return values
+    moved = jax.device_put([leaves[k] for k in moving], target)
+    for k, x in zip(moving, moved):
+        leaves[k] = x
+    return treedef.unflatten(leaves)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharding(device: jax.Device) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def beside(x: Any, y: Any) -> Any:
+    """``y`` where it can meet ``x`` in one op: put on ``x``'s device when both are arrays
+    committed to different devices (JAX refuses to combine those), else itself."""
+    if (isinstance(x, jax.Array) and isinstance(y, jax.Array)
+            and not isinstance(x, jax.core.Tracer) and not isinstance(y, jax.core.Tracer)
+            and x.committed and y.committed and x.sharding != y.sharding):
+        return jax.device_put(y, x.sharding)
+    return y
