@@ -18,6 +18,7 @@ import dask
 import jax
 import jax.numpy as jnp
 import pytest
+from distributed import Client, LocalCluster
 
 import daskdag
 from daskdag import ClusterError, DAGError
@@ -127,9 +128,16 @@ class _Worker:  # (what the plugin reads of a worker)
         self.state = type("State", (), {"total_resources": resources})()
 
 
+def _plugin_from_elsewhere(setting):
+    """A Platform plugin as a worker process receives it: made in another process."""
+    plugin = worker_setup.Platform(setting)
+    worker_setup._made_here.discard(plugin.made_in)
+    return plugin
+
+
 def test_a_worker_for_the_cpu_already_on_an_accelerator_is_named(monkeypatch):
     monkeypatch.setattr(worker_setup, "jax_on_cpu", lambda: "tpu")
-    plugin = worker_setup.Platform("auto")
+    plugin = _plugin_from_elsewhere("auto")
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 already runs JAX on 'tpu'"
                                            r".*no GPU or TPU resource.*--resources TPU=1"):
         asyncio.run(plugin.setup(_Worker({})))
@@ -141,7 +149,7 @@ def test_a_worker_that_cannot_open_its_tpu_is_named(monkeypatch):
         raise RuntimeError("Unable to initialize backend 'tpu': ABORTED: Internal error when "
                            "accessing libtpu multi-process lockfile.")
     monkeypatch.setattr(worker_setup, "_open_jax", held_elsewhere)
-    plugin = worker_setup.Platform("auto")
+    plugin = _plugin_from_elsewhere("auto")
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 keeps its accelerator "
                                            r"\(it advertises the resource TPU\).*lockfile.*"
                                            r"one worker process per device"):
@@ -159,3 +167,25 @@ def test_a_worker_that_cannot_open_its_accelerator_stops_the_call():
             with pytest.raises(ClusterError, match=r"worker tcp://127.0.0.1:\d+ keeps its "
                                                    r"accelerator.*Unable to initialize backend 'tpu'"):
                 daskdag.compute_grads({"B": (jnp.sum, ["x"])}, X, "B", client=client)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_worker_in_the_clients_process_shares_its_jax(monkeypatch):
+    """LocalCluster(processes=False): the worker is this process, whose JAX is the user's."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    before = jax.config.jax_platforms
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                      dashboard_address=":0") as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        res = daskdag.compute_grads(_dag_plain(), X, "B", client=client)
+        assert_tree_close(res.grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) * 2))(X))
+        (state,) = client.run(lambda dask_worker: (
+            dask_worker.plugins[worker_setup.PLATFORM].on_cpu,
+            dask_worker.plugins[worker_setup.PLATFORM].reason)).values()
+    assert state == (False, "it runs in the client's process, sharing its JAX")
+    assert jax.config.jax_platforms == before and "JAX_PLATFORMS" not in os.environ
+
+
+def _dag_plain():
+    return {"A": (lambda x: jnp.sin(x) * 2, ["x"]), "B": (jnp.sum, ["A"])}

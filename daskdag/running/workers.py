@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import uuid
 
 import cloudpickle
 
@@ -143,12 +144,17 @@ def _platform_class() -> type:
 
         def __init__(self, setting: str):
             self.setting = setting
+            self.made_in = _here()
             self.on_cpu: bool | None = None
             self.reason = "not set up"
 
         async def setup(self, worker=None):
             resources = dict(worker.state.total_resources) if worker is not None else {}
             where = f"worker {worker.address}" if worker is not None else "this worker"
+            if self.made_in in getattr(sys.modules.get(__name__), "_made_here", ()):
+                # (a worker in the client's own process: LocalCluster(processes=False))
+                self.on_cpu, self.reason = False, "it runs in the client's process, sharing its JAX"
+                return
             self.on_cpu, self.reason = decide(self.setting, resources, os.environ)
             if self.on_cpu:
                 held = jax_on_cpu()
@@ -176,6 +182,18 @@ def _platform_class() -> type:
 
     Platform.__qualname__ = "Platform"
     return Platform
+
+
+_made_here: set[str] = set()  # the Platform plugins made in this process
+
+
+def _here() -> str:
+    """A new Platform plugin's mark, remembered in this process: a worker that finds it in
+    :data:`_made_here` (read through ``sys.modules``: the plugin travels by value) runs in the
+    process that made the plugin."""
+    mark = uuid.uuid4().hex
+    _made_here.add(mark)
+    return mark
 
 
 def decide(setting: str, resources: dict, environ) -> tuple[bool, str]:
