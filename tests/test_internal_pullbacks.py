@@ -255,6 +255,61 @@ def test_program_from_other_versions_is_refused():
         received(form)
 
 
+def _gram_solve(a, b):  # linear algebra: custom calls of their own on each platform
+    return jnp.tanh(jnp.linalg.solve(a @ a.T + 4 * jnp.eye(a.shape[0]), b))
+
+
+def test_backward_program_runs_on_every_platform():
+    """A pullback's program is exported for CPU, CUDA, ROCm and TPU: JAX lowers its call for
+    each here (no accelerator needed to lower), and it runs here against ``jax.vjp``."""
+    a, b = jnp.arange(16.0).reshape(4, 4) / 10, jnp.linspace(-1, 1, 4)
+    _, pb = linearize(Node(_gram_solve, ("a", "b")), (a, b), (True, True))
+    form = pb.portable()
+    exported = jax.export.deserialize(bytearray(form["program"]))
+    assert set(exported.platforms) >= {"cpu", "cuda", "rocm", "tpu"}
+    for platform in exported.platforms:
+        text = jax.jit(exported.call).trace(*exported.in_avals).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert "custom_call" in text, platform
+    ct = (jnp.linspace(0.5, 1.5, 4),)
+    got = received(form)(ct, (a, b))
+    want = jax.vjp(_gram_solve, a, b)[1](ct[0])
+    for g, w in zip(got, want):
+        assert_tree_close(g[0], w, rtol=1e-5)
+
+
+def test_program_for_other_platforms_is_refused_clearly(monkeypatch):
+    monkeypatch.setattr(programs, "platforms", lambda: ("tpu",))
+    _, pb = linearize(Node(_gram_solve, ("a", "b")), (jnp.eye(3), jnp.ones(3)), (True, True))
+    with pytest.raises(ClusterError, match=r"runs JAX on 'cpu'.*exported for \('tpu',\) only"):
+        received(pb.portable())
+
+
+def _primitive_lowered_for(platform):
+    """An identity primitive with a lowering for ``platform`` only."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+    prim = Primitive(f"identity_on_{platform}")
+    prim.def_impl(lambda x: x)
+    prim.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x, multiple_results=False),
+                           platform=platform)
+    return prim
+
+
+def test_program_is_exported_for_the_platforms_that_lower_it():
+    """An operation without a lowering for some platforms: exported for the others, this
+    process's among them; not for this process's: the error, so the pullback travels as its node."""
+    on_cpu, on_tpu = _primitive_lowered_for("cpu"), _primitive_lowered_for("tpu")
+    ct = jax.ShapeDtypeStruct((3,), jnp.float32)
+    closed = jax.make_jaxpr(lambda c: on_cpu.bind(c) * 2)(ct)
+    key, data = programs.export(closed, [ct])
+    assert jax.export.deserialize(bytearray(data)).platforms == ("cpu",)
+    np.testing.assert_allclose(programs.load(key, data)(jnp.arange(3.0))[0], 2 * np.arange(3.0))
+    with pytest.raises(Exception, match="identity_on_tpu"):
+        programs.export(jax.make_jaxpr(lambda c: on_tpu.bind(c))(ct), [ct])
+
+
 @pytest.mark.timeout(180)
 def test_cluster_started_with_the_dask_cli(cli_cluster):
     """The node functions are this test module's, which the workers cannot import: they travel

@@ -14,7 +14,7 @@ import weakref
 
 from dask.utils import parse_timedelta
 
-from daskdag.errors import ClusterError
+from daskdag.errors import ClusterError, DAGError
 from daskdag.model import devices
 from daskdag.model.plan import Plan
 from daskdag.transport.programs import versions
@@ -52,26 +52,56 @@ def check(client, plan: Plan) -> dict[str, dict]:
     A check stands for :data:`RECHECK` seconds (a refusal is always asked again). With no worker
     yet, or none offering a node's resources, it waits up to ``daskdag.worker-wait`` for one,
     asking the way a task would, so adaptive clusters scale up. Then, once per client, after
-    the version check, it registers daskdag's worker plugins (:func:`serializers_on_workers`,
-    :func:`tune_workers`).
+    the version check, it registers daskdag's worker plugins (:func:`platform_on_workers`,
+    :func:`serializers_on_workers`, :func:`tune_workers`).
     """
     check_client(client)
     last = _checked.get(client)
     if last is not None and time.monotonic() - last[0] < RECHECK:
+        # (what the scheduler said a moment ago)
         if _unmet(plan, last[1]) is None and _no_device(plan, last[1]) is None:
-            tune_workers(client)  # (what the scheduler said a moment ago)
+            tune_workers(client)
+            platform_on_workers(client)
             return last[1]
     found = workers(client) or _wait_for_a_worker(client)
     found = _wait_for_resources(client, plan, found)
     _check_versions(client, found)
+    tune_workers(client)
+    platform_on_workers(client)  # (before anything opens JAX's backend on a worker)
+    serializers_on_workers(client)
     _check_devices(client, plan, found)
     _checked[client] = (time.monotonic(), found)
-    tune_workers(client)
-    serializers_on_workers(client)
     return found
 
 
 _told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered the serializers
+_placed: weakref.WeakSet = weakref.WeakSet()  # clients whose workers set up their JAX platform
+
+
+def platform_on_workers(client) -> None:
+    """Register :class:`daskdag.running.workers.Platform` with ``client``'s scheduler, under
+    ``daskdag.worker-platform``, once per client object (before anything of daskdag's imports
+    JAX in the workers), so that every worker, now or later, runs JAX on its CPU unless it is
+    meant to own an accelerator. A worker that cannot set up its platform is a
+    :class:`~daskdag.ClusterError`, at every call until it is fixed."""
+    if client in _placed:
+        return
+    try:
+        client.register_plugin(worker_setup.Platform(worker_platform()),
+                               name=worker_setup.PLATFORM)
+    except RuntimeError as e:
+        raise ClusterError(f"{describe(client)}: {e}") from e
+    _placed.add(client)
+
+
+def worker_platform() -> str:
+    """The setting ``daskdag.worker-platform``, one of
+    :data:`daskdag.running.workers.SETTINGS`."""
+    setting = config.get("worker-platform")
+    if setting not in worker_setup.SETTINGS:
+        raise DAGError(f"daskdag.worker-platform is {setting!r}: give one of "
+                       f"{', '.join(map(repr, worker_setup.SETTINGS))}")
+    return setting
 
 
 def serializers_on_workers(client) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from daskdag.errors import DAGError
 from daskdag.model import implicit
 from daskdag.model.plan import Plan
 from daskdag.running import cluster, log, resident
+from daskdag.running import workers as worker_setup
 from daskdag.running.compute import active_client, compute
 from daskdag.running.lazy import Call
 from daskdag.running.programs import Program
@@ -172,10 +174,30 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
 def on_processes(collection: Any, progress: bool) -> Any:
     """``collection`` (a Dask collection, or what ``dask.compute`` takes: a lazy call, a
     sweep's dask arrays) computed by Dask's multiprocessing scheduler (``"processes"``), under
-    Dask's progress bar where ``progress``."""
+    Dask's progress bar where ``progress``; its child processes run JAX on their CPU
+    (:func:`children`)."""
     from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
     with ProgressBar() if progress else contextlib.nullcontext():
-        return dask.compute(collection, scheduler="processes")[0]
+        return dask.compute(collection, scheduler="processes", **children())[0]
+
+
+def children() -> dict:
+    """``dask.compute``'s options for the multiprocessing scheduler's child processes: an
+    ``initializer`` that runs JAX on their CPU, then the user's ``multiprocessing.initializer``
+    (:func:`daskdag.running.workers.child_on_cpu`); none where ``daskdag.worker-platform`` is
+    ``any`` or the user gave Dask a ``pool`` of their own."""
+    if cluster.worker_platform() == "any" or dask.config.get("pool", None) is not None:
+        return {}
+    if dask.config.get("multiprocessing.context", "spawn") == "fork":
+        import jax
+        if jax.default_backend() != "cpu":  # (a forked child has this process's JAX backend)
+            raise DAGError(
+                f"Dask's multiprocessing scheduler under multiprocessing.context 'fork' copies "
+                f"this process's JAX, which runs on {jax.default_backend()!r}, into each child "
+                f"process: set multiprocessing.context to 'spawn' (Dask's default) or "
+                f"'forkserver', whose children run JAX on their CPU")
+    return {"initializer": partial(worker_setup.child_on_cpu,
+                                   dask.config.get("multiprocessing.initializer", None))}
 
 
 def lazy(kind: Kind, x: Any, *data: Any) -> Call:

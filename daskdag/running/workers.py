@@ -1,6 +1,16 @@
-"""Worker set-up, as worker plugins that travel by value: daskdag's serializers in every worker
+"""Worker set-up, as worker plugins that travel by value: JAX on the CPU in every worker that is
+not meant to own an accelerator (:class:`Platform`), daskdag's serializers in every worker
 (:class:`Serializers`), and glibc's malloc tuned back for JAX work in workers started by a
 nanny (:class:`TuneMalloc`, opt-in).
+
+One process at a time can hold a TPU chip (a second one fails at once, "libtpu lockfile"), and
+each JAX process on a GPU preallocates most of its memory: Dask's worker processes on such a host
+must not all open the accelerator. A worker is meant to own one where it advertises the resource
+``GPU`` or ``TPU`` (the resource a node's ``device="gpu"``/``"tpu"`` asks for), or, under
+``daskdag.worker-platform: auto``, where its environment chose its device or platform
+(:data:`CHOSEN_BY`); any other runs JAX on its CPU (:func:`decide`). The child processes of Dask's
+multiprocessing scheduler, which share their parent's environment, run JAX on their CPU
+(:func:`child_on_cpu`) unless that setting is ``any``.
 
 A worker that has run none of daskdag's tasks must still take in a JAX array another worker
 sends as zero-copy frames: :class:`Serializers` registers daskdag's serializers in every worker,
@@ -24,13 +34,24 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import os
 import sys
+import uuid
 
 import cloudpickle
 
 NAME = "daskdag-tune-malloc"
 SERIALIZERS = "daskdag-serializers"
+PLATFORM = "daskdag-worker-platform"
+
+#: The values of ``daskdag.worker-platform`` (daskdag.yaml says what each does).
+SETTINGS = ("auto", "cpu", "any")
+#: The worker resources that mean a worker owns an accelerator.
+DEVICES = ("GPU", "TPU")
+#: Environment variables by which a worker's JAX platform or device was chosen for it.
+CHOSEN_BY = ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+             "ROCR_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -48,7 +69,8 @@ def __getattr__(name: str):
     # Each plugin class is made when first asked for (a cluster call registers it): its base
     # class is distributed's, whose import a call on threads never pays.
     if name not in _made:
-        make = {"TuneMalloc": _tune_malloc_class, "Serializers": _serializers_class}.get(name)
+        make = {"TuneMalloc": _tune_malloc_class, "Serializers": _serializers_class,
+                "Platform": _platform_class}.get(name)
         if make is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         _made[name] = make()
@@ -106,6 +128,116 @@ def _serializers_class() -> type:
 
     Serializers.__qualname__ = "Serializers"
     return Serializers
+
+
+def _platform_class() -> type:
+    from distributed import WorkerPlugin
+
+    class Platform(WorkerPlugin):
+        """Run JAX on the worker's CPU where :func:`decide` says so, under the client's
+        ``daskdag.worker-platform`` (``setting``). After ``setup``, ``on_cpu`` says whether it
+        did and ``reason`` why. A worker that keeps its accelerator opens it in ``setup``, so that
+        one that cannot (another process holds the TPU chip) fails there, clearly, and so does a
+        worker meant for the CPU whose JAX already runs on an accelerator."""
+
+        name = PLATFORM
+
+        def __init__(self, setting: str):
+            self.setting = setting
+            self.made_in = _here()
+            self.on_cpu: bool | None = None
+            self.reason = "not set up"
+
+        async def setup(self, worker=None):
+            resources = dict(worker.state.total_resources) if worker is not None else {}
+            where = f"worker {worker.address}" if worker is not None else "this worker"
+            if self.made_in in getattr(sys.modules.get(__name__), "_made_here", ()):
+                # (a worker in the client's own process: LocalCluster(processes=False))
+                self.on_cpu, self.reason = False, "it runs in the client's process, sharing its JAX"
+                return
+            self.on_cpu, self.reason = decide(self.setting, resources, os.environ)
+            if self.on_cpu:
+                held = jax_on_cpu()
+                if held is not None:
+                    raise RuntimeError(
+                        f"{where} already runs JAX on {held!r}, but {self.reason}: under "
+                        f"daskdag.worker-platform {self.setting!r} it would run JAX on its CPU, "
+                        f"leaving the accelerator to a worker meant for it. Restart it; or start "
+                        f"it with `--resources {'TPU' if held == 'tpu' else 'GPU'}=1` if it is "
+                        f"meant to own the device, or set daskdag.worker-platform to 'any'")
+            elif self.setting != "any" and importlib.util.find_spec("jax") is not None:
+                import asyncio
+                try:  # (off the event loop: opening a TPU takes seconds)
+                    await asyncio.get_running_loop().run_in_executor(None, _open_jax)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"{where} keeps its accelerator ({self.reason}) but JAX cannot open it "
+                        f"there: {type(e).__name__}: {e}. One process at a time can hold a TPU "
+                        f"chip, and each JAX process on a GPU preallocates most of its memory: "
+                        f"run one worker process per device (`CUDA_VISIBLE_DEVICES=i dask worker "
+                        f"ADDRESS --nworkers 1 --resources GPU=1`; on a TPU host `dask worker "
+                        f"ADDRESS --nworkers 1 --resources TPU=1`), the other workers without that "
+                        f"resource (they run JAX on their CPU), and the client's own JAX on the "
+                        f"CPU where it runs on that host (JAX_PLATFORMS=cpu)") from e
+
+    Platform.__qualname__ = "Platform"
+    return Platform
+
+
+_made_here: set[str] = set()  # the Platform plugins made in this process
+
+
+def _here() -> str:
+    """A new Platform plugin's mark, remembered in this process: a worker that finds it in
+    :data:`_made_here` (read through ``sys.modules``: the plugin travels by value) runs in the
+    process that made the plugin."""
+    mark = uuid.uuid4().hex
+    _made_here.add(mark)
+    return mark
+
+
+def decide(setting: str, resources: dict, environ) -> tuple[bool, str]:
+    """``(on_cpu, why)``: whether a worker with these ``resources`` and environment runs JAX on
+    its CPU under ``daskdag.worker-platform`` ``setting``; ``why`` says what decided it."""
+    if setting == "any":
+        return False, "daskdag.worker-platform is 'any'"
+    owned = [r for r in DEVICES if resources.get(r, 0) > 0]
+    if owned:
+        return False, f"it advertises the resource {owned[0]}"
+    chosen = [v for v in CHOSEN_BY if environ.get(v)]
+    if setting == "auto" and chosen:
+        return False, f"its environment sets {chosen[0]}={environ[chosen[0]]}"
+    return True, f"it advertises no {' or '.join(DEVICES)} resource"
+
+
+def jax_on_cpu() -> str | None:
+    """Make this process's JAX, and that of the processes it starts, run on the CPU: through
+    the environment (``JAX_PLATFORMS``), read when JAX is imported, and where it was imported
+    already, through its configuration, before its backend starts. Returns None, or the
+    platform JAX already runs on where its backend had started on another."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    jax.config.update("jax_platforms", "cpu")
+    backend = jax.default_backend()  # (starts it: on the CPU where it had not started)
+    return None if backend == "cpu" else backend
+
+
+def child_on_cpu(then=None) -> None:
+    """A child process of Dask's multiprocessing scheduler: JAX on its CPU
+    (:func:`jax_on_cpu`), then ``then`` (the user's ``multiprocessing.initializer``)."""
+    held = jax_on_cpu()
+    if held is not None:
+        raise RuntimeError(f"this child process of Dask's multiprocessing scheduler (pid "
+                           f"{os.getpid()}) runs JAX on {held!r} already: it must run on the CPU")
+    if then is not None:
+        then()
+
+
+def _open_jax() -> None:
+    import jax
+    jax.devices()
 
 
 def _tune() -> tuple[dict[str, int] | None, str]:

@@ -4,6 +4,10 @@ A pullback at a concrete point is a linear JAX function of its cotangent whose c
 are the residuals. ``export`` turns its jaxpr into portable bytes (``jax.export``), the residuals
 becoming explicit arguments; ``load`` compiles such bytes once per process and content key, so a
 sweep over same-shaped items compiles each backward program once per worker.
+
+A program is exported for every platform at once (:func:`platforms`), so that it runs wherever it
+lands (a store read on another machine, a worker of another kind): one module whose few
+platform-specific operations branch on the platform it is compiled for.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from jax import export as jax_export
 from daskdag.caches import Cache
 from daskdag.errors import ClusterError
 
-# Exported for both, so a pullback made on a GPU worker can run on a CPU one and back.
-PLATFORMS = ("cpu", "cuda")
+# The platforms JAX itself lowers for (``jax.export``'s built-in ones).
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 _lock = threading.Lock()  # (one export or compilation of a key at a time, and the counts)
 _exported: Cache[bytes] = Cache("exported backward programs", 4096)  # key -> serialized program
@@ -53,14 +57,25 @@ def _this_process() -> str:
         return "this process"
 
 
-def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
-    """``(key, bytes)`` of a program computing ``closed_jaxpr(*ct, *consts)``.
+def platforms() -> tuple[str, ...]:
+    """The platforms a program is exported for: :data:`PLATFORMS`, and this process's own where
+    it is another (a PJRT plugin's)."""
+    here = jax_export.default_export_platform()
+    return PLATFORMS if here in PLATFORMS else (*PLATFORMS, here)
 
-    The key is a hash of the jaxpr's text, its argument types and the package versions, so equal
-    programs from different items (or workers) share one key and one compilation.
+
+def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
+    """``(key, bytes)`` of a program computing ``closed_jaxpr(*ct, *consts)``, for every one of
+    :func:`platforms` that JAX can lower it for (this process's own at least, else the lowering
+    error is raised).
+
+    The key is a hash of the jaxpr's text, its argument types, the platforms and the package
+    versions, so equal programs from different items (or workers) share one key and one
+    compilation.
     """
     const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in closed_jaxpr.consts]
-    key = hashlib.sha256(repr((str(closed_jaxpr.jaxpr), ct_avals, const_avals,
+    wanted = platforms()
+    key = hashlib.sha256(repr((str(closed_jaxpr.jaxpr), ct_avals, const_avals, wanted,
                                sorted(versions().items()))).encode()).hexdigest()
     data = _exported.get(key)
     if data is not None:
@@ -70,11 +85,22 @@ def export(closed_jaxpr, ct_avals) -> tuple[str, bytes]:
     def backward_program(*args):
         return jax.core.eval_jaxpr(jaxpr, args[n_ct:], *args[:n_ct])
 
-    try:
-        exported = jax_export.export(jax.jit(backward_program), platforms=PLATFORMS)(
+    def exported_for(these):
+        return jax_export.export(jax.jit(backward_program), platforms=these)(
             *ct_avals, *const_avals)
-    except Exception:  # a lowering rule missing for some platform: this one's will do
-        exported = jax_export.export(jax.jit(backward_program))(*ct_avals, *const_avals)
+
+    try:
+        exported = exported_for(wanted)
+    except Exception:  # a lowering rule missing for some platform: those that have theirs
+        lowered = []
+        for platform in wanted:
+            try:
+                exported_for((platform,))
+                lowered.append(platform)
+            except Exception:
+                if platform == jax_export.default_export_platform():
+                    raise
+        exported = exported_for(tuple(lowered))
     data = bytes(exported.serialize())
     _exported.put(key, data)
     with _lock:
@@ -90,6 +116,12 @@ def load(key: str, data: bytes) -> Callable:
             _stats["cache_hits"] += 1
             return program
         exported = jax_export.deserialize(bytearray(data))
+        here = jax_export.default_export_platform()
+        if here not in exported.platforms:
+            raise ClusterError(
+                f"{_this_process()} runs JAX on '{here}', but a backward program it received "
+                f"was exported for {exported.platforms} only (those JAX could lower it for where "
+                f"it was made): run its node's backward on one of those")
         program = jax.jit(exported.call).lower(*exported.in_avals).compile()
         _compiled.put(key, program)
         _stats["compiled"] += 1
