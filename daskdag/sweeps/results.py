@@ -66,7 +66,8 @@ class OnDevice:
     0 where the dtype has none."""
 
     def __init__(self, size: int):
-        self.size, self.pieces, self.arrived = size, [], np.zeros(size, bool)
+        self.size, self.arrived = size, np.zeros(size, bool)
+        self.pieces: list[tuple[int, int, object]] = []  # (start, stop, tree), as they came
 
     @property
     def tree(self):
