@@ -152,7 +152,8 @@ def test_sweep_hvps_sharded():
         res = daskdag.sweep_hvps(dag(), {"x": xs["x"], "w": xs["w"]}, {"x": xs["v"]}, "S",
                                  batched=["x"])
     on_devices(res.value, res.grad["x"], res.hvp["x"])
-    one = lambda x: whole(x, xs["w"])  # noqa: E731
+    def one(x):
+        return whole(x, xs["w"])
 
     def hvp(x, v):
         return jax.jvp(jax.grad(one), (x,), (v,))[1]

@@ -155,7 +155,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
         for o in sweep.plan.outputs}
     logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
                 list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
-                where(client, None))
+                on.where() if on is not None else where(client, None))
     failed: dict[int, NodeError] = {}
     chunks = 0
     if sweep.size:
