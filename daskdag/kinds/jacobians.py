@@ -284,10 +284,12 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
         lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
         pushed = [leaf.reshape(*lead, k, int(np.prod(np.shape(leaf)[len(lead) + 1:])))
                   for leaf in getattr(lifted_value, "tangent", ())]
-        passes = (np.concatenate(pushed, axis=-1) if pushed else
+        # (a sweep's jax.Arrays, on the devices that computed them, stay there)
+        xp = jnp if items and pushed and all(isinstance(p, jax.Array) for p in pushed) else np
+        passes = (xp.concatenate(pushed, axis=-1) if pushed else
                   np.zeros((*lead, k, _per_item(value, items))))  # (each leaf's elements)
         if patterns is None:
-            full = np.swapaxes(passes, -1, -2)
+            full = xp.swapaxes(passes, -1, -2)
         else:
             if patterns[o].shape[0] != passes.shape[1]:
                 raise DAGError(f"the sparsity pattern of output {o!r} has "

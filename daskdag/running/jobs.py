@@ -68,6 +68,9 @@ class CallInfo:
             a node whose value was reused. It may miss a solve that ran inside a compiled
             program of the whole call, or whose program called back from a thread of its
             own (JAX's callbacks on some accelerators).
+        chunks: a sweep over arrays in memory: how many chunks its items were computed in
+            (reruns of a failed chunk's items one by one each count; pieces a store held
+            already do not); None for other calls.
     """
 
     call: str
@@ -81,6 +84,7 @@ class CallInfo:
     mode_why: str | None = None
     reused: tuple[str, ...] = ()
     solves: dict = field(default_factory=dict, compare=False)
+    chunks: int | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         parts = [self.call, self.mode, f"{self.passes} pass{'es' if self.passes != 1 else ''}"]

@@ -265,7 +265,7 @@ register("prepared functions' own programs", _clear_held)
 
 #: daskdag's settings that each call reads as it runs: no program depends on them.
 PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-calls",
-                      "reuse-bytes"})
+                      "reuse-bytes", "sweep-results"})
 
 
 def settings() -> tuple:

@@ -1,4 +1,5 @@
-"""Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster.
+"""Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster (or this
+process's devices, each chunk sharded over them: :mod:`daskdag.sweeps.devices`).
 
 An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start,
 stop)``), waits for some to finish, gives a finished chunk's :class:`Done` (or raises its

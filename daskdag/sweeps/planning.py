@@ -86,7 +86,10 @@ class Sweep:
                 return np.asarray(a[start:stop])
             if not is_array(a):
                 return a
-            return rows(a, start, stop) if self.transport.remote else a[start:stop]
+            if self.transport.remote:
+                return rows(a, start, stop)
+            # (all of a JAX array: itself, where slicing would dispatch a copy)
+            return a if start == 0 and stop == len(a) else a[start:stop]
 
         values = {}
         for i in self.carried():

@@ -1,5 +1,6 @@
-"""A sweep's values and gradients stacked over its items, and their shapes when no item gave any
-(no items at all, or every item failed)."""
+"""A sweep's values and gradients stacked over its items (in NumPy, :class:`Stacked`; left on the
+devices, :class:`OnDevice`), and their shapes when no item gave any (no items at all, or every
+item failed)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,66 @@ class Stacked:
             jax.tree.map(lambda a: _mark_missing(a, missing), self.tree)
             self.arrived[:] = True
         return self.tree
+
+
+class OnDevice:
+    """:class:`Stacked`'s twin for results left on the devices that computed them: each
+    chunk's ``jax.Array`` trees kept as they come, joined once, in :meth:`result` (a sweep of
+    one chunk: that chunk's arrays themselves). Rows of items that never arrived are NaN, or
+    0 where the dtype has none."""
+
+    def __init__(self, size: int):
+        self.size, self.arrived = size, np.zeros(size, bool)
+        self.pieces: list[tuple[int, int, object]] = []  # (start, stop, tree), as they came
+
+    @property
+    def tree(self):
+        """A piece's tree, or None before any arrived."""
+        return self.pieces[0][2] if self.pieces else None
+
+    def put(self, start: int, stop: int, tree, carries_items: bool):
+        if not carries_items:  # the same for every item
+            tree = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a))),
+                                tree)
+        self.pieces.append((start, stop, tree))
+        self.arrived[start:stop] = True
+
+    def forget(self, rows) -> None:
+        """Rows (items) that failed: as if never arrived, whatever was put there."""
+        self.arrived[list(rows)] = False
+
+    def result(self, item):
+        """The joined tree; if no item arrived, NaN rows shaped by ``item`` (one item's
+        ``ShapeDtypeStruct`` tree), or ``None`` when that is unknown too."""
+        like = self.tree
+        if like is None:
+            if item is None:
+                return None
+            like = jax.tree.map(lambda a: np.empty((1, *a.shape), a.dtype), item)
+        parts, at = [], 0
+        for start, stop, tree in sorted(self.pieces, key=lambda p: p[0]):
+            if start > at:  # (items that never arrived)
+                parts.append(_blank(like, start - at))
+            parts.append(tree)
+            at = stop
+        if at < self.size or not parts:
+            parts.append(_blank(like, self.size - at))
+        joined = jax.tree.map(jnp.asarray, parts[0]) if len(parts) == 1 else jax.tree.map(
+            lambda *leaves: jnp.concatenate(leaves), *parts)
+        if not self.arrived.all():
+            missing = np.flatnonzero(~self.arrived)
+            joined = jax.tree.map(lambda a: a.at[missing].set(_missing_value(a.dtype)), joined)
+        return joined
+
+
+def _blank(like, rows: int):
+    """``rows`` rows shaped as ``like``'s, never arrived."""
+    return jax.tree.map(lambda a: np.full((rows, *np.shape(a)[1:]), _missing_value(a.dtype),
+                                          a.dtype), like)
+
+
+def _missing_value(dtype):
+    return np.nan if np.issubdtype(dtype, np.inexact) else 0
 
 
 def _mark_missing(a, rows):

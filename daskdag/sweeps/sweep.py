@@ -30,7 +30,7 @@ from daskdag.running.jobs import not_on_processes, on_processes
 from daskdag.running.log import logger, where
 from daskdag.running.passes import names_key
 from daskdag.running.resident import placing
-from daskdag.sweeps import arrays
+from daskdag.sweeps import arrays, devices
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.sweeps.failures import detached
@@ -39,7 +39,7 @@ from daskdag.sweeps.planning import (Sweep, chunk_steps, default_chunk_size, is_
                                      item_signature, prepare)
 from daskdag.sweeps.shared import share
 from daskdag.sweeps.progress import Progress
-from daskdag.sweeps.results import Stacked, item_shapes
+from daskdag.sweeps.results import OnDevice, Stacked, item_shapes
 from daskdag.sweeps.store import Store
 from daskdag.transport import transports
 
@@ -80,19 +80,24 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
     lowering = made.lowering
     values, cts = kind.inputs(lowering, given_values(lowering.spec, xs), data,
                               batched=made.batched)
-    computed, failed = sweep(made, values, cts, chunk_size, client, local, progress, errors,
-                             store=store, kind=kind)
-    info = replace(kind.info(lowering, data, why, where(client, local)), call=kind.sweep_call)
+    on = devices.placement(made, client, local)
+    computed, failed, chunks = sweep(made, values, cts, chunk_size, client, local, progress,
+                                     errors, store=store, kind=kind, on=on)
+    info = replace(kind.info(lowering, data, why, on.where() if on else where(client, local)),
+                   call=kind.sweep_call, chunks=chunks)
     return kind.finish(lowering, info, computed, failed)
 
 
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
-          progress: bool, errors: str, store=None, kind=None):
+          progress: bool, errors: str, store=None, kind=None, on=None):
     """:func:`daskdag.sweep_grads` over arrays in memory, prepared
-    (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed)`` as :func:`run` returns
-    them, chunks of ``chunk_size`` items (default
-    :func:`~daskdag.sweeps.planning.default_chunk_size`, or the store's) on ``client``'s
-    cluster or ``local`` threads. ``store``: where each chunk's results are kept as it
+    (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed, chunks)`` as :func:`run`
+    returns them, chunks of ``chunk_size`` items (default
+    :func:`~daskdag.sweeps.planning.default_chunk_size`, or on the devices ``on``
+    (:func:`daskdag.sweeps.devices.placement`) :func:`daskdag.sweeps.devices.chunk_size`, or
+    the store's) on ``client``'s cluster, ``local`` threads or those devices, the results where
+    ``daskdag.sweep-results`` says (:func:`~daskdag.sweeps.devices.results_on_device`).
+    ``store``: where each chunk's results are kept as it
     finishes, and a sweep of the same ``kind`` resumes (:mod:`daskdag.sweeps.store`); there,
     with no ``chunk_size`` and items computed one by one in memory, chunks run in pieces sized
     by time (:class:`_Pieces`), so that an early interrupt finds something saved; Ctrl-C
@@ -102,7 +107,10 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
     found = cluster.check(client, planned.plan) if client is not None else None
     slots = parallelism(found) if local != "sync" else 1
-    default = default_chunk_size(planned, slots)
+    on_device = devices.results_on_device(planned, on)
+    default = devices.chunk_size(planned, on, on_device) if on is not None else \
+        default_chunk_size(planned, slots)
+    in_flight = devices.DEPTH if on is not None else 2 * slots if client else slots
     kept, by_time = None, False
     if store is not None:
         shared = {i: v for i, v in values.items() if i not in planned.batched}
@@ -116,9 +124,9 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
         if kept.lazy is None:  # (dask-array items: the results stay in the store)
             kept.lazy = bool(blocks)
     try:
-        return run(planned, chunk_size or default, client,
-                   in_flight=2 * slots if client else slots, progress=progress, errors=errors,
-                   workers=found, store=kept, by_time=by_time, local=local)
+        return run(planned, chunk_size or default, client, in_flight=in_flight,
+                   progress=progress, errors=errors, workers=found, store=kept,
+                   by_time=by_time, local=local, on=on, on_device=on_device)
     finally:
         if kept is not None:
             kept.close()
@@ -126,25 +134,30 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
 
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
         workers: dict | None = None, store: Store | None = None, by_time: bool = False,
-        local: str | None = None):
+        local: str | None = None, on=None, on_device: bool = False):
     """Compute every chunk, ``in_flight`` at a time, after the nodes of shared inputs alone
     (:func:`daskdag.sweeps.shared.share`). ``workers``: ``client``'s workers as just listed
     (:func:`daskdag.running.cluster.workers`), if known; ``by_time``: chunks run in pieces
-    sized by time (:class:`_Pieces`).
+    sized by time (:class:`_Pieces`); ``on``: the devices the chunks run on, sharded
+    (:mod:`daskdag.sweeps.devices`), else None; ``on_device``: the results are jax.Arrays (left
+    on those devices; else put on JAX's default device once stacked).
 
-    Returns ``(computed, failed)``: ``{output: (value, {input: grad})}`` stacked over the items
-    (NaN rows for failed items; shaped by :func:`~daskdag.sweeps.results.item_shapes` when no
-    item gave any), and ``{item: NodeError}`` (``errors='collect'``; with ``errors='raise'``
-    the first failing item's error raises). However it ends, nothing of the sweep stays
-    running or held, here or on the cluster.
+    Returns ``(computed, failed, chunks)``: ``{output: (value, {input: grad})}`` stacked over
+    the items (NaN rows for failed items; shaped by
+    :func:`~daskdag.sweeps.results.item_shapes` when no item gave any), ``{item: NodeError}``
+    (``errors='collect'``; with ``errors='raise'`` the first failing item's error raises), and
+    how many chunks ran. However it ends, nothing of the sweep stays running or held, here or
+    on the cluster.
     """
+    kind = OnDevice if on is not None and on_device else Stacked
     stacked = None if store is not None and store.lazy else {
-        o: (Stacked(sweep.size), {i: Stacked(sweep.size) for i in sweep.plan.wrt})
+        o: (kind(sweep.size), {i: kind(sweep.size) for i in sweep.plan.wrt})
         for o in sweep.plan.outputs}
     logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
                 list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
-                where(client, None))
+                on.where() if on is not None else where(client, None))
     failed: dict[int, NodeError] = {}
+    chunks = 0
     if sweep.size:
         bar = Progress(sweep.size) if progress else None
         done = keep = None
@@ -157,19 +170,21 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 if errors == "raise" and fails:
                     # Failures are not kept (a resume computes those items again): the items
                     # that succeeded, in the pieces between them.
+                    _to_host(computed)
                     for a, b in _between(chunk, fails) if computed is not None else ():
                         store.later(lambda a=a, b=b: store.write(
                             a, b, chunk_hash(sweep, a, b), _rows(sweep, chunk, computed, (a, b))))
                     return
                 start, stop = chunk
+                _to_host(computed)
                 store.later(lambda: store.write(
                     start, stop, chunk_hash(sweep, start, stop),
                     computed and _as_rows(sweep, start, stop, computed), fails))
         try:
             left = sweep.size - (int(done.sum()) if done is not None else 0)
-            _compute(share(sweep, left, chunk_size, client, local), chunk_size, client,
-                     in_flight, bar, errors, stacked, failed, workers,
-                     done, keep, by_time, local)
+            chunks = _compute(share(sweep, left, chunk_size, client, local), chunk_size,
+                              client, in_flight, bar, errors, stacked, failed, workers,
+                              done, keep, by_time, local, on, on_device)
         except KeyboardInterrupt:
             if store is None:
                 raise
@@ -191,8 +206,19 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                 bar.close()
     if stacked is None and store is not None:  # (a lazy store's: dask arrays reading it)
         return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched,
-                                              sweep.lowering)), failed
-    return _finish(sweep, stacked), failed
+                                              sweep.lowering)), failed, chunks
+    results = _finish(sweep, stacked)
+    if on_device and on is None:
+        results = jax.device_put(results)
+    return results, failed, chunks
+
+
+def _to_host(computed) -> None:
+    """Start copying a chunk's results that are jax.Arrays to the host (a store's writer
+    reads them there), so that the devices go on meanwhile."""
+    for leaf in jax.tree.leaves(computed):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
 
 
 def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> np.ndarray:
@@ -217,24 +243,29 @@ def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
 
 
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
-             keep, by_time=False, local=None):
-    """Run the chunks on an engine: this process's threads (with ``local`` ``"sync"``, the
-    calling thread), or ``client``'s cluster, where the shared inputs and the chunk graph are
-    kept for later calls (:func:`~daskdag.running.resident.placing`)."""
+             keep, by_time=False, local=None, on=None, on_device=False) -> int:
+    """Run the chunks on an engine: this process's devices ``on``, its chunks sharded over
+    them (:class:`~daskdag.sweeps.devices.Devices`), this process's threads (with ``local``
+    ``"sync"``, the calling thread), or ``client``'s cluster, where the shared inputs and the
+    chunk graph are kept for later calls (:func:`~daskdag.running.resident.placing`). Returns
+    how many chunks ran."""
     with contextlib.nullcontext() if client is None else placing(client) as place:
-        engine: Threads | Cluster
-        if client is None:
+        engine: Threads | Cluster | devices.Devices
+        if on is not None:
+            shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
+            engine = devices.Devices(on, shared, bar, chunk_size, host=not on_device)
+        elif client is None:
             engine = Threads(in_flight, bar, here=local == "sync")
         else:
             shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
             engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
-        _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine, done,
-                    keep, by_time)
+        return _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
+                           done, keep, by_time)
 
 
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
-                done=None, keep=None, by_time=False):
+                done=None, keep=None, by_time=False) -> int:
     """Chunks in order, at most ``in_flight`` at once. An item that fails inside a chunk is kept
     with the chunk's results, its other items going on (:mod:`daskdag.sweeps.chunked`); a chunk
     that fails as a whole (a ``vmap=True`` node's program over it, a chunk of task graphs), or
@@ -246,7 +277,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     ``done``: items a store had already, not run again (a chunk runs its pieces not done).
     ``keep(chunk, computed, failed)``: takes each chunk's results and its failed items' errors
     before they count (a store writes them). ``by_time``: chunks are taken in pieces sized by
-    time (:class:`_Pieces`)."""
+    time (:class:`_Pieces`). Returns how many chunks ran (item by item reruns too)."""
+    sent = 0
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
@@ -271,14 +303,15 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
             batch = [source.popleft()  # type: ignore[union-attr]  # (never from the empty tuple)
                      for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
-                sent = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
-                                             for c in batch])
-                pending.update(zip(sent, batch))
+                futures = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
+                                                for c in batch])
+                sent += len(batch)
+                pending.update(zip(futures, batch))
                 began.update(dict.fromkeys(batch, time.monotonic()))
                 for c in batch if bar else ():
                     bar.open(c)
             if not pending:
-                break
+                return sent
             for fut in engine.wait_any(list(pending)):
                 c = pending.pop(fut)
                 err, seconds = _collect(engine, fut, sweep, c, stacked, failed, keep)

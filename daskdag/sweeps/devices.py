@@ -1,0 +1,310 @@
+"""A sweep on this process's devices: chunks as large as the devices' memory allows, each
+chunk's item axis sharded over the devices, its results left where they are.
+
+Where ``daskdag.sweep-devices`` names devices (:func:`placement`) and every node that carries
+items is ``vmap=True`` (:attr:`~daskdag.sweeps.planning.Sweep.vectorized`), a sweep on this
+process's threads runs its chunks with :class:`Devices`: a 1-D mesh of the devices, axis
+:data:`AXIS`; each chunk's items padded to a multiple of their count (the last item repeated,
+its results dropped) and put on them with ``jax.device_put`` along that axis (asynchronous);
+the shared inputs put once, replicated. A chunk's graph runs in the calling thread, which only
+dispatches its programs (a fused stage's forward and backward are one program), so the next
+chunk's items travel while it computes; at most :data:`DEPTH` chunks are in flight.
+
+Its chunk size (:func:`chunk_size`) comes from one item's bytes (:func:`item_bytes`: traced
+abstractly) and the devices' free memory (:func:`free_bytes`); whether its results stay on the
+devices, from ``daskdag.sweep-results`` (:func:`results_on_device`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+from functools import cached_property
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+from dask.task_spec import DataNode
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import daskdag.config as config
+from daskdag.caches import ByObject
+from daskdag.errors import DAGError
+from daskdag.model.leaves import is_array
+from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.sweeps import progress
+from daskdag.sweeps.chunked import chunk_of
+from daskdag.sweeps.engines import Done, chunk_graph, item_key, run_chunk
+from daskdag.sweeps.planning import Sweep
+from daskdag.sweeps.results import item_shapes
+
+AXIS = "items"  # the mesh axis a chunk's items are sharded along
+DEPTH = 2  # chunks in flight at once: one computing, the next one's items on their way
+FRACTION = 0.5  # of the devices' free memory, what the chunks in flight may take
+FALLBACK_BYTES = 4 * 2 ** 30  # an accelerator's free memory per device, where JAX does not say
+RESIDUALS = 3  # a node's value per item, kept this often while a chunk computes (value,
+#                residuals, cotangent)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices a sweep's chunks run on: a mesh of them, axis :data:`AXIS`."""
+
+    devices: tuple
+
+    @cached_property
+    def mesh(self) -> jax.sharding.Mesh:
+        return jax.make_mesh((len(self.devices),), (AXIS,), (AxisType.Auto,),
+                             devices=self.devices)
+
+    @cached_property
+    def items(self) -> NamedSharding:
+        """A chunk's items: their leading axis split over the devices."""
+        return NamedSharding(self.mesh, PartitionSpec(AXIS))
+
+    @cached_property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def count(self) -> int:
+        return len(self.devices)
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+    @property
+    def accelerator(self) -> bool:
+        return self.platform != "cpu"
+
+    def where(self) -> str:
+        """Where a sweep on them runs, in words (``CallInfo.where``)."""
+        n = self.count
+        return (f"this process ({n} {self.platform} device{'s' if n > 1 else ''}, the items "
+                f"sharded over {'them' if n > 1 else 'it'})")
+
+    def padded(self, count: int, width: int) -> int:
+        """The items a chunk of ``count`` runs: ``width`` (the sweep's chunk, a multiple of the
+        devices') where that at most doubles it, so that it runs the other chunks' program;
+        else ``count`` up to a multiple of the devices'."""
+        return width if width < 2 * count else -(-count // self.count) * self.count
+
+    def put(self, values: dict, count: int, padded: int) -> dict:
+        """A chunk's items (``count`` of them), padded to ``padded`` with copies of the last
+        one, put on the devices along :data:`AXIS` (asynchronously)."""
+        leaves, tree = jax.tree.flatten(values)
+        at = [k for k, a in enumerate(leaves) if is_array(a) and np.ndim(a)]
+        arrays = [_pad(leaves[k], padded - count) for k in at]
+        for k, a in zip(at, jax.device_put(arrays, self.items)):
+            leaves[k] = a
+        return jax.tree.unflatten(tree, leaves)
+
+    def replicate(self, value):
+        """A shared input, its arrays on every device (put once for all the chunks)."""
+        leaves, tree = jax.tree.flatten(value)
+        at = [k for k, a in enumerate(leaves) if is_array(a)]
+        for k, a in zip(at, jax.device_put([leaves[k] for k in at], self.replicated)):
+            leaves[k] = a
+        return jax.tree.unflatten(tree, leaves)
+
+
+def _pad(a, extra: int):
+    """``a`` with ``extra`` more rows, copies of its last."""
+    if not extra:
+        return a
+    if isinstance(a, jax.Array):
+        return jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)])
+    return np.concatenate([a, np.repeat(a[-1:], extra, axis=0)])
+
+
+def placement(sweep: Sweep, client, local: str | None) -> Placement | None:
+    """The devices ``sweep`` runs its chunks on (``daskdag.sweep-devices``), or None: chunks
+    sized for threads (a sweep on a cluster or Dask's processes scheduler, or one with nodes
+    that carry items and are not ``vmap=True``)."""
+    if client is not None or local == "processes" or not sweep.vectorized:
+        return None
+    devices = chosen(config.get("sweep-devices"))
+    return None if devices is None else _placement(devices)
+
+
+def chosen(setting) -> tuple | None:
+    """The devices ``daskdag.sweep-devices`` names: local devices of JAX's default platform."""
+    if setting in ("none", None, False):
+        return None
+    devices = jax.local_devices()
+    if setting == "auto":
+        return tuple(devices) if jax.default_backend() != "cpu" else None
+    if setting == "all":
+        return tuple(devices)
+    if isinstance(setting, str) and setting.isdigit():
+        setting = int(setting)
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        if setting > len(devices):
+            raise DAGError(f"daskdag.sweep-devices is {setting}, but this process has "
+                           f"{len(devices)} {jax.default_backend()} device"
+                           f"{'s' if len(devices) > 1 else ''}: {list(devices)}")
+        return tuple(devices[:setting])
+    raise DAGError(f"daskdag.sweep-devices is 'auto', 'all', 'none' or a number of devices, "
+                   f"not {setting!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _placement(devices: tuple) -> Placement:
+    return Placement(devices)
+
+
+def free_bytes(on: Placement) -> int:
+    """The devices' free memory, together: per device JAX's ``bytes_limit`` less
+    ``bytes_in_use`` (``Device.memory_stats()``); where JAX does not say, on CPU the host's
+    available memory (its devices share it), else :data:`FALLBACK_BYTES` a device."""
+    stats = [d.memory_stats() for d in on.devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        return sum(max(0, s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats)
+    if not on.accelerator:
+        import psutil  # (distributed's requirement)
+        return int(psutil.virtual_memory().available)
+    return FALLBACK_BYTES * on.count
+
+
+_item_bytes: ByObject[tuple[int, int]] = ByObject("sweeps' bytes per item", 64)
+
+
+def item_bytes(sweep: Sweep) -> tuple[int, int]:
+    """One item's bytes on the devices: ``(while its chunk computes, its results)``, from its
+    inputs', every node's value's and its results' shapes, traced abstractly
+    (:func:`~daskdag.model.shapes.abstract_values`), each node's value counted
+    :data:`RESIDUALS` times (at least twice its inputs' where a node cannot be traced). Kept
+    with the sweep's plan (its shapes are its preparation's)."""
+    hit = _item_bytes.get(sweep.plan)
+    if hit is not None:
+        return hit
+    plan = sweep.plan
+    avals = {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()}
+    nodes = abstract_values(plan.spec, plan.needed, avals,
+                            lambda node: (c.node if (c := chunk_of(node)) else node).callable())
+    inputs = sum(_nbytes(avals[i]) for i in sweep.carried())
+    values = sum(_nbytes(nodes[n]) for n in plan.needed
+                 if n in sweep.carrying and nodes[n] is not UNKNOWN)
+    shapes = item_shapes(plan, sweep.values, sweep.batched, sweep.lowering)
+    results = sum(_nbytes(v) for v in shapes[0].values() if v is not None) + sum(
+        _nbytes(g) for grads in shapes[1].values() for g in grads.values())
+    working = inputs + max(RESIDUALS * values, 2 * inputs) + results
+    return _item_bytes.put(plan, (working, results))
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)
+               if isinstance(a, jax.ShapeDtypeStruct))
+
+
+def results_on_device(sweep: Sweep, on: Placement | None) -> bool:
+    """Whether the sweep's results stay jax.Arrays (``daskdag.sweep-results``)."""
+    setting = config.get("sweep-results")
+    if setting in ("device", "host"):
+        return setting == "device"
+    if setting != "auto":
+        raise DAGError(f"daskdag.sweep-results is 'auto', 'device' or 'host', not {setting!r}")
+    return on is not None and on.accelerator and \
+        sweep.size * item_bytes(sweep)[1] <= free_bytes(on) / 2
+
+
+def chunk_size(sweep: Sweep, on: Placement, on_device: bool) -> int:
+    """Items per chunk: all of them where the devices' memory (:data:`FRACTION` of what is
+    free, less the results where they stay there) holds them; else as many as :data:`DEPTH`
+    chunks at once leave room for, in chunks of equal size. A multiple of the devices'
+    count."""
+    working, results = item_bytes(sweep)
+    budget = FRACTION * free_bytes(on) - (sweep.size * results if on_device else 0)
+    if sweep.size * working <= budget:
+        chunks = 1
+    else:
+        chunks = math.ceil(sweep.size * working * DEPTH / max(budget, 1.0))
+    per = math.ceil(sweep.size / chunks)
+    return max(on.count, -(-per // on.count) * on.count)
+
+
+class Devices:
+    """The engine of a sweep on ``on``'s devices (the module's docstring): chunks dispatched
+    from the calling thread, each on its way as it is submitted; before another is, the
+    oldest of :data:`DEPTH` in flight is waited for. ``width``: the sweep's chunk size;
+    ``host``: results copied to the host as they come (``copy_to_host_async``) and returned
+    as NumPy arrays; else left where they are."""
+
+    def __init__(self, on: Placement, shared: dict, bar, width: int, host: bool):
+        self.on, self.bar, self.host = on, bar, host
+        self.width = -(-width // on.count) * on.count
+        self.shared = {name: on.replicate(value) for name, value in shared.items()}
+        self.flying: deque = deque()  # the results of the chunks in flight, oldest first
+        self.graph: tuple | None = None  # (sweep, its chunk graph: engines.chunk_graph)
+        self.stop = threading.Event()
+
+    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
+        """``chunks``: ``[((start, stop), steps)]``; returns a finished future for each."""
+        return [self._submit(sweep, chunk, steps) for chunk, steps in chunks]
+
+    def _submit(self, sweep, chunk: tuple[int, int], steps: int):
+        while len(self.flying) >= DEPTH:
+            jax.block_until_ready(self.flying.popleft())
+        start, stop = chunk
+        count = stop - start
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        bar = self.bar
+        report = None if bar is None else (lambda f: bar.report(chunk, f))
+        try:
+            values = self.on.put(sweep.items(start, stop), count,
+                                 self.on.padded(count, self.width))
+            tasks, key = self._graph(sweep)
+            tasks = {**tasks, **{item_key(n): DataNode(item_key(n), v) for n, v in values.items()}}
+            done = run_chunk(progress.ChunkRun(steps, self.stop.is_set, report, items=count),
+                             lambda: dask.get(tasks, key))
+        except Exception as e:
+            future.set_exception(e)
+            return future
+        if done.computed is not None:
+            self.flying.append(done.computed)
+            if self.host:
+                for leaf in jax.tree.leaves(done.computed):
+                    if isinstance(leaf, jax.Array):
+                        leaf.copy_to_host_async()
+        future.set_result((done, count, sweep.carrying))
+        return future
+
+    def _graph(self, sweep) -> tuple[dict, str]:
+        """``sweep``'s chunk graph, made once (its shared inputs in it, already on the
+        devices), which each chunk runs with its items bound."""
+        if self.graph is None or self.graph[0] is not sweep:
+            self.graph = (sweep, chunk_graph(sweep, {}))
+        return self.graph[1]
+
+    def wait_any(self, futures) -> set:
+        return set(futures)  # (each finished as it was submitted; its device work may not be)
+
+    def result(self, future) -> Done:
+        """The chunk's :class:`~daskdag.sweeps.engines.Done`, its padding dropped."""
+        done, count, carrying = future.result()
+        if done.computed is None:
+            return done
+        def trim(a):  # (an array leaf with the item axis)
+            if not is_array(a):
+                return a
+            return np.asarray(a)[:count] if self.host else a[:count] if len(a) != count else a
+
+        def whole(a):  # (the same for every item)
+            return np.asarray(a) if self.host and is_array(a) else a
+
+        computed = {o: (jax.tree.map(trim if o in carrying else whole, value),
+                        jax.tree.map(trim, grads)) for o, (value, grads) in done.computed.items()}
+        return Done(computed, done.failed, done.seconds)
+
+    def release(self, future):
+        pass
+
+    def close(self):
+        self.stop.set()
+        self.flying.clear()
