@@ -18,9 +18,10 @@ so). It prints, and with ``--json`` writes:
      ``jax.vjp`` plumbing and against one ``jax.jit`` of everything (the gate written with
      ``jnp.where``);
    - ``eager_on_cpu``: an eager node of 200 small ops, inside the DAG, on the accelerator
-     against on the host's CPU (``Node(device="cpu")``): how many times faster on the CPU;
-   - ``prepared``: a prepared all-jit ``value_and_grad`` in a loop against ``jax.jit`` of the
-     composed function's, at n=64 and n=2048;
+     against on the host's CPU (``Node(device="cpu")``): how many times faster on the CPU, in
+     a call that runs it forward only and in one that differentiates through it;
+   - ``prepared``: a prepared all-jit ``value_and_grad`` (two n x n matmuls on an n x n
+     input) in a loop against ``jax.jit`` of the composed function's, at n=64 and n=2048;
    - ``sweep``: ``sweep_grads`` of ``vmap=True`` nodes over 16,384 items of 256 floats against
      ``jax.jit(jax.vmap(jax.value_and_grad(f)))``.
 
@@ -238,13 +239,19 @@ def ratio_eager_on_cpu(quick: bool) -> dict:
     def loss(a):
         return jnp.sum(a ** 2)
 
-    x = {"x": np.linspace(0, 1, 64, dtype=np.float32)}
-    here = {"A": daskdag.Node(small, ["x"]), "L": (loss, ["A"])}
-    cpu = {"A": daskdag.Node(small, ["x"], device="cpu"), "L": (loss, ["A"])}
-    t = side_by_side({"default": lambda: daskdag.compute_grads(here, x, ["L"])["L"].grad,
-                      "cpu": lambda: daskdag.compute_grads(cpu, x, ["L"])["L"].grad}, 5)
+    def tail(a, y):
+        return jnp.sum(a ** 2 * y)
+
+    x = {"x": np.linspace(0, 1, 64, dtype=np.float32), "y": np.float32(0.5)}
+    here = {"A": daskdag.Node(small, ["x"]), "L": (tail, ["A", "y"])}
+    cpu = {"A": daskdag.Node(small, ["x"], device="cpu"), "L": (tail, ["A", "y"])}
+    # (wrt=["y"]: the node runs forward only; wrt=["x"]: under jax.vjp, and pulled back)
+    t = side_by_side({f"{where}_{wrt}": (lambda dag, wrt: lambda: daskdag.compute_grads(
+        dag, x, ["L"], wrt=[wrt])["L"].grad)(dag, wrt)
+        for where, dag in (("default", here), ("cpu", cpu)) for wrt in ("y", "x")}, 5)
     return {"seconds": t, "platform": jax.default_backend(),
-            "cpu_faster_by": t["default"] / t["cpu"]}
+            "cpu_faster_by": t["default_y"] / t["cpu_y"],
+            "cpu_faster_by_with_gradient": t["default_x"] / t["cpu_x"]}
 
 
 def ratio_prepared(n: int) -> dict:
@@ -264,8 +271,8 @@ def ratio_prepared(n: int) -> dict:
            "L": daskdag.Node(loss, ["B"], jit=True)}
     f = daskdag.value_and_grad(dag, "L")
     g = jax.jit(jax.value_and_grad(lambda x: loss(b(a(x)))))
-    x = jnp.asarray(rng.standard_normal(n, np.float32))
-    loops = 200
+    x = jnp.asarray(rng.standard_normal((n, n), np.float32))
+    loops = 200 if n <= 256 else 20
 
     def loop(fn):
         def run():

@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import dask
+import dask.core
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dask.callbacks import Callback
 from dask.task_spec import DataNode
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -261,8 +264,11 @@ class Devices:
                                  self.on.padded(count, self.width))
             tasks, key = self._graph(sweep)
             tasks = {**tasks, **{item_key(n): DataNode(item_key(n), v) for n, v in values.items()}}
+            # (Dask's synchronous scheduler where a Dask callback watches tasks; else the
+            # graph's tasks run in order here, without a scheduler's bookkeeping)
+            get = dask.get if Callback.active else dask.core.get
             done = run_chunk(progress.ChunkRun(steps, self.stop.is_set, report, items=count),
-                             lambda: dask.get(tasks, key))
+                             lambda: get(tasks, key))
         except Exception as e:
             future.set_exception(e)
             return future
