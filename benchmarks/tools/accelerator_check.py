@@ -242,7 +242,8 @@ def ratio_eager_on_cpu(quick: bool) -> dict:
     def tail(a, y):
         return jnp.sum(a ** 2 * y)
 
-    x = {"x": np.linspace(0, 1, 64, dtype=np.float32), "y": np.float32(0.5)}
+    # (JAX arrays on the default device: NumPy inputs would run the node in NumPy)
+    x = {"x": jnp.linspace(0, 1, 64, dtype=jnp.float32), "y": jnp.float32(0.5)}
     here = {"A": daskdag.Node(small, ["x"]), "L": (tail, ["A", "y"])}
     cpu = {"A": daskdag.Node(small, ["x"], device="cpu"), "L": (tail, ["A", "y"])}
     # (wrt=["y"]: the node runs forward only; wrt=["x"]: under jax.vjp, and pulled back)
