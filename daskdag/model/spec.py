@@ -90,8 +90,8 @@ class Node:
         return {**devices.resources(self.device), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        """The node's function as it runs here: ``jax.jit`` of it where ``jit``, made once per
-        content (:func:`jitted`), else the plain function."""
+        # The node's function as it runs here: jax.jit of it where jit, made once per content
+        # (jitted), else the plain function.
         return jitted(self.fn) if self.jit else unwrap(self.fn)
 
     def __reduce__(self) -> tuple:
