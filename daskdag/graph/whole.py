@@ -53,41 +53,45 @@ class WholeGradients:
     """The call's gradients as one program (see the module's docstring): ``stage``, its
     ``outputs`` (per output of the call: its name, its place among the stage's outputs, and
     whether a differentiated input reaches it), ``wrt`` (per differentiated input: its name and
-    its place among the stage's deps) and ``nodes`` (the stage's, a prepared call's). It
+    its place among the stage's deps) and ``nodes`` (the stage's, a prepared call's);
+    ``rows``: each output's gradients are its Jacobian's rows, compressed by ``colours`` (a
+    sparse Jacobian's, as :attr:`daskdag.graph.tasks.Rows.colours`) where it has them. It
     travels as those (a cluster's worker keeps it, and compiles it once: :func:`one_task`)."""
 
     def __init__(self, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node],
-                 rows: bool = False):
+                 rows: bool = False, colours: tuple = ()):
         self.stage, self.outputs, self.wrt, self.nodes = stage, outputs, wrt, tuple(nodes)
-        self.rows = rows
+        self.rows, self.colours = rows, colours
         self.active = stage.dep_active()
         self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
         self._program = jax.jit(self._run, static_argnums=0)
         self._then: dict[Any, Callable] = {}
 
     @classmethod
-    def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False
-           ) -> WholeGradients:
+    def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False,
+           colours: tuple = ()) -> WholeGradients:
         """The program of ``plan``, whose whole call is ``stage`` (:func:`whole_stage`);
         ``shared``: the one made already (:func:`made_once`), for a program that runs in this
         process; ``rows``: each output's gradients are its Jacobian's rows (the identity's rows
-        over its elements pulled back, as a :class:`~daskdag.graph.tasks.Rows` seeding does)."""
+        over its elements pulled back, as a :class:`~daskdag.graph.tasks.Rows` seeding does),
+        compressed where ``colours`` (its ``colours``) gives an output's."""
         outputs = tuple((o, stage.outputs.index(o), o in plan.active) for o in plan.outputs)
         wrt = tuple((i, stage.deps.index(i)) for i in plan.wrt)
         nodes = [plan.spec.nodes[n] for n in stage.nodes]
         if not shared:
-            return cls(stage, outputs, wrt, nodes, rows)
-        return made_once(lambda: cls(stage, outputs, wrt, nodes, rows),
-                         (cls, stage, outputs, wrt, rows), nodes)
+            return cls(stage, outputs, wrt, nodes, rows, colours)
+        return made_once(lambda: cls(stage, outputs, wrt, nodes, rows, colours),
+                         (cls, stage, outputs, wrt, rows, colours), nodes)
 
     def __reduce__(self):
-        return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes, self.rows)
+        return _receive, (self.token, self.stage, self.outputs, self.wrt, self.nodes, self.rows,
+                          self.colours)
 
     @cached_property
     def token(self) -> str:
         """What the program is, as a token: the same for the same stage, outputs, inputs and
         node functions (their content tokens, where they are packed)."""
-        return tokenize(self.stage, self.outputs, self.wrt, self.nodes, self.rows)
+        return tokenize(self.stage, self.outputs, self.wrt, self.nodes, self.rows, self.colours)
 
     def __call__(self, values: dict[str, Any], cotangents: dict[str, Any],
                  then: Callable[[dict], Any] | None = None) -> Any:
@@ -124,11 +128,12 @@ class WholeGradients:
             if not self.wrt:
                 out.append((values[e], ()))
                 continue
-            lead = (basis_rows(values[e]),) if self.rows else ()
+            colours = dict(self.colours).get(o)
+            lead = (basis_rows(values[e], colours),) if self.rows else ()
             if reached:
                 _, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
-                pulled = (jax.vmap(lambda c: vjp_fn(list(c)))(basis(o, values[e])) if self.rows
-                          else vjp_fn(list(seed(values[e], o, ct))))
+                pulled = (jax.vmap(lambda c: vjp_fn(list(c)))(basis(o, values[e], colours))
+                          if self.rows else vjp_fn(list(seed(values[e], o, ct))))
                 shares = by_arg(pulled, self.active, diff_counts(args, self.active))
             else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
                 shares = (None,) * len(args)
@@ -150,7 +155,8 @@ def made_once(make: Callable[[], Any], what: tuple, nodes: Sequence[Node]) -> An
     parts = [n.fn.token if isinstance(n.fn, Function) else current(n.fn) for n in nodes]
     key = (*what, tuple(p if isinstance(p, str) else id(p) for p in parts))
     hit = _made.get(key)
-    if hit is not None and all(isinstance(p, str) or p is f
+    # (its functions held weakly: one made for a function since gone is made anew)
+    if hit is not None and all((f is not None) if isinstance(p, str) else p is f
                                for p, f in zip(parts, hit.fused.fns)):
         return hit
     return _made.put(key, make())
@@ -162,10 +168,10 @@ _received: Cache[WholeGradients] = Cache("whole programs received", 32)
 
 
 def _receive(token: str, stage: Stage, outputs: tuple, wrt: tuple, nodes: Sequence[Node],
-             rows: bool) -> WholeGradients:
+             rows: bool, colours: tuple) -> WholeGradients:
     hit = _received.get(token)
     if hit is None:
-        hit = _received.put(token, WholeGradients(stage, outputs, wrt, nodes, rows))
+        hit = _received.put(token, WholeGradients(stage, outputs, wrt, nodes, rows, colours))
         hit.token = token
     return hit
 

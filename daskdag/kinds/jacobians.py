@@ -22,7 +22,8 @@ from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
 from daskdag.model.jacobian_layout import (dense_jacobian, dense_jacobian_of_columns, flat_rows,
-                                           jacrev_layout, joined, laid_out, row_template)
+                                           float_type, jacrev_layout, joined, laid_out,
+                                           row_template)
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.plan import Plan, make_plan
@@ -287,7 +288,8 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
         # (a sweep's jax.Arrays, on the devices that computed them, stay there)
         xp = jnp if items and pushed and all(isinstance(p, jax.Array) for p in pushed) else np
         passes = (xp.concatenate(pushed, axis=-1) if pushed else
-                  np.zeros((*lead, k, _per_item(value, items))))  # (each leaf's elements)
+                  np.zeros((*lead, k, _per_item(value, items)),  # (each leaf's elements)
+                           float_type(value)))
         if patterns is None:
             full = xp.swapaxes(passes, -1, -2)
         else:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.model.leaves import PyTree, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.request import one_input
 
@@ -25,6 +25,12 @@ def flat_rows(rows: PyTree) -> np.ndarray:
     """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
     leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
     return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
+
+
+def float_type(value: PyTree):
+    """The dtype of ``value``'s Jacobians: its differentiable leaves' (float32 where none)."""
+    leaves = differentiable_leaves(value)
+    return jnp.result_type(*leaves) if leaves else jnp.float32
 
 
 def row_template(rows: PyTree) -> PyTree:
@@ -107,8 +113,12 @@ def dense_jacobian_of_columns(names: tuple[str, ...], single: bool, templates: t
     flattened (``(treedef, leaves)``)."""
     widths = [sum(int(np.prod(leaf.shape)) for leaf in leaves if leaf is not None)
               for _, leaves in templates]
-    full = (jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
-            if columns else jnp.zeros((0, sum(widths))))  # (an output of no float leaves)
+    if columns:
+        full = jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
+    else:  # (no tangent reached the output: it reads none of the inputs, or has no float leaf)
+        leaves = differentiable_leaves(value)
+        full = jnp.zeros((sum(int(np.prod(np.shape(leaf))) for leaf in leaves), sum(widths)),
+                         float_type(value))
     rows, start = {}, 0
     for i, (treedef, leaves), width in zip(names, templates, widths):
         rows[i] = stacked_rows(full[:, start:start + width], treedef.unflatten(leaves))

@@ -14,7 +14,6 @@ import jax
 from dask.sizeof import sizeof
 
 import daskdag.config as config
-from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.model import devices
 from daskdag.model.custom import Custom
@@ -90,9 +89,10 @@ class Node:
         return {**devices.resources(self.device), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        # The node's function as it runs here: jax.jit of it where jit, made once per content
-        # (jitted), else the plain function.
-        return jitted(self.fn) if self.jit else unwrap(self.fn)
+        # jax caches compilations by the wrapped function; a packed one is jitted as the one
+        # object its process keeps for its content (a lifted node's: the one equal lift, see
+        # daskdag.rules.lifted).
+        return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
 
     def __reduce__(self) -> tuple:
         # The function travels packed (by value where it is the user's code), whoever pickles it.
@@ -101,20 +101,6 @@ class Node:
         return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
                       *(pack(r, as_function=True) if r is not None else None for r in rules),
                       self.remat)
-
-
-# function, as this process runs its content -> its jax.jit; jax caches compilations by the
-# jitted function, so an unchanged node's function is jitted once and never compiled again
-_jitted: Cache = Cache("jitted node functions", 1024)
-
-
-def jitted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``jax.jit`` of the node function ``fn`` (maybe packed), the same object for as long as
-    its content holds: a packed function is taken as the one object its process keeps for its
-    content (:func:`~daskdag.transport.packing.current`); a function object equal to one met
-    before (a lifted node's, :class:`daskdag.rules.lifted.Lift`) as that one."""
-    fn = current(fn)
-    return _jitted.setdefault(fn, lambda: jax.jit(fn))
 
 
 @dataclass(frozen=True)

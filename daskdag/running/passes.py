@@ -124,8 +124,8 @@ class Passes:
         ``kept``, a call now runs ``kept``'s passes."""
         stages = stages_for(plan, transport.packs)
         stage = whole_stage(plan, stages)
-        whole = None if stage is None else WholeGradients.of(plan, stage, not transport.packs,
-                                                              rows is not None)
+        whole = None if stage is None else WholeGradients.of(
+            plan, stage, not transport.packs, rows is not None, rows.colours if rows else ())
         made = cls(plan, stages, inputs, transport, rows, whole, kept=kept, lowering=lowering)
         _ = made.template  # (built now, with the program: a call only fills it)
         return made
