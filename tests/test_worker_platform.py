@@ -131,11 +131,18 @@ class _Worker:  # (what the plugin reads of a worker)
 def _plugin_from_elsewhere(setting):
     """A Platform plugin as a worker process receives it: made in another process."""
     plugin = worker_setup.Platform(setting)
-    worker_setup._made_here.discard(plugin.made_in)
+    plugin.made_in = ("another host", -1)
     return plugin
 
 
+def _no_device_chosen(monkeypatch):
+    """This process's environment as a worker's that chose no platform or device."""
+    for name in worker_setup.CHOSEN_BY:
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_a_worker_for_the_cpu_already_on_an_accelerator_is_named(monkeypatch):
+    _no_device_chosen(monkeypatch)
     monkeypatch.setattr(worker_setup, "jax_on_cpu", lambda: "tpu")
     plugin = _plugin_from_elsewhere("auto")
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 already runs JAX on 'tpu'"
@@ -148,6 +155,7 @@ def test_a_worker_that_cannot_open_its_tpu_is_named(monkeypatch):
     def held_elsewhere():
         raise RuntimeError("Unable to initialize backend 'tpu': ABORTED: Internal error when "
                            "accessing libtpu multi-process lockfile.")
+    _no_device_chosen(monkeypatch)
     monkeypatch.setattr(worker_setup, "_open_jax", held_elsewhere)
     plugin = _plugin_from_elsewhere("auto")
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 keeps its accelerator "
@@ -173,7 +181,7 @@ def test_a_worker_that_cannot_open_its_accelerator_stops_the_call():
 @pytest.mark.timeout(120)
 def test_a_worker_in_the_clients_process_shares_its_jax(monkeypatch):
     """LocalCluster(processes=False): the worker is this process, whose JAX is the user's."""
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    _no_device_chosen(monkeypatch)
     before = jax.config.jax_platforms
     with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
                       dashboard_address=":0") as cluster, \

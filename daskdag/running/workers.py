@@ -36,8 +36,8 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import socket
 import sys
-import uuid
 
 import cloudpickle
 
@@ -151,7 +151,7 @@ def _platform_class() -> type:
         async def setup(self, worker=None):
             resources = dict(worker.state.total_resources) if worker is not None else {}
             where = f"worker {worker.address}" if worker is not None else "this worker"
-            if self.made_in in getattr(sys.modules.get(__name__), "_made_here", ()):
+            if self.made_in == _here():
                 # (a worker in the client's own process: LocalCluster(processes=False))
                 self.on_cpu, self.reason = False, "it runs in the client's process, sharing its JAX"
                 return
@@ -184,16 +184,10 @@ def _platform_class() -> type:
     return Platform
 
 
-_made_here: set[str] = set()  # the Platform plugins made in this process
-
-
-def _here() -> str:
-    """A new Platform plugin's mark, remembered in this process: a worker that finds it in
-    :data:`_made_here` (read through ``sys.modules``: the plugin travels by value) runs in the
-    process that made the plugin."""
-    mark = uuid.uuid4().hex
-    _made_here.add(mark)
-    return mark
+def _here() -> tuple[str, int]:
+    """This process, as a Platform plugin remembers where it was made: a worker that finds the
+    same host and process id runs in the client's own process."""
+    return socket.gethostname(), os.getpid()
 
 
 def decide(setting: str, resources: dict, environ) -> tuple[bool, str]:
