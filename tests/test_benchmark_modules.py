@@ -3,6 +3,7 @@ package that breaks ``make bench`` fails here, in seconds, without running a sce
 scenarios themselves run in ``tests/test_benchmarks.py``, with ``DASKDAG_BENCH=1``)."""
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,20 @@ def test_runner_help():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--only" in out.stdout
+
+
+@pytest.mark.timeout(900)
+def test_accelerator_check_runs_on_a_cpu(tmp_path):
+    """``benchmarks/tools/accelerator_check.py --quick``, as it runs on an accelerator host but
+    at small sizes: no compilation after the first round, every cell of the matrix right, the
+    ratios measured (the figures themselves are for an accelerator: not checked here)."""
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "benchmarks/tools/accelerator_check.py", "--quick",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=880)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["compiles"]["rounds"][1:] == [0, 0]
+    assert got["matrix"]["count"] == 60 and all(got["matrix"]["cells"].values())
+    assert got["hybrid"]["right"] and got["sweep"]["right"]
+    assert {p["n"] for p in got["prepared"]} == {64, 256}

@@ -206,6 +206,31 @@ def _complete(mark: Path) -> bool:
         return False
 
 
+def killed_once_stored(kind: str, form: str, count: Path, flag: Path, store: Path,
+                       address: str = "", env: dict | None = None) -> str | None:
+    """The call of ``kind`` in ``form`` started in a child process (``every_kind_child.py``,
+    with ``env``; on the cluster at ``address``, else threads), its gate waiting for ``flag``,
+    and SIGKILLed once ``store`` holds the trunk's stage: None, or why that did not happen."""
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("every_kind_child.py")), kind, form,
+         str(count), str(flag), str(store), address],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(_complete(mark) for mark in store.glob("stages/*%3AT%3A*/zarr.json")):
+            if child.poll() is not None:
+                return f"the child ended: {child.stdout.read().decode()[-3000:]}"
+            if time.monotonic() > deadline:
+                return "the trunk's stage never reached the store"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return None
+
+
 def runs(path: Path) -> int:
     jax.effects_barrier()
     return len(path.read_text()) if path.exists() else 0
@@ -270,21 +295,8 @@ def test_stored_resumed_after_a_kill(kind, form, placed, tmp_path):
     the same call here resumes: the trunk does not run again, and the results are JAX's."""
     count, flag, store = tmp_path / "runs", tmp_path / "flag", tmp_path / "store"
     address = placed.scheduler.address if placed is not None else ""
-    child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("every_kind_child.py")), kind, form,
-         str(count), str(flag), str(store), address],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while not any(_complete(mark) for mark in store.glob("stages/*%3AT%3A*/zarr.json")):
-            assert child.poll() is None, child.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the trunk's stage never reached the store"
-            time.sleep(0.05)
-        child.send_signal(signal.SIGKILL)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    failed = killed_once_stored(kind, form, count, flag, store, address)
+    assert failed is None, failed
     assert runs(count) == 1
     flag.touch()
     check(call(kind, form, make_dag(str(count), str(flag)), P, placed, store=str(store)),

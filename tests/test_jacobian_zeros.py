@@ -73,7 +73,7 @@ def test_an_output_that_does_not_read_the_input(kind, mode, layout, shape):
 def test_prepared_and_swept(kind, mode, shape):
     x = _inputs(SHAPES[shape])
     f = daskdag.value_and_jacobian(_dag(kind), "n0", wrt=["x0"], mode=mode)
-    value, jac = f(x)
+    _, jac = f(x)
     jac = _x0(jac)
     want = _want(x, "n0")
     assert np.shape(jac) == want.shape and not np.any(np.asarray(jac))

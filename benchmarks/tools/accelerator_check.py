@@ -35,8 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -191,22 +189,10 @@ def stored(m, kind: str, form: str, work: Path) -> bool:
     count, flag, store = folder / "runs", folder / "flag", folder / "store"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "every_kind_child.py"), kind,
-                              form, str(count), str(flag), str(store), ""], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while not any(m._complete(mark) for mark in store.glob("stages/*%3AT%3A*/zarr.json")):
-            if child.poll() is not None or time.monotonic() > deadline:
-                print(f"  {kind}/{form}/stored: the child ended or hung: "
-                      f"{child.stdout.read().decode()[-1500:]}", flush=True)
-                return False
-            time.sleep(0.05)
-        child.send_signal(signal.SIGKILL)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    failed = m.killed_once_stored(kind, form, count, flag, store, env=env)
+    if failed is not None:
+        print(f"  {kind}/{form}/stored: {failed[-1500:]}", flush=True)
+        return False
     flag.touch()
     got = m.call(kind, form, m.make_dag(str(count), str(flag)), m.P, store=str(store))
     return close(got, m.want(kind, m.P)) and m.runs(count) == 1
@@ -246,10 +232,13 @@ def ratio_eager_on_cpu(quick: bool) -> dict:
     x = {"x": jnp.linspace(0, 1, 64, dtype=jnp.float32), "y": jnp.float32(0.5)}
     here = {"A": daskdag.Node(small, ["x"]), "L": (tail, ["A", "y"])}
     cpu = {"A": daskdag.Node(small, ["x"], device="cpu"), "L": (tail, ["A", "y"])}
+    def grads(dag: dict, wrt: str):
+        return lambda: daskdag.compute_grads(dag, x, ["L"], wrt=[wrt])["L"].grad
+
     # (wrt=["y"]: the node runs forward only; wrt=["x"]: under jax.vjp, and pulled back)
-    t = side_by_side({f"{where}_{wrt}": (lambda dag, wrt: lambda: daskdag.compute_grads(
-        dag, x, ["L"], wrt=[wrt])["L"].grad)(dag, wrt)
-        for where, dag in (("default", here), ("cpu", cpu)) for wrt in ("y", "x")}, 5)
+    t = side_by_side({f"{where}_{wrt}": grads(dag, wrt)
+                      for where, dag in (("default", here), ("cpu", cpu)) for wrt in ("y", "x")},
+                     5)
     return {"seconds": t, "platform": jax.default_backend(),
             "cpu_faster_by": t["default_y"] / t["cpu_y"],
             "cpu_faster_by_with_gradient": t["default_x"] / t["cpu_x"]}
