@@ -1,6 +1,7 @@
 """Every benchmark module imports, and the runner's command line answers: a change to the
 package that breaks ``make bench`` fails here, in seconds, without running a scenario (the
-scenarios themselves run in ``tests/test_benchmarks.py``, with ``DASKDAG_BENCH=1``)."""
+scenarios themselves run in ``tests/test_benchmarks.py``, with ``DASKDAG_BENCH=1``). And the
+accelerator check (``benchmarks/tools/accelerator_check.py``) runs at small sizes on the CPU."""
 
 import importlib
 import json
