@@ -135,6 +135,13 @@ def _plugin_from_elsewhere(setting):
     return plugin
 
 
+def _names_of(plugin) -> dict:
+    """The globals the plugin's ``setup`` reads: its module's, or, once a plugin of its class
+    was unpickled in this process (the class travels by value: cloudpickle then sets the
+    class's methods anew), a copy of them."""
+    return type(plugin).setup.__globals__
+
+
 def _no_device_chosen(monkeypatch):
     """This process's environment as a worker's that chose no platform or device."""
     for name in worker_setup.CHOSEN_BY:
@@ -143,8 +150,8 @@ def _no_device_chosen(monkeypatch):
 
 def test_a_worker_for_the_cpu_already_on_an_accelerator_is_named(monkeypatch):
     _no_device_chosen(monkeypatch)
-    monkeypatch.setattr(worker_setup, "jax_on_cpu", lambda: "tpu")
     plugin = _plugin_from_elsewhere("auto")
+    monkeypatch.setitem(_names_of(plugin), "jax_on_cpu", lambda: "tpu")
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 already runs JAX on 'tpu'"
                                            r".*no GPU or TPU resource.*--resources TPU=1"):
         asyncio.run(plugin.setup(_Worker({})))
@@ -156,8 +163,8 @@ def test_a_worker_that_cannot_open_its_tpu_is_named(monkeypatch):
         raise RuntimeError("Unable to initialize backend 'tpu': ABORTED: Internal error when "
                            "accessing libtpu multi-process lockfile.")
     _no_device_chosen(monkeypatch)
-    monkeypatch.setattr(worker_setup, "_open_jax", held_elsewhere)
     plugin = _plugin_from_elsewhere("auto")
+    monkeypatch.setitem(_names_of(plugin), "_open_jax", held_elsewhere)
     with pytest.raises(RuntimeError, match=r"worker tcp://10.0.0.7:4321 keeps its accelerator "
                                            r"\(it advertises the resource TPU\).*lockfile.*"
                                            r"one worker process per device"):
