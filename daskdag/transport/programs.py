@@ -122,7 +122,9 @@ def load(key: str, data: bytes) -> Callable:
                 f"{_this_process()} runs JAX on '{here}', but a backward program it received "
                 f"was exported for {exported.platforms} only (those JAX could lower it for where "
                 f"it was made): run its node's backward on one of those")
-        program = jax.jit(exported.call).lower(*exported.in_avals).compile()
+        # (compiled at its first call, for the device its arguments are on: a node placed on
+        # another device than the default runs its received backward there)
+        program = jax.jit(exported.call)
         _compiled.put(key, program)
         _stats["compiled"] += 1
         return program
