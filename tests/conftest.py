@@ -1,4 +1,5 @@
-"""Fixtures only; the harnesses they use are in ``tests/support/``."""
+"""Fixtures, and the hooks that show every cluster process's stacks before pytest-timeout ends
+a test; the harnesses they use are in ``tests/support/``."""
 
 
 import jax
@@ -7,9 +8,24 @@ import pytest
 
 pytest.register_assert_rewrite("tests.support")
 
+from .support import hangs  # noqa: E402
 from .support.clusters import DaskCLI, local_cluster  # noqa: E402
 from .support.faults import watching_distributed  # noqa: E402
 from .support.numbers import Counted, seed_functions  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True, wrapper=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's timer, and a few seconds before it fires, the stacks of every process of
+    the test's clusters (a ``cluster`` test), written to its stderr (:func:`hangs.arm`)."""
+    hangs.arm(item, settings.timeout)
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True, wrapper=True)
+def pytest_timeout_cancel_timer(item):
+    hangs.disarm(item)
+    return (yield)
 
 
 @pytest.fixture

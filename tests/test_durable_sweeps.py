@@ -174,7 +174,8 @@ def files(store: Path) -> dict[str, bytes]:
     ("dag", "the DAG's nodes ['loss'] differ"),
     ("outputs", "outputs was"),
     ("chunk_size", "chunk_size was 8, is now 5"),
-    ("x64", "x64 was False, is now True"),
+    ("x64", "JAX's jax_enable_x64 was False, is now True"),
+    ("precision", "JAX's jax_default_matmul_precision was None, is now 'highest'"),
 ])
 def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, what):
     m = dag_module(tmp_path)
@@ -196,9 +197,9 @@ def test_a_store_refuses_another_sweep_naming_what_changed(tmp_path, change, wha
                                            cotangents={"h": jnp.ones(4)}, store=store)
     else:
         call = lambda: sweep(dag, store, xs, **kw)
-    if change == "x64":
+    if change in ("x64", "precision"):
         import jax
-        with jax.enable_x64(True):
+        with jax.enable_x64(True) if change == "x64" else jax.default_matmul_precision("highest"):
             with pytest.raises(daskdag.StoreError, match=what.replace("[", r"\[").replace("]", r"\]")):
                 call()
     else:

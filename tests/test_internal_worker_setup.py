@@ -12,13 +12,14 @@ import pytest
 
 import daskdag
 from daskdag.running import workers as worker_setup
+from daskdag.transport import malloc
 from .support.clusters import DaskCLI, local_client
 from .support.numbers import assert_tree_close
 
 X = jnp.linspace(-1.0, 1.0, 5)
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-EXPECTED = {"M_MMAP_THRESHOLD": worker_setup.MMAP_THRESHOLD,
-            "M_TRIM_THRESHOLD": worker_setup.TRIM_THRESHOLD}
+EXPECTED = {"M_MMAP_THRESHOLD": malloc.MMAP_THRESHOLD,
+            "M_TRIM_THRESHOLD": malloc.TRIM_THRESHOLD}
 
 
 def _dag():

@@ -26,15 +26,15 @@ RULES = ("vjp", "fwd", "bwd", "jvp")  # a node's own rules, beside its function
 def common(dag) -> dict:
     """What every stored record holds: the format, the versions of daskdag and JAX, each node's
     parts (:func:`node_parts`) under ``"dag"``, and the settings the numbers depend on
-    (``dask.config``'s ``daskdag.*`` and JAX's x64)."""
+    (``dask.config``'s ``daskdag.*`` and JAX's, :class:`~daskdag.transport.scope.JaxSettings`)."""
     from daskdag import __version__
 
     spec = parse(dag)
     digests: dict = {}
     nodes = {n: node_parts(n, node, digests) for n, node in spec.nodes.items()}
-    x64, ours = settings()
+    jax_settings, ours = settings()
     return {"format": FORMAT, "daskdag": __version__, "jax": jax.__version__, "dag": nodes,
-            "x64": x64, "settings": plain(dict(ours))}
+            "jax settings": plain(jax_settings.as_dict()), "settings": plain(dict(ours))}
 
 
 def node_parts(name: str, node: Node, digests: dict | None = None) -> dict:
@@ -125,6 +125,9 @@ def differences(stored: dict, mine: dict) -> list[str]:
         elif k in ("shared", "inputs") and isinstance(a, dict) and isinstance(b, dict):
             names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
             out.append(f"the {'shared ' if k == 'shared' else ''}inputs {names} differ")
+        elif k == "jax settings" and isinstance(a, dict) and isinstance(b, dict):
+            out.extend(f"JAX's {n} was {a.get(n)!r}, is now {b.get(n)!r}"
+                       for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n))
         elif k in ("cotangents", "tangents", "directions"):
             out.append(f"the {k} differ")
         else:

@@ -25,6 +25,7 @@ from dask.task_spec import GraphNode, List, Task, TaskRef
 
 from daskdag.graph.run import identity
 from daskdag.transport.packing import unpack
+from daskdag.transport.scope import JaxSettings, within
 from daskdag.transport.transports import Transport
 
 # A packed input or node of at most this many bytes travels inside each task that takes it: a
@@ -109,7 +110,8 @@ class Intake:
         call does)."""
         if self.call:
             return key(kind, label, self.call)
-        return key(kind, label, tokenize(*content, *([self.keep.token] if self.keep else [])))
+        return key(kind, label, tokenize(*content, self.graph.settings,
+                                         *([self.keep.token] if self.keep else [])))
 
     def stage(self, task_key: str, needs: dict | None, fn, inputs_at: int, *args,
               root: bool = False) -> TaskRef:
@@ -164,24 +166,19 @@ class Intake:
         k = key(kind, name, token)
         if self.place is not None:
             return self.place(k, fn, payload, needs)
-        return self.graph.task(k, dict(needs or {}), fn, payload)
+        return self.graph.task(k, dict(needs or {}), fn, payload, computes=False)
 
 
-def _within(arg):
+def _contained(arg):
     """``arg`` as a task takes it: a tuple or list that holds a nested task (a cotangent's seed
     made from a template's slot, say) as a ``List`` node, which Dask evaluates as the task runs
     (it looks into a task's own arguments, not into the containers among them); else as it
     is."""
     if type(arg) in (tuple, list):
-        items = [_within(a) for a in arg]
+        items = [_contained(a) for a in arg]
         if any(isinstance(a, GraphNode) for a in items):
             return List(*items)
     return arg
-
-
-def nested(fn, *args) -> Task:
-    """``fn(*args)`` as a task run inside the task that takes it (:class:`Inline` s unwrapped)."""
-    return Task(None, fn, *(a.arg if isinstance(a, Inline) else a for a in args))
 
 
 def token_of(task_key: str) -> str:
@@ -195,24 +192,42 @@ def is_root(stage, spec) -> bool:
     return not stage.needs and not any(d in spec.nodes for d in stage.deps)
 
 
+def runs(task: Task):
+    """The function a task of :meth:`TaskGraph.task` runs (inside :func:`within`, if so)."""
+    return task.args[1] if task.func is within else task.func
+
+
 class TaskGraph:
     """Tasks in the order they are made, each after its dependencies, as layers of consecutive
     tasks that need the same resources: a layer's annotation places its tasks on distributed's
-    workers. So the layers form a chain, each depending on the one before."""
+    workers. So the layers form a chain, each depending on the one before. ``settings``: the
+    JAX settings its tasks compute under (default: the calling thread's)."""
 
-    def __init__(self):
+    def __init__(self, settings: JaxSettings | None = None):
+        self.settings = JaxSettings.current() if settings is None else settings
         self.layers: list[tuple[dict | None, dict]] = []  # (resources, {key: task})
         self.layer_of: dict = {}  # key -> index of its layer
 
-    def task(self, key: str, needs: dict | None, fn, *args, root: bool = False) -> TaskRef:
+    def task(self, key: str, needs: dict | None, fn, *args, root: bool = False,
+             computes: bool = True) -> TaskRef:
         """``fn(*args)``, where any :class:`TaskRef` among ``args`` is replaced by its value, and
-        an :class:`Inline` by what it carries. ``root``: a task that computes from the call's
-        inputs alone (:func:`is_root`)."""
-        args = tuple(_within(a.arg if isinstance(a, Inline) else a) for a in args)
+        an :class:`Inline` by what it carries; under the graph's ``settings``
+        (:func:`~daskdag.transport.scope.within`) unless ``computes`` is false (a task that
+        only unpacks what travelled, kept on a cluster by its content for any call). ``root``:
+        a task that computes from the call's inputs alone (:func:`is_root`)."""
+        args = tuple(_contained(a.arg if isinstance(a, Inline) else a) for a in args)
+        if computes:
+            fn, args = within, (self.settings, fn, *args)
         # Marked as Dask marks the tasks that read an array's chunks: distributed queues them
         # and hands each to the next worker with a free thread, whatever the estimates of their
         # durations (a first call's compilations throw those off).
         return self._add(key, needs, Task(key, fn, *args, _data_producer=root))
+
+    def nested(self, fn, *args) -> Task:
+        """``fn(*args)`` as a task run inside the task that takes it (:class:`Inline` s
+        unwrapped), under the graph's ``settings`` as :meth:`task` runs it."""
+        return Task(None, within, self.settings, fn,
+                    *(a.arg if isinstance(a, Inline) else a for a in args))
 
     def _add(self, key, needs, task) -> TaskRef:
         needs = needs or None  # no resources, however spelled

@@ -24,7 +24,7 @@ from dask.task_spec import Task, TaskRef
 
 import daskdag.config as config
 from daskdag.graph import tasks
-from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is_root, key, nested,
+from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is_root, key,
                                     token_of)
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
@@ -191,7 +191,7 @@ class _Wiring:
                 label = self._label(s)
                 if self.dense and all(self.stage_of[d] in self.dense for d in s.deps
                                       if d in self.stage_of):
-                    self._source(s, Inline(nested(tasks.cotangents_of, fwd), f"{label}-{token_of(k)}"))
+                    self._source(s, Inline(self.g.nested(tasks.cotangents_of, fwd), f"{label}-{token_of(k)}"))
                 else:
                     self._source(s, self.g.task(key("bwd", label, token_of(k)), dict(s.needs),
                                                 tasks.cotangents_of, fwd))
@@ -208,7 +208,7 @@ class _Wiring:
                 self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
                                           s.has_pullback, e)
             else:  # nothing travels, or what does is small: a consumer picks the value itself
-                self.val[n] = Inline(nested(tasks.pick, fwd, s.has_pullback, e), f"{token}.{e}")
+                self.val[n] = Inline(self.g.nested(tasks.pick, fwd, s.has_pullback, e), f"{token}.{e}")
 
     def backward(self) -> None:
         """One task per stage, for every output whose gradient passes through it (their
@@ -226,7 +226,7 @@ class _Wiring:
             args = (s, self.stop, tuple(flows), self.pull, self.forward_task[s],
                     *(self.val[d] for d in s.deps), *(self.sources[src] for src in sources))
             if s in self.dense:  # (run inside each task that takes its cotangents)
-                self._source(s, Inline(nested(tasks.backward, *args), token_of(k)))
+                self._source(s, Inline(self.g.nested(tasks.backward, *args), token_of(k)))
             else:
                 self._source(s, self.g.task(k, dict(s.needs), tasks.backward, *args))
 

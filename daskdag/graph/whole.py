@@ -33,6 +33,7 @@ from daskdag.model.spec import Node
 from daskdag.rules.seeds import basis, basis_rows, seed
 from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
 from daskdag.transport.packing import Function, current, unpack
+from daskdag.transport.scope import within
 from daskdag.transport.transports import Transport
 
 
@@ -221,7 +222,8 @@ def program_task(program: Any, label: str, needs: Any, run: Callable,
     args = [None if v is None else intake.packed(kind, name, WHAT[kind].format(name), v)
             for kind, name, v in slots]
     args += [place(*spec) for spec in kept]
-    return OneTask(key("fwd", label, uuid.uuid4().hex), run, (held, *args), dict(needs))
+    return OneTask(key("fwd", label, uuid.uuid4().hex), within,
+                   (intake.graph.settings, run, held, *args), dict(needs))
 
 
 def run_task(program: WholeGradients, *args) -> dict:

@@ -28,8 +28,10 @@ from daskdag.rules.jvp import directions as in_directions
 from daskdag.rules.registry import jvp_rule
 from daskdag.rules.seeds import seed
 from daskdag.transport.packing import current
+from daskdag.transport.protocol import travels, tree_size
 
 
+@travels(tree_size)
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Pair:

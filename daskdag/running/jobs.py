@@ -25,6 +25,7 @@ from daskdag.running.compute import active_client, compute
 from daskdag.running.lazy import Call
 from daskdag.running.programs import Program
 from daskdag.transport import transports
+from daskdag.transport.scope import loads
 from daskdag.transport.transports import Transport
 
 
@@ -186,12 +187,15 @@ def on_processes(collection: Any, progress: bool) -> Any:
 
 
 def children() -> dict:
-    """``dask.compute``'s options for the multiprocessing scheduler's child processes: an
-    ``initializer`` that runs JAX on their CPU, then the user's ``multiprocessing.initializer``
-    (:func:`daskdag.running.workers.child_on_cpu`); none where ``daskdag.worker-platform`` is
+    """``dask.compute``'s options for the multiprocessing scheduler: its tasks and results taken
+    in with every dtype kept (:func:`daskdag.transport.scope.loads`), unless Dask's
+    ``func_loads`` names another; and an ``initializer`` that runs JAX on the child processes'
+    CPU, then the user's ``multiprocessing.initializer``
+    (:func:`daskdag.running.workers.child_on_cpu`), except where ``daskdag.worker-platform`` is
     ``any`` or the user gave Dask a ``pool`` of their own."""
+    options = {} if dask.config.get("func_loads", None) is not None else {"func_loads": loads}
     if cluster.worker_platform() == "any" or dask.config.get("pool", None) is not None:
-        return {}
+        return options
     if dask.config.get("multiprocessing.context", "spawn") == "fork":
         import jax
         if jax.default_backend() != "cpu":  # (a forked child has this process's JAX backend)
@@ -200,8 +204,8 @@ def children() -> dict:
                 f"this process's JAX, which runs on {jax.default_backend()!r}, into each child "
                 f"process: set multiprocessing.context to 'spawn' (Dask's default) or "
                 f"'forkserver', whose children run JAX on their CPU")
-    return {"initializer": partial(worker_setup.child_on_cpu,
-                                   dask.config.get("multiprocessing.initializer", None))}
+    return {**options, "initializer": partial(
+        worker_setup.child_on_cpu, dask.config.get("multiprocessing.initializer", None))}
 
 
 def lazy(kind: Kind, x: Any, *data: Any) -> Call:

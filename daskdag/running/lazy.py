@@ -26,6 +26,7 @@ from daskdag.graph.assembly import kind_of
 from daskdag.model.plan import Plan
 from daskdag.running.compute import is_client
 from daskdag.transport import protocol
+from daskdag.transport.scope import JaxSettings, within
 
 if TYPE_CHECKING:
     import distributed
@@ -127,10 +128,13 @@ class Call(DaskMethodsMixin):
 
 class _Finish:
     """The computed values of a :class:`Call`'s keys, in order, back in the structure
-    ``{output: (value, {name: grad})}`` its function takes, then that function's result."""
+    ``{output: (value, {name: grad})}`` its function takes, then that function's result, under
+    the JAX settings of the thread that made it, as the call's tasks run (wherever Dask
+    finalizes it)."""
 
     def __init__(self, structure: list, finish: Callable[[dict], Any]) -> None:
         self.structure, self.finish = structure, finish
+        self.settings = JaxSettings.current()
 
     def __call__(self, results: Iterable[Any]) -> Any:
         it = iter(results)
@@ -138,7 +142,7 @@ class _Finish:
         for o, names in self.structure:
             value = next(it)
             computed[o] = (value, {n: next(it) for n in names})
-        return self.finish(computed)
+        return within(self.settings, self.finish, computed)
 
 
 def _distributed_client() -> distributed.Client | None:

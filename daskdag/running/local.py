@@ -36,7 +36,7 @@ from daskdag.cancel import Stop
 from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
-from daskdag.graph.assembly import kind_of
+from daskdag.graph.assembly import kind_of, runs
 from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unpack, unwrap
 from daskdag.transport.weak import held, ref
@@ -192,7 +192,7 @@ class Inline:
         return all(self._short(key, task) for key, task in batch)
 
     def _short(self, key, task) -> bool:
-        if task.func in CHEAP:
+        if runs(task) in CHEAP:
             return True
         kind = kind_of(key)
         if kind == "bwd":  # a backward pass takes about as long as its forward

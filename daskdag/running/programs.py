@@ -11,7 +11,7 @@ What a program relies on, and how a call checks it:
 - the DAG: each entry, its function and options by identity, its deps and resources by value;
 - the inputs' structure, shapes and dtypes (:func:`daskdag.model.shapes.signature`);
 - the outputs and the call's options; the settings in effect (``dask.config``'s ``daskdag.*``
-  and JAX's ``jax_enable_x64``);
+  and JAX's that change results, :class:`~daskdag.transport.scope.JaxSettings`);
 - the content of the node functions it packed or traced: their fingerprints
   (:mod:`daskdag.transport.fingerprints`), each checked by the check it compiled.
 
@@ -31,7 +31,6 @@ from functools import partial
 from typing import Any, Callable, Generic, TypeVar
 
 import dask.config
-import jax
 
 import daskdag.config as config
 from daskdag.caches import Cache, register
@@ -41,6 +40,7 @@ from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
 from daskdag.transport.packing import Packed
+from daskdag.transport.scope import JaxSettings
 from daskdag.transport.weak import Weak
 
 P = TypeVar("P")
@@ -118,7 +118,7 @@ class Program(Generic[P]):
             return entries.why()
         ours = dask.config.config.get("daskdag", {})
         if ours != self.settings_seen or self.key is None or \
-                bool(jax.config.read("jax_enable_x64")) != self.key[-1][0]:
+                JaxSettings.current() != self.key[-1][0]:
             if self.key is None or settings() != self.key[-1]:
                 return _PARTS[5]
         return self.changed()
@@ -269,10 +269,11 @@ PER_CALL = frozenset({"worker-wait", "keep-calls", "tune-workers", "prepared-cal
 
 
 def settings() -> tuple:
-    """The settings a program may depend on, as a key: JAX's ``jax_enable_x64`` and daskdag's
-    (``dask.config``, less :data:`PER_CALL`)."""
+    """The settings a program may depend on, as a key: JAX's that change results (the calling
+    thread's :class:`~daskdag.transport.scope.JaxSettings`) and daskdag's (``dask.config``,
+    less :data:`PER_CALL`)."""
     ours = dask.config.config.get("daskdag", {})
-    return bool(jax.config.read("jax_enable_x64")), tuple(sorted(
+    return JaxSettings.current(), tuple(sorted(
         (k, repr(v)) for k, v in ours.items() if k not in PER_CALL))
 
 
@@ -337,7 +338,8 @@ def _remember(kind: str, dag: Any, key: tuple, note: str | None) -> None:
 
 _PARTS = ("", "the DAG changed", "the inputs given changed", "the inputs' structure, shapes or "
           "dtypes changed", "the outputs or options changed", "a setting changed (dask.config "
-          "daskdag.*, or jax_enable_x64)")
+          "daskdag.*, or a JAX setting that changes results: jax_enable_x64, "
+          "jax_default_matmul_precision...)")
 
 
 def _why_new(kind: str, dag: Any, key: tuple) -> str:

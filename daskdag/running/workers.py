@@ -1,7 +1,7 @@
 """Worker set-up, as worker plugins that travel by value: JAX on the CPU in every worker that is
 not meant to own an accelerator (:class:`Platform`), daskdag's serializers in every worker
-(:class:`Serializers`), and glibc's malloc tuned back for JAX work in workers started by a
-nanny (:class:`TuneMalloc`, opt-in).
+(:class:`Serializers`), and glibc's malloc tuned for JAX's work for good in workers started by
+a nanny (:class:`TuneMalloc`, opt-in).
 
 One process at a time can hold a TPU chip (a second one fails at once, "libtpu lockfile"), and
 each JAX process on a GPU preallocates most of its memory: Dask's worker processes on such a host
@@ -16,23 +16,15 @@ A worker that has run none of daskdag's tasks must still take in a JAX array ano
 sends as zero-copy frames: :class:`Serializers` registers daskdag's serializers in every worker,
 those that join later too; in a worker without daskdag it does nothing, so that it still starts.
 
-distributed's nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also turns
-off glibc's adaptive mmap threshold for good: every temporary above 128 KiB is mmapped and its
-pages faulted in afresh each time, so eager JAX nodes over arrays of a few hundred KB run much
-slower in a worker than in a plain process. :class:`TuneMalloc` sets, with ``mallopt``, the
-thresholds the adaptive rule reaches at most on 64-bit glibc: mmap 32 MiB
-(``DEFAULT_MMAP_THRESHOLD_MAX``) and trim twice that, so large temporaries come from the heap
-and are reused, as in a plain process (``benchmarks/tools/worker_malloc.py`` measures it).
-
-It is registered (:func:`daskdag.running.cluster.check`) only where ``daskdag.tune-workers`` is
-true: it changes the malloc of every worker of the user's cluster, so the user opts in. The
-other route is the workers' environment, ``distributed.nanny.pre-spawn-environ``
-(docs/guides/clusters.md, "Worker malloc").
+:class:`TuneMalloc` tunes glibc's malloc for JAX's work for the worker's whole life
+(:func:`daskdag.transport.malloc.tune_for_good`), where daskdag's own tasks are tuned only while
+they run. It is registered (:func:`daskdag.running.cluster.check`) only where
+``daskdag.tune-workers`` is true: it changes the malloc of every worker of the user's cluster,
+so the user opts in.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import os
@@ -40,6 +32,8 @@ import socket
 import sys
 
 import cloudpickle
+
+from daskdag.transport.malloc import tune_for_good
 
 NAME = "daskdag-tune-malloc"
 SERIALIZERS = "daskdag-serializers"
@@ -53,15 +47,10 @@ DEVICES = ("GPU", "TPU")
 CHOSEN_BY = ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
              "ROCR_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
 
-# glibc's malloc.h
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 2 ** 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the adaptive rule's limit
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the adaptive rule keeps trim at twice the mmap threshold
-
 # The plugins travel by value, needing only the standard library and distributed on the worker:
 # a worker joining later with another daskdag, or none, must still unpickle them and start (the
-# version check then names it). So this module holds nothing else.
+# version check then names it). So this module holds nothing else, and imports only
+# daskdag.transport.malloc, which travels by value too.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
@@ -97,10 +86,7 @@ def _tune_malloc_class() -> type:
             self.reason = "not set up"
 
         def setup(self, worker=None):
-            try:
-                self.applied, self.reason = _tune()
-            except Exception as e:  # e.g. a libc without mallopt
-                self.applied, self.reason = None, f"failed: {type(e).__name__}: {e}"
+            self.applied, self.reason = tune_for_good()
 
     TuneMalloc.__qualname__ = "TuneMalloc"
     return TuneMalloc
@@ -232,34 +218,3 @@ def child_on_cpu(then=None) -> None:
 def _open_jax() -> None:
     import jax
     jax.devices()
-
-
-def _tune() -> tuple[dict[str, int] | None, str]:
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION")
-    except (ValueError, OSError, AttributeError):  # not glibc (musl, macOS, Windows)
-        libc = None
-    if not libc or not libc.startswith("glibc"):
-        return None, "not glibc"
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        return None, "MALLOC_TRIM_THRESHOLD_ unset: glibc's adaptive threshold is in effect"
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return None, "MALLOC_MMAP_THRESHOLD_ set: left as the environment chose"
-    # Only raise the trim threshold: a larger one in the environment was chosen on purpose.
-    trim = max(TRIM_THRESHOLD, _int(os.environ["MALLOC_TRIM_THRESHOLD_"]))
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied: dict[str, int] = {}
-    for name, option, value in (("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                                ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, trim)):
-        if mallopt(option, value) != 1:
-            return applied or None, f"mallopt({name}, {value}) failed"
-        applied[name] = value
-    return applied, "set"
-
-
-def _int(text: str) -> int:
-    try:
-        return min(int(text), 2 ** 31 - 1)  # mallopt takes a C int
-    except ValueError:
-        return 0

@@ -37,6 +37,7 @@ from daskdag.rules.registry import linearizer, register
 from daskdag.rules.seeds import PerItem, basis, basis_rows, seed
 from daskdag.sweeps.progress import NothingLeft, checkpoint, fail, failed_already
 from daskdag.transport.packing import unwrap
+from daskdag.transport.protocol import travels, tree_size
 
 
 class Skipped:
@@ -175,6 +176,7 @@ def _count(arg) -> int:
     return next((len(leaf) for leaf in jax.tree.leaves(arg) if is_array(leaf)), 0)
 
 
+@travels(tree_size)
 class Items(list):
     """A node's values over a chunk, one per item, as item-by-item nodes pass them on: unstacked
     (stacking and splitting them at every node would cost a pass over the values). A pytree of

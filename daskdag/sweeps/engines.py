@@ -32,6 +32,7 @@ from daskdag.running.compute import Arrivals
 from daskdag.graph.assembly import key
 from daskdag.errors import ClusterError
 from daskdag.transport.packing import unpack
+from daskdag.transport.protocol import travels, tree_size
 from daskdag.transport.transports import CLUSTER
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
 
 
+@travels(tree_size)
 class Done:
     """A finished chunk: ``computed``, ``{output: (value, {input: grad})}`` over its items
     (None when every item failed); ``failed``, ``{index in the chunk: NodeError}`` of the items

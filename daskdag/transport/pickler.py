@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from dask.base import tokenize
 
+from daskdag.transport.scope import as_jax_array
 from daskdag.transport.whose import users, users_module
 
 
@@ -115,7 +116,7 @@ class JaxArray:
 
 
 def _to_jax(a):
-    return jax.numpy.asarray(a)
+    return as_jax_array(a)
 
 
 def travelling(arrays: list) -> list:

@@ -16,12 +16,12 @@ import weakref
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
 
 from daskdag.transport.packing import Packed
+from daskdag.transport.scope import as_jax_array, lossless
 
 # -- tokens ---------------------------------------------------------------------------------------
 
@@ -108,13 +108,15 @@ def _serialize_jax_array(a):
 
 def _deserialize_jax_array(header, frames):
     from distributed.protocol import deserialize
-    return jnp.asarray(deserialize(header, frames))
+    return as_jax_array(deserialize(header, frames))
 
 
 def travels(size: Callable[[Any], int]):
     """Register a family of daskdag's objects (a base class: its subclasses too) with Dask:
     ``size(obj)`` is what the scheduler counts it as; it crosses processes pickled (its
-    ``__reduce__``), its arrays as zero-copy frames."""
+    ``__reduce__``), its arrays as zero-copy frames, each with its own dtype
+    (:func:`~daskdag.transport.scope.lossless`). Every daskdag object that a task returns and
+    that holds JAX arrays is of a family."""
     def register(family: type) -> type:
         sizeof.register(family)(lambda obj: int(size(obj)))
         _families.append(family)
@@ -125,6 +127,12 @@ def travels(size: Callable[[Any], int]):
     return register
 
 
+def tree_size(obj) -> int:
+    """What a pytree of arrays is, to the scheduler: the sum of its leaves' sizes (as
+    :func:`travels` takes it)."""
+    return sum(sizeof(leaf) for leaf in jax.tree.leaves(obj))
+
+
 def _dumps(obj) -> tuple[dict, list]:
     from distributed.protocol import serialize
     header, frames = serialize(obj, serializers=("pickle",), on_error="raise")
@@ -133,7 +141,8 @@ def _dumps(obj) -> tuple[dict, list]:
 
 def _loads(header: dict, frames: list):
     from distributed.protocol import deserialize
-    return deserialize(header["pickled"], frames)
+    with lossless():
+        return deserialize(header["pickled"], frames)
 
 
 if "distributed.protocol" in sys.modules:

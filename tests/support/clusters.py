@@ -1,5 +1,7 @@
 """Clusters for the tests: ``LocalCluster`` set-ups, the ``dask scheduler`` / ``dask worker``
-commands (:class:`DaskCLI`), what a cluster keeps between calls, where nodes ran."""
+commands (:class:`DaskCLI`), what a cluster keeps between calls, where nodes ran. Their processes
+preload :mod:`.hangs`' module, and they are registered there while they live: a test that times
+out shows the stacks of each."""
 
 import contextlib
 import functools
@@ -8,6 +10,7 @@ import time
 from pathlib import Path
 
 
+from . import hangs
 from .keys import key_kind
 
 
@@ -90,10 +93,23 @@ LOCAL_CLUSTER = dict(threads_per_worker=1, processes=True, host="127.0.0.1", das
 def local_cluster(n_workers: int = 2, **kw):
     """A ``distributed.LocalCluster`` of ``n_workers`` single-threaded worker processes (under
     nannies) on 127.0.0.1, its dashboard on a free port (:data:`LOCAL_CLUSTER`); ``kw`` adds or overrides
-    LocalCluster's arguments (``resources=``, ``memory_limit=``, ``threads_per_worker=``...)."""
+    LocalCluster's arguments (``resources=``, ``memory_limit=``, ``threads_per_worker=``...).
+    Worker processes preload :func:`.hangs.preload_file` too (after those of ``preload=``, else
+    of ``distributed.worker.preload``), and the cluster is registered with :mod:`.hangs` while
+    it lives."""
+    import dask
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=n_workers, **{**LOCAL_CLUSTER, **kw}) as cluster:
+    kw = {**LOCAL_CLUSTER, **kw}
+    if kw.get("processes"):
+        preload = kw.get("preload")
+        if preload is None:
+            preload = dask.config.get("distributed.worker.preload", None) or []
+        kw["preload"] = [*([preload] if isinstance(preload, str) else preload),
+                         hangs.preload_file()]
+    with LocalCluster(n_workers=n_workers, **kw) as cluster, \
+            hangs.watching(cluster, f"LocalCluster {cluster.scheduler_address}",
+                           lambda: hangs.local_cluster_processes(cluster)):
         yield cluster
 
 
@@ -202,7 +218,9 @@ def _entry(entry):
 class DaskCLI:
     """Processes started with the ``dask`` command, as on a remote cluster: in ``directory``,
     with nothing of this repository on their path (daskdag itself is installed), their logs
-    in ``directory/cluster.log``. ``stop()`` ends them, workers first."""
+    in ``directory/cluster.log``. ``stop()`` ends them, workers first. Schedulers, nannies and
+    workers preload :func:`.hangs.preload_file`; the processes are registered with
+    :mod:`.hangs` from the first start to ``stop()``."""
 
     def __init__(self, directory):
         import os
@@ -220,9 +238,14 @@ class DaskCLI:
         from pathlib import Path
 
         dask = shutil.which("dask", path=str(Path(sys.executable).parent)) or shutil.which("dask")
+        if args and args[0] in ("scheduler", "worker"):  # (so that a hang shows their stacks)
+            preload = hangs.preload_file()
+            nanny = ["--preload-nanny", preload] if args[0] == "worker" else []
+            args = (args[0], "--preload", preload, *nanny, *args[1:])
         proc = subprocess.Popen([dask, *args], cwd=self.directory, env=self.env, stdout=self.log,
                                 stderr=self.log)
         self.procs.append(proc)
+        hangs.watch(self, f"DaskCLI in {self.directory}", lambda: hangs.cli_processes(self))
         return proc
 
     def scheduler(self) -> str:
@@ -260,4 +283,5 @@ class DaskCLI:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        hangs.unwatch(self)
         self.log.close()

@@ -1,0 +1,126 @@
+"""What every task of a call carries to wherever it runs and sets up there for its duration
+(:func:`within`): the caller's JAX settings that change a result (:class:`JaxSettings`), and
+malloc tuned for JAX's work where the process's environment held it back
+(:func:`daskdag.transport.malloc.tuned`).
+
+JAX reads ``jax_enable_x64``, ``jax_default_matmul_precision`` and the others of
+:data:`SETTINGS` per thread: a context manager of the calling thread (``jax.enable_x64(True)``)
+is seen neither by Dask's worker threads nor by another process, and a worker process has the
+settings its own environment gave it. So a call takes the caller's values as its graph is made
+(:meth:`JaxSettings.current`, in the calling thread), every task sets them in the thread that
+runs it, as JAX's own context managers do, and the thread's own are back once it returns: the
+same dtypes and numbers on threads, processes and any cluster, whatever else that worker runs.
+A value keeps its dtype in transit (:func:`as_jax_array`, :func:`lossless`), so a float64
+array reaches a task that computes in float64 unchanged, in a worker that does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from daskdag.errors import DAGError
+from daskdag.transport import malloc
+
+#: JAX's settings that change what a computation returns (dtypes, values, random numbers) or
+#: whether it raises, each with the context manager of ``jax`` that sets it in one thread.
+SETTINGS = {
+    "jax_enable_x64": "enable_x64",
+    "jax_default_matmul_precision": "default_matmul_precision",
+    "jax_numpy_dtype_promotion": "numpy_dtype_promotion",
+    "jax_numpy_rank_promotion": "numpy_rank_promotion",
+    "jax_default_prng_impl": "default_prng_impl",
+    "jax_threefry_partitionable": "threefry_partitionable",
+    "jax_softmax_custom_jvp": "softmax_custom_jvp",
+    "jax_debug_nans": "debug_nans",
+    "jax_debug_infs": "debug_infs",
+}
+
+
+def _read(name: str) -> Any:
+    value = getattr(jax.config, name)  # (the calling thread's, its context managers included)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@dataclass(frozen=True)
+class JaxSettings:
+    """The values of :data:`SETTINGS` that a call computes under, in their order."""
+
+    values: tuple
+
+    @staticmethod
+    def current() -> "JaxSettings":
+        """The calling thread's values."""
+        return JaxSettings(tuple(_read(name) for name in SETTINGS))
+
+    @property
+    def x64(self) -> bool:
+        return bool(self.values[0])
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(SETTINGS, self.values))
+
+    def applied(self):
+        """A context manager: these settings in the calling thread while its block runs (those
+        that differ from the thread's), the thread's own again after."""
+        differ = [(name, manager, value) for (name, manager), value
+                  in zip(SETTINGS.items(), self.values) if _read(name) != value]
+        return _setting(differ) if differ else contextlib.nullcontext()
+
+    def __dask_tokenize__(self):
+        return "JaxSettings", self.values
+
+
+@contextlib.contextmanager
+def _setting(differ: list):
+    with contextlib.ExitStack() as stack:
+        for name, manager, value in differ:
+            stack.enter_context(_manager(name, manager)(value))
+        yield
+
+
+def _manager(name: str, manager: str) -> Callable:
+    found = getattr(jax, manager, None)
+    if found is None:
+        raise DAGError(f"JAX setting {name!r} cannot be set in this process: its JAX "
+                       f"({jax.__version__}) has no jax.{manager}")
+    return found
+
+
+def within(settings: JaxSettings, fn, *args):
+    """``fn(*args)`` under ``settings`` (:meth:`JaxSettings.applied`) and, where this process's
+    environment holds malloc back, :func:`daskdag.transport.malloc.tuned`: the wrapper of every task of a call."""
+    with malloc.tuned(), settings.applied():
+        return fn(*args)
+
+
+def lossless():
+    """A context manager: JAX arrays unpickled in its block keep their dtype, whatever this
+    thread's ``jax_enable_x64`` (JAX's own unpickling puts them on a device as this thread's
+    settings allow)."""
+    return jax.enable_x64(True)
+
+
+def loads(data: bytes):
+    """``cloudpickle.loads`` of ``data`` under :func:`lossless`: how Dask's multiprocessing
+    scheduler takes in a call's tasks and results."""
+    with lossless():
+        return cloudpickle.loads(data)
+
+
+def as_jax_array(a) -> jax.Array:
+    """``a`` (a NumPy array arriving from another process) as a JAX array of its own dtype,
+    whatever this thread's ``jax_enable_x64``: a value keeps its dtype in transit, and the task
+    that takes it computes under its call's settings."""
+    a = np.asarray(a)
+    if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+        with lossless():
+            return jnp.asarray(a)
+    return jnp.asarray(a)

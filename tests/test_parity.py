@@ -1,0 +1,170 @@
+"""One answer wherever a call runs: every kind (and a sweep of each) on Dask's threads, on its
+multiprocessing scheduler and on a 2-worker ``LocalCluster(processes=True)``, with JAX's x64
+and matmul precision set in the calling thread only (``jax.enable_x64``,
+``jax.default_matmul_precision``: context managers that neither Dask's worker threads nor other
+processes see). Each gives the dtypes of the threaded call, and its values to 1e-12 in float64;
+the threaded call itself agrees with plain JAX under the same settings."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+
+import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import daskdag
+
+W = np.linspace(-1.0, 1.0, 12).reshape(4, 3) * (1.0 + 1e-9)  # float64: cut to float32 without x64
+P = np.array([0.3, -0.7, 1.1]) * (1.0 + 1e-9)
+V = np.array([1.0, 0.5, -2.0])
+ITEMS = 4
+PS = np.stack([P * (1.0 + 0.1 * k) for k in range(ITEMS)])
+VS = np.tile(V, (ITEMS, 1))
+KINDS = ("grads", "value_and_grad", "jacobian rev", "jacobian fwd", "jvps", "hvps")
+
+
+def make_dag() -> dict:
+    """A jitted matmul (precision matters), an eager node (run op by op, with a branch on a
+    shape), a vmapped node, and a scalar loss. Made in a function: it travels to workers by
+    value."""
+    def eager(h):
+        return h * 2.0 if h.ndim == 1 else h
+
+    return {"H": daskdag.Node(lambda w, p: jnp.tanh(w @ p), ["w", "p"], jit=True),
+            "E": (eager, ["H"]),
+            "S": daskdag.Node(lambda e: jnp.sin(e) * e, ["E"], jit=True, vmap=True),
+            "L": (lambda s, p: jnp.sum(s ** 2) + jnp.sum(p ** 3), ["S", "p"])}
+
+
+def _s(w, p):
+    e = jnp.tanh(w @ p) * 2.0
+    return jnp.sin(e) * e
+
+
+def _l(w, p):
+    return jnp.sum(_s(w, p) ** 2) + jnp.sum(p ** 3)
+
+
+def plain(kind: str, p, v) -> tuple:
+    """Plain JAX at one point, in the parts :func:`parts` takes from a call."""
+    w = jnp.asarray(W)
+    if kind in ("grads", "value_and_grad"):
+        value, grad = jax.value_and_grad(_l, 1)(w, p)
+        return (grad,) if kind == "grads" else (value, grad)
+    if kind.startswith("jacobian"):
+        return _s(w, p), jax.jacrev(_s, 1)(w, p)
+    if kind == "jvps":
+        return jax.jvp(lambda p: _s(w, p), (p,), (v,))
+    value, (grad, hvp) = _l(w, p), jax.jvp(lambda p: jax.grad(_l, 1)(w, p), (p,), (v,))
+    return value, grad, hvp
+
+
+def parts(kind: str, res) -> tuple:
+    """A result's parts, as :func:`plain` gives them (each with respect to ``p``)."""
+    if kind == "jvps":
+        return res.value, res.tangent
+    grad = res.grad["p"]
+    if kind == "grads":
+        return (grad,)
+    if kind == "hvps":
+        return res.value, grad, res.hvp["p"]
+    return res.value, grad
+
+
+def call(kind: str, where: dict) -> tuple:
+    dag, x = make_dag(), {"w": W, "p": P}
+    if kind in ("grads", "value_and_grad"):
+        return parts(kind, daskdag.compute_grads(dag, x, "L", wrt="p", **where))
+    if kind.startswith("jacobian"):
+        return parts(kind, daskdag.jacobian(dag, x, "S", wrt="p", mode=kind.split()[1], **where))
+    if kind == "jvps":
+        return parts(kind, daskdag.compute_jvps(dag, x, {"p": V}, "S", **where))
+    return parts(kind, daskdag.compute_hvps(dag, x, {"p": V}, "L", wrt="p", **where))
+
+
+def sweep(kind: str, where: dict) -> tuple:
+    dag, xs = make_dag(), {"w": W, "p": PS}
+    common = dict(batched=["p"], chunk_size=2, **where)
+    if kind in ("grads", "value_and_grad"):
+        return parts(kind, daskdag.sweep_grads(dag, xs, "L", wrt="p", **common))
+    if kind.startswith("jacobian"):
+        return parts(kind, daskdag.sweep_jacobians(dag, xs, "S", wrt="p", mode=kind.split()[1],
+                                                   **common))
+    if kind == "jvps":
+        return parts(kind, daskdag.sweep_jvps(dag, xs, {"p": VS}, "S", **common))
+    return parts(kind, daskdag.sweep_hvps(dag, xs, {"p": VS}, "L", wrt="p", **common))
+
+
+@contextlib.contextmanager
+def settings(x64: bool):
+    """x64 as given and the highest matmul precision, in this thread only."""
+    with jax.enable_x64(x64), jax.default_matmul_precision("highest"):
+        yield
+
+
+def same(got: tuple, want: tuple, x64: bool, what: str) -> None:
+    assert len(got) == len(want), what
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype, f"{what}: dtype {g.dtype}, threads gave {w.dtype}"
+        assert g.shape == w.shape, what
+        np.testing.assert_allclose(g, w, rtol=1e-12 if x64 else 1e-6, atol=1e-12 if x64 else 1e-6,
+                                   err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """Dask's multiprocessing scheduler over one pool of spawned processes for the module."""
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")
+                                                ) as pool:
+        yield {"scheduler": "processes", "pool": pool}
+
+
+def _where(name: str, request) -> tuple[dict, contextlib.AbstractContextManager]:
+    """A call's keyword and the context it runs in, for the scheduler ``name``."""
+    if name == "threads":
+        return {"scheduler": "threads"}, contextlib.nullcontext()
+    if name == "processes":
+        p = request.getfixturevalue("processes")
+        return {"scheduler": "processes"}, dask.config.set(pool=p["pool"])
+    return {"client": request.getfixturevalue("client")}, contextlib.nullcontext()
+
+
+SCHEDULERS = ["processes", pytest.param("cluster", marks=pytest.mark.cluster)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_every_kind_the_same_on_every_scheduler(scheduler, x64, request):
+    where, context = _where(scheduler, request)
+    with settings(x64):
+        for kind in KINDS:
+            want = call(kind, {"scheduler": "threads"})
+            p = jnp.asarray(P)
+            same(want, plain(kind, p, jnp.asarray(V, p.dtype)), x64, f"{kind} on threads")
+            assert np.asarray(want[-1]).dtype == (np.float64 if x64 else np.float32), kind
+            with context:
+                got = call(kind, where)
+            same(got, want, x64, f"{kind} on {scheduler}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_every_sweep_the_same_on_every_scheduler(scheduler, x64, request):
+    where, context = _where(scheduler, request)
+    with settings(x64):
+        for kind in KINDS:
+            want = sweep(kind, {"scheduler": "threads"})
+            ps = jnp.asarray(PS)
+            expected = jax.vmap(lambda p, v: plain(kind, p, v))(ps, jnp.asarray(VS, ps.dtype))
+            same(want, expected, x64, f"sweep of {kind} on threads")
+            with context:
+                got = sweep(kind, where)
+            same(got, want, x64, f"sweep of {kind} on {scheduler}")
