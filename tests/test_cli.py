@@ -122,8 +122,8 @@ class Command:
     """``python -m daskdag.cli ARGS`` started in ``cwd``, with this checkout's daskdag; a thread
     collects its output and the moment it exits."""
 
-    def __init__(self, *args, cwd, interruptible=False):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    def __init__(self, *args, cwd, interruptible=False, env=None):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
         self.args = [str(a) for a in args]
         start = ["-c", AS_IN_A_TERMINAL] if interruptible else ["-m", "daskdag.cli"]
         self.proc = subprocess.Popen([sys.executable, *start, *self.args], cwd=cwd, env=env,
@@ -302,9 +302,24 @@ def test_run_and_sweep_on_a_cli_started_cluster(cli_client, cli_cluster, pipelin
                 "--scheduler", cli_cluster, "--out", "res.npz", cwd=tmp_path)
     sweep = Command("sweep", f"{pipeline}:dag", "--inputs", "items.npz", "--outputs", "D,E",
                   "--scheduler", "scheduler.json", "--out", "sweep.npz", cwd=tmp_path)
+    # The CLI's JAX settings (here its environment's) travel to the workers, which have x64 off.
+    np.savez(tmp_path / "in64.npz", x=X.astype(np.float64) * (1 + 1e-12))
+    wide = Command("run", f"{pipeline}:dag", "--inputs", "in64.npz", "--outputs", "D,E",
+                   "--scheduler", cli_cluster, "--out", "res64.npz", cwd=tmp_path,
+                   env={"JAX_ENABLE_X64": "1"})
     code, out, err = run.finish(timeout=180)
     assert code == 0, err
     check_run(dict(np.load(tmp_path / "res.npz")))
+    code, out, err = wide.finish(timeout=180)
+    assert code == 0, err
+    res = dict(np.load(tmp_path / "res64.npz"))
+    with jax.enable_x64(True):
+        x = jnp.asarray(X.astype(np.float64) * (1 + 1e-12))
+        for o in ("D", "E"):
+            value, grad = jax.value_and_grad(composed(o))(x)
+            assert res[f"{o}.value"].dtype == res[f"{o}.grad.x"].dtype == np.float64
+            np.testing.assert_allclose(res[f"{o}.value"], value, rtol=1e-12)
+            np.testing.assert_allclose(res[f"{o}.grad.x"], grad, rtol=1e-12, atol=1e-14)
     code, out, err = sweep.finish(timeout=180)
     assert code == 0, err
     check_sweep(dict(np.load(tmp_path / "sweep.npz")))

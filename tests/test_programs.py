@@ -25,7 +25,7 @@ from distributed import get_task_stream
 import daskdag
 from daskdag import Node
 from daskdag.graph import build as build_module
-from daskdag.graph.assembly import kind_of
+from daskdag.graph.assembly import kind_of, runs
 from daskdag.running import resident
 from daskdag.transport import fingerprints
 
@@ -76,7 +76,7 @@ class Tasks(Callback):
 
     def _posttask(self, key, result, dsk, state, worker_id):
         self.ran.append(str(key))
-        self.functions[str(key).partition("-")[0]] = getattr(dsk[key], "func", None).__name__
+        self.functions[str(key).partition("-")[0]] = runs(dsk[key]).__name__
 
     def _start(self, dsk):
         self.functions = {}

@@ -192,9 +192,11 @@ def is_root(stage, spec) -> bool:
     return not stage.needs and not any(d in spec.nodes for d in stage.deps)
 
 
-def runs(task: Task):
-    """The function a task of :meth:`TaskGraph.task` runs (inside :func:`within`, if so)."""
-    return task.args[1] if task.func is within else task.func
+def runs(task) -> Any:
+    """The function a task runs (a Dask ``Task``, or a ``OneTask``'s ``fn``), inside
+    :func:`~daskdag.transport.scope.within` where it is wrapped; None for what is not a task."""
+    fn = getattr(task, "func", None) or getattr(task, "fn", None)
+    return task.args[1] if fn is within else fn
 
 
 class TaskGraph:

@@ -13,7 +13,7 @@ import logging
 
 import jax
 
-from daskdag.graph.assembly import kind_of
+from daskdag.graph.assembly import kind_of, runs
 from daskdag.graph.whole import OneTask
 from daskdag.running.local import Filled
 
@@ -33,7 +33,7 @@ def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = Non
                 "" if placed is None else f"; placed {placed} bytes on the cluster")
     if logger.isEnabledFor(logging.DEBUG):
         for key, task in tasks.items():
-            fn = getattr(task, "func", None)
+            fn = runs(task)
             logger.debug("  task %s: %s", key, getattr(fn, "__qualname__", type(task).__name__))
 
 
