@@ -4,6 +4,7 @@ when turned on (daskdag.tune-workers: true), and not at all by default or when t
 
 import os
 import platform
+import time
 
 import dask
 import jax
@@ -178,3 +179,57 @@ def test_a_worker_without_daskdag_still_starts(tmp_path):
             assert sorted(client.run(registered).values()) == [False, True]
     finally:
         cli.stop()
+
+
+def _allocation_probe():
+    """A function (nested: it travels by value) giving the bytes glibc mmapped for a 1 MiB
+    allocation made then in its process (mallinfo2's ``hblkhd``, before and while it lives): 0
+    where it came from the heap."""
+    def mapped() -> int:
+        import ctypes
+
+        import numpy as np
+
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+        mallinfo2.restype = Info
+        before = mallinfo2().hblkhd
+        block = np.ones(2 ** 20, np.uint8)
+        grew = mallinfo2().hblkhd - before
+        del block
+        return int(grew)
+
+    return mapped
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc thresholds")
+def test_malloc_is_tuned_while_daskdags_tasks_run_and_the_workers_own_after(tmp_path):
+    """On a default cluster (the nanny sets MALLOC_TRIM_THRESHOLD_), a 1 MiB allocation inside
+    a daskdag task comes from the heap; in the worker's other work, before and once no daskdag
+    task has run for malloc.GRACE seconds, it is mmapped, as distributed's setting has it.
+    Nothing is registered on the cluster for it."""
+    seen, mapped = tmp_path / "seen", _allocation_probe()
+
+    def probe(x, mapped=mapped, seen=str(seen)):  # travels by value
+        with open(seen, "a") as f:
+            f.write(f"{mapped()}\n")
+        return x
+
+    dag = {"A": (probe, ["x"]), "B": (lambda a: jnp.sum(jnp.tanh(a) ** 2), ["A"])}
+    with local_client(1) as client:
+        assert client.submit(mapped, pure=False).result(timeout=60) >= 2 ** 20  # (before)
+        assert_tree_close(daskdag.compute_grads(dag, X, "B", client=client).grad,
+                          jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2))(X))
+        inside = [int(n) for n in seen.read_text().split()]
+        assert inside and all(n == 0 for n in inside), inside
+        time.sleep(malloc.GRACE + 1.0)
+        outside = client.submit(mapped, pure=False).result(timeout=60)
+        assert outside >= 2 ** 20, outside
+        assert worker_setup.NAME not in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.worker_plugins))

@@ -9,7 +9,9 @@ slower in such a worker than in a plain process (``benchmarks/tools/worker_mallo
 the mmap threshold is the adaptive rule's limit on 64-bit glibc (``DEFAULT_MMAP_THRESHOLD_MAX``,
 32 MiB) and the trim threshold twice that, so large temporaries come from the heap and are
 reused, as in a plain process. :func:`tuned` sets them back to what the environment made them
-once no daskdag task runs, so other work on the worker keeps its own, except alongside one.
+once no daskdag task has run for :data:`GRACE` seconds (between a sweep's chunks, and while the
+values between its tasks travel, they stay tuned), so other work on the worker keeps its own,
+except alongside daskdag's.
 
 Nothing changes in a process without ``MALLOC_TRIM_THRESHOLD_`` (glibc's adaptive rule is in
 effect), with ``MALLOC_MMAP_THRESHOLD_`` (the environment chose; :func:`tune_for_good` sets it
@@ -27,6 +29,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from typing import Callable
 
 import cloudpickle
@@ -100,21 +103,33 @@ def tune_for_good() -> tuple[dict[str, int] | None, str]:
         return None, f"failed: {type(e).__name__}: {e}"
 
 
+#: Seconds without a daskdag task after which :func:`tuned` sets the environment's thresholds
+#: back: a sweep's next chunk, and the values that travel between its tasks, come within it.
+GRACE = 2.0
+
 _lock = threading.Lock()
-# the tasks in tuned() now, the environment's thresholds to set back once none is, glibc's mallopt
-_state: dict = {"running": 0, "own": None, "mallopt": None}
+# the tasks in tuned() now; the environment's thresholds to set back (None: nothing to set
+# back); glibc's mallopt; when the last task ended; the timer that sets them back
+_state: dict = {"running": 0, "own": None, "mallopt": None, "idle_since": 0.0, "timer": None}
+
+
+_NOTHING = contextlib.nullcontext()
+# Whether this process's environment set MALLOC_TRIM_THRESHOLD_, as glibc read it at its start.
+_HELD_BACK = "MALLOC_TRIM_THRESHOLD_" in os.environ
+
+
+def tuned():
+    """A context manager: its block runs with malloc tuned (the module's docstring); the
+    environment's thresholds are back once no task has been in such a block for :data:`GRACE`
+    seconds. A failing ``mallopt`` leaves them as they are."""
+    return _tuned() if _HELD_BACK else _NOTHING
 
 
 @contextlib.contextmanager
-def tuned():
-    """The block runs with malloc tuned (the module's docstring); the environment's thresholds
-    are back once no task is in such a block. A failing ``mallopt`` leaves them as they are."""
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:  # (the common case, asked first)
-        yield
-        return
+def _tuned():
     with _lock:
         _state["running"] += 1
-        if _state["running"] == 1:
+        if _state["running"] == 1 and _state["own"] is None:
             try:
                 wanted, own, _ = thresholds()
                 if wanted is not None and _state["mallopt"] is None:
@@ -129,7 +144,33 @@ def tuned():
         with _lock:
             _state["running"] -= 1
             if _state["running"] == 0 and _state["own"] is not None:
-                try:
-                    apply(_state["own"], _state["mallopt"])
-                except Exception:  # (as when tuning: the worker only runs slower)
-                    pass
+                _state["idle_since"] = time.monotonic()
+                if _state["timer"] is None:
+                    _later(GRACE)
+
+
+def _later(seconds: float) -> None:
+    timer = threading.Timer(seconds, _set_back)
+    timer.daemon = True
+    _state["timer"] = timer
+    timer.start()
+
+
+def _set_back() -> None:
+    """The environment's thresholds again, once no task has run for :data:`GRACE` seconds."""
+    with _lock:
+        _state["timer"] = None
+        if _state["running"] or _state["own"] is None:
+            return  # (a task runs: the last one to end waits again)
+        if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # tuned for good since (tune_for_good)
+            _state["own"] = None
+            return
+        left = _state["idle_since"] + GRACE - time.monotonic()
+        if left > 0:
+            _later(left)
+            return
+        try:
+            apply(_state["own"], _state["mallopt"])
+        except Exception:  # (as when tuning: the worker only runs slower)
+            pass
+        _state["own"] = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import jax
@@ -44,9 +44,12 @@ SETTINGS = {
 }
 
 
-def _read(name: str) -> Any:
-    value = getattr(jax.config, name)  # (the calling thread's, its context managers included)
-    return value.value if isinstance(value, enum.Enum) else value
+#: JAX's settings as it holds them: each a ``State``, whose ``value`` is the calling thread's and
+#: which, called with a value, is the context manager that sets it in one thread (None where
+#: this JAX lacks it).
+_STATES = tuple(getattr(jax, manager, None) for manager in SETTINGS.values())
+ABSENT = "absent"  # the value of a setting that the JAX making a call lacks
+_NOTHING = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -58,21 +61,26 @@ class JaxSettings:
     @staticmethod
     def current() -> "JaxSettings":
         """The calling thread's values."""
-        return JaxSettings(tuple(_read(name) for name in SETTINGS))
+        return JaxSettings(tuple([ABSENT if s is None else s.value for s in _STATES]))
 
     @property
     def x64(self) -> bool:
-        return bool(self.values[0])
+        return self.values[0] is True
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(zip(SETTINGS, self.values))
+        """``{name: value}``, plain (an enumeration's value as its own)."""
+        return {name: value.value if isinstance(value, enum.Enum) else value
+                for name, value in zip(SETTINGS, self.values)}
 
     def applied(self):
         """A context manager: these settings in the calling thread while its block runs (those
-        that differ from the thread's), the thread's own again after."""
-        differ = [(name, manager, value) for (name, manager), value
-                  in zip(SETTINGS.items(), self.values) if _read(name) != value]
-        return _setting(differ) if differ else contextlib.nullcontext()
+        that differ from the thread's), the thread's own again after. Raises
+        :class:`~daskdag.DAGError` naming a setting that this process's JAX lacks."""
+        if [ABSENT if s is None else s.value for s in _STATES] == list(self.values):
+            return _NOTHING  # (the common case, asked first)
+        differ = [(state, value, k) for k, (state, value) in enumerate(zip(_STATES, self.values))
+                  if value != ABSENT and (state is None or state.value != value)]
+        return _setting(differ) if differ else _NOTHING
 
     def __dask_tokenize__(self):
         return "JaxSettings", self.values
@@ -81,22 +89,20 @@ class JaxSettings:
 @contextlib.contextmanager
 def _setting(differ: list):
     with contextlib.ExitStack() as stack:
-        for name, manager, value in differ:
-            stack.enter_context(_manager(name, manager)(value))
+        for state, value, k in differ:
+            if state is None:
+                name, manager = list(SETTINGS.items())[k]
+                raise DAGError(f"JAX setting {name!r} ({value!r} where the call was made) cannot "
+                               f"be set in this process: its JAX ({jax.__version__}) has no "
+                               f"jax.{manager}")
+            stack.enter_context(state(value))
         yield
-
-
-def _manager(name: str, manager: str) -> Callable:
-    found = getattr(jax, manager, None)
-    if found is None:
-        raise DAGError(f"JAX setting {name!r} cannot be set in this process: its JAX "
-                       f"({jax.__version__}) has no jax.{manager}")
-    return found
 
 
 def within(settings: JaxSettings, fn, *args):
     """``fn(*args)`` under ``settings`` (:meth:`JaxSettings.applied`) and, where this process's
-    environment holds malloc back, :func:`daskdag.transport.malloc.tuned`: the wrapper of every task of a call."""
+    environment holds malloc back, :func:`daskdag.transport.malloc.tuned`: the wrapper of every
+    task of a call."""
     with malloc.tuned(), settings.applied():
         return fn(*args)
 
