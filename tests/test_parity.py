@@ -138,33 +138,52 @@ def _where(name: str, request) -> tuple[dict, contextlib.AbstractContextManager]
 SCHEDULERS = ["processes", pytest.param("cluster", marks=pytest.mark.cluster)]
 
 
+def reference(kind: str, form: str) -> tuple:
+    """Plain JAX under the calling thread's settings: at ``P``, or over the items ``PS``."""
+    p = jnp.asarray(P)
+    if form == "call":
+        return plain(kind, p, jnp.asarray(V, p.dtype))
+    ps = jnp.asarray(PS)
+    return jax.vmap(lambda p, v: plain(kind, p, v))(ps, jnp.asarray(VS, ps.dtype))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("form", ["call", "sweep"])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_every_kind_the_same_on_every_scheduler(scheduler, x64, request):
+def test_every_kind_the_same_on_every_scheduler(scheduler, form, x64, request):
     where, context = _where(scheduler, request)
+    run = call if form == "call" else sweep
     with settings(x64):
         for kind in KINDS:
-            want = call(kind, {"scheduler": "threads"})
-            p = jnp.asarray(P)
-            same(want, plain(kind, p, jnp.asarray(V, p.dtype)), x64, f"{kind} on threads")
+            want = run(kind, {"scheduler": "threads"})
             assert np.asarray(want[-1]).dtype == (np.float64 if x64 else np.float32), kind
+            same(want, reference(kind, form), x64, f"{form} of {kind} on threads")
             with context:
-                got = call(kind, where)
-            same(got, want, x64, f"{kind} on {scheduler}")
+                got = run(kind, where)
+            same(got, want, x64, f"{form} of {kind} on {scheduler}")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_every_sweep_the_same_on_every_scheduler(scheduler, x64, request):
+def test_prepared_and_lazy_calls_take_the_settings_of_the_calling_thread(scheduler, request):
+    """A prepared function computes under the settings of the thread that calls it, each call
+    (a change prepares it anew); a lazy call under those of the thread that made it, computed
+    later on the cluster. (A lazy call that the user computes on Dask's multiprocessing
+    scheduler takes its values in with Dask's own unpickling, which cuts float64 JAX arrays to
+    float32 in a process without x64: docs/guides/lazy.md.)"""
     where, context = _where(scheduler, request)
-    with settings(x64):
-        for kind in KINDS:
-            want = sweep(kind, {"scheduler": "threads"})
-            ps = jnp.asarray(PS)
-            expected = jax.vmap(lambda p, v: plain(kind, p, v))(ps, jnp.asarray(VS, ps.dtype))
-            same(want, expected, x64, f"sweep of {kind} on threads")
-            with context:
-                got = sweep(kind, where)
-            same(got, want, x64, f"sweep of {kind} on {scheduler}")
+    f = daskdag.value_and_grad(make_dag(), "L", wrt="p", **where)
+    x = {"w": W, "p": P}
+    with settings(True):
+        want = call("value_and_grad", {"scheduler": "threads"})
+        lazy = daskdag.grads(make_dag(), x, "L", wrt="p")
+    with context:
+        with settings(True):
+            value, grad = f(x)
+        same((value, grad["p"]), want, True, f"prepared, x64, on {scheduler}")
+        value, grad = f(x)  # (this thread's own settings: float32)
+        assert np.asarray(value).dtype == np.asarray(grad["p"]).dtype == np.float32
+        if "client" in where:
+            computed = dask.compute(lazy, scheduler=where["client"])[0]
+            same((computed.value, computed.grad["p"]), want, True, f"lazy, x64, on {scheduler}")

@@ -19,7 +19,9 @@ from daskdag.model.spec import Node, parse
 from daskdag.running.programs import settings
 from daskdag.transport import content
 
-FORMAT = 3  # 3: node functions by what they compute (content.parts), not where they are written
+# 3: node functions by what they compute (content.parts), not where they are written;
+# 4: JAX's settings that change results ("jax settings"), not x64 alone
+FORMAT = 4
 RULES = ("vjp", "fwd", "bwd", "jvp")  # a node's own rules, beside its function
 
 

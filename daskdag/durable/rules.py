@@ -57,8 +57,8 @@ def agree(keys: Keys, mine: dict, update=None) -> dict | None:
         raise StoreError(
             f"store {keys.name} was written by daskdag {stored.get('daskdag')} in store "
             f"format {stored.get('format')}; this daskdag ({mine['daskdag']}) reads "
-            f"format {FORMAT} only, whose record of the nodes does not depend on where "
-            f"their functions are written. Finish that sweep with daskdag "
+            f"format {FORMAT} only, which records JAX's settings that change results, and "
+            f"nodes by what they compute. Finish that sweep with daskdag "
             f"{stored.get('daskdag')}, or use another store, or delete this one to start "
             f"afresh")
     if what(stored) != what(mine):
