@@ -187,8 +187,10 @@ def stored(m, kind: str, form: str, work: Path) -> bool:
     folder = work / f"stored-{kind}-{form}"
     folder.mkdir()
     count, flag, store = folder / "runs", folder / "flag", folder / "store"
+    # (the child computes under this process's JAX settings, which its store records)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "JAX_DEFAULT_MATMUL_PRECISION": str(jax.config.jax_default_matmul_precision)}
     failed = m.killed_once_stored(kind, form, count, flag, store, env=env)
     if failed is not None:
         print(f"  {kind}/{form}/stored: {failed[-1500:]}", flush=True)
