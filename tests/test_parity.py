@@ -185,5 +185,13 @@ def test_prepared_and_lazy_calls_take_the_settings_of_the_calling_thread(schedul
         value, grad = f(x)  # (this thread's own settings: float32)
         assert np.asarray(value).dtype == np.asarray(grad["p"]).dtype == np.float32
         if "client" in where:
-            computed = dask.compute(lazy, scheduler=where["client"])[0]
+            client = where["client"]
+            computed = dask.compute(lazy, scheduler=client)[0]
             same((computed.value, computed.grad["p"]), want, True, f"lazy, x64, on {scheduler}")
+
+            def plain_dtype():  # (nested: travels by value) other work, in the same threads
+                import jax.numpy as jnp
+                return str(jnp.ones(2).dtype)
+            # The workers' own settings are back once daskdag's tasks end.
+            assert {client.submit(plain_dtype, pure=False, workers=[w]).result(timeout=60)
+                    for w in client.scheduler_info(n_workers=-1)["workers"]} == {"float32"}

@@ -191,7 +191,8 @@ class _Wiring:
                 label = self._label(s)
                 if self.dense and all(self.stage_of[d] in self.dense for d in s.deps
                                       if d in self.stage_of):
-                    self._source(s, Inline(self.g.nested(tasks.cotangents_of, fwd), f"{label}-{token_of(k)}"))
+                    self._source(s, Inline(self.g.nested(tasks.cotangents_of, fwd),
+                                           f"{label}-{token_of(k)}"))
                 else:
                     self._source(s, self.g.task(key("bwd", label, token_of(k)), dict(s.needs),
                                                 tasks.cotangents_of, fwd))
@@ -208,7 +209,8 @@ class _Wiring:
                 self.val[n] = self.g.task(key("val", n, token), dict(s.needs), tasks.pick, fwd,
                                           s.has_pullback, e)
             else:  # nothing travels, or what does is small: a consumer picks the value itself
-                self.val[n] = Inline(self.g.nested(tasks.pick, fwd, s.has_pullback, e), f"{token}.{e}")
+                self.val[n] = Inline(self.g.nested(tasks.pick, fwd, s.has_pullback, e),
+                                     f"{token}.{e}")
 
     def backward(self) -> None:
         """One task per stage, for every output whose gradient passes through it (their

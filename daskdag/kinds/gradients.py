@@ -14,8 +14,11 @@ from daskdag.model.request import cotangents_for, one_input, with_rules, wrt_nam
 from daskdag.model.spec import Spec
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowering
+from daskdag.transport.protocol import travels, tree_size
 
 
+# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
+@travels(lambda r: tree_size((r.value, r.grad)))
 @dataclass(frozen=True, repr=False)
 class Result:
     """One output's ``value`` and ``grad``, from [`compute_grads`][daskdag.compute_grads],

@@ -26,8 +26,11 @@ from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Lowering
 from daskdag.kinds.gradients import Gradients, per_output
 from daskdag.kinds.tangents import is_lifted, lifted, paired, unpaired
+from daskdag.transport.protocol import travels, tree_size
 
 
+# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
+@travels(lambda r: tree_size((r.value, r.grad, r.hvp)))
 @dataclass(frozen=True)
 class HVPResult:
     """One output's value, gradient and Hessian-vector product, from

@@ -20,8 +20,11 @@ from daskdag.rules.lifted import Lift, Pair, lift, zeros
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowering
 from daskdag.kinds.gradients import per_output
+from daskdag.transport.protocol import travels, tree_size
 
 
+# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
+@travels(lambda r: tree_size((r.value, r.tangent)))
 @dataclass(frozen=True)
 class JVPResult:
     """One output's ``value`` and ``tangent``, from [`compute_jvps`][daskdag.compute_jvps] or
