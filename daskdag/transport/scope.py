@@ -52,6 +52,11 @@ ABSENT = "absent"  # the value of a setting that the JAX making a call lacks
 _NOTHING = contextlib.nullcontext()
 
 
+def _values() -> tuple:
+    """The calling thread's values of :data:`SETTINGS`."""
+    return tuple([ABSENT if s is None else s.value for s in _STATES])
+
+
 @dataclass(frozen=True)
 class JaxSettings:
     """The values of :data:`SETTINGS` that a call computes under, in their order."""
@@ -61,11 +66,7 @@ class JaxSettings:
     @staticmethod
     def current() -> "JaxSettings":
         """The calling thread's values."""
-        return JaxSettings(tuple([ABSENT if s is None else s.value for s in _STATES]))
-
-    @property
-    def x64(self) -> bool:
-        return self.values[0] is True
+        return JaxSettings(_values())
 
     def as_dict(self) -> dict[str, Any]:
         """``{name: value}``, plain (an enumeration's value as its own)."""
@@ -76,7 +77,7 @@ class JaxSettings:
         """A context manager: these settings in the calling thread while its block runs (those
         that differ from the thread's), the thread's own again after. Raises
         :class:`~daskdag.DAGError` naming a setting that this process's JAX lacks."""
-        if [ABSENT if s is None else s.value for s in _STATES] == list(self.values):
+        if _values() == self.values:
             return _NOTHING  # (the common case, asked first)
         differ = [(state, value, k) for k, (state, value) in enumerate(zip(_STATES, self.values))
                   if value != ABSENT and (state is None or state.value != value)]
@@ -125,8 +126,5 @@ def as_jax_array(a) -> jax.Array:
     """``a`` (a NumPy array arriving from another process) as a JAX array of its own dtype,
     whatever this thread's ``jax_enable_x64``: a value keeps its dtype in transit, and the task
     that takes it computes under its call's settings."""
-    a = np.asarray(a)
-    if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
-        with lossless():
-            return jnp.asarray(a)
-    return jnp.asarray(a)
+    with lossless():
+        return jnp.asarray(np.asarray(a))
