@@ -19,10 +19,10 @@ from daskdag.kinds.tangents import JVPResult, JVPs
 from daskdag.model.jacobian_layout import split_columns
 from daskdag.model.leaves import PyTree
 from daskdag.model.request import given_values
-from daskdag.running.compute import where
 from daskdag.running.jobs import call, lazy
 from daskdag.running.lazy import Call
 from daskdag.running.passes import Derivative
+from daskdag.running.programs import Held, where
 from daskdag.sweeps import sweep as sweeps
 from daskdag.sweeps.store import SweepStore
 
@@ -35,14 +35,16 @@ __all__ = ["Result", "JVPResult", "HVPResult"]
 
 
 def now(kind: Derivative, x: PyTree, *data: Any, client: Client | None,
-        scheduler: str | Client | None, progress: bool, store: Any = None) -> Any:
+        scheduler: str | Client | None, progress: bool, store: Any = None,
+        held: Held | None = None) -> Any:
     """A call of ``kind`` computed now, where ``client`` and ``scheduler`` say, kept in
-    ``store`` where one is given (:mod:`daskdag.durable.calls`)."""
+    ``store`` where one is given (:mod:`daskdag.durable.calls`); ``held``: a prepared
+    function's programs (:func:`daskdag.running.jobs.call`)."""
     client, local = where(client, scheduler)
     if store is not None:
         return durable.call(kind, x, *data, client=client, local=local, progress=progress,
                             store=store)
-    return call(kind, x, *data, client=client, local=local, progress=progress)
+    return call(kind, x, *data, client=client, local=local, progress=progress, held=held)
 
 
 def later(kind: Derivative, x: PyTree, *data: Any, store: Any = None) -> Call:
@@ -592,8 +594,9 @@ def hvps(dag: Mapping[str, Any], x: PyTree, v: PyTree, outputs: str | Sequence[s
     import jax.numpy as jnp
     import daskdag
 
-    dag = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"])}
-    print(daskdag.hvps(dag, jnp.arange(3.0), jnp.ones(3), "B").compute().hvp)
+    call = daskdag.hvps({"L": (lambda x: jnp.sum(x ** 3), ["x"])}, jnp.arange(3.0),
+                        jnp.ones(3), "L")
+    print(call.compute().hvp)  # 6 x: the Hessian 6 diag(x), times ones
     ```
     """
     return later(HVPs(dag, outputs, wrt, cotangents), x, v, store=store)

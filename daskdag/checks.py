@@ -1,22 +1,13 @@
-"""Checking derivatives against central finite differences: every node's VJP against those of
-the node alone (:func:`check_grads`, OpenMDAO's ``check_partials``), and the outputs' gradients
-against those of the whole composed DAG (:func:`check_totals`, its ``check_totals``).
+"""Derivatives checked against central finite differences: every node's VJP against the node
+alone (:func:`check_grads`), and the outputs' gradients against the whole DAG
+(:func:`check_totals`), as OpenMDAO's ``check_partials`` and ``check_totals``.
 
-The nodes checked are those a gradient passes through (:attr:`daskdag.model.plan.Plan.backward`),
-one task each, in one Dask graph whose check tasks also give each node's value to the nodes
-after it (nodes not checked run plainly). A check task, at its deps' values:
-
-- linearizes the node as daskdag does (:func:`daskdag.rules.registry.linearizer`), once;
-- per projection (:data:`~daskdag.rules.finite_differences.PROJECTIONS`), pulls back a random
-  unit cotangent ``u`` over the output's differentiable leaves; then per active dep, draws a
-  random tangent ``v`` (each leaf's elements of about its RMS magnitude) and evaluates the
-  node's function, untraced, at ``x + eps v`` and ``x - eps v``, perturbed in each leaf's dtype;
-- compares ``fd = <u, J v>`` by central differences with ``ad = <VJP(u), v>``, ``<a, b> =
-  real(sum(conj(a) * b))`` as ``jax.test_util.check_vjp`` (so complex nodes check too). ``v``
-  is the perturbation that really happened, ``(x+ - x-) / (2 eps)`` in float64, so rounding
-  the perturbed inputs costs no accuracy.
-
-So a checked node's function runs once to linearize and ``2 * PROJECTIONS`` times per active dep.
+Each node a gradient passes through is checked by one task, which also gives its value to the
+nodes after it (one Dask graph; other nodes run plainly): the node linearized once, then per
+projection a random unit cotangent ``u`` pulled back, and per active dep a random tangent ``v``
+(leaves of about their RMS magnitude); ``fd = <u, J v>`` by central differences at ``x +- eps
+v`` (perturbed in each leaf's dtype, ``v`` taken as the perturbation that happened) against
+``ad = <VJP(u), v>``, where ``<a, b> = real(sum(conj(a) * b))``.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiabl
 from daskdag.rules.finite_differences import (PROJECTIONS, ROUNDING, check_node, compare,
                                               dtype_of, inner, magnitude, perturbed, unit, wide)
 from daskdag.model.request import nodes_in_wrt, prepare
-from daskdag.running.compute import where
+from daskdag.running.programs import where
 from daskdag.running.jobs import Job, run
 from daskdag.model.plan import ship
 
@@ -66,22 +57,18 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
         scheduler: as for [`daskdag.compute_grads`][daskdag.compute_grads].
         eps: the finite-difference step, relative: each element of a leaf moves by about ``eps``
             times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
-            Default, by the lowest precision among the node's differentiated leaves and output
-            leaves: ``cbrt(finfo.eps)``, which balances the truncation error (``eps**2``)
-            against rounding (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
-        rtol: default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a central
-            difference at that step is good to about ``finfo.eps ** (2/3)`` (5e-5 in float32,
-            4e-11 in float64) on a well-scaled node, so this leaves a margin of
-            ``finfo.eps ** (-1/3)`` (200x in float32) for curvature and rounding inside the node,
-            while a VJP off by a few percent (float64) or by a factor (float32) fails.
+            Default ``cbrt(finfo.eps)`` of the lowest precision among the node's differentiated
+            and output leaves, balancing truncation (``eps**2``) against rounding
+            (``finfo.eps / eps``): 4.9e-3 for float32, 6.1e-6 for float64.
+        rtol: default ``2 * cbrt(finfo.eps)`` (9.8e-3 for float32, 1.2e-5 for float64): a
+            margin of ``finfo.eps ** (-1/3)`` over the accuracy of a central difference at that
+            step (``finfo.eps ** (2/3)``), while a VJP off by a few percent (float64) or by a
+            factor (float32) fails.
 
     A projection passes when ``|fd - ad| <= rtol * scale + noise``, where ``scale = max(|fd|,
-    |ad|, ||J v|| / sqrt(n))`` (``n``: the output's real degrees of freedom; ``||J v|| /
-    sqrt(n)`` is the typical size of ``<u, J v>`` for a random unit ``u``, so a wrong VJP is not
-    hidden by a large output) and ``noise = ROUNDING * finfo.eps / eps * sqrt(sum |u_i f_i|^2)``
-    is what rounding the node's outputs ``f`` to their precision adds to ``fd``
-    (negligible on a well-scaled node; it keeps a node whose outputs are large against their
-    variation, or constant, from failing).
+    |ad|, ||J v|| / sqrt(n))`` (``n``: the output's real degrees of freedom, so that a large
+    output hides no wrong VJP) and ``noise = ROUNDING * finfo.eps / eps * sqrt(sum |u_i
+    f_i|^2)``, what rounding the node's outputs ``f`` adds to ``fd``.
 
     Returns:
         ``{node: relative error}``, for each node checked the largest ``|fd - ad| / (scale +
@@ -129,26 +116,25 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
                  scheduler: str | Client | None = None) -> dict[str, float]:
     """Check the gradients of whole ``outputs`` (what [`compute_grads`][daskdag.compute_grads]
     gives) against central finite differences of the composed DAG, as OpenMDAO's
-    ``check_totals`` does beside its ``check_partials`` ([`check_grads`][daskdag.check_grads]).
+    ``check_totals``.
 
     Args:
         dag: as for [`compute_grads`][daskdag.compute_grads].
         x: as for [`compute_grads`][daskdag.compute_grads].
-        outputs: as for [`compute_grads`][daskdag.compute_grads]; any real or complex arrays or pytrees.
+        outputs: as for [`compute_grads`][daskdag.compute_grads]; any real or complex arrays
+            or pytrees.
         wrt: as for [`compute_grads`][daskdag.compute_grads]: free inputs only.
-        eps: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision among the
-            differentiated inputs' leaves.
-        rtol: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision among the
-            differentiated inputs' leaves and the outputs' leaves.
+        eps: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision
+            among the differentiated inputs' leaves.
+        rtol: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision
+            among the differentiated inputs' leaves and the outputs' leaves.
         client: as for [`compute_grads`][daskdag.compute_grads].
         scheduler: as for [`compute_grads`][daskdag.compute_grads].
 
-    Per projection (``PROJECTIONS``), a random unit cotangent ``u`` over each output's
-    differentiable leaves and a random tangent ``v`` per input: ``<u, J v>`` by central
-    differences (every evaluation of the DAG in one Dask graph) against ``<J^T u, v>`` from
-    ``compute_grads`` seeded with ``u``, compared as [`check_grads`][daskdag.check_grads] does.
-    So the DAG runs ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and ``PROJECTIONS`` times
-    under ``compute_grads``.
+    Per projection, ``<u, J v>`` by central differences, for a random unit cotangent ``u`` of
+    each output and tangent ``v`` of each input, against ``<J^T u, v>`` from ``compute_grads``
+    seeded with ``u``, compared as [`check_grads`][daskdag.check_grads] does: the DAG runs
+    ``1 + 2 * PROJECTIONS * len(wrt)`` times plainly and ``PROJECTIONS`` times differentiated.
 
     Returns:
         ``{output: its largest relative error}`` over inputs and projections (at most
@@ -157,11 +143,9 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     Raises:
         TotalCheckError: (a [`GradientCheckError`][daskdag.GradientCheckError]) naming the
             first output and input that disagree, and the other pairs that failed.
-        NodeError: a node raised.
-        DAGError: as for [`compute_grads`][daskdag.compute_grads].
-        ClusterError: as for [`compute_grads`][daskdag.compute_grads].
+        NodeError, DAGError, ClusterError: as for [`check_grads`][daskdag.check_grads].
 
-    For example:
+    For example, on the DAG of [`check_grads`][daskdag.check_grads]'s example:
 
     ```python
     import jax.numpy as jnp

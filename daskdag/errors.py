@@ -1,6 +1,4 @@
-"""The errors a user meets: a bad DAG spec, a node that failed while running, a solve that did
-not converge, a cluster that cannot run the graph, a node whose VJP disagrees with finite
-differences."""
+"""The errors a user meets, and :func:`node_errors`, which names the node that raised."""
 
 from __future__ import annotations
 
@@ -58,7 +56,8 @@ class NodeError(RuntimeError):
         where = f"item {item}: " if item is not None else ""
         advice = hint(original)
         super().__init__(f"{where}node {node!r} failed in its {phase} pass: "
-                         f"{type(original).__name__}: {original}" + (f"\nHint: {advice}" if advice else ""))
+                         f"{type(original).__name__}: {original}"
+                         + (f"\nHint: {advice}" if advice else ""))
         self.node, self.phase, self.original, self.item = node, phase, original, item
         self.__cause__ = original
 
@@ -132,16 +131,15 @@ class SolveError(RuntimeError):
     [`NodeError`][daskdag.NodeError]'s ``original``."""
 
 
-# Exceptions raised by a callback inside a compiled program, which JAX reports as a runtime
-# error whose message ends with the exception's: message -> the exception (the latest ones).
+# Exceptions raised by callbacks inside compiled programs, by the message that ends JAX's error.
 _in_programs: dict[str, BaseException] = {}
 _IN_PROGRAMS = 64
 _lock = threading.Lock()
 
 
 def raised_in_program(e: BaseException) -> BaseException:
-    """``e``, remembered so that a node raising it from inside a compiled program (a callback)
-    fails with ``e`` itself (:func:`node_errors`), not JAX's runtime error around it."""
+    """``e``, remembered so that a node raising it from a callback inside a compiled program
+    fails with ``e`` itself, not JAX's runtime error around it."""
     with _lock:
         _in_programs[f"{type(e).__name__}: {e}"] = e
         while len(_in_programs) > _IN_PROGRAMS:
@@ -169,9 +167,8 @@ class StoreError(RuntimeError):
 @contextlib.contextmanager
 def node_errors(node: str, phase: str) -> Iterator[None]:
     """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a
-    :class:`NodeError` naming it, but for Ctrl-C in the user's own process. A node raising
-    KeyboardInterrupt or SystemExit is a failing node (else a worker would die of it, and Dask
-    retry it on the next)."""
+    :class:`NodeError` naming it, KeyboardInterrupt and SystemExit too (but for Ctrl-C in the
+    user's own process)."""
     try:
         yield
     except NodeError:  # already names its node (one of a fused stage's)
@@ -184,7 +181,7 @@ def node_errors(node: str, phase: str) -> Iterator[None]:
 
 
 def _may_be_ctrl_c(e: BaseException) -> bool:
-    """Python raises Ctrl-C's KeyboardInterrupt in the main thread of the user's process, where
-    nodes run only on Dask's synchronous scheduler; elsewhere a KeyboardInterrupt is the node's."""
-    return (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+    """A KeyboardInterrupt in the main thread of the user's process: maybe Ctrl-C's."""
+    return (isinstance(e, KeyboardInterrupt)
+            and threading.current_thread() is threading.main_thread()
             and multiprocessing.parent_process() is None)

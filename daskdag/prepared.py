@@ -23,10 +23,8 @@ from daskdag.kinds.hessians import HVPs
 from daskdag.kinds.jacobians import Jacobian
 from daskdag.kinds.tangents import JVPs
 from daskdag.model.leaves import PyTree
-from daskdag.model.shapes import signature
-from daskdag.running import log, programs
-from daskdag.running.compute import where
-from daskdag.running.jobs import CallInfo, one_program_here, run
+from daskdag.running.programs import Held, alone_here, held_key
+from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative
 from daskdag.sweeps.sweep import Interrupted
 from daskdag.transport import transports
@@ -54,40 +52,20 @@ class Prepared:
         self._name, self._kind, self._unpack, self._outputs = name, kind, unpack, outputs
         self._client, self._scheduler, self._progress = client, scheduler, progress
         self._last = threading.local()
-        self._held = programs.Held()
+        self._held = Held()
 
     def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
         """The call for inputs ``x`` (and its data: tangents, ``v``); ``store`` as
         [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
-        client, local = where(self._client, self._scheduler)
-        if store is not None or local == "processes":  # (processes keep nothing between calls)
-            return self._unpacked(now(self._kind, x, *data, client=self._client,
-                                      scheduler=self._scheduler, progress=self._progress,
-                                      store=store))
-        transport = transports.for_call(client)
-        try:
-            held_as = (transport, frozenset(x) if isinstance(x, Mapping) else None, signature(x),
-                       tuple(frozenset(d) if isinstance(d, Mapping) else None for d in data))
-            hash(held_as)
-        except (TypeError, ValueError):  # (the call itself says what is wrong with its inputs)
-            held_as = None
-        hit = self._held.get(held_as) if held_as is not None else None
-        stale = hit[0].stale(hit[1]) if hit is not None else None
-        if hit is not None and stale is None:
-            if one_program_here(client, local, self._progress):
-                result = self._kind.directly(hit[0], x, data, log.where(client, local))
-                if result is not None:
-                    return self._unpacked(result)
-            program, why = hit[0], None
-        else:
-            program, why = self._kind.compile(x, data, transport=transport)
-            if hit is not None and why is not None:
-                why = stale  # (what changed since this function's own last call)
-            if held_as is not None:
-                self._held.put(held_as, program, programs.Entries(self._kind.dag))
-        return self._unpacked(run(self._kind.job(program, x, data, why=why,
-                                                 where=log.where(client, local)),
-                                  client, local, self._progress))
+        if store is None and not data and self._client is None and self._scheduler is None \
+                and not self._progress and alone_here():
+            key = held_key(transports.IN_PROCESS, x, data)
+            entry = self._held.entry(key) if key is not None else None
+            if entry is not None:  # (a warm call of one program here: its entry alone)
+                return self._unpacked(entry(x))
+        return self._unpacked(now(self._kind, x, *data, client=self._client,
+                                  scheduler=self._scheduler, progress=self._progress,
+                                  store=store, held=self._held))
 
     def sweep(self, xs: PyTree, *data: PyTree, batched: Sequence[str] | None = None,
               chunk_size: int | None = None, errors: str = "raise", store: Any = None) -> Any:
@@ -104,14 +82,13 @@ class Prepared:
         return self._unpacked(results)
 
     def _unpacked(self, results: Any) -> Any:
-        per_output = {self._outputs: results} if isinstance(self._outputs, str) else results
-        first = next(iter(per_output.values()))
-        self._last.info, self._last.failed = first.info, dict(first.failed)
-        columns = list(zip(*(self._unpack(r) for r in per_output.values())))
         if isinstance(self._outputs, str):
-            out = tuple(c[0] for c in columns)
+            first, out = results, self._unpack(results)
         else:
-            out = tuple(dict(zip(per_output, c)) for c in columns)
+            first = next(iter(results.values()))
+            parts = [self._unpack(r) for r in results.values()]
+            out = tuple({o: p[k] for o, p in zip(results, parts)} for k in range(len(parts[0])))
+        self._last.info, self._last.failed = first.info, dict(first.failed) if first.failed else {}
         return out[0] if len(out) == 1 else out
 
     @property

@@ -181,3 +181,28 @@ def test_a_module_of_the_users_counts_however_it_is_reached(hold, reads_all):
     assert parts(fn) != before
     params.SCALE = 1.5
     assert parts(fn) == before
+
+
+def test_classes_count_by_what_pickling_saves_of_them():
+    """A class with a property, slots or an ABC base is read (pickling saves it); its
+    attributes count, where it is written does not."""
+    source = '''
+import abc
+
+
+class Shape(abc.ABC):
+    __slots__ = ("side",)
+    scale = 1.0
+
+    @property
+    def area(self):
+        return self.side ** 2 * self.scale
+
+
+def area(side):
+    return Shape.scale * side
+'''
+    first, moved = module(source), module(source, "/elsewhere/other.py", head="# moved\n")
+    assert parts(first.area) == parts(moved.area)
+    moved.Shape.scale = 2.0
+    assert changed(first.area, moved.area) == {"global Shape"}

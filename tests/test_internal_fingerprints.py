@@ -110,7 +110,8 @@ def test_a_fingerprint_keeps_nothing_of_its_function_alive():
 def test_packed_functions_are_pickled_again_only_when_changed(monkeypatch):
     dumped = []
     dump = pickler.Pickler.dump
-    monkeypatch.setattr(pickler.Pickler, "dump", lambda self, obj: dumped.append(obj) or dump(self, obj))
+    monkeypatch.setattr(pickler.Pickler, "dump",
+                        lambda self, obj: dumped.append(obj) or dump(self, obj))
     W = np.ones(3)
     fn = lambda x: W * x  # noqa: E731
     first = packing.pack_function("f", fn, strict=False)
@@ -131,7 +132,7 @@ def test_atoms_and_immutable_containers_by_value(value):
 
 
 def test_cloudpickles_private_submodule_finder_is_there():
-    """:class:`daskdag.transport.pickler.user_modules_by_value` answers cloudpickle's private
+    """:class:`daskdag.transport.pickler._Submodules` answers cloudpickle's private
     ``_find_imported_submodules`` from its last scan of ``sys.modules``: a cloudpickle release
     that renames it fails here, instead of packing silently getting slower."""
     import cloudpickle.cloudpickle as cp
@@ -238,3 +239,38 @@ def test_the_compiled_check_agrees_with_a_new_fingerprint(world, data):
         data.draw(st.sampled_from(places))()
     assert before.holds(fn) == (fingerprint(fn) == before)
     assert not before.holds(fn) or not places or fingerprint(fn) == before
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.recursive(_leaves(), _holders, max_leaves=12), st.data())
+def test_fingerprints_and_content_tokens_follow_one_walk(world, data):
+    """Fingerprints and content tokens are two records of one walk: an in-place change that one
+    of them sees, the other sees too (JAX arrays aside, which neither changes in place)."""
+    from daskdag.transport.content import token
+
+    fn = data.draw(st.sampled_from([lambda: world, lambda: getattr(world, "a1", None)]))
+    before, content = fingerprint(fn), token(fn)
+    places = _mutables(world)
+    if places:
+        data.draw(st.sampled_from(places))()
+    assert (fingerprint(fn) == before) == (token(fn) == content)
+
+
+def test_classes_with_properties_slots_and_abcs_are_watched():
+    """What pickling saves of a class (a property, slots, an ABC) is read; its attributes
+    changing is seen."""
+    import abc
+
+    class Base(abc.ABC):
+        pass
+
+    class Box(Base):
+        __slots__ = ("width", "height")
+        ratio = property(lambda self: self.width / self.height)
+
+    fn = lambda x: Box.ratio.fget(x)  # noqa: E731
+    checked = fingerprint(fn, checked=True)
+    assert checked is not None and checked.holds(fn)
+    _same_until(fn, lambda: setattr(Box, "ratio", property(lambda self: self.width)))
+    assert not checked.holds(fn)
+    _same_until(fn, lambda: setattr(Box, "extra", 1))

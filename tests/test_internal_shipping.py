@@ -230,7 +230,8 @@ def test_a_local_call_pickles_only_what_its_compiled_programs_need(monkeypatch):
     is seen by the next call all the same."""
     packed = []
     pack = shipping.pack
-    monkeypatch.setattr(shipping, "pack", lambda obj, *a, **kw: packed.append(obj) or pack(obj, *a, **kw))
+    monkeypatch.setattr(shipping, "pack",
+                        lambda obj, *a, **kw: packed.append(obj) or pack(obj, *a, **kw))
     W = np.ones(3, dtype=np.float32)
     scale = lambda x: jnp.tanh(W * x)  # noqa: E731
     x = jnp.linspace(0.1, 0.5, 3)
@@ -452,3 +453,37 @@ def test_cloudpickles_private_names_the_pickler_uses_are_there():
     from daskdag.transport.pickler import PRIVATE
 
     assert [name for name in PRIVATE if not callable(getattr(cp, name, None))] == []
+
+
+def test_what_a_function_reads_of_a_users_module_changes_its_packed_token(tmp_path):
+    """An attribute of a user's module that a function reads, rebound or changed in place:
+    pickling sends it (no salt from the fingerprint), so the packed token changes; one it does
+    not read keeps the token. ``__main__`` held as a module travels with what the code reads
+    of it."""
+    import __main__
+    import types
+
+    helpers = types.ModuleType("shipping_helpers")
+    helpers.__file__ = str(tmp_path / "shipping_helpers.py")
+    helpers.scale, helpers.W, helpers.unread = 1.0, np.ones(3), 0
+    sys.modules[helpers.__name__] = helpers
+    namespace = {"helpers": helpers, "main": __main__, "__name__": "shipping_script"}
+    exec("def h(x):\n    return x * helpers.scale + helpers.W + main.SHIPPING_OFFSET\n", namespace)
+    h = namespace["h"]
+    __main__.SHIPPING_OFFSET = 1.0
+    try:
+        tokens = [shipping.pack_function("h", h, strict=False).token]
+        for change in (lambda: setattr(helpers, "scale", 2.0),
+                       lambda: helpers.W.__setitem__(0, 5.0),
+                       lambda: setattr(__main__, "SHIPPING_OFFSET", 3.0),
+                       lambda: setattr(helpers, "unread", 1)):
+            change()
+            tokens.append(shipping.pack_function("h", h, strict=False).token)
+        assert len(set(tokens[:4])) == 4 and tokens[4] == tokens[3]
+        packed = shipping.pack_function("h", h, strict=False)
+        moved = shipping.Function(None, packed.skeleton, packed.arrays).load()
+        del __main__.SHIPPING_OFFSET  # (what travelled holds it)
+        np.testing.assert_allclose(moved(1.0), [10.0, 6.0, 6.0])
+    finally:
+        sys.modules.pop(helpers.__name__, None)
+        vars(__main__).pop("SHIPPING_OFFSET", None)

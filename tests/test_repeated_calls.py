@@ -222,8 +222,8 @@ def h(x):
 
 
 def test_an_attribute_of_a_module_of_the_user_s_rebound_is_seen(tmp_path, monkeypatch):
-    """``helpers.scale`` read through the module (pickling would not see it: the token is
-    salted by the fingerprint, so a jitted node is compiled anew)."""
+    """``helpers.scale`` read through the module: the fingerprint and the content token follow
+    one walk (:mod:`daskdag.transport.walk`), so a jitted node is compiled anew."""
     name = f"daskdag_helpers_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

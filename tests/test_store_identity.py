@@ -178,7 +178,7 @@ def test_a_store_of_an_older_format_is_refused_saying_so(tmp_path):
     (store / "zarr.json").write_text(json.dumps(root))
     kept, before = files(store), len(calls(tmp_path))
     with pytest.raises(daskdag.StoreError, match="in store format 2; this daskdag .* reads "
-                                                 "format 4 only"):
+                                                 "format 5 only"):
         sweep(m, store)
     assert files(store) == kept and len(calls(tmp_path)) == before
 

@@ -6,21 +6,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import dask
+import numpy as np
+
 import daskdag
-from daskdag.cli.connecting import connect
+from daskdag.cli.connecting import connected
 from daskdag.cli.loading import TARGET_HELP, load_dag
-from daskdag.cli.npz import NPZ_LAYOUT, to_jax, load_npz, result_arrays, save, summary
+from daskdag.cli.npz import NPZ_LAYOUT, load_npz, result_arrays, save, summary, to_jax
 from daskdag.cli.tls import DEFAULT_HOSTS, write_certs
 from daskdag.cli.usage import (EXIT_CLUSTER, EXIT_CODES, EXIT_INTERRUPTED, EXIT_ITEMS_FAILED,
                                EXIT_NODE, EXIT_OK, EXIT_STORE, EXIT_USAGE, Unreachable,
                                UsageError)
 from daskdag.errors import ClusterError, DAGError, NodeError, StoreError
 from daskdag.model.spec import parse
-from daskdag.running.compute import active_client
+from daskdag.running.programs import active_client
+
 
 def _names(text: str | None, option: str) -> list[str] | None:
     if text is None:
@@ -52,7 +58,8 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple:
     for o in outputs:
         if o not in spec.nodes:
             kind = "a free input, not a node" if o in spec.inputs else "not a node of the DAG"
-            raise UsageError(f"--outputs names {o!r}, which is {kind}; nodes: {', '.join(spec.nodes)}")
+            raise UsageError(f"--outputs names {o!r}, which is {kind}; "
+                             f"nodes: {', '.join(spec.nodes)}")
     needed = spec.ancestors(outputs)
     values = load_npz(args.inputs, spec.inputs, "inputs",
                       needed=[i for i in spec.inputs if i in needed], single_ok=True)
@@ -60,36 +67,21 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple:
     if args.cotangents:
         cts = to_jax(load_npz(args.cotangents, outputs, "cotangents"))
     x = values[spec.inputs[0]] if len(spec.inputs) == 1 else values
-    if args.scheduler is None:
-        _refuse_import_client(command)
+    client = active_client() if args.scheduler is None else None
+    if client is not None:  # (started by importing the DAG module; a local run would not use it)
+        raise UsageError(f"the DAG module started a distributed client ({client}) when imported; "
+                         f"daskdag {command} runs locally unless --scheduler is given: pass "
+                         f"its address there, or do not start a client at import")
     return out, dag, spec, outputs, wrt, to_jax(x), cts
 
 
-def _refuse_import_client(command: str) -> None:
-    """``UsageError`` where importing the DAG module started a ``distributed`` client, which a
-    local run (no --scheduler) would not use."""
-    c = active_client()
-    if c is not None:
-        raise UsageError(f"the DAG module started a distributed client ({c}) when imported; "
-                         f"daskdag {command} runs locally unless --scheduler is given: pass "
-                         f"its address there, or do not start a client at import")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    import dask
-
-
     out, dag, spec, outputs, wrt, x, cts = _prepare(args, "run")
-    client = connect(args)
-    try:
-        # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
-        with contextlib.redirect_stdout(sys.stderr), dask.config.set(scheduler="threads"):
-            results = daskdag.compute_grads(dag, x, outputs, wrt=wrt, cotangents=cts,
-                                            client=client, progress=args.progress,
-                                            store=args.store)
-    finally:
-        if client is not None:
-            client.close(timeout=10)
+    # Progress bars and the nodes' prints go to stderr: stdout carries the summary alone.
+    with (connected(args) as client, contextlib.redirect_stdout(sys.stderr),
+          dask.config.set(scheduler="threads")):
+        results = daskdag.compute_grads(dag, x, outputs, wrt=wrt, cotangents=cts, client=client,
+                                        progress=args.progress, store=args.store)
     arrays = result_arrays(results, spec.inputs, wrt)
     save(out, arrays)
     if not args.quiet:
@@ -99,21 +91,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    import numpy as np
-
-
     out, dag, spec, outputs, wrt, xs, cts = _prepare(args, "sweep")
     batched = _names(args.batched, "--batched")
-    client = connect(args)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            results = daskdag.sweep_grads(dag, xs, outputs, batched=batched, wrt=wrt, cotangents=cts,
-                                          chunk_size=args.chunk_size, client=client,
-                                          progress=not args.quiet, errors=args.errors,
-                                          store=args.store)
-    finally:
-        if client is not None:
-            client.close(timeout=10)
+    with connected(args) as client, contextlib.redirect_stdout(sys.stderr):
+        results = daskdag.sweep_grads(dag, xs, outputs, batched=batched, wrt=wrt, cotangents=cts,
+                                      chunk_size=args.chunk_size, client=client,
+                                      progress=not args.quiet, errors=args.errors,
+                                      store=args.store)
     arrays = result_arrays(results, spec.inputs, wrt)
     failed = {o: sorted(r.failed) for o, r in results.items()}
     if args.errors == "collect":
@@ -127,9 +111,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(summary(arrays, outputs, failed if args.errors == "collect" else None))
         print(f"wrote {out}")
-    errors: dict = {}  # item -> its error (the same for every output)
-    for r in results.values():
-        errors.update(r.failed)
+    # item -> its error (the same for every output)
+    errors = {item: e for r in results.values() for item, e in r.failed.items()}
     if errors:
         print(f"daskdag sweep: {len(errors)} item{'s' if len(errors) != 1 else ''} failed "
               f"(rows of NaN; indices in <output>.failed):", file=sys.stderr)
@@ -169,15 +152,19 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def _common(p: argparse.ArgumentParser, sweep: bool) -> None:
+def _command(commands: Any, name: str, brief: str, description: str) -> argparse.ArgumentParser:
+    """The parser of ``run`` or ``sweep``, with the options they share."""
+    sweep = name == "sweep"
+    p = commands.add_parser(name, help=brief, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}", description=_wrap(description))
     p.add_argument("target", metavar="MODULE[:DAG]", help=TARGET_HELP)
     p.add_argument("--inputs", required=True, metavar="FILE.npz",
                    help="input values, one key per free input of the DAG" +
                         (" (batched ones with a leading item axis)" if sweep else ""))
     p.add_argument("--outputs", required=True, metavar="D,E", help="node names, comma-separated")
-    p.add_argument("--wrt", metavar="a,b", help="inputs (or nodes) to differentiate, comma-separated; "
-                   "default: every " + ("batched " if sweep else "given ") + "input with a "
-                   "floating-point leaf")
+    p.add_argument("--wrt", metavar="a,b",
+                   help="inputs (or nodes) to differentiate, comma-separated; default: every "
+                        + ("batched " if sweep else "given ") + "input with a floating-point leaf")
     p.add_argument("--cotangents", metavar="FILE.npz",
                    help="seeds for outputs that are not real scalars, keyed by output name"
                         + (" (one item's, for every item)" if sweep else ""))
@@ -192,21 +179,19 @@ def _common(p: argparse.ArgumentParser, sweep: bool) -> None:
     p.add_argument("--quiet", "-q", action="store_true",
                    help="print no summary" + (" and no progress bar" if sweep else ""))
     p.add_argument("--traceback", action="store_true", help="print the traceback of errors")
+    return p
 
 
 def _wrap(text: str) -> str:
     """``text``'s first paragraph wrapped to 79 columns, the rest (examples) kept as is."""
-    import textwrap
-
     first, sep, rest = text.partition("\n\n")
     return textwrap.fill(first, 79) + sep + rest
 
 
 def parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
     top = argparse.ArgumentParser(
         prog="daskdag", description="daskdag's command line.", epilog=EXIT_CODES,
-        formatter_class=fmt)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", "-V", action="version", version=f"daskdag {daskdag.__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="{certs,run,sweep}")
     certs = commands.add_parser(
@@ -220,37 +205,28 @@ def parser() -> argparse.ArgumentParser:
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     certs.add_argument("--force", action="store_true", help="replace existing files")
 
-    run = commands.add_parser(
-        "run", help="values and gradients of a DAG's outputs (daskdag.compute_grads) into an .npz",
-        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
-        description=_wrap(
-                    "Load the DAG, read its inputs, compute the outputs' values and gradients "
-                    "with daskdag.compute_grads, each node once, and write them to RESULT.npz; "
-                    "print a summary (output, value shape, gradient shapes) to stdout. Progress "
-                    "bars and the nodes' prints go to stderr.\n\n"
-                    "  daskdag run pipeline.py:dag --inputs in.npz --outputs D,E --out res.npz\n"
-                    "  daskdag run mypkg.pipe:make_dag --inputs in.npz --outputs D --wrt x \\\n"
-                    "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz"))
-    _common(run, sweep=False)
+    run = _command(
+        commands, "run",
+        "values and gradients of a DAG's outputs (daskdag.compute_grads) into an .npz",
+        "Load the DAG, read its inputs, compute the outputs' values and gradients with "
+        "daskdag.compute_grads, each node once, and write them to RESULT.npz; print a summary "
+        "(output, value shape, gradient shapes) to stdout. Progress bars and the nodes' prints "
+        "go to stderr.\n\n"
+        "  daskdag run pipeline.py:dag --inputs in.npz --outputs D,E --out res.npz\n"
+        "  daskdag run mypkg.pipe:make_dag --inputs in.npz --outputs D --wrt x \\\n"
+        "      --scheduler tls://scheduler:8786 --tls certs/ --out res.npz")
     run.add_argument("--progress", action="store_true",
                      help="show Dask's progress bar over the call's tasks (on stderr)")
-    run.add_argument("--store", metavar="DIR",
-                     help="keep each node's result in DIR as it finishes; run the same command "
-                          "again to resume a call that was cut short (it runs only the nodes DIR "
-                          "lacks); a DIR holding another call exits 5")
 
-    sweep = commands.add_parser(
-        "sweep", help="the same over many items (daskdag.sweep_grads), with a progress bar",
-        formatter_class=fmt, epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
-        description=_wrap(
-                    "Load the DAG, read the items' inputs (batched inputs with a leading item "
-                    "axis), compute every item's values and gradients with daskdag.sweep_grads "
-                    "and write them, stacked, to RESULT.npz. A progress bar over items goes to "
-                    "stderr unless --quiet.\n\n"
-                    "  daskdag sweep pipeline.py --inputs items.npz --outputs D,E --out res.npz\n"
-                    "  daskdag sweep pipeline.py --inputs items.npz --batched x --outputs D \\\n"
-                    "      --errors collect --scheduler scheduler.json --out res.npz"))
-    _common(sweep, sweep=True)
+    sweep = _command(
+        commands, "sweep",
+        "the same over many items (daskdag.sweep_grads), with a progress bar",
+        "Load the DAG, read the items' inputs (batched inputs with a leading item axis), compute "
+        "every item's values and gradients with daskdag.sweep_grads and write them, stacked, to "
+        "RESULT.npz. A progress bar over items goes to stderr unless --quiet.\n\n"
+        "  daskdag sweep pipeline.py --inputs items.npz --outputs D,E --out res.npz\n"
+        "  daskdag sweep pipeline.py --inputs items.npz --batched x --outputs D \\\n"
+        "      --errors collect --scheduler scheduler.json --out res.npz")
     sweep.add_argument("--batched", metavar="a,b",
                        help="the inputs that carry the item axis (default: all given); the others "
                             "are shared by every item")
@@ -259,10 +235,14 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--errors", choices=("raise", "collect"), default="raise",
                        help="raise: stop at the first failing item (exit 1); collect: keep going, "
                             "save the failed items' indices as <output>.failed, exit 4")
-    sweep.add_argument("--store", metavar="DIR",
-                       help="keep each chunk's results in DIR as it finishes; run the same "
-                            "command again to resume a sweep that was cut short (it computes "
-                            "only what DIR lacks); a DIR holding another sweep exits 5")
+
+    for p, what, kept, lacking in (
+            (run, "call", "each node's result", "runs only the nodes DIR lacks"),
+            (sweep, "sweep", "each chunk's results", "computes only what DIR lacks")):
+        p.add_argument("--store", metavar="DIR",
+                       help=f"keep {kept} in DIR as it finishes; run the same command again to "
+                            f"resume a {what} that was cut short (it {lacking}); a DIR holding "
+                            f"another {what} exits 5")
     return top
 
 
@@ -283,8 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def fail(code: int, message: str, e: BaseException) -> int:
         if args.traceback:
-            import traceback
-
             traceback.print_exception(e)
         sys.stderr.write(f"{name}: error: {message}\n")
         return code

@@ -3,8 +3,11 @@ the attribute holding the dict (or a callable returning it)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,34 +25,21 @@ def load_dag(target: str) -> dict:
     """The DAG named by ``MODULE[:DAG]`` (see :data:`TARGET_HELP`), as a dict, not yet validated
     (:func:`daskdag.model.spec.parse` does that); ``UsageError`` naming what was looked for when
     it is not there."""
-    module_part, attr = _split_target(target)
-    if _is_file(module_part):
+    # DAG is "dag" where none is given, or what follows the last ":" is no name (C:\dags\p.py).
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not all(p.isidentifier() for p in attr.split(".")):
+        module_part, attr = target, "dag"
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
         module, where = _exec_file(module_part)
     else:
         module, where = _import_module(module_part), module_part
     return dict(_dag_object(module, where, attr))
 
 
-def _split_target(target: str) -> tuple[str, str]:
-    """``(MODULE, DAG)``, ``DAG`` ``"dag"`` where none is given (or what follows the last ``:``
-    is no dotted name, as in ``C:\\dags\\p.py``)."""
-    module_part, sep, attr = target.rpartition(":")
-    if not sep or not all(p.isidentifier() for p in attr.split(".")):
-        module_part, attr = target, "dag"
-    return module_part, attr
-
-
-def _is_file(module_part: str) -> bool:
-    """Whether a target's ``MODULE`` names a ``.py`` file rather than an importable module."""
-    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-
-
 def _exec_file(module_part: str) -> tuple[ModuleType, str]:
     """``(module, its resolved path as text)``: the module the file defines, run with its
     directory first on ``sys.path`` (where it stays, as with ``python path/file.py``) and kept
     in ``sys.modules`` (for pickling by value); ``UsageError`` where it is missing or raised."""
-    import importlib.util
-
     path = Path(module_part).expanduser()
     if not path.is_file():
         raise UsageError(f"no DAG module file {str(path)!r}" + ("" if path.suffix == ".py" else
@@ -75,8 +65,6 @@ def _exec_file(module_part: str) -> tuple[ModuleType, str]:
 def _import_module(module_part: str) -> ModuleType:
     """The module, imported with the current directory first on ``sys.path`` (as ``python -m``
     has it); ``UsageError`` where there is no such module or importing it raised."""
-    import importlib
-
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -96,16 +84,14 @@ def _dag_object(module: ModuleType, where: str, attr: str) -> Any:
     """The mapping at the (dotted) attribute ``DAG``, or what calling it returns; ``UsageError``
     where there is no such attribute (listing the module's dicts and callables), the call
     raised, or the result is no mapping."""
-    from collections.abc import Mapping
-
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             have = sorted(k for k, v in vars(module).items()
                           if not k.startswith("_") and (isinstance(v, Mapping) or callable(v))
                           and not isinstance(v, type(sys)))
-            raise UsageError(f"DAG module {where!r} has no attribute {attr!r}"
-                             + (f"; dicts and callables there: {', '.join(have[:20])}" if have else ""))
+            raise UsageError(f"DAG module {where!r} has no attribute {attr!r}" + (
+                f"; dicts and callables there: {', '.join(have[:20])}" if have else ""))
         obj = getattr(obj, part)
     if not isinstance(obj, Mapping) and callable(obj):
         try:

@@ -8,6 +8,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from daskdag.cli.usage import UsageError
 
 NPZ_LAYOUT = """npz layout:
@@ -29,8 +33,6 @@ def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
     """``{name: value}`` from ``path``, keys matched against ``names`` (dotted keys: leaves of a
     dict-shaped value). ``needed`` must all be there; ``single_ok``: one name and a file with
     the single key ``arr_0`` (``numpy.savez(file, x)``) gives it."""
-    import numpy as np
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise UsageError(f"no {what} file {str(p)!r}")
@@ -38,7 +40,8 @@ def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
         with np.load(p, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
     except Exception as e:
-        raise UsageError(f"cannot read {what} file {str(p)!r} as .npz: {type(e).__name__}: {e}") from e
+        raise UsageError(f"cannot read {what} file {str(p)!r} as .npz: "
+                         f"{type(e).__name__}: {e}") from e
     if single_ok and len(names) == 1 and list(arrays) == ["arr_0"]:
         arrays = {names[0]: arrays["arr_0"]}
     by_length = sorted(names, key=len, reverse=True)
@@ -50,7 +53,8 @@ def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
             continue
         if key == name:
             if name in values:
-                raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by leaf")
+                raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by "
+                                 f"leaf")
             values[name] = a
             continue
         node = values.setdefault(name, {})
@@ -76,28 +80,15 @@ def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
 
 
 def to_jax(tree: Any) -> Any:
-    import jax
-    import jax.numpy as jnp
-
     return jax.tree.map(jnp.asarray, tree)
 
 
 def flatten(prefix: str, tree: Any) -> dict:
-    """``{prefix.key.path: array}`` for the array leaves of ``tree`` (None and non-array leaves
-    are left out)."""
-    import jax
-    import numpy as np
-    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
-
-    def part(k: Any) -> str:
-        if isinstance(k, DictKey):
-            return str(k.key)
-        if isinstance(k, SequenceKey):
-            return str(k.idx)
-        if isinstance(k, GetAttrKey):
-            return k.name
-        if isinstance(k, FlattenedIndexKey):
-            return str(k.key)
+    """``{prefix.key.path: array}`` for the array leaves of ``tree``."""
+    def part(k: Any) -> str:  # DictKey.key, SequenceKey.idx, GetAttrKey.name, FlattenedIndexKey.key
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
         return str(k).strip(".[]'\"")
 
     out = {}
@@ -110,8 +101,7 @@ def flatten(prefix: str, tree: Any) -> dict:
 
 
 def result_arrays(results: dict, inputs: Sequence[str], wrt: Sequence[str] | None) -> dict:
-    """The RESULT.npz arrays of ``{output: Result}``, given the DAG's free inputs (``Spec.inputs``)
-    and ``--wrt``."""
+    """The RESULT.npz arrays of ``{output: Result}``, given the DAG's free inputs and ``--wrt``."""
     alone = len(inputs) == 1 and (wrt is None or list(wrt) == list(inputs))
     arrays = {}
     for o, r in results.items():
@@ -125,16 +115,13 @@ def result_arrays(results: dict, inputs: Sequence[str], wrt: Sequence[str] | Non
 
 def save(path: Path, arrays: dict) -> None:
     """``numpy.savez`` to exactly ``path`` (no .npz appended), atomically."""
-    import numpy as np
-
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def _shape(a: Any) -> str:

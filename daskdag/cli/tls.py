@@ -28,18 +28,6 @@ def write_certs(directory: str | os.PathLike[str], hosts: Iterable[str] = (), da
     ``DEFAULT_HOSTS``. Existing files are kept unless ``force``: replacing them locks out every
     process still holding the old ones.
     """
-    paths = _cert_paths(directory, force)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
-    ca, ca_key = _new_ca(start, end)
-    cert, key = _new_cert(ca, ca_key, [*DEFAULT_HOSTS, *hosts], start, end)
-    _write_pems(paths, ca, cert, key)
-    return paths
-
-
-def _cert_paths(directory: str | os.PathLike[str], force: bool) -> dict[str, Path]:
-    """``{"ca"|"cert"|"key": path}`` in ``directory``, created; ``FileExistsError`` naming the
-    files already there, unless ``force``."""
     directory = Path(directory)
     paths = {k: directory / name for k, name in FILES.items()}
     existing = [str(p) for p in paths.values() if p.exists()]
@@ -47,78 +35,61 @@ def _cert_paths(directory: str | os.PathLike[str], force: bool) -> dict[str, Pat
         raise FileExistsError(f"{', '.join(existing)} already exist; replace them with --force "
                               f"(force=True)")
     directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca, ca_key = _certificate(start, end)
+    cert, key = _certificate(start, end, (ca, ca_key), [*DEFAULT_HOSTS, *hosts])
+    _write_pems(paths, ca, cert, key)
     return paths
 
 
-def _new_ca(start: datetime.datetime, end: datetime.datetime) -> tuple[Any, Any]:
-    """``(certificate, private key)`` of a new self-signed CA, valid from ``start`` to ``end``,
-    that may sign certificates but no other CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "daskdag cluster CA")])
-    ca = (x509.CertificateBuilder()
-          .subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
-                         critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    return ca, ca_key
-
-
-def _alt_names(hosts: Iterable[str]) -> list:
-    """The subject alternative names of ``hosts`` (names or IP addresses; repeats dropped)."""
-    from cryptography import x509
-
-    names: list[x509.GeneralName] = []
-    for h in dict.fromkeys(hosts):
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    return names
-
-
-def _new_cert(ca: Any, ca_key: Any, hosts: Iterable[str], start: datetime.datetime,
-              end: datetime.datetime) -> tuple[Any, Any]:
-    """``(certificate, private key)`` for ``hosts``, signed by the CA, for every role: it serves
-    (scheduler, workers) and connects (all)."""
+def _certificate(start: datetime.datetime, end: datetime.datetime, issuer: tuple | None = None,
+                 hosts: Iterable[str] = ()) -> tuple[Any, Any]:
+    """``(certificate, private key)``, valid from ``start`` to ``end``. Without ``issuer``, a
+    self-signed CA that may sign certificates but no other CA; else one signed by ``issuer``
+    (``(CA certificate, CA key)``) for ``hosts`` (names or IP addresses), for every role: it
+    serves (scheduler, workers) and connects (all)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    ca_ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "daskdag")]))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False,
-                                         key_agreement=True, key_cert_sign=False, crl_sign=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.SubjectAlternativeName(_alt_names(hosts)), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-                           critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return cert, key
+    is_ca = issuer is None
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                         "daskdag cluster CA" if is_ca else "daskdag")])
+    usage = dict.fromkeys(("digital_signature", "content_commitment", "key_encipherment",
+                           "data_encipherment", "key_agreement", "key_cert_sign", "crl_sign",
+                           "encipher_only", "decipher_only"), False)
+    usage.update(dict.fromkeys(("key_cert_sign", "crl_sign") if is_ca
+                               else ("digital_signature", "key_agreement"), True))
+    builder = (x509.CertificateBuilder()
+               .subject_name(name).issuer_name(name if issuer is None else issuer[0].subject)
+               .public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(start).not_valid_after(end)
+               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=0 if is_ca else None),
+                              critical=True)
+               .add_extension(x509.KeyUsage(**usage), critical=True))
+    if issuer is not None:
+        alt_names: list[x509.GeneralName] = []
+        for h in dict.fromkeys(hosts):
+            try:
+                alt_names.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                alt_names.append(x509.DNSName(h))
+        ca_ski = issuer[0].extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        builder = (builder
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                         ExtendedKeyUsageOID.CLIENT_AUTH]),
+                                  critical=False)
+                   .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+                   .add_extension(
+                       x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+                       critical=False))
+    builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                                    critical=False)
+    return builder.sign(key if issuer is None else issuer[1], hashes.SHA256()), key
 
 
 def _write_pems(paths: dict[str, Path], ca: Any, cert: Any, key: Any) -> None:
@@ -129,7 +100,8 @@ def _write_pems(paths: dict[str, Path], ca: Any, cert: Any, key: Any) -> None:
     pem = serialization.Encoding.PEM
     paths["ca"].write_bytes(ca.public_bytes(pem))
     paths["cert"].write_bytes(cert.public_bytes(pem))
-    key_bytes = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    key_bytes = key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption())
     fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key_bytes)

@@ -4,23 +4,9 @@ The resources of ``deploy/kubernetes/`` (tests/test_deploy.py checks they are eq
 dicts: a ``DaskCluster`` (scheduler, Service, default CPU worker group), a ``DaskWorkerGroup`` of
 GPU workers, a ``DaskAutoscaler``. Pods run as uid 1000; every Dask connection is mutual TLS with
 the Secret ``certs_secret`` (``ca.pem``, ``cert.pem``, ``key.pem``) mounted at ``/etc/dask/tls``.
-
-From a machine whose kubeconfig reaches the cluster, with the operator installed and the Secret
-created (docs/guides/deployment.md, "Kubernetes")::
-
-    from daskdag.deploy.kubernetes import make_cluster
-
-    cluster = make_cluster("daskdag", certs="certs", image="REGISTRY/daskdag:0.1.0",
-                           gpu_image="REGISTRY/daskdag:0.1.0-gpu", n_workers=2, gpu_workers=1)
-    cluster.adapt(minimum=1, maximum=10)   # the operator's DaskAutoscaler: CPU workers only
-    client = Client(cluster)               # TLS, with the certificates in certs/
-    res = daskdag.compute_grads(dag, x, ["D"], client=client)
-    cluster.close()                        # deletes the DaskCluster and its pods
-
-``KubeCluster`` speaks plain ``tcp://`` to its scheduler; :class:`TLSKubeCluster` speaks ``tls://``
-with a ``distributed.Security``. The operator asks the scheduler's HTTP API (on the internal
-dashboard port; ``scheduler_api=True`` of :func:`cluster_spec`) how many workers it wants and
-which to retire.
+:func:`make_cluster` starts them (docs/guides/deployment.md, "Kubernetes") as a
+:class:`TLSKubeCluster`: ``KubeCluster`` speaks plain ``tcp://`` to its scheduler, this one
+``tls://``.
 """
 
 from __future__ import annotations
@@ -70,44 +56,47 @@ def _tls_args() -> list[str]:
             "--tls-key", f"{TLS_MOUNT}/key.pem"]
 
 
-def _tls_volume(certs_secret: str) -> dict[str, Any]:
-    return {"name": "tls", "secret": {"secretName": certs_secret, "defaultMode": 0o440}}
-
-
-def _tls_mount() -> dict[str, Any]:
-    return {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}
-
-
 def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in pairs.items()]
 
 
-def _worker_spec(scheduler: str, *, image: str, certs_secret: str, n_workers: int, nthreads: int,
-                 gpu: bool, resources: Mapping[str, Any], env: Mapping[str, str],
-                 image_pull_policy: str) -> dict[str, Any]:
-    args = ["dask", "worker", scheduler, "--name", "$(DASK_WORKER_NAME)", "--nthreads", str(nthreads)]
-    if gpu:
-        args += ["--resources", "GPU=1"]
-    args += ["--dashboard-address", str(WORKER_DASHBOARD_PORT), *_tls_args()]
-    base_env = {"DASK_SCHEDULER_ADDRESS": scheduler, "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "true"}
-    base_env.update({"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if gpu
-                    else {"JAX_PLATFORMS": "cpu"})
+def _resource(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kubernetes.dask.org/v1", "kind": kind,
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "daskdag"}},
+            "spec": spec}
+
+
+def _pod(container: str, *, image: str, image_pull_policy: str, certs_secret: str,
+         resources: Mapping[str, Any], gpu: bool = False, **fields: Any) -> dict[str, Any]:
+    """A pod running as uid 1000 with the one container ``container`` (its ``fields``), which
+    mounts the TLS Secret; a GPU pod tolerates the GPU node taint."""
     pod: dict[str, Any] = {"securityContext": dict(_POD_SECURITY)}
     if gpu:
         pod["tolerations"] = [dict(t) for t in _GPU_TOLERATIONS]
     pod["containers"] = [{
-        "name": "worker",
-        "image": image,
-        "imagePullPolicy": image_pull_policy,
-        "args": args,
-        "env": _env({**base_env, **env}),
-        "ports": [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT,
-                   "protocol": "TCP"}],
+        "name": container, "image": image, "imagePullPolicy": image_pull_policy, **fields,
         "resources": {k: dict(v) for k, v in resources.items()},
-        "volumeMounts": [_tls_mount()],
+        "volumeMounts": [{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}],
     }]
-    pod["volumes"] = [_tls_volume(certs_secret)]
-    return {"replicas": n_workers, "spec": pod}
+    pod["volumes"] = [{"name": "tls",
+                       "secret": {"secretName": certs_secret, "defaultMode": 0o440}}]
+    return pod
+
+
+def _worker_spec(scheduler: str, *, n_workers: int, nthreads: int, gpu: bool,
+                 env: Mapping[str, str], **pod: Any) -> dict[str, Any]:
+    args = ["dask", "worker", scheduler, "--name", "$(DASK_WORKER_NAME)",
+            "--nthreads", str(nthreads)]
+    if gpu:
+        args += ["--resources", "GPU=1"]
+    args += ["--dashboard-address", str(WORKER_DASHBOARD_PORT), *_tls_args()]
+    base_env = {"DASK_SCHEDULER_ADDRESS": scheduler,
+                "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "true"}
+    base_env.update({"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if gpu
+                    else {"JAX_PLATFORMS": "cpu"})
+    ports = [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT, "protocol": "TCP"}]
+    return {"replicas": n_workers, "spec": _pod("worker", gpu=gpu, args=args,
+                                                env=_env({**base_env, **env}), ports=ports, **pod)}
 
 
 def _scheduler_address(name: str) -> str:
@@ -120,70 +109,49 @@ def cluster_spec(name: str = "daskdag", *, image: str = IMAGE, certs_secret: str
                  scheduler_resources: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, scheduler_api: bool = True,
                  image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
-    """The ``DaskCluster`` of ``deploy/kubernetes/daskcluster.yaml``, for ``kubectl apply`` or
-    ``KubeCluster(custom_cluster_spec=...)``: the scheduler (TLS on port 8786, Service port
-    ``tcp-comm``; dashboard on 8787, plain HTTP inside the cluster, its health probes) and a
-    default group of CPU workers. With the defaults, it equals the manifest.
+    """The ``DaskCluster`` of ``deploy/kubernetes/daskcluster.yaml`` (equal to it with the
+    defaults), for ``kubectl apply`` or ``KubeCluster(custom_cluster_spec=...)``: the scheduler
+    (TLS on port 8786, Service ``<name>-scheduler``, port ``tcp-comm``; dashboard on 8787, plain
+    HTTP inside the cluster, its health probes) and a default group of ``n_workers`` CPU workers
+    of ``nthreads`` threads, all from ``image`` (deploy/Dockerfile's target ``cpu``), mounting
+    the Secret ``certs_secret`` (``ca.pem``, ``cert.pem``, ``key.pem``).
 
-    Args:
-        name: the cluster's name; the scheduler's Service is ``<name>-scheduler``.
-        image: the CPU image (deploy/Dockerfile's target ``cpu``), for scheduler and workers.
-        certs_secret: the Secret holding ``ca.pem``, ``cert.pem``, ``key.pem``.
-        n_workers: CPU workers in the default worker group.
-        nthreads: threads per CPU worker.
-        worker_resources: the CPU workers' Kubernetes ``resources`` (requests, limits); default
-            2 CPUs and 8 GiB.
-        scheduler_resources: the scheduler's; default 1 CPU and 2 GiB requested, 4 GiB limit.
-        env: more environment variables for the workers, e.g. ``{"EXTRA_PIP_PACKAGES": "optax"}``
-            (the image's entrypoint installs them at start).
-        scheduler_api: serve the scheduler's HTTP API (``/api/v1``, on the dashboard's port),
-            which the operator needs to autoscale and to retire workers gracefully. ``False``:
-            it deletes worker pods to scale down, and cannot autoscale.
-        image_pull_policy: the containers' ``imagePullPolicy``.
-
-    Returns:
-        The ``DaskCluster`` resource, a dict.
+    ``worker_resources`` and ``scheduler_resources`` are Kubernetes ``resources`` (default: 2
+    CPUs and 8 GiB per worker; 1 CPU and 2 GiB requested, 4 GiB limit, for the scheduler).
+    ``env`` adds environment variables to the workers (``{"EXTRA_PIP_PACKAGES": "optax"}``: the
+    image's entrypoint installs them at start). ``scheduler_api`` serves the scheduler's HTTP
+    API (``/api/v1``, on the dashboard's port), which the operator needs to autoscale and to
+    retire workers gracefully; without it, it deletes worker pods to scale down.
     """
     scheduler = _scheduler_address(name)
     sched_env = [{"name": "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION", "value": "true"}]
     if scheduler_api:
         sched_env.append(dict(SCHEDULER_API_ENV))
     probe = {"httpGet": {"port": "http-dashboard", "path": "/health"}}
-    scheduler_pod = {
-        "securityContext": dict(_POD_SECURITY),
-        "containers": [{
-            "name": "scheduler",
-            "image": image,
-            "imagePullPolicy": image_pull_policy,
-            "args": ["dask", "scheduler", "--protocol", "tls", "--port", str(SCHEDULER_PORT),
-                     "--dashboard-address", f":{DASHBOARD_PORT}", *_tls_args()],
-            "env": sched_env,
-            "ports": [{"name": "tls-comm", "containerPort": SCHEDULER_PORT, "protocol": "TCP"},
-                      {"name": "http-dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"}],
-            "readinessProbe": {**probe, "initialDelaySeconds": 5, "periodSeconds": 10},
-            "livenessProbe": {**probe, "initialDelaySeconds": 15, "periodSeconds": 20},
-            "resources": {k: dict(v) for k, v in (scheduler_resources or {
-                "requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}).items()},
-            "volumeMounts": [_tls_mount()],
-        }],
-        "volumes": [_tls_volume(certs_secret)],
-    }
-    service = {
-        "type": "ClusterIP",
-        "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
-        "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": SCHEDULER_PORT,
-                   "targetPort": "tls-comm"},
-                  {"name": "http-dashboard", "protocol": "TCP", "port": DASHBOARD_PORT,
-                   "targetPort": "http-dashboard"}],
-    }
+    scheduler_pod = _pod(
+        "scheduler", image=image, image_pull_policy=image_pull_policy, certs_secret=certs_secret,
+        args=["dask", "scheduler", "--protocol", "tls", "--port", str(SCHEDULER_PORT),
+              "--dashboard-address", f":{DASHBOARD_PORT}", *_tls_args()],
+        env=sched_env,
+        ports=[{"name": "tls-comm", "containerPort": SCHEDULER_PORT, "protocol": "TCP"},
+               {"name": "http-dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"}],
+        readinessProbe={**probe, "initialDelaySeconds": 5, "periodSeconds": 10},
+        livenessProbe={**probe, "initialDelaySeconds": 15, "periodSeconds": 20},
+        resources=scheduler_resources or {"requests": {"cpu": "1", "memory": "2Gi"},
+                                          "limits": {"memory": "4Gi"}})
+    service = {"type": "ClusterIP",
+               "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
+               "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": SCHEDULER_PORT,
+                          "targetPort": "tls-comm"},
+                         {"name": "http-dashboard", "protocol": "TCP", "port": DASHBOARD_PORT,
+                          "targetPort": "http-dashboard"}]}
     worker = _worker_spec(scheduler, image=image, certs_secret=certs_secret, n_workers=n_workers,
                           nthreads=nthreads, gpu=False, env=env or {},
                           resources=worker_resources or {"requests": {"cpu": "2", "memory": "8Gi"},
                                                          "limits": {"cpu": "2", "memory": "8Gi"}},
                           image_pull_policy=image_pull_policy)
-    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster",
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "daskdag"}},
-            "spec": {"scheduler": {"spec": scheduler_pod, "service": service}, "worker": worker}}
+    return _resource("DaskCluster", name,
+                     {"scheduler": {"spec": scheduler_pod, "service": service}, "worker": worker})
 
 
 def gpu_worker_spec(cluster: str = "daskdag", *, image: str = GPU_IMAGE,
@@ -191,23 +159,13 @@ def gpu_worker_spec(cluster: str = "daskdag", *, image: str = GPU_IMAGE,
                     resources: Mapping[str, Any] | None = None,
                     env: Mapping[str, str] | None = None,
                     image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
-    """The GPU workers of ``deploy/kubernetes/gpu-workergroup.yaml`` (its ``spec.worker``): one
-    GPU per pod (``nvidia.com/gpu: 1``, tolerating the usual GPU node taint), one thread, the
-    Dask resource ``GPU=1`` so that nodes marked ``device="gpu"`` run there,
-    ``JAX_PLATFORMS=cuda``. For ``KubeCluster.add_worker_group(name, custom_spec=...)``.
-
-    Args:
-        cluster: the ``DaskCluster``'s name (the workers connect to ``<cluster>-scheduler``).
-        image: the GPU image (deploy/Dockerfile's target ``gpu``).
-        certs_secret: the Secret holding ``ca.pem``, ``cert.pem``, ``key.pem``.
-        n_workers: GPU workers (pods) in the group.
-        resources: the pods' Kubernetes ``resources``; default 4 CPUs, 16 GiB and 1 GPU.
-        env: more environment variables, e.g. ``{"EXTRA_PIP_PACKAGES": "optax"}``.
-        image_pull_policy: the container's ``imagePullPolicy``.
-
-    Returns:
-        The worker group's ``worker`` field: ``{"replicas": ..., "spec": PodSpec}``.
-    """
+    """The GPU workers of ``deploy/kubernetes/gpu-workergroup.yaml`` (its ``spec.worker``,
+    ``{"replicas": ..., "spec": PodSpec}``), for ``KubeCluster.add_worker_group(name,
+    custom_spec=...)``: ``n_workers`` pods of the GPU ``image`` (deploy/Dockerfile's target
+    ``gpu``) connecting to ``<cluster>-scheduler``, each with one GPU (default ``resources``: 4
+    CPUs, 16 GiB and 1 GPU), tolerating the usual GPU node taint; one thread, the Dask resource
+    ``GPU=1`` so that nodes marked ``device="gpu"`` run there, ``JAX_PLATFORMS=cuda``. The
+    other arguments are :func:`cluster_spec`'s."""
     gpu = {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
     return _worker_spec(_scheduler_address(cluster), image=image, certs_secret=certs_secret,
                         n_workers=n_workers, nthreads=1, gpu=True, env=env or {},
@@ -216,46 +174,27 @@ def gpu_worker_spec(cluster: str = "daskdag", *, image: str = GPU_IMAGE,
 
 
 def worker_group(cluster: str, group: str, worker: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``DaskWorkerGroup`` resource named ``<cluster>-<group>``, as
-    ``KubeCluster.add_worker_group(group, custom_spec=worker)`` creates it.
-
-    Args:
-        cluster: the ``DaskCluster``'s name.
-        group: the group's short name (``"gpu"``).
-        worker: its ``worker`` field, e.g. :func:`gpu_worker_spec`'s.
-
-    Returns:
-        The ``DaskWorkerGroup`` resource, a dict.
-    """
-    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskWorkerGroup",
-            "metadata": {"name": f"{cluster}-{group}", "labels": {"app.kubernetes.io/name": "daskdag"}},
-            "spec": {"cluster": cluster, "worker": dict(worker)}}
+    """The ``DaskWorkerGroup`` ``<cluster>-<group>`` (``group`` a short name: ``"gpu"``), as
+    ``KubeCluster.add_worker_group(group, custom_spec=worker)`` creates it; ``worker`` is its
+    ``worker`` field, e.g. :func:`gpu_worker_spec`'s."""
+    return _resource("DaskWorkerGroup", f"{cluster}-{group}",
+                     {"cluster": cluster, "worker": dict(worker)})
 
 
 def autoscaler(cluster: str = "daskdag", minimum: int = 1, maximum: int = 10) -> dict[str, Any]:
-    """A ``DaskAutoscaler`` (``deploy/kubernetes/autoscaling/autoscaler.yaml``), as
-    ``KubeCluster.adapt(minimum, maximum)`` creates it: it scales the default (CPU) worker group
-    to what the scheduler asks for, within ``[minimum, maximum]``; GPU groups are not autoscaled.
-
-    Args:
-        cluster: the ``DaskCluster``'s name (also the autoscaler's).
-        minimum: fewest CPU workers.
-        maximum: most CPU workers.
-
-    Returns:
-        The ``DaskAutoscaler`` resource, a dict.
-    """
+    """The ``DaskAutoscaler`` ``cluster`` (``deploy/kubernetes/autoscaling/autoscaler.yaml``),
+    as ``KubeCluster.adapt(minimum, maximum)`` creates it: it scales the default (CPU) worker
+    group of the ``DaskCluster`` ``cluster`` to what the scheduler asks for, within
+    ``[minimum, maximum]``; GPU groups are not autoscaled."""
     if not 0 <= minimum <= maximum:
         raise ValueError(f"need 0 <= minimum <= maximum, got minimum={minimum}, maximum={maximum}")
-    return {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskAutoscaler",
-            "metadata": {"name": cluster, "labels": {"app.kubernetes.io/name": "daskdag"}},
-            "spec": {"cluster": cluster, "minimum": minimum, "maximum": maximum}}
+    return _resource("DaskAutoscaler", cluster,
+                     {"cluster": cluster, "minimum": minimum, "maximum": maximum})
 
 
 # KubeCluster connects with its module's `rpc` and `wait_for_scheduler_comm`, without connection
-# arguments (plain TCP only). TLSKubeCluster replaces both, once, by ones that add the connection
-# arguments of the TLSKubeCluster connecting in this coroutine (a context variable) and behave as
-# the originals for every other caller.
+# arguments (plain TCP only). TLSKubeCluster replaces both by ones that add the connection
+# arguments of the TLSKubeCluster connecting in this coroutine, and are the originals otherwise.
 _connection_args: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "daskdag_kube_connection_args", default=None)
 _ORIGINALS = (_kubecluster.rpc, _kubecluster.wait_for_scheduler_comm)
@@ -275,20 +214,15 @@ async def _wait_for_scheduler_comm(address: str) -> None:
         try:
             async with _rpc(address) as comm:
                 await comm.versions()
+            return
         except (StreamClosedError, OSError):
             await asyncio.sleep(0.1)
-            continue
-        return
-
-
-def _install_tls_comms() -> None:
-    _kubecluster.rpc, _kubecluster.wait_for_scheduler_comm = _rpc, _wait_for_scheduler_comm
 
 
 @contextlib.contextmanager
 def _tls_comms(security: Security) -> Iterator[None]:
     """Within: KubeCluster's connections from this coroutine use ``security``."""
-    _install_tls_comms()
+    _kubecluster.rpc, _kubecluster.wait_for_scheduler_comm = _rpc, _wait_for_scheduler_comm
     token = _connection_args.set(security.get_connection_args("client"))
     try:
         yield
@@ -297,13 +231,9 @@ def _tls_comms(security: Security) -> Iterator[None]:
 
 
 class TLSKubeCluster(KubeCluster):
-    """``dask_kubernetes.operator.KubeCluster`` for a scheduler that speaks only TLS: it connects
-    with ``security``, and a ``Client(cluster)`` takes the same (``cluster.security``).
-
-    Args:
-        security: the client's TLS settings, e.g. ``daskdag.cli.security("certs")``.
-        **kwargs: ``KubeCluster``'s (``custom_cluster_spec``, ``namespace``, ...).
-    """
+    """``dask_kubernetes.operator.KubeCluster`` (``kwargs`` its arguments) for a scheduler that
+    speaks only TLS: it connects with ``security`` (e.g. ``daskdag.cli.security("certs")``), and
+    a ``Client(cluster)`` takes the same (``cluster.security``)."""
 
     def __init__(self, *, security: Security, **kwargs: Any) -> None:
         self.security = security
@@ -327,30 +257,22 @@ def make_cluster(name: str = "daskdag", *, certs: str | os.PathLike[str],
                  certs_secret: str = "daskdag-tls", n_workers: int = 2, gpu_workers: int = 0,
                  namespace: str | None = None, env: Mapping[str, str] | None = None,
                  adapt: Sequence[int] | None = None, **kwargs: Any) -> TLSKubeCluster:
-    """daskdag's cluster on Kubernetes through the dask-kubernetes operator: the
-    :func:`cluster_spec` ``DaskCluster`` and, if ``gpu_workers``, a ``<name>-gpu`` worker group
-    of :func:`gpu_worker_spec`. Needs a kubeconfig that reaches the cluster, the operator, and
-    the Secret ``certs_secret`` made from the files of ``certs``. ``cluster.scale(n)`` sets the
-    CPU workers, ``cluster.scale(n, worker_group="gpu")`` the GPU ones; ``cluster.close()``
-    deletes everything.
+    """daskdag's cluster on Kubernetes, started: the :func:`cluster_spec` ``DaskCluster`` and,
+    if ``gpu_workers``, a ``<name>-gpu`` worker group of :func:`gpu_worker_spec`; a
+    ``Client(cluster)`` connects over TLS. Needs a kubeconfig that reaches the cluster, the
+    operator, and the Secret ``certs_secret`` made from the files of ``certs``.
+    ``cluster.scale(n)`` sets the CPU workers, ``cluster.scale(n, worker_group="gpu")`` the GPU
+    ones; ``cluster.close()`` deletes everything.
 
     Args:
-        name: the cluster's name.
-        certs: the directory of ``daskdag certs`` (``ca.pem``, ``cert.pem``, ``key.pem``) this
-            client connects with.
-        image: the CPU image, in a registry the cluster pulls from.
-        gpu_image: the GPU image.
-        certs_secret: the Secret the pods mount.
-        n_workers: CPU workers to start with.
-        gpu_workers: GPU workers to start with (0: no GPU worker group).
+        certs: the directory of ``daskdag certs`` this client connects with.
+        image, gpu_image: the CPU and GPU images, in a registry the cluster pulls from.
+        n_workers, gpu_workers: the CPU and GPU workers to start with (0 GPU workers: no GPU
+            worker group).
         namespace: the namespace; default the kubeconfig's.
-        env: more environment variables for the workers (e.g. ``EXTRA_PIP_PACKAGES``).
         adapt: ``(minimum, maximum)``: autoscale the CPU workers from the start.
         **kwargs: more ``KubeCluster`` arguments (``resource_timeout``, ``shutdown_on_close``,
             ``port_forward_cluster_ip``, ...).
-
-    Returns:
-        The started cluster: ``Client(cluster)`` connects over TLS.
     """
     spec = cluster_spec(name, image=image, certs_secret=certs_secret, n_workers=n_workers, env=env)
     cluster = TLSKubeCluster(security=_security(certs), custom_cluster_spec=spec,

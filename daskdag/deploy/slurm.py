@@ -1,24 +1,9 @@
 """daskdag on a Slurm cluster with dask-jobqueue: CPU jobs and GPU jobs under one TLS scheduler.
 
-Run it on a login node (or any host the compute nodes reach) in an environment with daskdag and
-the versions the jobs use (``pip install -c deploy/constraints.txt -e '.[deploy]'`` on a shared
-filesystem), with certificates where the jobs can read them::
-
-    daskdag certs ~/.daskdag/certs                                    # once
-    python -m daskdag.deploy.slurm --print-scripts --account ACCT     # the two job scripts
-    python -m daskdag.deploy.slurm --account ACCT                     # 2 CPU + 1 GPU jobs, a DAG
-
-From Python::
-
-    from daskdag.deploy import slurm
-    client = slurm.connect("~/.daskdag/certs", cpu_jobs=2, gpu_jobs=1, account="ACCT")
-    res = daskdag.compute_grads(dag, x, ["D", "E"], client=client)
-
-dask-jobqueue runs the Dask scheduler in this process and submits each worker as a batch job
-(``python -m distributed.cli.dask_worker tls://<this host>:<port> --tls-...``). Every connection
-is mutual TLS with the files of ``daskdag certs``, on a filesystem the compute nodes share (mode
-0600 suffices: jobs run as you). The dashboard serves HTTPS on this host's loopback only:
-``ssh -L 8787:localhost:8787 LOGIN``.
+On a login node, ``python -m daskdag.deploy.slurm --account ACCT [--print-scripts]`` runs a DAG
+on 2 CPU and 1 GPU jobs, or prints their job scripts (docs/guides/deployment.md, "Slurm"). The
+scheduler runs in this process, each worker in a batch job; every connection is mutual TLS with
+the files of ``daskdag certs``, and the dashboard serves HTTPS on this host's loopback only.
 
 Job sizes: keyword arguments win over dask-jobqueue's config (``jobqueue.slurm`` for CPU jobs,
 ``jobqueue.slurm-gpu`` for GPU jobs, a key it leaves out or null taken from ``jobqueue.slurm``),
@@ -26,11 +11,10 @@ which wins over :data:`CPU_JOB` and :data:`GPU_JOB`. Unless a job's settings alr
 daskdag adds ``export JAX_PLATFORMS=cpu`` (or ``=cuda``) at the top of the prologue, and
 ``--resources GPU=1`` to the GPU workers (``device="gpu"`` nodes run only on workers offering it).
 
-One ``compute_grads`` call needs its CPU and GPU workers on one scheduler, and a ``SLURMCluster``
-submits jobs of one kind; so :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler and
-the CPU job template) and a GPU job template. Size it with :meth:`CPUGPUCluster.scale`,
-:meth:`CPUGPUCluster.keep` or :meth:`CPUGPUCluster.adapt`, not ``SLURMCluster.scale``/``adapt``,
-which know one kind only.
+One call needs its CPU and GPU workers on one scheduler, and a ``SLURMCluster`` submits jobs of
+one kind: :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler and the CPU job
+template) and a GPU job template. Size it with its ``scale``, ``keep`` or ``adapt``, not the
+``SLURMCluster``'s, which know one kind only.
 """
 
 from __future__ import annotations
@@ -46,6 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
+import jax
+import jax.numpy as jnp
+import numpy as np
 from dask_jobqueue import SLURMCluster
 from distributed import Client, Security
 from distributed.deploy.adaptive import Adaptive
@@ -62,11 +49,7 @@ CPU_JOB: dict[str, Any] = {"cores": 8, "memory": "32GB", "processes": 1}
 # GPU jobs (the ``jobqueue.slurm-gpu`` section): one GPU, one worker thread (JAX queues work on
 # the device; one node at a time keeps memory predictable), 8 cores booked for the host side.
 GPU_JOB: dict[str, Any] = {
-    "name": "daskdag-gpu",
-    "cores": 1,
-    "job-cpu": 8,
-    "memory": "64GB",
-    "processes": 1,
+    "name": "daskdag-gpu", "cores": 1, "job-cpu": 8, "memory": "64GB", "processes": 1,
     "job-extra-directives": ["--gres=gpu:1"],
     "job-script-prologue": ["export XLA_PYTHON_CLIENT_PREALLOCATE=false"],
 }
@@ -76,14 +59,8 @@ _CLUSTER_KEYS = {"scheduler-options", "shared-temp-directory", "interface"}
 
 
 def security(certs: str = CERTS) -> Security:
-    """Mutual TLS for every role, all with the one certificate ``daskdag certs`` writes.
-
-    Args:
-        certs: the directory of ``daskdag certs``.
-
-    Returns:
-        The ``Security`` of the scheduler here, of the workers in the jobs and of the client.
-    """
+    """Mutual TLS for every role (the scheduler here, the workers in the jobs, the client), all
+    with the one certificate that ``daskdag certs`` wrote into ``certs``."""
     return tls.security(certs, roles=tls.ROLES)
 
 
@@ -105,17 +82,8 @@ def _with_jax_platform(prologue: list[str] | None, platform: str) -> list[str]:
 
 
 def cpu_job_options(config_name: str = "slurm", **job: Any) -> dict[str, Any]:
-    """The keywords of the CPU jobs, as :func:`make_cluster` gives them to ``SLURMCluster``.
-
-    Args:
-        config_name: the jobqueue section of the CPU jobs.
-        **job: ``SLURMCluster`` job keywords; they win over the config.
-
-    Returns:
-        ``job``, with :data:`CPU_JOB`'s values for keys that neither ``job`` nor the config set,
-        and the prologue that sets ``JAX_PLATFORMS=cpu``. Keys left out are read from the config
-        by dask-jobqueue itself.
-    """
+    """The ``SLURMCluster`` keywords of the CPU jobs: ``job``, then :data:`CPU_JOB`'s values for
+    keys the jobqueue section ``config_name`` leaves unset (dask-jobqueue reads the others)."""
     config = _section(config_name)
     options = {_kwarg(k): v for k, v in CPU_JOB.items() if config.get(k) is None}
     options.update(job)
@@ -125,18 +93,9 @@ def cpu_job_options(config_name: str = "slurm", **job: Any) -> dict[str, Any]:
 
 
 def gpu_job_options(config_name: str = "slurm-gpu", **job: Any) -> dict[str, Any]:
-    """The keywords of the GPU jobs: keywords, then the GPU section, then :data:`GPU_JOB`.
-
-    Args:
-        config_name: the jobqueue section of the GPU jobs (``slurm-gpu``); it need not exist.
-        **job: ``SLURMCluster`` job keywords; they win over the config.
-
-    Returns:
-        The keywords for the GPU job class; keys neither set (null counts as unset) are left
-        out, so that dask-jobqueue reads them from the CPU jobs' section. The prologue sets
-        ``JAX_PLATFORMS=cuda`` and the worker arguments hold ``--resources GPU=1`` unless they
-        already say otherwise.
-    """
+    """The keywords of the GPU jobs: ``job``, then the jobqueue section ``config_name`` (which
+    need not exist), then :data:`GPU_JOB`; dask-jobqueue reads the keys none of them sets (null
+    counts as unset) from the CPU jobs' section."""
     config = {**GPU_JOB, **{k: v for k, v in _section(config_name).items() if v is not None}}
     options = {_kwarg(k): v for k, v in config.items() if k not in _CLUSTER_KEYS}
     options.update(job)
@@ -160,16 +119,9 @@ class CPUGPUCluster:
 
     def scale(self, cpu_jobs: int, gpu_jobs: int) -> None:
         """Run ``cpu_jobs`` CPU jobs and ``gpu_jobs`` GPU jobs: submit or cancel the difference.
-
         Jobs that ended count as gone: calling it again replaces them. Stops :meth:`adapt` and
-        :meth:`keep`.
-
-        Args:
-            cpu_jobs: how many CPU jobs to run.
-            gpu_jobs: how many GPU jobs to run.
-        """
-        self._stop_adapting()
-        self._stop_keep()
+        :meth:`keep`."""
+        self._stop_sizing()
         self._rescale(cpu_jobs, gpu_jobs)
 
     def _rescale(self, cpu_jobs: int, gpu_jobs: int) -> None:
@@ -210,14 +162,9 @@ class CPUGPUCluster:
         return [name for name, job_id in started.items() if job_id not in alive]
 
     def keep(self, cpu_jobs: int, gpu_jobs: int, every: float = 10.0) -> None:
-        """Keep that many CPU and GPU jobs running, replacing those that end, until
-        :meth:`close`, :meth:`scale` or :meth:`adapt`. A sweep with a ``store=`` goes on through
-        the change, computing again only the chunks that ran in the jobs that ended.
-
-        Args:
-            cpu_jobs: how many CPU jobs to keep.
-            gpu_jobs: how many GPU jobs to keep.
-            every: seconds between two looks at Slurm's queue.
+        """Keep that many CPU and GPU jobs running, replacing those that end (Slurm's queue
+        looked at ``every`` seconds), until :meth:`close`, :meth:`scale` or :meth:`adapt`. A
+        sweep with a ``store=`` goes on, computing again only the chunks of the jobs that ended.
         """
         self.scale(cpu_jobs, gpu_jobs)
         stop = threading.Event()
@@ -228,55 +175,36 @@ class CPUGPUCluster:
                 try:
                     if self.ended() and self.slurm.loop is not None:
                         self.slurm.loop.add_callback(self._rescale, cpu_jobs, gpu_jobs)
-                except Exception as e:  # noqa: BLE001 (squeue hung, or the cluster closing): next time
+                except Exception as e:  # noqa: BLE001 (squeue hung, or closing: try again)
                     print(f"CPUGPUCluster.keep: {e!r}", file=sys.stderr)
 
         threading.Thread(target=keeping, daemon=True, name="slurm-keep").start()
 
     def adapt(self, minimum: int = 0, maximum: int = 10, *, gpu_minimum: int = 1,
               gpu_maximum: int = 1, **kwargs: Any) -> CPUGPUAdaptive:
-        """Size both kinds of job by the load, until :meth:`scale`, :meth:`keep` or :meth:`close`.
+        """Size both kinds of job by the load, until :meth:`scale`, :meth:`keep` or :meth:`close`;
+        returns the running :class:`CPUGPUAdaptive` (``.stop()`` leaves the jobs as they are).
 
         CPU jobs follow distributed's adaptive rule (``adaptive_target``) within ``minimum`` and
         ``maximum``; GPU jobs number the tasks needing a GPU that are ready or running, within
         ``gpu_minimum`` and ``gpu_maximum``. A job is cancelled after ``wait_count`` looks in a
         row found it idle and above its kind's target; ended jobs are forgotten, and replaced if
-        the load still asks for them.
+        the load still asks for them. ``kwargs``: distributed's ``Adaptive`` keywords
+        (``interval``, ``wait_count``, ``target_duration``).
 
-        A daskdag call refuses at once when no worker offers a node's resources (it waits only
-        for "no worker at all"). So for ``device="gpu"`` nodes keep ``gpu_minimum`` at 1 or more
-        and let the GPU job start first (:meth:`wait_for_workers`); ``gpu_minimum=0`` suits GPU
-        tasks submitted as plain Dask tasks, which wait for a worker.
-
-        Args:
-            minimum: fewest CPU jobs.
-            maximum: most CPU jobs.
-            gpu_minimum: fewest GPU jobs.
-            gpu_maximum: most GPU jobs.
-            **kwargs: distributed's ``Adaptive`` keywords: ``interval``, ``wait_count``,
-                ``target_duration`` (defaults from Dask's ``distributed.adaptive`` config).
-
-        Returns:
-            The running :class:`CPUGPUAdaptive`; ``.stop()`` ends it, leaving the jobs as they are.
+        A daskdag call refuses at once when no worker offers a node's resources: for
+        ``device="gpu"`` nodes keep ``gpu_minimum`` at 1 or more and let the GPU job start first
+        (:meth:`wait_for_workers`); ``gpu_minimum=0`` suits plain Dask tasks, which wait.
         """
-        self._stop_adapting()
-        self._stop_keep()
+        self._stop_sizing()
         self._adaptive = CPUGPUAdaptive(self, minimum=minimum, maximum=maximum,
                                         gpu_minimum=gpu_minimum, gpu_maximum=gpu_maximum,
                                         **kwargs)
         return self._adaptive
 
     def wait_for_workers(self, cpu: int = 0, gpu: int = 0, timeout: float | None = None) -> None:
-        """Wait until at least ``cpu`` CPU workers and ``gpu`` GPU workers have connected.
-
-        Args:
-            cpu: CPU workers to wait for.
-            gpu: GPU workers to wait for.
-            timeout: seconds, or None to wait as long as it takes.
-
-        Raises:
-            TimeoutError: they did not all connect within ``timeout``.
-        """
+        """Wait until at least ``cpu`` CPU workers and ``gpu`` GPU workers have connected;
+        ``TimeoutError`` after ``timeout`` seconds (None: no limit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             names = [w["name"] for w in self.slurm.scheduler_info.get("workers", {}).values()]
@@ -288,27 +216,22 @@ class CPUGPUCluster:
                                    f"after {timeout:g} s; waited for {cpu} and {gpu}")
             time.sleep(0.2)
 
-    def _stop_keep(self) -> None:
-        if self._stop_keeping is not None:
-            self._stop_keeping.set()
-            self._stop_keeping = None
-
-    def _stop_adapting(self) -> None:
+    def _stop_sizing(self) -> None:
+        """Stop :meth:`adapt` and :meth:`keep`."""
         if self._adaptive is not None:
             self._adaptive.stop(reason="scaled by hand")
             self._adaptive = None
+        if self._stop_keeping is not None:
+            self._stop_keeping.set()
+            self._stop_keeping = None
 
     def _is_gpu(self, name: Any) -> bool:
         spec = self.slurm.worker_spec.get(name)
         return spec is self.gpu_spec or str(name).startswith(f"{self.slurm.name}-gpu-")
 
     def job_scripts(self) -> dict[str, str]:
-        """The batch scripts of a CPU job and of a GPU job, as ``sbatch`` would get them.
-
-        Returns:
-            ``{"cpu": script, "gpu": script}``, with the worker name ``dummy-name``, which each
-            submitted job replaces by its own.
-        """
+        """``{"cpu": script, "gpu": script}``: the batch scripts as ``sbatch`` would get them,
+        with the worker name ``dummy-name``, which each submitted job replaces by its own."""
         gpu_job = self.gpu_spec["cls"](self.slurm.scheduler_address, name="dummy-name",
                                        **self.gpu_spec["options"])
         return {"cpu": self.slurm.job_script(), "gpu": gpu_job.job_script()}
@@ -319,8 +242,7 @@ class CPUGPUCluster:
 
     def close(self) -> None:
         """Cancel every job and stop the scheduler."""
-        self._stop_adapting()
-        self._stop_keep()
+        self._stop_sizing()
         self.slurm.close()
 
 
@@ -375,13 +297,8 @@ class CPUGPUAdaptive(Adaptive):
 
     def gpu_target(self) -> int:
         """GPU jobs wanted: the tasks needing a GPU that are ready or run, within the bounds.
-
         Tasks still waiting for their inputs do not count: a chain of GPU nodes asks for one
-        job, GPU nodes that can run side by side for one each.
-
-        Returns:
-            The number of GPU jobs.
-        """
+        job, GPU nodes that can run side by side for one each."""
         wanted = len([ts for ts in self._scheduler.tasks.values()
                       if (ts.resource_restrictions or {}).get("GPU")
                       and ts.state in ("no-worker", "queued", "processing")])
@@ -407,16 +324,11 @@ class CPUGPUAdaptive(Adaptive):
         # Not yet started jobs go first, then idle workers; a busy GPU worker is kept.
         idle = [n for n in names if n not in arrived] + [
             n for n in names if n in arrived and not arrived[n].processing]
-        to_close = idle[:len(names) - target]
-        for n in list(self.gpu_close_counts):
-            if n not in to_close:
-                del self.gpu_close_counts[n]
-        firm = []
-        for n in to_close:
-            self.gpu_close_counts[n] += 1
-            if self.gpu_close_counts[n] >= self.wait_count:
-                firm.append(n)
-                del self.gpu_close_counts[n]
+        # A job closes after wait_count looks in a row found it among those to close.
+        counts = {n: self.gpu_close_counts[n] + 1 for n in idle[:len(names) - target]}
+        firm = [n for n, c in counts.items() if c >= self.wait_count]
+        self.gpu_close_counts = defaultdict(int, {n: c for n, c in counts.items()
+                                                  if c < self.wait_count})
         if firm:
             started = [n for n in firm if n in arrived]
             if started:
@@ -430,23 +342,16 @@ def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str |
                  cpu_job: dict[str, Any] | None = None, gpu_job: dict[str, Any] | None = None,
                  scheduler_options: dict[str, Any] | None = None, config_name: str = "slurm",
                  gpu_config_name: str = "slurm-gpu") -> CPUGPUCluster:
-    """Start the scheduler here, over TLS; submit nothing yet (see :meth:`CPUGPUCluster.scale`).
+    """Start the scheduler here, over TLS; submit no job yet (see :meth:`CPUGPUCluster.scale`).
 
     Args:
         certs: the directory of ``daskdag certs``, on a filesystem the jobs share.
-        account: Slurm's ``-A`` for every job (else the config's ``account``).
-        queue: Slurm's ``-p`` for every job (else the config's ``queue``).
+        account, queue: Slurm's ``-A`` and ``-p`` for every job (else the config's).
         gpu_queue: the partition of the GPU jobs, where it differs from ``queue``.
         interface: the network interface (``ib0``, ``eth0``) of the scheduler and workers.
         cpu_job: ``SLURMCluster`` job keywords of the CPU jobs (``cores``, ``memory``,
             ``walltime``, ...); they win over the config's ``jobqueue.<config_name>`` section.
         gpu_job: the same for the GPU jobs, over ``jobqueue.<gpu_config_name>``.
-        scheduler_options: overrides of the scheduler's options.
-        config_name: the jobqueue section of the CPU jobs.
-        gpu_config_name: the jobqueue section of the GPU jobs.
-
-    Returns:
-        The cluster, with no job yet.
     """
     sec = security(certs)
     cert = sec.tls_scheduler_cert  # type: ignore[attr-defined]
@@ -472,19 +377,10 @@ def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str |
 
 def connect(certs: str = CERTS, cpu_jobs: int = 2, gpu_jobs: int = 1, wait: bool = True,
             **kw: Any) -> Client:
-    """Start the cluster, submit the jobs, return a client. The cluster stops, cancelling its
-    jobs, when this process ends, or on ``client.cluster.close()``.
-
-    Args:
-        certs: the directory of ``daskdag certs``.
-        cpu_jobs: how many CPU jobs to submit.
-        gpu_jobs: how many GPU jobs to submit.
-        wait: return only once every job's worker has connected.
-        **kw: :func:`make_cluster`'s keywords.
-
-    Returns:
-        A client of the cluster.
-    """
+    """Start the cluster (:func:`make_cluster`, with ``kw``), submit ``cpu_jobs`` and
+    ``gpu_jobs`` jobs, and return a client, once every job's worker has connected if ``wait``.
+    The cluster stops, cancelling its jobs, when this process ends, or on
+    ``client.cluster.close()``."""
     cluster = make_cluster(certs, **kw)
     cluster.scale(cpu_jobs, gpu_jobs)
     client = cluster.client()
@@ -495,10 +391,6 @@ def connect(certs: str = CERTS, cpu_jobs: int = 2, gpu_jobs: int = 1, wait: bool
 
 def _demo(client: Client) -> float:
     """A DAG with a GPU node; returns the largest gradient difference to plain JAX."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     def heavy(a, w):
         return jnp.tanh(a @ w)
 
@@ -513,21 +405,14 @@ def _demo(client: Client) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m daskdag.deploy.slurm``: print the job scripts, or run a DAG on the jobs.
-
-    Args:
-        argv: the command line's arguments (``sys.argv[1:]`` when None).
-
-    Returns:
-        The exit status: 0 when the gradients agree with plain JAX.
-    """
+    """``python -m daskdag.deploy.slurm`` with the arguments ``argv`` (default: this
+    process's): print the job scripts, or run a DAG on the jobs; 0 when its gradients agree
+    with plain JAX."""
     p = argparse.ArgumentParser(prog="python -m daskdag.deploy.slurm",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--certs", default=CERTS)
-    p.add_argument("--account")
-    p.add_argument("--queue")
-    p.add_argument("--gpu-queue")
-    p.add_argument("--interface")
+    for option in ("--account", "--queue", "--gpu-queue", "--interface"):
+        p.add_argument(option)
     p.add_argument("--cpu-jobs", type=int, default=2)
     p.add_argument("--gpu-jobs", type=int, default=1)
     p.add_argument("--print-scripts", action="store_true",

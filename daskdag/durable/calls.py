@@ -1,31 +1,24 @@
 """Durable calls: ``compute_grads``, ``jacobian``, ``compute_jvps`` and ``compute_hvps`` with
 ``store=``, each stage's forward result (its nodes' values, and the pullback holding their
-residuals) written by the task that computed it, wherever it ran (:func:`daskdag.compute_grads`).
-
-The store is the format of durable sweeps (:mod:`daskdag.sweeps.store`), under the same rules
-(:mod:`daskdag.durable.rules`) and keys (:mod:`daskdag.durable.keys`); its keys in full:
-docs/guides/durable-calls.md, "What is kept". Its root group's attribute "daskdag" is what the
-call is (:func:`identity`). Each stage's task has an entry, named for its kind, nodes and what
-it computes (``fwd:A+B:forward``), quoted: ``stages/<entry>/result``, a uint8 array of the
-pickled forward result, then ``stages/<entry>/zarr.json``, written once that is durable, with
-the hash of the stage's input values and of the result's bytes.
-
-An entry is complete when its group records both hashes and the bytes still hash as it says;
-the stage's inputs must hash as recorded, else (an upstream node computed something else) the
-stage runs again and its entry is written anew: no result is ever mixed with inputs it was not
-computed from, and a torn or corrupted one is computed again, never returned. Backward passes
-run at every call: they are not stored. The results are pickles: open only stores you trust.
+residuals) written by the task that computed it, wherever it ran; the store's keys in full:
+docs/guides/durable-calls.md, "What is kept". A stage's entry, named for what its task computes
+(``fwd:A+B:forward``), is ``stages/<entry>/result``, the pickled result, then its group, written
+once that is durable, with the hash of the stage's input values and of the result's bytes. An
+entry is used only where both hashes hold, else the stage runs again: no result is mixed with
+other inputs, and a torn one is never returned. The results are pickles: open only stores you
+trust.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import hashlib
 import json
 import os
 import pickle
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import cloudpickle
@@ -33,15 +26,15 @@ import dask
 import numpy as np
 
 from daskdag.durable.identity import common, hash_tree, options
-from daskdag.durable.keys import Keys, is_zarr, keys_of
+from daskdag.durable.keys import Keys, group, is_zarr, keys_of
 from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running import log
+from daskdag.running.programs import active_client
 from daskdag.running.jobs import LAZY, Job, as_collection, on_processes, run
-from daskdag.running.passes import Derivative
-from daskdag.running.compute import active_client
 from daskdag.running.lazy import Call
+from daskdag.running.passes import Derivative
 from daskdag.transport import transports
 
 if TYPE_CHECKING:
@@ -52,9 +45,8 @@ CHUNK = 64 * 2 ** 20  # bytes per chunk of a stored result
 
 def call(kind: Derivative, x: Any, *data: Any, client, local: str | None, progress: bool,
          store: str | os.PathLike | ZarrStore) -> Any:
-    """A call of ``kind`` computed now, as :func:`daskdag.running.jobs.call` computes it, its
-    stages kept in ``store`` and read from there where it holds them. The store is held by
-    this call while it runs."""
+    """A call of ``kind`` computed now (:func:`daskdag.running.jobs.call`), holding ``store``:
+    its stages are read from there where it holds them, else kept there."""
     job, mine = _stored(kind, x, data, client, local, store, lazy=local == "processes")
     with opened(store, mine) as keeper:
         if local == "processes":  # (Dask's multiprocessing scheduler: the call made lazy)
@@ -64,8 +56,8 @@ def call(kind: Derivative, x: Any, *data: Any, client, local: str | None, progre
 
 def lazy(kind: Derivative, x: Any, *data: Any, store: str | os.PathLike | ZarrStore) -> Call:
     """A call of ``kind`` as a Dask collection (:func:`daskdag.running.jobs.lazy`) whose forward
-    tasks keep their stages in ``store``, or read them from there: the store is checked (and
-    its record written) now; it is not held while the call waits to be computed."""
+    tasks read their stages from ``store`` or keep them there. The store is checked (and its
+    record written) now, and not held while the call waits to be computed."""
     job, mine = _stored(kind, x, data, active_client(), None, store, lazy=True)
     with opened(store, mine) as keeper:
         pass
@@ -73,8 +65,8 @@ def lazy(kind: Derivative, x: Any, *data: Any, store: str | os.PathLike | ZarrSt
 
 
 def _keeping(job: Job, keeper: Stages) -> Job:
-    """``job`` whose graph keeps its stages in ``keeper`` (a lazy call's, or one computed by
-    Dask's multiprocessing scheduler): every node in it (none kept between calls)."""
+    """``job`` whose graph keeps its stages in ``keeper``, every node in it (a lazy call's, or
+    one computed by Dask's multiprocessing scheduler)."""
     stored = job.stored
     assert stored is not None  # (every kind's job keeps its stages where asked)
     return replace(job, make=lambda place, stop: stored(place, stop, keeper), later=None)
@@ -87,13 +79,13 @@ def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, st
     if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):
         raise TypeError(f"a call's store is a directory or a Zarr store, not "
                         f"{type(store).__name__}")
-    with dask.config.set({"daskdag.fuse-chains": False}):  # (each node kept as it finishes)
+    with dask.config.set({"daskdag.fuse-chains": False}):
         program, why = kind.compile(x, data, transport=transports.for_call(client, lazy=lazy))
         job = kind.job(program, x, data, why=why,
                        where=LAZY if lazy and local is None else log.where(client, local))
-    lowering = program.value.lowering
-    assert lowering is not None
-    return job, identity(kind, lowering.spec, lowering.plan.outputs, lowering.wrt, x, data)
+    lowered = program.value.lowered
+    assert lowered is not None
+    return job, identity(kind, lowered.spec, lowered.plan.outputs, lowered.wrt, x, data)
 
 
 def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) -> dict:
@@ -110,8 +102,8 @@ def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) ->
 
 @contextlib.contextmanager
 def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]:
-    """The store at ``where`` held for this call, its record ``mine`` (written in a new store; else
-    the stored one must be it: :func:`daskdag.durable.rules.agree`): its :class:`Stages`."""
+    """The :class:`Stages` of the store at ``where``, held for this call, whose record is
+    ``mine`` (written in a new store; else :func:`daskdag.durable.rules.agree` checks it)."""
     import zarr
 
     keys = keys_of(where)
@@ -129,10 +121,10 @@ def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]
 
 class Stages:
     """A call's stages in its store, as its forward tasks read and write them
-    (:class:`daskdag.graph.assembly.Keeper`): picklable (where it is, not an open store), so
-    that a worker writes the stages it computes itself."""
+    (:class:`daskdag.graph.assembly.Keeper`). It pickles as where the store is, not an open
+    store, so that a worker writes the stages it computes itself."""
 
-    __slots__ = ("where", "name", "token")
+    __slots__ = ("name", "token", "where")
 
     def __init__(self, where, name: str, token: str):
         self.where, self.name, self.token = where, name, token
@@ -145,12 +137,11 @@ class Stages:
 
     def load(self, entry: str, inputs: tuple) -> tuple[bool, Any, str]:
         digest = hash_tree(list(inputs))
-        keys, path = self._keys(), _path(entry)
+        keys, path = keys_of(self.where), _path(entry)
         mark = keys.get_json(f"{path}/zarr.json")
         attributes = mark.get("attributes") if isinstance(mark, dict) else None
-        if not isinstance(attributes, dict) or not {"inputs", "sha256"} <= set(attributes):
-            return False, None, digest
-        if attributes["inputs"] != digest:  # (computed from other inputs: run again)
+        if (not isinstance(attributes, dict) or not {"inputs", "sha256"} <= set(attributes)
+                or attributes["inputs"] != digest):  # (none, or computed from other inputs)
             return False, None, digest
         body = _read(keys, f"{path}/result")
         if body is None or hashlib.sha256(body).hexdigest() != attributes["sha256"]:
@@ -161,7 +152,7 @@ class Stages:
     def save(self, entry: str, digest: str, result: Any) -> Any:
         import zarr
 
-        keys, path = self._keys(), _path(entry)
+        keys, path = keys_of(self.where), _path(entry)
         body = cloudpickle.dumps(result, protocol=5)
         try:
             keys.delete(f"{path}/zarr.json")  # (incomplete until its mark is written again)
@@ -173,10 +164,9 @@ class Stages:
             keys.synced([f"{path}/result/zarr.json", *(
                 f"{path}/result/" + array.metadata.encode_chunk_key((k,))
                 for k in range(-(-len(body) // CHUNK)))])
-            keys.set_json(f"{path}/zarr.json", {
-                "zarr_format": 3, "node_type": "group",
-                "attributes": {"inputs": digest, "sha256": hashlib.sha256(body).hexdigest(),
-                               "nbytes": len(body)}})
+            keys.set_json(f"{path}/zarr.json", group({
+                "inputs": digest, "sha256": hashlib.sha256(body).hexdigest(),
+                "nbytes": len(body)}))
         except OSError as e:
             error = full(keys, e, f"stage {entry}",
                          "the stages written before are complete and stay usable")
@@ -184,9 +174,6 @@ class Stages:
                 raise
             raise error from e
         return pickle.loads(body)
-
-    def _keys(self) -> Keys:
-        return keys_of(self.where)
 
 
 def _path(entry: str) -> str:
@@ -203,5 +190,5 @@ def _read(keys: Keys, path: str) -> bytes | None:
     try:
         return np.asarray(zarr.open_array(keys.store, path=path, mode="r")[:],
                           np.uint8).tobytes()
-    except Exception:
+    except Exception:  # noqa: BLE001 (unreadable: the stage runs again)
         return None

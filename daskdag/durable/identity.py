@@ -1,14 +1,13 @@
-"""What a durable store records of what it holds (one format for sweeps and calls): the parts
-common to both (:func:`common`), how a stored record differs from a call's
-(:func:`differences`), and the hashes of values and stored rows. A sweep's own record:
-:func:`daskdag.sweeps.identity.identity`; a call's: :func:`daskdag.durable.calls.identity`."""
+"""What a durable store records of what it holds: the parts that sweeps' and calls' records share
+(:func:`common`), how a stored record differs from a call's (:func:`differences`), and the
+hashes of values and stored rows."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -19,9 +18,7 @@ from daskdag.model.spec import Node, parse
 from daskdag.running.programs import settings
 from daskdag.transport import content
 
-# 3: node functions by what they compute (content.parts), not where they are written;
-# 4: JAX's settings that change results ("jax settings"), not x64 alone
-FORMAT = 4
+FORMAT = 5  # (5: content tokens from one walk; 4: JAX's settings; 3: nodes by content)
 RULES = ("vjp", "fwd", "bwd", "jvp")  # a node's own rules, beside its function
 
 
@@ -71,10 +68,8 @@ def _node_differences(name: str, stored, mine) -> str:
     for part in sorted(set(stored) | set(mine), key=lambda p: (p in ("deps", "options"), p)):
         if stored.get(part) == mine.get(part):
             continue
-        if part == "deps":
-            words.append(f"its deps (were {stored.get(part)}, are {mine.get(part)})")
-        elif part == "options":
-            words.append(f"its options (were {stored.get(part)}, are {mine.get(part)})")
+        if part in ("deps", "options"):
+            words.append(f"its {part} (were {stored.get(part)}, are {mine.get(part)})")
         else:
             rule, _, rest = part.partition(" ")
             words.append(f"{content.describe(rest)} (in its {rule})" if rule in RULES

@@ -1,10 +1,11 @@
 """A durable store (a sweep's, :mod:`daskdag.sweeps.store`, or a call's,
-:mod:`daskdag.durable.calls`) as keys: JSON and bytes read and written whole, children listed,
-writes made durable (local files: synced), and the store held by one sweep or call at a time: a
-lease group renewed while held, or ``flock`` on a local directory."""
+:mod:`daskdag.durable.calls`) as keys: JSON read and written whole, children listed, writes made
+durable (local files: synced), and the store held by one sweep or call at a time: a lease group
+renewed while held, or ``flock`` on a local directory."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -23,8 +24,7 @@ if TYPE_CHECKING:
 
 
 def is_zarr(location) -> bool:
-    """A Zarr store object (Zarr, imported only where a store is used, is loaded if the user
-    made one)."""
+    """A Zarr store object (Zarr, imported only where a store is used, is loaded if so)."""
     abc = sys.modules.get("zarr.abc.store")
     return abc is not None and isinstance(location, abc.Store)
 
@@ -34,8 +34,7 @@ def group(attributes: dict) -> dict:
 
 
 class Keys:
-    """A Zarr store's keys, as a durable sweep or call uses them (see the module's docstring),
-    held by a lease group, renewed while held."""
+    """A Zarr store's keys, held by a lease group, renewed while held."""
 
     LEASE = 60.0  # seconds a lease lasts unless renewed; renewed every third of it
     CONFIRM = 0.2  # seconds between taking a lease and reading it again
@@ -66,15 +65,6 @@ class Keys:
         self._set(key, _json(data))
         self.synced([key])
 
-    def get_bytes(self, key: str) -> bytes | None:
-        buf = self._sync(self.store.get(key, prototype=self._buffers))
-        return None if buf is None else buf.to_bytes()
-
-    def set_bytes(self, key: str, body: bytes) -> None:
-        """``body`` written under ``key`` and made durable."""
-        self._set(key, body)
-        self.synced([key])
-
     def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
         buf = self._buffers.buffer.from_bytes(body)
         self._sync(self.store.set_if_not_exists(key, buf) if exclusive
@@ -89,8 +79,7 @@ class Keys:
         return self._sync(names())
 
     def top(self) -> list[str]:
-        """What the store holds at its top: keys and folders, by name (none where it is
-        missing)."""
+        """The names of the keys and folders at the store's top (none where it is missing)."""
         return sorted(self.children(""))
 
     def synced(self, keys) -> None:
@@ -125,10 +114,8 @@ class Keys:
 
     def release(self) -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(Exception):  # (the lease lapses by itself)
             self.delete("lock/zarr.json")
-        except Exception:  # (the lease lapses by itself)
-            pass
 
 
 class _Directory(Keys):
@@ -147,20 +134,12 @@ class _Directory(Keys):
         for key in keys:
             file = self.path / key
             try:
-                fd = os.open(file, os.O_RDONLY)
+                _fsync(file)
             except FileNotFoundError:
                 continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             dirs.add(file.parent)
         for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(d)
 
     def set_json(self, key: str, data: dict) -> None:
         """Written beside, synced, renamed over, the directory synced: all or nothing."""
@@ -219,3 +198,11 @@ def keys_of(location) -> Keys:
 
 def _json(data) -> bytes:
     return json.dumps(data).encode()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

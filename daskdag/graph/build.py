@@ -1,17 +1,6 @@
-"""Wire a :class:`~daskdag.model.plan.Plan` into one Dask graph of forward and backward tasks.
-
-In:  a plan, the input values, where the outputs' cotangents start (a seeding:
-:class:`GradientSeeding` or :class:`JacobianSeeding`), how the graph takes in its values (a
-:class:`~daskdag.transport.transports.Transport`).
-Out: ``{output: (value, {input: grad})}`` of ``dask.delayed.Delayed`` objects sharing one graph.
-
-Tasks are per stage (:mod:`daskdag.graph.stages`), assembled with :mod:`daskdag.graph.assembly`,
-whose keys name them: ``fwd:B+C-<token>`` runs the stage of nodes B and C (``val:C-<token>``
-takes C's value apart from its pullback, so later stages never fetch residuals),
-``bwd:B+C[D+E]-<token>`` its backward pass for outputs D and E (for a closed stage, where every
-cotangent starts at its own outputs, the forward task runs it too and ``bwd:`` takes its
-cotangents), ``grad:D[x]-<token>`` input (or ``wrt`` node) x's gradient for D (for a Jacobian,
-its rows). Outputs share forward keys, so every node runs once per call.
+"""A plan wired into one Dask graph: per stage ``fwd:B+C-<token>`` (``val:C-<token>`` takes C's
+value apart from the pullback) and ``bwd:B+C[D+E]-<token>`` (its backward pass for outputs D and
+E), and ``grad:D[x]-<token>``, x's gradient for D. Outputs share forward keys: nodes run once.
 """
 
 from __future__ import annotations
@@ -36,12 +25,8 @@ from daskdag.transport.transports import Transport
 
 @dataclass(frozen=True)
 class GradientSeeding:
-    """Seeding for gradients: each output starts from its seed (1 for a real scalar, else its
-    cotangent in ``cotangents``), one cotangent per output
-    (:data:`~daskdag.graph.tasks.PER_OUTPUT`). ``items``: over a sweep's chunk, the
-    :class:`~daskdag.rules.seeds.PerItem` that seeds its values and gathers its gradients. A
-    cotangent that is a ``TaskRef`` (a template's slot, :func:`daskdag.running.local.slot`) is
-    the call's data: the seed is made from it as the tasks run."""
+    """Each output starts from its seed (1 for a real scalar, else its ``cotangents`` entry, a
+    ``TaskRef`` seeded as the tasks run); ``items``: over a sweep's chunk, its ``PerItem``."""
 
     cotangents: dict = field(default_factory=dict)
     items: PerItem | None = None
@@ -56,10 +41,8 @@ class GradientSeeding:
 
 @dataclass(frozen=True)
 class JacobianSeeding:
-    """Seeding for a Jacobian: each output starts from the rows of the identity over its
-    elements (one per colour for a sparse one), pulled back as stacks (``pull``, a
-    :class:`~daskdag.graph.tasks.Rows`), and its "gradients" are the Jacobian's rows;
-    ``items`` as for :class:`GradientSeeding`."""
+    """Each output starts from the rows of the identity (one per colour for a sparse Jacobian),
+    pulled back as stacks (``pull``), to give the Jacobian's rows."""
 
     pull: tasks.Rows
     items: PerItem | None = None
@@ -71,42 +54,16 @@ class JacobianSeeding:
 def build(plan: Plan, values: dict, seeding: GradientSeeding | JacobianSeeding,
           transport: Transport, place=None, stop=None, stages=None, keep: Keeper | None = None,
           base=None) -> dict[str, tuple[Delayed, dict[str, Delayed]]]:
-    """The graph of one call.
-
-    Args:
-        plan: the call's plan, its node functions packed where ``transport`` packs them
-            (:func:`daskdag.model.plan.ship`).
-        values: ``{input: value}``; a ``TaskRef`` is a value already on the cluster.
-        seeding: where the outputs' cotangents start: :class:`GradientSeeding` or
-            :class:`JacobianSeeding`.
-        transport: how the graph takes in values and functions
-            (:class:`~daskdag.graph.assembly.Intake`).
-        place: keeps large values on the cluster (:mod:`daskdag.running.resident`), or None.
-        stop: for a call in this process, a ``daskdag.cancel.Stop`` whose setting (on Ctrl-C,
-            :func:`daskdag.running.compute.compute`) stops running stages at their next node.
-        stages: the plan's stages (:func:`~daskdag.graph.stages.make_stages`), when a prepared
-            call made them already.
-        keep: where a durable call keeps each stage's forward result as it finishes, and reads
-            it back instead of running the stage again (:class:`~daskdag.graph.assembly.Keeper`),
-            or None.
-        base: the graph of tasks that ``values`` refer to (``TaskRef``), to join this one
-            (``HighLevelGraph``), or None.
-
-    Returns:
-        ``{output: (value, {name: grad})}`` of ``Delayed`` sharing one graph.
-    """
+    """The graph of one call: ``{output: (value, {name: grad})}`` of ``Delayed``. A ``TaskRef``
+    among ``values`` is a task of ``base``, a graph joined to this one; ``place`` keeps large
+    values on the cluster; ``stop``: a local call's ``Stop``; ``stages``: the plan's, if made;
+    ``keep``: where a durable call keeps each stage's forward result."""
     intake = Intake(TaskGraph(), transport, place, keep)
     return _Wiring(plan, values, seeding, intake, stop, stages).graph(base)
 
 
 class _Wiring:
-    """The tasks of one call, made stage by stage: :meth:`forward` in topological order,
-    :meth:`backward` in reverse (autograd's backward pass, where a node's ``outgrads`` are the
-    shares its consumer stages' backward tasks pull back), :meth:`gradients` last. ``val``:
-    name -> the task (or inline value) of each input and exposed node; ``bwd``: stage -> its
-    backward task; ``through``: stage -> the outputs whose gradients pass through it.
-    Constructed whole: its seeds, inputs, closed and dense stages are settled here, and
-    :meth:`graph` makes the tasks."""
+    """The tasks of one call; ``through``: stage -> the outputs whose gradients pass it."""
 
     def __init__(self, plan: Plan, values: dict, seeding, intake: Intake, stop, stages=None):
         self.plan, self.intake, self.g, self.stop = plan, intake, intake.graph, stop
@@ -122,21 +79,18 @@ class _Wiring:
         self.bwd: dict = {}
         self.sources: dict = {}  # ident -> a backward task, or its nested task (dense stages)
         self.closed: dict = self._closed_stages()
-        # stages whose backward pass travels as their Jacobian
         self.items = seeding.items
         self.dense: set = set() if self.items is not None else self._dense_stages(values)
 
     def graph(self, base=None) -> dict:
-        """The call's results (:meth:`gradients`) as ``Delayed`` over the whole graph, joined
-        to ``base`` (as :meth:`~daskdag.graph.assembly.TaskGraph.delayed`)."""
+        """The call's results (:meth:`gradients`) as ``Delayed``, joined to ``base``."""
         self.forward()
         self.backward()
         return self.g.delayed(self.gradients(), self.intake.call, base)
 
     def _closed_stages(self) -> dict:
-        """A stage whose gradients all start at its own outputs (none comes from a later stage)
-        is closed: its forward task runs the backward pass too (tasks.forward_backward), a
-        fused one as one program; its residuals never leave it (``daskdag.close-stages``)."""
+        """Stages whose gradients all start at their own outputs: their forward task runs the
+        backward pass too (``daskdag.close-stages``)."""
         closed: dict = {}
         if not config.get("close-stages"):
             return closed
@@ -149,11 +103,8 @@ class _Wiring:
         return closed
 
     def _dense_stages(self, values: dict) -> set:
-        """On a cluster, the open stages whose backward pass travels as their dense Jacobian
-        (:mod:`daskdag.graph.dense`) and runs inside the tasks that take their cotangents: those
-        (no ``remat`` node among them) whose differentiated deps are the call's inputs, at most
-        ``daskdag.dense-inputs`` elements in all. A closed stage all of whose deps are inputs
-        or nodes of such stages hands its cotangents over inside those tasks too."""
+        """On a cluster, open stages without ``remat`` nodes whose differentiated deps are
+        inputs of at most ``daskdag.dense-inputs`` elements: their backward pass travels dense."""
         dense: set = set()
         most = config.get("dense-inputs")
         if not (self.intake.transport.remote and most):
@@ -170,14 +121,11 @@ class _Wiring:
         return dense
 
     def forward(self) -> None:
-        """Each stage once (its nodes under jax.vjp where they depend on a differentiated
-        input), and the ``val`` tasks of its values (:meth:`_values`)."""
+        """Each stage's forward task, and the ``val`` tasks of its values."""
         spec, intake, val = self.plan.spec, self.intake, self.val
         for s in self.stages:
             sent = [intake.node(n, spec.nodes[n]) for n in s.nodes]
             closed = self.closed.get(s)
-            # (A Jacobian's rows change only what a closed stage's task computes: the others
-            # are the same forward tasks as for gradients, shared when both run together.)
             dense = s in self.dense
             k = intake.key(_kind_of(s, spec), s.name, s, [ident(n) for n in sent],
                            [ident(val[d]) for d in s.deps], closed, self.pull if closed else None,
@@ -213,16 +161,13 @@ class _Wiring:
                                      f"{token}.{e}")
 
     def backward(self) -> None:
-        """One task per stage, for every output whose gradient passes through it (their
-        cotangents pulled back together, tasks.backward): each exposed node's cotangent is its
-        output's seed, or the sum of its consumer stages' shares (:class:`tasks.Shares`)."""
+        """Per open stage, one task pulling back the cotangents of every output through it."""
         for s in reversed(self.stages):
             if not self.through[s] or s in self.closed:
                 continue
-            sources: dict
-            flows, sources = [], {}
-            for o in self.through[s]:
-                flows.append(tuple(self._flow(s, n, o, sources) for n in s.outputs))
+            sources: dict = {}
+            flows = [tuple(self._flow(s, n, o, sources) for n in s.outputs)
+                     for o in self.through[s]]
             k = self.intake.key("bwd", self._label(s), self.forward_task[s].key, flows,
                                 list(sources), self.pull)
             args = (s, self.stop, tuple(flows), self.pull, self.forward_task[s],
@@ -233,8 +178,7 @@ class _Wiring:
                 self._source(s, self.g.task(k, dict(s.needs), tasks.backward, *args))
 
     def _source(self, s, bwd) -> None:
-        """``bwd``, stage ``s``'s backward task (or the nested task that stands for it), as the
-        source its consumers take their shares from."""
+        """``bwd``, stage ``s``'s backward task (or nested task), as its consumers' source."""
         self.bwd[s] = bwd
         self.sources[ident(bwd)] = bwd
 
@@ -248,8 +192,7 @@ class _Wiring:
         return tasks.Shares(locations) if locations else None
 
     def gradients(self) -> dict:
-        """``{output: (value, {name: grad})}``: each wrt name's gradient, the sum of the shares
-        its consumer stages pulled back (for the output itself, its seed too)."""
+        """``{output: (value, {name: grad})}``, each grad a task summing its shares."""
         results = {}
         for o in self.plan.outputs:
             grads = {}
@@ -269,10 +212,9 @@ class _Wiring:
         return results
 
     def _shares(self, name: str, output: str, sources: dict, within=None) -> tuple:
-        """Where ``name``'s cotangent for ``output`` comes from: ``(source, output index,
-        position)`` for each stage that consumes it, other than its own stage ``within``.
-        ``sources`` maps the idents of those stages' backward tasks, in the order they are the
-        task's arguments, to ``source``, their index; new ones are added."""
+        """``(source, output index, position)`` for each stage but ``within`` that consumes
+        ``name``; ``sources`` maps their backward tasks' idents to ``source``, their index
+        among the task's arguments (new ones added)."""
         locations = []
         for s in _feeding(self.plan.consumers(name, output), self.stage_of, within):
             source = sources.setdefault(ident(self.bwd[s]), len(sources))
@@ -284,15 +226,13 @@ class _Wiring:
 
 
 def _kind_of(stage, spec) -> str:
-    """A forward task's kind, as its key names it: ``jvp`` where the stage pushes tangents
-    (a lifted node, :mod:`daskdag.rules.lifted`), else ``fwd``."""
+    """A forward task's kind: ``jvp`` where the stage pushes tangents (a lifted node)."""
     lifted = any(isinstance(unwrap(spec.nodes[n].fn), Lift) for n in stage.nodes)
     return "jvp" if lifted else "fwd"
 
 
 def _feeding(uses, stage_of, within=None) -> list:
-    """The stages of the consuming nodes in ``uses``, each once, other than ``within``: those
-    that pull a share of the cotangent back."""
+    """The stages of the consuming nodes in ``uses``, each once, other than ``within``."""
     return [s for s in dict.fromkeys(stage_of[c] for c, _ in uses) if s is not within]
 
 

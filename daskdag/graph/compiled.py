@@ -1,7 +1,5 @@
-"""A function compiled once, forward, backward and both together, for every call of the same
-shapes: ``jax.jit``, or along the args' leading axes ``jax.jit(jax.vmap(...))``. A fused stage
-runs as one. The programs are cached per function (:func:`~daskdag.transport.packing.current`),
-so later calls compile nothing, and an in-place change to what it closes over compiles anew.
+"""A function compiled once (forward, backward, both together) for every call of the same
+shapes, as a fused stage runs: ``jax.jit``, or ``jax.jit(jax.vmap(...))``; cached per function.
 """
 
 from __future__ import annotations
@@ -22,24 +20,19 @@ from daskdag.rules.vjp import linearize as vjp_linearize
 from daskdag.transport.packing import current
 
 
-class Compiled:
-    """``fn`` (maybe packed) as compiled programs; args whose ``in_axes`` is 0 carry a leading
-    axis that ``fn`` is mapped over (``jax.vmap``), the others (None) are taken whole.
-
-    Where an arg holds a leaf that ``jax.jit`` can take neither as an array nor as a hashable
-    constant, ``fn`` runs as it is (:meth:`gradients`: None)."""
+class Jitted:
+    """``fn`` as compiled programs, mapped over the args whose ``in_axes`` is 0 (run as it is
+    where an arg holds a leaf that is neither an array nor hashable)."""
 
     def __init__(self, fn, in_axes: tuple[int | None, ...]):
         self.fn, self.in_axes = fn, in_axes
 
     def __call__(self, *args):
-        """``fn`` of ``args``."""
         out = self._run(args, None)
         return out if out is not None else self._eager()(*args)
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
-        """``(primal, pullback)`` of ``fn`` at ``args``, differentiating the ``active`` ones; the
-        pullback a compiled program too (else JAX's vjp of ``fn`` run as it is)."""
+        """``(primal, pullback)`` of ``fn`` at ``args``, differentiating the ``active`` ones."""
         out = self._run(args, active)
         return out if out is not None else vjp_linearize(Node(self._eager(), ()), args, active)
 
@@ -47,10 +40,8 @@ class Compiled:
         return mapped(current(self.fn), self.in_axes)
 
     def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
-        """Forward and backward as one program: ``(primal, cts)``, or None. ``fn`` returns a
-        tuple of values; ``seeded[k][e]``: the ``k``-th backward pass starts from ones at value
-        ``e`` (its differentiable leaves), from zeros elsewhere. ``cts[k]``: that pass's
-        cotangents, aligned with ``args`` as a pullback returns them."""
+        """``(primal, cts)`` as one program, or None; the ``k``-th backward pass starts from
+        ones at each value ``e`` where ``seeded[k][e]``, else zeros."""
         parts = split(args, active)
         if parts is None:
             return None
@@ -69,8 +60,8 @@ class Compiled:
         if active is None:
             return out
         primal, computed = out
-        # The residuals that are inputs come back as the inputs themselves (jit would return
-        # copies), so a pullback that moves does not ship them (see JaxPullback.portable).
+        # Residuals that are inputs are the inputs themselves (jit returns copies), so a
+        # pullback that moves does not ship them.
         where, vjp_def = kept[static, tuple(map(jax.typeof, traced))]
         computed = iter(computed)
         vjp_fn = vjp_def.unflatten([next(computed) if i is None else traced[i] for i in where])
@@ -82,22 +73,19 @@ class Compiled:
 
 
 def mapped(fn, in_axes):
-    """``fn`` vectorized over the args whose axis is 0; ``fn`` itself where none is."""
     return jax.vmap(fn, in_axes=in_axes) if any(a is not None for a in in_axes) else fn
 
 
 def split(args, active):
-    """``((treedef, consts), traced)``: the args' leaves that the programs trace (a tuple: a jitted
-    call takes a list's leaves by its slower path), and the rest as hashable constants; None
-    where a constant is not hashable."""
+    """``((treedef, consts), traced)``: the args' leaves to trace, and hashable constants."""
     leaves, treedef = jax.tree.flatten(tuple(args))
     if all(map(is_array, leaves)):  # (every leaf traced: the common call, at once)
-        return (treedef, (_TRACED,) * len(leaves)), tuple(leaves)
+        return (treedef, (TRACED,) * len(leaves)), tuple(leaves)
     on = [a for a, arg in zip(active or [False] * len(args), args) for _ in jax.tree.leaves(arg)]
     # Arrays, and floats that are differentiated, are traced; other leaves (Python ints,
     # functions) stay constants, concrete in fn as under plain vmap.
     dynamic = [is_array(x) or (a and is_differentiable(x)) for x, a in zip(leaves, on)]
-    consts = tuple(_TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
+    consts = tuple(TRACED if d else (type(x), x) for x, d in zip(leaves, dynamic))
     try:
         hash(consts)
     except TypeError:
@@ -105,15 +93,12 @@ def split(args, active):
     return (treedef, consts), tuple(x for x, d in zip(leaves, dynamic) if d)
 
 
-_TRACED = object()  # in a program's constants: the place of a traced leaf
+TRACED = object()  # in a program's constants: the place of a traced leaf
 _cache: ByObject[tuple] = ByObject("compiled programs of fused stages and jit nodes", 4096)
 
 
-def _programs(compiled: Compiled) -> tuple:
-    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function, kept per node
-    function (:func:`~daskdag.transport.packing.current`) while it lives, as jax.jit caches
-    compilations by function identity. A function that cannot be weakly referenced gets them
-    per :class:`Compiled`."""
+def _programs(compiled: Jitted) -> tuple:
+    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function, while it lives."""
     fn = current(compiled.fn)
     for owner in (fn, compiled):
         hit = _cache.get(owner)
@@ -124,7 +109,8 @@ def _programs(compiled: Compiled) -> tuple:
         return _cache.put(fn, programs)
     except TypeError:  # not weakly referenceable
         ref = weakref.ref(compiled)
-        return _cache.put(compiled, _make_programs(lambda: current(ref().fn)))  # type: ignore[union-attr]
+        programs = _make_programs(lambda: current(ref().fn))  # type: ignore[union-attr]
+        return _cache.put(compiled, programs)
 
 
 def _make_programs(fn_of) -> tuple:
@@ -137,8 +123,8 @@ def _make_programs(fn_of) -> tuple:
         if active is None:
             return vmapped(*args)
         primal, _, vjp_fn = vjp_leaves(vmapped, args, active)
-        # vjp_fn is a pytree whose leaves are the residuals (those not inputs leave jit); its
-        # function, in the treedef, is the same for every call, so the backward compiles once.
+        # vjp_fn's leaves are the residuals; its treedef is the same for every call, so the
+        # backward compiles once.
         residuals, vjp_def = jax.tree.flatten(vjp_fn)
         inputs = {id(x): i for i, x in enumerate(dynamic)}
         where = tuple(inputs.get(id(r)) for r in residuals)
@@ -149,8 +135,7 @@ def _make_programs(fn_of) -> tuple:
         treedef, consts, in_axes, active, seeded = static
         args = rebuild(treedef, consts, dynamic)
         fn = replay(mapped(fn_of(), in_axes), treedef, consts, dynamic)
-        # One vjp per backward pass, of its seeded values alone, XLA sharing the forward work
-        # (one vmapped vjp of all values would keep the products with the unseeded zeros).
+        # One vjp per backward pass, of its seeded values alone; XLA shares the forward work.
         out = []
         for ones in seeded:
             picked = [e for e, on in enumerate(ones) if on]
@@ -167,12 +152,11 @@ def _make_programs(fn_of) -> tuple:
 def rebuild(treedef, consts, dynamic):
     """The args of a program: its constants with the ``dynamic`` (traced) leaves in place."""
     it = iter(dynamic)
-    return treedef.unflatten([next(it) if c is _TRACED else c[1] for c in consts])
+    return treedef.unflatten([next(it) if c is TRACED else c[1] for c in consts])
 
 
 def replay(fn, treedef, consts, dynamic):
-    """``fn`` of the args ``rebuild(treedef, consts, dynamic)``, traced once and replayed from
-    its jaxpr: calling it again does not run the user's Python code again."""
+    """``fn`` of ``rebuild(treedef, consts, dynamic)``, traced once and replayed from its jaxpr."""
     out: dict = {}
 
     def numeric(*leaves):
@@ -183,7 +167,7 @@ def replay(fn, treedef, consts, dynamic):
     traced = jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(numeric)(*dynamic))
 
     def replayed(*args):
-        leaves = [x for x, c in zip(jax.tree.leaves(tuple(args)), consts) if c is _TRACED]
+        leaves = [x for x, c in zip(jax.tree.leaves(tuple(args)), consts) if c is TRACED]
         it = iter(traced(*leaves))
         return out["tree"].unflatten([next(it) if s is None else s for s in out["static"]])
 

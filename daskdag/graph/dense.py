@@ -1,15 +1,7 @@
-"""A stage's backward pass carried as its dense Jacobian, where that is small.
-
-On a cluster, a stage's backward pass is normally a task of its own, beside the residuals its
-forward task left; for a stage with few differentiated inputs (branches that each take a small
-parameter vector) that round trip costs more than the arithmetic. Such a stage's forward task
-turns its pullback into the Jacobian of its exposed values with respect to its deps
-(:func:`densify`: its own residuals pulled back under ``jax.vmap``, one row per element, no
-second forward pass). The small Jacobian travels with the values, and the backward pass becomes
-a contraction inside whichever task takes its cotangents: one task less per stage.
-
-Beyond :data:`MOST_ROWS` rows or :data:`MOST_BYTES`, :func:`densify` keeps the pullback, which
-then travels with the values.
+"""A stage's backward pass carried as its dense Jacobian, where that is small: on a cluster, a
+stage with few differentiated inputs turns its pullback into its Jacobian (:func:`densify`),
+which travels with its values, and the backward pass becomes a contraction inside the task that
+takes its cotangents: one task (and round trip) less per stage.
 """
 
 from __future__ import annotations
@@ -24,21 +16,15 @@ from daskdag.model.leaves import differentiable_leaves
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.seeds import basis
 
-#: The most rows (elements of a stage's exposed values) a dense Jacobian is made from: each row
-#: is a pullback of the stage's residuals, so this bounds what making it costs.
-MOST_ROWS = 256
-#: The largest dense Jacobian kept, in bytes: no more than a small value carried in a task
-#: (:data:`daskdag.graph.assembly.INLINE_BYTES`).
-MOST_BYTES = 64 * 1024
+MOST_ROWS = 256  # the most rows (a pullback each) a dense Jacobian is made from
+MOST_BYTES = 64 * 1024  # the largest dense Jacobian kept (assembly.INLINE_BYTES)
 
 
 def densify(pullback: Pullback, values: Sequence[Any], deps: Sequence[Any], pull_rows: Callable,
             dropped=None) -> Pullback:
-    """``pullback`` (of a stage whose exposed values are ``values``, run on ``deps``) as a
-    :class:`DensePullback`, when its Jacobian has at most :data:`MOST_ROWS` rows and
-    :data:`MOST_BYTES` bytes; else ``pullback`` itself. ``pull_rows(pullback, cts, values,
-    deps, dropped)``: per output, the pullback of each row of its stacked cotangents
-    (a backward task's, :func:`daskdag.graph.tasks.backward` for a Jacobian)."""
+    """``pullback`` (of a stage with exposed ``values``, run on ``deps``) as a
+    :class:`DensePullback` within :data:`MOST_ROWS` and :data:`MOST_BYTES`, else itself.
+    ``pull_rows``: as :func:`daskdag.graph.tasks._pull_rows`."""
     sizes = [sum(int(np.size(leaf)) for leaf in differentiable_leaves(v)) for v in values]
     rows = sum(sizes)
     if not rows or rows > MOST_ROWS or not all(_single_or_double(leaf) for v in (*values, *deps)
@@ -56,18 +42,15 @@ def densify(pullback: Pullback, values: Sequence[Any], deps: Sequence[Any], pull
 
 
 def _single_or_double(leaf) -> bool:
-    """A real dtype of 32 or 64 bits: a contraction's sums may round otherwise than the
-    pullback's by an ulp, which half precision would show."""
+    """A real dtype of 32 or 64 bits (a contraction may round otherwise by an ulp)."""
     dtype = jnp.result_type(leaf)
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
 
 
 class DensePullback(Pullback):
     """A stage's pullback as its Jacobian: ``jacobian[e][i]``, for exposed value ``e`` and dep
-    ``i``, a tuple of the dep's differentiable leaves, each stacked over the rows of ``e``'s
-    elements (``None`` for a dep held constant; ``jacobian[e]`` is None for a value with no
-    differentiable leaf). Called as any :class:`~daskdag.rules.pullback.Pullback`: a
-    cotangent's leaves, flattened in order, contract with the rows."""
+    ``i``, the dep's differentiable leaves, each stacked over ``e``'s elements (``None`` for a
+    dep held constant, or a value with no differentiable leaf)."""
 
     __slots__ = ("jacobian",)
 
@@ -81,8 +64,8 @@ class DensePullback(Pullback):
         return self._contract(cts, lead=1)
 
     def _contract(self, cts: tuple, lead: int) -> tuple:
-        """``lead``: 1 when each cotangent leaf is stacked over rows. In NumPy: a few small
-        products, where each JAX op would cost its dispatch."""
+        """``lead``: 1 when each cotangent leaf is stacked over rows. In NumPy (JAX dispatch
+        would cost more)."""
         shapes = next(j for j in self.jacobian if j is not None)  # (of each dep's zeros)
         head = next((np.shape(c[0])[:lead] for c in cts if c is not None), (0,) * lead)
         out: list = [None] * len(shapes)

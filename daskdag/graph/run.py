@@ -1,17 +1,6 @@
-"""Running a stage in its forward task: its exposed values, and the pullback its backward task
-takes (:func:`linearize`), or a closed fused stage's both passes as one program
-(:func:`gradients`).
-
-- a fused stage: its nodes as one function (:class:`Fused`), compiled as one program
-  (:class:`~daskdag.graph.compiled.Compiled`; over a sweep's chunk, as its nodes' kind says),
-  leaving a :class:`FusedPullback`;
-- a chain of JAX nodes: under one ``jax.vjp`` of the chain, each node still called once, in
-  order, op by op (likewise item by item over a sweep's chunk);
-- any other: node by node, each under its kind's rule, leaving a :class:`StagePullback`.
-
-A stage with a device (:attr:`~daskdag.graph.stages.Stage.device`) runs there, forward
-(:func:`linearize`, :func:`gradients`) and backward (its pullback's calls): the values it takes
-put there, its eager ops there (:func:`placed`).
+"""Running a stage in its forward task (:func:`linearize`): a fused stage as one compiled
+function, a chain of JAX nodes under one ``jax.vjp`` (each node still called once, in order),
+any other node by node under its rule; on the stage's device, if it has one (:func:`placed`).
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ from dask.sizeof import sizeof
 
 from daskdag.cancel import check
 from daskdag.errors import node_errors
-from daskdag.graph.compiled import Compiled
+from daskdag.graph.compiled import Jitted
 from daskdag.graph.stages import Stage
 from daskdag.model import devices
 from daskdag.model.leaves import differentiable_leaves
@@ -43,18 +32,14 @@ from daskdag.transport.weak import ref
 
 
 def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
-    """Run the stage's ``nodes`` on the values of its ``deps``. Returns the exposed values (a
-    tuple), and with them its pullback when some node ran under ``jax.vjp``: ``(values,
-    pullback)``. ``dropped()``, asked between two nodes, stops it
-    (:class:`~daskdag.cancel.Cancelled`)."""
+    """The stage's exposed values, with its pullback if it has one; ``dropped()`` stops it."""
     with placed(stage, deps) as deps:
         return _linearize(stage, nodes, deps, dropped)
 
 
 @contextlib.contextmanager
 def placed(stage: Stage, values):
-    """On the stage's device (:mod:`daskdag.model.devices`), ``values`` put there: eager ops in
-    this context run there. Nothing changes for a stage without a device."""
+    """``values`` put on the stage's device, where eager ops in this context run (if any)."""
     if stage.device is None:
         yield values
         return
@@ -101,11 +86,8 @@ def _linearize_nodes(stage: Stage, nodes, deps, dropped):
 
 
 class StagePullback(Pullback):
-    """The backward half of a stage run node by node: its nodes' pullbacks, and the values of
-    its own nodes that later nodes took as inputs (a pullback moved to another process takes
-    its input residuals from them). Called as a :class:`~daskdag.rules.pullback.Pullback`,
-    one cotangent per exposed node in; a node that fails is named in a
-    :class:`~daskdag.NodeError`."""
+    """A stage run node by node's pullback: its nodes' pullbacks, and the values later nodes
+    took as inputs (a pullback that moved takes its residuals from them)."""
 
     __slots__ = ("stage", "pullbacks", "values")
 
@@ -140,8 +122,7 @@ class StagePullback(Pullback):
         return tuple(out)
 
     def materialize(self, deps: Sequence[Any]) -> StagePullback:
-        """With each node's pullback materialized (:meth:`Pullback.materialize`: a ``remat``
-        node's forward pass redone), for one backward task."""
+        """With each node's pullback materialized (a ``remat`` node's forward pass redone)."""
         stage, pullbacks = self.stage, list(self.pullbacks)
         with placed(stage, deps) as deps:
             for j, pb in enumerate(pullbacks):
@@ -174,11 +155,8 @@ class StagePullback(Pullback):
 # -- several nodes as one function ----------------------------------------------------------------
 
 class Fused:
-    """A stage's nodes as one function: the values of its deps in, its exposed values (a
-    tuple) out, each node called once, in order. ``fns``: the nodes' plain functions (one
-    element's, over a batch); ``weakly``: held weakly where they can be, so that a cached
-    ``Fused`` (and JAX's compilations of it) keeps no user function alive. ``dropped()``, asked
-    between two nodes, stops it (:class:`~daskdag.cancel.Cancelled`)."""
+    """A stage's nodes as one function of its deps, returning its exposed values. ``fns``: the
+    nodes' plain functions, held ``weakly`` where they can be (a cached ``Fused`` keeps none)."""
 
     def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
         self.stage, self.dropped = stage, dropped
@@ -203,9 +181,7 @@ class Fused:
 
 
 class FusedPullback(Pullback):
-    """The backward half of a stage run as one function (fused, or a chain under one vjp): one
-    pullback. Called as :class:`StagePullback`; exposed nodes no cotangent flows to get zeros
-    (``avals``: their differentiable leaves)."""
+    """A stage run as one function's pullback; ``avals``: for zero cotangents."""
 
     __slots__ = ("stage", "pullback", "avals")
 
@@ -213,22 +189,21 @@ class FusedPullback(Pullback):
         self.stage, self.pullback, self.avals = stage, pullback, avals
 
     def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
-        with placed(self.stage, (cts, deps)) as (cts, deps):
-            flat = [leaf for ct, avals in zip(cts, self.avals)
-                    for leaf in (ct if ct is not None else [jnp.zeros(*a) for a in avals])]
-            with node_errors(self.stage.name, "backward"):
-                return self.pullback(tuple(flat), deps)
+        return self._pull(cts, deps, (), self.pullback)
 
     def rows(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
-        """Each row of ``cts`` pulled back: by the inner pullback's own rows (a compiled
-        program's: a batched program compiled once), exposed nodes no row reaches in zeros."""
+        """Each row of ``cts`` pulled back by the inner pullback's rows."""
         n = next(len(leaf) for ct in cts if ct is not None for leaf in ct)
+        return self._pull(cts, deps, (n,), lambda c, d: self.pullback.rows(c, d, dropped))
+
+    def _pull(self, cts: tuple, deps: Sequence[Any], lead: tuple, pull) -> tuple:
+        """``pull`` of the cotangents' leaves, flat, with zeros (``lead`` rows) where none."""
         with placed(self.stage, (cts, deps)) as (cts, deps):
-            flat = [leaf for ct, avals in zip(cts, self.avals)
-                    for leaf in (ct if ct is not None else [jnp.zeros((n, *a[0]), a[1])
-                                                             for a in avals])]
+            flat = [leaf for ct, avals in zip(cts, self.avals) for leaf in (
+                ct if ct is not None else [jnp.zeros((*lead, *shape), dtype)
+                                           for shape, dtype in avals])]
             with node_errors(self.stage.name, "backward"):
-                return self.pullback.rows(tuple(flat), deps, dropped)
+                return pull(tuple(flat), deps)
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
@@ -247,16 +222,14 @@ def _avals(values) -> list:
 
 
 def _linearize_chain(stage: Stage, nodes, deps, dropped):
-    """A chain of eager JAX nodes under one ``jax.vjp``: one vjp's fixed cost for the chain
-    instead of one per node; its pullback is one too."""
+    """A chain of eager JAX nodes under one ``jax.vjp`` (one fixed cost, not one per node)."""
     fused = Fused(stage, [n.callable() for n in nodes], dropped)
     values, pullback = vjp_linearize(Node(fused, stage.deps), deps, stage.dep_active())
     return values, FusedPullback(stage, pullback, _avals(values))
 
 
 def chain_of_elements(nodes):
-    """The batch rule (:attr:`~daskdag.rules.registry.Rules.batch`) of a chain of nodes that
-    each map one element's node of JAX code over a batch, element by element; else None."""
+    """The batch rule of a chain of nodes that map JAX elements over a batch, else None."""
     found = [(rules_of(n), *element_of(n)) for n in nodes]
     if all(axes is not None and not element.vmap and not has_rules(element)
            for _, element, axes in found):
@@ -285,15 +258,12 @@ def _in_axes(stage: Stage, elements) -> tuple:
 
 # (stage, ids of fns, batch axes) -> (its compiled function, Fused), while its functions live
 _fused: Cache[tuple] = Cache("fused stages' functions", 1024)
-
-
-_by_nodes: Cache = Cache("fused stages by their node objects", 256)  # ids of nodes -> (nodes, stage, fn)
+# ids of nodes -> (weak refs to the nodes, stage, its compiled function)
+_by_nodes: Cache = Cache("fused stages by their node objects", 256)
 
 
 def fused_function(stage: Stage, nodes: Sequence[Node]):
-    """The fused stage as one compiled function (:class:`~daskdag.graph.compiled.Compiled`, or
-    over a batch as its nodes' kind runs one), the same object while the same node functions
-    live: its programs are cached by function, so later calls compile nothing."""
+    """The fused stage as one compiled function, the same while its node functions live."""
     key = tuple(map(id, nodes))
     hit = _by_nodes.get(key)
     if hit is not None and hit[1] is stage and all(r() is n for r, n in zip(hit[0], nodes)):
@@ -316,7 +286,7 @@ def _fused_function(stage: Stage, nodes: Sequence[Node]):
     if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
         return hit[0]
     fused = Fused(stage, fns, weakly=True)
-    function = batch(fused, in_axes, True) if batch is not None else Compiled(fused, in_axes)
+    function = batch(fused, in_axes, True) if batch is not None else Jitted(fused, in_axes)
     _fused.put(key, (function, fused))
     for f in fns:  # the entry goes with the first of its functions to go
         with contextlib.suppress(TypeError):
@@ -334,11 +304,8 @@ def _linearize_fused(stage: Stage, nodes, deps):
 
 
 def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: tuple):
-    """A fused stage's forward and backward passes as one program, for a stage whose cotangents
-    are all seeds of its own outputs (nothing flows into it from later stages). ``seeded[k]``:
-    per exposed node, whether the ``k``-th backward pass starts there. Returns ``(values,
-    cts)``, ``cts[k]`` aligned with ``stage.deps`` as a pullback returns them; None where the
-    stage cannot run so (:meth:`~daskdag.graph.compiled.Compiled.gradients`)."""
+    """A closed fused stage's ``(values, cts)`` as one program (None where it cannot run so);
+    ``seeded[k]``: per exposed node, whether the ``k``-th backward pass starts there."""
     function = fused_function(stage, nodes)
     with placed(stage, deps) as deps, node_errors(stage.name, "forward"):
         return function.gradients(deps, stage.dep_active(), seeded)
@@ -352,7 +319,5 @@ def _not_none(name: str, value) -> None:
 
 
 def identity(x):
-    """``x``: as a task, a value kept on the cluster (a node, by
-    :meth:`daskdag.graph.assembly.Intake.node`); bound with ``partial``, a picklable function
-    that returns it."""
+    """``x`` (a task keeping a node; with ``partial``, a picklable function returning it)."""
     return x

@@ -1,12 +1,6 @@
-"""The sparsity pattern of a DAG's Jacobians, found without computing them: :func:`detect`, per
-output a boolean ``scipy.sparse.csr_array``, ``(its elements, the elements of every wrt name in
-order)``, over differentiable leaves in ``jax.tree.leaves`` order, each flattened in C order.
-
-The DAG's structure composes each node's own pattern: from its jaxpr
-(:func:`daskdag.rules.sparsity.jaxpr_pattern`, sound everywhere), or for a node that cannot be
-traced, from probes: its Jacobian at the point and at :data:`PROBES` random points near it,
-united. Probing runs that node and those before it once more, and is only as sound as the
-probes are typical (a zero at all of them is taken for structural).
+"""The sparsity patterns of a DAG's Jacobians, composed from each node's own pattern: from its
+jaxpr (sound everywhere), or for a node that cannot be traced, probed (its Jacobian at the point
+and at :data:`PROBES` random points near it, united: as sound as the probes are typical).
 """
 
 from __future__ import annotations
@@ -34,10 +28,9 @@ PROBES = 2  # random points near the point, besides it, where a node is probed
 
 def detect(plan: Plan, values: dict, probed: list | None = None,
            traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
-    """``{output: pattern}`` (see the module's docstring) for every output of ``plan``.
-    ``probed``, when given, gets the names of the nodes whose pattern was probed (it holds at
-    this point, not at every point); ``traces``, the jaxprs of the nodes traced for their
-    shapes (:func:`shapes`)."""
+    """``{output: pattern}``, a boolean ``csr_array`` (its elements, every wrt name's), over
+    differentiable leaves in order, each flattened in C order. ``probed`` gets the nodes whose
+    pattern was probed (it holds at this point only)."""
     import scipy.sparse as sp
     spec = plan.spec
     avals = shapes(plan, values, traces)
@@ -49,8 +42,7 @@ def detect(plan: Plan, values: dict, probed: list | None = None,
     width = sum(sizes.values())
     start, depends = 0, {}
     for name in plan.wrt:  # each wrt name's own elements: a block of the identity
-        own = sp.eye_array(sizes[name], width, k=start, dtype=np.int64, format="csr")
-        depends[name] = own
+        depends[name] = sp.eye_array(sizes[name], width, k=start, dtype=np.int64, format="csr")
         start += sizes[name]
     for n in plan.needed:
         node = spec.nodes[n]
@@ -72,10 +64,8 @@ def detect(plan: Plan, values: dict, probed: list | None = None,
 
 def shapes(plan: Plan, values: dict, traces: dict[str, Traced] | None = None,
            only: Collection[str] | None = None) -> dict:
-    """The inputs' and needed nodes' shapes (:func:`daskdag.model.shapes.abstract_values`),
-    :data:`UNKNOWN` for a node of the user's own code: its NumPy function is never called on
-    tracers. ``traces``: filled with each traced node's jaxpr; ``only``: trace only these nodes
-    and those they depend on, leaving the others out."""
+    """The inputs' and needed nodes' shapes (:data:`UNKNOWN` for the user's own code), traced
+    into ``traces``; ``only``: these nodes and those they depend on."""
     wanted = plan.spec.ancestors(only) if only is not None else None
     names = [n for n in plan.needed if wanted is None or n in wanted]
     return abstract_values(plan.spec, names, {i: abstract(v) for i, v in values.items()},
@@ -95,8 +85,7 @@ def size(aval) -> int:
 
 
 def _node_pattern(name, node, avals, concrete, values, active, probed: list | None) -> list:
-    """Per dep, the node's own pattern: from its jaxpr, else probed (its name then added to
-    ``probed``)."""
+    """Per dep, the node's own pattern: from its jaxpr, else probed (and added to ``probed``)."""
     deps = [avals[d] for d in node.deps]
     if not has_rules(node) and not any(a is UNKNOWN for a in deps):
         found = jaxpr_pattern(node.callable(), deps, active)
@@ -109,8 +98,7 @@ def _node_pattern(name, node, avals, concrete, values, active, probed: list | No
 
 
 def _forward(plan: Plan, values: dict) -> dict:
-    """Every needed node's value, run here in order (for the probes, and the shapes that could
-    not be traced)."""
+    """Every needed node's value, run here in order."""
     out = dict(values)
     for n in plan.needed:
         node = plan.spec.nodes[n]
@@ -150,10 +138,8 @@ def _jacobian(name, node, args, active) -> list:
         raise DAGError(f"node {name!r} returned None")
     rows = basis(name, primal)
     n = sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
-    per_row = []
     with node_errors(name, "backward"):
-        for r in range(n):
-            per_row.append(pullback(tuple(leaf[r] for leaf in rows), args))
+        per_row = [pullback(tuple(leaf[r] for leaf in rows), args) for r in range(n)]
     out: list = []
     for j, on in enumerate(active):
         if not on:

@@ -1,25 +1,8 @@
-"""Stages: a plan's needed nodes grouped into the units a call runs as Dask tasks, in
-topological order (:mod:`daskdag.graph.run` runs them). A stage runs as one forward task and one
-backward task (for every output whose gradient passes through it). Two kinds:
-
-- **chains** of eager nodes ``n1 -> n2 -> ... -> nk``: each node but the last feeds only the next
-  and is no requested output, so each edge is a dependency Dask could never use, while each task
-  costs a scheduler round trip on a cluster. The nodes run one by one, under one ``jax.vjp`` of
-  the chain (or each under its kind's rule), so they keep their semantics: called once, in
-  order, op by op, side effects included. A node with several consumers ends its chain, and a
-  node that takes values from other stages starts one, so fan-out and fan-in keep their
-  parallelism (a stage starts once all its deps are there).
-- **fused** groups of connected jittable nodes (``jit=True``; in a sweep, ``vmap=True``): one
-  function of the group's inputs, linearized once as one XLA program, so XLA sees across node
-  boundaries. The values of its nodes used outside it (or requested) are its ``exposed`` values.
-
-A stage whose cotangents all start at its own outputs is *closed*: its forward task runs its
-backward pass too; a fused one as one program (:func:`daskdag.graph.run.gradients`).
-
-All nodes of a stage need the same resources and run on the same device (``Node(device=)``),
-so that a stage's tasks run on its device (:mod:`daskdag.model.devices`) and no fused program
-spans two devices. ``daskdag.fuse-chains`` False makes every node its own stage. A ``remat``
-node is always a stage of its own.
+"""Stages: a plan's needed nodes grouped into units of one forward and one backward task. A
+stage is a **chain** of eager nodes, each but the last feeding only the next and no output
+(fan-out ends a chain, fan-in starts one, so both keep their parallelism), or a **fused** group
+of connected jittable nodes, one XLA program. A stage's nodes share resources and device; a
+``remat`` node is a stage of its own, and so is every node without ``daskdag.fuse-chains``.
 """
 
 from __future__ import annotations
@@ -36,17 +19,12 @@ from daskdag.rules.registry import element_of
 from daskdag.transport.protocol import token_kept
 
 
-
 @token_kept()  # (its fields are names, indices and flags)
 @dataclass(frozen=True)
 class Stage:
-    """Nodes run in one task. ``sources[j][k]`` says where node ``j``'s ``k``-th dep comes from:
-    ``("dep", i)`` is ``deps[i]``, a value from outside the stage (a free input or another
-    stage's node); ``("node", i)`` is the stage's own node ``i``. ``active[j][k]``: that dep is
-    differentiated (a ``wrt`` input or a node that depends on one). ``exposed``: indices of the
-    nodes whose values leave the stage (used by other stages, or requested). ``fused``: its
-    nodes run as one jitted function (see the module's docstring). ``device``: its nodes'
-    (:mod:`daskdag.model.devices`), where its tasks run; None: wherever JAX puts them."""
+    """Nodes run in one task. ``sources[j][k]``: where node ``j``'s ``k``-th dep comes from,
+    ``("dep", i)`` (``deps[i]``) or ``("node", i)``; ``active[j][k]``: it is differentiated.
+    ``exposed``: indices of the nodes whose values leave the stage."""
 
     nodes: tuple[str, ...]
     deps: tuple[str, ...]
@@ -64,7 +42,6 @@ class Stage:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        """The names of the exposed nodes."""
         return tuple(self.nodes[j] for j in self.exposed)
 
     @property
@@ -74,13 +51,11 @@ class Stage:
 
     @property
     def value_only(self) -> bool:
-        """The forward task's result is its one exposed value itself (no pullback, no tuple), so
-        later stages read it directly."""
+        """The forward task's result is its one exposed value itself (no pullback, no tuple)."""
         return not self.has_pullback and len(self.exposed) == 1
 
     def inputs(self, j: int, deps: Sequence[Any], values: Sequence[Any]) -> list:
-        """Node ``j``'s inputs: from ``deps`` (the stage's deps) and ``values`` (its own
-        nodes'), as :attr:`sources` says."""
+        """Node ``j``'s inputs, from the stage's ``deps`` and its own nodes' ``values``."""
         return [deps[i] if kind == "dep" else values[i] for kind, i in self.sources[j]]
 
     def dep_active(self) -> tuple[bool, ...]:
@@ -94,19 +69,13 @@ class Stage:
 
 
 def stages_for(plan: Plan, packs: bool) -> tuple[Stage, ...]:
-    """The plan's stages for a call whose graph takes its values packed (``packs``: it runs on
-    a cluster, or lazily) or as they are: with ``fan_in`` (:func:`make_stages`) in this process,
-    and elsewhere when every node the call needs is ``jit=True``."""
+    """The plan's stages, with ``fan_in`` unless values are packed and some node is eager."""
     return make_stages(plan, fan_in=not packs or all(plan.spec.nodes[n].jit for n in plan.needed))
 
 
 def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
-    """The plan's needed nodes as stages (see the module's docstring), in topological order.
-
-    ``fan_in``: a jittable node that takes values from several fused groups joins them all
-    into one (where no other group stands between them), so that a DAG of ``jit=True`` nodes
-    is one program; else it joins one of them, and the others stay tasks of their own, which a
-    cluster can run side by side."""
+    """The plan's needed nodes as stages, in topological order. ``fan_in``: a jittable node
+    taking values from several fused groups merges them all (else it joins one)."""
     grouping = _Grouping(plan, fan_in)
     for n in plan.needed:
         grouping.add(n)
@@ -115,16 +84,13 @@ def make_stages(plan: Plan, fan_in: bool = False) -> tuple[Stage, ...]:
     def consumers(d):
         return {c for c, _ in plan.spec.uses.get(d, ()) if c in needed}
 
-    return tuple(_stage(plan, tuple(nodes), fused, consumers) for nodes, fused in grouping.ordered())
+    return tuple(_stage(plan, tuple(nodes), fused, consumers)
+                 for nodes, fused in grouping.ordered())
 
 
 class _Grouping:
-    """The groups of nodes that become stages, made node by node in topological order
-    (:meth:`add`): ``groups[g]``, its nodes; ``group_of``, each node's group; ``jittable[g]``, a
-    group of jittable nodes; ``alone[g]``, a ``remat`` node's group, which takes no other node;
-    ``takes[g]``, the groups it takes values from.
-
-    A remat node is a stage of its own, so that its backward task redoes that node alone."""
+    """The groups of nodes that become stages, made node by node: ``alone[g]``, a ``remat``
+    node's group; ``takes[g]``, the groups it takes values from."""
 
     def __init__(self, plan: Plan, fan_in: bool):
         self.plan, self.spec, self.fan_in = plan, plan.spec, fan_in
@@ -154,15 +120,13 @@ class _Grouping:
         self.takes[joined] |= {self.group_of[e] for e in deps} - {joined}
 
     def ordered(self):
-        """``(nodes, fused)`` of each group, ordered by what they take from each other (a group
-        may grow past a later group's start: D joining B's in a diamond A->B,C->D)."""
+        """``(nodes, fused)`` of each group, ordered by what they take from each other."""
         for g in graphlib.TopologicalSorter(self.takes).static_order():
             if self.groups[g]:
                 yield self.groups[g], self.jittable[g] and len(self.groups[g]) > 1
 
     def _fused(self, n: str, deps: list[str]) -> int | None:
-        """The connected jittable group ``n`` joins without a cycle (no group outside it
-        taking from it and feeding ``n``); with ``fan_in``, every such group merged."""
+        """The jittable group ``n`` joins without a cycle (with ``fan_in``, all such merged)."""
         members: list[int] = []
         for g in dict.fromkeys(self.group_of[d] for d in deps):
             if not self._fusable(g, n, deps):
@@ -176,16 +140,13 @@ class _Grouping:
         return self._merge(members) if members else None
 
     def _chain(self, n: str, deps: list[str]) -> int | None:
-        """The chain of an eager node's dep ``d`` that ``n`` follows: ``d`` is its group's last
-        node, no output, and ``n`` its one consumer in the whole DAG (so that calls computed
-        together cut, and share, their chains alike); and ``n`` takes nothing the group does
-        not wait for already (a fan-in node would hold that branch back)."""
+        """The chain eager node ``n`` follows: its dep's, ending with it, no output and only
+        taken by ``n``, where ``n`` takes nothing the chain does not wait for already."""
         spec, node = self.spec, self.spec.nodes[n]
         for d in deps:
             g = self.group_of[d]
-            if not together(spec.nodes[d], node) or self.jittable[g] or self.alone[g]:
-                continue
-            if self._holds_wrt(g, deps):
+            if (not together(spec.nodes[d], node) or self.jittable[g] or self.alone[g]
+                    or self._holds_wrt(g, deps)):
                 continue
             others = {self.group_of[e] for e in deps} - {g}
             if self.groups[g][-1] == d and d not in self.plan.outputs \
@@ -194,8 +155,7 @@ class _Grouping:
         return None
 
     def _holds_wrt(self, g: int, deps: list[str]) -> bool:
-        """A node in ``wrt`` among ``deps`` in group ``g``: its cotangent must leave its stage
-        (see :func:`_stage`), so nothing joins it there."""
+        """A ``wrt`` node among ``deps`` in group ``g`` (its cotangent must leave its stage)."""
         return any(e in self.plan.wrt for e in deps if self.group_of[e] == g)
 
     def _fusable(self, g: int, n: str, deps: list[str]) -> bool:
@@ -240,8 +200,7 @@ class _Grouping:
 
 
 def one_stage(plan: Plan) -> Stage:
-    """All of the plan's needed nodes as one stage, run node by node (each under its rule, a
-    chain of JAX nodes under one ``jax.vjp``), its exposed nodes the plan's outputs."""
+    """All of the plan's needed nodes as one stage, run node by node."""
     return _stage(plan, plan.needed, False, lambda d: ())
 
 

@@ -1,12 +1,6 @@
-"""The functions Dask runs: per stage (:mod:`daskdag.graph.stages`) one forward task and one
-backward task (for every output whose gradient passes through it), and one gradient task per
-(output, input). A failure is a :class:`~daskdag.errors.NodeError` naming the node.
-
-How cotangents are pulled back is a task's ``pull``: :data:`PER_OUTPUT` for gradients (one
-cotangent per output), or, for a Jacobian (:func:`daskdag.jacobian`), a :class:`Rows`: every
-cotangent is a stack of rows (an output starts from the rows of the identity over its
-elements, :class:`Basis`), and each pullback maps a stack to a stack, some rows at a time under
-``jax.vmap``.
+"""The functions Dask runs: per stage a forward and a backward task, and one gradient task per
+(output, input). How cotangents are pulled back is a task's ``pull``: :data:`PER_OUTPUT` for
+gradients, or a Jacobian's :class:`Rows`, each cotangent a stack of rows.
 """
 
 from __future__ import annotations
@@ -26,20 +20,15 @@ from daskdag.rules.seeds import PerItem, basis, basis_rows, check_scalar, seed, 
 
 
 def forward(stage: Stage, stop, *args):
-    """Run the stage (:func:`daskdag.graph.run.linearize`). ``args``: the stage's ``Node`` s, then
-    the values of its ``deps``. Returns ``(exposed values, pullback)`` when some node ran under
-    ``jax.vjp``, else the exposed values, or the value itself when it is one. Between two nodes
-    it stops (:class:`~daskdag.cancel.Cancelled`) once no one waits for it
-    (:func:`~daskdag.cancel.dropped`; ``stop``: the local call's signal, or None), so Ctrl-C
-    stops a call at its next node."""
+    """Run the stage on ``args`` (its ``Node`` s, then its deps' values); between two nodes it
+    stops once no one waits for it (``stop``: a local call's signal, or None)."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0] if stage.value_only else out
 
 
 def forward_dense(stage: Stage, stop, *args):
-    """:func:`forward`, its pullback made the stage's dense Jacobian where that is small
-    (:func:`daskdag.graph.dense.densify`): ``(exposed values, pullback)``."""
+    """:func:`forward`, its pullback made the stage's dense Jacobian where that is small."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     dropped = dropped_of(stage, stop)
     values, pullback = run.linearize(stage, nodes, deps, dropped)
@@ -47,11 +36,8 @@ def forward_dense(stage: Stage, stop, *args):
 
 
 def forward_backward(stage: Stage, stop, flows: tuple, pull, *args):
-    """Forward and backward of a stage whose cotangents are all seeds of its own outputs
-    (``flows`` and ``pull`` as for :func:`backward`, without sources): ``(exposed values, per
-    output the deps' cotangents)``. A fused stage runs as one program, as
-    ``jax.jit(jax.value_and_grad)`` does, its residuals never leaving XLA; others, seeds given
-    by the user and Jacobians' rows, run as :func:`forward` then :func:`backward`."""
+    """A closed stage's ``(exposed values, per output the deps' cotangents)``; a fused stage
+    seeded by ones as one program, others as :func:`forward` then :func:`backward`."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     if stage.fused and not pull.stacked and all(f is None or (isinstance(f, Seed) and f.ct is None)
                                             for per_output in flows for f in per_output):
@@ -79,20 +65,11 @@ def pick(out, has_pullback: bool, k: int):
 
 
 def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list:
-    """Pull the cotangents of the stage's exposed nodes back to the stage's deps, for each
-    output whose gradient passes through the stage. Returns, per output, a tuple aligned with
-    the stage's deps: each dep's cotangent, ``None`` where none flows.
-
-    ``forward_out`` is the forward task's ``(values, pullback)``. ``args`` are the values of the
-    stage's deps (a pullback that moved takes its input residuals from them), then the sources of
-    the cotangents: the results of consumer stages' backward tasks. ``flows[k][e]`` says where
-    output ``k``'s cotangent at exposed node ``e`` comes from: ``None``, nowhere; else a
-    :class:`Seed`, :class:`Basis` or :class:`Shares`. ``stop``: as for :func:`forward`;
-    ``pull``: how the cotangents are pulled back, :data:`PER_OUTPUT` or a Jacobian's
-    :class:`Rows`.
-    """
+    """Per output through the stage, its cotangents pulled back to the deps (``None`` where
+    none flows). ``args``: the deps' values, then the consumer stages' backward results;
+    ``flows[k][e]``: where output ``k``'s cotangent at exposed node ``e`` comes from (a
+    :class:`Seed`, :class:`Basis`, :class:`Shares`, or ``None``)."""
     values, pullback = forward_out
-    # (On the stage's device: the shares of its consumers, from theirs, are summed there.)
     with run.placed(stage, args) as args:
         deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
         pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task)
@@ -105,9 +82,7 @@ def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list
 
 @dataclass(frozen=True)
 class Seed:
-    """The node is ``output``: its cotangent starts there (:func:`~daskdag.rules.seeds.seed`:
-    1 for a real scalar, else the user's ``ct``); ``items``: over a sweep's chunk, as its
-    :class:`~daskdag.rules.seeds.PerItem` seeds each item."""
+    """The cotangent of node ``output`` starts there (1 for a real scalar, else ``ct``)."""
 
     output: str
     ct: Any = None
@@ -121,10 +96,7 @@ class Seed:
 
 @dataclass(frozen=True)
 class Basis:
-    """The node is ``output`` of a Jacobian: its cotangents are the rows of the identity over
-    its elements (:func:`~daskdag.rules.seeds.basis`), or with ``colours`` (a colour per
-    element, a sparse Jacobian's) one row per colour; ``items``: each item's, over a sweep's
-    chunk (:class:`~daskdag.rules.seeds.PerItem`)."""
+    """A Jacobian's ``output``'s cotangents: the identity's rows (one per colour, if any)."""
 
     output: str
     colours: tuple[int, ...] | None = None
@@ -143,8 +115,7 @@ class Basis:
 
 @dataclass(frozen=True)
 class Shares:
-    """The sum of the shares that consumer stages pulled back: ``sources[source][output
-    index][position]`` for each ``(source, output index, position)`` in ``locations``."""
+    """The sum of ``sources[source][output index][position]`` over ``locations``."""
 
     locations: tuple[tuple[int, int, int], ...]
 
@@ -156,10 +127,7 @@ class Shares:
 
 @dataclass(frozen=True)
 class PerOutput:
-    """One cotangent per output (gradients). Several outputs' are pulled back at once, stacked,
-    under ``jax.vmap`` (one pass through the stage's pullbacks instead of one per output) where
-    that pays (by the pullback's ``batching``); else, and where the pullback cannot be vmapped
-    (a host callback), one by one."""
+    """One cotangent per output, pulled back together under ``jax.vmap`` where that pays."""
 
     stacked: ClassVar[bool] = False
 
@@ -174,8 +142,7 @@ PER_OUTPUT = PerOutput()
 
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
-    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``: each output's
-    cotangents a stack of one row (:func:`_pull_rows`)."""
+    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``."""
     rows = [tuple(None if c is None else tuple(leaf[None] for leaf in c) for c in per_output)
             for per_output in cts]
     return [tuple(None if d is None else tuple(leaf[0] for leaf in d) for d in out)
@@ -184,10 +151,8 @@ def _batched(pullback, cts: list, values, deps, dropped) -> list:
 
 @dataclass(frozen=True)
 class Rows:
-    """Cotangents are stacks of rows (a Jacobian's), and so is each result: pulled back at most
-    ``chunk`` rows per ``jax.vmap`` call (``None``: all at once), to bound the memory a pass
-    takes. ``colours``: ``((output, its elements' colours), ...)`` for the outputs whose rows
-    are compressed (a sparse Jacobian's, :class:`Basis`)."""
+    """Cotangents are stacks of rows (a Jacobian's), at most ``chunk`` per ``jax.vmap`` call;
+    ``colours``: ``((output, its elements' colours), ...)`` where rows are compressed."""
 
     chunk: int | None = None
     colours: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -202,11 +167,8 @@ class Rows:
 
 
 def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
-    """Per output, ``pullback`` of each row of its stacked cotangents (``cts``: per output, per
-    exposed node, a tuple of stacked leaves or ``None``): every output's rows in one stack
-    (zeros where an exposed node gets none from an output), ``chunk`` rows at a time (default
-    all) under ``jax.vmap``, or row by row where the pullback cannot be vmapped (a host
-    callback)."""
+    """Per output, ``pullback`` of each row of its stacked cotangents: all outputs' rows in one
+    stack, ``chunk`` at a time under ``jax.vmap``, or row by row where that fails."""
     counts = [next((len(leaf) for c in per_output if c is not None for leaf in c[:1]), 0)
               for per_output in cts]
     stacked: list = []
@@ -260,21 +222,15 @@ def _concatenate(leaves: tuple):
 
 
 def dropped_of(stage: Stage, stop):
-    """What a stage's task asks between two nodes: whether no one waits for it any more
-    (:func:`~daskdag.cancel.dropped`); None for a stage of one node, or one program."""
+    """Whether no one waits for a stage's task (None for one node or one program)."""
     return dropped(stop) if len(stage.nodes) > 1 and not stage.fused else None
 
 
 def gradient(locations: tuple, x, output, basis, own, items, *sources):
-    """The gradient of an input, or of a node, whose value is ``x``, shaped like it: the sum of
-    its shares ``sources[j][k][i]`` for ``(k, i)`` in ``locations`` (see :func:`backward`) and of
-    ``own``, the output's seed flow when ``x`` is the output itself (else None), on its
-    differentiable leaves (zeros when the output does not use it), ``None`` on the leaves held
-    constant. For a Jacobian, ``output`` is the output's value and each leaf is stacked over its
-    rows (``basis``, its :class:`Basis`); else both are None. Each leaf is a JAX array of its
-    input leaf's JAX dtype, whoever computed it (a node's own NumPy rule too: a Python float's
-    gradient is float32, as ``jax.grad`` gives it). ``items``: over a sweep's chunk, the
-    :class:`~daskdag.rules.seeds.PerItem` that gathers the gradient; None: a call's."""
+    """The gradient of a name whose value is ``x``, shaped like it: the sum of its shares
+    ``sources[j][k][i]`` for ``(k, i)`` in ``locations`` and ``own`` (the seed, for the output),
+    ``None`` on leaves held constant, each a JAX array of its leaf's dtype. For a Jacobian,
+    ``output`` is the output's value and each leaf is stacked over ``basis``'s rows."""
     leaves, treedef = jax.tree.flatten(x)
     lead = () if output is None else (basis.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, locations)]
@@ -288,8 +244,7 @@ def gradient(locations: tuple, x, output, basis, own, items, *sources):
 
 
 def _typed(grad, leaf, rows: bool = False):
-    """``grad`` as a JAX array of ``leaf``'s JAX dtype (itself when it is one already); a
-    Jacobian's ``rows`` of NumPy stay NumPy (its layout is made from NumPy, in one go)."""
+    """``grad`` as a JAX array of ``leaf``'s dtype (a Jacobian's NumPy ``rows`` stay NumPy)."""
     dtype = jnp.result_type(leaf)
     if isinstance(grad, jax.Array) and grad.dtype == dtype:
         return grad

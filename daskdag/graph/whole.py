@@ -24,7 +24,7 @@ import daskdag.config as config
 from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.graph.assembly import Intake, TaskGraph, key
-from daskdag.graph.compiled import rebuild, replay, split
+from daskdag.graph.compiled import TRACED, rebuild, replay, split
 from daskdag.graph.run import Fused, identity, placed
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import is_differentiable
@@ -65,8 +65,8 @@ class WholeGradients:
         self.rows, self.colours = rows, colours
         self.active = stage.dep_active()
         self.fused = Fused(stage, [current(n.fn) for n in nodes], weakly=True)
-        self._program = jax.jit(self._run, static_argnums=0)
-        self._then: dict[Any, Callable] = {}
+        self._split = jax.jit(self._split_run, static_argnums=(0, 3))
+        self._programs: dict[Any, Callable] = {}
 
     @classmethod
     def of(cls, plan: Plan, stage: Stage, shared: bool = True, rows: bool = False,
@@ -101,19 +101,36 @@ class WholeGradients:
         a constant of a program (it is not hashable): the call's graph runs it instead.
         ``then``: a function of those results, jittable and hashable, run in the same
         program (one compiled per ``then``); its results are the call's."""
+        deps = {d: values[d] for d in self.stage.deps}
         parts = split(tuple(values[d] for d in self.stage.deps), self.active)
         if parts is None:
             return None
         static, traced = parts
+        if all(c is TRACED for c in static[1]):  # (every leaf an array, the common call)
+            with placed(self.stage, (deps, cotangents)) as (deps, cotangents):
+                return self.program(then)(deps, cotangents)
         cts = tuple(cotangents.get(o) for o, _, _ in self.outputs)
         with placed(self.stage, (traced, cts)) as (traced, cts):  # (on the stage's device)
-            if then is None:
-                return self._by_name(self._program(static, traced, cts))
-            program = self._then.get(then)
-            if program is None:
-                program = self._then[then] = jax.jit(
-                    lambda s, t, c: then(self._by_name(self._run(s, t, c))), static_argnums=0)
-            return program(static, traced, cts)
+            return self._split(static, traced, cts, then)
+
+    def program(self, then: Callable[[dict], Any] | None = None) -> Callable[[dict, dict], Any]:
+        """The call as one jitted function of its deps' values by name, every leaf an array,
+        and the outputs' cotangents by name, ``then`` applied (:meth:`__call__`): one per
+        ``then``, which every call of the same stage and outputs runs."""
+        made = self._programs.get(then)
+        if made is None:
+            def run(deps, cotangents):
+                leaves, treedef = jax.tree.flatten(tuple(deps[d] for d in self.stage.deps))
+                return self._split_run((treedef, (TRACED,) * len(leaves)), tuple(leaves),
+                                       tuple(cotangents.get(o) for o, _, _ in self.outputs),
+                                       then)
+
+            made = self._programs[then] = jax.jit(run)
+        return made
+
+    def _split_run(self, static, traced, cotangents, then):
+        computed = self._by_name(self._run(static, traced, cotangents))
+        return computed if then is None else then(computed)
 
     def _by_name(self, computed: tuple) -> dict:
         return {o: (value, dict(zip((i for i, _ in self.wrt), grads)))
@@ -141,6 +158,29 @@ class WholeGradients:
             out.append((values[e], tuple(_laid_out(args[d], shares[d], lead)
                                          for _, d in self.wrt)))
         return tuple(out)
+
+
+class Entry:
+    """A warm call in this process, start to end: its input ``x``, as given, taken apart as
+    the call's first one was (``inputs``, the DAG's free inputs, and ``keyed``: a single one's
+    value given under its name), the whole program run (:meth:`WholeGradients.program`) with
+    the outputs' ``cotangents``, and ``finish`` of what it returns."""
+
+    __slots__ = ("run", "deps", "single", "keyed", "cotangents", "finish")
+
+    def __init__(self, whole: WholeGradients, then: Callable[[dict], Any] | None,
+                 inputs: tuple[str, ...], keyed: bool, cotangents: dict,
+                 finish: Callable[[dict], Any]):
+        self.run, self.deps = whole.program(then), whole.stage.deps
+        self.single = inputs[0] if len(inputs) == 1 else None
+        self.keyed, self.cotangents, self.finish = keyed, cotangents, finish
+
+    def __call__(self, x: Any) -> Any:
+        if self.single is None or self.keyed:
+            deps = {d: x[d] for d in self.deps}
+        else:
+            deps = {self.single: x} if self.deps else {}
+        return self.finish(self.run(deps, self.cotangents))
 
 
 #: Whole programs by what they compute and the identity of the functions they run.

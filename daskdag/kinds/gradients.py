@@ -1,5 +1,4 @@
-"""Gradients: the reverse pass from each output's cotangent (1 for a real scalar), over the
-user's DAG, and the results every kind but JVPs and HVPs returns (:class:`Result`)."""
+"""Gradients, and the results every kind but JVPs and HVPs returns (:class:`Result`)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,11 @@ from daskdag.errors import NodeError
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import make_plan
 from daskdag.model.request import cotangents_for, one_input, with_rules, wrt_names
-from daskdag.model.spec import Spec
 from daskdag.running.jobs import CallInfo
-from daskdag.running.passes import Derivative, Lowering
+from daskdag.running.passes import Derivative, Lowered
 from daskdag.transport.protocol import travels, tree_size
 
 
-# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
 @travels(lambda r: tree_size((r.value, r.grad)))
 @dataclass(frozen=True, repr=False)
 class Result:
@@ -50,32 +47,33 @@ def per_output(outputs: str | Sequence[str], results: dict) -> Any:
     return results[outputs] if isinstance(outputs, str) else results
 
 
-def results(spec: Spec, outputs: str | Sequence[str], computed: dict[str, Any],
+def results(outputs: str | Sequence[str], computed: dict[str, Any], single: str | None,
             failed: Mapping[int, NodeError] | None = None, info: CallInfo | None = None) -> Any:
-    """``{output: Result}`` (one ``Result`` for a single name) from ``{output: (value, {input:
-    grad})}``; with one free input, its gradient alone."""
-    return per_output(outputs, {
-        o: Result(v, g[spec.inputs[0]] if one_input(spec, g) else g, failed or {}, info)
-        for o, (v, g) in computed.items()})
+    """``{output: Result}`` from ``{output: (value, {input: grad})}`` (``single``: the input
+    whose gradient alone is given)."""
+    return per_output(outputs, {o: Result(v, g if single is None else g[single], failed or {},
+                                          info)
+                                for o, (v, g) in computed.items()})
 
 
 @dataclass(frozen=True)
 class Gradients(Derivative):
-    """[`compute_grads`][daskdag.compute_grads] as a kind: the user's DAG, reverse from the outputs'
-    ``cotangents`` (given once, as [`value_and_grad`][daskdag.value_and_grad] takes them)."""
+    """[`compute_grads`][daskdag.compute_grads] as a kind, from the outputs' ``cotangents``."""
 
     cotangents: Mapping[str, PyTree] | None = None
     call = "compute_grads"
     sweep_call = "sweep_grads"
     call_mode = "rev"
 
-    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
         cotangents_for(outputs, self.cotangents)
-        return Lowering(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt)
+        single = spec.inputs[0] if one_input(spec, dict.fromkeys(wrt)) else None
+        return Lowered(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt,
+                        extra=single)
 
-    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
-        return values, cotangents_for(lowering.plan.outputs, self.cotangents)
+    def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
+        return values, cotangents_for(lowered.plan.outputs, self.cotangents)
 
-    def finish(self, lowering, info, computed, failed=None) -> Any:
-        return results(lowering.spec, self.outputs, computed, failed, info)
+    def finish(self, lowered, info, computed, failed=None) -> Any:
+        return results(self.outputs, computed, lowered.extra, failed, info)

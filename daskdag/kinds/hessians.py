@@ -1,13 +1,6 @@
-"""Hessian-vector products: reverse over forward. The DAG is lifted where ``v`` enters
-(:mod:`daskdag.rules.lifted`) and its reverse pass seeded with ``(0, ct)`` at each output, on its
-tangent alone. The gradient it gives at an input's pair ``(x, v)`` is ``(H v, g)``: the derivative
-of ``<ct, J v>`` by ``x`` is the Hessian of ``<ct, f>`` times ``v``, and by ``v`` it is ``J^T ct``,
-the gradient itself. So one backward pass gives both, each node runs once (its jvp, under
-``jax.vjp`` in its forward task), and its residuals travel between workers as any pullback's do.
-
-This is the same product as forward over reverse (``jax.jvp`` of ``jax.grad``): the Hessian is
-symmetric. Reverse over forward keeps the backward graph as it is; a JVP of the backward graph would
-need the tangents of every residual to travel with it, or each node recomputed in its backward task.
+"""Hessian-vector products, reverse over forward: the DAG is lifted where ``v`` enters and its
+reverse pass seeded with ``(0, ct)`` at each output. The gradient at an input's pair ``(x, v)``
+is ``(H v, g)``, so one backward pass gives both, and the backward graph stays as it is.
 """
 
 from __future__ import annotations
@@ -23,13 +16,12 @@ from daskdag.model.request import cotangents_for
 from daskdag.rules.lifted import OnTangent
 from daskdag.rules.registry import has_rules
 from daskdag.running.jobs import CallInfo
-from daskdag.running.passes import Lowering
+from daskdag.running.passes import Lowered
 from daskdag.kinds.gradients import Gradients, per_output
 from daskdag.kinds.tangents import is_lifted, lifted, paired, unpaired
 from daskdag.transport.protocol import travels, tree_size
 
 
-# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
 @travels(lambda r: tree_size((r.value, r.grad, r.hvp)))
 @dataclass(frozen=True)
 class HVPResult:
@@ -59,14 +51,13 @@ class HVPResult:
 
 @dataclass(frozen=True)
 class HVPs(Gradients):
-    """[`compute_hvps`][daskdag.compute_hvps] as a kind (the module's docstring): gradients
-    over the DAG lifted where ``v`` enters; a call's data, its direction ``v``."""
+    """[`compute_hvps`][daskdag.compute_hvps] as a kind; a call's data, its direction ``v``."""
 
     call = "compute_hvps"
     sweep_call = "sweep_hvps"
     call_mode = "rev-over-fwd"
 
-    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         plan = super().lower(spec, outputs, values, data, candidates, watch).plan
         own = [n for n in plan.needed if n in plan.active and has_rules(spec.nodes[n])]
         if own:
@@ -75,17 +66,17 @@ class HVPs(Gradients):
                            f"those rules do not give; write them in JAX, or leave out of wrt "
                            f"the inputs they depend on")
         lifted_spec, where = lifted(spec, outputs, plan.wrt)
-        return Lowering(make_plan(lifted_spec, outputs, plan.wrt), where.given(values), spec,
+        return Lowered(make_plan(lifted_spec, outputs, plan.wrt), where.given(values), spec,
                         plan.wrt, where.moving, extra=where)
 
-    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
-        cts = cotangents_for(lowering.plan.outputs, self.cotangents)
-        seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowering.plan.spec, o) else cts.get(o)
-                 for o in lowering.plan.outputs}
-        return paired(lowering, values, data[0]), seeds
+    def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
+        cts = cotangents_for(lowered.plan.outputs, self.cotangents)
+        seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowered.plan.spec, o) else cts.get(o)
+                 for o in lowered.plan.outputs}
+        return paired(lowered, values, data[0]), seeds
 
-    def finish(self, lowering, info, computed, failed=None) -> Any:
-        inputs = list(lowering.spec.inputs)
+    def finish(self, lowered, info, computed, failed=None) -> Any:
+        inputs = list(lowered.spec.inputs)
         results = {}
         for o, (value, pairs) in computed.items():
             hvp = {i: g.primal for i, g in pairs.items()}

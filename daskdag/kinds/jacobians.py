@@ -1,9 +1,6 @@
 """Full Jacobians, as a kind: pulled back row by row (reverse mode) or pushed forward column by
-column (forward mode), as the table of :mod:`daskdag.running.passes` says; the mode taken:
-:func:`_mode`. A sparse Jacobian's rows (or columns) are grouped by colour
-(:mod:`daskdag.model.colouring`): one pass per colour, the entries recovered from the pattern.
-Either way the result has ``jax.jacrev``'s layout, or is ``scipy.sparse``; from a sweep, each
-item's stacked.
+column (forward mode), one pass per colour for a sparse one. The result has ``jax.jacrev``'s
+layout, or is ``scipy.sparse``; from a sweep, each item's stacked.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from daskdag.rules.registry import function_of
 from daskdag.rules.vjp import why_no_vjp
 from daskdag.running import programs
 from daskdag.running.jobs import CallInfo
-from daskdag.running.passes import Derivative, Lowering, names_key
+from daskdag.running.passes import Derivative, Lowered, names_key
 from daskdag.kinds.gradients import Result, per_output
 from daskdag.kinds.tangents import lifted
 from daskdag.rules.lifted import Pair
@@ -48,11 +45,9 @@ MODES = ("auto", "rev", "fwd")
 
 @dataclass(frozen=True)
 class Layout:
-    """What a Jacobian's results are made of besides the passes' (a :class:`Lowering`'s
-    ``extra``): the user's ``plan`` (its ``wrt``), the ``mode`` taken and why, the patterns'
-    ``colours`` and where they came from (``source``: ``"given"``, ``"detected"``,
-    ``"probed"``, or None when dense); in forward mode the inputs' leaves' ``templates``,
-    the ``tangents`` (the identity's columns, or a colour's) and their number."""
+    """A Jacobian's ``Lowered.extra``: the user's ``plan``, the ``mode`` taken and why, the
+    patterns' ``colours`` and their ``source`` (``"given"``, ``"detected"``, ``"probed"``, or
+    None); in forward mode the inputs' ``templates``, the seed ``tangents`` and their number."""
 
     plan: Plan
     mode: str
@@ -69,9 +64,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Jacobian(Derivative):
-    """[`jacobian`][daskdag.jacobian] as a kind: ``mode``, ``sparsity``, ``sparse`` and
-    ``chunk_size`` as it takes them; a call has no data beyond its inputs (its seeds are the
-    identity's rows or columns, part of the program)."""
+    """[`jacobian`][daskdag.jacobian] as a kind; a call has no data beyond its inputs."""
 
     mode: str = "auto"
     sparsity: Any = None
@@ -86,21 +79,19 @@ class Jacobian(Derivative):
             raise DAGError(f"mode must be one of {MODES}, got {self.mode!r}")
         return self.mode, pattern_key(self.sparsity), self.chunk_size, self.sparse
 
-    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         plan = make_plan(spec, outputs, wrt_names(spec, values, self.wrt, candidates=candidates))
         patterns, source = None, None
-        traces: dict[str, Traced] | None = None  # (each node's jaxpr, where a pattern traced it)
+        # (each node's jaxpr, where a pattern traced it)
+        traces: dict[str, Traced] | None = None if self.sparsity is None else {}
         if isinstance(self.sparsity, str) and self.sparsity == "detect":
-            traces = {}
             patterns = detected_patterns(plan, values, watch, traces)
             source = "probed" if watch.refused else "detected"
         elif self.sparsity is not None:
-            traces = {}
             patterns = _given_patterns(plan, values, self.sparsity, self.outputs, traces)
             source = "given"
         colours = Colours(patterns)
-        # "auto" takes its mode from the nodes' traces (their shapes and what they can do), so
-        # it watches them, before they are traced; a mode asked for is only checked.
+        # "auto" takes its mode from the nodes' traces, so it watches them first.
         if self.mode == "auto":
             for n in plan.needed:
                 watch(n, plan.spec.nodes[n].fn)
@@ -109,7 +100,7 @@ class Jacobian(Derivative):
         if mode == "rev":
             rows = Rows(self.chunk_size, tuple((o, tuple(cs.tolist())) for o, cs in (
                 colours.rows.items() if patterns is not None else ())))
-            return Lowering(plan, tuple(values), spec, plan.wrt, rows=rows,
+            return Lowered(plan, tuple(values), spec, plan.wrt, rows=rows,
                             extra=Layout(plan, mode, mode_why, colours, source),
                             tail=_dense(plan, mode, patterns, self.sparse, ()))
         templates = _templates(plan, values)
@@ -127,14 +118,14 @@ class Jacobian(Derivative):
             tangents[i] = tuple(leaves)
         lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
         flat = (jax.tree.flatten(templates[i], is_leaf=lambda t: t is None) for i in plan.wrt)
-        return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
+        return Lowered(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
                         where.moving,
                         extra=Layout(plan, mode, mode_why, colours, source, templates, tangents, k),
                         tail=_dense(plan, mode, patterns, self.sparse, tuple(
                             (treedef, tuple(leaves)) for leaves, treedef in flat)))
 
-    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
-        layout = lowering.extra
+    def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
+        layout = lowered.extra
         if layout.mode == "rev":
             return values, {}
         out = dict(values)
@@ -143,16 +134,16 @@ class Jacobian(Derivative):
                                            for t in ts) if batched and i in batched else ts)
         return out, {}
 
-    def info(self, lowering, data, why, where) -> CallInfo:
-        layout = lowering.extra
+    def info(self, lowered, data, why, where) -> CallInfo:
+        layout = lowered.extra
         return CallInfo(self.call, layout.mode, 0, layout.colours.total, layout.source,
                         why is None, why, where, mode_why=layout.mode_why)
 
-    def finish(self, lowering, info, computed, failed=None) -> Any:
-        layout = lowering.extra
-        if failed is None and lowering.tail is not None and computed and \
+    def finish(self, lowered, info, computed, failed=None) -> Any:
+        layout = lowered.extra
+        if failed is None and lowered.tail is not None and computed and \
                 not isinstance(next(iter(computed.values())), Laid) and _arrays(computed):
-            computed = _laid(lowering.tail, computed)  # (where the passes' program did not)
+            computed = _laid(lowered.tail, computed)  # (where the passes' program did not)
         if computed and all(isinstance(c, Laid) for c in computed.values()):
             info = replace(info, passes=layout.directions if layout.mode == "fwd" else
                            sum(_per_item(c.value, False) for c in computed.values()))
@@ -181,8 +172,7 @@ class Jacobian(Derivative):
 
     def _results(self, layout: Layout, info: CallInfo, computed: dict, items: bool = False
                  ) -> dict:
-        """``{output: Result}`` from the passes' ``computed``; ``items``: a sweep's, laid out
-        for every item at once (NumPy or dask arrays alike)."""
+        """``{output: Result}`` from the passes' ``computed`` (``items``: a sweep's)."""
         results = _reverse_results if layout.mode == "rev" else _forward_results
         return results(layout, self.sparse, info, computed, items)
 
@@ -198,10 +188,9 @@ class Laid:
 
 @dataclass(frozen=True)
 class Dense:
-    """A dense Jacobian's layout, as the last step of the call's one program where it is one
-    (its lowering's ``tail``): each output's :class:`Laid` of the passes' results. ``names``:
-    the differentiated names; ``single``: :func:`~daskdag.model.request.one_input`;
-    ``templates``: a forward pass's, each name's row template flattened."""
+    """A dense Jacobian's layout as the last step of the call's program (its ``Lowered``'s
+    ``tail``): each output's :class:`Laid`. ``names``: the differentiated names; ``single``:
+    one free input; ``templates``: in forward mode, each name's row template flattened."""
 
     mode: str
     names: tuple[str, ...]
@@ -310,18 +299,16 @@ def _arrays(*trees: PyTree) -> bool:
 
 def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
             info: CallInfo, items: bool = False) -> Result:
-    """One output's :class:`~daskdag.Result` from its Jacobian over every wrt name's elements
-    (:func:`~daskdag.model.jacobian_layout.laid_out`)."""
+    """One output's ``Result`` from its Jacobian over every wrt name's elements."""
     widths = {i: size(t) for i, t in templates.items()}
-    return Result(value, laid_out(plan, value, full, templates, widths, sparse, items),
-                  info=info)
+    return Result(value, laid_out(plan, value, full, templates, widths, sparse, items), info=info)
 
 
 # -- sparsity patterns ---------------------------------------------------------------------------
 
 def jacobian_patterns(dag, x, outputs, wrt) -> tuple[Plan, dict]:
-    """The plan of [`jacobian_sparsity`][daskdag.jacobian_sparsity]'s call and its detected
-    patterns, compiled once per DAG and shapes while the nodes' functions hold."""
+    """The plan and detected patterns of [`jacobian_sparsity`][daskdag.jacobian_sparsity],
+    compiled once per DAG and shapes."""
     program, _ = programs.compile("sparsity", dag, x, (names_key(outputs), names_key(wrt)),
                                   lambda watch: _detected(dag, x, outputs, wrt, watch))
     return program.value
@@ -335,10 +322,7 @@ def _detected(dag, x, outputs, wrt, watch: programs.Watch) -> tuple[Plan, dict]:
 
 def detected_patterns(plan: Plan, values: dict, watch: programs.Watch,
                       traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
-    """The plan's patterns, detected (:func:`daskdag.graph.sparsity.detect`) after watching
-    every function they are read from; a pattern probed at this point holds for this call
-    only. ``traces``: filled with the nodes' jaxprs, as :func:`~daskdag.graph.sparsity.shapes`
-    traced them."""
+    """The plan's patterns, detected after watching every function they are read from."""
     for n in plan.needed:
         watch(n, plan.spec.nodes[n].fn)
     probed: list[str] = []
@@ -353,9 +337,7 @@ def detected_patterns(plan: Plan, values: dict, watch: programs.Watch,
 
 def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str],
                     traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
-    """The patterns the user gave, checked before anything runs against the inputs' elements
-    and the outputs' (from their shapes traced abstractly, where a node's code can be traced:
-    :func:`daskdag.graph.sparsity.shapes`, which fills ``traces`` with their jaxprs)."""
+    """The patterns the user gave, checked against the inputs' and outputs' elements."""
     widths = {i: size(values[i]) for i in plan.wrt if i in values}
     avals = shapes(plan, values, traces)
     elements = {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN}
@@ -364,12 +346,9 @@ def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequ
 
 def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
           traces: dict[str, Traced] | None) -> tuple[str, str]:
-    """The mode and why it was taken: the one asked for, or for ``"auto"`` the one with fewer
-    passes, forward on a tie (:func:`_preferred`), unless some node cannot take it
-    (:func:`_cannot`: then the other); a :class:`DAGError` when the mode asked for, or every
-    mode, cannot serve the call. ``traces``: the nodes' jaxprs where an earlier step traced
-    them all, else None. A mode's check through JAX's rules (each node's JVP or VJP traced on
-    shapes) runs only where the mode could be taken, your own rules' always."""
+    """The mode and why: the one asked for, or for ``"auto"`` the one with fewer passes
+    (forward on a tie) unless some node cannot take it; a :class:`DAGError` where no mode can
+    serve the call. ``traces``: the nodes' jaxprs where an earlier step traced them, or None."""
     wrt_nodes = nodes_in_wrt(plan.spec, plan.wrt, "forward mode differentiates")
     avals = None
     if traces is None:  # ("auto" traces every node, as it counts elements; see _explicitly)
@@ -378,8 +357,7 @@ def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
     found: dict[tuple[str, bool], list[str]] = {}
 
     def why_not(m: str, traced: bool = True) -> list[str]:
-        """What keeps mode ``m`` from the call; without ``traced``, only what costs no trace
-        (``wrt``, your own rules)."""
+        """What keeps mode ``m`` from the call (without ``traced``, what costs no trace)."""
         if (m, traced) not in found:
             found[m, traced] = ([wrt_nodes] if m == "fwd" and wrt_nodes else []) + _cannot(
                 plan, traces if traced else {}, forward=m == "fwd")
@@ -415,9 +393,7 @@ MODE_NAMES = {"fwd": "forward", "rev": "reverse"}
 
 def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
                ) -> tuple[str, str]:
-    """The mode with fewer passes, forward on a tie, and why: per colour of a sparse
-    Jacobian's columns or rows, else per input or output element (``avals``: the values'
-    shapes where they were traced); reverse where the outputs' elements are unknown."""
+    """The mode with fewer passes (per colour, else element), forward on a tie, and why."""
     if colours.patterns is not None:
         rev = sum(colouring.count(c) for c in colours.rows.values())
         fwd = colouring.count(colours.columns)
@@ -435,25 +411,20 @@ def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
 
 
 def _fewer(fwd: int, rev: int, columns: str, rows: str) -> str:
-    """Why auto took the mode with fewer passes: forward's ``fwd`` passes (one per column: its
-    ``columns``) against reverse's ``rev`` (one per row)."""
+    """Why auto took the mode with fewer passes: ``fwd`` passes against ``rev``."""
     counts = f"{fwd} passes forward ({columns}) against {rev} reverse ({rows})"
     return f"forward on a tie: {counts}" if fwd == rev else f"fewer passes: {counts}"
 
 
 def _explicitly(plan: Plan) -> list[str]:
-    """The nodes a mode asked for traces to check that they can take it: those whose function
-    is a ``jax.custom_jvp`` or ``jax.custom_vjp``, whose rules are in question (with the nodes
-    before them, for their shapes). Other nodes' code does not run once more for the check."""
+    """The nodes a mode asked for traces: those whose function is a custom JVP or VJP."""
     return [n for n in plan.needed if n in plan.active and
             isinstance(function_of(plan.spec.nodes[n]), (jax.custom_jvp, jax.custom_vjp))]
 
 
 def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
-    """What keeps the call from forward (``forward``) or reverse mode, node by node in order:
-    a node of your own code without the rule (:func:`daskdag.model.request.rules_missing`), or
-    a node whose jaxpr (in ``traces``) JAX cannot differentiate that way (as
-    :func:`daskdag.jacobian`'s ``mode`` says). A node not traced gives no verdict."""
+    """Why nodes cannot take forward (``forward``) or reverse mode: missing rules, or jaxprs
+    that JAX cannot differentiate so."""
     missing = rules_missing(plan, forward)
     why_no = why_no_jvp if forward else why_no_vjp
     for n in plan.needed:

@@ -1,6 +1,5 @@
-"""Forward mode: Jacobian-vector products, the lifted DAG's forward pass alone
-(:mod:`daskdag.rules.lifted`), and what every kind that pushes tangents shares: which names
-carry them (:func:`carriers`), and a call's inputs as pairs (:func:`paired`)."""
+"""Jacobian-vector products (the lifted DAG's forward pass), and what every kind that pushes
+tangents shares: where they enter (:func:`carriers`), a call's inputs as pairs (:func:`paired`)."""
 
 from __future__ import annotations
 
@@ -18,12 +17,11 @@ from daskdag.model.request import input_tangents, with_rules, wrt_names
 from daskdag.model.spec import Spec
 from daskdag.rules.lifted import Lift, Pair, lift, zeros
 from daskdag.running.jobs import CallInfo
-from daskdag.running.passes import Derivative, Lowering
+from daskdag.running.passes import Derivative, Lowered
 from daskdag.kinds.gradients import per_output
 from daskdag.transport.protocol import travels, tree_size
 
 
-# (a lazy call's comes from where Dask finalized it: its arrays keep their dtypes)
 @travels(lambda r: tree_size((r.value, r.tangent)))
 @dataclass(frozen=True)
 class JVPResult:
@@ -47,9 +45,7 @@ class JVPResult:
 
 @dataclass(frozen=True)
 class Carriers:
-    """The names a lifted call's tangents enter at: ``inputs`` (each given as a
-    :class:`~daskdag.rules.lifted.Pair`), and ``added`` (``{node: the input holding the
-    tangent added at its value}``, nodes named in ``wrt``)."""
+    """Where tangents enter: ``inputs`` (as ``Pair`` s), and ``added`` (``{wrt node: input}``)."""
 
     inputs: tuple[str, ...]
     added: dict[str, str]
@@ -78,20 +74,17 @@ def carriers(spec: Spec, wrt: Sequence[str]) -> Carriers:
 
 def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], directions: bool = False,
            chunk: int | None = None) -> tuple[Spec, Carriers]:
-    """``spec`` lifted for tangents entering at ``wrt``, checked first: every node of the
-    user's own code that a tangent reaches has a ``jvp=`` rule."""
+    """``spec`` lifted for tangents entering at ``wrt`` (the nodes they reach checked)."""
     with_rules(make_plan(spec, outputs, wrt), forward=True)
     where = carriers(spec, wrt)
     return lift(spec, set(where.inputs), where.added, directions, chunk), where
 
 
-def paired(lowering: Lowering, values: dict, tangents: Any, directions: bool = False) -> dict:
-    """A lifted call's input values: each input carrying tangents as a
-    :class:`~daskdag.rules.lifted.Pair` of its value and flat tangent (checked,
-    :func:`daskdag.model.request.input_tangents`; zeros where none is given), each node's
-    added tangent (none: nothing added; checked against its value where it runs), the other
-    inputs as they are. ``directions``: each tangent has a leading axis of directions."""
-    where: Carriers = lowering.extra
+def paired(lowered: Lowered, values: dict, tangents: Any, directions: bool = False) -> dict:
+    """A lifted call's input values: each input carrying tangents as a ``Pair`` of its value
+    and flat tangent (zeros where none is given), each node's added tangent, the other inputs
+    as they are. ``directions``: each tangent has a leading axis of directions."""
+    where: Carriers = lowered.extra
     nodes: dict = {}
     if where.added:
         if not isinstance(tangents, Mapping):
@@ -100,7 +93,7 @@ def paired(lowering: Lowering, values: dict, tangents: Any, directions: bool = F
         nodes = {n: tuple(jax.tree.leaves(t)) for n, t in tangents.items()
                  if n in where.added and t is not None}
         tangents = {i: t for i, t in tangents.items() if i not in where.added}
-    flat, k = (input_tangents(lowering.spec, values, tangents, directions)
+    flat, k = (input_tangents(lowered.spec, values, tangents, directions)
                if not (isinstance(tangents, Mapping) and not tangents)  # (nodes' alone)
                else ({}, directions_of(nodes) if directions else None))
     out = dict(values)
@@ -114,9 +107,7 @@ def paired(lowering: Lowering, values: dict, tangents: Any, directions: bool = F
 
 @dataclass(frozen=True)
 class JVPs(Derivative):
-    """[`compute_jvps`][daskdag.compute_jvps] as a kind: the DAG lifted where its tangents (the
-    call's data) enter, pushed forward; ``batched``: each tangent carries a leading axis of
-    directions."""
+    """[`compute_jvps`][daskdag.compute_jvps] as a kind; ``batched``: tangents of directions."""
 
     batched: bool = False
     call = "compute_jvps"
@@ -129,37 +120,36 @@ class JVPs(Derivative):
             if isinstance(tangents, Mapping) else None
 
     def moving(self, spec: Spec, values: dict, tangents: Any) -> tuple[str, ...]:
-        """The names whose tangents count: ``wrt``, or the inputs the tangents are given for
-        (not None)."""
+        """The names whose tangents count: ``wrt``, or the inputs given tangents (not None)."""
         if self.wrt is not None:
             return wrt_names(spec, values, self.wrt, candidates=values)
         if len(spec.inputs) == 1 or not isinstance(tangents, Mapping):
             return tuple(spec.inputs[:1]) if len(spec.inputs) == 1 else ()
         return tuple(i for i, t in tangents.items() if i in values and t is not None)
 
-    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowering:
+    def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         (tangents,) = data
         wrt = self.moving(spec, values, tangents)
         lifted_spec, where = lifted(spec, outputs, wrt, bool(self.batched))
-        return Lowering(make_plan(lifted_spec, outputs, ()), where.given(values), spec, wrt,
+        return Lowered(make_plan(lifted_spec, outputs, ()), where.given(values), spec, wrt,
                         where.moving, extra=where)
 
-    def inputs(self, lowering, values, data, batched=None) -> tuple[dict, dict]:
+    def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
         if batched is not None and self.batched:
             raise DAGError("a sweep pushes one tangent per item (batched=False): for several "
                            "directions per item, sweep_jacobians(mode='fwd')")
-        return paired(lowering, values, data[0], bool(self.batched)), {}
+        return paired(lowered, values, data[0], bool(self.batched)), {}
 
-    def info(self, lowering, data, why, where) -> CallInfo:
+    def info(self, lowered, data, why, where) -> CallInfo:
         (tangents,) = data
         k = directions_of(tangents) if self.batched else None
-        return CallInfo(self.call, self.call_mode, k or 1, prepared=why is None, why=why, where=where)
+        return CallInfo(self.call, self.call_mode, k or 1, prepared=why is None, why=why,
+                        where=where)
 
-    def finish(self, lowering, info, computed, failed=None) -> Any:
+    def finish(self, lowered, info, computed, failed=None) -> Any:
         k = info.passes if self.batched else None
-        return per_output(self.outputs, {
-            o: JVPResult(*unpaired(value, k), info, failed or {})
-            for o, (value, _) in computed.items()})
+        return per_output(self.outputs, {o: JVPResult(*unpaired(value, k), info, failed or {})
+                                         for o, (value, _) in computed.items()})
 
 
 def directions_of(tangents: Any) -> int | None:
@@ -168,9 +158,7 @@ def directions_of(tangents: Any) -> int | None:
 
 
 def unpaired(value: Any, k: int | None) -> tuple[Any, Any]:
-    """An output's value and its tangent in its structure, from the lifted DAG's value (a
-    :class:`~daskdag.rules.lifted.Pair`, or the value itself where no tangent reached it:
-    zeros, ``k`` directions of them)."""
+    """An output's value and tangent (zeros, ``k`` directions, where none reached it)."""
     if isinstance(value, Pair):
         return value.primal, on_differentiable(value.primal, value.tangent)
     return value, on_differentiable(value, zeros(value, k))

@@ -1,11 +1,6 @@
-"""Sparse Jacobians in few passes: rows (reverse mode) or columns (forward mode) of a sparsity
-pattern grouped by a greedy graph colouring, as OpenMDAO colours total Jacobians.
-
-A pattern is boolean, ``(output elements, input elements)``. No two rows of one colour share a
-column, so one reverse pass seeded with ones on a colour's rows still holds each row's entries
-apart (columns likewise, forward); :func:`from_rows` and :func:`from_columns` take the Jacobian
-back from the compressed passes.
-"""
+"""Sparse Jacobians in few passes: a boolean pattern ``(output elements, input elements)`` has
+its rows (reverse mode) or columns (forward mode) grouped by a greedy colouring, so that no two
+rows of a colour share a column; one pass per colour then keeps each row's entries apart."""
 
 from __future__ import annotations
 
@@ -33,8 +28,8 @@ def as_pattern(pattern, shape: tuple[int, int] | None = None) -> sp.csr_array:
 
 
 def colour_rows(pattern: sp.csr_array) -> np.ndarray:
-    """A colour (0, 1, ...) per row: rows that share a column get different colours. Greedy,
-    rows with the most entries first (Welsh-Powell). Remembered by the pattern's content."""
+    """A colour (0, 1, ...) per row, rows sharing a column apart. Greedy, fullest rows first
+    (Welsh-Powell); cached by the pattern's content."""
     csr = as_pattern(pattern)
     csr.sort_indices()
     digest = hashlib.sha1(np.asarray(csr.shape).tobytes() + csr.indptr.tobytes()
@@ -45,7 +40,7 @@ def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     return found.copy()
 
 
-_coloured: Cache[np.ndarray] = Cache("colourings of sparsity patterns", 64)  # content digest ->
+_coloured: Cache[np.ndarray] = Cache("colourings of sparsity patterns", 64)
 
 
 def _greedy(csr: sp.csr_array) -> np.ndarray:
@@ -53,7 +48,6 @@ def _greedy(csr: sp.csr_array) -> np.ndarray:
     conflicts = (rows @ rows.T).tocsr()  # rows sharing some column
     starts, neighbours = conflicts.indptr.tolist(), conflicts.indices.tolist()
     colours = [-1] * rows.shape[0]
-    # (Plain Python: a row has few neighbours, and NumPy's per-call cost would be most of it.)
     for r in np.argsort(-np.diff(rows.indptr), kind="stable").tolist():
         taken = {colours[j] for j in neighbours[starts[r]:starts[r + 1]]}
         c = 0
@@ -64,7 +58,7 @@ def _greedy(csr: sp.csr_array) -> np.ndarray:
 
 
 def colour_columns(pattern: sp.csr_array) -> np.ndarray:
-    """A colour per column: columns that share a row get different colours."""
+    """A colour per column, columns sharing a row apart."""
     return colour_rows(as_pattern(pattern).T.tocsr())
 
 
@@ -81,16 +75,15 @@ def seeds(colours: np.ndarray, dtype) -> np.ndarray:
 
 def from_rows(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
               dense: bool = False) -> sp.csr_array | np.ndarray:
-    """The Jacobian from reverse passes: ``passes[k]`` is the sum of the rows of colour k, so
-    entry ``(r, c)`` of the pattern is ``passes[colours[r], c]``. ``dense``: as a NumPy array."""
+    """The Jacobian from reverse passes: entry ``(r, c)`` is ``passes[colours[r], c]``.
+    ``dense``: as a NumPy array."""
     coo = as_pattern(pattern).tocoo()
     return _filled(coo, np.asarray(passes)[colours[coo.row], coo.col], dense)
 
 
 def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
                  dense: bool = False) -> sp.csr_array | np.ndarray:
-    """The Jacobian from forward passes: ``passes[k]`` (over the rows) is the sum of the
-    columns of colour k, so entry ``(r, c)`` is ``passes[colours[c], r]``."""
+    """The Jacobian from forward passes: entry ``(r, c)`` is ``passes[colours[c], r]``."""
     coo = as_pattern(pattern).tocoo()
     return _filled(coo, np.asarray(passes)[colours[coo.col], coo.row], dense)
 

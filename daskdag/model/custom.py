@@ -1,18 +1,17 @@
-"""A node outside JAX, as the user gives it: its function and its own derivative rules
-(``Node(fn, deps, vjp=...)``, ``Node(fwd=..., bwd=..., deps=...)``, ``jvp=...``). How they are
-run and checked is :mod:`daskdag.rules.custom`'s."""
+"""A node outside JAX as the user gives it: its function and its own derivative rules, which
+:mod:`daskdag.rules.custom` runs and checks."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from daskdag.model.leaves import as_numpy
 from daskdag.transport.packing import unwrap
 
 
 class Custom:
-    """The user's functions of one node: ``fn`` (or ``fwd``), and its derivative rules. Called,
-    it returns the node's value; :mod:`daskdag.rules.custom` differentiates it."""
+    """One node's functions: ``fn`` (or ``fwd``) and its rules ``vjp``, ``bwd``, ``jvp``, as
+    :class:`~daskdag.Node` documents them. Called, it returns the node's value."""
 
     def __init__(self, fn: Callable | None = None, vjp: Callable | None = None,
                  fwd: Callable | None = None, bwd: Callable | None = None,

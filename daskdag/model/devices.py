@@ -1,13 +1,9 @@
 """Where a node runs, among the local devices of the process that runs it.
 
-A node's ``device`` (:class:`~daskdag.Node`) is held as a portable string, ``"platform:index"``
-(the ``index``-th device of ``jax.devices(platform)``), so that a node pickled to a worker names
-the device by what it is there; :func:`resolve` finds the ``jax.Device`` in the process that
-runs the node. :data:`DEFAULT` is the process's default device: what a node without a device
-gets in a DAG where some node has one, so that values from several devices meet on one.
-
-A placed stage's tasks put the values they take on its device (:func:`put`: ``jax.device_put``,
-asynchronous) and run their eager ops there (:func:`on`), forward and backward.
+A node holds its ``device`` as a portable string, ``"platform:index"`` (the ``index``-th of
+``jax.devices(platform)``), so that a node pickled to a worker names the device by what it is
+there; :func:`resolve` finds the ``jax.Device`` in the process that runs it. A placed stage's
+tasks :func:`put` the values they take on its device and run their eager ops :func:`on` it.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ import jax
 
 from daskdag.errors import DAGError
 
-#: A node's device where it gives none, in a DAG where some node gives one: the default device
-#: of the process that runs it (``jax.config.jax_default_device``, else ``jax.devices()[0]``).
+#: A node's device where it gives none, in a DAG where some node gives one (so that values meet
+#: on one device): the default device of the process that runs it.
 DEFAULT = "default"
 #: The Dask worker resource a node on a device of these platforms asks for on a cluster.
 RESOURCES = {"gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}
@@ -48,18 +44,13 @@ def normalised(device: Any, what: str) -> str | None:
 def resources(device: str | None) -> dict[str, float]:
     """The Dask worker resources a node on ``device`` needs: ``{"GPU": 1}`` on a GPU,
     ``{"TPU": 1}`` on a TPU, none on a CPU or the default device."""
-    platform = platform_of(device)
-    return {RESOURCES[platform]: 1} if platform in RESOURCES else {}
-
-
-def platform_of(device: Any) -> str | None:
-    """The platform of a device as :func:`normalised` holds it (or as given: a ``jax.Device``, a
-    platform); None for None and :data:`DEFAULT`."""
     if isinstance(device, jax.Device):
-        return device.platform
-    if not isinstance(device, str) or device == DEFAULT:
-        return None
-    return device.partition(":")[0]
+        platform = device.platform
+    elif isinstance(device, str) and device != DEFAULT:
+        platform = device.partition(":")[0]
+    else:
+        return {}
+    return {RESOURCES[platform]: 1} if platform in RESOURCES else {}
 
 
 def here() -> tuple[str, ...]:
@@ -78,7 +69,7 @@ def _platform(platform: str) -> list:
         return []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolved(device: str) -> jax.Device | None:
     platform, _, index = device.partition(":")
     devices = _platform(platform)
@@ -87,10 +78,9 @@ def _resolved(device: str) -> jax.Device | None:
 
 def resolve(device: str, node: str = "") -> jax.Device:
     """The ``jax.Device`` that ``device`` (:func:`normalised`) names in this process; a
-    :class:`~daskdag.DAGError` naming ``node`` and listing the devices there are where it has
-    none such."""
+    :class:`~daskdag.DAGError` naming ``node`` and this process's devices where it has none."""
     if device == DEFAULT:
-        default = getattr(jax.config, "jax_default_device")  # (a flag its stubs do not list)
+        default = getattr(jax.config, "jax_default_device")  # (not in JAX's stubs)
         if default is None:
             return jax.devices()[0]
         return default if isinstance(default, jax.Device) else jax.devices(default)[0]
@@ -104,8 +94,8 @@ def resolve(device: str, node: str = "") -> jax.Device:
 
 
 def check(nodes: dict) -> None:
-    """Refuse, before anything runs, a node among ``nodes`` (name -> :class:`~daskdag.Node`)
-    whose device this process does not have (:func:`resolve`)."""
+    """Refuse, before anything runs, a node among ``nodes`` (name -> node) on a device this
+    process does not have."""
     for name, node in nodes.items():
         if node.device is not None:
             resolve(node.device, name)
@@ -113,8 +103,7 @@ def check(nodes: dict) -> None:
 
 @contextlib.contextmanager
 def on(device: str | None, node: str = "") -> Iterator[None]:
-    """Eager JAX ops in this context run on ``device`` (``jax.default_device``); where it is
-    None, wherever JAX puts them."""
+    """Eager JAX ops in this context run on ``device`` (None: wherever JAX puts them)."""
     if device is None:
         yield
         return
@@ -123,9 +112,9 @@ def on(device: str | None, node: str = "") -> Iterator[None]:
 
 
 def put(values: Any, device: str | None, node: str = "") -> Any:
-    """``values`` (any pytree) with their JAX arrays put on ``device``, those not there already,
-    in one asynchronous ``jax.device_put``; as they are where ``device`` is None. NumPy arrays
-    and numbers stay as they are: JAX takes them where its ops run."""
+    """``values`` (a pytree) with their JAX arrays not on ``device`` put there, in one
+    asynchronous ``jax.device_put`` (none where ``device`` is None). NumPy arrays and numbers
+    stay as they are: JAX takes them where its ops run."""
     if device is None:
         return values
     target = resolve(device, node)
@@ -141,7 +130,7 @@ def put(values: Any, device: str | None, node: str = "") -> Any:
     return treedef.unflatten(leaves)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharding(device: jax.Device) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device)
 

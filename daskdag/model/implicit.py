@@ -1,23 +1,15 @@
-"""Implicit nodes: a node whose value ``u`` solves ``residual(u, *deps) = 0``
-(:class:`Implicit`), and coupled groups, nodes that depend on each other, solved together
-(:func:`coupled`).
+"""Implicit nodes (:class:`Implicit`: ``u`` solving ``residual(u, *deps) = 0``) and coupled
+groups (:func:`coupled`: nodes that depend on each other, solved together).
 
-An implicit node's function is a :class:`Solve`: ``jax.lax.custom_root`` of the residual, with
-Newton's method (or the user's solver) to solve it, and a linear solve with the residual's
-Jacobian in ``u`` as its derivative: by the implicit function theorem, never through the
-solver's iterations. JAX derives the rest from that one rule (reverse mode, through the
-transposed solve; forward mode; Hessian-vector products; ``vmap``), so an implicit node is a
-JAX node like any other for every derivative kind, sweep, store and cluster. The linear solves
-are dense (``jnp.linalg.solve`` of the Jacobian) up to :data:`DENSE_UNKNOWNS` unknowns, else
-matrix-free (``jax.scipy.sparse.linalg.gmres`` on Jacobian-vector products; the adjoint on
-vector-Jacobian products, by ``jax.lax.custom_linear_solve``).
+A node's function is a :class:`Solve`: ``jax.lax.custom_root`` of the residual, solved by Newton's
+method (or the user's solver) and differentiated by the implicit function theorem, one linear
+solve with the residual's Jacobian in ``u``, never through the iterations; JAX derives every
+other derivative kind and ``vmap`` from that rule. The linear solves are dense up to
+:data:`DENSE_UNKNOWNS` unknowns, else GMRES on Jacobian-vector products.
 
-A solve that does not converge raises :class:`~daskdag.errors.SolveError`, naming the node, the
-residual's norm and the iterations (from inside a compiled program too:
-:func:`~daskdag.errors.raised_in_program`). Each solve run on values rather than tracers is
-recorded for the call's ``info.solves``: in the calling process into the call's record
-(:func:`recording`); in a ``distributed`` worker's task, told to the client through the
-worker's event log under :data:`TOPIC`, with the task's key.
+A solve that misses its tolerance raises :class:`~daskdag.errors.SolveError`. Each solve run on
+values is recorded for the call's ``info.solves``: into the call's record in this process
+(:func:`recording`), or from a worker's task through its event log under :data:`TOPIC`.
 """
 
 from __future__ import annotations
@@ -48,11 +40,9 @@ LINEAR_SOLVERS = ("auto", "dense", "gmres")
 
 @dataclass(frozen=True, eq=False)  # (an entry is itself: its guess may be an array)
 class Implicit:
-    """A DAG entry whose value ``u`` solves ``residual(u, *deps) = 0``: an equilibrium, a
-    steady state, a layer that solves a system. daskdag solves it (Newton's method by default)
-    and differentiates it by the implicit function theorem: one linear solve with the
-    residual's Jacobian in ``u`` (its transpose in reverse mode), never through the solver's
-    iterations.
+    """A DAG entry whose value ``u`` solves ``residual(u, *deps) = 0`` (an equilibrium, a steady
+    state), solved by Newton's method by default and differentiated by the implicit function
+    theorem: one linear solve with the residual's Jacobian in ``u``, never through the solver.
 
     Attributes:
         residual: ``residual(u, *values of deps)``, a JAX function (traceable: it is traced
@@ -106,15 +96,15 @@ class Implicit:
     remat: bool | None = None
 
     def solve(self, name: str, hold: Callable[[Any], Any] | None = None) -> Solve:
-        """This entry's node function under ``name``, checked (a ``DAGError`` naming
-        it), the user's functions held by ``hold`` (see ``spec.parse``)."""
+        """This entry's node function under ``name``, checked, the user's functions held by
+        ``hold`` (as ``spec.parse`` says)."""
         _check(name, self)
-        keep = hold or (lambda f: f)
-        residual = keep(self.residual)
-        guess = keep(self.guess) if callable(self.guess) else self.guess
-        solver = keep(self.solver) if callable(self.solver) else self.solver
-        linear = keep(self.linear_solver) if callable(self.linear_solver) else self.linear_solver
-        return Solve(name, residual, guess, solver, linear, self.rtol, self.atol, self.maxiter)
+
+        def keep(f):
+            return hold(f) if hold is not None and callable(f) else f
+
+        return Solve(name, keep(self.residual), keep(self.guess), keep(self.solver),
+                     keep(self.linear_solver), self.rtol, self.atol, self.maxiter)
 
 
 def coupled(nodes: Mapping[str, Any], guess: Mapping[str, Any], *,
@@ -187,9 +177,8 @@ def coupled(nodes: Mapping[str, Any], guess: Mapping[str, Any], *,
 
 
 class Coupled:
-    """A coupled group's residual, ``{y_i: y_i - f_i(deps)}`` (``__call__``), and its
-    Gauss-Seidel solver (:meth:`gauss_seidel`). ``outside``: the deps from outside the group,
-    in the order the group's node takes them."""
+    """A coupled group's residual, ``{y_i: y_i - f_i(deps)}``, and its Gauss-Seidel sweep.
+    ``outside``: the deps from outside the group, in the order the group's node takes them."""
 
     def __init__(self, names: tuple, fns: dict, deps: dict, outside: tuple):
         self.names, self.fns, self.deps, self.outside = names, fns, deps, outside
@@ -215,8 +204,7 @@ class Coupled:
 
 
 class Solve:
-    """An implicit node's function (:class:`Implicit`, the module's docstring): called with its
-    deps' values, the solution."""
+    """An implicit node's function: called with its deps' values, the solution."""
 
     def __init__(self, name: str, residual: Callable, guess: Any, solver: Any, linear: Any,
                  rtol: float | None, atol: float | None, maxiter: int):
@@ -225,9 +213,8 @@ class Solve:
         self.rtol, self.atol, self.maxiter = rtol, atol, maxiter
 
     def __call__(self, *args: Any) -> Any:
-        # (an argument, its NumPy arrays copied: JAX keeps a NumPy array it once took as a
-        # constant under the array's identity, and takes it so again, as it was, after the
-        # user changed it in place)
+        # (NumPy arrays copied: JAX caches a constant NumPy array by identity, missing any
+        # change the user makes in place)
         guess = None if callable(self.guess) else jax.tree.map(
             lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, self.guess)
         u, stats = self._program()(guess, *args)
@@ -235,10 +222,8 @@ class Solve:
         return u
 
     def _program(self) -> Callable[..., Any]:
-        """:meth:`_solve` compiled (JAX's cache keeps its programs and their derivatives' by
-        shapes), kept while what the user's functions read is unchanged (a fingerprint,
-        :mod:`daskdag.transport.fingerprints`: a global rebound, a closure's array changed
-        in place): an eager node traces its solve once, and again only after a change."""
+        """:meth:`_solve` jitted, kept while the user's functions' fingerprint
+        (:mod:`daskdag.transport.fingerprints`) is unchanged: traced again only after a change."""
         kept = self.__dict__.get("_compiled")
         if kept is not None and kept[0].holds(self):
             return kept[1]
@@ -252,10 +237,10 @@ class Solve:
         """The solution and ``(iterations, residual norm, tolerance)``, from ``guess`` (None:
         the guess function's)."""
         guess = self.guess(*args) if guess is None else guess
-        guess = jax.tree.map(jnp.asarray, guess)
-        guess = jax.lax.stop_gradient(guess)
+        guess = jax.lax.stop_gradient(jax.tree.map(jnp.asarray, guess))
         flat, _ = ravel_pytree(guess)
-        rtol, atol = _tolerances(flat.dtype, self.rtol, self.atol)
+        default = 1e-10 if jnp.finfo(flat.dtype).bits > 32 else 1e-5
+        rtol, atol = (default if t is None else t for t in (self.rtol, self.atol))
         linear = _linear(self.linear, flat.size)
 
         def f(u):
@@ -274,14 +259,10 @@ class Solve:
             r0, r = _norm(f(u0)), _norm(f(u))
             return u, (jnp.asarray(-1.0, r.dtype), r, atol + rtol * r0)
 
-        def tangent_solve(g, y):
-            return linear(g, y)
-
-        return jax.lax.custom_root(f, guess, solve, tangent_solve, has_aux=True)
+        return jax.lax.custom_root(f, guess, solve, linear, has_aux=True)
 
     def _check(self, iterations, norm, tol) -> None:
-        """:meth:`_seen` the solve: at once on values, from inside the program on tracers (a
-        callback, which runs in the calling thread unless compiled)."""
+        """:meth:`_seen` the solve: at once on values, by a callback on tracers."""
         try:
             stats = float(iterations), float(norm), float(tol)
         except jax.errors.ConcretizationTypeError:
@@ -290,8 +271,8 @@ class Solve:
         self._seen(*stats)
 
     def _seen(self, iterations, norm, tol) -> None:
-        """Record the solve (:func:`recording`); raise :class:`SolveError` if it missed its
-        tolerance. Over a sweep's items (``vmap``), the arguments are arrays."""
+        """Record the solve; raise :class:`SolveError` if it missed its tolerance. Under
+        ``vmap`` (a sweep's items), the arguments are arrays."""
         iterations, norm, tol = (np.asarray(a) for a in (iterations, norm, tol))
         _record(self.name, {"iterations": None if iterations.max() < 0 else int(iterations.max()),
                             "residual": float(norm.max())})
@@ -328,11 +309,6 @@ def _same_shapes(name: str, residual: Any, guess: Any) -> None:
 
 def _norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.abs(leaf) ** 2) for leaf in jax.tree.leaves(tree)))
-
-
-def _tolerances(dtype, rtol, atol) -> tuple[float, float]:
-    default = 1e-10 if jnp.finfo(dtype).bits > 32 else 1e-5
-    return (default if rtol is None else rtol), (default if atol is None else atol)
 
 
 def _iterate(f, u0, rtol, atol, maxiter, linear, iterate=None):
@@ -411,8 +387,7 @@ def _check(name: str, entry: Implicit) -> None:
 
 
 class _NotOurs(logging.Filter):
-    """JAX logs what a callback raised before it raises it again: not a solve's failure,
-    which the error that names the node reports."""
+    """Keeps JAX from logging a solve's failure raised in a callback: its error reports it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], SolveError))
@@ -422,21 +397,16 @@ logging.getLogger("jax._src.debugging").addFilter(_NotOurs())
 
 _solves: contextvars.ContextVar[dict | None] = contextvars.ContextVar("daskdag solves",
                                                                       default=None)
-
-
 TOPIC = "daskdag-solves"  # the workers' event log topic of the solves their tasks ran
 
 
 def _record(name: str, solve: dict) -> None:
-    """The solve of node ``name`` into the record of the call this thread runs (:func:`recording`),
-    or, in a ``distributed`` worker's task, to the worker's event log (:data:`TOPIC`) as
-    ``[task key, name, solve]``, for the client that listens; else nowhere."""
+    """The solve of node ``name`` into this thread's record (:func:`recording`), or, in a
+    worker's task, to the worker's event log (:data:`TOPIC`) as ``[task key, name, solve]``."""
     record = _solves.get()
     if record is not None:
         record.setdefault(name, []).append(solve)
-        return
-    task = current_task()
-    if task is not None:
+    elif (task := current_task()) is not None:
         worker, key = task
         worker.log_event(TOPIC, [key, name, solve])
 
@@ -448,9 +418,8 @@ def recorded() -> dict | None:
 
 @contextlib.contextmanager
 def recording(record: dict | None) -> Iterator[dict | None]:
-    """Within it, each solve this thread (and the tasks it hands to Dask's threads) runs on
-    values is recorded into ``record``: ``{node: [{"iterations", "residual"}, ...]}`` (None:
-    none is)."""
+    """Each solve this thread (and the tasks it hands to Dask's threads) runs on values within
+    it is recorded into ``record``: ``{node: [{"iterations", "residual"}, ...]}`` (None: none)."""
     token = _solves.set(record)
     try:
         yield record

@@ -1,8 +1,6 @@
 """A Jacobian's results laid out: from one matrix over every differentiated name's elements
-(rows per output element) to ``jax.jacrev``'s layout (the output's structure of the inputs'
-structures), or to ``scipy.sparse`` blocks per name. In: NumPy or ``scipy.sparse`` matrices,
-or JAX's tracers inside a program (:func:`dense_jacobian`). Out: pytrees of JAX arrays, or
-``scipy.sparse`` arrays."""
+(NumPy, ``scipy.sparse``, or tracers inside a program) to ``jax.jacrev``'s layout (the output's
+structure of the inputs' structures), or to ``scipy.sparse`` blocks per name."""
 
 from __future__ import annotations
 
@@ -42,29 +40,29 @@ def split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
                   ) -> dict[str, sp.csr_array]:
     """``matrix``'s columns, ``widths[i]`` for each of ``names`` in turn, one matrix per name."""
     import scipy.sparse as sp
-    out, start = {}, 0
-    for i in names:
-        out[i] = sp.csr_array(matrix[:, start:start + widths[i]])
-        start += widths[i]
-    return out
+    return {i: sp.csr_array(matrix[:, s]) for i, s in zip(names, _spans(widths[i] for i in names))}
+
+
+def _spans(widths) -> list[slice]:
+    """Consecutive slices, one of each width."""
+    ends = np.cumsum([0, *widths]).tolist()
+    return [slice(a, b) for a, b in zip(ends, ends[1:])]
 
 
 def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict[str, int],
              sparse: bool, items: bool = False) -> PyTree:
-    """One output's Jacobian over every wrt name's elements (``full``, dense NumPy or
-    ``scipy.sparse``; ``widths``: each name's elements, ``templates``: its leaves' shapes and
-    dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or ``jax.jacrev``'s layout.
-    ``items``: a sweep's, dense, with a leading axis of items (NumPy or dask arrays)."""
+    """One output's Jacobian ``full`` (over every wrt name's elements; ``widths``: each name's
+    elements, ``templates``: its leaves' shapes and dtypes) as its result's ``grad``:
+    ``scipy.sparse`` per name, or ``jax.jacrev``'s layout. ``items``: a sweep's, dense, with a
+    leading axis of items (NumPy or dask arrays)."""
     import scipy.sparse as sp
     if sparse:
         parts = split_columns(sp.csr_array(full), plan.wrt, widths)
         return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
     dense = full if items else full.toarray() if sp.issparse(full) else np.asarray(full)
-    jacs, start = {}, 0
-    for i in plan.wrt:
-        block = dense[..., start:start + widths[i]]
-        start += widths[i]
-        jacs[i] = jacrev_layout(value, stacked_rows(block, templates[i]), items)
+    spans = _spans(widths[i] for i in plan.wrt)
+    jacs = {i: jacrev_layout(value, stacked_rows(dense[..., s], templates[i]), items)
+            for i, s in zip(plan.wrt, spans)}
     return joined(plan, value, jacs)
 
 
@@ -72,17 +70,12 @@ def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:
     """``block`` ``(..., output elements, name elements)`` as stacked rows in the name's
     structure."""
     leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
-    out: list = []
-    start = 0
-    for leaf in leaves:
-        if leaf is None:
-            out.append(None)
-            continue
-        n = int(np.prod(leaf.shape))
-        out.append(block[..., start:start + n].reshape(*block.shape[:-1], *leaf.shape).astype(
-            leaf.dtype, copy=False))
-        start += n
-    return treedef.unflatten(out)
+    spans = _spans(0 if leaf is None else int(np.prod(leaf.shape)) for leaf in leaves)
+    lead = block.shape[:-1]
+    return treedef.unflatten([
+        None if leaf is None
+        else block[..., s].reshape(*lead, *leaf.shape).astype(leaf.dtype, copy=False)
+        for leaf, s in zip(leaves, spans)])
 
 
 def joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
@@ -95,13 +88,14 @@ def by_output(value: PyTree, jacs: dict) -> PyTree:
     """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
     out_def = jax.tree.structure(value)
     parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
-    return out_def.unflatten([None if all(p[k] is None for p in parts.values()) else
-                              {i: p[k] for i, p in parts.items()} for k in range(out_def.num_leaves)])
+    return out_def.unflatten([None if all(p[k] is None for p in parts.values())
+                              else {i: p[k] for i, p in parts.items()}
+                              for k in range(out_def.num_leaves)])
 
 
 def dense_jacobian(names: tuple[str, ...], single: bool, value: PyTree, rows: dict) -> PyTree:
-    """One output's dense Jacobian, :func:`jacrev_layout` of each name's ``rows``
-    :func:`joined` (``single``: :func:`~daskdag.model.request.one_input`), as JAX traces it."""
+    """:func:`joined` of :func:`jacrev_layout` of each name's ``rows``, traced by JAX
+    (``single``: :func:`~daskdag.model.request.one_input`)."""
     jacs = {i: jacrev_layout(value, rows[i]) for i in names}
     return jacs[names[0]] if single else by_output(value, jacs)
 
@@ -119,28 +113,25 @@ def dense_jacobian_of_columns(names: tuple[str, ...], single: bool, templates: t
         leaves = differentiable_leaves(value)
         full = jnp.zeros((sum(int(np.prod(np.shape(leaf))) for leaf in leaves), sum(widths)),
                          float_type(value))
-    rows, start = {}, 0
-    for i, (treedef, leaves), width in zip(names, templates, widths):
-        rows[i] = stacked_rows(full[:, start:start + width], treedef.unflatten(leaves))
-        start += width
+    rows = {i: stacked_rows(full[:, s], treedef.unflatten(leaves))
+            for i, (treedef, leaves), s in zip(names, templates, _spans(widths))}
     return dense_jacobian(names, single, value, rows)
 
 
 def to_jax(a: np.ndarray) -> jax.Array:
-    """A JAX array of ``a`` (this call's own, never changed after): a large one's buffer taken
-    where JAX can (``jnp.asarray`` would copy it), a small one by the cheaper ``jnp.asarray``."""
+    """A JAX array of ``a`` (never changed after): a large one's buffer taken where JAX can,
+    a small one copied by the cheaper ``jnp.asarray``."""
     return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
 
 
 def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
-    elsewhere; :func:`daskdag.rules.seeds.basis`): JAX arrays, each made once from NumPy
-    slices (in JAX each slice would be an op dispatched). ``items``: a sweep's, with a leading
-    axis of items, kept as they come (NumPy, or dask arrays laid out lazily)."""
+    elsewhere): JAX arrays, each made once from NumPy slices (each slice in JAX would be an op
+    dispatched). ``items``: a sweep's, with a leading axis of items, kept as they come."""
     lead = 1 if items else 0
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    if not items and not _traced(in_leaves):
+    if not items and not any(isinstance(leaf, jax.core.Tracer) for leaf in in_leaves):
         in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
     out_leaves, out_def = jax.tree.flatten(value)
     per_leaf: list = []
@@ -161,7 +152,3 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
 
 def _made(a, items: bool):
     return a if items or isinstance(a, jax.core.Tracer) else to_jax(a)
-
-
-def _traced(leaves: list) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)

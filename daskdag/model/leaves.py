@@ -1,28 +1,23 @@
-"""Which leaves of a value are differentiated: as ``equinox.filter_vjp`` does, a value's
-floating-point (and complex) arrays and Python floats; every other leaf (integers, booleans,
-functions, static fields) is held constant.
-
-A value's *cotangent* (and *tangent*) is therefore a flat tuple with one array per
-differentiable leaf, in ``jax.tree.leaves`` order; no pytree structure travels with it.
-"""
+"""Which leaves of a value are differentiated: as ``equinox.filter_vjp`` does, its
+floating-point and complex arrays and Python floats; other leaves are held constant. A value's
+cotangent (or tangent) is a flat tuple, one array per differentiable leaf in ``jax.tree.leaves``
+order."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeAlias
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 ARRAYS = (jax.Array, np.ndarray)
-# A pytree (nested dicts, lists, tuples, dataclasses... of arrays and scalars), as the public
-# API's annotations name it: any object to a type checker.
-PyTree: TypeAlias = Any
+PyTree: TypeAlias = Any  # (the public API's annotations name pytrees so)
 
 
 def is_differentiable(leaf) -> bool:
-    """A floating-point or complex array (or Python/NumPy float; or a lazy array, a dask
-    array, not computed yet): differentiated, not held."""
+    """A floating-point or complex array (NumPy, JAX or dask) or scalar: differentiated."""
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "chunks"):
         return jnp.issubdtype(leaf.dtype, jnp.inexact)
     return isinstance(leaf, (float, complex))
@@ -39,9 +34,9 @@ def is_numeric(leaf) -> bool:
 
 
 def partition(tree, kind: Callable[[Any], int], kinds: int = 2) -> tuple[list[list], Callable]:
-    """``tree``'s leaves in ``kinds`` groups, by ``kind(leaf)`` (0, 1, ...), and
-    ``combine(*groups)``, the tree again from groups like them: equinox's ``partition`` and
-    ``combine``, on flat groups. An array is its own one leaf (no pytree walk)."""
+    """``tree``'s leaves in ``kinds`` groups by ``kind(leaf)`` (0, 1, ...), and
+    ``combine(*groups)``, the tree again from such groups: equinox's ``partition`` and
+    ``combine`` on flat groups. An array is its own one leaf (no pytree walk)."""
     leaves, treedef = ([tree], None) if isinstance(tree, ARRAYS) else jax.tree.flatten(tree)
     which = [kind(leaf) for leaf in leaves]
     groups: list[list] = [[] for _ in range(kinds)]
@@ -80,7 +75,9 @@ def describe(tree, batched: bool = False) -> str:
         return tuple(jnp.shape(leaf)[1:] if batched else jnp.shape(leaf))
 
     def one(leaf):
-        return f"{jnp.result_type(leaf)}{list(shape(leaf))}" if is_numeric(leaf) else type(leaf).__name__
+        if is_numeric(leaf):
+            return f"{jnp.result_type(leaf)}{list(shape(leaf))}"
+        return type(leaf).__name__
 
     if is_numeric(tree):
         return f"an array of shape {shape(tree)} and dtype {jnp.result_type(tree)}"

@@ -1,8 +1,6 @@
-"""A sparse Jacobian's patterns: as the user gives them (``sparsity=``), checked and joined
-into one pattern per output over every differentiated input (:func:`user_patterns`); as part of
-a preparation's key (:func:`pattern_key`); and with their colours (:class:`Colours`,
-:mod:`daskdag.model.colouring`).
-"""
+"""A sparse Jacobian's patterns as the user gives them (``sparsity=``), checked and joined into
+one per output (:func:`user_patterns`), as part of a preparation's key (:func:`pattern_key`), and
+with their colours (:class:`Colours`)."""
 
 from __future__ import annotations
 
@@ -22,13 +20,13 @@ if TYPE_CHECKING:
 
 
 class Colours:
-    """A call's patterns (``{output: pattern over every wrt name}``, or None: dense), and
-    their colours, found once each when asked: ``rows`` per output (reverse), ``columns``
-    (forward, one colouring for all outputs)."""
+    """A call's patterns (``{output: pattern over every wrt name}``, or None: dense), and their
+    colours, found when first asked: ``rows`` per output (reverse), ``columns`` (forward, one
+    colouring for all outputs)."""
 
     def __init__(self, patterns: dict[str, sp.csr_array] | None) -> None:
-        self.patterns: Any = patterns  # (rows and columns are asked for only where it is not None)
-        self.used: str | None = None  # which were used: "rows" or "columns"
+        self.patterns: Any = patterns
+        self.used: str | None = None  # "rows" or "columns", whichever was asked for
 
     @cached_property
     def rows(self) -> dict:
@@ -52,8 +50,8 @@ class Colours:
 
 
 def pattern_key(sparsity: Any) -> Any:
-    """A ``sparsity`` argument as (part of) a preparation's key: by content (a pattern given as
-    an array can change in place), ``"detect"`` or None as they are."""
+    """A ``sparsity`` argument as part of a preparation's key: a pattern by its content (an
+    array can change in place), ``"detect"`` or None as they are."""
     import scipy.sparse as sp
     if sparsity is None or isinstance(sparsity, str):
         return sparsity
@@ -79,9 +77,9 @@ def pattern_key(sparsity: Any) -> Any:
 
 def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], sparsity: Any,
                   outputs: str | Sequence[str]) -> dict[str, sp.csr_array]:
-    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, each
-    checked against ``widths`` (each given wrt input's elements) and ``elements`` (each output's,
-    where known before it runs): a :class:`~daskdag.DAGError` naming the output and input."""
+    """``{output: pattern over every wrt name's elements}`` from ``sparsity`` as given, checked
+    against ``widths`` (each given wrt input's elements) and ``elements`` (each output's, where
+    known before it runs): else a :class:`~daskdag.DAGError` naming the output and input."""
     import scipy.sparse as sp
     one = isinstance(outputs, str) and not (  # (one output's pattern, or {output: pattern})
         isinstance(sparsity, Mapping) and set(sparsity) == {outputs} and outputs not in plan.wrt)

@@ -1,7 +1,5 @@
 """What one call needs (a :class:`Plan` of a spec, its outputs and ``wrt``): which nodes run,
-which run under ``jax.vjp``, which feed each gradient; :func:`ship` packs its node functions to
-travel (and refuses a device this process lacks, where it runs the plan). Nothing here runs a
-node.
+which run under ``jax.vjp``, which feed each gradient; :func:`ship` packs its functions to travel.
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ class Plan:
 
 
 def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Plan:
-    """``wrt`` may name nodes as well as inputs: a node's gradient is d output / d its value,
-    its cotangent as the backward pass leaves it. It runs even where no output needs it."""
+    """``wrt`` may name nodes as well as inputs (a node's gradient is its cotangent); such a
+    node runs even where no output needs it."""
     needed_set = spec.ancestors((*outputs, *(w for w in wrt if w in spec.nodes)))
     needed = tuple(n for n in spec.order if n in needed_set)
     active_set: set[str] = set()
@@ -65,12 +63,10 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
 
 
 def ship(plan, transport: Transport, prints: dict | None = None):
-    """``plan`` with the function of every node it runs packed where ``transport`` packs it
-    (:meth:`~daskdag.transport.transports.Transport.packs_function`), each distinct function
-    once, and each array they share hashed once (the arrays live through the call, so their
-    ids name them). ``prints``: fingerprints already taken in this call, by ``id`` (added to).
-    Where ``transport`` runs the plan in this process, a node on a device that this process
-    does not have is refused here, before anything runs (:func:`daskdag.model.devices.check`)."""
+    """``plan`` with the function of every node it runs packed where ``transport`` packs it,
+    each distinct function, and each array they share, once (by id: they live through the
+    call). ``prints``: fingerprints already taken in this call, by id (added to). Where
+    ``transport`` runs the plan here, a node on a device this process lacks is refused."""
     if not transport.packs:
         devices.check({n: plan.spec.nodes[n] for n in plan.needed})
     packed: dict[int, object] = {}

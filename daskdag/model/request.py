@@ -1,8 +1,6 @@
-"""What the user passed (DAG, inputs, outputs, ``wrt``, cotangents, tangents, a sweep's
-``batched`` and ``chunk_size``), checked the same way for every entry point and the command
-line, before anything runs: a :class:`Request`, or a :class:`~daskdag.DAGError` naming the
-input, output or node at fault.
-"""
+"""The user's arguments (DAG, inputs, outputs, ``wrt``, cotangents, tangents, a sweep's
+``batched`` and ``chunk_size``), checked alike for every entry point and the command line before
+anything runs; else a :class:`~daskdag.DAGError` naming the input, output or node at fault."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ from daskdag.transport.packing import unwrap
 
 @dataclass(frozen=True)
 class Request:
-    """A call's arguments, checked: ``plan`` (its spec, outputs and ``wrt``), the input
-    ``values`` and the outputs' ``cotangents``."""
+    """A call's arguments, checked: its plan, input values and outputs' cotangents."""
 
     plan: Plan
     values: dict[str, Any]
@@ -39,8 +36,8 @@ class Request:
 
 
 def prepare(dag, x, outputs, wrt=None, cotangents=None, hold=None) -> Request:
-    """``compute_grads``' (and ``jacobian``'s, ``check_grads``', the CLI's) arguments checked;
-    ``hold`` as for :func:`~daskdag.model.spec.parse`."""
+    """``compute_grads``' arguments (and others' alike) checked; ``hold`` as for
+    :func:`~daskdag.model.spec.parse`."""
     spec, names, values = parsed(dag, x, outputs, hold)
     wrt = wrt_names(spec, values, wrt, candidates=values)
     plan = with_rules(make_plan(spec, names, wrt))
@@ -48,8 +45,7 @@ def prepare(dag, x, outputs, wrt=None, cotangents=None, hold=None) -> Request:
 
 
 def parsed(dag, x, outputs, hold=None) -> tuple[Spec, tuple[str, ...], dict[str, Any]]:
-    """What every call starts from: the DAG parsed (``hold`` as for
-    :func:`~daskdag.model.spec.parse`), the output names, the input values."""
+    """What every call starts from: the DAG parsed, the output names, the input values."""
     spec = parse(dag, hold)
     names = output_names(spec, outputs)
     return spec, names, input_values(spec, x, names)
@@ -65,13 +61,11 @@ def output_names(spec, outputs) -> tuple[str, ...]:
             raise DAGError(f"output {o!r} is {kind}; nodes: {sorted(spec.nodes)}")
     return tuple(dict.fromkeys(names))
 
-def input_values(spec, x, outputs) -> dict[str, Any]:
-    """``{input: value}`` for the inputs given, checking that every needed one is.
 
-    With several free inputs, ``x`` is a mapping ``{input_name: value}``. With one, ``x`` is its
-    value, any pytree, except a mapping with the input's name as a key (the ``{input_name:
-    value}`` form) or one that reads as a value given under another name (:func:`_misnamed`,
-    refused)."""
+def input_values(spec, x, outputs) -> dict[str, Any]:
+    """``{input: value}`` for the inputs given, each needed one checked there. With several free
+    inputs, ``x`` is ``{input_name: value}``; with one, its value (any pytree), or a mapping with
+    the input's name as a key; one that reads as given under another name is refused."""
     if len(spec.inputs) == 1:
         (name,) = spec.inputs
         if _names_the_input(name, x):
@@ -84,10 +78,8 @@ def input_values(spec, x, outputs) -> dict[str, Any]:
                                    + f"; a dict with the key {name!r} names the input, so to "
                                    f"give {name!r} such a dict as its value, pass "
                                    f"{{{name!r}: value}}")
-        else:
-            wrong = _misnamed(spec, name, x)
-            if wrong:
-                raise DAGError(wrong)
+        elif wrong := _misnamed(spec, name, x):
+            raise DAGError(wrong)
         return given_values(spec, x)
     if not isinstance(x, Mapping):
         why = "".join(f"; {s}" for s in (_misspelt(spec, i, outputs) for i in spec.inputs) if s)
@@ -116,15 +108,13 @@ def given_values(spec, x) -> dict[str, Any]:
 
 
 def _names_the_input(name: str, x) -> bool:
-    """``x``, for a DAG whose one free input is ``name``, is in the ``{input_name: value}``
-    form: a mapping with ``name`` as a key."""
+    """``x`` gives the one free input ``name`` as ``{name: value}``."""
     return isinstance(x, Mapping) and name in x
 
 
 def _misnamed(spec, name: str, x) -> str:
-    """Why ``x``, a value for a DAG's one free input ``name`` that does not name it, reads as
-    a value given under another name: a mapping whose keys all name nodes, or one array (or
-    number) under a single key; else ''."""
+    """Why ``x``, given for the one free input ``name``, reads as given under another name (a
+    mapping whose keys all name nodes, or one array under a single key); else ''."""
     if not isinstance(x, Mapping) or not x or not all(isinstance(k, str) for k in x):
         return ""
     keys = list(x)
@@ -144,9 +134,8 @@ def _misnamed(spec, name: str, x) -> str:
 
 
 def _misspelt(spec, name: str, outputs, given=()) -> str:
-    """What to say of free input ``name`` when it looks like a misspelt name of a node (or of
-    a ``given`` input): which nodes name it, the name meant (:func:`difflib.get_close_matches`)
-    and, for a node, that nothing the call computes uses it then; else ''."""
+    """What to say of free input ``name`` when it looks like a misspelt node (or ``given``
+    input): which nodes name it, the name meant and, for a node, that nothing uses it; else ''."""
     users = list(dict.fromkeys(n for n, _ in spec.uses.get(name, ())))
     named_by = " and ".join(f"node {u!r}" for u in users)
     nodes = difflib.get_close_matches(name, list(spec.nodes), n=1)
@@ -165,6 +154,7 @@ def _misspelt(spec, name: str, outputs, given=()) -> str:
         return (f"{named_by} {'names' if len(users) == 1 else 'name'} dep {name!r}: did you "
                 f"mean input {inputs[0]!r}?")
     return ""
+
 
 def wrt_names(spec, values, wrt, candidates) -> tuple[str, ...]:
     """The inputs to differentiate: ``wrt`` checked, or those among ``candidates`` with a
@@ -189,6 +179,7 @@ def wrt_names(spec, values, wrt, candidates) -> tuple[str, ...]:
         raise DAGError("wrt is empty: nothing to differentiate")
     return tuple(dict.fromkeys(wrt))
 
+
 def nodes_in_wrt(spec, wrt, what: str) -> str | None:
     """Why a call that ``what`` (``"check_totals perturbs"``...) free inputs only cannot take
     ``wrt``, naming the nodes in it; None when it names none."""
@@ -200,8 +191,10 @@ def cotangents_for(outputs, cotangents) -> dict:
     cotangents = dict(cotangents or {})
     for o in cotangents:
         if o not in outputs:
-            raise DAGError(f"cotangents given for {o!r}, which is not a requested output {list(outputs)}")
+            raise DAGError(f"cotangents given for {o!r}, which is not a requested output "
+                           f"{list(outputs)}")
     return cotangents
+
 
 def batched_names(values, batched) -> tuple[str, ...]:
     if batched is None:
@@ -214,6 +207,7 @@ def batched_names(values, batched) -> tuple[str, ...]:
         raise DAGError("batched is empty: no input carries the items to sweep over")
     return batched
 
+
 def batch_size(values, batched) -> int:
     """N, the leading axis length that every leaf of every batched input shares."""
     sizes: dict[int, Any] = {}
@@ -222,7 +216,8 @@ def batch_size(values, batched) -> int:
             if not (is_numeric(leaf) or _is_lazy_array(leaf)):
                 continue
             if len(np.shape(leaf)) == 0:
-                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading item axis")
+                raise DAGError(f"batched input {i!r} has a scalar leaf: it needs a leading "
+                               f"item axis")
             sizes.setdefault(int(np.shape(leaf)[0]), i)
     if len(sizes) != 1:
         raise DAGError("batched inputs disagree on the number of items: "
@@ -231,9 +226,11 @@ def batch_size(values, batched) -> int:
     (size,) = sizes
     return size
 
+
 def check_chunk_size(chunk_size) -> None:
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise DAGError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+
 
 def check_errors(errors) -> None:
     """A sweep's ``errors=``: ``'raise'`` or ``'collect'``."""
@@ -242,9 +239,7 @@ def check_errors(errors) -> None:
 
 
 def with_rules(plan, forward: bool = False):
-    """``plan``, checked: every node of the user's own code that it differentiates has the rule
-    it needs: a VJP, or with ``forward`` a JVP (else a :class:`DAGError` naming the first that
-    lacks it, :func:`rules_missing`)."""
+    """``plan``, checked: a :class:`DAGError` for the first of :func:`rules_missing`."""
     missing = rules_missing(plan, forward)
     if missing:
         raise DAGError(next(iter(missing.values())))
@@ -269,17 +264,16 @@ def rules_missing(plan, forward: bool = False) -> dict[str, str]:
 
 
 def _differentiable(value) -> bool:
-    """A floating-point leaf to differentiate, or no leaf at all (an empty pytree's gradient is
-    itself)."""
+    """A floating-point leaf, or no leaf at all (an empty pytree's gradient is itself)."""
     return bool(differentiable_leaves(value)) or not jax.tree.leaves(value)
 
 
-def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[str, tuple], int | None]:
+def input_tangents(spec, values: dict, tangents, batched: bool
+                   ) -> tuple[dict[str, tuple], int | None]:
     """The user's ``tangents`` checked against the input ``values``: ``({input: flat tangent},
-    k)``, for the inputs with a differentiable leaf, ``k`` the number of directions with
-    ``batched``, else None (dask arrays kept as they are). ``None`` at a differentiable leaf is
-    a zero tangent; at other leaves a tangent must be None."""
-    if len(spec.inputs) == 1:  # (x's reading: a mapping with the input's name as a key names it)
+    k)`` for the inputs with a differentiable leaf, ``k`` the number of directions (None unless
+    ``batched``). None at a differentiable leaf is a zero tangent; other leaves take only None."""
+    if len(spec.inputs) == 1:  # (read as x is)
         (name,) = spec.inputs
         if _names_the_input(name, tangents):
             for k in tangents:
@@ -289,8 +283,9 @@ def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[st
         given = given_values(spec, tangents)
     else:
         if not isinstance(tangents, Mapping):
-            raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: pass "
-                           f"tangents as a dict {{input_name: tangent}}, got {type(tangents).__name__}")
+            raise DAGError(f"the DAG has {len(spec.inputs)} free inputs {list(spec.inputs)}: "
+                           f"pass tangents as a dict {{input_name: tangent}}, got "
+                           f"{type(tangents).__name__}")
         given = dict(tangents)
         for i in given:
             if i not in spec.inputs:
@@ -301,7 +296,8 @@ def input_tangents(spec, values: dict, tangents, batched: bool) -> tuple[dict[st
     checked = {i: _checked(i, values[i], t, batched) for i, t in given.items()}
     k = None
     if batched:
-        sizes = {jnp.shape(t)[0]: i for i, pairs in checked.items() for _, t in pairs if t is not None}
+        sizes = {jnp.shape(t)[0]: i for i, pairs in checked.items() for _, t in pairs
+                 if t is not None}
         if len(sizes) > 1:
             raise DAGError("batched tangents disagree on the number of directions: "
                            + ", ".join(f"input {i!r} has {n}" for n, i in sizes.items()))
@@ -355,10 +351,10 @@ def _checked(name: str, x, tangent, batched: bool) -> list:
 
 
 def _is_lazy_array(leaf) -> bool:
-    """A lazy array (a dask array): it has a shape and chunks, and no values yet."""
+    """A dask array: it has a shape and chunks, and no values yet."""
     return hasattr(leaf, "chunks") and isinstance(getattr(leaf, "shape", None), tuple)
 
 
 def one_input(spec: Spec, grads: Mapping) -> bool:
-    """The DAG has one free input and it is all that was differentiated: its gradient alone."""
+    """The DAG has one free input, all that was differentiated: its gradient alone."""
     return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)

@@ -1,12 +1,12 @@
-"""The shapes of a DAG's values, found without running a node on data: each node traced with
-``jax.eval_shape`` (or ``jax.make_jaxpr``, :class:`Traced`) on its deps' shapes, its Python code
-run once on abstract values; :data:`UNKNOWN` where it cannot be.
+"""The shapes of a DAG's values, found without running a node on data: each node traced on its
+deps' shapes (its Python code run once on abstract values); :data:`UNKNOWN` where it cannot be.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,7 @@ UNKNOWN = object()  # a node that could not be traced abstractly, or one downstr
 @dataclass(frozen=True)
 class Traced:
     """A node traced on its deps' shapes: its ``jaxpr`` (a ``ClosedJaxpr``), whose inputs are the
-    array leaves of its deps in order, and per input the position of the dep it is a leaf of
-    (``deps``)."""
+    array leaves of its deps in order, and per input the position of its dep (``deps``)."""
 
     jaxpr: Any
     deps: tuple[int, ...]
@@ -33,20 +32,18 @@ def abstract_values(spec: Spec, names, avals: dict,
                     traces: dict[str, Traced] | None = None) -> dict[str, Any]:
     """``avals`` (the inputs' shapes, :func:`abstract`) with the shapes of the nodes ``names``
     (each after its deps) added: ``jax.eval_shape`` of ``call(node)`` on its deps' shapes, or
-    :data:`UNKNOWN`. ``traces``, when given, gets each traced node's :class:`Traced` (the same
-    single trace: :func:`trace`)."""
+    :data:`UNKNOWN`. ``traces``, when given, gets each traced node's :class:`Traced` (from the
+    same trace)."""
     avals = dict(avals)
     for n in names:
         node = spec.nodes[n]
         deps = [avals[d] for d in node.deps]
         if any(d is UNKNOWN for d in deps):
             avals[n] = UNKNOWN
-        elif traces is None:
-            avals[n] = eval_shape(call(node), deps)
-        else:
-            avals[n], traced = trace(call(node), deps)
-            if traced is not None:
-                traces[n] = traced
+            continue
+        avals[n], traced = trace(call(node), deps, jaxpr=traces is not None)
+        if traces is not None and traced is not None:
+            traces[n] = traced
     return avals
 
 
@@ -62,20 +59,10 @@ def abstract(value, batched: bool = False):
     return jax.tree.map(leaf, value)
 
 
-def eval_shape(fn, args) -> Any:
-    """``jax.eval_shape(fn, *args)`` over the array leaves of ``args``, the others held as they
-    are; :data:`UNKNOWN` when ``fn`` cannot run on abstract values."""
-    return _traced(fn, args, jaxpr=False)[0]
-
-
-def trace(fn, args) -> tuple[Any, Traced | None]:
-    """:func:`eval_shape`'s shapes, and the jaxpr of the same trace (``jax.make_jaxpr``) as a
-    :class:`Traced`, its inputs the array leaves of ``args``; ``(UNKNOWN, None)`` when ``fn``
-    cannot run on abstract values."""
-    return _traced(fn, args, jaxpr=True)
-
-
-def _traced(fn, args, jaxpr: bool) -> tuple[Any, Traced | None]:
+def trace(fn, args, jaxpr: bool = False) -> tuple[Any, Traced | None]:
+    """``(jax.eval_shape(fn, *args), None)`` over the array leaves of ``args``, the others held
+    as they are; with ``jaxpr``, the same trace as a :class:`Traced` instead of None.
+    ``(UNKNOWN, None)`` when ``fn`` cannot run on abstract values."""
     leaves, tree = jax.tree.flatten(args)
     at = [k for k, a in enumerate(leaves) if isinstance(a, jax.ShapeDtypeStruct)]
 
@@ -98,9 +85,9 @@ def _traced(fn, args, jaxpr: bool) -> tuple[Any, Traced | None]:
 
 def signature(value) -> tuple:
     """What a call's preparation may depend on in an input, as a hashable key: its pytree
-    structure and, per leaf, an array's shape and JAX dtype (and weak type), the value of an
-    integer, boolean or string (it may set a shape), the type of a float (differentiated: its
-    value changes nothing prepared), and any other object itself (by equality)."""
+    structure and per leaf: an array's shape and JAX dtype (and weak type); an integer's,
+    boolean's or string's value (it may set a shape); a float's type (its value changes nothing
+    prepared); any other object itself (by equality)."""
     leaves, treedef = jax.tree.flatten(value)
     return treedef, tuple(map(_leaf_signature, leaves))
 

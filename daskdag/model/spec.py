@@ -1,14 +1,13 @@
-"""The user's DAG dict, ``{name: (fn, [dep, ...])}``, ``{name: Node(fn, deps, ...)}`` or
-``{name: Implicit(residual, deps, guess)}`` (:mod:`daskdag.model.implicit`), validated
-into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), a topological order.
+"""The user's DAG, ``{name: (fn, [deps])}``, ``Node(...)`` or ``Implicit(...)`` entries,
+validated into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), an order.
 """
 
 from __future__ import annotations
 
 import graphlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from dask.sizeof import sizeof
@@ -18,13 +17,13 @@ from daskdag.errors import DAGError
 from daskdag.model import devices
 from daskdag.model.custom import Custom
 from daskdag.model.implicit import Implicit
-from daskdag.transport.protocol import token_kept, travels
 from daskdag.transport.packing import Function, current, pack, unwrap
+from daskdag.transport.protocol import token_kept, travels
 
 
-@travels(lambda node: sizeof(node.fn))  # (a node is as large as its function, packed)
+@travels(lambda node: sizeof(node.fn))
 @token_kept(lambda node: all(f is None or isinstance(f, Function) for f in (
-    node.fn, node.vjp, node.fwd, node.bwd, node.jvp)))  # (packed functions: content fixed)
+    node.fn, node.vjp, node.fwd, node.bwd, node.jvp)))  # (packed: their content is fixed)
 @dataclass(frozen=True)
 class Node:
     """One node: ``fn(*values of deps)``. A DAG entry ``(fn, deps)`` is ``Node(fn, deps)``.
@@ -39,34 +38,28 @@ class Node:
             forward and backward, instead of item by item; ``fn`` must then be traceable, and
             its Python side effects run only when it is traced (once per shapes).
         device: where the node's forward and backward passes run, in the process that runs
-            them (this one's threads, or a cluster's worker): a ``jax.Device``, a platform
-            (``'cpu'``, ``'gpu'``, ``'tpu'``: its first device there), or
-            ``'platform:index'`` (``'cpu:1'``: the index-th device of
-            ``jax.devices(platform)``). Its inputs and the cotangents reaching it are put
-            there (``jax.device_put``), its eager ops run there and its residuals stay there;
-            nodes on different devices never share a compiled program. ``None`` (the
-            default): ``dask.config``'s ``daskdag.eager-device`` for an eager node (one
-            without ``jit=True``), else JAX's default device (where some node of the DAG
-            has a device, the nodes without one are put on the default device, so that
-            values meet on one). On a cluster a GPU or TPU device also asks for the worker
-            resource ``GPU`` or ``TPU`` (``dask worker --resources GPU=1``), and the node
-            runs only on such workers. A device that this process does not have (on a
-            cluster: that no worker has) is refused before anything runs, naming the node
-            and the devices there are.
+            them (this one, or a cluster's worker): a ``jax.Device``, a platform (``'cpu'``,
+            ``'gpu'``, ``'tpu'``: its first device), or ``'platform:index'`` (``'cpu:1'``: the
+            index-th of ``jax.devices(platform)``). Its inputs and cotangents are put there,
+            its eager ops run and its residuals stay there; nodes on different devices never
+            share a compiled program. ``None`` (the default): ``dask.config``'s
+            ``daskdag.eager-device`` for an eager node (no ``jit=True``), else JAX's default
+            device (put there where another node has a device, so that values meet on one).
+            On a cluster a GPU or TPU device asks for the worker resource ``GPU`` or ``TPU``
+            (``dask worker --resources GPU=1``): the node runs only on such workers. A device
+            this process lacks (on a cluster: every worker) is refused before anything runs.
         resources: ``{'NAME': amount}``: Dask resources the node's tasks need on a worker.
-        vjp: for a node outside JAX (NumPy, SciPy, a simulator; it then gets NumPy values, never
-            tracers, ``daskdag.rules.custom``): ``vjp(ct, out, *args)``, returning one
-            cotangent per dep. With ``vmap=True`` in a sweep, every value has a leading item
-            axis.
+        vjp: for a node outside JAX (NumPy, SciPy, a simulator: it then gets NumPy values,
+            never tracers): ``vjp(ct, out, *args)``, returning one cotangent per dep. With
+            ``vmap=True`` in a sweep, every value has a leading item axis.
         fwd: with ``bwd``, instead of ``vjp``: ``fwd(*args) -> (out, residuals)``.
         bwd: ``bwd(residuals, ct)``, returning one cotangent per dep.
         jvp: for forward mode, ``jvp(args, tangents) -> (out, out_tangent)``.
-        remat: keep no residuals between the node's forward and backward tasks: its backward
-            task runs the node's forward pass again (under its rule, the user's own ones
-            included) and pulls the cotangent back at once, as ``jax.checkpoint`` does, trading
-            one more forward pass for the memory its residuals would hold. ``None`` (the
-            default) takes ``dask.config``'s ``daskdag.remat`` (default False) when the DAG is
-            parsed. A remat node is a stage (a task) of its own.
+        remat: keep no residuals between the node's forward and backward tasks: the backward
+            task runs the forward pass again (under the node's rule) and pulls the cotangent
+            back at once, as ``jax.checkpoint`` does, trading a forward pass for the memory.
+            ``None`` (the default): ``dask.config``'s ``daskdag.remat`` (default False) when
+            the DAG is parsed. A remat node is a stage (a task) of its own.
 
     Examples of each kind of node: the guides, "Gradients" and "Nodes outside JAX".
     """
@@ -89,13 +82,12 @@ class Node:
         return {**devices.resources(self.device), **(self.resources or {})}
 
     def callable(self) -> Callable[..., Any]:
-        # jax caches compilations by the wrapped function; a packed one is jitted as the one
-        # object its process keeps for its content (a lifted node's: the one equal lift, see
-        # daskdag.rules.lifted).
+        # (jax caches compilations by function: a packed one is jitted as the one object its
+        # process keeps for its content)
         return jax.jit(current(self.fn)) if self.jit else unwrap(self.fn)
 
     def __reduce__(self) -> tuple:
-        # The function travels packed (by value where it is the user's code), whoever pickles it.
+        # (its functions travel packed, whoever pickles it)
         fn = self.fn if isinstance(self.fn, Function) else pack(self.fn, as_function=True)
         rules = (self.vjp, self.fwd, self.bwd, self.jvp)
         return Node, (fn, self.deps, self.jit, self.vmap, self.device, self.resources,
@@ -108,24 +100,24 @@ class Spec:
     nodes: dict[str, Node]
     inputs: tuple[str, ...]  # free inputs, in order of first appearance
     order: tuple[str, ...]  # node names, each after all its deps
-    uses: dict[str, tuple[tuple[str, int], ...]]  # node or input -> (consumer, position) of each use
+    uses: dict[str, tuple[tuple[str, int], ...]]  # name -> (consumer, position) of each use
 
     @classmethod
     def of(cls, nodes: dict[str, Node], order: tuple[str, ...]) -> Spec:
-        """The spec of ``nodes``, in ``order`` (each after its deps): the names they take that
-        are no node's are its inputs, in the order of ``nodes``."""
+        """The spec of ``nodes`` in ``order`` (each after its deps): its inputs are the names
+        they take that are no node's."""
         inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
         return cls(nodes, inputs, order, _uses(nodes, order))
 
     def bare(self) -> Spec:
-        """The spec without its nodes' functions (its names, deps and options): what a call's
-        results are made with, wherever Dask makes them, with nothing of the user's code."""
+        """The spec without its nodes' functions: what a call's results are made with, wherever
+        Dask makes them, with nothing of the user's code."""
         return Spec({n: Node(None, node.deps) for n, node in self.nodes.items()}, self.inputs,
                     self.order, self.uses)
 
     def part(self, names: Iterable[str]) -> Spec:
-        """The spec of the nodes ``names`` alone, in this one's order: the names they take
-        from other nodes are its inputs."""
+        """The spec of the nodes ``names`` alone: the names they take from others are its
+        inputs."""
         keep = set(names)
         return Spec.of({n: self.nodes[n] for n in self.order if n in keep},
                        tuple(n for n in self.order if n in keep))
@@ -142,9 +134,9 @@ class Spec:
 
 
 def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
-    """Validate ``dag`` and return its :class:`Spec`; raise :class:`DAGError` naming the culprit.
-    ``hold``: how the spec holds each of the user's functions (a prepared call's: weakly,
-    :class:`~daskdag.transport.weak.Weak`), else as they are."""
+    """``dag`` validated as a :class:`Spec`, else a :class:`DAGError` naming the culprit.
+    ``hold``: how the spec holds each of the user's functions (a prepared call's: weakly),
+    else as they are."""
     if not isinstance(dag, Mapping):
         raise DAGError(f"the DAG must be a dict {{name: (fn, [deps])}}, got {type(dag).__name__}")
     if not dag:
@@ -153,7 +145,6 @@ def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
     if any(node.device is not None for node in nodes.values()):  # (values meet on one device)
         nodes = {name: node if node.device is not None else replace(node, device=devices.DEFAULT)
                  for name, node in nodes.items()}
-    inputs = tuple(dict.fromkeys(d for n in nodes.values() for d in n.deps if d not in nodes))
     try:
         order = tuple(n for n in graphlib.TopologicalSorter(
             {name: node.deps for name, node in nodes.items()}).static_order() if n in nodes)
@@ -163,7 +154,7 @@ def parse(dag: Mapping, hold: Callable[[Any], Any] | None = None) -> Spec:
                        f"nodes that depend on each other are solved together when declared "
                        f"as one group: daskdag.coupled({{name: (fn, deps), ...}}, "
                        f"guess={{name: value, ...}})") from None
-    return Spec(nodes, inputs, order, _uses(nodes, order))
+    return Spec.of(nodes, order)
 
 
 def _uses(nodes: Mapping[str, Node], order: tuple[str, ...]) -> dict:
@@ -184,8 +175,7 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
         hold = None  # (its Solve holds the user's functions as hold says)
     if isinstance(entry, Node):
         fn, deps = _function(name, entry, hold), entry.deps
-        opts: dict[str, Any] = {"jit": entry.jit, "vmap": entry.vmap, "device": entry.device,
-                "resources": entry.resources, "remat": entry.remat}
+        opts = {k: getattr(entry, k) for k in ("jit", "vmap", "device", "resources", "remat")}
     elif isinstance(entry, (tuple, list)) and len(entry) == 2:
         (fn, deps), opts = entry, {}
     else:
@@ -201,10 +191,12 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
             raise DAGError(f"node {name!r}: dep {d!r} is not a string")
     device = devices.normalised(opts.get("device"), f"node {name!r}")
     if device is None and not opts.get("jit"):
-        device = devices.normalised(config.get("eager-device"), "the setting daskdag.eager-device")
+        device = devices.normalised(config.get("eager-device"),
+                                    "the setting daskdag.eager-device")
     resources = opts.get("resources")
     if resources is not None and not (isinstance(resources, Mapping) and all(
-            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items())):
+            isinstance(k, str) and isinstance(v, (int, float)) and v > 0
+            for k, v in resources.items())):
         raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
                        f"got {resources!r}")
     remat = opts.get("remat")
@@ -220,8 +212,8 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
 
 def _function(name: str, node: Node, hold: Callable[[Any], Any] | None = None
               ) -> Callable[..., Any] | None:
-    """The node's function: ``fn`` itself, or with derivatives given by the user, a
-    :class:`daskdag.model.custom.Custom` of them, checked."""
+    """The node's function: ``fn``, or with the user's own derivatives a checked
+    :class:`~daskdag.model.custom.Custom`."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
     if all(r is None for r in rules.values()):
         return node.fn

@@ -1,25 +1,19 @@
-"""Nodes outside JAX: a function whose derivatives the user gives, run on plain NumPy values.
-
-The rules of a :class:`~daskdag.model.custom.Custom` function (``vjp=``, ``fwd=``/``bwd=``,
-``jvp=``, as :class:`~daskdag.Node` documents them), registered with
-:mod:`daskdag.rules.registry`: its forward pass leaves a :class:`CustomPullback`; forward mode
-runs the user's ``jvp``.
-
-The user's functions get NumPy values, never tracers. A cotangent handed to ``vjp``/``bwd`` has
-the output's structure, ``None`` at the leaves held constant; what they return is checked: one
-cotangent per dep, each with its dep's structure and shapes (``None``: zeros), else an error
-naming the node, the dep and what was expected. Residuals are any pytree, packed to travel.
-"""
+"""The rules of a node outside JAX (:class:`~daskdag.model.custom.Custom`: ``vjp=``,
+``fwd=``/``bwd=``, ``jvp=``), run on NumPy values, never tracers. A cotangent handed to the
+user's rule has the output's structure, ``None`` at leaves held constant; what the rule returns
+is checked (one cotangent per dep, shaped like it; ``None``: zeros), else an error naming the
+dep and what was expected."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from daskdag.model.custom import Custom
-from daskdag.model.leaves import as_numpy, is_differentiable, is_numeric
+from daskdag.model.leaves import as_numpy, is_differentiable, is_numeric, on_differentiable
 from daskdag.rules.pullback import Pullback
 from daskdag.rules.registry import register
 from daskdag.transport.packing import pack, unpack, unwrap
@@ -40,33 +34,29 @@ def linearize(custom: Custom, node, args: Sequence[Any], active: tuple[bool, ...
 
 def push(custom: Custom, node, args: Sequence[Any], tangents: Sequence[Any],
          active: tuple[bool, ...]):
-    """``(out, tangent)`` by the user's ``jvp`` rule (forward mode): ``tangents`` per dep a
-    flat tuple over its differentiable leaves (None where ``active`` is False), handed to
-    the rule in the dep's structure (``None`` at leaves held constant, and for a dep held
-    whole); the output's tangent comes back flat, checked."""
+    """``(out, tangent)`` by the user's ``jvp`` rule: ``tangents`` (per dep a flat tuple, None
+    where not ``active``) handed to it in the deps' structures, its tangent checked, flat."""
     if custom.jvp is None:
         raise TypeError("it has no jvp= rule, which forward mode needs: give "
                         "Node(..., jvp=lambda args, tangents: (out, out_tangent))")
     args = as_numpy(tuple(args))
-    structured = tuple(_structured(a, t) if on else None
+    structured = tuple(on_differentiable(a, t) if on else None
                        for a, t, on in zip(args, as_numpy(tuple(tangents)), active))
     out, tangent = _pair(custom.jvp(args, structured), "jvp", "(value, tangent)")
     return out, flat_leaves("jvp", "the output", out, tangent, kind="tangent")
 
 
 class CustomPullback(Pullback):
-    """The backward half of a :class:`Custom` node at one point, called as a
-    :class:`~daskdag.rules.pullback.Pullback`: its residuals (``fwd``'s, or for ``vjp=`` the
-    output). ``fn``: the node's function as the node holds it (packed, to travel by value)."""
+    """The backward half of a :class:`Custom` node at one point: its residuals (``fwd``'s, or
+    for ``vjp=`` the output). ``fn``: the node's function as the node holds it (packed)."""
 
-    batching = None  # never stacked under vmap: the user's code takes one cotangent
-    traceable = False  # (nor traced: a Jacobian's rows go one by one)
+    batching = None  # the user's code takes one cotangent at a time, untraced
+    traceable = False
 
     def __init__(self, fn, deps: tuple[str, ...], active: tuple[bool, ...], out, residuals):
         self.fn, self.deps, self.active = fn, deps, active
         leaves, self.out_def = jax.tree.flatten(out)
         self.mask = tuple(map(is_differentiable, leaves))
-        # bwd takes its residuals; a vjp= rule the output, kept whole.
         self.residuals = residuals if unwrap(fn).fwd is not None else out
 
     def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
@@ -89,8 +79,7 @@ class CustomPullback(Pullback):
     def residual_nbytes(self) -> int:
         return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(self.residuals))
 
-    def __reduce__(self):
-        # Residuals and the output's structure travel packed, as inputs do.
+    def __reduce__(self):  # (residuals travel packed, as inputs do)
         return _received, (self.fn, self.deps, self.active,
                            pack((self.out_def, self.mask, self.residuals), hashed=False))
 
@@ -103,9 +92,8 @@ def _received(fn, deps, active, packed) -> CustomPullback:
 
 
 def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tuple:
-    """The ``kind`` (cotangent, tangent) ``ct`` that ``rule`` gave for ``what`` (``"dep 'A'"``,
-    ``"the output"``), whose value is ``value``, as a flat tuple over its differentiable leaves,
-    checked against them; ``None`` (whole or at a leaf) means zeros."""
+    """The ``kind`` (cotangent, tangent) ``ct`` that ``rule`` gave for ``what`` (``"dep 'A'"``),
+    whose value is ``value``, checked and flat over its differentiable leaves (None: zeros)."""
     leaves, treedef = jax.tree.flatten(value)
     if ct is None:
         given = [None] * len(leaves)
@@ -136,14 +124,6 @@ def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tup
                              f"real ({dtype})")
         out.append(np.asarray(c, dtype))
     return tuple(out)
-
-
-def _structured(value, flat):
-    """A flat tuple over ``value``'s differentiable leaves in ``value``'s structure, ``None`` at
-    its other leaves."""
-    leaves, treedef = jax.tree.flatten(value)
-    it = iter(flat)
-    return treedef.unflatten([next(it) if is_differentiable(leaf) else None for leaf in leaves])
 
 
 def _pair(result, rule: str, expected: str) -> tuple:

@@ -1,9 +1,6 @@
-"""Derivatives against central finite differences, the numerics of :mod:`daskdag.checks`:
-:func:`check_node`, one node's VJP checked at its deps' values (the check task of
-:func:`daskdag.check_grads`, described in :mod:`daskdag.checks`), and the pieces
-:func:`daskdag.check_totals` shares with it: random unit directions, perturbed inputs in each
-leaf's own dtype, and the comparison of ``<u, J v>`` by differences with the VJP's.
-"""
+"""Derivatives against central finite differences, the numerics of :mod:`daskdag.checks`: one
+node's VJP checked (:func:`check_node`), and what ``check_totals`` shares with it: random
+directions, inputs perturbed in each leaf's own dtype, ``<u, J v>`` compared with the VJP's."""
 
 from __future__ import annotations
 
@@ -23,20 +20,15 @@ if TYPE_CHECKING:
     from daskdag.model.spec import Node
 
 PROJECTIONS = 2  # random (u, v) pairs per node and dep
-# The FD noise allowed for rounding the node's outputs: each output leaf f_i evaluated with a
-# relative error of about ROUNDING machine epsilons (several ops' worth), see check_grads.
-ROUNDING = 4.0
+ROUNDING = 4.0  # the outputs' rounding allowed for, in machine epsilons (several ops' worth)
 
 
 def check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | None,
                rtol: float | None, *deps: Any) -> tuple[tuple[float, dict | None], Any]:
-    """The check task of node ``name`` (see the module's docstring) at its deps' values.
-
-    Returns ``((largest relative error, failure), value)``: ``failure`` is ``None``, or for the
-    first failing dep (by position; its worst projection) the keyword arguments of
-    :class:`~daskdag.GradientCheckError` less ``node``, ``dep`` and ``others``; ``value``, the
-    node's output, for the nodes after it. On the node's device
-    (:mod:`daskdag.model.devices`), its deps' values put there."""
+    """The check task of node ``name`` at its deps' values, on the node's device:
+    ``((largest relative error, failure), the node's value)``. ``failure``: None, or for the
+    first failing dep (its worst projection) :class:`~daskdag.GradientCheckError`'s keyword
+    arguments less ``node``, ``dep`` and ``others``."""
     with devices.on(node.device, name):
         return _check_node(name, node, active, eps, rtol,
                            *devices.put(deps, node.device, name))
@@ -61,7 +53,7 @@ def _check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | No
     failures: dict
     worst, failures = 0.0, {}
     for _ in range(PROJECTIONS):
-        # u in the outputs' own dtypes, as the VJP gets it; conj as jax.test_util.check_vjp
+        # (u in the outputs' own dtypes, as the VJP gets it; conj as jax.test_util.check_vjp)
         ct = tuple(jnp.asarray(np.conj(u).astype(dtype_of(o)))
                    for u, o in zip(unit(rng, outs), outs))
         u = [np.conj(wide(c)) for c in ct]
@@ -70,9 +62,8 @@ def _check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | No
         noise = ROUNDING * machine / eps * np.sqrt(sum(np.sum(np.abs(a * b) ** 2)
                                                        for a, b in zip(u, f)))
         for k, dep_leaves in leaves.items():
-            # A random direction, each leaf's elements then of about its RMS magnitude: the
-            # step moves every element by about eps of its size (a unit vector over N elements
-            # would move each by eps / sqrt(N), drowning a large leaf's step in rounding).
+            # (each leaf's elements scaled to its RMS magnitude, so that the step moves each by
+            # about eps of its size: a unit vector would drown a large leaf's step in rounding)
             size = np.sqrt(sum(np.size(leaf) for leaf in dep_leaves))
             v = [t * size * magnitude(leaf) for t, leaf in zip(unit(rng, dep_leaves), dep_leaves)]
             plus, minus, v = perturbed(inputs[k], v, eps)
@@ -93,9 +84,9 @@ def _check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | No
 
 def compare(fd: float, ad: float, jv: list, f: list, rtol: float, noise: float
              ) -> tuple[float, dict | None]:
-    """``<u, J v>`` by finite differences (``fd``; ``jv``: ``J v`` itself) against the VJP's
-    (``ad``), ``f`` the node's outputs: ``(error relative to the tolerance, times rtol;
-    the failure's fd, ad, error and tolerance, or None where it passed)``."""
+    """``<u, J v>`` by finite differences (``fd``; ``jv``: ``J v``) against the VJP's (``ad``),
+    ``f`` the outputs: ``(error / tolerance * rtol, the failure's fd, ad, error and tolerance,
+    or None where it passed)``."""
     n = sum(a.size * (2 if np.iscomplexobj(a) else 1) for a in f)
     scale = max(abs(fd), abs(ad), np.sqrt(sum(np.sum(np.abs(a) ** 2) for a in jv) / n))
     tolerance = rtol * scale + noise
@@ -104,7 +95,8 @@ def compare(fd: float, ad: float, jv: list, f: list, rtol: float, noise: float
     if error <= tolerance:
         return relative, None
     return (np.inf if np.isnan(relative) else relative,  # (NaN fails)
-            dict(fd=float(fd), ad=float(ad), error=float(error), tolerance=float(tolerance)))
+            {"fd": float(fd), "ad": float(ad), "error": float(error),
+             "tolerance": float(tolerance)})
 
 
 def dtype_of(leaf: Any) -> np.dtype:
@@ -137,10 +129,9 @@ def magnitude(leaf: Any) -> float:
 
 
 def perturbed(tree: PyTree, v: list[np.ndarray], eps: float) -> tuple[PyTree, PyTree, list]:
-    """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each computed in the
-    leaf's own dtype and given back as the leaf's kind (JAX array, NumPy array or scalar,
-    Python number); and the tangent that really happened, ``(plus - minus) / (2 eps)`` (the
-    leaves' rounding included), in float64."""
+    """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each in the leaf's own
+    dtype and kind; and the step that really happened, ``(plus - minus) / (2 eps)`` (rounding
+    included), in float64."""
     leaves, treedef = jax.tree.flatten(tree)
     steps = iter(v)
     plus, minus, happened = [], [], []

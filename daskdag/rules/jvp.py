@@ -1,12 +1,11 @@
-"""JAX's own rule in forward mode: a node's function under ``jax.jvp``, leaf by leaf, as
-:mod:`daskdag.rules.vjp` does for vjp, and any rule run for several directions at once; and
-whether a node's jaxpr can go through ``jax.jvp`` at all (:func:`why_no_jvp`), found on
-shapes."""
+"""JAX's own rule in forward mode: a node under ``jax.jvp``, leaf by leaf; any rule run for
+several directions at once; and whether a node's jaxpr can go through ``jax.jvp`` at all."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +16,8 @@ from daskdag.model.leaves import is_numeric
 from daskdag.model.spec import Node
 from daskdag.rules.vjp import in_brief, of_jaxpr, of_leaves
 
-#: The primitive ``jax.jvp`` leaves where a tangent goes through a ``jax.custom_vjp`` function,
-#: which has no forward-mode rule: it fails when it runs or compiles, not when it is traced.
+#: The primitive ``jax.jvp`` leaves in a ``jax.custom_vjp`` function, which has no forward-mode
+#: rule: it fails when it runs or compiles, not when traced.
 NO_JVP = "custom_lin"
 
 
@@ -28,10 +27,9 @@ def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[
 
 
 def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, leaf by leaf, as
-    :func:`daskdag.rules.vjp.vjp_leaves` does for vjp: the differentiable leaves of the
-    ``active`` args move along ``tangents`` (per arg, a flat tuple), everything else is held
-    constant. The tangent is a flat tuple over the primal's differentiable leaves."""
+    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, the differentiable leaves of
+    the ``active`` args moving along ``tangents`` (per arg, a flat tuple), the rest held. The
+    tangent is flat over the primal's differentiable leaves."""
     diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
     tans = [t for on, ts in zip(active, tangents) if on for t in ts]
     primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
@@ -39,10 +37,8 @@ def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[b
 
 
 def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None = None):
-    """``rule(args, tangents, active)`` for ``k`` directions at once (``tangents`` and the
-    returned tangent carry a leading axis of ``k``): one call under ``jax.vmap``, else, where
-    ``vmap`` cannot trace it, one call per direction. ``chunk``: at most that many directions
-    per call."""
+    """``rule(args, tangents, active)`` for ``k`` directions at once (a leading axis of the
+    tangents): under ``jax.vmap`` (else one call per direction), ``chunk`` at most per call."""
     if chunk is not None and chunk < k:
         parts = [directions(rule, args, jax.tree.map(lambda a: a[s:s + chunk], tuple(tangents)),
                             active, min(chunk, k - s)) for s in range(0, k, chunk)]
@@ -68,8 +64,7 @@ def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None
 
 
 def why_no_jvp(closed, active: Sequence[bool]) -> str | None:
-    """Why ``jax.jvp`` cannot go through a node's jaxpr
-    (:func:`daskdag.rules.vjp.of_jaxpr`), traced on shapes (no arithmetic); None when it can."""
+    """Why ``jax.jvp`` cannot go through a node's jaxpr (traced on shapes); None when it can."""
     diff, held, fn = of_jaxpr(closed, active)
     if not diff:
         return None

@@ -1,15 +1,8 @@
-"""Forward mode as values: a node lifted to its forward-mode pair, ``(x, dx) -> (f(x), J(x) dx)``.
-
-Every kind of call that pushes tangents forward (JVPs, a Jacobian's columns, Hessian-vector
-products) runs its DAG lifted: each node that a tangent reaches takes, where a dep carries one,
-that dep's :class:`Pair` (its value and tangent), and returns its own Pair, the tangent pushed
-by the node's rule (:func:`daskdag.rules.registry.jvp_rule`: JAX's ``jax.jvp``, or your
-``jvp=``). A lifted DAG is a DAG like any other: the same stages, tasks, whole programs,
-stores and sweeps run it; a reverse pass over it gives Hessian-vector products.
-
-A node named in ``wrt`` of such a call takes one more dep, the tangent added at its value
-(:func:`lift`): differentiating by a node is the sensitivity to a change added to its value,
-as a node's gradient is its cotangent, the same in both modes.
+"""Forward mode as values: a node lifted to ``(x, dx) -> (f(x), J(x) dx)`` on :class:`Pair`
+values, the tangent pushed by the node's rule (:func:`daskdag.rules.registry.jvp_rule`). Every
+call that pushes tangents (JVPs, a Jacobian's columns, Hessian-vector products) runs its DAG
+lifted, a DAG like any other; a reverse pass over it gives Hessian-vector products. A node named
+in ``wrt`` takes one more dep, the tangent added at its value.
 """
 
 from __future__ import annotations
@@ -35,9 +28,8 @@ from daskdag.transport.protocol import travels, tree_size
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Pair:
-    """A lifted value: the ``primal`` and its ``tangent``, a flat tuple over its differentiable
-    leaves (:mod:`daskdag.model.leaves`), each with a leading axis of directions where the
-    call pushes several."""
+    """A lifted value: the ``primal`` and its ``tangent``, flat over its differentiable leaves
+    (each with a leading axis of directions where the call pushes several)."""
 
     primal: Any
     tangent: tuple
@@ -46,25 +38,22 @@ class Pair:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class OnTangent:
-    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone
-    (:mod:`daskdag.kinds.hessians`). Never None itself, so no stage takes it for a plain
-    scalar's seed of 1."""
+    """An output's cotangent ``ct`` (None: 1 for a real scalar), seeded on its tangent alone.
+    Never None itself, so no stage takes it for a plain scalar's seed of 1."""
 
     ct: Any = None
 
 
 @seed.register
 def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
-    # (0, ct): the output's tangent is seeded, its value not.
     zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
     return zeros + seed(value.primal, output, ct.ct, batched)
 
 
 class Lift:
-    """A node's function lifted (see the module's docstring): called with its deps' values, a
-    :class:`Pair` where ``active`` (per dep), and, where ``added``, the tangent added at its own
-    value last. ``directions``: each tangent carries a leading axis of directions, pushed together
-    under ``jax.vmap`` (:func:`daskdag.rules.jvp.directions`), at most ``chunk`` at a time."""
+    """A node's function lifted: called with its deps' values, a :class:`Pair` where ``active``,
+    and last, where ``added``, the tangent added at its value. ``directions``: tangents carry a
+    leading axis of directions, pushed together, at most ``chunk`` at a time."""
 
     def __init__(self, node: Node, active: tuple[bool, ...], directions: bool = False,
                  chunk: int | None = None, added: bool = False):
@@ -97,13 +86,10 @@ class Lift:
         return Lift, (self.node, self.active, self.directions, self.chunk, self.added)
 
     def _key(self) -> tuple:
-        # (the node's function as this process runs its content, and the node's options)
         return (current(self.node.fn), self.node.jit, self.node.vmap, self.node.remat,
                 self.active, self.directions, self.chunk, self.added)
 
-    def __eq__(self, other: object) -> bool:
-        # Equal lifts of one node (made by each preparation of a call) are one function to
-        # jax.jit's caches: jitted once, compiled once.
+    def __eq__(self, other: object) -> bool:  # (so that jax.jit compiles equal lifts once)
         return type(other) is Lift and self._key() == other._key()
 
     def __hash__(self) -> int:
@@ -111,7 +97,7 @@ class Lift:
 
 
 def _check_added(primal: Any, added: tuple, directions: bool) -> None:
-    """The tangent given for a node must be shaped like its value's differentiable leaves."""
+    """Refuse a tangent given for a node not shaped like its value's differentiable leaves."""
     want = [tuple(jnp.shape(leaf)) for leaf in differentiable_leaves(primal)]
     got = [tuple(jnp.shape(t))[1 if directions else 0:] for t in added]
     if want != got:
@@ -128,18 +114,15 @@ def zeros(value: Any, k: int | None) -> tuple:
                  for leaf in differentiable_leaves(value))
 
 
-# a lift -> the first equal one made: every preparation of a call lifts its nodes to the same
-# function objects, which the caches keyed by a function's identity (compiled stages) then hit
+# a lift -> the first equal one made, so that caches keyed by a function's identity hit
 _lifts: Cache = Cache("lifted node functions", 1024)
 
 
 def lift(spec: Spec, moving: set[str], added: dict[str, str], directions: bool = False,
          chunk: int | None = None) -> Spec:
-    """``spec`` with every node a tangent reaches lifted (:class:`Lift`): those that take a
-    name in ``moving`` (the inputs that carry tangents), a node lifted before them, or are
-    named in ``added`` (``{node: the input holding the tangent added at its value}``, which
-    becomes its last dep). The lifted nodes keep their options (``jit``, ``vmap``, resources,
-    ``remat``); the others stay as they are."""
+    """``spec`` with every node a tangent reaches lifted, keeping its options: those that take
+    a name in ``moving`` (inputs carrying tangents) or a lifted node, and those in ``added``
+    (``{node: the input holding the tangent added at its value}``, its last dep)."""
     lifted: set[str] = set(moving)
     nodes = {}
     for n in spec.order:

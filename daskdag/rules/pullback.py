@@ -1,13 +1,12 @@
-"""The pullback protocol: what every backward half of a forward pass offers, whoever made it
-(JAX's vjp, the user's rule, a stage's nodes together, a sweep's chunk), so that Dask sizes and
-moves every one the same way, registered once (:func:`daskdag.transport.protocol.travels`).
-"""
+"""The pullback protocol: what every backward half of a forward pass offers, whoever made it,
+so that Dask sizes and moves each the same way."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,8 +16,8 @@ from daskdag.transport.protocol import travels
 
 @dataclass(frozen=True)
 class Batching:
-    """When pulling several cotangents back at once, stacked under ``jax.vmap``, pays for a
-    pullback: from ``least`` cotangents, each of at most ``most_elements`` elements."""
+    """When pulling several cotangents back at once under ``jax.vmap`` pays: from ``least``
+    cotangents, each of at most ``most_elements`` elements."""
 
     least: int
     most_elements: int | None = None
@@ -32,8 +31,7 @@ class Batching:
             for per_output in cts) <= self.most_elements
 
 
-# A compiled program's batched trace is cached, so batching gains from 2 cotangents on. vmap of
-# an eager pullback traces it anew each call: it pays only for many small cotangents.
+# A compiled program's batched trace is cached; vmap of an eager pullback traces it anew.
 COMPILED = Batching(2)
 EAGER = Batching(8, 2 ** 15)
 
@@ -43,18 +41,16 @@ class Pullback(abc.ABC):
     """The backward half of a forward pass at one point.
 
     Call: ``pullback(ct, inputs, dropped=None)``. ``ct``: the cotangent of what the forward
-    pass returned, as flat tuples of leaves (a stage's pullback takes one per exposed node,
-    ``None`` where none flows); ``inputs``: the forward pass's inputs, which the backward task
-    holds anyway; ``dropped()``, asked between two nodes, stops it. Returns one cotangent per
-    input, ``None`` for those held constant. Dask counts it as :meth:`residual_nbytes`.
+    pass returned, flat tuples of leaves (a stage's: one per exposed node, ``None`` where none
+    flows); ``inputs``: the forward pass's, which the backward task holds anyway;
+    ``dropped()``, asked between two nodes, stops it. Returns one cotangent per input, ``None``
+    for those held constant.
     """
 
-    #: When several cotangents are best pulled back at once: :data:`COMPILED` (a program
-    #: ``jax.vmap`` batches once), :data:`EAGER` (JAX's vjp of plain code, traced anew each
-    #: call), None: never (the user's code, or the vjp of a jitted function, which ``vmap``
-    #: recompiles on every call).
+    #: When several cotangents are best pulled back at once; None: never (the user's code, or
+    #: the vjp of a jitted function, which ``vmap`` recompiles on every call).
     batching: Batching | None = None
-    #: JAX can trace it (``jax.vmap`` over a Jacobian's rows); the user's own NumPy code cannot.
+    #: JAX can trace it (``jax.vmap`` over a Jacobian's rows).
     traceable: bool = True
 
     @abc.abstractmethod
@@ -64,15 +60,13 @@ class Pullback(abc.ABC):
 
     def rows(self, cts: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
              ) -> tuple:
-        """The pullback of each row of ``cts`` (each leaf stacked over rows, a Jacobian's):
-        under ``jax.vmap`` (a pullback that cannot be vmapped raises, and is pulled back row by
-        row instead); a compiled program's, by a program of its own, compiled once."""
+        """The pullback of each row of ``cts`` (each leaf stacked over a Jacobian's rows), under
+        ``jax.vmap``; one that cannot be vmapped raises, and is pulled back row by row."""
         return jax.vmap(lambda ct: self(ct, inputs, dropped))(cts)
 
-    def materialize(self, inputs: Sequence[Any]) -> "Pullback":
-        """The pullback a backward task calls, once per cotangent, on these ``inputs``: itself;
-        a pullback that keeps no residuals (``remat``, :mod:`daskdag.rules.remat`) recomputes
-        them here, once for the task, and they go when the task ends."""
+    def materialize(self, inputs: Sequence[Any]) -> Pullback:
+        """The pullback a backward task calls on these ``inputs``: itself, or for one that keeps
+        no residuals (``remat``), one that recomputed them, once for the task."""
         return self
 
     @abc.abstractmethod

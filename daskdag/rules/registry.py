@@ -1,17 +1,12 @@
-"""One registry of differentiation rules, by the kind (type) of a node's function, as
-autodidact keeps its primitives' vjps: how such a node runs under vjp (reverse mode) and under
-jvp (forward mode). A kind not registered is JAX code: :func:`daskdag.rules.vjp.linearize`
-and :func:`daskdag.rules.jvp.jvp`.
-
-Registered: the user's own rules (:mod:`daskdag.rules.custom`), and a sweep's chunk of items
-(:mod:`daskdag.sweeps.chunked`).
-"""
+"""One registry of differentiation rules by the type of a node's function: how such a node runs
+under vjp and jvp (the user's own rules, a sweep's chunk of items). A type not registered is JAX
+code, run by :mod:`daskdag.rules.vjp` and :mod:`daskdag.rules.jvp`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 from daskdag.model.spec import Node
 from daskdag.rules import jvp as jax_jvp, vjp as jax_vjp
@@ -22,17 +17,15 @@ from daskdag.transport.weak import held
 @dataclass(frozen=True)
 class Rules:
     """How nodes of one kind are differentiated. ``linearize(fn, node, args, active) ->
-    (primal, pullback)``; ``push(fn, node, args, tangents, active) -> (primal, tangent)``.
-    ``fn`` is the node's function unpacked; ``args`` the values of its deps; ``active`` per dep
-    whether it is differentiated; ``tangents`` per dep a flat tuple (None where not active)."""
+    (primal, pullback)``; ``push(fn, node, args, tangents, active) -> (primal, tangent)``;
+    ``fn``: the node's function unpacked; ``active``: per dep, whether it is differentiated."""
 
     linearize: Callable | None = None
     push: Callable | None = None
-    #: For a function that maps one element's node over a batch (a sweep's chunk of items):
-    #: ``element(fn) -> (node, in_axes)``, the node one element runs and per dep its batch axis
-    #: (0) or None; ``batch(fn, in_axes, vectorized)``, a function of one element (a fused
-    #: stage's nodes) made to run over the batch the same way (``vectorized``: under
-    #: ``jax.vmap``, else element by element).
+    #: For a function that maps one element's node over a batch (a sweep's chunk):
+    #: ``element(fn) -> (node, in_axes)``, per dep its batch axis (0) or None;
+    #: ``batch(fn, in_axes, vectorized)``, a function of one element made to run over the batch
+    #: the same way (``vectorized``: under ``jax.vmap``, else element by element).
     element: Callable | None = None
     batch: Callable | None = None
 

@@ -1,14 +1,12 @@
-"""Rematerialization (``Node(..., remat=True)``, ``daskdag.remat``): a node's forward task keeps
-no residuals; its backward task runs the node's forward pass again, under the node's own rule
-(:func:`daskdag.rules.registry.linearizer`), and pulls the cotangents back at once, as
-:func:`jax.checkpoint` does. The backward task holds the node's inputs anyway, so a
-:class:`RematPullback` holds only the node and its active deps: Dask counts it as nothing.
-"""
+"""Rematerialization (``Node(..., remat=True)``): a node's forward task keeps no residuals; its
+backward task runs the forward pass again under the node's rule and pulls the cotangents back
+at once, as :func:`jax.checkpoint` does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from daskdag.model.spec import Node
 from daskdag.rules.pullback import Pullback
@@ -16,24 +14,22 @@ from daskdag.rules.registry import linearizer
 
 
 def rule(node: Node) -> Callable:
-    """``f(args, active) -> (primal, pullback)`` for ``node`` as a forward task runs it: its own
-    rule (:func:`~daskdag.rules.registry.linearizer`), or for a ``remat`` node :func:`forward`,
-    which keeps no residuals."""
+    """``f(args, active) -> (primal, pullback)`` for ``node`` as a forward task runs it: its
+    linearizer, or for a ``remat`` node :func:`forward`."""
     return partial(forward, node) if node.remat else linearizer(node)
 
 
 def forward(node: Node, inputs: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, RematPullback)``: the node's value, computed as it is when nothing is
-    differentiated (no vjp, so no residuals even for a moment), and its pullback."""
+    """``(primal, RematPullback)``: the node's value computed undifferentiated (no residuals
+    even for a moment), and its pullback."""
     return node.callable()(*inputs), RematPullback(node, tuple(active))
 
 
 class RematPullback(Pullback):
-    """The backward half of a ``remat`` node: its node and ``active``, no residuals.
-    :meth:`materialize` redoes the forward pass on the backward task's inputs and returns the
-    node's ordinary pullback, used for all the task's cotangents; calling it does both."""
+    """The backward half of a ``remat`` node: no residuals (the backward task holds the inputs).
+    :meth:`materialize` redoes the forward pass and returns the node's ordinary pullback."""
 
-    batching = None  # (not until materialized: then its node's pullback's)
+    batching = None  # (until materialized)
     traceable = False
 
     def __init__(self, node: Node, active: tuple[bool, ...]):
@@ -46,7 +42,7 @@ class RematPullback(Pullback):
         return self.materialize(inputs)(ct, inputs, dropped)
 
     def residual_nbytes(self) -> int:
-        return 0  # (its node's function is the graph's, whatever it closes over)
+        return 0
 
     def __reduce__(self):
         return RematPullback, (self.node, self.active)

@@ -1,10 +1,6 @@
-"""Where cotangents start, and how they add up: an output's seed (1 for a real scalar, else
-the user's cotangent), a Jacobian's rows (the identity over an output's elements), and sums of
-cotangents (flat tuples, one array per differentiable leaf, :mod:`daskdag.model.leaves`).
-:func:`seed` dispatches on the value's type (a lifted value's, :mod:`daskdag.rules.lifted`);
-values over a sweep's chunk are seeded and gathered as the call's :class:`PerItem` says (a
-sweep's own, :mod:`daskdag.sweeps.chunked`, for values it passes item by item).
-"""
+"""Where cotangents start and how they add up: an output's seed (1 for a real scalar, else the
+user's cotangent), a Jacobian's rows (the identity over an output's elements), and sums of
+cotangents (flat tuples). Values over a sweep's chunk are seeded as :class:`PerItem` says."""
 
 from __future__ import annotations
 
@@ -23,17 +19,16 @@ from daskdag.model.leaves import describe, differentiable_leaves, is_differentia
 
 @singledispatch
 def seed(primal, output: str, ct, batched: bool = False) -> tuple:
-    """The cotangent an output starts from: 1 for a real scalar, else the user's ``ct`` (the
-    output's structure, ``None`` where a leaf is held constant), as a flat tuple over the
-    output's differentiable leaves (:mod:`daskdag.rules.pullback`). ``batched``: the output
-    carries a leading item axis (a sweep's chunk); ``ct`` and the checks are one item's, the
-    seed broadcast over the items."""
+    """The cotangent an output starts from, flat: 1 for a real scalar, else the user's ``ct``
+    (the output's structure, ``None`` at leaves held constant). ``batched``: the output has a
+    leading item axis; ``ct`` is one item's, broadcast over the items."""
     if ct is None:
         check_scalar(primal, output, batched)
         return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
-    leaves, treedef = jax.tree.flatten(primal)
-    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p), jnp.result_type(p))
-            if is_differentiable(p) else None for p in leaves]
+    leaves = jax.tree.leaves(primal)
+    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p),
+                                 jnp.result_type(p)) if is_differentiable(p) else None
+            for p in leaves]
     ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
     if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
             i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
@@ -53,8 +48,8 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
 
 
 def check_scalar(primal, output: str, batched: bool = False) -> None:
-    """Raise the :class:`~daskdag.DAGError` that says ``output`` needs a cotangent, unless it is a real
-    scalar (per item, ``batched``), which starts from 1."""
+    """Refuse an ``output`` without a cotangent unless it is a real scalar (per item,
+    ``batched``), which starts from 1."""
     leaves = jax.tree.leaves(primal)
     leaf = leaves[0] if len(leaves) == 1 else None
     shape = () if leaf is None else tuple(np.shape(leaf))
@@ -66,11 +61,10 @@ def check_scalar(primal, output: str, batched: bool = False) -> None:
 
 
 def basis(output: str, primal, colours=None) -> tuple:
-    """The rows of the identity over the elements of ``primal``'s differentiable leaves, in
-    ``jax.tree.leaves`` order, as a cotangent: one ``[rows, *leaf.shape]`` array per leaf.
-    Pulled back, row ``r`` gives the gradient of element ``r``: a row of the Jacobian. With
-    ``colours``, a colour per element (:mod:`daskdag.model.colouring`), row ``k`` is 1 on every
-    element of colour ``k``, and pulled back gives the sum of those elements' gradients."""
+    """The rows of the identity over the elements of ``primal``'s differentiable leaves as a
+    cotangent, one ``[rows, *leaf.shape]`` array per leaf: pulled back, row ``r`` is row ``r``
+    of the Jacobian. With ``colours`` (one per element), row ``k`` is 1 on every element of
+    colour ``k``, pulled back the sum of their gradients."""
     leaves = differentiable_leaves(primal)
     for leaf in leaves:
         if jnp.iscomplexobj(leaf):
@@ -93,9 +87,8 @@ def basis(output: str, primal, colours=None) -> tuple:
 
 
 class PerItem:
-    """How the outputs of a call over a sweep's chunk of items are seeded, and its gradients
-    gathered: each value with a leading item axis (stacked), its seed or a Jacobian's rows per
-    item. A sweep that passes values item by item extends it (:mod:`daskdag.sweeps.chunked`)."""
+    """How a call over a sweep's chunk seeds its outputs and gathers its gradients: values with
+    a leading item axis. A sweep that passes values item by item extends it."""
 
     def __dask_tokenize__(self):
         return type(self).__qualname__
@@ -123,13 +116,11 @@ class PerItem:
 
 def basis_rows(primal, colours=None) -> int:
     """How many rows :func:`basis` has."""
-    if colours is None:
-        return basis_size(primal)
-    return count(np.asarray(colours))
+    return basis_size(primal) if colours is None else count(np.asarray(colours))
 
 
 def basis_size(primal) -> int:
-    """How many rows :func:`basis` has: the elements of ``primal``'s differentiable leaves."""
+    """The elements of ``primal``'s differentiable leaves."""
     return sum(math.prod(jnp.shape(leaf)) for leaf in differentiable_leaves(primal))
 
 
@@ -139,6 +130,5 @@ def total(cts):
 
 
 def add(a: tuple, b: tuple) -> tuple:
-    """Two cotangents (flat tuples) summed leaf by leaf, each sum on its first leaf's device
-    where they are on two (:func:`~daskdag.model.devices.beside`)."""
+    """Two cotangents summed leaf by leaf, each sum on its first leaf's device."""
     return tuple(x + beside(x, y) for x, y in zip(a, b))

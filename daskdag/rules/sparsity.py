@@ -1,35 +1,23 @@
-"""The sparsity pattern of a JAX function's Jacobian, read off its jaxpr.
+"""The sparsity pattern of a JAX function's Jacobian, read off its jaxpr: per active argument, a
+boolean ``(n_out, n_arg)`` CSR array over differentiable leaves (flattened C-order), True where
+an output element may depend on an argument element. It must be sound: a superset of the
+nonzeros at any point.
 
-Per active argument, a boolean ``scipy.sparse.csr_array`` ``(n_out, n_arg)``, True where output
-element ``r`` may depend on argument element ``c``, over differentiable leaves in
-``jax.tree.leaves`` order, each flattened C-order. It must be *sound*: a superset of the
-Jacobian's nonzeros at any point. A function JAX cannot trace abstractly gives None (the caller
-probes instead).
-
-How: the function is traced with abstract arguments (the pattern depends only on shapes, dtypes
-and ``fn``'s own constants), and the jaxpr is interpreted carrying, per variable, a boolean
-matrix ``D`` (one row per element, one column per input element: "may depend on") and, for
-variables that depend on no argument (constants, iota and ops on them), the value. Each
-primitive has a rule, exact only where it can see structure:
-
-* elementwise ops: row ``i`` of the output is the union of row ``i`` of the operands;
-* data movement (slice, gather, pad, ...): the primitive is run on integer arrays holding
-  each operand element's number, which says which element each output element copies;
-* reductions, cumulative ops, ``dot_general``: the element map from index arithmetic (a
-  product depends on an element only where its partner may be nonzero);
-* calls (jit, custom_jvp/vjp, checkpoint): the sub-jaxpr is interpreted (for custom rules,
-  the primal's structure, which the rule's must share).
-
-Any other primitive (control flow, sort, scatter...), or a rule that cannot see enough (an index
-that depends on the arguments), gives every output element the union of all its operands' rows:
-sound, since an output depends only on its operands. Integer and boolean values carry no
-derivative.
+The jaxpr, traced on abstract arguments, is interpreted carrying per variable a boolean matrix
+``D`` (a row per element, a column per input element) and, for variables that depend on no
+argument, the value. Rules, exact only where they see structure: elementwise ops take the union
+of the operands' rows; data movement runs the primitive on each element's number to see what it
+copies; reductions, cumulative ops and ``dot_general`` map elements by index arithmetic; calls
+interpret their sub-jaxpr. Anything else (control flow, sort, an index that depends on the
+arguments) gives every output element the union of all its operands' rows. Integer and boolean
+values carry no derivative.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +71,7 @@ def _fallback(eqn, ops, n):
 
 
 def _elementwise(eqn, ops, n):
-    """Element i of the output from element i of each operand, broadcast NumPy-style (jaxprs
-    have scalar operands, and size-1 axes against full ones)."""
+    """Element i of the output from element i of each operand, broadcast NumPy-style."""
     import scipy.sparse as sp
     shape = eqn.outvars[0].aval.shape
     out = _empty(prod(shape), n)
@@ -107,8 +94,8 @@ MOVES = {"broadcast_in_dim": (0,), "reshape": (0,), "transpose": (0,), "squeeze"
 
 
 def _moves(eqn, ops, n):
-    """The index trick: run the primitive on each data element's number (1 + its place among
-    all data operands' elements), so each output element says which one it copies (0: none)."""
+    """The primitive run on each data element's number (1 + its place among all data
+    operands' elements): each output element says which one it copies (0: none)."""
     import scipy.sparse as sp
     data: Sequence[int] | None = MOVES[eqn.primitive.name]
     data = range(len(ops)) if data is None else data
@@ -159,7 +146,7 @@ def _cumulative(eqn, ops, n):
 
 
 def _may_be_nonzero(d, value) -> np.ndarray:
-    """Per element: whether it may be nonzero (depends on an argument, or a nonzero constant)."""
+    """Per element: it depends on an argument, or is a nonzero constant."""
     if value is None:
         return np.ones(d.shape[0], bool)
     return (np.diff(d.indptr) > 0) | (np.asarray(value).ravel() != 0)
@@ -227,8 +214,7 @@ def _call(eqn, ops, n):
 
 
 def _evaluate(eqn, values):
-    """The outputs' values when every operand's is known (else None each); effects (callbacks,
-    prints) are not run."""
+    """The outputs' values when every operand's is known and it has no effects, else None each."""
     if eqn.effects or any(v is None for v in values):
         return [None] * len(eqn.outvars)
     try:
@@ -259,7 +245,8 @@ def _interpret(jaxpr, consts, ins, n):
 
     def read(v: Any):
         if isinstance(v, jcore.Literal):
-            return _empty(_size(v.aval), n), np.asarray(v.val, dtype=v.aval.dtype)  # type: ignore[attr-defined]
+            value = np.asarray(v.val, dtype=v.aval.dtype)  # type: ignore[attr-defined]
+            return _empty(_size(v.aval), n), value
         return env[v]
 
     for v, c in zip(jaxpr.constvars, consts):
@@ -285,8 +272,8 @@ def _differentiable(leaf) -> bool:
 
 def jaxpr_pattern(fn, args: Sequence[Any],
                   active: Sequence[bool]) -> list[sp.csr_array | None] | None:
-    """Per argument, the boolean ``(n_out, n_arg)`` pattern of ``fn``'s Jacobian in it (None
-    where not ``active``); None when ``fn`` cannot be traced with abstract arguments."""
+    """Per argument, the pattern of ``fn``'s Jacobian in it (None where not ``active``); None
+    when ``fn`` cannot be traced with abstract arguments."""
     import scipy.sparse as sp
     flat = [jax.tree.flatten(a) for a in args]
     traced = [(i, j) for i, (leaves, _) in enumerate(flat) for j, leaf in enumerate(leaves)
@@ -317,11 +304,5 @@ def jaxpr_pattern(fn, args: Sequence[Any],
     outs = _interpret(closed.jaxpr, closed.consts, ins, n)
     rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs) if _inexact(v.aval.dtype)]
     total = sp.csr_array(sp.vstack(rows, format="csr")) if rows else _empty(0, n)
-    result: list[Any] = []
-    for i in range(len(args)):
-        if not active[i]:
-            result.append(None)
-            continue
-        cols = np.concatenate(columns[i] + [np.zeros(0, np.intp)])
-        result.append(sp.csr_array(total[:, cols], dtype=bool))
-    return result
+    return [sp.csr_array(total[:, np.concatenate([*cols, np.zeros(0, np.intp)])], dtype=bool)
+            if on else None for on, cols in zip(active, columns)]

@@ -1,12 +1,12 @@
-"""JAX's own rule: a node's forward pass under ``jax.vjp``, leaf by leaf
-(:mod:`daskdag.model.leaves`), and the :class:`JaxPullback` it leaves behind, which can travel
-to another process as an exported program plus its residual arrays; and whether a node's jaxpr
-can go through ``jax.vjp`` at all (:func:`why_no_vjp`), found on shapes."""
+"""JAX's own rule: a node's forward pass under ``jax.vjp``, leaf by leaf, and the
+:class:`JaxPullback` it leaves, which travels as an exported program plus its residual arrays;
+and whether a node's jaxpr can go through ``jax.vjp`` at all (:func:`why_no_vjp`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +20,9 @@ from daskdag.transport import programs
 
 
 class JaxPullback(Pullback):
-    """The backward half of one node's ``jax.vjp`` at one point, in the process that ran its
-    forward pass: JAX's own vjp function, which holds the residuals. Its ``batching`` is
-    :data:`~daskdag.rules.pullback.EAGER` for JAX's vjp of plain code, as given for a compiled
-    program, else None.
-
-    Moved elsewhere, it travels as :meth:`portable` and arrives as a :class:`ProgramPullback`
-    (an exported program plus its residual arrays, less the node's own inputs), or where the
-    program cannot be exported (a host callback inside) as a :class:`RedonePullback`.
+    """The backward half of one node's ``jax.vjp`` at one point: JAX's vjp function, which
+    holds the residuals. Moved to another process, it arrives as a :class:`ProgramPullback`,
+    or where its program cannot be exported (a host callback inside) a :class:`RedonePullback`.
     """
 
     __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_rows")
@@ -37,7 +32,7 @@ class JaxPullback(Pullback):
         self._node, self.active, self.counts = node, active, counts
         self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
         self.batching = batching if batching is not None or node.jit else EAGER
-        self._rows = rows  # (a compiled program's: its rows' program, ``rows(vjp_fn, cts)``)
+        self._rows = rows  # (a compiled program's own: ``rows(vjp_fn, cts)``)
 
     def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
         return by_arg(self._vjp(list(ct)), self.active, self.counts)
@@ -52,7 +47,8 @@ class JaxPullback(Pullback):
         return sum(a.nbytes for a in jax.tree.leaves(self._vjp) if id(a) not in inputs)
 
     def portable(self) -> dict:
-        """What crosses a process boundary: small metadata plus the residual arrays (NumPy)."""
+        """What crosses a process boundary: metadata, the program and its residual arrays (those
+        that are the node's inputs as slots, which the backward task fills)."""
         base = {"active": self.active, "counts": self.counts, "versions": programs.versions()}
         try:
             closed = jax.make_jaxpr(self._vjp)(self._ct_avals)
@@ -63,8 +59,8 @@ class JaxPullback(Pullback):
                  for k, leaf in enumerate(jax.tree.leaves(arg))}
         slots = [(c, where[id(a)]) for c, a in enumerate(closed.consts) if id(a) in where]
         taken = {c for c, _ in slots}
-        return {**base, "key": key, "program": program, "slots": slots,
-                "consts": [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)]}
+        consts = [None if c in taken else np.asarray(a) for c, a in enumerate(closed.consts)]
+        return {**base, "key": key, "program": program, "slots": slots, "consts": consts}
 
     def __reduce__(self):  # (its residual arrays pickle out of band: Dask's zero-copy frames)
         return received, (self.portable(),)
@@ -77,8 +73,7 @@ def received(form: dict) -> Pullback:
 
 
 class ProgramPullback(Pullback):
-    """A :class:`JaxPullback` received as its exported program and residual arrays; the
-    residuals that are the node's inputs come from the backward task's ``inputs``."""
+    """A :class:`JaxPullback` received as its exported program and residual arrays."""
 
     def __init__(self, form: dict):
         self.form, self.active, self.counts = form, form["active"], form["counts"]
@@ -99,7 +94,7 @@ class ProgramPullback(Pullback):
 
 class RedonePullback(Pullback):
     """A :class:`JaxPullback` whose program could not be exported, received as its node: the
-    node's forward pass is redone here, on the backward task's ``inputs``."""
+    forward pass is redone on the backward task's ``inputs``."""
 
     def __init__(self, form: dict):
         self.form, self.active = form, form["active"]
@@ -115,28 +110,25 @@ class RedonePullback(Pullback):
 
 
 def linearize(node: Node, args: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, Pullback)``: the node's function run once under ``jax.vjp``, differentiating
-    the differentiable leaves of the ``active`` args; everything else is held constant (no
-    cotangent, no backward work)."""
+    """``(primal, Pullback)``: the node's function run once under ``jax.vjp`` in the
+    differentiable leaves of the ``active`` args, everything else held constant."""
     primal, primal_diff, vjp_fn = vjp_leaves(node.callable(), args, active)
     return primal, JaxPullback(node, active, diff_counts(args, active), vjp_fn, tuple(args),
                             ct_avals(primal_diff))
 
 
 def vjp_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, its differentiable leaves, vjp_fn)``: ``jax.vjp`` of ``fn`` at ``args``, leaf
-    by leaf as :func:`linearize` does. ``vjp_fn`` takes and returns lists of leaves. It runs
-    under ``jax.jit`` too, where ``fn``'s output must then be arrays only."""
+    """``(primal, its differentiable leaves, vjp_fn)``: ``jax.vjp`` of ``fn`` at ``args`` as
+    :func:`linearize` does; ``vjp_fn`` takes and returns lists of leaves."""
     diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
     primal_diff, vjp_fn, held = jax.vjp(fn_of_diff, *diff, has_aux=True)
     return rebuild(primal_diff, held), primal_diff, vjp_fn
 
 
 def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
-    """``fn`` as a function of the differentiable leaves of its ``active`` args, for ``jax.vjp``
-    and ``jax.jvp``: ``(diff, fn_of_diff, rebuild)``: those leaves; ``fn_of_diff(*diff)``, the
-    differentiable leaves of ``fn``'s output and, as aux, its other numeric leaves;
-    ``rebuild(out_diff, held)``, once it ran, the output as ``fn`` returned it."""
+    """``fn`` of the differentiable leaves of its ``active`` args: ``(diff, fn_of_diff,
+    rebuild)``: those leaves; ``fn_of_diff(*diff)``, the differentiable leaves of ``fn``'s
+    output and, as aux, its other numeric leaves; ``rebuild(out_diff, held)``, the output."""
     parts = [partition(a, _differentiated) if on else ([[], [a]], _itself)
              for a, on in zip(args, active)]
     diff = [leaf for (taken, _), _ in parts for leaf in taken]
@@ -146,8 +138,7 @@ def of_leaves(fn, args: Sequence[Any], active: tuple[bool, ...]):
         leaves = iter(diff_leaves)  # (shared: each arg's combine takes its own in turn)
         (taken, held, static), out["combine"] = partition(
             fn(*[combine(leaves, rest) for (_, rest), combine in parts]), _held_or_static, 3)
-        # Arrays held constant go through the aux (they may depend on traced inputs); other
-        # leaves (functions, strings) cannot be traced and are kept as they are.
+        # (held arrays go through the aux: they may depend on traced inputs)
         out["static"] = static
         return taken, held
 
@@ -162,7 +153,7 @@ def _differentiated(leaf) -> int:
 
 
 def _held_or_static(leaf) -> int:
-    """An output's leaf: 0, differentiated; 1, numeric but held constant; 2, anything else."""
+    """An output's leaf: 0, differentiated; 1, numeric but held; 2, anything else."""
     return 0 if is_differentiable(leaf) else 1 if is_numeric(leaf) else 2
 
 
@@ -172,8 +163,8 @@ def _itself(_, rest):
 
 
 def by_arg(flat: Sequence[Any], active: tuple[bool, ...], counts: tuple[int, ...]) -> tuple:
-    """Cotangent leaves in :func:`vjp_leaves` order as a tuple aligned with the args: each
-    active arg's leaves (``counts`` of them), ``None`` for the others."""
+    """Cotangent leaves in :func:`vjp_leaves` order as one tuple of ``counts`` leaves per active
+    arg, ``None`` for the others."""
     out, at = [], 0
     for on, n in zip(active, counts):
         out.append(tuple(flat[at:at + n]) if on else None)
@@ -191,10 +182,9 @@ def ct_avals(primal_diff) -> list:
 
 
 def of_jaxpr(closed, active: Sequence[bool]) -> tuple[list, list, Callable]:
-    """A node's jaxpr (a ``ClosedJaxpr``: :class:`daskdag.model.shapes.Traced`) as a function of
-    its differentiated inputs, as :func:`of_leaves` makes a node's function: ``(diff, held,
-    fn)``, the shapes of the floating-point inputs where ``active`` (per input) and of the
-    others, and ``fn(held, *diff)``, the jaxpr's floating-point outputs."""
+    """A node's ``ClosedJaxpr`` as a function of its differentiated inputs: ``(diff, held,
+    fn)``, the shapes of the floating-point inputs where ``active`` and of the others, and
+    ``fn(held, *diff)``, the jaxpr's floating-point outputs."""
     run = jcore.jaxpr_as_fun(closed)
     ins = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
     on = [bool(a) and jnp.issubdtype(s.dtype, jnp.inexact) for a, s in zip(active, ins)]
@@ -209,8 +199,7 @@ def of_jaxpr(closed, active: Sequence[bool]) -> tuple[list, list, Callable]:
 
 
 def why_no_vjp(closed, active: Sequence[bool]) -> str | None:
-    """Why ``jax.vjp`` cannot go through a node's jaxpr (:func:`of_jaxpr`): its forward pass,
-    then its pullback, traced on shapes (no arithmetic); None when it can."""
+    """Why ``jax.vjp`` cannot go through a node's jaxpr (traced on shapes); None when it can."""
     diff, held, fn = of_jaxpr(closed, active)
     if not diff:
         return None

@@ -1,7 +1,5 @@
-"""Checks on a ``distributed`` cluster before a graph goes to it, for failures that would
-otherwise be cryptic or silent: a closed client, no worker (or none offering a node's resource,
-or none having its device), workers under other JAX versions (whose backward programs may
-compute something else).
+"""Checks on a ``distributed`` cluster before a graph goes to it: a closed client, no worker (or
+none offering a node's resources or device), workers under other versions.
 """
 
 from __future__ import annotations
@@ -20,24 +18,23 @@ from daskdag.model.plan import Plan
 from daskdag.transport.programs import versions
 from daskdag.running import workers as worker_setup
 import daskdag.config as config
+
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
+_told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered the serializers
+_placed: weakref.WeakSet = weakref.WeakSet()  # clients whose workers set up their JAX platform
 _same_versions: set[tuple[str, str | None]] = set()  # (address, local directory) of workers checked
 _devices: dict[tuple[str, str | None], tuple[str, ...]] = {}  # a worker's devices, as above
 KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
 VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
 _lock = threading.Lock()
-#: Seconds for which a client's check stands for its next calls (a loop's steps): the workers
-#: it found, checked. A worker lost meanwhile is the waiting call's to see (:class:`Watch`).
-RECHECK = 1.0
+RECHECK = 1.0  # seconds for which a client's check stands for its next calls
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> (time, workers)
 
 
 def workers(client, timeout: float | None = None) -> dict[str, dict]:
-    """``{address: info}`` of the cluster's workers, asked of the scheduler now (not
-    ``client.scheduler_info()``, whose cached copy may lack them); ``timeout``: seconds to wait
-    (default: distributed's connect timeout) before ``TimeoutError``."""
-    return client.sync(client.scheduler.identity, n_workers=-1,
-                       callback_timeout=timeout)["workers"]
+    """``{address: info}`` of the cluster's workers, asked of the scheduler now (its cached
+    ``client.scheduler_info()`` may lack them)."""
+    return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
 
 
 def unreachable(e: Exception) -> str:
@@ -46,19 +43,12 @@ def unreachable(e: Exception) -> str:
 
 
 def check(client, plan: Plan) -> dict[str, dict]:
-    """Raise :class:`~daskdag.ClusterError` naming the client, node or workers concerned; else
-    return the workers found (:func:`workers`).
-
-    A check stands for :data:`RECHECK` seconds (a refusal is always asked again). With no worker
-    yet, or none offering a node's resources, it waits up to ``daskdag.worker-wait`` for one,
-    asking the way a task would, so adaptive clusters scale up. Then, once per client, after
-    the version check, it registers daskdag's worker plugins (:func:`platform_on_workers`,
-    :func:`serializers_on_workers`, :func:`tune_workers`).
-    """
+    """The workers found, else a :class:`~daskdag.ClusterError`; it waits up to
+    ``daskdag.worker-wait`` for workers (offering the nodes' resources), then registers
+    daskdag's worker plugins. A pass stands for :data:`RECHECK` seconds."""
     check_client(client)
     last = _checked.get(client)
     if last is not None and time.monotonic() - last[0] < RECHECK:
-        # (what the scheduler said a moment ago)
         if _unmet(plan, last[1]) is None and _no_device(plan, last[1]) is None:
             tune_workers(client)
             platform_on_workers(client)
@@ -74,29 +64,20 @@ def check(client, plan: Plan) -> dict[str, dict]:
     return found
 
 
-_told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered the serializers
-_placed: weakref.WeakSet = weakref.WeakSet()  # clients whose workers set up their JAX platform
-
-
 def platform_on_workers(client) -> None:
-    """Register :class:`daskdag.running.workers.Platform` with ``client``'s scheduler, under
-    ``daskdag.worker-platform``, once per client object (before anything of daskdag's imports
-    JAX in the workers), so that every worker, now or later, runs JAX on its CPU unless it is
-    meant to own an accelerator. A worker that cannot set up its platform is a
-    :class:`~daskdag.ClusterError`, at every call until it is fixed."""
+    """Register :class:`daskdag.running.workers.Platform` once per client object (a failure is
+    a :class:`~daskdag.ClusterError`, at every call until fixed)."""
     if client in _placed:
         return
     try:
-        client.register_plugin(worker_setup.Platform(worker_platform()),
-                               name=worker_setup.PLATFORM)
+        client.register_plugin(worker_setup.Platform(worker_platform()), name=worker_setup.PLATFORM)
     except RuntimeError as e:
         raise ClusterError(f"{describe(client)}: {e}") from e
     _placed.add(client)
 
 
 def worker_platform() -> str:
-    """The setting ``daskdag.worker-platform``, one of
-    :data:`daskdag.running.workers.SETTINGS`."""
+    """The setting ``daskdag.worker-platform``, checked."""
     setting = config.get("worker-platform")
     if setting not in worker_setup.SETTINGS:
         raise DAGError(f"daskdag.worker-platform is {setting!r}: give one of "
@@ -105,9 +86,7 @@ def worker_platform() -> str:
 
 
 def serializers_on_workers(client) -> None:
-    """Register :class:`daskdag.running.workers.Serializers` with ``client``'s scheduler, once
-    per client object, so that every worker, now or later, knows daskdag's serializers before
-    it runs any of daskdag's tasks."""
+    """Register :class:`daskdag.running.workers.Serializers` once per client object."""
     if client in _told:
         return
     _told.add(client)
@@ -115,9 +94,7 @@ def serializers_on_workers(client) -> None:
 
 
 def tune_workers(client) -> None:
-    """Register :class:`daskdag.running.workers.TuneMalloc` with ``client``'s scheduler, once per
-    client object, where ``daskdag.tune-workers`` is true (off by default). A failure warns and
-    never stops the call: the workers only stay slower."""
+    """Register :class:`daskdag.running.workers.TuneMalloc` once, if ``daskdag.tune-workers``."""
     if client in _tuned or not config.get("tune-workers"):
         return
     _tuned.add(client)  # before trying: a failing registration is not retried on every call
@@ -137,11 +114,15 @@ def check_client(client) -> None:
 
 
 def describe(client) -> str:
-    """``client <id> (scheduler <address>)``; a closed client no longer knows its scheduler's
-    address unless it was made from a cluster object."""
-    address = (client.scheduler.address if client.scheduler is not None else
-               getattr(client.cluster, "scheduler_address", None))
+    """``client <id> (scheduler <address>)``."""
+    address = scheduler_address(client)
     return f"client {client.id}" + (f" (scheduler {address})" if address else "")
+
+
+def scheduler_address(client) -> str | None:
+    """The address of ``client``'s scheduler, where known (a closed client may not)."""
+    return (client.scheduler.address if client.scheduler is not None else
+            getattr(client.cluster, "scheduler_address", None))
 
 
 def _probe() -> None:
@@ -149,9 +130,8 @@ def _probe() -> None:
 
 
 def _waited(client, wait: float, needs: dict | None = None) -> dict[str, dict]:
-    """The workers once one (offering ``needs``) ran a probe task, or after ``wait`` seconds.
-    A task waiting for a worker is what makes an adaptive cluster scale up
-    (``Scheduler.adaptive_target``), so the wait is on one, not on the worker list alone."""
+    """The workers once one (offering ``needs``) ran a probe task (which makes an adaptive
+    cluster scale up), or after ``wait`` seconds."""
     probe = client.submit(_probe, pure=False, key=f"daskdag-worker-wait-{uuid.uuid4().hex}",
                           resources=needs)
     try:
@@ -177,16 +157,13 @@ def _unmet(plan: Plan, workers: dict) -> tuple[str, dict] | None:
     """The first needed node whose resources no worker offers, and its needs; else None."""
     for n in plan.needed:
         needs = plan.spec.nodes[n].needs
-        if needs and not any(all(w.get("resources", {}).get(r, 0) >= amount
-                                 for r, amount in needs.items()) for w in workers.values()):
+        if needs and not _offering(needs, workers):
             return n, dict(needs)
     return None
 
 
 def _wait_for_resources(client, plan: Plan, found: dict) -> dict[str, dict]:
-    """The workers once some offer every needed node's resources: up to ``daskdag.worker-wait``
-    for those no worker offers yet (a GPU worker an adaptive cluster is starting), then a
-    :class:`~daskdag.ClusterError` naming the node."""
+    """The workers once some offer every needed node's resources (up to a wait)."""
     unmet = _unmet(plan, found)
     if unmet is None:
         return found
@@ -209,14 +186,13 @@ def _wait_for_resources(client, plan: Plan, found: dict) -> dict[str, dict]:
 
 
 def _offering(needs: dict, workers: dict) -> list[str]:
-    """The addresses of the workers that offer the resources ``needs``."""
     return [a for a, w in workers.items()
             if all(w.get("resources", {}).get(r, 0) >= amount for r, amount in needs.items())]
 
 
 def _no_device(plan: Plan, workers: dict) -> tuple[str, str, dict] | None:
-    """The first needed node whose device no worker that could run it has (workers not asked
-    yet may have it), that device, and those workers' devices; else None."""
+    """A needed node whose device no worker that could run it may have, that device, and those
+    workers' devices; else None."""
     for n in plan.needed:
         node = plan.spec.nodes[n]
         if node.device is None or node.device == devices.DEFAULT:
@@ -229,9 +205,8 @@ def _no_device(plan: Plan, workers: dict) -> tuple[str, str, dict] | None:
 
 
 def _check_devices(client, plan: Plan, listed: dict[str, dict]) -> None:
-    """Ask the workers not asked yet for their devices (:func:`daskdag.model.devices.here`),
-    where some needed node has a device; raise :class:`~daskdag.ClusterError` naming the first
-    node whose device no worker that could run it has, and their devices."""
+    """Where some needed node has a device, ask the workers not asked yet for theirs; a
+    :class:`~daskdag.ClusterError` names a node whose device no worker that could run it has."""
     if all(plan.spec.nodes[n].device in (None, devices.DEFAULT) for n in plan.needed):
         return
     known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
@@ -258,8 +233,7 @@ def _check_devices(client, plan: Plan, listed: dict[str, dict]) -> None:
 
 
 def _check_versions(client, listed: dict[str, dict]) -> None:
-    # Each worker process once, known by its address and its local directory (made anew for
-    # each worker process: one replaced at the same address may run other versions).
+    # Each worker process once, by its address and local directory (new for each process).
     known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
     ask = [a for a, k in known.items() if k not in _same_versions or k[1] is None]
     if not ask:
@@ -268,14 +242,12 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
     try:
         found = client.run(versions, workers=ask, on_error="return", callback_timeout=VERSIONS_WAIT)
     except TimeoutError:
-        # A worker that died as it joined stays listed, and reaching it waits for the connect
-        # timeout: the call goes on, and the next call asks again.
+        # (a worker that died as it joined stays listed: the next call asks again)
         return
     with _lock:
         _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
         while len(_same_versions) > KNOWN_WORKERS:
             _same_versions.pop()
-    # A worker that could not be reached says nothing about versions: it is asked again later.
     wrong = {addr: v for addr, v in found.items()
              if v != here and not isinstance(v, (OSError, TimeoutError))}
     if wrong:
@@ -288,10 +260,9 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
 
 
 class Watch:
-    """Whether a call waiting on ``client``'s cluster can still finish there: :meth:`check`,
-    called now and then, raises :class:`~daskdag.ClusterError` once no worker could run the
-    call (none at all, or none offering a node's resources) for longer than
-    ``daskdag.worker-wait``; workers back within that time take the call up again."""
+    """Whether a call waiting on ``client``'s cluster can still finish there: :meth:`check`
+    raises :class:`~daskdag.ClusterError` once no worker could run the call for longer than
+    ``daskdag.worker-wait``."""
 
     def __init__(self, client, plan: Plan | None = None):
         self.client, self.plan = client, plan
@@ -302,8 +273,7 @@ class Watch:
         self.lost = 0  # the most workers seen meanwhile gone
 
     def check(self, found: dict | None = None, failed: Exception | None = None) -> None:
-        """``found``: the workers (:func:`workers`) just asked of the scheduler, or ``failed``:
-        what asking raised; else it asks."""
+        """``found``: the workers just asked for, or ``failed``: what asking raised."""
         if found is None and failed is None:
             try:
                 found = workers(self.client, timeout=self.ask)
@@ -325,9 +295,7 @@ class Watch:
     def _problem(self, found: dict) -> str | None:
         if not found:
             return "the cluster has no worker left"
-        if self.plan is None:
-            return None
-        unmet = _unmet(self.plan, found)
+        unmet = _unmet(self.plan, found) if self.plan is not None else None
         if unmet is not None:
             return f"no worker left offers the resources {unmet[1]} that node {unmet[0]!r} needs"
         return None

@@ -14,22 +14,15 @@ counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.Clust
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import dask.config
-import dask.local
-import dask.multiprocessing
-import dask.threaded
 import jax
 
 if TYPE_CHECKING:
-    import distributed
+    pass
 
-from daskdag.errors import DAGError
-from daskdag.transport import protocol
 from daskdag.graph.whole import OneTask
 from daskdag.model import implicit
 from daskdag.running import events
@@ -37,88 +30,6 @@ from daskdag.running.cluster import Watch
 from daskdag.running.local import SCHEDULERS, Filled, threads
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
-# The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them, to the ones
-# daskdag runs (local.SCHEDULERS).
-NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
-         "synchronous": "sync", "single-threaded": "sync", "processes": "processes",
-         "multiprocessing": "processes"}
-
-
-def where(client, scheduler) -> tuple[Any, str | None]:
-    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here
-    (``"threads"``, ``"sync"`` or ``"processes"``), as ``dask.compute`` decides: ``scheduler=``
-    or ``client=``, then Dask's ``scheduler`` setting, then the default client, else threads."""
-    found = _where(client, scheduler)
-    if found[0] is not None:  # (a cluster: distributed's serializers for daskdag's objects)
-        protocol.with_distributed()
-    return found
-
-
-def _where(client, scheduler) -> tuple[Any, str | None]:
-    if scheduler is None:
-        if client is not None:
-            return client, None
-        setting = dask.config.get("scheduler", None)
-        if setting is not None:
-            return _setting(setting)
-        client = active_client()
-        return client, None if client is not None else "threads"
-    if is_client(scheduler):
-        if client is not None and client is not scheduler:
-            raise DAGError("client= and scheduler= name two different clients: give one")
-        return scheduler, None
-    if not isinstance(scheduler, str) or scheduler.lower() not in NAMES:
-        raise DAGError(f"scheduler must be one of {sorted(NAMES)} or a distributed.Client, "
-                       f"got {scheduler!r}")
-    if client is not None:
-        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
-                       f"cluster: give one or the other")
-    return None, NAMES[scheduler.lower()]
-
-
-# Dask's local schedulers' functions, as dask.config.set(scheduler=...) may name them.
-_FUNCTIONS = {dask.threaded.get: "threads", dask.local.get_sync: "sync",
-              dask.multiprocessing.get: "processes"}
-
-
-def _setting(setting) -> tuple[Any, str | None]:
-    """Where Dask's ``scheduler`` setting runs a call (as ``dask.base.get_scheduler`` reads it)."""
-    if isinstance(setting, str):
-        name = setting.lower()
-        if name in NAMES:
-            return None, NAMES[name]
-        if name in ("dask.distributed", "distributed"):  # (what a default Client sets)
-            client = active_client()
-            return client, None if client is not None else "threads"
-    elif is_client(setting):
-        return setting, None
-    elif callable(setting):
-        if setting in _FUNCTIONS:
-            return None, _FUNCTIONS[setting]
-        if is_client(getattr(setting, "__self__", None)):  # a Client's .get
-            return setting.__self__, None
-    raise DAGError(f"dask.config's scheduler is {setting!r}, which daskdag cannot run a call on: "
-                   f"set it to one of {sorted(NAMES)}, 'dask.distributed' or a distributed.Client")
-
-
-def is_client(obj) -> bool:
-    """Whether ``obj`` is a ``distributed.Client`` (none can be while ``distributed`` is not
-    imported: it is imported only for a cluster)."""
-    module = sys.modules.get("distributed")
-    return module is not None and isinstance(obj, module.Client)
-
-
-def active_client() -> distributed.Client | None:
-    """The ``distributed`` client in use, if any (none is ever started here)."""
-    module = sys.modules.get("distributed")
-    if module is None:  # (no client exists before distributed is imported)
-        return None
-    try:
-        return module.default_client()
-    except ValueError:
-        return None
-
-
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
             plan=None) -> dict:
     """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, a prepared local call's

@@ -1,7 +1,5 @@
-"""What daskdag reads of Dask's threaded scheduler (``dask.local``) that Dask does not document,
-in one place, so that a Dask release that changes it fails ``tests/test_internal_dask_local.py``
-rather than silently changing how local calls run.
-"""
+"""What daskdag reads of Dask's threaded scheduler that Dask does not document, in one place
+(checked by ``tests/test_internal_dask_local.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +8,7 @@ from typing import Any
 
 
 def batch_tasks(args: tuple) -> list[tuple[Any, Any]]:
-    """``(key, task)`` of each task of the batch that ``dask.local`` submitted with ``args``
-    (the arguments after the function)."""
+    """``(key, task)`` of each task of the batch ``dask.local`` submitted with ``args``."""
     return [(key, task) for key, (task, _), *_ in args[0]]
 
 

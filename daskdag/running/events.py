@@ -1,8 +1,5 @@
-"""What tasks on a cluster's workers tell their client while they run, through distributed's
-event log (``Worker.log_event``, ``Client.subscribe_topic``): a sweep's progress, the solves of
-implicit nodes. Several calls or sweeps of one client may listen to one topic at once: each
-event goes to every listener of its topic, which keeps what is its own.
-"""
+"""What tasks on workers tell their client while they run, through distributed's event log:
+each event goes to every listener of its topic, which keeps what is its own."""
 
 from __future__ import annotations
 
@@ -21,12 +18,8 @@ _subscribed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -
 
 @contextlib.contextmanager
 def listening(client, topic: str, handler: Callable[[Any], None]) -> Iterator[None]:
-    """Within it, ``handler(message)`` for each event of ``topic`` that reaches ``client`` (in
-    its event loop's thread). The subscription is sent before anything submitted within it,
-    and a worker's events reach the client before the completion of a task that it reported
-    after them. A client stays subscribed to a topic once it was: an event that reaches it
-    when no one listens (from a task of a call that ended early) is dropped here, where
-    distributed would log an error for a topic it has no handler for."""
+    """Within it, ``handler(message)`` for each event of ``topic`` reaching ``client``. A client
+    stays subscribed: an event no one listens to is dropped here (distributed would log one)."""
     where, me = (client.id, topic), object()
     with _lock:
         _listeners.setdefault(where, {})[id(me)] = handler

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import dask
-from dask.callbacks import Callback
 
 from daskdag.cancel import Stop
 from daskdag.errors import DAGError
@@ -21,9 +20,9 @@ from daskdag.model import implicit
 from daskdag.model.plan import Plan
 from daskdag.running import cluster, log, resident
 from daskdag.running import workers as worker_setup
-from daskdag.running.compute import active_client, compute
+from daskdag.running.compute import compute
 from daskdag.running.lazy import Call
-from daskdag.running.programs import Program
+from daskdag.running.programs import Held, Program, active_client, one_program_here
 from daskdag.transport import transports
 from daskdag.transport.scope import loads
 from daskdag.transport.transports import Transport
@@ -152,6 +151,12 @@ class Kind(Protocol):
     def job(self, program: Program, x: Any, data: tuple, why: str | None, where: str) -> Job:
         ...
 
+    def directly(self, program: Program, x: Any, data: tuple, where: str) -> Any:
+        ...
+
+    def entry(self, program: Program, x: Any, where: str) -> Any:
+        ...
+
 
 def not_on_processes(what: str) -> str:
     """Why ``what`` does not run on Dask's multiprocessing scheduler."""
@@ -164,16 +169,30 @@ def not_on_processes(what: str) -> str:
 LAZY = "lazy (where Dask computes it)"
 
 
-def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool) -> Any:
+def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bool,
+         held: Held | None = None) -> Any:
     """A call of ``kind`` computed now (:func:`run`): on ``client``, else on Dask's ``local``
-    scheduler; on its multiprocessing scheduler, as its lazy call (:func:`computed`)."""
+    scheduler; on its multiprocessing scheduler, as its lazy call (:func:`computed`).
+    ``held``: a prepared function's programs, which serve it (else the eager calls' cache);
+    one that runs as one program here is run so, and its entry held for the next calls."""
     if local == "processes":
         program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
         return on_processes(as_collection(kind.job(program, x, data, why=why,
                                                    where=log.where(None, local))), progress)
-    program, why = kind.compile(x, data, transport=transports.for_call(client))
-    return run(kind.job(program, x, data, why=why, where=log.where(client, local)), client,
-               local, progress)
+    transport, where = transports.for_call(client), log.where(client, local)
+    if held is None:
+        program, why = kind.compile(x, data, transport=transport)
+    else:
+        program, why, key = held.program(kind, x, data, transport)
+        if why is None and one_program_here(client, local, progress):
+            if not data and local == "threads" and key is not None:
+                entry = kind.entry(program, x, where)
+                if entry is not None:
+                    held.hold_entry(key, entry)
+            result = kind.directly(program, x, data, where)
+            if result is not None:
+                return result
+    return run(kind.job(program, x, data, why=why, where=where), client, local, progress)
 
 
 def on_processes(collection: Any, progress: bool) -> Any:
@@ -213,13 +232,6 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
     program, why = kind.compile(x, data, transport=transports.for_call(active_client(),
                                                                         lazy=True))
     return as_collection(kind.job(program, x, data, why=why, where=LAZY))
-
-
-def one_program_here(client, local: str | None, progress: bool) -> bool:
-    """Whether a call may run as one program in this process (:attr:`Job.direct`): no cluster,
-    not Dask's multiprocessing scheduler, and nothing watching its graph's tasks (a progress
-    bar, another Dask callback)."""
-    return client is None and local != "processes" and not progress and not Callback.active
 
 
 def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):

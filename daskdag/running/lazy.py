@@ -1,20 +1,9 @@
-"""A call as a Dask collection: built now, computed later, alone or with other Dask work.
-
-A :class:`Call` wraps a call's graph (``{output: (value, {name: grad})}`` of ``Delayed``) and how
-to make the eager function's result of it. Its keys are content keys, so two calls computed
-together share the forward tasks they have in common.
-
-The cluster checks of an eager call (:func:`daskdag.running.cluster.check`) run when Dask asks
-for the graph with a ``distributed`` client in effect, before any task is sent (``distributed``
-does not call ``__dask_optimize__`` on the client, so the graph's accessor is the last place).
-"""
+"""A call as a Dask collection (:class:`Call`), computed later, alone or with other Dask work."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import dask
 import dask.threaded
@@ -24,7 +13,7 @@ from dask.highlevelgraph import HighLevelGraph
 from daskdag.running import cluster
 from daskdag.graph.assembly import kind_of
 from daskdag.model.plan import Plan
-from daskdag.running.compute import is_client
+from daskdag.running.programs import is_client
 from daskdag.transport import protocol
 from daskdag.transport.scope import JaxSettings, within
 
@@ -50,8 +39,7 @@ class Call(DaskMethodsMixin):
     @classmethod
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any], keep: Any = None
            ) -> "Call":
-        """From a built ``{output: (value, {name: grad})}`` and ``finish``, which makes the
-        result of it computed; ``keep``: what the call keeps alive (its DAG's entries)."""
+        """From a built graph and ``finish`` (of its results); ``keep``: what it keeps alive."""
         keys = []
         for value, grads in built.values():
             keys.append(value.key)
@@ -73,7 +61,7 @@ class Call(DaskMethodsMixin):
 
     def __dask_graph__(self) -> HighLevelGraph:
         client = _distributed_client()
-        if client is not None:  # about to go to that cluster: check it first (module docstring)
+        if client is not None:  # (distributed calls no __dask_optimize__: this is the last place)
             protocol.with_distributed()
             cluster.check(client, self._plan)
         if isinstance(self._dask, HighLevelGraph):
@@ -123,14 +111,13 @@ class Call(DaskMethodsMixin):
         n = len(self._dask) if not isinstance(self._dask, HighLevelGraph) else sum(
             len(layer) for layer in self._dask.layers.values())
         state = "persisted" if self._persisted_ else "not computed"
-        return f"daskdag.Call(outputs={list(self.outputs)}, wrt={list(self.wrt)}, {n} tasks, {state})"
+        return (f"daskdag.Call(outputs={list(self.outputs)}, wrt={list(self.wrt)}, {n} tasks, "
+                f"{state})")
 
 
 class _Finish:
-    """The computed values of a :class:`Call`'s keys, in order, back in the structure
-    ``{output: (value, {name: grad})}`` its function takes, then that function's result, under
-    the JAX settings of the thread that made it, as the call's tasks run (wherever Dask
-    finalizes it)."""
+    """``finish`` of a :class:`Call`'s computed values, back in their structure, under the
+    JAX settings of the thread that made it."""
 
     def __init__(self, structure: list, finish: Callable[[dict], Any]) -> None:
         self.structure, self.finish = structure, finish

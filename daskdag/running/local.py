@@ -1,15 +1,7 @@
-"""Running a call's graph in this process: Dask's threaded scheduler, with tasks too short to gain
-from a thread of their own run in the calling thread.
-
-A task handed to a pool thread and back costs two thread wake-ups, as much as a tiny node's work
-under the GIL; threads pay off for nodes that wait or release the GIL for long. So
-:class:`Inline`, the pool a call's tasks are submitted to, runs a task in the calling thread
-when it is the only task running, or when it is known to be short (:data:`SHORT`): a forward
-task whose node functions took less recently, a backward task whose forward did, a task that
-only picks or sums values. Any other goes to the pool, so independent stages of unknown or long
-duration run side by side from the first call on. A call whose forward tasks are all known to
-be short, but one at most, runs its tasks in order (:func:`in_order`). Durations are measured on
-every call, so a node that turns slow goes back to the pool the next time.
+"""Running a call's graph in this process, on Dask's threaded scheduler: a task runs in the
+calling thread when it is the only one running or known to be short (:data:`SHORT`, measured on
+recent calls), as a thread's round trip costs as much as a tiny node's work. Also a prepared
+call's graph built once (:class:`Template`), and run whole in one task (:class:`GraphInOneTask`).
 """
 
 from __future__ import annotations
@@ -54,10 +46,8 @@ _threads: list = []  # the pool, once made
 
 
 def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
-    """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool; or, when every forward
-    task but one at most was short recently, :func:`in_order`. (From a thread other than the
-    main one, plain ``dask.threaded.get``, which gives each calling thread a pool of its own.)
-    ``functions``: each forward task's :func:`functions_of`, where known already."""
+    """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool, or :func:`in_order`
+    where every forward task but one at most is short; ``functions``: known ones'."""
     if threading.current_thread() is not threading.main_thread():
         return dask.threaded.get(dsk, keys, **kwargs)
     timer = _Timer(keys[0], functions or {})
@@ -69,11 +59,7 @@ def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
 
 
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
-    """The values of ``keys``: ``dsk``'s tasks run one after another in this thread, in the
-    order the graph holds them (each task after the tasks it takes:
-    ``daskdag.graph.assembly.TaskGraph``), each value let go once no later task takes it;
-    ``timer`` times the forward tasks. For short tasks, whose work Dask's synchronous
-    scheduler's books per task would outweigh."""
+    """The values of ``keys``, ``dsk``'s tasks run here in order, each let go once unused."""
     takers = Counter(d for task in dsk.values() for d in task.dependencies)
     values: dict[Any, Any]
     wanted, values = set(keys), {}
@@ -94,23 +80,19 @@ FORWARD = ("fwd", "jvp")
 
 
 def slot(kind: str, name: str = "") -> TaskRef:
-    """Where a :class:`Template` takes a value anew at each call: an input's (``kind``
-    ``"input"``), a tangent's (``"tangent"``), an output's cotangent (``"cotangent"``), the
-    call's stop signal (``"stop"``)."""
+    """Where a :class:`Template` takes a value at each call; ``kind``: ``"input"``,
+    ``"tangent"``, ``"cotangent"`` or ``"stop"``."""
     return TaskRef(f"slot:{kind}:{name}")
 
 
 class Template:
-    """A local call's graph, built once by a prepared call with :func:`slot` s where its inputs
-    (and the stop signal the stages watch) go, and filled at each call (:meth:`fill`): the
-    tasks are Dask's own, made once and run as they are, each call in a graph of its own."""
+    """A local call's graph, built once with :func:`slot` s, and filled at each call."""
 
     def __init__(self, built: dict) -> None:
         leaves, self.structure = jax.tree.flatten(built)  # (Delayed objects are leaves)
         self.dsk = dict(leaves[0].dask)
         self.keys = [d.key for d in leaves]
-        self.functions = {k: functions_of(t) for k, t in self.dsk.items()
-                          if kind_of(k) in FORWARD}
+        self.functions = {k: functions_of(t) for k, t in self.dsk.items() if kind_of(k) in FORWARD}
 
     def __getstate__(self) -> dict:  # (where it is sent, it runs in order: untimed)
         return {**self.__dict__, "functions": {}}
@@ -123,9 +105,7 @@ class Template:
 
 
 class Filled:
-    """A :class:`Template` filled for one call: its graph as a dict, the keys it computes,
-    their ``{output: (value, {name: grad})}`` structure, and its forward tasks'
-    :func:`functions_of`."""
+    """A :class:`Template` filled for one call."""
 
     __slots__ = ("dsk", "keys", "structure", "functions")
 
@@ -134,10 +114,7 @@ class Filled:
 
 
 class _Timer:
-    """The forward tasks of one call, timed (by :class:`Inline` around each task, or by
-    :func:`in_order`), remembered by their node functions. ``watch``, a Dask callback
-    (``start_state``), gives it the threaded scheduler's state; ``key``: one of the call's
-    keys, to tell its own scheduler from another thread's (callbacks are global)."""
+    """The forward tasks of one call, timed; ``watch`` gets the state of ``key``'s scheduler."""
 
     def __init__(self, key, functions: dict):
         self.key, self.state, self.known = key, None, functions
@@ -173,8 +150,7 @@ class Inline:
         return done
 
     def _timed(self, fn, args):
-        # Tasks running side by side share the GIL, so a task's time is divided by how many
-        # ran (a task that waits is under-estimated as much: long still from SHORT x threads).
+        # Tasks running side by side share the GIL: a task's time is divided by how many ran.
         state = self.timer.state
         alongside = min(running(state), self._max_workers + 1) if state is not None else 1
         start = time.perf_counter()
@@ -209,9 +185,7 @@ def _known_short(functions: Functions) -> bool:
 
 
 def functions_of(task) -> Functions:
-    """What identifies the node functions a forward task runs (its args hold the stage's
-    nodes): the functions as the user made them (a function packed for this call, or a node
-    with its own derivatives, is a new object each call)."""
+    """The node functions a forward task runs, as the user made them."""
     fns: list[Any] = []
     for a in task.args:
         if isinstance(a, Node):
@@ -221,9 +195,7 @@ def functions_of(task) -> Functions:
 
 
 class Functions:
-    """Node functions as a key: equal to another for the same live functions. Held weakly (a
-    builtin as it is), so a key outlives no function, and a function made later at a gone one's
-    address (its ``id``) is not taken for it."""
+    """Node functions as a key, equal to another for the same live functions (held weakly)."""
 
     __slots__ = ("ids", "refs", "_hash")
 
@@ -245,8 +217,7 @@ class Functions:
 
 
 def _remember(functions: Functions, seconds: float) -> None:
-    """Keep the last :data:`SAMPLES` durations: the shortest of them is what the functions
-    take (a task is slowed by the machine, never sped up)."""
+    """Keep the last :data:`SAMPLES` durations (the shortest is what the functions take)."""
     _durations.setdefault(functions, lambda: deque(maxlen=SAMPLES)).append(seconds)
 
 
@@ -259,14 +230,9 @@ def _pool():
 
 
 class GraphInOneTask:
-    """A cluster call's graph run whole inside one task, for short stages whose spreading costs
-    more than their work (:class:`~daskdag.running.jobs.Spreading` decides): a packed
-    :class:`Template`, kept on the cluster under its :attr:`token` and sent once; each call
-    sends the values of its ``slots`` (``(kind, name)`` as :func:`slot` takes them) and one task,
-    which fills the template and runs it in order (:func:`in_order`).
-
-    ``kept``: the cluster's kept values the graph takes (:mod:`daskdag.running.resident`):
-    ``(key, fn, payload, needs)``, placed again by each call (so they stay kept)."""
+    """A cluster call's graph run whole inside one task: a :class:`Template`, kept on the
+    cluster under its :attr:`token`, filled with the values of its ``slots`` (``(kind, name)``)
+    and of its ``kept`` values, ``(key, fn, payload, needs)``, placed again by each call."""
 
     def __init__(self, template: Template, slots: tuple[tuple[str, str], ...], needs: dict,
                  kept: tuple = ()):
@@ -287,18 +253,14 @@ class GraphInOneTask:
 
     @functools.cached_property
     def token(self) -> str:
-        """What the graph is: its keys (content tokens of their tasks), and the slots and kept
-        keys a call gives it values for, in order (the same tasks may take values in other
-        slots)."""
+        """What the graph is: its keys, and the slots and kept keys a call fills, in order."""
         return tokenize(self.template.keys, list(self.template.dsk), self.slots, self.kept_keys)
 
     def __reduce__(self):
-        return _receive_graph, (self.token, self.template, self.slots, self.needs,
-                                self.kept_keys)
+        return _receive_graph, (self.token, self.template, self.slots, self.needs, self.kept_keys)
 
     def __call__(self, *values) -> Any:
-        """The call's ``{output: (value, {name: grad})}`` for the values of its slots, then of
-        its kept keys."""
+        """The call's results for the values of its slots, then kept keys."""
         n = len(self.slots)
         filled = self.template.fill({**{slot(*s): v for s, v in zip(self.slots, values[:n])},
                                      **{TaskRef(k): v for k, v in zip(self.kept_keys, values[n:])},
@@ -306,7 +268,6 @@ class GraphInOneTask:
         return jax.tree.unflatten(filled.structure, in_order(filled.dsk, filled.keys))
 
 
-#: The graphs this process received to run in one task, by token.
 _graphs: Cache[GraphInOneTask] = Cache("graphs received to run in one task", 32)
 
 

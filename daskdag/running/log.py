@@ -1,11 +1,4 @@
-"""What daskdag says through :mod:`logging`, under the logger ``"daskdag"`` (silent unless you
-configure it, as a library should: ``logging.basicConfig(level=logging.INFO)`` or
-``logging.getLogger("daskdag").setLevel(logging.DEBUG)`` with a handler).
-
-- INFO: each call as it is submitted (outputs, wrt, where, stages, tasks, bytes placed on the
-  cluster); each sweep (items, chunks, where).
-- DEBUG: each task of a call's graph: its key and the function it runs.
-"""
+"""What daskdag logs under the logger ``"daskdag"``: each call and sweep at INFO, tasks at DEBUG."""
 
 from __future__ import annotations
 
@@ -15,6 +8,7 @@ import jax
 
 from daskdag.graph.assembly import kind_of, runs
 from daskdag.graph.whole import OneTask
+from daskdag.running.cluster import scheduler_address
 from daskdag.running.local import Filled
 
 logger = logging.getLogger("daskdag")
@@ -22,8 +16,7 @@ logger.addHandler(logging.NullHandler())
 
 
 def submitted(kind: str, plan, graph: dict, where: str, placed: int | None = None) -> None:
-    """Log one call's graph (``{output: (value, {name: grad})}`` of ``Delayed``) as it goes to
-    ``where``; ``placed``: the bytes it placed on the cluster (:mod:`daskdag.running.resident`)."""
+    """Log one call's graph as it goes to ``where``, with the bytes it ``placed`` there."""
     if not logger.isEnabledFor(logging.INFO):
         return
     tasks = _tasks(graph)
@@ -44,7 +37,7 @@ def ran_whole(kind: str, plan, where: str) -> None:
 
 
 def reused(kind: str, nodes) -> None:
-    """Log the nodes whose values a call took from the call before (:mod:`daskdag.running.reuse`)."""
+    """Log the nodes whose values a call took from the call before."""
     logger.info("%s: nodes %s reused from the call before (their inputs are the same)", kind,
                 list(nodes))
 
@@ -66,6 +59,5 @@ def where(client, local: str | None) -> str:
         if local == "processes":
             return "Dask's multiprocessing scheduler (processes)"
         return f"this process ({local or 'threads'})"
-    address = (client.scheduler.address if client.scheduler is not None else  # (closed)
-               getattr(client.cluster, "scheduler_address", None))
+    address = scheduler_address(client)
     return f"the cluster at {address}" if address else "a cluster"

@@ -1,8 +1,8 @@
 """The one program every kind of call runs: a forward pass over a DAG and, where the call
-pulls cotangents back, a reverse pass from its outputs' seeds (:class:`Passes`), and the
+pulls cotangents back, a reverse pass from its outputs' seeds (:class:`Compiled`), and the
 derivative kinds as strategies over it (:class:`Derivative`).
 
-A kind of call is *lowered* (:class:`Lowering`) to what those passes run: a DAG (the user's,
+A kind of call is *lowered* (:class:`Lowered`) to what those passes run: a DAG (the user's,
 or lifted to forward-mode pairs where the call pushes tangents: :mod:`daskdag.rules.lifted`),
 the names its reverse pass differentiates (none: a forward pass alone) and its seeds (a
 Jacobian's rows: :class:`~daskdag.graph.tasks.Rows`):
@@ -33,15 +33,16 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any, Callable, ClassVar
 
+import jax
 from dask.task_spec import TaskRef
 
 from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
 from daskdag.graph.stages import Stage, stages_for
 from daskdag.graph.tasks import Rows
-from daskdag.graph.whole import WholeGradients, one_task, program_task, whole_stage
+from daskdag.graph.whole import Entry, WholeGradients, one_task, program_task, whole_stage
 from daskdag.graph.whole import fits as whole_fits
 from daskdag.model import devices
-from daskdag.model.leaves import PyTree
+from daskdag.model.leaves import PyTree, is_array
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import given_values, parsed
 from daskdag.model.spec import Spec
@@ -54,7 +55,7 @@ from daskdag.transport.transports import Transport
 
 
 @dataclass(frozen=True)
-class Lowering:
+class Lowered:
     """A kind of call lowered to passes (the module's docstring): the ``plan`` they run (its
     functions not packed yet; its ``wrt``, what the reverse pass differentiates), the
     ``inputs`` a call gives, ``wrt``, the names the call differentiates by (inputs and nodes,
@@ -74,8 +75,8 @@ class Lowering:
     extra: Any = None
     tail: Callable[[dict], Any] | None = None
 
-    def bare(self) -> Lowering:
-        """The lowering without the user's functions (:meth:`Plan.bare`; its ``extra``'s too,
+    def bare(self) -> Lowered:
+        """This without the user's functions (:meth:`Plan.bare`; its ``extra``'s too,
         where it has a ``bare``): what its results are made with, which travels with a lazy
         call to where Dask finishes it. Made once."""
         made = self.__dict__.get("_bare")
@@ -90,7 +91,7 @@ class Lowering:
 
 
 @dataclass(frozen=True)
-class Passes:
+class Compiled:
     """A lowered call compiled (:mod:`daskdag.running.programs`), its node functions packed for
     its ``transport``: the parts the module's docstring lists; ``kept``: where some nodes keep
     their values between calls, those nodes and the passes of the others, which a call runs."""
@@ -102,31 +103,31 @@ class Passes:
     rows: Rows | None = None
     whole: WholeGradients | None = None
     spreading: Spreading = field(default_factory=Spreading, compare=False)
-    kept: tuple[Kept, Passes] | None = field(default=None, compare=False)
-    lowering: Lowering | None = field(default=None, compare=False)  # (what it was compiled of)
+    kept: tuple[Kept, Compiled] | None = field(default=None, compare=False)
+    lowered: Lowered | None = field(default=None, compare=False)  # (what it was compiled of)
 
     @classmethod
-    def make(cls, lowering: Lowering, transport: Transport, watch: programs.Watch) -> Passes:
-        """``lowering`` compiled for ``transport``; ``watch`` takes the fingerprints of the
+    def make(cls, lowered: Lowered, transport: Transport, watch: programs.Watch) -> Compiled:
+        """``lowered`` compiled for ``transport``; ``watch`` takes the fingerprints of the
         functions it packs."""
-        plan = ship(lowering.plan, transport, watched(lowering.plan, transport, watch))
-        split = kept_part(plan, lowering.moving)
+        plan = ship(lowered.plan, transport, watched(lowered.plan, transport, watch))
+        split = kept_part(plan, lowered.moving)
         kept = None if split is None else (
             Kept(split[0], transport),
-            cls.of(split[1], (*lowering.inputs, *split[0].outputs), transport, lowering.rows))
-        return cls.of(plan, lowering.inputs, transport, lowering.rows, kept, lowering)
+            cls.of(split[1], (*lowered.inputs, *split[0].outputs), transport, lowered.rows))
+        return cls.of(plan, lowered.inputs, transport, lowered.rows, kept, lowered)
 
     @classmethod
     def of(cls, plan: Plan, inputs: tuple[str, ...], transport: Transport,
-           rows: Rows | None = None, kept: tuple[Kept, Passes] | None = None,
-           lowering: Lowering | None = None) -> Passes:
+           rows: Rows | None = None, kept: tuple[Kept, Compiled] | None = None,
+           lowered: Lowered | None = None) -> Compiled:
         """The passes of ``plan`` (shipped), whose calls give values to ``inputs``; with
         ``kept``, a call now runs ``kept``'s passes."""
         stages = stages_for(plan, transport.packs)
         stage = whole_stage(plan, stages)
         whole = None if stage is None else WholeGradients.of(
             plan, stage, not transport.packs, rows is not None, rows.colours if rows else ())
-        made = cls(plan, stages, inputs, transport, rows, whole, kept=kept, lowering=lowering)
+        made = cls(plan, stages, inputs, transport, rows, whole, kept=kept, lowered=lowered)
         _ = made.template  # (built now, with the program: a call only fills it)
         return made
 
@@ -228,7 +229,7 @@ class Passes:
         done = partial(finish, info)
         direct = None if whole is None or self.transport.packs else partial(
             _directly, whole, done, values, cts,
-            None if self.lowering is None else self.lowering.tail)
+            None if self.lowered is None else self.lowered.tail)
         return Job(plan, make, done, info.call, keep=keep, direct=direct,
                    contained=None if self.one_task_needs is None else contained,
                    spreading=self.spreading, stored=stored, solves=info.solves)
@@ -275,7 +276,7 @@ def names_key(names: Any) -> Any:
 
 @dataclass(frozen=True)
 class Derivative:
-    """A derivative kind, as a strategy over :class:`Passes` (the module's docstring), with the
+    """A derivative kind, as a strategy over :class:`Compiled` (the module's docstring), with the
     DAG, outputs, ``wrt`` and options of one call (or of a prepared function's every call). A
     kind says what it is (:attr:`call`, :attr:`call_mode`), how it lowers (:meth:`lower`), a
     call's inputs and cotangents (:meth:`inputs`) and its results (:meth:`finish`); the rest
@@ -299,30 +300,30 @@ class Derivative:
         return ()
 
     def lower(self, spec: Spec, outputs: tuple[str, ...], values: dict, data: tuple,
-              candidates: dict, watch: programs.Watch) -> Lowering:
+              candidates: dict, watch: programs.Watch) -> Lowered:
         """The call lowered, for input ``values`` like the call's (one item's, in a sweep)
         and its ``data``; ``candidates``: the inputs ``wrt`` defaults to (those with a
         floating-point leaf among them)."""
         raise NotImplementedError
 
-    def inputs(self, lowering: Lowering, values: dict, data: tuple,
+    def inputs(self, lowered: Lowered, values: dict, data: tuple,
                batched: frozenset | None = None) -> tuple[dict, dict]:
         """``(input values, cotangents)`` of the passes for a call's input ``values`` and
         ``data``; ``batched``: a sweep's inputs that carry a leading axis of items."""
         raise NotImplementedError
 
-    def finish(self, lowering: Lowering, info: CallInfo, computed: dict,
+    def finish(self, lowered: Lowered, info: CallInfo, computed: dict,
                failed: Mapping | None = None) -> Any:
         """The call's results from the passes' ``{output: (value, {name: grad})}``; a sweep's
         stacked over its items, with the items that ``failed`` (None: a call's)."""
         raise NotImplementedError
 
-    def info(self, lowering: Lowering, data: tuple, why: str | None, where: str) -> CallInfo:
-        return CallInfo(self.call, self.call_mode, len(lowering.plan.outputs),
+    def info(self, lowered: Lowered, data: tuple, why: str | None, where: str) -> CallInfo:
+        return CallInfo(self.call, self.call_mode, len(lowered.plan.outputs),
                         prepared=why is None, why=why, where=where)
 
     def compile(self, x: PyTree, data: tuple, transport: Transport
-                ) -> tuple[Program[Passes], str | None]:
+                ) -> tuple[Program[Compiled], str | None]:
         """The call's program for inputs like ``x`` (:func:`daskdag.running.programs.compile`)."""
         return programs.compile(
             self.call, self.dag, x,
@@ -330,47 +331,70 @@ class Derivative:
             partial(self.make, x, data, transport))
 
     def make(self, x: PyTree, data: tuple, transport: Transport, watch: programs.Watch
-             ) -> Passes:
+             ) -> Compiled:
         spec, names, values = parsed(self.dag, x, self.outputs, watch.hold)
-        lowering = self.lower(packed(spec, names, self.wrt, transport, watch), names, values,
+        lowered = self.lower(packed(spec, names, self.wrt, transport, watch), names, values,
                               data, values, watch)
-        return Passes.make(lowering, transport, watch)
+        return Compiled.make(lowered, transport, watch)
 
-    def job(self, program: Program[Passes], x: PyTree, data: tuple, why: str | None,
+    def job(self, program: Program[Compiled], x: PyTree, data: tuple, why: str | None,
             where: str) -> Job:
         """The call of ``program`` for inputs ``x`` and ``data``; ``why`` it was compiled (None:
         an earlier call's served), ``where`` it runs, in words."""
         passes = program.value
-        lowering = passes.lowering
-        assert lowering is not None  # (Passes.make's)
-        values, cts = self.inputs(lowering, given_values(lowering.spec, x), data)
-        info = self.info(lowering, data, why, where)
-        return passes.job(values, cts, info, self.finishing(lowering),
+        lowered = passes.lowered
+        assert lowered is not None  # (Compiled.make's)
+        values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
+        info = self.info(lowered, data, why, where)
+        return passes.job(values, cts, info, self.finishing(lowered),
                           keep=tuple(self.dag.values()))
 
-    def directly(self, program: Program[Passes], x: PyTree, data: tuple, where: str) -> Any:
+    def directly(self, program: Program[Compiled], x: PyTree, data: tuple, where: str) -> Any:
         """The results of a call of ``program`` from its one program in this process, with no
         job made (a prepared call's path, where :func:`~daskdag.running.jobs.one_program_here`);
         None where the program has none or cannot run the call (then its job runs it)."""
         passes = program.value
-        lowering = passes.lowering
+        lowered = passes.lowered
         if passes.whole is None or passes.transport.packs or passes.kept is not None or \
-                lowering is None:
+                lowered is None:
             return None
-        values, cts = self.inputs(lowering, given_values(lowering.spec, x), data)
-        done = partial(self.finishing(lowering), self.info(lowering, data, None, where))
-        result = _directly(passes.whole, done, values, cts, lowering.tail)
+        values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
+        done = partial(self.finishing(lowered), self.info(lowered, data, None, where))
+        result = _directly(passes.whole, done, values, cts, lowered.tail)
         if result is not None:
-            log.ran_whole(self.call, lowering.plan, where)
+            log.ran_whole(self.call, lowered.plan, where)
         return result
 
-    def finishing(self, lowering: Lowering) -> Callable[..., Any]:
-        """:meth:`finish` of ``lowering``, bound to what it needs and nothing of the user's
+    def entry(self, program: Program[Compiled], x: PyTree, where: str) -> Entry | None:
+        """A later call of ``program`` in this process with inputs like ``x`` and no data, as
+        one jitted program of ``x`` (:meth:`WholeGradients.entry`) and the results made of
+        what it returns; None where the call cannot run so (no whole program, the kind's data,
+        kept nodes, a device, a leaf of ``x`` that is not an array)."""
+        passes = program.value
+        lowered, whole = passes.lowered, passes.whole
+        if whole is None or lowered is None or passes.transport.packs or \
+                passes.kept is not None or whole.stage.device is not None or \
+                not all(map(is_array, jax.tree.leaves(x))):
+            return None
+        probe = {i: None for i in lowered.spec.inputs}
+        try:
+            values, cts = self.inputs(lowered, probe, ())
+        except Exception:  # (a kind whose calls take data)
+            return None
+        if values is not probe:  # (the kind makes its own values of the inputs)
+            return None
+        inputs = lowered.spec.inputs
+        return Entry(whole, lowered.tail, inputs,
+                     len(inputs) == 1 and isinstance(x, Mapping) and inputs[0] in x, cts,
+                     partial(self.finishing(lowered), self.info(lowered, (), None, where)))
+
+    def finishing(self, lowered: Lowered) -> Callable[..., Any]:
+        """:meth:`finish` of ``lowered``, bound to what it needs and nothing of the user's
         code (a lazy call's travels to where Dask finishes it, which may not import it). Where
         some node has a device, the results are made on JAX's default device, where the
         computed values meet (:func:`_on_one_device`)."""
-        finish = partial(self._bare.finish, lowering.bare())
-        plan = lowering.plan
+        finish = partial(self._bare.finish, lowered.bare())
+        plan = lowered.plan
         if all(plan.spec.nodes[n].device is None for n in plan.needed):
             return finish
         return partial(_on_one_device, finish)

@@ -23,25 +23,37 @@ Anything new or changed compiles anew, and :func:`compile` says why.
 
 from __future__ import annotations
 
+import logging
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import dask.config
+import dask.local
+import dask.multiprocessing
+import dask.threaded
+from dask.callbacks import Callback
 
 import daskdag.config as config
 from daskdag.caches import Cache, register
+from daskdag.errors import DAGError
 from daskdag.model.shapes import signature
 from daskdag.model.implicit import Implicit
 from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
+from daskdag.running.log import logger
+from daskdag.transport import protocol
 from daskdag.transport.fingerprints import Fingerprint, fingerprint
 from daskdag.transport.packing import Packed
 from daskdag.transport.scope import JaxSettings
 from daskdag.transport.weak import Weak
+
+if TYPE_CHECKING:
+    import distributed
 
 P = TypeVar("P")
 _UNSET = object()
@@ -54,6 +66,110 @@ OFF = "prepared calls are off (dask.config daskdag.prepared-calls is 0)"
 #: watched, for what they hold is a packed copy of a function watched as it was packed, or the
 #: DAG's function itself, called as it is.
 MADE = (Packed, Lift)
+
+
+# -- Where a call runs ---------------------------------------------------------------------
+
+# The names of Dask's local schedulers, as dask.compute(scheduler=...) takes them, to the ones
+# daskdag runs (local.SCHEDULERS).
+NAMES = {"threads": "threads", "threading": "threads", "sync": "sync",
+         "synchronous": "sync", "single-threaded": "sync", "processes": "processes",
+         "multiprocessing": "processes"}
+
+
+def where(client, scheduler) -> tuple[Any, str | None]:
+    """Where a call runs: ``(client, None)`` on a cluster, ``(None, local scheduler)`` here
+    (``"threads"``, ``"sync"`` or ``"processes"``), as ``dask.compute`` decides: ``scheduler=``
+    or ``client=``, then Dask's ``scheduler`` setting, then the default client, else threads."""
+    found = _where(client, scheduler)
+    if found[0] is not None:  # (a cluster: distributed's serializers for daskdag's objects)
+        protocol.with_distributed()
+    return found
+
+
+def alone_here() -> bool:
+    """Whether a call given neither client nor scheduler runs on this process's threads with
+    nothing watching it (:func:`where`, then :func:`~daskdag.running.jobs.one_program_here`),
+    and nothing to log (:mod:`daskdag.running.log` at INFO): as one program, if it is one."""
+    return dask.config.config.get("scheduler") is None and active_client() is None and \
+        not Callback.active and not logger.isEnabledFor(logging.INFO)
+
+
+def _where(client, scheduler) -> tuple[Any, str | None]:
+    if scheduler is None:
+        if client is not None:
+            return client, None
+        setting = dask.config.get("scheduler", None)
+        if setting is not None:
+            return _setting(setting)
+        client = active_client()
+        return client, None if client is not None else "threads"
+    if is_client(scheduler):
+        if client is not None and client is not scheduler:
+            raise DAGError("client= and scheduler= name two different clients: give one")
+        return scheduler, None
+    if not isinstance(scheduler, str) or scheduler.lower() not in NAMES:
+        raise DAGError(f"scheduler must be one of {sorted(NAMES)} or a distributed.Client, "
+                       f"got {scheduler!r}")
+    if client is not None:
+        raise DAGError(f"scheduler={scheduler!r} runs in this process, but client= names a "
+                       f"cluster: give one or the other")
+    return None, NAMES[scheduler.lower()]
+
+
+# Dask's local schedulers' functions, as dask.config.set(scheduler=...) may name them.
+_FUNCTIONS = {dask.threaded.get: "threads", dask.local.get_sync: "sync",
+              dask.multiprocessing.get: "processes"}
+
+
+def _setting(setting) -> tuple[Any, str | None]:
+    """Where Dask's ``scheduler`` setting runs a call (as ``dask.base.get_scheduler`` reads it)."""
+    if isinstance(setting, str):
+        name = setting.lower()
+        if name in NAMES:
+            return None, NAMES[name]
+        if name in ("dask.distributed", "distributed"):  # (what a default Client sets)
+            client = active_client()
+            return client, None if client is not None else "threads"
+    elif is_client(setting):
+        return setting, None
+    elif callable(setting):
+        if setting in _FUNCTIONS:
+            return None, _FUNCTIONS[setting]
+        if is_client(getattr(setting, "__self__", None)):  # a Client's .get
+            return setting.__self__, None
+    raise DAGError(f"dask.config's scheduler is {setting!r}, which daskdag cannot run a call on: "
+                   f"set it to one of {sorted(NAMES)}, 'dask.distributed' or a distributed.Client")
+
+
+def is_client(obj) -> bool:
+    """Whether ``obj`` is a ``distributed.Client`` (none can be while ``distributed`` is not
+    imported: it is imported only for a cluster)."""
+    module = sys.modules.get("distributed")
+    return module is not None and isinstance(obj, module.Client)
+
+
+def active_client() -> distributed.Client | None:
+    """The ``distributed`` client in use, if any (none is ever started here)."""
+    module = sys.modules.get("distributed")
+    if module is None:  # (no client exists before distributed is imported)
+        return None
+    # (default_client's own lookup, without the ValueError it raises where there is none: a
+    # call here would pay more for that than for all else it does)
+    found = getattr(module.client, "_get_global_client", None)
+    if found is not None:
+        return found()
+    try:
+        return module.default_client()
+    except ValueError:
+        return None
+
+
+def one_program_here(client, local: str | None, progress: bool) -> bool:
+    """Whether a call may run as one program in this process (:attr:`Job.direct`): no cluster,
+    not Dask's multiprocessing scheduler, and nothing watching its graph's tasks (a progress
+    bar, another Dask callback)."""
+    return client is None and local != "processes" and not progress and not Callback.active
 
 
 class Watch:
@@ -101,27 +217,25 @@ class Program(Generic[P]):
     why: str | None = None
     settings_seen: dict = field(default_factory=dict)  # daskdag's dask.config when compiled
 
-    def changed(self) -> str | None:
-        """Why this program no longer holds (a watched function changed), or None."""
+    def stale(self, entries: Entries | None = None) -> str | None:
+        """Why this program cannot serve a call whose DAG's entries are ``entries`` (None: a
+        call whose key found it, which holds them), or None: the entries, the settings, then
+        the fingerprints, cheapest first. The one check of whether a program is fresh."""
+        if not self.kept:
+            return self.why
+        if entries is not None and not entries.same():
+            return entries.why()
+        ours = dask.config.config.get("daskdag", {})
+        if ours != self.settings_seen or self.key is None or not self.key[-1][0].hold():
+            if config.get("prepared-calls") <= 0:
+                return OFF
+            if self.key is None or settings() != self.key[-1]:
+                return _PARTS[5]
         for name, fn, print_ in self.watched:
             if not print_.holds(fn):
                 return (f"node {name!r}: its function changed (what it closes over, a global "
                         f"it uses, or an attribute)")
         return None
-
-    def stale(self, entries: Entries) -> str | None:
-        """Why this program cannot serve a call whose DAG's entries are ``entries``, or None:
-        the entries, the settings, then the fingerprints, cheapest first."""
-        if not self.kept:
-            return self.why
-        if not entries.same():
-            return entries.why()
-        ours = dask.config.config.get("daskdag", {})
-        if ours != self.settings_seen or self.key is None or \
-                JaxSettings.current() != self.key[-1][0]:
-            if self.key is None or settings() != self.key[-1]:
-                return _PARTS[5]
-        return self.changed()
 
 
 def compile(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
@@ -139,7 +253,7 @@ def compile(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch],
         return Program(make(Watch()), (), key, kept=False, why=OFF), OFF
     hit = PROGRAMS.get(key)
     if hit is not None:
-        why = hit.changed()
+        why = hit.stale()
         if why is None:
             _remember(kind, dag, hit.key, None)
             return hit, None
@@ -185,8 +299,16 @@ class Entries:
         dag = self.dag
         if len(dag) != len(self.parts):
             return False
-        for name, entry, content in self.parts:
-            if dag.get(name) is not entry or _content(entry) != content:
+        for name, entry, content in self.parts:  # (compared in place: no copies made)
+            if dag.get(name) is not entry:
+                return False
+            if type(entry) is tuple:
+                if len(entry) == 2 and entry[1] != content[1]:
+                    return False
+            elif isinstance(entry, (Node, Implicit)):
+                if entry.deps != content[0] or entry.resources != content[1]:
+                    return False
+            elif _content(entry) != content:
                 return False
         return True
 
@@ -218,38 +340,86 @@ def _content(entry) -> tuple:
 class Held:
     """A prepared function's own programs by the signature of its call's inputs (and where it
     runs), the latest :data:`HELD`, each with its :class:`Entries`, as ``jax.jit``'s wrapper
-    holds its executables. Unused while ``daskdag.prepared-calls`` is 0."""
+    holds its executables, and the :class:`~daskdag.graph.whole.Entry` of those whose calls
+    run as one program here (``entries``). Unused while ``daskdag.prepared-calls`` is 0."""
 
-    __slots__ = ("programs", "__weakref__")
+    __slots__ = ("programs", "entries", "__weakref__")
 
     def __init__(self) -> None:
         self.programs: OrderedDict[Any, tuple[Program, Entries]] = OrderedDict()
+        self.entries: dict[Any, Any] = {}
         _holders.add(self)
 
-    def get(self, signature: Any) -> tuple[Program, Entries] | None:
+    def get(self, key: Any) -> tuple[Program, Entries] | None:
         if config.get("prepared-calls") <= 0:
             return None
-        hit = self.programs.get(signature)
+        hit = self.programs.get(key)
         if hit is not None:
-            self.programs.move_to_end(signature)
+            self.programs.move_to_end(key)
         return hit
 
-    def put(self, signature: Any, program: Program, entries: Entries) -> None:
+    def entry(self, key: Any) -> Any:
+        """The entry of the program held by ``key``, while it is fresh (else None)."""
+        try:
+            entry, program, dag = self.entries[key]
+        except (KeyError, TypeError):  # (none; inputs that cannot key one)
+            return None
+        return entry if program.stale(dag) is None else None
+
+    def hold_entry(self, key: Any, entry: Any) -> None:
+        """``entry`` runs the calls of the program held by ``key`` (:meth:`entry`)."""
+        self.entries[key] = (entry, *self.programs[key])
+
+    def program(self, kind: Any, x: Any, data: tuple, transport: Any
+                ) -> tuple[Program, str | None, Any]:
+        """The program for a call of ``kind`` (its ``compile``) with inputs like ``x`` and
+        ``data``, on ``transport``: the one held while it is fresh, else compiled and held.
+        Returns it, why it was compiled (None: held), and what it is held by (None: nothing)."""
+        key = held_key(transport, x, data)
+        try:
+            hit = self.get(key) if key is not None else None
+        except TypeError:  # (it does not hash)
+            key = hit = None
+        stale = hit[0].stale(hit[1]) if hit is not None else None
+        if hit is not None and stale is None:
+            return hit[0], None, key
+        program, why = kind.compile(x, data, transport=transport)
+        if hit is not None and why is not None:
+            why = stale  # (what changed since this function's own last call)
+        if key is not None:
+            self.put(key, program, Entries(kind.dag))
+        return program, why, key
+
+    def put(self, key: Any, program: Program, entries: Entries) -> None:
+        self.entries.pop(key, None)
         if not program.kept:
-            self.programs.pop(signature, None)
+            self.programs.pop(key, None)
             return
-        self.programs[signature] = (program, entries)
-        self.programs.move_to_end(signature)
+        self.programs[key] = (program, entries)
+        self.programs.move_to_end(key)
         while len(self.programs) > HELD:
-            self.programs.popitem(last=False)
+            self.entries.pop(self.programs.popitem(last=False)[0], None)
 
     def drop(self, program: Program) -> None:
-        for signature, (held, _) in list(self.programs.items()):
+        for key, (held, _) in list(self.programs.items()):
             if held is program:
-                self.programs.pop(signature, None)
+                self.programs.pop(key, None)
+                self.entries.pop(key, None)
 
     def clear(self) -> None:
         self.programs.clear()
+        self.entries.clear()
+
+
+def held_key(transport: Any, x: Any, data: tuple) -> tuple | None:
+    """What :class:`Held` holds a call's program by: where it runs, the inputs' names and
+    :func:`signature`, the data's names; None where they cannot be read (the call says why).
+    It may not hash (a leaf that is not hashable): then nothing is held for it."""
+    try:
+        return (transport.name, frozenset(x) if isinstance(x, Mapping) else None, signature(x),
+                tuple(frozenset(d) if isinstance(d, Mapping) else None for d in data))
+    except (TypeError, ValueError):
+        return None
 
 
 HELD = 8  # the input signatures a prepared function keeps a program for

@@ -1,14 +1,5 @@
-"""What a client keeps on its cluster between calls: the packed inputs and nodes of its last few
-``compute_grads`` calls, and the shared inputs and chunk graphs of its last few sweeps, each
-under a content key, so a repeated call sends only what changed.
-
-A call's graph refers to these values instead of carrying them (the builders' ``place``). Each
-goes to the cluster once, as a task (:func:`keep`). Keys are content tokens, so an in-place
-change gives a new key, and the old value is dropped once no recent call uses it.
-
-``daskdag.keep-calls`` (default 8): how many recent calls' values a client keeps; 0 keeps none,
-and values travel inside each call's graph again.
-"""
+"""What a client keeps on its cluster between calls, under content keys, so that a call sends
+only what changed; kept while one of the last ``daskdag.keep-calls`` calls uses it."""
 
 from __future__ import annotations
 
@@ -40,17 +31,14 @@ class Resident:
     @contextlib.contextmanager
     def keeping(self, client):
         """For one call: yields ``place(key, fn, payload, needs=None) -> Future``, the value
-        ``fn(payload)`` kept under ``key``, sent unless a recent call sent it, to a worker with
-        the resources ``needs``. On exit, values that neither the last ``daskdag.keep-calls``
-        calls nor a call under way used are let go."""
+        ``fn(payload)`` kept under ``key``; on exit, values no recent call used are let go."""
         used: set = set()
 
         def place(key, fn, payload, needs=None):
             with _lock:
                 fut = self.futures.get(key)
                 if fut is None or fut.status in _FAILED:
-                    # A key that failed (it could not be unpickled there, say) may still be
-                    # known to the scheduler as failed: try again under a key of its own.
+                    # (the scheduler may still know a failed key: try again under a new one)
                     name = key if fut is None else f"{key}-{uuid.uuid4().hex[:8]}"
                     fut = keep(client, name, fn, payload, needs)
                     self.futures[key] = fut
@@ -74,11 +62,7 @@ class Resident:
 
 
 def keep(client, key: str, fn, payload, needs=None):
-    """``fn(payload)`` on the cluster under ``key``, as a task whose result is the value: the
-    scheduler keeps its recipe, so when the worker holding the result dies it runs it again
-    elsewhere (a scattered value is lost with its only holder). ``needs``: the resources of the
-    worker it must go to. No worker is named: a task restricted to workers that all died waits
-    for them forever."""
+    """``fn(payload)`` on the cluster under ``key``, as a task (recomputed if its worker dies)."""
     with warnings.catch_warnings():  # sending the value in the graph, once, is the point
         warnings.filterwarnings("ignore", message="Sending large graph")
         return client.submit(fn, payload, key=key, pure=False, resources=needs or None)
@@ -86,8 +70,7 @@ def keep(client, key: str, fn, payload, needs=None):
 
 @contextlib.contextmanager
 def placing(client):
-    """``place`` for one call, as :meth:`Resident.keeping` yields it; with keeping off
-    (``daskdag.keep-calls`` 0), under keys of this call's own, each cancelled on exit."""
+    """``place`` for one call (with keeping off, under keys of its own, cancelled on exit)."""
     kept = of(client)
     if kept is not None:
         with kept.keeping(client) as kept_place:

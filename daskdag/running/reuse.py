@@ -1,16 +1,7 @@
-"""Values kept from one call to the next: the nodes of a prepared call that no gradient passes
-through (a trunk over fixed data) run again only when their inputs changed since the call before.
-
-Which nodes may be kept is ``daskdag.reuse``: ``"jit"`` (the default), the ``jit=True`` nodes,
-pure by contract; ``"all"``, every node (eager nodes known to be pure); ``"none"``. A node is
-kept only with every node it takes values from. What a call's program relies on is checked by
-the program itself (:mod:`daskdag.running.programs`: a change makes a new program, which keeps
-nothing yet); the inputs are compared here (:class:`Seen`), once a call.
-
-The last call's values are kept, at most ``daskdag.reuse-bytes`` of them; NumPy arrays among
-them are made read-only, so that a node changing one in place fails, naming itself, instead of
-changing what the next call reuses. A lazy call reuses them likewise, else keeps its own once
-computed, wherever Dask finishes it (:meth:`Kept.lazily`).
+"""Values kept from one call to the next: nodes no gradient passes through run again only when
+their inputs changed (:class:`Seen`). ``daskdag.reuse``: which nodes may be kept (``"jit"``,
+``"all"``, ``"none"``), each only with every node it takes values from. At most
+``daskdag.reuse-bytes`` are kept, NumPy arrays made read-only (a node writing one fails).
 """
 
 from __future__ import annotations
@@ -38,11 +29,8 @@ POLICIES = ("jit", "all", "none")
 
 
 def kept_part(plan: Plan, moving: tuple[str, ...] = ()) -> tuple[Plan, Plan] | None:
-    """``plan`` cut where ``daskdag.reuse`` says: ``(kept, rest)``, ``kept`` computing the
-    values of the nodes that may be kept which the others take (its outputs), ``rest`` the plan
-    without them, taking those values as inputs; None where there are none. Outputs, nodes in
-    ``wrt`` and nodes that read an input in ``moving`` (carrying a call's tangents), directly
-    or not, are never kept (an output's gradients flow through its value)."""
+    """``(kept, rest)``, ``plan`` cut where ``daskdag.reuse`` says, or None. Outputs, ``wrt``
+    nodes, and nodes reading an input in ``moving`` (tangents), directly or not, are not kept."""
     policy = config.get("reuse")
     if policy not in POLICIES:
         raise ValueError(f"daskdag.reuse must be one of {list(POLICIES)}, got {policy!r}")
@@ -66,8 +54,7 @@ def kept_part(plan: Plan, moving: tuple[str, ...] = ()) -> tuple[Plan, Plan] | N
 
 
 class Seen:
-    """What a call's inputs were, to compare another call's with (``==``): their structure, and
-    per leaf a JAX array itself (compared by identity), any other leaf its content's token."""
+    """A call's inputs, comparable: JAX arrays by identity, other leaves by token."""
 
     def __init__(self, values: dict) -> None:
         self.structure = {k: jax.tree.structure(v) for k, v in values.items()}
@@ -82,8 +69,7 @@ class Seen:
 
 
 class Kept:
-    """A program's nodes whose values are kept between its calls: their ``plan``
-    (:func:`kept_part`), computed by :meth:`values` (or not)."""
+    """A program's nodes whose values are kept between its calls: their ``plan``."""
 
     def __init__(self, plan: Plan, transport: Transport) -> None:
         self.plan, self.transport = plan, transport
@@ -92,9 +78,8 @@ class Kept:
 
     def values(self, inputs: dict, client, local: str | None,
                progress: bool) -> tuple[dict, bool]:
-        """The values of the plan's outputs for these ``inputs`` (all of the call's), and
-        whether they are the last call's (its inputs the same); else computed now, on
-        ``client``'s cluster or Dask's ``local`` scheduler, and kept for the next call."""
+        """``(values, reused)``: the last call's values for the same ``inputs``, else computed
+        now and kept."""
         found = self.last(inputs)
         if found is not None:
             return found, True
@@ -109,12 +94,10 @@ class Kept:
         return last[1] if last is not None and last[0] == Seen(self._mine(inputs)) else None
 
     def graph(self, inputs: dict, stop=None) -> dict:
-        """The graph of the plan's outputs' values for these ``inputs``."""
-        return build(self.plan, self._mine(inputs), GradientSeeding({}), self.transport,
-                     stop=stop)
+        return build(self.plan, self._mine(inputs), GradientSeeding({}), self.transport, stop=stop)
 
     def remember(self, inputs: dict, values: dict) -> dict:
-        """``values``, computed for ``inputs``, kept for the next call (the module's docstring)."""
+        """``values``, computed for ``inputs``, kept for the next call."""
         if sizeof(values) > dask.utils.parse_bytes(config.get("reuse-bytes")):
             with self._lock:
                 self._last = None
@@ -128,25 +111,18 @@ class Kept:
         return {i: inputs[i] for i in self.plan.spec.inputs}
 
     def lazily(self, inputs: dict, finish: Callable[[dict], Any]) -> Remembering:
-        """``finish`` of a lazy call whose graph computes the kept nodes' values for these
-        ``inputs`` (under :data:`KEPT`), keeping them for the next call (:class:`Remembering`)."""
+        """``finish`` of a lazy call, keeping the values it computes under :data:`KEPT`."""
         call = uuid.uuid4().hex
         _pending.put(call, (self, inputs))
         return Remembering(finish, call, os.getpid())
 
 
-#: Where a lazy call's graph holds the values of the nodes kept between calls, beside its
-#: outputs' (no output of a DAG has this name: it is no string).
-KEPT = ("kept",)
-#: Lazy calls not computed yet, by id: their program's kept nodes and their inputs.
+KEPT = ("kept",)  # where a lazy call's results hold the kept values (no string: no output)
 _pending: Cache = Cache("lazy calls' kept nodes, until computed", 64)
 
 
 class Remembering:
-    """A lazy call's ``finish``, which also keeps the values of its program's kept nodes
-    (:meth:`Kept.lazily`). Dask runs it where it finishes the collection: in the process that
-    made the call, it keeps them at once; elsewhere (a cluster's worker), it returns its result
-    inside a :class:`Receipt`, which keeps them as it arrives back here."""
+    """A lazy call's ``finish`` that keeps its program's values here, at once or on receipt."""
 
     def __init__(self, finish: Callable[[dict], Any], call: str, pid: int):
         self.finish, self.call, self.pid = finish, call, pid
@@ -160,8 +136,7 @@ class Remembering:
 
 
 class Receipt:
-    """A lazy call's result finished in another process, with the values its program keeps:
-    unpickled (back in the process that made the call), it is the result, the values kept."""
+    """A result finished elsewhere: unpickled here, it is the result, its values kept."""
 
     def __init__(self, result: Any, call: str, values: dict):
         self.result, self.call, self.values = result, call, values
@@ -171,8 +146,7 @@ class Receipt:
 
 
 def received(result: Any, call: str, values: dict) -> Any:
-    """``result``, the kept nodes' ``values`` given to the program that made lazy call
-    ``call``, where it is one of this process's."""
+    """``result``, the ``values`` kept by the program of lazy call ``call``, if it is here."""
     pending = _pending.pop(call)
     if pending is not None:
         kept, inputs = pending

@@ -1,26 +1,11 @@
-"""Worker set-up, as worker plugins that travel by value: JAX on the CPU in every worker that is
-not meant to own an accelerator (:class:`Platform`), daskdag's serializers in every worker
-(:class:`Serializers`), and glibc's malloc tuned for JAX's work for good in workers started by
-a nanny (:class:`TuneMalloc`, opt-in).
+"""Worker set-up, as worker plugins that travel by value: JAX on the CPU in every worker not
+meant to own an accelerator (:class:`Platform`), daskdag's serializers (:class:`Serializers`),
+and glibc's malloc tuned for JAX (:class:`TuneMalloc`, opt-in: ``daskdag.tune-workers``).
 
-One process at a time can hold a TPU chip (a second one fails at once, "libtpu lockfile"), and
-each JAX process on a GPU preallocates most of its memory: Dask's worker processes on such a host
-must not all open the accelerator. A worker is meant to own one where it advertises the resource
-``GPU`` or ``TPU`` (the resource a node's ``device="gpu"``/``"tpu"`` asks for), or, under
-``daskdag.worker-platform: auto``, where its environment chose its device or platform
-(:data:`CHOSEN_BY`); any other runs JAX on its CPU (:func:`decide`). The child processes of Dask's
-multiprocessing scheduler, which share their parent's environment, run JAX on their CPU
-(:func:`child_on_cpu`) unless that setting is ``any``.
-
-A worker that has run none of daskdag's tasks must still take in a JAX array another worker
-sends as zero-copy frames: :class:`Serializers` registers daskdag's serializers in every worker,
-those that join later too; in a worker without daskdag it does nothing, so that it still starts.
-
-:class:`TuneMalloc` tunes glibc's malloc for JAX's work for the worker's whole life
-(:func:`daskdag.transport.malloc.tune_for_good`), where daskdag's own tasks are tuned only while
-they run. It is registered (:func:`daskdag.running.cluster.check`) only where
-``daskdag.tune-workers`` is true: it changes the malloc of every worker of the user's cluster,
-so the user opts in.
+One process at a time can hold a TPU chip, and each JAX process on a GPU preallocates most of
+its memory: so only a worker that advertises the resource ``GPU`` or ``TPU``, or (under
+``daskdag.worker-platform: auto``) whose environment chose its device, opens the accelerator
+(:func:`decide`), and the children of Dask's multiprocessing scheduler run on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +15,7 @@ import importlib.util
 import os
 import socket
 import sys
+from typing import Any
 
 import cloudpickle
 
@@ -39,44 +25,39 @@ NAME = "daskdag-tune-malloc"
 SERIALIZERS = "daskdag-serializers"
 PLATFORM = "daskdag-worker-platform"
 
-#: The values of ``daskdag.worker-platform`` (daskdag.yaml says what each does).
-SETTINGS = ("auto", "cpu", "any")
-#: The worker resources that mean a worker owns an accelerator.
-DEVICES = ("GPU", "TPU")
+SETTINGS = ("auto", "cpu", "any")  # the values of daskdag.worker-platform (see daskdag.yaml)
+DEVICES = ("GPU", "TPU")  # the worker resources that mean a worker owns an accelerator
 #: Environment variables by which a worker's JAX platform or device was chosen for it.
 CHOSEN_BY = ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
              "ROCR_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
 
-# The plugins travel by value, needing only the standard library and distributed on the worker:
-# a worker joining later with another daskdag, or none, must still unpickle them and start (the
-# version check then names it). So this module holds nothing else, and imports only
+# The plugins travel by value, needing only the standard library and distributed, so that a
+# worker with another daskdag, or none, still starts: this module imports only
 # daskdag.transport.malloc, which travels by value too.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def __getattr__(name: str):
-    # Each plugin class is made when first asked for (a cluster call registers it): its base
-    # class is distributed's, whose import a call on threads never pays.
+    # Each plugin class is made when first asked for: a call on threads never imports distributed.
     if name not in _made:
         make = {"TuneMalloc": _tune_malloc_class, "Serializers": _serializers_class,
                 "Platform": _platform_class}.get(name)
         if make is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        _made[name] = make()
+        from distributed import WorkerPlugin
+        _made[name] = make(WorkerPlugin)
+        _made[name].__qualname__ = name
     return _made[name]
 
 
 _made: dict[str, type] = {}
 
 
-def _tune_malloc_class() -> type:
-    from distributed import WorkerPlugin
-
+def _tune_malloc_class(WorkerPlugin: Any) -> type:
     class TuneMalloc(WorkerPlugin):
-        """Raise glibc's mmap and trim thresholds in a worker whose environment set
-        ``MALLOC_TRIM_THRESHOLD_`` (as distributed's nanny does). After ``setup``, ``applied``
-        is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}`` or ``None``, and
-        ``reason`` says why. It never raises: an untuned worker only runs slower."""
+        """Raise glibc's mmap and trim thresholds in a worker started by a nanny. After
+        ``setup``, ``applied`` is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}``
+        or ``None``, and ``reason`` says why. It never raises."""
 
         idempotent = True  # the scheduler keeps the first registration; later clients add nothing
         name = NAME
@@ -88,13 +69,10 @@ def _tune_malloc_class() -> type:
         def setup(self, worker=None):
             self.applied, self.reason = tune_for_good()
 
-    TuneMalloc.__qualname__ = "TuneMalloc"
     return TuneMalloc
 
 
-def _serializers_class() -> type:
-    from distributed import WorkerPlugin
-
+def _serializers_class(WorkerPlugin: Any) -> type:
     class Serializers(WorkerPlugin):
         """Register daskdag's serializers in the worker, if it has daskdag; after ``setup``,
         ``registered`` says whether it did."""
@@ -112,19 +90,14 @@ def _serializers_class() -> type:
                 return
             self.registered = True
 
-    Serializers.__qualname__ = "Serializers"
     return Serializers
 
 
-def _platform_class() -> type:
-    from distributed import WorkerPlugin
-
+def _platform_class(WorkerPlugin: Any) -> type:
     class Platform(WorkerPlugin):
-        """Run JAX on the worker's CPU where :func:`decide` says so, under the client's
-        ``daskdag.worker-platform`` (``setting``). After ``setup``, ``on_cpu`` says whether it
-        did and ``reason`` why. A worker that keeps its accelerator opens it in ``setup``, so that
-        one that cannot (another process holds the TPU chip) fails there, clearly, and so does a
-        worker meant for the CPU whose JAX already runs on an accelerator."""
+        """Run JAX on the worker's CPU where :func:`decide` says so under ``setting``; after
+        ``setup``, ``on_cpu`` says whether it did and ``reason`` why. A worker that keeps its
+        accelerator opens it in ``setup``, so that one that cannot fails there, clearly."""
 
         name = PLATFORM
 
@@ -166,19 +139,16 @@ def _platform_class() -> type:
                         f"resource (they run JAX on their CPU), and the client's own JAX on the "
                         f"CPU where it runs on that host (JAX_PLATFORMS=cpu)") from e
 
-    Platform.__qualname__ = "Platform"
     return Platform
 
 
 def _here() -> tuple[str, int]:
-    """This process, as a Platform plugin remembers where it was made: a worker that finds the
-    same host and process id runs in the client's own process."""
+    """This process's host and id (a worker that finds its Platform's runs in the client's)."""
     return socket.gethostname(), os.getpid()
 
 
 def decide(setting: str, resources: dict, environ) -> tuple[bool, str]:
-    """``(on_cpu, why)``: whether a worker with these ``resources`` and environment runs JAX on
-    its CPU under ``daskdag.worker-platform`` ``setting``; ``why`` says what decided it."""
+    """``(on_cpu, why)``: whether a worker runs JAX on its CPU under ``setting``, and why."""
     if setting == "any":
         return False, "daskdag.worker-platform is 'any'"
     owned = [r for r in DEVICES if resources.get(r, 0) > 0]
@@ -191,9 +161,7 @@ def decide(setting: str, resources: dict, environ) -> tuple[bool, str]:
 
 
 def jax_on_cpu() -> str | None:
-    """Make this process's JAX, and that of the processes it starts, run on the CPU: through
-    the environment (``JAX_PLATFORMS``), read when JAX is imported, and where it was imported
-    already, through its configuration, before its backend starts. Returns None, or the
+    """Make this process's JAX, and its children's, run on the CPU; returns None, or the
     platform JAX already runs on where its backend had started on another."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax = sys.modules.get("jax")
@@ -205,8 +173,7 @@ def jax_on_cpu() -> str | None:
 
 
 def child_on_cpu(then=None) -> None:
-    """A child process of Dask's multiprocessing scheduler: JAX on its CPU
-    (:func:`jax_on_cpu`), then ``then`` (the user's ``multiprocessing.initializer``)."""
+    """A child of Dask's multiprocessing scheduler: JAX on its CPU, then the user's ``then``."""
     held = jax_on_cpu()
     if held is not None:
         raise RuntimeError(f"this child process of Dask's multiprocessing scheduler (pid "

@@ -1,19 +1,7 @@
-"""Sweeps over dask arrays: every kind's sweep (:func:`daskdag.sweep_grads`...) where batched
-inputs are dask arrays chunked along the item axis, returning dask arrays of values and
-gradients on the same item chunks, lazily: nothing runs until the user computes them
-(``dask.compute``, ``da.to_zarr``), so a sweep streams from storage to storage, a few blocks
-per worker at a time.
-
-Each block (item chunk) is one task, :func:`_run_block`: the sweep's chunk graph
-(:func:`daskdag.sweeps.engines.chunk_graph`) run by Dask's synchronous scheduler over the
-block's items, giving one NumPy array per value and gradient leaf. Each leaf is a dask array
-whose blocks pick it out of those tasks (``getitem``), its shape and dtype from
-``jax.eval_shape`` on one item (:func:`daskdag.sweeps.results.item_shapes`): nothing computed.
-
-The shared inputs, the nodes of them alone through which no gradient passes
-(:func:`daskdag.sweeps.shared.constants_part`) and the chunk graph are one task each, which
-every block depends on: computed once. The chunk graph travels as bytes (:class:`_Deferred`):
-the scheduler never unpickles it.
+"""Sweeps over dask arrays chunked along the item axis, returning dask arrays of values and
+gradients on the same item chunks: nothing runs until they are computed, so a sweep streams from
+storage to storage. Each block is one task (:func:`_run_block`) running the sweep's chunk graph
+over its items; the shared inputs, their constant nodes and the chunk graph are one task each.
 """
 
 from __future__ import annotations
@@ -35,22 +23,21 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.task_spec import DataNode, Task, TaskRef
 
 import daskdag.config as config
-from daskdag.graph.build import GradientSeeding, build
-from daskdag.running import cluster
-from daskdag.sweeps import planning
-from daskdag.sweeps.chunked import Items
-from daskdag.sweeps import progress
-from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
-from daskdag.sweeps.shared import constants_part
-from daskdag.graph.assembly import key
 from daskdag.errors import DAGError, NodeError
+from daskdag.graph.assembly import key
+from daskdag.graph.build import GradientSeeding, build
+from daskdag.model.leaves import is_array
 from daskdag.model.request import batch_size, batched_names, parsed
+from daskdag.running import cluster
 from daskdag.running.jobs import LAZY
 from daskdag.running.programs import Watch
-from daskdag.model.leaves import is_array
-from daskdag.transport.packing import unpack
-from daskdag.transport import transports
+from daskdag.sweeps import planning, progress
+from daskdag.sweeps.chunked import Items
+from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
 from daskdag.sweeps.results import item_shapes
+from daskdag.sweeps.shared import constants_part
+from daskdag.transport import transports
+from daskdag.transport.packing import unpack
 
 if TYPE_CHECKING:
     import dask.array as da
@@ -64,10 +51,10 @@ def holds_dask(values: dict, batched) -> bool:
 def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str,
             every: int | None = None):
     """A sweep of ``kind`` over dask arrays, where a batched input holds one (else None): the
-    kind's results, each leaf a dask array, computing nothing. ``client``: the one in effect
-    (checked now). ``every``: with no ``chunk_size`` and no dask array, the items cut into
-    that many blocks (a sweep for Dask's multiprocessing scheduler)."""
-    spec, names, values = parsed(kind.dag, xs, kind.outputs)
+    kind's results as dask arrays, computing nothing. ``client``: the one in effect (checked
+    now). ``every``: with no ``chunk_size`` and no dask array, the items cut into that many
+    blocks (a sweep for Dask's multiprocessing scheduler)."""
+    spec, _, values = parsed(kind.dag, xs, kind.outputs)
     batched = batched_names(values, batched)
     if not holds_dask(values, batched) and every is None:
         return None
@@ -78,40 +65,39 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
                        "use errors='raise' (a failing item raises its NodeError, naming the "
                        "item, when the arrays are computed)")
     if progress and every is None:
-        raise DAGError("progress=True is not supported when batched inputs are dask arrays (nothing "
-                       "runs at sweep time): show progress where the arrays are computed, with "
-                       "dask.diagnostics.ProgressBar or distributed.progress")
+        raise DAGError("progress=True is not supported when batched inputs are dask arrays "
+                       "(nothing runs at sweep time): show progress where the arrays are "
+                       "computed, with dask.diagnostics.ProgressBar or distributed.progress")
     if every is not None and chunk_size is None and not holds_dask(values, batched):
         chunk_size = max(1, math.ceil(batch_size(values, batched) / every))
-    aligned(values, batched, chunk_size)  # (its checks, before any other look at the items)
+    aligned(values, batched, chunk_size)  # its checks first
     transport = transports.for_call(client, lazy=True)
     planned = planning.prepare(kind, stand_in(xs), data, batched, transport, Watch())
-    lowered, cts = kind.inputs(planned.lowering, values, data, batched=planned.batched)
-    inputs, chunks, size = aligned(lowered, batched, chunk_size)
+    given, cts = kind.inputs(planned.lowered, values, data, batched=planned.batched)
+    inputs, chunks, size = aligned(given, batched, chunk_size)
     planned = replace(planned, size=size, cotangents=cts, values={
-        i: stand_in(v) if i in batched else v for i, v in lowered.items()})
+        i: stand_in(v) if i in batched else v for i, v in given.items()})
     if client is not None:
         cluster.check(client, planned.plan)
     shapes = _shapes(planned, spec)
     split = constants_part(planned) if config.get("share-sweep-work") else None
-    if split is not None:  # (nodes of shared inputs alone: one task each, for every block)
+    if split is not None:  # nodes of shared inputs alone: one task each, for every block
         once, planned = split
         made = build(once, {i: planned.values[i] for i in once.spec.inputs}, GradientSeeding({}),
                      transport)
         planned = replace(planned, values={**planned.values,
                                            **{n: made[n][0] for n in once.outputs}})
     computed = _block_graph(planned, inputs, chunks, shapes)
-    lowering = planned.lowering
-    info = replace(kind.info(lowering, data, "a sweep over dask arrays is prepared as it is made",
+    lowered = planned.lowered
+    info = replace(kind.info(lowered, data, "a sweep over dask arrays is prepared as it is made",
                              LAZY), call=kind.sweep_call)
-    return kind.finish(lowering, info, computed, {})
+    return kind.finish(lowered, info, computed, {})
 
 
 def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple, int]:
     """``({input: tree}, item chunks, N)``: every array leaf of the ``batched`` inputs as a dask
-    array chunked along the item axis alone, all on the same item chunks: ``chunk_size`` items
-    each if given, else those of the first dask array. A leaf chunked along other axes is
-    rechunked to one chunk there; NumPy and JAX leaves become dask arrays."""
+    array chunked along the item axis alone, on the same chunks: ``chunk_size`` items each if
+    given, else those of the first dask array."""
     import dask.array as da
     first = None
     for i in batched:
@@ -122,7 +108,7 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
                 raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
                                f"unknown: call its compute_chunk_sizes() first")
             first = first or leaf.chunks[0]
-    size = batch_size(values, batched)  # (every batched leaf has the same number of items)
+    size = batch_size(values, batched)
     items = da.core.normalize_chunks((chunk_size,), (size,))[0] if chunk_size else first
 
     def leaf_of(leaf):
@@ -133,21 +119,21 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
             return da.from_array(np.asarray(leaf), chunks=(items, *np.shape(leaf)[1:]))
         return leaf
 
-    return {i: jax.tree.map(leaf_of, values[i]) for i in batched}, tuple(items), size  # type: ignore[arg-type]
+    trees = {i: jax.tree.map(leaf_of, values[i]) for i in batched}
+    return trees, tuple(items), size  # type: ignore[arg-type]
 
 
 def stand_in(tree):
-    """``tree`` with each dask array leaf as a NumPy array of its shape and dtype that holds no
-    memory (one zero, broadcast): for the checks and shapes that look at an input's arrays."""
+    """``tree`` with each dask array leaf as a NumPy array of its shape and dtype holding no
+    memory (one zero, broadcast), for checks and shapes."""
     return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape)
                         if planning.is_dask_array(a) else a, tree)
 
 
 def _shapes(planned, spec) -> tuple[dict, dict]:
-    """One item's ``({output: value}, {output: {input: grad}})`` as ``ShapeDtypeStruct`` trees
-    (:func:`~daskdag.sweeps.results.item_shapes`); a :class:`DAGError` where
+    """One item's :func:`~daskdag.sweeps.results.item_shapes`; a :class:`DAGError` where
     ``jax.eval_shape`` cannot find them."""
-    values, grads = item_shapes(planned.plan, planned.values, planned.batched, planned.lowering)
+    values, grads = item_shapes(planned.plan, planned.values, planned.batched, planned.lowered)
     for o, v in values.items():
         if v is None:
             raise DAGError(f"the shape of output {o!r} cannot be found by tracing its nodes with "
@@ -169,27 +155,24 @@ class _Slot:
     def __init__(self, k: int):
         self.k = k
 
-    def __reduce__(self):
-        return _Slot, (self.k,)
-
 
 class _Blocks:
-    """What every block task needs besides its data: which task keys hold the shared inputs
-    and those broadcast (differentiated per item), each batched input with :class:`_Slot` in
-    place of its dask arrays (packed), and the layout of the results: per output, whether its
-    value carries items, and its value's and each gradient's leaves (``ShapeDtypeStruct``)."""
+    """What every block task needs besides its data: the task keys of the shared inputs, the
+    inputs broadcast (differentiated per item), each batched input packed with :class:`_Slot`
+    for its dask arrays, and the results' layout: per output, its value's and each gradient's
+    leaves (``ShapeDtypeStruct``)."""
 
-    def __init__(self, shared: dict, broadcast: list, templates: dict, slots: int, layout: list):
-        self.shared, self.broadcast, self.templates = shared, broadcast, templates
-        self.slots, self.layout = slots, layout
+    def __init__(self, shared: dict, broadcast: list, templates: dict, layout: list):
+        self.shared, self.broadcast = shared, broadcast
+        self.templates, self.layout = templates, layout
 
     def leaves(self) -> list:
-        return [a for _, _, v, grads in self.layout for a in (*v, *(g for _, gs in grads for g in gs))]
+        return [a for _, v, grads in self.layout for a in (*v, *(g for _, gs in grads for g in gs))]
 
 
 class _Deferred:
     """An object that travels as cloudpickled bytes, unpickled by :meth:`get` where a task needs
-    it (a worker), never by the scheduler. In this process, the object itself."""
+    it, never by the scheduler."""
 
     __slots__ = ("obj", "data")
 
@@ -202,11 +185,8 @@ class _Deferred:
         return self.obj
 
     def __reduce__(self):
-        return _Deferred, (None, self.data if self.data is not None else cloudpickle.dumps(self.obj))
-
-
-def _loaded(deferred: _Deferred):
-    return deferred.get()
+        data = self.data if self.data is not None else cloudpickle.dumps(self.obj)
+        return _Deferred, (None, data)
 
 
 def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]) -> dict:
@@ -216,14 +196,14 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
     keys = {}
     shared = [i for i in planned.values if planned.shared(i)]
     broadcast = [i for i in planned.carried() if i in planned.broadcast]
-    computed_once = []  # (values of nodes computed once, their own tasks: shared.constants_part)
-    for i in (*shared, *broadcast):  # one task each, the value packed as graph.build packs inputs
+    computed_once = []  # nodes computed once, in their own tasks (shared.constants_part)
+    for i in (*shared, *broadcast):  # one task each, packed as graph.build packs inputs
         if isinstance(planned.values[i], Delayed):
             keys[i] = planned.values[i].key
             computed_once.append(planned.values[i])
             continue
         packed = planned.transport.pack(f"input {i!r}", planned.values[i])
-        keys[i] = key("input", i, tokenize(packed))  # (the key compute_grads keeps it under)
+        keys[i] = key("input", i, tokenize(packed))  # compute_grads' key for it
         layer[keys[i]] = Task(keys[i], unpack, packed)
     arrays: list = []
 
@@ -235,32 +215,32 @@ def _block_graph(planned, inputs: dict, chunks: tuple, shapes: tuple[dict, dict]
 
     templates = {i: planned.transport.pack(f"input {i!r}", jax.tree.map(slot, inputs[i]))
                  for i in planned.carried() if i in planned.batched}
-    layout = [(o, o in planned.carrying, jax.tree.leaves(values[o]),
+    layout = [(o, jax.tree.leaves(values[o]),
                [(i, jax.tree.leaves(grads[o][i])) for i in planned.plan.wrt])
               for o in planned.plan.outputs]
-    blocks = _Blocks({i: keys[i] for i in shared}, broadcast, templates, len(arrays), layout)
+    blocks = _Blocks({i: keys[i] for i in shared}, broadcast, templates, layout)
     tasks, results = chunk_graph(planned, {i: TaskRef(keys[i]) for i in shared})
-    token = tokenize(results, [a.name for a in arrays], chunks, [t.token if hasattr(t, "token")
-                                                                 else tokenize(t) for t in templates.values()])
+    tokens = [t.token if hasattr(t, "token") else tokenize(t) for t in templates.values()]
+    token = tokenize(results, [a.name for a in arrays], chunks, tokens)
     graph_key = f"daskdag-chunk-graph-{token}"
-    layer[graph_key] = Task(graph_key, _loaded, _Deferred((tasks, results, blocks)))
+    layer[graph_key] = Task(graph_key, _Deferred.get, _Deferred((tasks, results, blocks)))
     name = f"daskdag-sweep-blocks-{token}"
     refs = [TaskRef(keys[i]) for i in (*shared, *broadcast)]
     starts = np.cumsum((0, *chunks))
     for b in range(len(chunks)):
         data = [TaskRef((a.name, b, *(0,) * (a.ndim - 1))) for a in arrays]
-        layer[(name, b)] = Task((name, b), _run_block, TaskRef(graph_key), int(starts[b]), *refs, *data)
+        layer[(name, b)] = Task((name, b), _run_block, TaskRef(graph_key), int(starts[b]),
+                                *refs, *data)
     needs = _needs(planned.plan)
     with dask.annotate(resources=needs) if needs else contextlib.nullcontext():
         base = HighLevelGraph.from_collections(name, layer,
                                                dependencies=[*arrays, *computed_once])
-
     return _as_arrays(planned, base, name, token, chunks, shapes)
 
 
 def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> dict:
-    """``{output: (value, {input: grad})}``: each leaf a dask array over the results of the
-    blocks (layer ``name`` of ``base``), in the order of the blocks' flat results."""
+    """``{output: (value, {input: grad})}``: each leaf a dask array over the blocks' results
+    (layer ``name`` of ``base``), in the order of their flat results."""
     import dask.array as da
     values, grads = shapes
     flat = itertools.count()
@@ -276,20 +256,17 @@ def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> d
         return da.Array(hlg, leaf, chunks=(chunks, *((n,) for n in aval.shape)),
                         meta=np.empty((0,) * (ndim + 1), aval.dtype))
 
-    computed = {}
-    for o in planned.plan.outputs:
-        v = jax.tree.structure(values[o]).unflatten(
-            [array(f"{o}-value{j}", a) for j, a in enumerate(jax.tree.leaves(values[o]))])
-        g = {}
-        for i in planned.plan.wrt:
-            g[i] = jax.tree.structure(grads[o][i]).unflatten(
-                [array(f"{o}-grad-{i}{j}", a) for j, a in enumerate(jax.tree.leaves(grads[o][i]))])
-        computed[o] = (v, g)
-    return computed
+    def tree(label: str, avals):
+        leaves = [array(f"{label}{j}", a) for j, a in enumerate(jax.tree.leaves(avals))]
+        return jax.tree.structure(avals).unflatten(leaves)
+
+    return {o: (tree(f"{o}-value", values[o]),
+                {i: tree(f"{o}-grad-{i}", grads[o][i]) for i in planned.plan.wrt})
+            for o in planned.plan.outputs}
 
 
 def _needs(plan) -> dict:
-    """The resources a block task needs: the most any of its nodes needs, of each."""
+    """The resources a block task needs: of each, the most any of its nodes needs."""
     needs: dict = {}
     for n in plan.needed:
         for r, amount in plan.spec.nodes[n].needs.items():
@@ -301,10 +278,9 @@ def _needs(plan) -> dict:
 
 def _run_block(loaded: tuple, start: int, *args) -> list:
     """One block: the chunk graph over its items (``args``: the shared inputs, those broadcast,
-    then the block of each dask array); its value and gradient leaves as NumPy arrays over its
-    items, in :meth:`_Blocks.leaves`' order. Its :class:`~daskdag.NodeError` names the first
-    failing item (``start``: the block's first), the block rerun item by item where it failed
-    as a whole."""
+    then the block of each dask array); its result leaves as NumPy arrays, in
+    :meth:`_Blocks.leaves`' order. Its :class:`~daskdag.NodeError` names the first failing item
+    (``start``: the block's first), found item by item where the block failed as a whole."""
     tasks, key, blocks = loaded
     shared = dict(zip(blocks.shared.values(), args))
     bcast = dict(zip(blocks.broadcast, args[len(shared):]))
@@ -317,19 +293,21 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
                          lambda: _run(tasks, key, blocks, shared, bcast, data, 0, size))
     except NodeError as e:
         if size == 1 or e.item is not None:
-            raise NodeError(e.node, e.phase, e.original, item=start + (e.item or 0)) from e.original
+            raise _at(e, start + (e.item or 0)) from e.original
         for i in range(size):
             try:
                 _run(tasks, key, blocks, shared, bcast, data, i, i + 1)
             except NodeError as one:
-                raise NodeError(one.node, one.phase, one.original, item=start + i) from one.original
+                raise _at(one, start + i) from one.original
         raise
     if done.failed or done.computed is None:
         first = min(done.failed)
-        error = done.failed[first]
-        raise NodeError(error.node, error.phase, error.original,
-                        item=start + first) from error.original
+        raise _at(done.failed[first], start + first) from done.failed[first].original
     return _flat(blocks, done.computed, size)
+
+
+def _at(e: NodeError, item: int) -> NodeError:
+    return NodeError(e.node, e.phase, e.original, item=item)
 
 
 def _run(tasks, key, blocks: _Blocks, shared: dict, bcast: dict, data, lo: int, hi: int):
@@ -337,18 +315,19 @@ def _run(tasks, key, blocks: _Blocks, shared: dict, bcast: dict, data, lo: int, 
     for k, value in shared.items():
         graph[k] = DataNode(k, value)
     for i, template in blocks.templates.items():
-        value = jax.tree.map(lambda a: data[a.k][lo:hi] if isinstance(a, _Slot) else a, unpack(template))
+        value = jax.tree.map(lambda a: data[a.k][lo:hi] if isinstance(a, _Slot) else a,
+                             unpack(template))
         graph[item_key(i)] = DataNode(item_key(i), value)
     for i, value in bcast.items():
-        value = jax.tree.map(lambda a: np.broadcast_to(a, (hi - lo, *np.shape(a))) if is_array(a) else a,
-                             value)
+        value = jax.tree.map(lambda a: np.broadcast_to(a, (hi - lo, *np.shape(a)))
+                             if is_array(a) else a, value)
         graph[item_key(i)] = DataNode(item_key(i), value)
     return dask.get(graph, key)
 
 
 def _flat(blocks: _Blocks, computed: dict, size: int) -> list:
     out = []
-    for o, carries, value_avals, grads in blocks.layout:
+    for o, value_avals, grads in blocks.layout:
         value, gs = computed[o]
         out += _leaves(f"output {o!r}", value, value_avals, size)
         for i, avals in grads:
@@ -357,9 +336,8 @@ def _flat(blocks: _Blocks, computed: dict, size: int) -> list:
 
 
 def _leaves(what: str, tree, avals: list, size: int) -> list:
-    """``tree``'s leaves as NumPy arrays of ``size`` rows, checked against ``avals``, one
-    item's leaves: :class:`~daskdag.sweeps.chunked.Items` stacked, a value that carries no items (the
-    same for every item) broadcast."""
+    """``tree``'s leaves as NumPy arrays of ``size`` rows, checked against one item's ``avals``:
+    :class:`~daskdag.sweeps.chunked.Items` stacked, a value the same for every item broadcast."""
     if isinstance(tree, Items):
         tree = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *tree)
     leaves = jax.tree.leaves(tree)
@@ -369,8 +347,8 @@ def _leaves(what: str, tree, avals: list, size: int) -> list:
     out = []
     for leaf, aval in zip(leaves, avals):
         a = np.asarray(leaf)
-        if a.shape == tuple(aval.shape) and a.shape != (size, *aval.shape):  # the same for every item
-            a = np.broadcast_to(a, (size, *a.shape))
+        if a.shape == tuple(aval.shape) and a.shape != (size, *aval.shape):
+            a = np.broadcast_to(a, (size, *a.shape))  # the same for every item
         if a.shape != (size, *aval.shape):
             raise DAGError(f"{what} has a leaf shaped {a.shape[1:]} for one item, but "
                            f"jax.eval_shape gave {tuple(aval.shape)}")

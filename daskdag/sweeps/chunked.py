@@ -1,19 +1,11 @@
-"""A node over a chunk of sweep items: its function, and its forward pass under ``jax.vjp``.
+"""A node over a chunk of sweep items (:class:`Chunked`), registered with
+:mod:`daskdag.rules.registry` so the core runs it as any node.
 
-``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``, forward and pullback
-each one program (:class:`~daskdag.graph.compiled.Compiled`'s, cached per node function, as for
-a fused stage). The others run item by item, each item under its own ``jax.vjp`` (faster per
-item than one vjp around the loop), leaving an :class:`ItemPullbacks`, and pass a
-:func:`~daskdag.sweeps.progress.checkpoint` between items. The node kind is registered with
-:mod:`daskdag.rules.registry`: the core runs it as any node, and fuses a sweep's stages over the
-items (``batch``).
-
-An item that fails in an item-by-item node, forward or backward, is kept with its chunk
-(:func:`~daskdag.sweeps.progress.fail`), which goes on with its other items: the failed item's
-value is :data:`SKIPPED`, which later nodes pass on without running; its cotangents are zeros,
-its pullbacks do not run. A ``vmap`` node takes another item's values in the failed items' rows
-(their results dropped); a chunk none of whose items is left stops
-(:class:`~daskdag.sweeps.progress.NothingLeft`).
+``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``; the others item by
+item, each under its own ``jax.vjp``, with a :func:`~daskdag.sweeps.progress.checkpoint` between
+items. An item that fails there is kept with its chunk: its value is :data:`SKIPPED`, which
+later nodes pass on, its cotangents are zeros. A ``vmap`` node fills the failed items' rows with
+another item's values.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ import numpy as np
 
 from daskdag.cancel import Cancelled
 from daskdag.errors import NodeError, node_errors
-from daskdag.graph.compiled import Compiled
+from daskdag.graph.compiled import Jitted
 from daskdag.model.custom import is_custom
 from daskdag.model.leaves import differentiable_leaves, is_array
 from daskdag.model.spec import Node
@@ -49,34 +41,29 @@ class Skipped:
         return "SKIPPED"
 
     def __reduce__(self):
-        return _skipped, ()
+        return "SKIPPED"  # pickled as a reference to the one instance
 
 
 SKIPPED = Skipped()
 
 
-def _skipped() -> Skipped:
-    return SKIPPED
-
-
 class Chunked:
-    """A node's function over a chunk of items: args whose ``in_axes`` is 0 carry them (stacked
-    arrays, or :class:`Items` as item-by-item nodes made them), the others are shared.
-    ``name``: the node's (or the fused stage's), which names an item's failure."""
+    """A node's function over a chunk of items: args whose ``in_axes`` is 0 carry them (stacked,
+    or as :class:`Items`), the others are shared. ``name`` (the node's or the fused stage's)
+    names an item's failure."""
 
     def __init__(self, node: Node, in_axes: tuple[int | None, ...], name: str | None = None):
         self.node, self.in_axes, self.name = node, in_axes, name
 
     @cached_property
-    def compiled(self) -> Compiled:
-        """The ``vmap`` node's programs (kept with this object, as its function's)."""
-        return Compiled(self.node.fn, self.in_axes)
+    def compiled(self) -> Jitted:
+        return Jitted(self.node.fn, self.in_axes)
 
     def __call__(self, *args):
         if self.node.vmap:
             _left(args, self.in_axes)
             args = tuple(map(stacked, args))
-            if is_custom(self.node.fn):  # the user's own code takes the chunk
+            if is_custom(self.node.fn):  # the user's own code takes the stacked chunk
                 return self.node.callable()(*args)
             return self.compiled(*args)
         fn = self.node.callable()
@@ -86,7 +73,7 @@ class Chunked:
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
         """``(primal, pullback)``: with ``vmap`` the primal stacked, else one ``jax.vjp`` per
-        item and the primal as :class:`Items` (:data:`SKIPPED` for the items that failed)."""
+        item and the primal as :class:`Items`."""
         if self.node.vmap:
             _left(args, self.in_axes)
             layout = _layout(args)
@@ -107,9 +94,8 @@ class Chunked:
 
     def linearize_values(self, args: Sequence[Any], active: tuple[bool, ...], count: int):
         """:meth:`linearize` of an item-by-item function returning ``count`` values (a chain of
-        nodes as one): ``(values, pullback)``, an :class:`Items` per value; the pullback takes
-        their cotangent (each value's in turn, each item's leaves in turn within it) and gives
-        the args' as :class:`ItemPullbacks` does."""
+        nodes as one): ``(values, pullback)``, an :class:`Items` per value, the pullback taking
+        their cotangents value by value (:class:`_ByValue`)."""
         primals, pullback = self.linearize(args, active)
         values = tuple(Items(SKIPPED if p is SKIPPED else p[e] for p in primals)
                        for e in range(count))
@@ -118,8 +104,8 @@ class Chunked:
         return values, _ByValue(pullback, leaves, [p is not SKIPPED for p in primals])
 
     def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
-        """:meth:`~daskdag.graph.compiled.Compiled.gradients` over the chunk: the cotangents of
-        args that came as :class:`Items` per item; None where it cannot be compiled."""
+        """:meth:`~daskdag.graph.compiled.Jitted.gradients` over the chunk, the cotangents of
+        :class:`Items` args per item; None where it cannot be compiled."""
         _left(args, self.in_axes)
         layout = _layout(args)
         out = self.compiled.gradients(tuple(map(stacked, args)), active, seeded)
@@ -130,8 +116,7 @@ class Chunked:
 
 
 def _batch(fn, in_axes, vectorized: bool) -> Chunked:
-    """One element's function (a fused stage's nodes, :class:`daskdag.graph.run.Fused`) over a
-    chunk, named after its stage."""
+    """A fused stage's function (:class:`daskdag.graph.run.Fused`) over a chunk."""
     stage = getattr(fn, "stage", None)
     return Chunked(Node(fn, (), vmap=vectorized), in_axes, getattr(stage, "name", None))
 
@@ -141,15 +126,21 @@ register(Chunked, linearize=lambda chunked, node, args, active: chunked.lineariz
 
 
 def chunk_of(node: Node) -> Chunked | None:
-    """The :class:`Chunked` function of a sweep's node (its function may travel packed), else None."""
+    """The :class:`Chunked` function of a sweep's node (maybe packed), else None."""
     fn = unwrap(node.fn)
     return fn if isinstance(fn, Chunked) else None
 
 
+def own_function(node: Node):
+    """A sweep node's function for one item (not over a chunk)."""
+    chunk = chunk_of(node)
+    return (chunk.node if chunk else node).callable()
+
+
 def _attempt(name: str | None, index: int, args: tuple, phase: str, call):
-    """``call()``, item ``index``'s pass of a node (``args``: its args), or :data:`SKIPPED` where
-    the item failed already, an arg is :data:`SKIPPED`, or it fails now and its chunk keeps it
-    (:func:`~daskdag.sweeps.progress.fail`; with no chunk, it raises)."""
+    """``call()``, item ``index``'s pass of a node, or :data:`SKIPPED` where the item failed
+    already, an arg is :data:`SKIPPED`, or it fails now and its chunk keeps it (with no chunk,
+    it raises)."""
     if failed_already(index) or any(a is SKIPPED for a in args):
         return SKIPPED
     try:
@@ -163,14 +154,13 @@ def _attempt(name: str | None, index: int, args: tuple, phase: str, call):
 
 def _left(args, in_axes) -> None:
     """Raise :class:`~daskdag.sweeps.progress.NothingLeft` where every item of the chunk failed
-    before this node: nothing is left for it to run on."""
+    before this node."""
     size = next((_count(a) for a, ax in zip(args, in_axes) if ax == 0), 0)
     if size and all(failed_already(k) for k in range(size)):
         raise NothingLeft("every item of the chunk failed before this node")
 
 
 def _count(arg) -> int:
-    """The number of items ``arg`` carries."""
     if isinstance(arg, Items):
         return len(arg)
     return next((len(leaf) for leaf in jax.tree.leaves(arg) if is_array(leaf)), 0)
@@ -178,10 +168,9 @@ def _count(arg) -> int:
 
 @travels(tree_size)
 class Items(list):
-    """A node's values over a chunk, one per item, as item-by-item nodes pass them on: unstacked
-    (stacking and splitting them at every node would cost a pass over the values). A pytree of
-    the items, so a cotangent of ``Items`` (a flat tuple, :mod:`daskdag.rules.pullback`) is each
-    item's in turn; :func:`stacked` makes one array per leaf where one is needed."""
+    """A node's values over a chunk, one per item, as item-by-item nodes pass them on (stacking
+    them at every node would cost a pass over the values). A pytree of the items, so its
+    cotangent (a flat tuple) is each item's leaves in turn; :func:`stacked` stacks them."""
 
 
 jax.tree_util.register_pytree_node(Items, lambda items: (list(items), None),
@@ -189,10 +178,8 @@ jax.tree_util.register_pytree_node(Items, lambda items: (list(items), None),
 
 
 class Chunk(PerItem):
-    """How a sweep's chunk seeds its outputs and gathers its gradients (the core's
-    :class:`~daskdag.rules.seeds.PerItem`, for :class:`Items` too): each item's seed (or a
-    Jacobian's rows) in turn, none for the items that failed; an :class:`Items`' gradient
-    stacked, its rows after its items."""
+    """How a chunk seeds its outputs and gathers its gradients, :class:`Items` too: each item's
+    seed (or a Jacobian's rows) in turn, none for the failed items; gradients stacked."""
 
     def seed(self, value, output: str, ct) -> tuple:
         if not isinstance(value, Items):
@@ -221,8 +208,8 @@ CHUNK = Chunk()
 
 
 def stacked(value):
-    """``value`` with a leading item axis on its array leaves: :class:`Items` stacked, each
-    item that failed (:data:`SKIPPED`) standing in as another item (its rows are dropped)."""
+    """``value`` with a leading item axis: :class:`Items` stacked, another item standing in
+    for each failed one (:data:`SKIPPED`; its rows are dropped)."""
     if not isinstance(value, Items):
         return value
     items = list(value)
@@ -235,55 +222,57 @@ def stacked(value):
 
 
 def _layout(args) -> tuple:
-    """Per arg: None where it is stacked; where it came as :class:`Items`, per item whether it
-    holds a value (not :data:`SKIPPED`)."""
+    """Per arg: None where stacked; for :class:`Items`, per item whether it is not
+    :data:`SKIPPED`."""
     return tuple(tuple(v is not SKIPPED for v in a) if isinstance(a, Items) else None
                  for a in args)
 
 
 def per_item(cts: tuple, layout: tuple) -> tuple:
-    """Cotangents aligned with args (as a pullback returns them) for stacked args, made the
-    cotangents of the args that came as :class:`Items` (``layout``, :func:`_layout`): each
-    item's leaves in turn, none for its items that failed."""
+    """A pullback's cotangents of stacked args, as those of the args that came as
+    :class:`Items` (``layout``: :func:`_layout`): each held item's leaves in turn."""
     return tuple(c if held is None or c is None else
                  tuple(leaf[i] for i, here in enumerate(held) if here for leaf in c)
                  for c, held in zip(cts, layout))
 
 
 def _zeros(args: Sequence[Any], active: Sequence[bool]) -> tuple:
-    """Zero cotangents of ``args``, as a pullback returns them: per active arg, a zero per
-    differentiable leaf (none for :data:`SKIPPED`, each item's of :class:`Items`), else None."""
+    """Zero cotangents of ``args``, as a pullback returns them (None for inactive args)."""
     return tuple(tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(a)) if on else None
                  for a, on in zip(args, active))
 
 
-class _ForItems(Pullback):
-    """A vmap pullback whose args came as :class:`Items` (stacked for its program): it takes
-    them as they came and gives their cotangents per item (:func:`per_item`)."""
+class _Wrapper(Pullback):
+    """A pullback around another (``self.pullback``), batched and sized as it is."""
 
-    def __init__(self, pullback, layout: tuple):
-        self.pullback, self.layout = pullback, layout
+    pullback: Pullback
+
+    def residual_nbytes(self) -> int:
+        return self.pullback.residual_nbytes()
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
 
+
+class _ForItems(_Wrapper):
+    """A vmap pullback whose args came as :class:`Items`: it gives their cotangents per item."""
+
+    def __init__(self, pullback, layout: tuple):
+        self.pullback, self.layout = pullback, layout
+
     def __call__(self, ct, inputs, dropped=None):
         return per_item(self.pullback(ct, tuple(map(stacked, inputs))), self.layout)
-
-    def residual_nbytes(self) -> int:
-        return self.pullback.residual_nbytes()
 
     def __reduce__(self):
         return _ForItems, (self.pullback, self.layout)
 
 
 class ItemPullbacks(Pullback):
-    """The pullbacks of a chunk's items (None for an item that failed). Called as a
-    :class:`~daskdag.rules.pullback.Pullback`, ``ct`` the cotangent of the node's :class:`Items`
-    (each item's leaves in turn, ``counts[i]`` of them for item ``i``), it returns each dep's
-    cotangent likewise where it came as ``Items``, else one stacked array per leaf. An item that
-    failed in the chunk (or fails here: kept as failing in the node ``name``) gets zeros."""
+    """The pullbacks of a chunk's items (None for a failed item). ``ct``: each item's leaves in
+    turn, ``counts[i]`` of them for item ``i``; it returns each dep's cotangent likewise where
+    the dep came as :class:`Items`, else stacked. An item that failed (or fails here) gets
+    zeros."""
 
     def __init__(self, pullbacks: list, in_axes: tuple[int | None, ...], active: tuple,
                  name: str | None, counts: list[int]):
@@ -294,7 +283,7 @@ class ItemPullbacks(Pullback):
         items = item_args(inputs, self.in_axes)
         at = np.cumsum([0, *self.counts])
         cts: list[tuple] = []
-        ran: tuple | None = None  # (an item whose pullback ran: which args get cotangents)
+        ran: tuple | None = None  # an item whose pullback ran: which args get cotangents
         for i, (pb, item) in enumerate(zip(self.pullbacks, items)):
             out = SKIPPED if pb is None else _attempt(
                 self.name, i, item, "backward",
@@ -311,7 +300,6 @@ class ItemPullbacks(Pullback):
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
-        """As its items' pullbacks (see :attr:`~daskdag.rules.pullback.Pullback.batching`)."""
         return next((pb.batching for pb in self.pullbacks if pb is not None), None)
 
     def residual_nbytes(self) -> int:
@@ -321,18 +309,13 @@ class ItemPullbacks(Pullback):
         return ItemPullbacks, (self.pullbacks, self.in_axes, self.active, self.name, self.counts)
 
 
-class _ByValue(Pullback):
+class _ByValue(_Wrapper):
     """An :class:`ItemPullbacks` of items that are each a tuple of values, taking its cotangent
-    value by value (``ct``: value 0's leaves for every item, then value 1's...; ``leaves``: per
-    value, its differentiable leaves per item; ``held``: per item, whether it holds values, not
-    :data:`SKIPPED`) and passing it on item by item."""
+    value by value (value 0's leaves for every item, then value 1's...; ``leaves``: per value,
+    its differentiable leaves per item; ``held``: per item, whether it is not :data:`SKIPPED`)."""
 
     def __init__(self, pullback: ItemPullbacks, leaves: list[int], held: list[bool]):
         self.pullback, self.leaves, self.held = pullback, leaves, held
-
-    @property
-    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
-        return self.pullback.batching
 
     def __call__(self, ct, inputs, dropped=None):
         n = sum(self.held)
@@ -340,9 +323,6 @@ class _ByValue(Pullback):
         per_item = [leaf for k in range(n) for start, m in zip(starts, self.leaves)
                     for leaf in ct[start + k * m:start + (k + 1) * m]]
         return self.pullback(tuple(per_item), inputs)
-
-    def residual_nbytes(self) -> int:
-        return self.pullback.residual_nbytes()
 
     def __reduce__(self):
         return _ByValue, (self.pullback, self.leaves, self.held)
@@ -362,7 +342,7 @@ def item_args(args, in_axes) -> list[tuple]:
 
 def unstack(tree) -> list:
     """A pytree whose array leaves carry a leading item axis as a list of per-item pytrees, its
-    other leaves (functions, static fields) in every item; :class:`Items` as they are."""
+    other leaves in every item."""
     if isinstance(tree, Items):
         return list(tree)
     leaves, treedef = jax.tree.flatten(tree)

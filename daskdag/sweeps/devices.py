@@ -1,18 +1,8 @@
-"""A sweep on this process's devices: chunks as large as the devices' memory allows, each
-chunk's item axis sharded over the devices, its results left where they are.
-
-Where ``daskdag.sweep-devices`` names devices (:func:`placement`) and every node that carries
-items is ``vmap=True`` (:attr:`~daskdag.sweeps.planning.Sweep.vectorized`), a sweep on this
-process's threads runs its chunks with :class:`Devices`: a 1-D mesh of the devices, axis
-:data:`AXIS`; each chunk's items padded to a multiple of their count (the last item repeated,
-its results dropped) and put on them with ``jax.device_put`` along that axis (asynchronous);
-the shared inputs put once, replicated. A chunk's graph runs in the calling thread, which only
-dispatches its programs (a fused stage's forward and backward are one program), so the next
-chunk's items travel while it computes; at most :data:`DEPTH` chunks are in flight.
-
-Its chunk size (:func:`chunk_size`) comes from one item's bytes (:func:`item_bytes`: traced
-abstractly) and the devices' free memory (:func:`free_bytes`); whether its results stay on the
-devices, from ``daskdag.sweep-results`` (:func:`results_on_device`).
+"""A sweep on this process's devices (:class:`Devices`), where ``daskdag.sweep-devices`` names
+them and every node that carries items is ``vmap=True``: chunks as large as the devices' memory
+allows (:func:`chunk_size`), each chunk's items padded to a multiple of the devices' count and
+sharded over a 1-D mesh of them; the shared inputs put once, replicated. Chunks are dispatched
+from the calling thread, so the next chunk's items travel while one computes.
 """
 
 from __future__ import annotations
@@ -20,14 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import threading
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
 import dask
 import dask.core
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +28,8 @@ from daskdag.caches import ByObject
 from daskdag.errors import DAGError
 from daskdag.model.leaves import is_array
 from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
-from daskdag.sweeps import progress
-from daskdag.sweeps.chunked import chunk_of
-from daskdag.sweeps.engines import Done, chunk_graph, item_key, run_chunk
+from daskdag.sweeps.chunked import own_function
+from daskdag.sweeps.engines import Done, InProcess, chunk_graph, item_key
 from daskdag.sweeps.planning import Sweep
 from daskdag.sweeps.results import item_shapes
 
@@ -50,8 +37,7 @@ AXIS = "items"  # the mesh axis a chunk's items are sharded along
 DEPTH = 2  # chunks in flight at once: one computing, the next one's items on their way
 FRACTION = 0.5  # of the devices' free memory, what the chunks in flight may take
 FALLBACK_BYTES = 4 * 2 ** 30  # an accelerator's free memory per device, where JAX does not say
-RESIDUALS = 3  # a node's value per item, kept this often while a chunk computes (value,
-#                residuals, cotangent)
+RESIDUALS = 3  # copies of a node's value kept while a chunk computes (value, residuals, cotangent)
 
 
 @dataclass(frozen=True)
@@ -87,34 +73,35 @@ class Placement:
         return self.platform != "cpu"
 
     def where(self) -> str:
-        """Where a sweep on them runs, in words (``CallInfo.where``)."""
+        """Where a sweep on them runs, in words."""
         n = self.count
         return (f"this process ({n} {self.platform} device{'s' if n > 1 else ''}, the items "
                 f"sharded over {'them' if n > 1 else 'it'})")
 
     def padded(self, count: int, width: int) -> int:
-        """The items a chunk of ``count`` runs: ``width`` (the sweep's chunk, a multiple of the
-        devices') where that at most doubles it, so that it runs the other chunks' program;
-        else ``count`` up to a multiple of the devices'."""
+        """The items a chunk of ``count`` runs: ``width`` where that at most doubles it, to reuse
+        the other chunks' program; else ``count`` up to a multiple of the devices'."""
         return width if width < 2 * count else -(-count // self.count) * self.count
 
     def put(self, values: dict, count: int, padded: int) -> dict:
-        """A chunk's items (``count`` of them), padded to ``padded`` with copies of the last
-        one, put on the devices along :data:`AXIS` (asynchronously)."""
-        leaves, tree = jax.tree.flatten(values)
-        at = [k for k, a in enumerate(leaves) if is_array(a) and np.ndim(a)]
-        arrays = [_pad(leaves[k], padded - count) for k in at]
-        for k, a in zip(at, jax.device_put(arrays, self.items)):
-            leaves[k] = a
-        return jax.tree.unflatten(tree, leaves)
+        """A chunk's ``count`` items, padded to ``padded`` with copies of the last one, put on
+        the devices along :data:`AXIS` (asynchronously)."""
+        return _put(values, self.items, lambda a: is_array(a) and np.ndim(a),
+                    lambda a: _pad(a, padded - count))
 
     def replicate(self, value):
-        """A shared input, its arrays on every device (put once for all the chunks)."""
-        leaves, tree = jax.tree.flatten(value)
-        at = [k for k, a in enumerate(leaves) if is_array(a)]
-        for k, a in zip(at, jax.device_put([leaves[k] for k in at], self.replicated)):
-            leaves[k] = a
-        return jax.tree.unflatten(tree, leaves)
+        """A shared input, its arrays on every device."""
+        return _put(value, self.replicated)
+
+
+def _put(tree, sharding, which=is_array, prepare=lambda a: a):
+    """``tree`` with its leaves for which ``which(leaf)`` put on ``sharding``, each as
+    ``prepare(leaf)``, in one ``jax.device_put``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [k for k, a in enumerate(leaves) if which(a)]
+    for k, a in zip(at, jax.device_put([prepare(leaves[k]) for k in at], sharding)):
+        leaves[k] = a
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _pad(a, extra: int):
@@ -127,9 +114,8 @@ def _pad(a, extra: int):
 
 
 def placement(sweep: Sweep, client, local: str | None) -> Placement | None:
-    """The devices ``sweep`` runs its chunks on (``daskdag.sweep-devices``), or None: chunks
-    sized for threads (a sweep on a cluster or Dask's processes scheduler, or one with nodes
-    that carry items and are not ``vmap=True``)."""
+    """The devices ``sweep`` runs its chunks on (``daskdag.sweep-devices``), or None: on a
+    cluster, Dask's processes scheduler, or where a node carrying items is not ``vmap=True``."""
     if client is not None or local == "processes" or not sweep.vectorized:
         return None
     devices = chosen(config.get("sweep-devices"))
@@ -163,9 +149,8 @@ def _placement(devices: tuple) -> Placement:
 
 
 def free_bytes(on: Placement) -> int:
-    """The devices' free memory, together: per device JAX's ``bytes_limit`` less
-    ``bytes_in_use`` (``Device.memory_stats()``); where JAX does not say, on CPU the host's
-    available memory (its devices share it), else :data:`FALLBACK_BYTES` a device."""
+    """The devices' free memory, together, as ``Device.memory_stats()`` says; where it does
+    not, on CPU the host's available memory, else :data:`FALLBACK_BYTES` a device."""
     stats = [d.memory_stats() for d in on.devices]
     if all(s and "bytes_limit" in s for s in stats):
         return sum(max(0, s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats)
@@ -179,22 +164,19 @@ _item_bytes: ByObject[tuple[int, int]] = ByObject("sweeps' bytes per item", 64)
 
 
 def item_bytes(sweep: Sweep) -> tuple[int, int]:
-    """One item's bytes on the devices: ``(while its chunk computes, its results)``, from its
-    inputs', every node's value's and its results' shapes, traced abstractly
-    (:func:`~daskdag.model.shapes.abstract_values`), each node's value counted
-    :data:`RESIDUALS` times (at least twice its inputs' where a node cannot be traced). Kept
-    with the sweep's plan (its shapes are its preparation's)."""
+    """One item's bytes on the devices: ``(while its chunk computes, its results)``, from the
+    shapes of its inputs, node values (each counted :data:`RESIDUALS` times; at least twice the
+    inputs' where a node cannot be traced) and results, traced abstractly. Kept by plan."""
     hit = _item_bytes.get(sweep.plan)
     if hit is not None:
         return hit
     plan = sweep.plan
     avals = {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()}
-    nodes = abstract_values(plan.spec, plan.needed, avals,
-                            lambda node: (c.node if (c := chunk_of(node)) else node).callable())
+    nodes = abstract_values(plan.spec, plan.needed, avals, own_function)
     inputs = sum(_nbytes(avals[i]) for i in sweep.carried())
     values = sum(_nbytes(nodes[n]) for n in plan.needed
                  if n in sweep.carrying and nodes[n] is not UNKNOWN)
-    shapes = item_shapes(plan, sweep.values, sweep.batched, sweep.lowering)
+    shapes = item_shapes(plan, sweep.values, sweep.batched, sweep.lowered)
     results = sum(_nbytes(v) for v in shapes[0].values() if v is not None) + sum(
         _nbytes(g) for grads in shapes[1].values() for g in grads.values())
     working = inputs + max(RESIDUALS * values, 2 * inputs) + results
@@ -218,10 +200,9 @@ def results_on_device(sweep: Sweep, on: Placement | None) -> bool:
 
 
 def chunk_size(sweep: Sweep, on: Placement, on_device: bool) -> int:
-    """Items per chunk: all of them where the devices' memory (:data:`FRACTION` of what is
-    free, less the results where they stay there) holds them; else as many as :data:`DEPTH`
-    chunks at once leave room for, in chunks of equal size. A multiple of the devices'
-    count."""
+    """Items per chunk, a multiple of the devices' count: all of them where :data:`FRACTION` of
+    the devices' free memory (less the results, where they stay there) holds them; else as
+    many as :data:`DEPTH` chunks at once leave room for, in chunks of equal size."""
     working, results = item_bytes(sweep)
     budget = FRACTION * free_bytes(on) - (sweep.size * results if on_device else 0)
     if sweep.size * working <= budget:
@@ -232,24 +213,19 @@ def chunk_size(sweep: Sweep, on: Placement, on_device: bool) -> int:
     return max(on.count, -(-per // on.count) * on.count)
 
 
-class Devices:
-    """The engine of a sweep on ``on``'s devices (the module's docstring): chunks dispatched
-    from the calling thread, each on its way as it is submitted; before another is, the
-    oldest of :data:`DEPTH` in flight is waited for. ``width``: the sweep's chunk size;
-    ``host``: results copied to the host as they come (``copy_to_host_async``) and returned
-    as NumPy arrays; else left where they are."""
+class Devices(InProcess):
+    """The engine of a sweep on ``on``'s devices: each chunk dispatched from the calling thread
+    as it is submitted, once fewer than :data:`DEPTH` are in flight. ``width``: the sweep's
+    chunk size; ``host``: results copied to the host as they come and returned as NumPy
+    arrays, else left where they are."""
 
     def __init__(self, on: Placement, shared: dict, bar, width: int, host: bool):
-        self.on, self.bar, self.host = on, bar, host
+        super().__init__(bar)
+        self.on, self.host = on, host
         self.width = -(-width // on.count) * on.count
         self.shared = {name: on.replicate(value) for name, value in shared.items()}
         self.flying: deque = deque()  # the results of the chunks in flight, oldest first
         self.graph: tuple | None = None  # (sweep, its chunk graph: engines.chunk_graph)
-        self.stop = threading.Event()
-
-    def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
-        """``chunks``: ``[((start, stop), steps)]``; returns a finished future for each."""
-        return [self._submit(sweep, chunk, steps) for chunk, steps in chunks]
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         while len(self.flying) >= DEPTH:
@@ -257,60 +233,58 @@ class Devices:
         start, stop = chunk
         count = stop - start
         future: concurrent.futures.Future = concurrent.futures.Future()
-        bar = self.bar
-        report = None if bar is None else (lambda f: bar.report(chunk, f))
         try:
             values = self.on.put(sweep.items(start, stop), count,
                                  self.on.padded(count, self.width))
             tasks, key = self._graph(sweep)
             tasks = {**tasks, **{item_key(n): DataNode(item_key(n), v) for n, v in values.items()}}
-            # (Dask's synchronous scheduler where a Dask callback watches tasks; else the
-            # graph's tasks run in order here, without a scheduler's bookkeeping)
+            # Dask's synchronous scheduler where a Dask callback watches; else without one.
             get = dask.get if Callback.active else dask.core.get
-            done = run_chunk(progress.ChunkRun(steps, self.stop.is_set, report, items=count),
-                             lambda: get(tasks, key))
+            done = self._run(chunk, steps, lambda: get(tasks, key))
         except Exception as e:
             future.set_exception(e)
             return future
         if done.computed is not None:
             self.flying.append(done.computed)
             if self.host:
-                for leaf in jax.tree.leaves(done.computed):
-                    if isinstance(leaf, jax.Array):
-                        leaf.copy_to_host_async()
+                to_host(done.computed)
         future.set_result((done, count, sweep.carrying))
         return future
 
     def _graph(self, sweep) -> tuple[dict, str]:
-        """``sweep``'s chunk graph, made once (its shared inputs in it, already on the
-        devices), which each chunk runs with its items bound."""
+        """``sweep``'s chunk graph, made once, which each chunk runs with its items bound."""
         if self.graph is None or self.graph[0] is not sweep:
             self.graph = (sweep, chunk_graph(sweep, {}))
         return self.graph[1]
 
     def wait_any(self, futures) -> set:
-        return set(futures)  # (each finished as it was submitted; its device work may not be)
+        return set(futures)  # each finished as it was submitted (its device work may not be)
 
     def result(self, future) -> Done:
         """The chunk's :class:`~daskdag.sweeps.engines.Done`, its padding dropped."""
         done, count, carrying = future.result()
         if done.computed is None:
             return done
-        def trim(a):  # (an array leaf with the item axis)
+
+        def trim(a):  # an array leaf with the item axis
             if not is_array(a):
                 return a
             return np.asarray(a)[:count] if self.host else a[:count] if len(a) != count else a
 
-        def whole(a):  # (the same for every item)
+        def whole(a):  # the same for every item
             return np.asarray(a) if self.host and is_array(a) else a
 
         computed = {o: (jax.tree.map(trim if o in carrying else whole, value),
                         jax.tree.map(trim, grads)) for o, (value, grads) in done.computed.items()}
         return Done(computed, done.failed, done.seconds)
 
-    def release(self, future):
-        pass
-
     def close(self):
         self.stop.set()
         self.flying.clear()
+
+
+def to_host(tree) -> None:
+    """Start copying the jax.Array leaves of ``tree`` to the host, while the devices go on."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()

@@ -1,11 +1,7 @@
-"""Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster (or this
-process's devices, each chunk sharded over them: :mod:`daskdag.sweeps.devices`).
-
-An engine takes chunks (a :class:`~daskdag.sweeps.planning.Sweep` and each chunk's ``(start,
-stop)``), waits for some to finish, gives a finished chunk's :class:`Done` (or raises its
-:class:`~daskdag.NodeError` where it failed as a whole), lets go of it, and on :meth:`close`,
-however the sweep ended, stops everything it started: queued chunks never start, running ones
-stop at their next item (:mod:`daskdag.sweeps.progress`), a cluster's futures are released.
+"""Where a sweep's chunks run: threads of this process, or a ``distributed`` cluster (this
+process's devices: :mod:`daskdag.sweeps.devices`). An engine takes chunks (``submit``), waits for
+some (``wait_any``), gives a finished chunk's :class:`Done` or raises its error (``result``),
+lets go of it (``release``), and on ``close``, however the sweep ended, stops all it started.
 """
 
 from __future__ import annotations
@@ -21,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import dask
 import dask.local
-from dask.base import tokenize
 import jax
 import numpy as np
+from dask.base import tokenize
 from dask.task_spec import DataNode, Task, TaskRef
 
-from daskdag.sweeps import progress
+from daskdag.errors import ClusterError
+from daskdag.graph.assembly import key
 from daskdag.running.cluster import Watch, describe, unreachable, workers
 from daskdag.running.compute import Arrivals
-from daskdag.graph.assembly import key
-from daskdag.errors import ClusterError
+from daskdag.sweeps import progress
 from daskdag.transport.packing import unpack
 from daskdag.transport.protocol import travels, tree_size
 from daskdag.transport.transports import CLUSTER
@@ -39,14 +35,15 @@ if TYPE_CHECKING:
     import distributed
 
 WAIT = 0.2  # seconds a wait returns after at the latest, to refresh the progress bar
+RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
+LIST_EVERY = 1.0  # seconds a list of the workers serves before the scheduler is asked again
 
 
 @travels(tree_size)
 class Done:
     """A finished chunk: ``computed``, ``{output: (value, {input: grad})}`` over its items
-    (None when every item failed); ``failed``, ``{index in the chunk: NodeError}`` of the items
-    that failed (:func:`daskdag.sweeps.progress.fail`); ``seconds`` it ran, where known. A
-    pytree of its results (``jax.tree.map`` maps ``computed``); unpacks as its three fields."""
+    (None when every item failed); ``failed``, ``{index in the chunk: NodeError}``; ``seconds``
+    it ran, where known. A pytree of ``computed``; unpacks as its three fields."""
 
     __slots__ = ("computed", "failed", "seconds")
 
@@ -65,8 +62,8 @@ jax.tree_util.register_pytree_node(Done, lambda d: ((d.computed,), (d.failed, d.
 
 
 def run_chunk(run: progress.ChunkRun, compute) -> Done:
-    """``compute()``, a chunk's graph run in this thread, under ``run`` (its items' failures
-    kept there): a chunk none of whose items is left stops (whatever its last node raised)."""
+    """``compute()``, a chunk's graph run in this thread under ``run``, which keeps its items'
+    failures; a chunk with no item left stops, whatever its last node raised."""
     started = time.monotonic()
     with run:
         try:
@@ -78,31 +75,44 @@ def run_chunk(run: progress.ChunkRun, compute) -> Done:
     return Done(computed, run.failed, time.monotonic() - started)
 
 
-class Threads:
-    """Each chunk synchronously on one of ``in_flight`` threads of this process; ``here``: in
-    the calling thread, as it is submitted (Dask's ``"sync"`` scheduler, for a debugger)."""
+class InProcess:
+    """What the engines of this process share: each chunk run in a thread of it
+    (:meth:`_run`), stopping at its next item once ``stop`` is set; nothing to release."""
 
-    def __init__(self, in_flight: int, bar: progress.Progress | None, here: bool = False):
-        self.pool: Any = (Here() if here else concurrent.futures.ThreadPoolExecutor(
-            in_flight, thread_name_prefix="daskdag-sweep"))
-        self.shared: dict = {}
-        self.stop, self.bar = threading.Event(), bar
+    def __init__(self, bar: progress.Progress | None):
+        self.bar, self.stop = bar, threading.Event()
 
     def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
         """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
         return [self._submit(sweep, chunk, steps) for chunk, steps in chunks]
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
-        graph = sweep.chunk(*chunk)
+        raise NotImplementedError
+
+    def _run(self, chunk: tuple[int, int], steps: int, compute) -> Done:
         bar = self.bar
         report = None if bar is None else (lambda f: bar.report(chunk, f))
+        return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
+                                           items=chunk[1] - chunk[0]), compute)
 
-        def job():
-            return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
-                                               items=chunk[1] - chunk[0]),
-                             lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
+    def release(self, future):
+        pass
 
-        return self.pool.submit(job)
+
+class Threads(InProcess):
+    """Each chunk synchronously on one of ``in_flight`` threads of this process; ``here``: in
+    the calling thread, as it is submitted (Dask's ``"sync"`` scheduler, for a debugger)."""
+
+    def __init__(self, in_flight: int, bar: progress.Progress | None, here: bool = False):
+        super().__init__(bar)
+        self.pool: Any = (Here() if here else concurrent.futures.ThreadPoolExecutor(
+            in_flight, thread_name_prefix="daskdag-sweep"))
+        self.shared: dict = {}
+
+    def _submit(self, sweep, chunk: tuple[int, int], steps: int):
+        graph = sweep.chunk(*chunk)
+        return self.pool.submit(self._run, chunk, steps,
+                                lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
 
     def wait_any(self, futures) -> set:
         return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
@@ -110,17 +120,14 @@ class Threads:
     def result(self, future):
         return future.result()
 
-    def release(self, future):
-        pass
-
     def close(self):
         self.stop.set()  # running chunks stop at their next item; this waits for that
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Here:
-    """An executor that runs each job in the calling thread as it is submitted, its result (or
-    its exception: a ``KeyboardInterrupt`` raises at once) in a finished future."""
+    """An executor that runs each job in the calling thread as it is submitted, its result or
+    exception in a finished future (a ``KeyboardInterrupt`` raises at once)."""
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -135,25 +142,11 @@ class Here:
 
 
 class Cluster:
-    """Chunks as tasks of a ``distributed`` cluster; shared inputs placed on it once.
-
-    ``pin``: each chunk runs as one task on the worker with the fewest chunks in flight
-    (loosely: the scheduler can still move it), not beside the shared inputs on one worker, nor
-    split into tasks that ship pullbacks and cotangents between workers at a per-task cost.
-    Chunks whose nodes need resources stay task graphs, placed node by node (their bar advances
-    per chunk; they stop at the next task, not item).
-
-    A pinned chunk's items travel inside its task, so the scheduler holds its recipe whole and
-    reruns it elsewhere when its worker, or every worker, dies (scattered data would be lost
-    with its holder). Its results come straight back from its worker (``Client.gather``;
-    through the scheduler with ``Client(direct_to_workers=False)``). A chunk whose worker left
-    while it waited, or whose task was lost (``KilledWorker``), is sent again, up to
-    :data:`RESENDS` times.
-
-    The task carries no graph: the sweep's chunk graph, the same for every chunk but its items,
-    is built and pickled once (:func:`chunk_graph`), placed on the cluster as the shared inputs
-    are, and each task binds its items into a copy of it (:func:`_run_chunk`).
-    """
+    """Chunks as tasks of a ``distributed`` cluster; shared inputs placed on it once. ``pin``:
+    each chunk is one task (:func:`_run_chunk`) with its items inside, so the scheduler can rerun
+    it elsewhere when its worker dies, sent to the worker with the fewest chunks; else (nodes
+    that need resources) chunks are task graphs. A chunk whose worker left while it waited, or
+    whose task was lost, is sent again, up to :data:`RESENDS` times."""
 
     def __init__(self, client, shared: dict, pin: bool, bar: progress.Progress | None, place,
                  found: dict | None = None, plan=None):
@@ -162,12 +155,12 @@ class Cluster:
         self.chunks: set[_Chunk] = set()  # every chunk not released yet
         self.id = uuid.uuid4().hex
         self.graph: tuple | None = None  # (sweep, future of its chunk graph on the cluster)
-        self.found: dict = found or {}  # the workers as last listed (_workers), and when
+        self.found: dict = found or {}  # the workers as last listed, and when
         self.listed = time.monotonic() if found else -float("inf")
-        self.listening = contextlib.ExitStack()  # the progress bar's events, while it runs
+        self.listening = contextlib.ExitStack()  # the progress bar's events
         self.direct = client.direct_to_workers is not False
-        self.watch = Watch(client, plan)  # (plan: for the resources its nodes need)
-        self.arrivals = Arrivals()  # the chunks' futures tell it when they are done
+        self.watch = Watch(client, plan)
+        self.arrivals = Arrivals()  # told by the chunks' futures when they are done
         self.shared = {name: place_shared(place, name, value) for name, value in shared.items()}
         if bar is not None:
             self.listening.enter_context(progress.listen(client, self.id, bar.report))
@@ -180,23 +173,22 @@ class Cluster:
         return sent
 
     def _send(self, sent: list[_Chunk]):
-        """Each chunk's task, its items in it, pinned to the worker with the fewest chunks."""
         try:
             found = self._workers() if self.pin else {}
         except (OSError, TimeoutError) as e:
             raise self._scheduler_gone(e) from e
-        if not found:  # task graphs, or no worker yet (an adaptive cluster): the scheduler places it
+        if not found:  # task graphs, or no worker yet: the scheduler places them
             for c in sent:
                 c.future, c.pinned = self.client.compute(c.sweep.chunk(*c.chunk)), False
                 self.arrivals.add(c.future)
             return
         shared = {f.key: f for f in self.shared.values()}
-        with warnings.catch_warnings():  # items travel in the tasks that take them, on purpose
+        with warnings.catch_warnings():  # items travel in their tasks, on purpose
             warnings.filterwarnings("ignore", message="Sending large graph")
             for c in sent:
                 c.worker, c.cohort = self._least_busy(found), frozenset(found)
                 graph = self._graph(c.sweep)
-                # Unhashed: a chunk's items are keyed by the chunk, so no one asks for their token.
+                # Unhashed: no one asks for the token of a chunk's items.
                 items = {item_key(n): CLUSTER.pack(f"input {n!r}", v, hashed=False)
                          for n, v in c.sweep.items(*c.chunk).items()}
                 report = None if self.bar is None else [self.id, *c.chunk]
@@ -207,55 +199,48 @@ class Cluster:
                 self.arrivals.add(c.future)
 
     def _least_busy(self, found: dict) -> str:
-        """Of the workers ``found`` (running ones first: a paused one takes no new work), the
-        one with the fewest chunks."""
+        """Of the workers ``found`` (running ones first), the one with the fewest chunks."""
         running = [a for a, w in found.items() if w.get("status", "running") == "running"]
-        return min(running or found, key=lambda w: sum(1 for other in self.chunks if other.worker == w))
+        return min(running or found, key=lambda w: sum(c.worker == w for c in self.chunks))
 
     def _workers(self, fresh: bool = False) -> dict:
-        """The cluster's workers (:func:`daskdag.running.cluster.workers`), as the scheduler
-        listed them at most :data:`LIST_EVERY` seconds ago unless ``fresh`` (asking each time
-        would cost a round trip, and on a large cluster the scheduler's time); an empty list
-        (an adaptive cluster with no worker yet) is not kept."""
+        """The cluster's workers, as listed at most :data:`LIST_EVERY` seconds ago unless
+        ``fresh`` (each list costs the scheduler's time); an empty list is not kept."""
         now = time.monotonic()
         if fresh or not self.found or now - self.listed > LIST_EVERY:
             self.found, self.listed = workers(self.client, timeout=self.watch.ask), now
         return self.found
 
     def _graph(self, sweep) -> distributed.Future:
-        """The future of ``sweep``'s chunk graph on the cluster (:func:`chunk_graph`), placed
-        when its first chunk is sent, as the shared inputs are (:func:`place_shared`): under a
-        content key, so a later sweep of the same DAG and shared inputs finds it there."""
+        """The future of ``sweep``'s chunk graph on the cluster, placed as the shared inputs are
+        (:func:`place_shared`), so a later sweep of the same DAG and shared inputs finds it."""
         if self.graph is None or self.graph[0] is not sweep:
             refs = {n: TaskRef(f.key) for n, f in self.shared.items()}
             tasks, results = chunk_graph(sweep, refs)
-            # A task whose result is the graph: computed again if its holder dies, and fetched,
-            # already unpickled, by the other workers.
+            # A task whose result is the graph: recomputed if its holder dies, and fetched,
+            # unpickled, by the other workers.
             self.graph = (sweep, self.place(key("sweep", "graph", tokenize(results)),
                                             cloudpickle.loads, cloudpickle.dumps((tasks, results))))
         return self.graph[1]
 
     def wait_any(self, chunks) -> set:
-        """The chunks among ``chunks`` that finished or failed. Those lost meanwhile (their task
-        cancelled, or waiting for a worker that left) are sent again; a cluster that has had no
-        worker for ``daskdag.worker-wait`` raises :class:`~daskdag.ClusterError`. Every chunk's
-        state is read each time, not only when a callback told of one: a future finishes
-        again, with no callback, once its result was lost with its worker and computed anew."""
+        """The chunks among ``chunks`` that finished or failed; those lost meanwhile are sent
+        again. Every chunk's state is read each time: a future whose result was lost with its
+        worker finishes again with no callback."""
         if not self.arrivals.any(WAIT):
             self._stranded(chunks)
         done = set()
         for c in chunks:
             if c.future.cancelled():
                 self._resend(c)
-            elif c.future.status in ("finished", "error"):  # ("lost": being computed again)
+            elif c.future.status in ("finished", "error"):  # "lost": being computed again
                 done.add(c)
         return done
 
     def _stranded(self, chunks) -> None:
-        """Send again the pinned chunks stranded by the loss of every worker (none of those
-        there when it was sent is left): a task whose named worker left while none ran waits
-        for it forever, even once new workers join (distributed 2026.8 looks for another only
-        while some worker runs). Give up once no worker was there for ``daskdag.worker-wait``."""
+        """Send again the pinned chunks stranded by the loss of every worker there when they
+        were sent (distributed then waits for the named worker forever). Raises a
+        :class:`~daskdag.ClusterError` once no worker was there for ``daskdag.worker-wait``."""
         found, failed = None, None
         try:
             found = self._workers()
@@ -270,9 +255,8 @@ class Cluster:
 
     def result(self, chunk: _Chunk) -> Done:
         """The chunk's results, straight from its worker; raises what the chunk raised, or
-        :class:`Lost` for a chunk of several items whose workers kept dying under it. (A chunk
-        of task graphs keeps no failed items: a failing item fails it.)"""
-        import distributed  # (loaded already: this chunk went to a cluster)
+        :class:`Lost` for a chunk of several items whose workers kept dying under it."""
+        import distributed  # loaded already: this chunk went to a cluster
         while True:
             try:
                 out = self.client.gather(chunk.future, direct=self.direct)
@@ -291,8 +275,7 @@ class Cluster:
                 self._resend(chunk)  # a worker's, with its results: computed again
 
     def _scheduler_gone(self, e: Exception) -> ClusterError:
-        """What the sweep says when its scheduler cannot be reached (``e``, asking it): it
-        stops; its chunks in a store stay there."""
+        """The error of a sweep whose scheduler cannot be reached (``e``)."""
         return ClusterError(
             f"{describe(self.client)}: {unreachable(e)}, so the sweep cannot go on: it stops "
             f"here. Start the cluster again; a sweep with a store= resumes from it")
@@ -316,14 +299,13 @@ class Cluster:
 
     def _let_go(self, chunk: _Chunk, cancel: bool = False):
         if chunk.future is not None:
-            if cancel:  # (it may still be queued or running on a worker that lives)
+            if cancel:  # it may still be queued or running on a worker that lives
                 self.client.cancel([chunk.future])
             chunk.future.release()
         chunk.future, chunk.worker = None, None
 
     def close(self):
-        """Cancel and let go of every chunk. (The shared inputs and the chunk graph are
-        ``place``'s, :func:`daskdag.running.resident.placing`.)"""
+        """Cancel and let go of every chunk (the shared inputs and chunk graph are ``place``'s)."""
         held = [c.future for c in self.chunks if c.future is not None]
         self.graph = None
         self.chunks.clear()
@@ -333,24 +315,18 @@ class Cluster:
                 self.client.cancel(held)
             except Exception:  # a client already closed has nothing left to cancel
                 pass
-        for fut in held:  # release: a frame or error still holding a future keeps nothing alive
+        for fut in held:  # so that a frame or error still holding a future keeps nothing alive
             fut.release()
-
-
-RESENDS = 3  # times a chunk lost with a worker is sent again before the sweep fails
 
 
 class Lost(Exception):
     """A chunk of several items lost with the workers that ran it (``KilledWorker``): the
-    sweep runs its items again one by one (:func:`daskdag.sweeps.sweep._run_chunks`)."""
-
-
-LIST_EVERY = 1.0  # seconds a list of the workers serves before the scheduler is asked again
+    sweep runs its items again one by one."""
 
 
 class _Chunk:
-    """A chunk on the cluster: its items (``start, stop``), its task's future, the worker it was
-    sent to, the workers there then, and how often it was sent again."""
+    """A chunk on the cluster: its items, its task's future, the worker it was sent to, the
+    workers there then, and how often it was sent again."""
 
     __slots__ = ("sweep", "chunk", "steps", "future", "worker", "cohort", "resent", "pinned")
 
@@ -358,57 +334,54 @@ class _Chunk:
         self.sweep, self.chunk, self.steps = sweep, chunk, steps
         self.future: distributed.Future | None = None
         self.worker: str | None = None
-        self.pinned = False  # its task is _run_chunk (not a task graph)
+        self.pinned = False  # its task is _run_chunk, not a task graph
         self.resent = 0
-        self.cohort: frozenset = frozenset()  # the workers there when it was sent
+        self.cohort: frozenset = frozenset()
 
 
 def place_shared(place, name: str, value) -> distributed.Future:
-    """Put the shared input ``name`` (packed) on the cluster for every chunk, with ``place``
-    (:func:`daskdag.running.resident.placing`): under its content key, which a later sweep or
-    call with the same value finds, as a task whose result is the value, so that it survives
-    the loss of its worker, where a scattered value would fail every chunk needing it."""
+    """Put the shared input ``name`` on the cluster with ``place``, under its content key (a
+    later sweep or call with the same value finds it), as a task whose result is the value, so
+    that it survives the loss of its worker."""
     packed = CLUSTER.pack(f"input {name!r}", value)
     return place(key("input", name, tokenize(packed)), unpack, packed)
 
 
 def item_key(name: str) -> str:
-    """The key under which a chunk graph (:func:`chunk_graph`) refers to input ``name``'s items."""
+    """The key under which a chunk graph refers to input ``name``'s items."""
     return f"daskdag-items-{name}"
 
 
 def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     """The graph of every pinned chunk of ``sweep``: ``(tasks, key of the results)``. It refers
     to the chunk's items under :func:`item_key`, and to the shared inputs by ``shared``,
-    ``{input: TaskRef}`` (plain references: a ``Future`` in it would start a client wherever it
-    is unpickled); neither has a task in it, :func:`_run_chunk` adds them as data. Nothing in it
-    depends on which items a chunk holds, or how many (:meth:`daskdag.sweeps.planning.Sweep.graph`)."""
+    ``{input: TaskRef}`` (a ``Future`` would start a client wherever it is unpickled); the
+    task running it adds both as data."""
     items = {n: TaskRef(item_key(n)) for n in sweep.carried()}
     results = sweep.graph({**shared, **items})
     flat = [d for value, grads in results.values() for d in (value, *grads.values())]
     tasks = dict(flat[0].__dask_graph__())  # (one graph: every result is a key of it)
     shape = [(o, list(grads)) for o, (_, grads) in results.items()]
-    # A content key, as the results' are (dask.delayed of them would walk their graphs).
+    # A content key, as the results' are.
     done = key("sweep", "results", tokenize([d.key for d in flat], shape))
     tasks[done] = Task(done, _assemble, shape, *(TaskRef(d.key) for d in flat))
     return tasks, done
 
 
 def _assemble(shape: list, *flat):
-    """``{output: (value, {input: grad})}`` from the results ``flat`` in :func:`chunk_graph`'s
-    order, ``shape`` its ``[(output, [input])]``."""
+    """``{output: (value, {input: grad})}`` from ``flat`` results, ``shape``
+    ``[(output, [input])]``."""
     it = iter(flat)
     return {o: (next(it), {i: next(it) for i in inputs}) for o, inputs in shape}
 
 
 def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int,
                report: list | None, count: int) -> Done:
-    """A whole chunk of ``count`` items as one task on a worker: the sweep's chunk graph
-    (:func:`chunk_graph`) run by Dask's synchronous scheduler, the shared inputs and the chunk's
-    packed items (``{item_key: Packed}``) as data. Its :class:`Done` has NumPy leaves:
-    distributed sends those as zero-copy frames, and the client stacks into NumPy anyway."""
+    """A whole chunk of ``count`` items as one task on a worker: the sweep's chunk graph run by
+    Dask's synchronous scheduler, the shared inputs and the chunk's packed items as data. Its
+    :class:`Done` has NumPy leaves, which distributed sends as zero-copy frames."""
     tasks, key = graph
-    tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks, maybe at once
+    tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks
     for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:
         tasks[k] = DataNode(k, value)
     done = run_chunk(progress.worker_chunk(steps, report, count), lambda: dask.get(tasks, key))

@@ -1,11 +1,7 @@
-"""A sweep's plan: what every chunk of it shares (:class:`Sweep`), made once per DAG and one
-item's shapes (:func:`prepare`, keyed by :func:`item_signature`), and how big its chunks are
-(:func:`default_chunk_size`) and how many item steps each takes (:func:`chunk_steps`).
-
-Each chunk is the graph :func:`daskdag.graph.build.build` makes for one call, over a spec whose
-node functions take a whole chunk (:class:`~daskdag.sweeps.chunked.Chunked`: vectorized for
-``Node(vmap=True)``, else item by item; :func:`plan_sweep`). The loop over the chunks is
-:mod:`daskdag.sweeps.sweep`'s.
+"""A sweep's plan: what every chunk shares (:class:`Sweep`), prepared once per DAG and one
+item's shapes (:func:`prepare`), and its chunks' sizes and item steps. Each chunk is the graph
+:func:`daskdag.graph.build.build` makes for one call, over a spec whose nodes take a whole chunk
+(:class:`~daskdag.sweeps.chunked.Chunked`).
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ from daskdag.transport.transports import Transport
 
 
 def is_dask_array(obj) -> bool:
-    """Whether ``obj`` is a dask array (none can be while ``dask.array`` is not imported: it is
-    imported for a sweep over dask arrays, or a store's lazy results)."""
+    """Whether ``obj`` is a dask array (without importing ``dask.array``)."""
     module = sys.modules.get("dask.array")
     return module is not None and isinstance(obj, module.Array)
 
@@ -50,106 +45,95 @@ class Sweep:
     carrying: frozenset[str]  # inputs and nodes whose values carry the item axis
     cotangents: dict[str, Any]
     size: int
-    transport: Transport  # how chunk graphs take in their values (daskdag.transport.transports)
-    # nodes of shared inputs differentiated per item, run once (daskdag.sweeps.shared.Through)
-    through: Any = None
-    # the kind of call lowered (daskdag.running.passes.Lowering): its inputs and results
-    lowering: Any = None
+    transport: Transport  # how chunk graphs take in their values
+    through: Any = None  # nodes of shared inputs differentiated per item, run once (shared.py)
+    lowered: Any = None  # the kind of call lowered (daskdag.running.passes.Lowered)
+
+    def _vmap(self) -> list[bool]:
+        """Per node that carries items, whether it is ``vmap=True``."""
+        return [chunk.node.vmap for n in self.plan.needed
+                if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None]
 
     @property
     def vectorized(self) -> bool:
         """Every node that carries items runs as ``jit(vmap)`` over a chunk."""
-        return all(chunk.node.vmap for n in self.plan.needed
-                   if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
+        return all(self._vmap())
 
     @property
     def by_item(self) -> bool:
-        """No node that carries items is ``vmap=True``: each item is computed on its own, so
-        a chunk cut into pieces gives the numbers it would have whole."""
-        return not any(chunk.node.vmap for n in self.plan.needed
-                       if (chunk := chunk_of(self.plan.spec.nodes[n])) is not None)
+        """No node that carries items is ``vmap=True``: a chunk cut into pieces gives the
+        numbers it would have whole."""
+        return not any(self._vmap())
 
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
 
     def carried(self) -> list[str]:
-        """The inputs that carry items (the keys of :meth:`items`): batched ones, and shared ones
-        differentiated per item."""
+        """The inputs that carry items: batched ones, and those broadcast."""
         return [i for i in self.values if not self.shared(i)]
 
     def items(self, start: int, stop: int) -> dict[str, Any]:
-        """Items ``start:stop`` of the inputs that carry them: batched inputs sliced, shared
-        inputs differentiated per item broadcast. Array leaves carry the items; other leaves
-        (functions...) are shared."""
+        """Items ``start:stop`` of the inputs that carry them: batched inputs' array leaves
+        sliced, broadcast inputs broadcast."""
         def part(a):
-            if is_dask_array(a):  # (a store's dask-array items: read chunk by chunk here)
+            if is_dask_array(a):  # a store's dask-array items, read chunk by chunk
                 return np.asarray(a[start:stop])
             if not is_array(a):
                 return a
             if self.transport.remote:
                 return rows(a, start, stop)
-            # (all of a JAX array: itself, where slicing would dispatch a copy)
+            # All of a JAX array: itself, where slicing would dispatch a copy.
             return a if start == 0 and stop == len(a) else a[start:stop]
 
-        values = {}
-        for i in self.carried():
-            v = self.values[i]
-            if i in self.batched:
-                values[i] = jax.tree.map(part, v)
-            else:
-                values[i] = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a)))
-                                         if is_array(a) else a, v)
-        return values
+        def broadcast(a):
+            return jnp.broadcast_to(a, (stop - start, *jnp.shape(a))) if is_array(a) else a
+
+        return {i: jax.tree.map(part if i in self.batched else broadcast, self.values[i])
+                for i in self.carried()}
 
     def chunk(self, start: int, stop: int):
-        """The Dask graph of items ``start:stop``: ``{output: (value, {input: grad})}``, the
-        items' values inside it."""
+        """The Dask graph of items ``start:stop``, their values inside it."""
         return self.graph(self.items(start, stop))
 
     def graph(self, values: dict):
-        """The Dask graph of a chunk whose :meth:`carried` inputs (and any others given) are
-        ``values``: the values themselves, or references (``dask.task_spec.TaskRef``) to them.
-        Nothing else in it depends on which items, or how many, the chunk holds: items enter
-        only as these inputs, and the seeds of the outputs' cotangents take the item count
-        from the outputs when they run (:func:`daskdag.rules.seeds.seed`)."""
-        rows = getattr(self.lowering, "rows", None)
+        """The Dask graph ``{output: (value, {input: grad})}`` of a chunk whose :meth:`carried`
+        inputs (and any others given) are ``values``, or references (``TaskRef``) to them.
+        Nothing else in it depends on which items, or how many, the chunk holds."""
+        rows = getattr(self.lowered, "rows", None)
         seeding = (GradientSeeding(self.cotangents, CHUNK) if rows is None
                    else JacobianSeeding(rows, CHUNK))
         return build(self.plan, {**self.values, **values}, seeding, self.transport)
 
 
 def prepare(kind, xs, data: tuple, batched, transport: Transport, watch) -> Sweep:
-    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) compiled
-    (:mod:`daskdag.running.programs`): the arguments checked, the kind lowered on one item
-    (its inputs' first rows; ``wrt`` defaults to the batched inputs), and what every chunk of
-    every sweep like it shares (:func:`plan_sweep`), but the values, their number and the
-    cotangents, which :func:`~daskdag.sweeps.sweep.sweep` puts in. ``watch`` takes the
-    fingerprints of the functions packed."""
+    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) prepared: the
+    arguments checked, the kind lowered on one item (its inputs' first rows), and what every
+    chunk shares (:func:`plan_sweep`) but the values, their number and the cotangents.
+    ``watch`` takes the fingerprints of the functions packed."""
     spec, names, values = parsed(kind.dag, xs, kind.outputs, watch.hold)
     batched = batched_names(values, batched)
     size = batch_size(values, batched)
     one = {i: jax.tree.map(lambda a: first_row(a, size), v) if i in batched else v
            for i, v in values.items()}
-    for n in spec.order:  # (as they are now, before a kind that traces them runs their code)
+    for n in spec.order:  # as they are now, before a kind that traces them runs their code
         watch(n, spec.nodes[n].fn)
-    lowering = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, watch)
-    lowered = lowering.plan.spec
-    prints = {id(lowered.nodes[n].fn): watch(n, lowered.nodes[n].fn) for n in lowered.order}
-    return replace(plan_sweep(lowered, names, {}, batched, lowering.plan.wrt, {}, 0, transport,
-                              prints=prints), lowering=lowering)
+    lowered = kind.lower(spec, names, one, data, {i: one[i] for i in batched}, watch)
+    runs = lowered.plan.spec  # (the DAG the passes run: lifted, for a forward kind)
+    prints = {id(runs.nodes[n].fn): watch(n, runs.nodes[n].fn) for n in runs.order}
+    return replace(plan_sweep(runs, names, {}, batched, lowered.plan.wrt, {}, 0, transport,
+                              prints=prints), lowered=lowered)
 
 
 def first_row(a, size: int):
-    """An item's stand-in for a leaf of a batched input: its first row (zeros, where the batch
-    holds none)."""
+    """A batched leaf's first row (zeros, where it has none)."""
     if not is_array(a):
         return a
     return a[0] if size else np.zeros(a.shape[1:], a.dtype)
 
 
 def item_signature(dag, xs, batched) -> tuple | None:
-    """The inputs' structure and one item's shapes, as a preparation's key (the number of
-    items changes nothing prepared); None where the arguments are not those of a sweep."""
+    """The inputs' structure and one item's shapes, as a preparation's key; None where the
+    arguments are not those of a sweep."""
     try:
         spec = {d for entry in dag.values() for d in (entry.deps if isinstance(entry, Node)
                                                       else entry[1])} - set(dag)
@@ -169,8 +153,7 @@ def item(value):
 
 def rows(a, start: int, stop: int):
     """Rows ``start:stop`` of the array ``a``, to be packed: a JAX array's as a view of its NumPy
-    value (slicing the JAX array would dispatch a copy, and packing copy it out again), a JAX
-    array again on arrival."""
+    value (slicing it would dispatch a copy), a JAX array again on arrival."""
     if isinstance(a, jax.Array):
         return JaxArray(np.asarray(a)[start:stop])
     return a[start:stop]
@@ -178,9 +161,8 @@ def rows(a, start: int, stop: int):
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, transport: Transport,
                prints: dict | None = None) -> Sweep:
-    """What every chunk shares. ``transport``: how chunk graphs take in their values
-    (:mod:`daskdag.transport.transports`); ``prints``: the node functions' fingerprints, by
-    ``id``, as a preparation took them."""
+    """What every chunk shares, each node that carries items as a :class:`Chunked`. ``prints``:
+    the node functions' fingerprints, by ``id``."""
     prints = {} if prints is None else prints
     broadcast = frozenset(w for w in wrt if w not in spec.nodes) - frozenset(batched)
     carrying = set(batched) | broadcast
@@ -188,10 +170,10 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
     for n in spec.order:
         node = spec.nodes[n]
         in_axes = tuple(0 if d in carrying else None for d in node.deps)
-        if 0 in in_axes:  # nodes of shared inputs alone stay as they are: one key, run once
+        if 0 in in_axes:  # nodes of shared inputs alone stay as they are, run once
             carrying.add(n)
-            # Its function packed inside too: its content token keys the chunk's compiled
-            # programs (shipping.current), so a change in place compiles anew.
+            # Its function packed inside too: its content token keys the compiled programs,
+            # so a change in place compiles anew.
             inner = replace(node, fn=transport.pack_function(f"node {n!r}: its function", node.fn,
                                                              prints=prints))
             node = replace(node, fn=Chunked(inner, in_axes, n), jit=False, vmap=False)
@@ -202,12 +184,9 @@ def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, tran
 
 
 def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
-    """Item by item: about four chunks per parallel slot, for balance, and at most 256 items
-    per chunk. Vectorized (every node that carries items is ``vmap=True``, so a chunk is one
-    program over its items): also about four per slot, so that items and results travel while
-    other chunks compute, but none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's
-    fixed cost would outweigh it) unless that leaves a slot without a chunk, and none over
-    ``[1]``, to bound memory."""
+    """About four chunks per parallel slot, for balance. Item by item: at most 256 items a
+    chunk. Vectorized: none under :data:`VECTOR_CHUNK_BYTES` ``[0]`` of items (a chunk's fixed
+    cost would outweigh it) unless that leaves a slot without a chunk, none over ``[1]``."""
     size = sweep.size
     if not sweep.vectorized:
         return max(1, min(256, math.ceil(size / (4 * parallelism))))
@@ -223,9 +202,8 @@ VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk,
 
 
 def chunk_steps(plan: Plan, items: int) -> int:
-    """Item steps of a chunk of ``items`` under ``plan`` (of a chunked spec): each stage's
-    forward pass item by item (:func:`steps_per_item`), and its backward pass
-    (for all outputs at once) where a gradient passes through it."""
+    """Item steps of a chunk of ``items``: each stage's forward pass, and its backward pass
+    where a gradient passes through it."""
     steps = 0
     for s in make_stages(plan):
         per_item = steps_per_item(s, [plan.spec.nodes[n] for n in s.nodes])
@@ -235,9 +213,8 @@ def chunk_steps(plan: Plan, items: int) -> int:
 
 
 def steps_per_item(stage: Stage, nodes) -> int:
-    """How often a chunk's forward pass of ``stage`` steps from one item to the next
-    (:func:`~daskdag.sweeps.progress.checkpoint`): once per item-by-item node, or once for a
-    chain of them linearized as one (:func:`daskdag.graph.run.linearize`)."""
+    """How often a chunk's forward pass of ``stage`` steps from one item to the next: once per
+    item-by-item node, or once for a chain of them linearized as one."""
     by_item = [n for n in nodes if (c := chunk_of(n)) is not None and not c.node.vmap]
     if len(nodes) > 1 and stage.has_pullback and by_item and chain_of_elements(nodes) is not None:
         return 1

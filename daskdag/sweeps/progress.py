@@ -1,19 +1,10 @@
 """What a running sweep chunk tells the sweep (how far it got, which items failed) and asks it
-(was it cancelled?).
+(was it cancelled?), and the bar over items.
 
-A chunk runs as one task (a thread here, or a task on a ``distributed`` worker) and loops over
-its items inside each node (:mod:`daskdag.sweeps.chunked`). Between two items it calls
-:func:`checkpoint`, which counts the step and raises :class:`Cancelled` once the sweep stopped
-waiting for the chunk, so Ctrl-C does not wait for whole chunks. An item that fails is kept
-with its chunk (:func:`fail`), whose later nodes skip it (:func:`failed_already`): no item is
-computed twice to find out which failed.
-
-On the client, :class:`Progress` is the bar over items: finished chunks count whole, running
-ones by the fraction of their item steps done; on a cluster chunks report through distributed's
-event log (``Worker.log_event``, ``Client.subscribe_topic``). It looks like Dask's text bar,
-every other call's (``[####    ] | 40% Completed | 1.20 s``), but counts items, not tasks (a
-chunk is one task of many items), so it also says ``4/10 items``; tqdm draws it (:data:`BAR`),
-as text on stderr, in a notebook too.
+Between two items a chunk calls :func:`checkpoint`, which counts the step and raises
+:class:`Cancelled` once the sweep stopped waiting for the chunk, so Ctrl-C does not wait for
+whole chunks. On the client, :class:`Progress` draws Dask's text bar over items; chunks on a
+cluster report through distributed's event log.
 """
 
 from __future__ import annotations
@@ -23,16 +14,16 @@ import threading
 import time
 from typing import Callable
 
+from tqdm.std import tqdm
+
 from daskdag.cancel import Cancelled, dropped
 from daskdag.errors import NodeError
 from daskdag.running import events
 from daskdag.sweeps.failures import detached, picklable
 
-from tqdm.std import tqdm
-
 TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
 REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
-# The bar's look: Dask's text bar (40 wide, "#"), with the count of items
+# Dask's text bar (40 wide, "#"), with the count of items
 BAR = {"bar_format": "[{bar:40}] | {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} items | "
                      "{elapsed_s:.2f} s",
        "ascii": " #"}
@@ -41,10 +32,9 @@ _running = threading.local()  # .chunk: the ChunkRun of the chunk this thread ru
 
 
 class ChunkRun:
-    """One chunk of ``items`` items being run in this thread: ``steps`` item steps in all (one
-    per item for each item-by-item forward and backward pass); ``report(fraction)`` hears how
-    far it got. ``failed``: ``{index in the chunk: NodeError}`` of its items that failed so far
-    (:func:`fail`)."""
+    """One chunk of ``items`` items being run in this thread: ``steps`` item steps in all;
+    ``report(fraction)`` hears how far it got, at most every ``every`` seconds. ``failed``:
+    ``{index in the chunk: NodeError}`` of its items that failed so far."""
 
     def __init__(self, steps: int, cancelled: Callable[[], bool],
                  report: Callable[[float], None] | None = None, every: float = 0.0,
@@ -55,7 +45,7 @@ class ChunkRun:
         self.failed: dict[int, NodeError] = {}
 
     def nothing_left(self) -> bool:
-        """Every item of the chunk failed: nothing is left for it to compute."""
+        """Every item of the chunk failed."""
         return self.items is not None and len(self.failed) >= self.items
 
     def __enter__(self):
@@ -83,9 +73,8 @@ def checkpoint():
 
 def fail(index: int, error: NodeError) -> bool:
     """Item ``index`` of the chunk this thread runs failed with ``error``: kept with the chunk
-    (without stack frames, picklable: it goes back from a worker), whose later nodes skip the
-    item. False where no chunk runs in this thread (a chunk of task graphs): the caller raises
-    ``error``."""
+    (without stack frames, picklable). False where no chunk runs in this thread (a chunk of
+    task graphs): the caller raises ``error``."""
     chunk = getattr(_running, "chunk", None)
     if chunk is None:
         return False
@@ -101,15 +90,15 @@ def failed_already(index: int) -> bool:
 
 class NothingLeft(Exception):
     """Raised by a node over a chunk whose items all failed before it: the chunk stops, and its
-    result is its failures (the engines catch it, :meth:`ChunkRun.nothing_left`)."""
+    result is its failures."""
 
 
 # -- in a distributed worker ---------------------------------------------------------------------
 
 def worker_chunk(steps: int, report: list | None, items: int | None = None) -> ChunkRun:
-    """The :class:`ChunkRun` of the task this worker thread runs (of ``items`` items):
-    cancelled once the worker dropped the task (the client cancelled or released it);
-    ``report``, ``[sweep id, start, stop]``, goes with each fraction done to :data:`TOPIC`."""
+    """The :class:`ChunkRun` of the task this worker thread runs: cancelled once the worker
+    dropped the task; ``report``, ``[sweep id, start, stop]``, goes with each fraction done to
+    :data:`TOPIC`."""
     import distributed
 
     worker = distributed.get_worker()
@@ -120,15 +109,15 @@ def worker_chunk(steps: int, report: list | None, items: int | None = None) -> C
 # -- in the client --------------------------------------------------------------------------------
 
 class Progress:
-    """The bar over a sweep's ``total`` items. Chunks are keyed by ``(start, stop)``; reports of
-    a chunk that is no longer open (done, failed, a stale event) are ignored, so the final count
-    is the exact number of items finished."""
+    """The bar over a sweep's ``total`` items: finished chunks count whole, running ones by the
+    fraction of their item steps done. Reports of a chunk no longer open are ignored, so the
+    final count is the exact number of items finished."""
 
     partial: dict[tuple[int, int], float]
 
     def __init__(self, total: int):
         self.bar = tqdm(total=total, unit="item", **BAR)
-        self.done, self.partial = 0, {}  # partial: open chunk -> items done in it, as a float
+        self.done, self.partial = 0, {}  # partial: open chunk -> items done in it
         self.lock = threading.Lock()
 
     def open(self, chunk: tuple[int, int]):
@@ -142,9 +131,7 @@ class Progress:
                 self.partial[chunk] = fraction * (chunk[1] - chunk[0])
 
     def already(self, items: int):
-        """``items`` were done before the sweep started (a resumed sweep's): shown at once (tqdm's
-        ``update`` draws at most every ``mininterval``, and the bar opened just now, so the
-        count would wait for the next item to finish)."""
+        """``items`` were done before the sweep started (a resumed sweep's), shown at once."""
         with self.lock:
             self.done += items
         self.refresh()
@@ -158,8 +145,7 @@ class Progress:
         self.refresh()
 
     def settle(self, items: int):
-        """The bar at ``items`` done, what a store holds, wherever it was (a sweep stopped:
-        the items of unfinished chunks count no more)."""
+        """The bar at ``items`` done, what a store holds (a sweep stopped)."""
         with self.lock:
             self.done, self.partial = items, {}
             self.bar.n = items
@@ -168,7 +154,7 @@ class Progress:
     def refresh(self):
         with self.lock:
             target = self.done + int(sum(self.partial.values()))
-        if target > self.bar.n:  # never backwards (a chunk that failed drops its share)
+        if target > self.bar.n:  # never backwards: a chunk that failed drops its share
             self.bar.update(target - self.bar.n)
 
     def close(self):
@@ -176,7 +162,7 @@ class Progress:
 
 
 def listen(client, sweep_id: str, report: Callable) -> contextlib.AbstractContextManager:
-    """Within it, the :data:`TOPIC` events of sweep ``sweep_id`` go to ``report(chunk, fraction)``."""
+    """Within it, sweep ``sweep_id``'s :data:`TOPIC` events go to ``report(chunk, fraction)``."""
     def heard(message: list) -> None:
         if message[0] == sweep_id:
             report((message[1], message[2]), message[3])

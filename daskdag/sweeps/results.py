@@ -1,6 +1,5 @@
 """A sweep's values and gradients stacked over its items (in NumPy, :class:`Stacked`; left on the
-devices, :class:`OnDevice`), and their shapes when no item gave any (no items at all, or every
-item failed)."""
+devices, :class:`OnDevice`), and their shapes when no item gave any."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.sweeps.chunked import SKIPPED, Items, chunk_of
 from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.sweeps.chunked import SKIPPED, Items, own_function
 
 
 class Stacked:
@@ -25,17 +24,15 @@ class Stacked:
     def put(self, start: int, stop: int, tree, carries_items: bool):
         if isinstance(tree, Items):  # one item at a time, straight into its row
             for i, item in enumerate(tree):
-                if item is SKIPPED:  # (failed: its row stays as never arrived)
-                    continue
-                row = jax.tree.map(lambda a: np.asarray(a)[None], item)
-                self.put(start + i, start + i + 1, row, True)
+                if item is not SKIPPED:  # a failed item's row stays as never arrived
+                    row = jax.tree.map(lambda a: np.asarray(a)[None], item)
+                    self.put(start + i, start + i + 1, row, True)
             return
         if not carries_items:  # the same for every item
             tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
-        if self.tree is None:
-            # Uninitialised: filling it would write every row twice; result() fills the rest.
-            self.tree = jax.tree.map(lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype),
-                                     tree)
+        if self.tree is None:  # uninitialised: result() fills the rows that never arrive
+            self.tree = jax.tree.map(
+                lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype), tree)
 
         def copy(dst, src):
             dst[start:stop] = np.asarray(src)
@@ -60,10 +57,8 @@ class Stacked:
 
 
 class OnDevice:
-    """:class:`Stacked`'s twin for results left on the devices that computed them: each
-    chunk's ``jax.Array`` trees kept as they come, joined once, in :meth:`result` (a sweep of
-    one chunk: that chunk's arrays themselves). Rows of items that never arrived are NaN, or
-    0 where the dtype has none."""
+    """:class:`Stacked`'s twin for results left on the devices that computed them: each chunk's
+    ``jax.Array`` trees kept as they come, joined once, in :meth:`result`."""
 
     def __init__(self, size: int):
         self.size, self.arrived = size, np.zeros(size, bool)
@@ -82,12 +77,9 @@ class OnDevice:
         self.arrived[start:stop] = True
 
     def forget(self, rows) -> None:
-        """Rows (items) that failed: as if never arrived, whatever was put there."""
         self.arrived[list(rows)] = False
 
     def result(self, item):
-        """The joined tree; if no item arrived, NaN rows shaped by ``item`` (one item's
-        ``ShapeDtypeStruct`` tree), or ``None`` when that is unknown too."""
         like = self.tree
         if like is None:
             if item is None:
@@ -95,7 +87,7 @@ class OnDevice:
             like = jax.tree.map(lambda a: np.empty((1, *a.shape), a.dtype), item)
         parts, at = [], 0
         for start, stop, tree in sorted(self.pieces, key=lambda p: p[0]):
-            if start > at:  # (items that never arrived)
+            if start > at:  # items that never arrived
                 parts.append(_blank(like, start - at))
             parts.append(tree)
             at = stop
@@ -105,39 +97,35 @@ class OnDevice:
             lambda *leaves: jnp.concatenate(leaves), *parts)
         if not self.arrived.all():
             missing = np.flatnonzero(~self.arrived)
-            joined = jax.tree.map(lambda a: a.at[missing].set(_missing_value(a.dtype)), joined)
+            joined = jax.tree.map(lambda a: a.at[missing].set(missing_value(a.dtype)), joined)
         return joined
 
 
 def _blank(like, rows: int):
     """``rows`` rows shaped as ``like``'s, never arrived."""
-    return jax.tree.map(lambda a: np.full((rows, *np.shape(a)[1:]), _missing_value(a.dtype),
+    return jax.tree.map(lambda a: np.full((rows, *np.shape(a)[1:]), missing_value(a.dtype),
                                           a.dtype), like)
 
 
-def _missing_value(dtype):
+def missing_value(dtype):
+    """The value of a row that never arrived: NaN, or 0 where the dtype has none."""
     return np.nan if np.issubdtype(dtype, np.inexact) else 0
 
 
 def _mark_missing(a, rows):
-    a[rows] = np.nan if np.issubdtype(a.dtype, np.inexact) else 0
+    a[rows] = missing_value(a.dtype)
 
 
-def item_shapes(plan, values: dict, batched: frozenset, lowering=None) -> tuple[dict, dict]:
+def item_shapes(plan, values: dict, batched: frozenset, lowered=None) -> tuple[dict, dict]:
     """One item's ``({output: value shape}, {output: {input: gradient shape}})`` as
-    ``ShapeDtypeStruct`` trees, traced abstractly (:func:`daskdag.model.shapes.abstract_values`).
-    A gradient is shaped like its input's item (a Jacobian's after the output's rows, where
-    ``lowering`` has ``rows``), ``None`` on leaves that are not floating arrays; a value is
-    ``None`` where a node on its way cannot be traced (Python control flow on values,
-    ``float(x)``, non-JAX code)."""
-    def call(node):
-        chunk = chunk_of(node)
-        return (chunk.node if chunk else node).callable()
-
+    ``ShapeDtypeStruct`` trees, traced abstractly. A gradient is shaped like its input's item
+    (a Jacobian's after the output's rows), ``None`` on leaves that are not floating arrays; a
+    value is ``None`` where a node on its way cannot be traced."""
     avals = abstract_values(plan.spec, plan.needed,
-                            {i: abstract(v, i in batched) for i, v in values.items()}, call)
+                            {i: abstract(v, i in batched) for i, v in values.items()},
+                            own_function)
     values = {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}
-    rows = getattr(lowering, "rows", None)
+    rows = getattr(lowered, "rows", None)
     grads = {o: {i: jax.tree.map(partial(_cotangent_shape, lead=() if rows is None else (
         _rows(values[o], rows.colours_of(o)),)), avals[i]) for i in plan.wrt}
         for o in plan.outputs}

@@ -1,17 +1,9 @@
-"""Work every item of a sweep shares: the nodes it computes from its shared inputs alone run
-once for the whole sweep, not once per chunk or per item (:func:`share`). Two kinds, each taken
-out of the chunks' plan:
-
-- **Constants**, through which no gradient passes: run once as a graph of their own (here or on
-  the cluster), their values shared inputs of every chunk (:func:`constants`).
-- **Differentiated per item**, of shared inputs in ``wrt``: run once, as one task, their
-  pullback kept (:class:`Through`); chunks take their values as inputs differentiated per item,
-  and after a chunk its items' gradients there are pulled back through the kept pullback
-  (:func:`differentiated`).
-
-Outputs and nodes in ``wrt`` stay in the chunks (their values and gradients are per item), and
-so do the nodes after them. Where a node run once fails, the chunks run it, as they would
-without this, and the error names the item as ``errors=`` says.
+"""Work every item of a sweep shares: the nodes it computes from its shared inputs alone, run
+once for the whole sweep (:func:`share`), taken out of the chunks' plan. Nodes through which no
+gradient passes (:func:`constants`) become shared inputs of every chunk; nodes of shared inputs
+in ``wrt`` (:func:`differentiated`) keep their pullback (:class:`Through`), through which each
+chunk's gradients there are pulled back. Outputs and nodes in ``wrt`` stay in the chunks. Where
+a node run once fails, the chunks run it, so that the error names the item.
 """
 
 from __future__ import annotations
@@ -39,15 +31,11 @@ from daskdag.sweeps.chunked import chunk_of
 from daskdag.sweeps.planning import Sweep
 from daskdag.transport.packing import unpack
 
-NUMBERS = (bool, int, float, complex)
-
 
 def share(sweep: Sweep, left: int, chunk_size: int, client, local: str | None) -> Sweep:
-    """``sweep`` with its shared work done once (the module's docstring), for ``left`` items
-    still to run in chunks of ``chunk_size``, on ``client``'s cluster or Dask's ``local``
-    scheduler: constants where more than one chunk is left (within one chunk they run once
-    anyway), nodes differentiated per item where more than one item is; none of it where
-    ``daskdag.share-sweep-work`` is false."""
+    """``sweep`` with its shared work done once, for ``left`` items still to run in chunks of
+    ``chunk_size``: constants where more than one chunk is left, nodes differentiated per item
+    where more than one item is; none where ``daskdag.share-sweep-work`` is false."""
     if not config.get("share-sweep-work"):
         return sweep
     if left > chunk_size:
@@ -59,9 +47,8 @@ def share(sweep: Sweep, left: int, chunk_size: int, client, local: str | None) -
 
 def constants(planned: Sweep, client, local: str | None) -> Sweep:
     """``planned`` with its constants (:func:`constants_part`) computed once, their values
-    shared inputs of every chunk; ``planned`` itself where there are none, where one of them
-    fails, or, on a cluster, where a value is not made of arrays and numbers (it would have to
-    travel from one worker to all: the chunks compute it where they run)."""
+    shared inputs of every chunk; ``planned`` itself where there are none, one fails, or, on
+    a cluster, a value is not made of arrays and numbers."""
     split = constants_part(planned)
     if split is None:
         return planned
@@ -74,16 +61,15 @@ def constants(planned: Sweep, client, local: str | None) -> Sweep:
         return planned
     values = {n: computed[n][0] for n in plan.outputs}
     if planned.transport.remote and not _travels(values):
-        return planned  # (a value that may not travel, a solver object say, stays on its worker)
+        return planned
     logger.info("sweep_grads: nodes %s computed once for every item", list(plan.needed))
     return replace(rest, values={**planned.values, **values})
 
 
 def constants_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
     """The nodes a sweep computes from its shared inputs alone through which no gradient
-    passes: ``(plan, rest)``, where ``plan`` computes, from the shared inputs, the values of
-    those that the other nodes take (its outputs), and ``rest`` is the sweep without them, those
-    values its chunks' shared inputs; None where there are none."""
+    passes: ``(plan, rest)``, ``plan`` computing the values the other nodes take, ``rest`` the
+    sweep without them; None where there are none."""
     plan = sweep.plan
     kept = set(plan.outputs) | set(plan.wrt)
     once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
@@ -96,10 +82,8 @@ def constants_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
 
 def differentiated(planned: Sweep, client) -> Sweep:
     """``planned`` with its nodes differentiated per item (:func:`differentiated_part`) run
-    once, as one task (on ``client``'s cluster, or here), their pullback kept in the sweep's
-    :attr:`~daskdag.sweeps.planning.Sweep.through`; ``planned`` itself where there are none,
-    where one of them fails, or, on a cluster, where a value is not made of arrays and
-    numbers."""
+    once, as one task, their pullback kept in its ``through``; ``planned`` itself where there
+    are none, one fails, or, on a cluster, a value is not made of arrays and numbers."""
     split = differentiated_part(planned)
     if split is None:
         return planned
@@ -131,13 +115,10 @@ def differentiated(planned: Sweep, client) -> Sweep:
 
 
 def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
-    """The nodes a sweep computes from its shared inputs alone that its gradients pass through
-    (they depend on a shared input in ``wrt``) and that need nothing the chunks compute:
-    ``(plan, stage, rest)``: ``plan`` computes from the shared inputs the values the other
-    nodes take (its outputs), its ``wrt`` the shared inputs it takes; ``stage`` is its nodes as
-    one stage; ``rest`` the sweep without them, those values inputs its chunks differentiate
-    per item. None where there are none, or they need different resources or devices (they run
-    as one task)."""
+    """The nodes a sweep computes from its shared inputs alone that its gradients pass through:
+    ``(plan, stage, rest)``, ``plan`` computing the values the other nodes take, ``stage`` its
+    nodes as one stage, ``rest`` the sweep without them, those values inputs differentiated per
+    item. None where there are none, or they need different resources (they run as one task)."""
     plan, spec = sweep.plan, sweep.plan.spec
     kept = set(plan.outputs) | set(plan.wrt)
     of_items: set[str] = set(sweep.batched)
@@ -152,7 +133,7 @@ def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
     if not free or not all(together(spec.nodes[free[0]], spec.nodes[n]) for n in free):
         return None
     own = {n: chunk.node if (chunk := chunk_of(spec.nodes[n])) is not None else spec.nodes[n]
-           for n in free}  # (each node's own, not over a chunk: they run once)
+           for n in free}  # each node's own, not over a chunk
     part, taken, rest_spec = replace(plan, spec=replace(spec, nodes={**spec.nodes, **own})
                                      ).cut(free)
     if not taken:
@@ -166,22 +147,20 @@ def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
 
 
 def linearized(stage: Stage, nodes, deps) -> tuple[tuple, Any]:
-    """The stage's exposed values and its pullback, ready to call (a ``remat`` node's forward
-    pass redone once here: the pullback serves every chunk)."""
+    """The stage's exposed values and its pullback, materialized: it serves every chunk."""
     values, pullback = linearize(stage, nodes, deps)
     return values, pullback.materialize(deps)
 
 
 def linearized_packed(work) -> tuple[tuple, Any]:
-    """:func:`linearized` of ``(stage, nodes, deps)`` as packed to travel."""
+    """:func:`linearized` of ``(stage, nodes, deps)``, packed."""
     return linearized(*unpack(work))
 
 
 @dataclass(frozen=True)
 class Through:
     """The nodes of shared inputs differentiated per item, run once: their ``stage``, its
-    ``pullback``, the values of its ``deps`` and of its exposed nodes (``values``), and the
-    sweep's ``wrt``, in its order, which its gradients take."""
+    ``pullback``, the values of its ``deps`` and of its exposed nodes, and the sweep's ``wrt``."""
 
     stage: Stage
     pullback: Any
@@ -190,10 +169,9 @@ class Through:
     wrt: tuple[str, ...]
 
     def pull(self, computed: dict, items: int) -> dict:
-        """A chunk's ``{output: (value, {name: grad})}`` of ``items`` items, its gradients at
-        the stage's exposed nodes pulled back to its deps, added to their own gradients there:
-        the gradients with respect to the sweep's ``wrt``. A Jacobian's gradients are stacked
-        over its rows too (after the items): each item's every row pulled back."""
+        """A chunk's ``{output: (value, {name: grad})}`` of ``items`` items with its gradients at
+        the stage's exposed nodes pulled back to its deps and added to theirs: the gradients
+        with respect to the sweep's ``wrt``. A Jacobian's rows (after the items) too."""
         outputs = list(computed)
         cts = [tuple(_flat(grads.get(n)) for n in self.stage.outputs)
                for _, grads in computed.values()]
@@ -220,17 +198,15 @@ class Through:
 
 
 def _flat(grad) -> tuple | None:
-    """A gradient at an exposed node as a pullback takes it: its leaves (stacked over items),
-    None where it has none."""
+    """A gradient at an exposed node as a pullback takes it: its leaves, or None."""
     leaves = () if grad is None else tuple(jax.tree.leaves(grad))
     return leaves or None
 
 
 def _sum(like, own, share, lead: tuple):
-    """The gradient of an input whose value is ``like``, stacked over ``lead`` (the items, and
-    a Jacobian's rows): its own gradient ``own`` (in ``like``'s structure) and the ``share``
-    pulled back to it (a flat tuple), either None, summed (zeros where neither is given), each
-    leaf of the input's dtype."""
+    """The gradient of an input whose value is ``like``, stacked over ``lead``: its ``own``
+    gradient plus the ``share`` pulled back to it (flat), either None (zeros where both are),
+    each leaf of the input's dtype."""
     leaves = differentiable_leaves(like)
     parts = [p for p in (None if own is None else tuple(jax.tree.leaves(own)), share)
              if p is not None]
@@ -241,4 +217,6 @@ def _sum(like, own, share, lead: tuple):
 
 
 def _travels(values: dict) -> bool:
-    return all(is_array(leaf) or isinstance(leaf, NUMBERS) for leaf in jax.tree.leaves(values))
+    """Every leaf is an array or a number: it may travel from one worker to all."""
+    return all(is_array(leaf) or isinstance(leaf, (bool, int, float, complex))
+               for leaf in jax.tree.leaves(values))

@@ -1,22 +1,12 @@
-"""Durable sweeps: each chunk's results written to a Zarr store as the chunk finishes, so that a
-sweep outlives its client, and the same call resumes it.
+"""Durable sweeps: each chunk's results written to a Zarr (v3) store as the chunk finishes, so
+that a sweep outlives its client, and the same call resumes it. Its keys are described in
+docs/guides/sweeps.md ("What is in the store"); what every store shares: :mod:`daskdag.durable`.
 
-A store is a Zarr (v3) hierarchy, in a local directory or any store Zarr can open, readable with
-Zarr alone (its keys in full: docs/guides/sweeps.md, "What is in the store"): ``zarr.json``, the
-root group, whose attribute "daskdag" is what the sweep is (:mod:`daskdag.sweeps.identity`) and
-"trees" each result's pytree structure (pickled); ``values/<output>/<k>`` and
-``grads/<output>/<input>/<k>``, an array per leaf, ``(items, *leaf shape)``, chunked by the
-sweep's chunk size; ``done/<start>-<stop>``, a group written once those items are durable: the
-hash of their input items, of their rows in every array, and the failed items' errors
-(pickled); ``lock``, a lease while a sweep writes (stores other than local files).
-
-Failed items' rows hold NaN (0 where the dtype has none). Items are complete when a ``done``
-group covers them and their rows still hash as it says: a crash at any instant leaves each piece
-complete or absent; a truncated or corrupted chunk is computed again, never returned. A resumed
-sweep runs the pieces that are not complete; the identity and each complete piece's input items
-must be the call's, else :class:`~daskdag.StoreError` names what changed. The trees and errors
-are pickles: open only stores you trust. The format, rules and keys every store shares (calls'
-too): :mod:`daskdag.durable`.
+Items are complete when a ``done/<start>-<stop>`` group covers them and their rows still hash as
+it says, so a crash leaves each piece complete or absent. A resumed sweep runs the pieces that
+are not complete; each complete piece's input items must be the call's, else a
+:class:`~daskdag.StoreError` names what changed. Trees and errors are pickles: open only stores
+you trust.
 """
 
 from __future__ import annotations
@@ -38,9 +28,9 @@ from daskdag.durable.keys import Keys, group, is_zarr, keys_of
 from daskdag.durable.rules import agree, claim, full
 from daskdag.errors import NodeError, StoreError
 from daskdag.sweeps.failures import picklable
+from daskdag.sweeps.results import missing_value
 
 if TYPE_CHECKING:
-    import dask.array as da
     from zarr.abc.store import Store as ZarrStore
 
 
@@ -74,24 +64,12 @@ class SweepStore:
                             f"{type(self.location).__name__}")
 
 
-def store_of(given) -> SweepStore:
-    """``sweep_grads``'s ``store=`` as a :class:`SweepStore`."""
-    return given if isinstance(given, SweepStore) else SweepStore(given)
-
-
 class Store:
-    """An open store (see the module's docstring), held by this process until :meth:`close`.
-
-    Args:
-        where: a :class:`SweepStore`, a path or a Zarr store.
-        identity: what the sweep is (:func:`~daskdag.sweeps.identity.identity`), without
-            its chunk size.
-        chunk_size: items per chunk, or None: the stored sweep's, else ``default``.
-        default: the chunk size of a new store when ``chunk_size`` is None.
-    """
+    """An open store, held by this process until :meth:`close`. ``identity``: what the sweep
+    is, without its chunk size; ``chunk_size``: None for the stored sweep's, else ``default``."""
 
     def __init__(self, where, identity: dict, chunk_size: int | None, default: int):
-        where = store_of(where)
+        where = where if isinstance(where, SweepStore) else SweepStore(where)
         self.changed_items, self.lazy = where.changed_items, where.lazy
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
@@ -112,8 +90,7 @@ class Store:
         self.trees: dict = trees if isinstance(trees, dict) else {}
 
     def _agree(self, identity: dict, chunk_size: int | None, default: int) -> dict:
-        """The stored sweep's identity, which must be the call's (else a StoreError saying what
-        changed); in a new store, the call's, written with the root group in one write."""
+        """The stored sweep's identity, which must be the call's; in a new store, the call's."""
         import zarr
 
         stored = agree(self.keys, identity, lambda stored: {
@@ -129,12 +106,11 @@ class Store:
 
     def complete(self, hashes, read: bool = True
                  ) -> Iterator[tuple[int, int, dict | None, dict[int, NodeError]]]:
-        """The complete pieces, each checked once: ``(start, stop, results, failed)``,
-        ``results`` (``{output: (value, {input: grad})}``, NumPy rows) only when ``read``.
-        ``hashes(start, stop)``: the hash of the call's input items there, which must be the
-        stored one (else, once every piece was looked at, a :class:`~daskdag.StoreError` names
-        the items whose inputs changed; with ``changed_items="recompute"`` their marks are
-        removed). Incomplete pieces are removed. One chunk of every array is in memory at a time."""
+        """The complete pieces: ``(start, stop, results, failed)``, ``results`` (NumPy rows)
+        only when ``read``. ``hashes(start, stop)``: the hash of the call's input items there,
+        which must be the stored one (else, once every piece was looked at, a
+        :class:`~daskdag.StoreError`; with ``changed_items="recompute"`` their marks are
+        removed). Incomplete pieces are removed. One chunk of every array is read at a time."""
         marks = self._marks()
         changed = []
         arrays = self._arrays()
@@ -146,7 +122,7 @@ class Store:
                 lo, hi = start - k * size, stop - k * size
                 if mark is None or mark["rows"] != rows_hash(
                         {p: None if r is None else r[lo:hi] for p, r in rows.items()},
-                        mark["arrays"]):  # never returned: computed again
+                        mark["arrays"]):  # computed again
                     self.keys.delete(_mark_key(start, stop))
                     continue
                 if mark["items"] != hashes(start, stop):
@@ -161,7 +137,7 @@ class Store:
                     piece = {p: rows[p][lo:hi] for p in mark["arrays"]}  # type: ignore[index]
                     results = self._results(piece.__getitem__) if read else None
                 except KeyError:  # an array the piece does not cover
-                    if len(failed) == stop - start:  # (no item of it has rows to read)
+                    if len(failed) == stop - start:  # no item of it has rows to read
                         yield start, stop, None, failed
                     else:  # computed again
                         self.keys.delete(_mark_key(start, stop))
@@ -175,9 +151,8 @@ class Store:
 
     def write(self, start: int, stop: int, items_hash: str, results: dict | None,
               failed: dict[int, NodeError] | None = None) -> None:
-        """Items ``start:stop``'s results (``{output: (value, {input: grad})}``, stacked NumPy
-        rows; the rows of ``failed`` items written as never computed) and failures, made
-        durable, then marked complete."""
+        """Items ``start:stop``'s results (NumPy rows; those of ``failed`` items written as
+        never computed) and failures, made durable, then marked complete."""
         try:
             rows = self._put(start, stop, results, failed or ()) if results else \
                 self._blank(start, stop)
@@ -199,17 +174,16 @@ class Store:
             raise error from e
 
     def later(self, write) -> None:
-        """Run ``write()`` (a :meth:`write`) on the store's writer thread, in order, so that the
-        sweep goes on meanwhile; the error of an earlier write raises here, else in
-        :meth:`flush`."""
+        """Run ``write()`` on the store's writer thread, in order, while the sweep goes on; an
+        earlier write's error raises here, else in :meth:`flush`."""
         self._raise_failed()
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="daskdag-store")
         self._pending.append(self._writer.submit(write))
 
     def flush(self, raise_errors: bool = True) -> None:
-        """Wait for the writes :meth:`later` took; raise the first one's error (unless
-        ``raise_errors`` is False: an error already on its way)."""
+        """Wait for the writes :meth:`later` took; raise the first one's error, if
+        ``raise_errors``."""
         wait(self._pending)
         if raise_errors:
             self._raise_failed()
@@ -223,10 +197,8 @@ class Store:
         self._pending = [f for f in self._pending if not f.done()]
 
     def view(self, shapes) -> dict:
-        """The results as dask arrays reading the store: ``{output: (value, {input: grad})}``.
-        ``shapes()``: one item's ``({output: value}, {output: {input: grad}})`` as
-        ``ShapeDtypeStruct`` trees, for results no item gave (their arrays are made, all NaN);
-        a value whose shape is unknown is ``None``."""
+        """The results as dask arrays reading the store. ``shapes()``: one item's
+        (:func:`~daskdag.sweeps.results.item_shapes`), for results no item gave."""
         import dask.array as da
         missing = [o for o in self.identity["outputs"] if o not in self.trees]
         if missing:
@@ -244,8 +216,6 @@ class Store:
             self.keys.release()
             self.keys = None  # type: ignore[assignment]
 
-    # -- arrays and marks
-
     def _put(self, start: int, stop: int, results: dict, blank=()) -> dict[str, np.ndarray]:
         """Write ``results``' rows, those of the items ``blank`` as never written; returns
         them by array path."""
@@ -260,7 +230,7 @@ class Store:
         if blank and arrays is not None:
             at = [i - start for i in blank]
             for path, r in rows.items():
-                rows[path] = r = r.copy()  # (the caller's arrays stay as they are)
+                rows[path] = r = r.copy()  # the caller's arrays stay as they are
                 r[at] = arrays[path].fill_value
         return self._set_rows(start, stop, rows)
 
@@ -276,16 +246,15 @@ class Store:
         return rows
 
     def _blank(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        """Rows ``start:stop`` of every array as they are when never written (NaN, or 0), so
-        that items that failed read as they do in memory, whatever the store held there."""
+        """Rows ``start:stop`` of every array reset to never written (NaN, or 0)."""
         return self._set_rows(start, stop, {
             path: np.full((stop - start, *a.shape[1:]), a.fill_value, a.dtype)
             for path, a in self._arrays().items()})
 
     def _create(self, output: str, value, grads: dict) -> None:
-        """The arrays of ``output``'s value and gradients, shaped by one item's (trees of
-        arrays or ``ShapeDtypeStruct``; a ``None`` value stays unknown)."""
-        made = ["zarr.json"]  # (the metadata written, made durable before any mark needs it)
+        """The arrays of ``output``'s value and gradients, shaped by one item's (a ``None``
+        value stays unknown)."""
+        made = ["zarr.json"]  # the metadata written, made durable before any mark needs it
 
         def make(prefix: str, tree):
             leaves, treedef = jax.tree.flatten(tree)
@@ -294,10 +263,10 @@ class Store:
                 self.root.create_array(
                     f"{prefix}/{k}", shape=(self.identity["items"], *leaf.shape),
                     chunks=(self.chunk_size, *leaf.shape), dtype=dtype,
-                    fill_value=np.nan if np.issubdtype(dtype, np.inexact) else 0, overwrite=True)
+                    fill_value=missing_value(dtype), overwrite=True)
                 parts = f"{prefix}/{k}".split("/")
                 made.extend("/".join([*parts[:n], "zarr.json"]) for n in range(1, len(parts) + 1))
-            return _encode(treedef)
+            return base64.b64encode(pickle.dumps(treedef)).decode()
 
         trees = {"value": None if value is None else make(f"values/{_q(output)}", value),
                  "grads": {i: make(f"grads/{_q(output)}/{_q(i)}", g) for i, g in grads.items()}}
@@ -318,7 +287,7 @@ class Store:
         def tree(encoded, prefix):
             if encoded is None:
                 return None
-            treedef = _decode(encoded)
+            treedef = pickle.loads(base64.b64decode(encoded))
             return treedef.unflatten([leaf(f"{prefix}/{k}") for k in range(treedef.num_leaves)])
         return {o: (tree(t["value"], f"values/{_q(o)}"),
                     {i: tree(g, f"grads/{_q(o)}/{_q(i)}") for i, g in t["grads"].items()})
@@ -354,8 +323,7 @@ class Store:
 
 
 def _read_chunk(keys: Keys, array, path: str, k: int, size: int) -> np.ndarray | None:
-    """Chunk ``k`` of ``array`` (rows ``k*size`` on), or None where it cannot be decoded (then
-    removed, so that writes into it start afresh)."""
+    """Chunk ``k`` of ``array``, or None where it cannot be decoded (then removed)."""
     try:
         return np.asarray(array[k * size:(k + 1) * size])
     except Exception:
@@ -379,11 +347,3 @@ def _one(tree):
 
 def _q(name: str) -> str:
     return quote(name, safe="")
-
-
-def _encode(treedef) -> str:
-    return base64.b64encode(pickle.dumps(treedef)).decode()
-
-
-def _decode(encoded: str):
-    return pickle.loads(base64.b64decode(encoded))

@@ -1,11 +1,6 @@
-"""Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs.
-
-Each chunk of items is the graph of the sweep's plan (:mod:`daskdag.sweeps.planning`), run on
-threads or a cluster (:mod:`daskdag.sweeps.engines`). A few chunks are in flight at a time; their
-results go into the stacked outputs (:mod:`daskdag.sweeps.results`) as they finish, their
-intermediates released, so memory stays bounded however many items there are. An item that
-fails is kept with its chunk's results; a chunk that fails as a whole is rerun item by item, to
-name the item and keep the rest.
+"""Sweeps: one DAG over many inputs, cut into chunks that run as independent Dask graphs, a few
+in flight at a time, their results stacked as they finish. An item that fails is kept with its
+chunk's results; a chunk that fails as a whole is rerun item by item, to name the item.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ from daskdag.sweeps.store import Store
 from daskdag.transport import transports
 
 
-PIECE_SECONDS = 10.0  # with a store and no chunk_size given: the work of a piece, about
+PIECE_SECONDS = 10.0  # with a store and no chunk_size: about the work of a piece
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,13 +48,12 @@ class Interrupted(KeyboardInterrupt):
 
 def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | None,
             progress: bool, errors: str, store=None):
-    """A sweep of ``kind`` (every :class:`~daskdag.running.passes.Derivative` alike) over the
-    items of ``xs`` and ``data``, on ``client``'s cluster or Dask's ``local`` scheduler: compiled
-    for one item, run over chunks (:func:`sweep`; lazily over dask arrays:
-    :mod:`daskdag.sweeps.arrays`), its results stacked."""
+    """A sweep of ``kind`` (a :class:`~daskdag.running.passes.Derivative`) over the items of
+    ``xs`` and ``data``, on ``client``'s cluster or Dask's ``local`` scheduler: compiled for one
+    item, run over chunks (:func:`sweep`; over dask arrays: :mod:`daskdag.sweeps.arrays`)."""
     check_errors(errors)
     check_chunk_size(chunk_size)
-    if local == "processes":  # (the sweep as dask arrays, computed there, four blocks a core)
+    if local == "processes":  # as dask arrays computed there, four blocks a core
         if store is not None:
             raise DAGError(not_on_processes(f"{kind.sweep_call} with store="))
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, None, progress, errors,
@@ -70,38 +64,31 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
         if lazy is not None:
             return lazy
     transport = transports.for_call(client)
-    like = arrays.stand_in(xs)  # (a store's dask-array items are read chunk by chunk)
+    like = arrays.stand_in(xs)  # a store's dask-array items are read chunk by chunk
     program, why = programs.compile(
         kind.sweep_call, kind.dag, like, (names_key(kind.outputs), names_key(batched),
                                           names_key(kind.wrt), kind.options(data), transport),
         partial(prepare, kind, like, data, batched, transport),
         inputs=item_signature(kind.dag, like, batched))
     made = program.value
-    lowering = made.lowering
-    values, cts = kind.inputs(lowering, given_values(lowering.spec, xs), data,
+    lowered = made.lowered
+    values, cts = kind.inputs(lowered, given_values(lowered.spec, xs), data,
                               batched=made.batched)
     on = devices.placement(made, client, local)
     computed, failed, chunks = sweep(made, values, cts, chunk_size, client, local, progress,
                                      errors, store=store, kind=kind, on=on)
-    info = replace(kind.info(lowering, data, why, on.where() if on else where(client, local)),
+    info = replace(kind.info(lowered, data, why, on.where() if on else where(client, local)),
                    call=kind.sweep_call, chunks=chunks)
-    return kind.finish(lowering, info, computed, failed)
+    return kind.finish(lowered, info, computed, failed)
 
 
 def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: str | None,
           progress: bool, errors: str, store=None, kind=None, on=None):
-    """:func:`daskdag.sweep_grads` over arrays in memory, prepared
-    (:func:`~daskdag.sweeps.planning.prepare`): ``(computed, failed, chunks)`` as :func:`run`
-    returns them, chunks of ``chunk_size`` items (default
-    :func:`~daskdag.sweeps.planning.default_chunk_size`, or on the devices ``on``
-    (:func:`daskdag.sweeps.devices.placement`) :func:`daskdag.sweeps.devices.chunk_size`, or
-    the store's) on ``client``'s cluster, ``local`` threads or those devices, the results where
-    ``daskdag.sweep-results`` says (:func:`~daskdag.sweeps.devices.results_on_device`).
-    ``store``: where each chunk's results are kept as it
-    finishes, and a sweep of the same ``kind`` resumes (:mod:`daskdag.sweeps.store`); there,
-    with no ``chunk_size`` and items computed one by one in memory, chunks run in pieces sized
-    by time (:class:`_Pieces`), so that an early interrupt finds something saved; Ctrl-C
-    raises :class:`Interrupted`, saying how much is."""
+    """A prepared sweep over ``values``: :func:`run`'s ``(computed, failed, chunks)``, in chunks
+    of ``chunk_size`` items (by default the store's, else sized for the devices ``on`` or the
+    threads). ``store``: where each chunk's results are kept, and a sweep of the same ``kind``
+    resumes; there, with no ``chunk_size`` and items computed one by one in memory, chunks run
+    in pieces sized by time (:class:`_Pieces`), so that an early interrupt finds some saved."""
     size = batch_size(values, tuple(planned.batched))
     planned = replace(planned, values=values, size=size,
                       cotangents=cotangents_for(planned.plan.outputs, cotangents))
@@ -121,7 +108,7 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
                      chunk_size, blocks[0] if blocks else default)
         by_time = chunk_size is None and not blocks and planned.by_item
         chunk_size = kept.chunk_size
-        if kept.lazy is None:  # (dask-array items: the results stay in the store)
+        if kept.lazy is None:  # dask-array items: the results stay in the store
             kept.lazy = bool(blocks)
     try:
         return run(planned, chunk_size or default, client, in_flight=in_flight,
@@ -135,20 +122,13 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
 def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, errors: str,
         workers: dict | None = None, store: Store | None = None, by_time: bool = False,
         local: str | None = None, on=None, on_device: bool = False):
-    """Compute every chunk, ``in_flight`` at a time, after the nodes of shared inputs alone
-    (:func:`daskdag.sweeps.shared.share`). ``workers``: ``client``'s workers as just listed
-    (:func:`daskdag.running.cluster.workers`), if known; ``by_time``: chunks run in pieces
-    sized by time (:class:`_Pieces`); ``on``: the devices the chunks run on, sharded
-    (:mod:`daskdag.sweeps.devices`), else None; ``on_device``: the results are jax.Arrays (left
-    on those devices; else put on JAX's default device once stacked).
-
-    Returns ``(computed, failed, chunks)``: ``{output: (value, {input: grad})}`` stacked over
-    the items (NaN rows for failed items; shaped by
-    :func:`~daskdag.sweeps.results.item_shapes` when no item gave any), ``{item: NodeError}``
-    (``errors='collect'``; with ``errors='raise'`` the first failing item's error raises), and
-    how many chunks ran. However it ends, nothing of the sweep stays running or held, here or
-    on the cluster.
-    """
+    """Compute every chunk, ``in_flight`` at a time, after the work every item shares.
+    ``workers``: ``client``'s workers, if known; ``on``: the devices the chunks run on;
+    ``on_device``: the results are jax.Arrays. Returns ``(computed, failed, chunks)``: the
+    results stacked over the items (NaN rows for failed items), ``{item: NodeError}`` (with
+    ``errors='raise'``, the first failing item's error raises), and how many chunks ran. However
+    it ends, nothing of the sweep stays running or held. Ctrl-C with a ``store`` raises
+    :class:`Interrupted`, saying how much is saved."""
     kind = OnDevice if on is not None and on_device else Stacked
     stacked = None if store is not None and store.lazy else {
         o: (kind(sweep.size), {i: kind(sweep.size) for i in sweep.plan.wrt})
@@ -166,17 +146,15 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             if bar:
                 bar.already(int(done.sum()))
 
-            def keep(chunk, computed, fails):  # (written while the sweep goes on)
+            def keep(chunk, computed, fails):  # written while the sweep goes on
+                devices.to_host(computed)
                 if errors == "raise" and fails:
-                    # Failures are not kept (a resume computes those items again): the items
-                    # that succeeded, in the pieces between them.
-                    _to_host(computed)
+                    # Only the items that succeeded: a resume computes the failed ones again.
                     for a, b in _between(chunk, fails) if computed is not None else ():
                         store.later(lambda a=a, b=b: store.write(
                             a, b, chunk_hash(sweep, a, b), _rows(sweep, chunk, computed, (a, b))))
                     return
                 start, stop = chunk
-                _to_host(computed)
                 store.later(lambda: store.write(
                     start, stop, chunk_hash(sweep, start, stop),
                     computed and _as_rows(sweep, start, stop, computed), fails))
@@ -185,46 +163,35 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             chunks = _compute(share(sweep, left, chunk_size, client, local), chunk_size,
                               client, in_flight, bar, errors, stacked, failed, workers,
                               done, keep, by_time, local, on, on_device)
-        except KeyboardInterrupt:
+        except BaseException as e:
             if store is None:
                 raise
-            store.flush(raise_errors=False)  # (what was computed is kept)
+            store.flush(raise_errors=False)  # what was computed is kept
+            if not isinstance(e, KeyboardInterrupt):
+                raise
             saved = int(done.sum()) + store.saved  # type: ignore[union-attr]
             if bar:
                 bar.settle(saved)
             raise Interrupted(f"{saved} of {sweep.size} items saved in {store.name}; run the "
                               f"same call again to resume") from None
-        except BaseException:
-            if store is not None:  # (what was computed is kept; the error raised is the sweep's)
-                store.flush(raise_errors=False)
-            raise
         else:
             if store is not None:
                 store.flush()
         finally:
             if bar:
                 bar.close()
-    if stacked is None and store is not None:  # (a lazy store's: dask arrays reading it)
+    if stacked is None and store is not None:  # a lazy store's: dask arrays reading it
         return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched,
-                                              sweep.lowering)), failed, chunks
+                                              sweep.lowered)), failed, chunks
     results = _finish(sweep, stacked)
     if on_device and on is None:
         results = jax.device_put(results)
     return results, failed, chunks
 
 
-def _to_host(computed) -> None:
-    """Start copying a chunk's results that are jax.Arrays to the host (a store's writer
-    reads them there), so that the devices go on meanwhile."""
-    for leaf in jax.tree.leaves(computed):
-        if isinstance(leaf, jax.Array):
-            leaf.copy_to_host_async()
-
-
 def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> np.ndarray:
-    """The complete chunks of ``store`` (their inputs checked against the call's) in
-    ``stacked`` (unless None: a lazy store's stay there) and ``failed``; returns which items
-    they hold."""
+    """The complete chunks of ``store`` (their inputs checked) into ``stacked`` (unless None)
+    and ``failed``; returns which items they hold."""
     done = np.zeros(sweep.size, bool)
     for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
                                                        read=stacked is not None):
@@ -236,7 +203,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
 
 
 def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
-    """The hash of items ``start:stop`` of the batched inputs (:func:`daskdag.sweeps.identity.items_hash`)."""
+    """The hash of items ``start:stop`` of the batched inputs."""
     return items_hash({i: jax.tree.map(lambda a: np.asarray(a[start:stop])
                                        if is_array(a) or is_dask_array(a) else a,
                                        sweep.values[i]) for i in sweep.batched})
@@ -244,20 +211,17 @@ def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
 
 def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
              keep, by_time=False, local=None, on=None, on_device=False) -> int:
-    """Run the chunks on an engine: this process's devices ``on``, its chunks sharded over
-    them (:class:`~daskdag.sweeps.devices.Devices`), this process's threads (with ``local``
+    """Run the chunks on an engine: the devices ``on``, this process's threads (with ``local``
     ``"sync"``, the calling thread), or ``client``'s cluster, where the shared inputs and the
-    chunk graph are kept for later calls (:func:`~daskdag.running.resident.placing`). Returns
-    how many chunks ran."""
+    chunk graph stay for later calls (:func:`~daskdag.running.resident.placing`)."""
+    shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
     with contextlib.nullcontext() if client is None else placing(client) as place:
         engine: Threads | Cluster | devices.Devices
         if on is not None:
-            shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             engine = devices.Devices(on, shared, bar, chunk_size, host=not on_device)
         elif client is None:
             engine = Threads(in_flight, bar, here=local == "sync")
         else:
-            shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
             pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
             engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
         return _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
@@ -267,30 +231,28 @@ def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed,
 def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
                 done=None, keep=None, by_time=False) -> int:
     """Chunks in order, at most ``in_flight`` at once. An item that fails inside a chunk is kept
-    with the chunk's results, its other items going on (:mod:`daskdag.sweeps.chunked`); a chunk
-    that fails as a whole (a ``vmap=True`` node's program over it, a chunk of task graphs), or
-    is lost with the workers that ran it, is rerun item by item, ahead of new chunks, to name
-    its failing items and keep the others. With ``errors='raise'`` no new chunk starts after a
-    failure; the error raised is the lowest failing item's, once everything before it is known
-    to have succeeded.
+    with the chunk's results; a chunk that fails as a whole (a ``vmap=True`` node's program, a
+    chunk of task graphs), or is lost with its workers, is rerun item by item, ahead of new
+    chunks, to name its failing items and keep the others. With ``errors='raise'`` no new chunk
+    starts after a failure; the error raised is the lowest failing item's, once everything
+    before it is known to have succeeded.
 
-    ``done``: items a store had already, not run again (a chunk runs its pieces not done).
-    ``keep(chunk, computed, failed)``: takes each chunk's results and its failed items' errors
-    before they count (a store writes them). ``by_time``: chunks are taken in pieces sized by
-    time (:class:`_Pieces`). Returns how many chunks ran (item by item reruns too)."""
+    ``done``: items a store had already, not run again. ``keep(chunk, computed, failed)``: takes
+    each chunk's results and failures before they count (a store writes them). Returns how many
+    chunks ran, reruns included."""
     sent = 0
     try:
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
-        chunks = deque((s, min(s + chunk_size, sweep.size)) for s in range(0, sweep.size, chunk_size))
-        if done is not None:  # (a store's: what it holds is not run again)
+        chunks = deque((s, min(s + chunk_size, sweep.size))
+                       for s in range(0, sweep.size, chunk_size))
+        if done is not None:  # what a store holds is not run again
             chunks = deque(piece for c in chunks for piece in _missing(c, done))
             if done.any() and sweep.by_item and not by_time:
                 chunks = _spread(chunks, chunk_size, in_flight)
         work = _Pieces(chunks, by_time)
-        reruns: deque
-        broken: list
-        pending: dict
-        reruns, broken, pending = deque(), [], {}  # broken: failed chunks held back (errors='raise')
+        reruns: deque = deque()
+        broken: list = []  # failed chunks held back (errors='raise')
+        pending: dict = {}
         began: dict = {}  # chunk -> when it was sent
         while True:
             halted = errors == "raise" and bool(failed or broken)  # no new chunks
@@ -300,7 +262,7 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                     raise failed[first] from failed[first].original
                 reruns.extend(_items(broken.pop(0)))
             source = reruns or (() if halted else work)
-            batch = [source.popleft()  # type: ignore[union-attr]  # (never from the empty tuple)
+            batch = [source.popleft()  # type: ignore[union-attr]  # never the empty tuple
                      for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
                 futures = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
@@ -337,11 +299,9 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
 
 
 class _Pieces:
-    """The chunks left to run, in order, taken (:meth:`popleft`) whole, or ``by_time`` in
-    pieces cut from their start: one item at first, then about :data:`PIECE_SECONDS` of work
-    by the time the latest pieces took per item (growing at most fourfold a piece), never more
-    than what is left of a chunk. Only for sweeps whose items are each computed on their own
-    (no ``vmap=True`` node): there a piece gives the numbers its chunk would have."""
+    """The chunks left to run, in order, taken whole, or ``by_time`` in pieces cut from their
+    start: one item at first, then about :data:`PIECE_SECONDS` of work at the latest pieces'
+    time per item (growing at most fourfold a piece). Only for item-by-item sweeps."""
 
     def __init__(self, chunks: deque, by_time: bool):
         self.chunks, self.by_time, self.size = chunks, by_time, 1
@@ -361,7 +321,6 @@ class _Pieces:
         return start, stop
 
     def took(self, piece: tuple[int, int], seconds: float) -> None:
-        """``piece`` ran in ``seconds``."""
         if not self.by_time:
             return
         self.per_item = [*self.per_item[-7:], seconds / (piece[1] - piece[0])]
@@ -370,8 +329,7 @@ class _Pieces:
 
 
 def _spread(chunks: deque, chunk_size: int, in_flight: int) -> deque:
-    """A resumed sweep's remaining chunks, cut smaller where too few to keep ``in_flight`` slots
-    busy; for item-by-item sweeps only, as :class:`_Pieces` is."""
+    """A resumed sweep's chunks, cut smaller where too few to keep ``in_flight`` slots busy."""
     missing = sum(b - a for a, b in chunks)
     piece = max(1, -(-missing // in_flight))
     if piece >= chunk_size:
@@ -384,12 +342,12 @@ def _items(chunk):
 
 
 def _missing(chunk: tuple[int, int], done: np.ndarray) -> list[tuple[int, int]]:
-    """The pieces of ``chunk`` whose items are not ``done``: runs of them, in order."""
+    """The runs of items of ``chunk`` that are not ``done``."""
     return _between(chunk, {i for i in range(*chunk) if done[i]})
 
 
 def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
-    """The pieces of ``chunk`` between the items ``left_out``: runs of the others, in order."""
+    """The runs of items of ``chunk`` between the items ``left_out``."""
     pieces, start = [], None
     for i in range(chunk[0], chunk[1] + 1):
         if i < chunk[1] and i not in left_out:
@@ -401,8 +359,7 @@ def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
 
 
 def _rows(sweep, chunk: tuple[int, int], computed: dict, piece: tuple[int, int]) -> dict:
-    """The rows of ``piece`` in a ``chunk``'s ``computed`` results, as :func:`_as_rows` makes
-    them."""
+    """The rows of ``piece`` in a ``chunk``'s ``computed`` results (:func:`_as_rows`)."""
     rows = _as_rows(sweep, *chunk, computed)
     lo, hi = piece[0] - chunk[0], piece[1] - chunk[0]
     return jax.tree.map(lambda a: a[lo:hi], rows)
@@ -410,10 +367,9 @@ def _rows(sweep, chunk: tuple[int, int], computed: dict, piece: tuple[int, int])
 
 def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, keep=None
              ) -> tuple[NodeError | Lost | None, float | None]:
-    """Store a finished chunk's results and its failed items (in ``failed``; first ``keep(chunk,
-    results, failures)`` them, when given). Returns ``(error, seconds)``: the chunk's error if
-    it failed as a whole, or ``Lost`` if the workers that ran it kept dying, else None; the
-    seconds it ran, where known."""
+    """Store a finished chunk's results, and its failed items in ``failed`` (``keep`` them
+    first). Returns ``(error, seconds)``: the chunk's error if it failed as a whole, else None;
+    the seconds it ran, where known."""
     try:
         computed, fails, seconds = engine.result(fut)
     except NodeError as e:
@@ -424,7 +380,7 @@ def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, 
         engine.release(fut)
     start, stop = chunk
     fails = {start + i: detached(e, start + i) for i, e in sorted(fails.items())}
-    if len(fails) == stop - start:  # (nothing to keep but the failures)
+    if len(fails) == stop - start:  # nothing to keep but the failures
         computed = None
     if computed is not None and sweep.through is not None:
         try:
@@ -440,8 +396,7 @@ def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, 
 
 
 def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
-    """A chunk's ``computed`` results as rows, one per item: items stacked, values the same
-    for every item broadcast."""
+    """A chunk's ``computed`` results as one row per item."""
     def rows_of(tree, carries: bool):
         if isinstance(tree, Items):
             return jax.tree.map(np.asarray, stack_items(tree))
@@ -452,9 +407,8 @@ def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
 
 
 def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=()):
-    """A chunk's results into ``stacked`` (unless None: a lazy store's are in the store alone),
-    but for its items that ``failed``. ``rows``: every value has a row per item
-    (:func:`_as_rows`), as a store's have."""
+    """A chunk's results into ``stacked`` (unless None), but for its items that ``failed``.
+    ``rows``: every value has a row per item (:func:`_as_rows`), as a store's have."""
     if stacked is None:
         return
     for o, (value, grads) in computed.items():
@@ -468,21 +422,18 @@ def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=())
 
 
 def _finish(sweep, stacked) -> dict:
-    """``{output: (value, {input: grad})}``; where no item gave a result (none at all, or all
-    failed), NaN rows shaped like one item's result, when that can be known without data."""
-    values: dict
-    grads: dict
-    values, grads = {}, {}
+    """The stacked results; where no item gave one, NaN rows shaped like one item's."""
+    values: dict = {}
+    grads: dict = {}
     if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
-        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowering)
+        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowered)
     return {o: (v.result(values.get(o)), {i: s.result(grads.get(o, {}).get(i))
                                           for i, s in g.items()})
             for o, (v, g) in stacked.items()}
 
 
 def parallelism(workers: dict | None) -> int:
-    """Chunks that can run at once: threads of the cluster's ``workers``
-    (:func:`daskdag.running.cluster.workers`), else of this machine."""
+    """Chunks that can run at once: threads of the cluster's ``workers``, else CPUs here."""
     if workers is None:
         return os.cpu_count() or 1
     return max(1, sum(w.get("nthreads", 1) for w in workers.values()))

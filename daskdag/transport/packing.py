@@ -2,28 +2,18 @@
 scheduler nor the workers need to import the user's code, under tokens that change whenever
 their contents do.
 
-``pack(obj)`` pickles ``obj`` with cloudpickle, but:
-
-- everything defined outside installed packages is pickled by value: functions with the current
-  values of the globals and closure cells they use; classes are imported on arrival when they
-  can be (so pytree registrations and ``isinstance`` hold), else rebuilt from their value.
-  Installed packages (jax, numpy, daskdag itself) travel by reference.
-- arrays travel out of band, as Dask's zero-copy frames; JAX arrays come back as JAX arrays.
-- ``jax.custom_vjp`` functions, which JAX cannot pickle, are rebuilt from their parts.
-
-The token hashes the pickled bytes and every array's content (NumPy arrays on every pack, since
-they change in place; JAX arrays once per object), so no process reuses a stale copy.
-
-A :class:`Packed` is unpickled lazily, on first use: the scheduler only ever sees bytes. A
-process keeps the last functions it received (:data:`RECEIVED_FUNCTIONS`) and hands out the
-same one for the same token, so ``jax.jit`` compiles once per worker, not once per call.
+``pack(obj)`` pickles ``obj`` with :class:`~daskdag.transport.pickler.Pickler`: the user's code
+by value (installed packages by reference), arrays out of band as Dask's zero-copy frames.
+The token hashes the bytes and every array's content (NumPy arrays on every pack, since they
+change in place; JAX arrays once per object). A :class:`Packed` is unpickled lazily, on first
+use: the scheduler only sees bytes. A process keeps the last functions it received
+(:data:`RECEIVED_FUNCTIONS`) and hands out the same one for a token, so ``jax.jit`` compiles
+once per worker, not once per call.
 """
 
 from __future__ import annotations
 
 import io
-import weakref
-from typing import Any, Callable
 
 from dask.base import tokenize
 
@@ -31,8 +21,8 @@ import daskdag.config as config
 from daskdag.caches import ByObject, Cache
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint
-from daskdag.transport.pickler import Pickler, Unpickler, array_token, travelling
-from daskdag.transport.weak import Weak, held
+from daskdag.transport.pickler import Pickler, Unpickler, travelling
+from daskdag.transport.weak import Weak, held, ref
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
 # token -> the Function this process keeps for it
@@ -103,7 +93,7 @@ def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | Non
     ``id`` already computed in this call, added to."""
     arrays: list = []
     buffer = io.BytesIO()
-    Pickler(buffer, arrays).dump(obj)  # (the user's code by value: this pickler's, not process-wide)
+    Pickler(buffer, arrays).dump(obj)  # (the user's code by value: this pickler's alone)
     skeleton = buffer.getvalue()
     token = _content_token(skeleton, arrays, {} if tokens is None else tokens) if hashed else None
     return (Function if as_function else Packed)(token, skeleton, arrays, obj)
@@ -113,7 +103,7 @@ def _content_token(skeleton: bytes, arrays: list, tokens: dict | None = None) ->
     tokens = {} if tokens is None else tokens
     for a in arrays:
         if id(a) not in tokens:
-            tokens[id(a)] = array_token(a)
+            tokens[id(a)] = tokenize(a)  # (NumPy: its data; JAX: Dask's, kept per array)
     return tokenize(skeleton, [tokens[id(a)] for a in arrays])
 
 
@@ -146,15 +136,16 @@ _current: ByObject[_Current] = ByObject("functions as they are now", PACKED_FUNC
 def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
                   prints: dict | None = None):
     """``fn`` packed as a :class:`Function` (:func:`pack_for`), not pickled again while the
-    :class:`~daskdag.transport.fingerprints.Fingerprint` it had when last packed still holds. A
-    function whose fingerprint cannot be taken is packed on every call, and so is every function
-    while ``daskdag.prepared-calls`` is 0. ``prints``: fingerprints taken already in this call,
-    by ``id`` (one taken here is added)."""
+    :class:`~daskdag.transport.fingerprints.Fingerprint` it had when last packed still holds
+    (pickling sends all that it reads, so the token changes with it). A function whose
+    fingerprint cannot be taken is packed on every call, and so is every function while
+    ``daskdag.prepared-calls`` is 0. ``prints``: fingerprints taken already in this call, by
+    ``id`` (one taken here is added)."""
     target = held(fn)
     keeping = config.get("prepared-calls") > 0  # (0: nothing prepared is kept: packed anew too)
     hit = _packed_functions.get(target) if keeping else None
     if hit is not None and hit[0].holds(target):
-        token, skeleton, arrays = hit[2]
+        token, skeleton, arrays = hit[1]
         return Function(token, skeleton, arrays, fn)
     prints = {} if prints is None else prints
     if id(fn) not in prints:
@@ -163,15 +154,10 @@ def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
     packed = pack_for(what, target, strict, as_function=True, tokens=tokens)
     if not isinstance(packed, Function):
         return fn
-    token = packed.token
-    if hit is not None and hit[1] == token and fp is not None:
-        # Changed where pickling does not look (an attribute of a module of the user's that
-        # the function reads): a token of its own, so no program compiled before serves it.
-        token = tokenize(token, fp.digest())
     if fp is not None:  # (a copy that holds no function: see ByObject)
-        _packed_functions.put(target, (fp, packed.token, (token, packed.skeleton, packed.arrays)))
+        _packed_functions.put(target, (fp, (packed.token, packed.skeleton, packed.arrays)))
     # (held as given: weakly, by a preparation, see daskdag.transport.weak)
-    return Function(token, packed.skeleton, packed.arrays, fn)
+    return Function(packed.token, packed.skeleton, packed.arrays, fn)
 
 
 def unwrap(fn):
@@ -204,11 +190,7 @@ class _Current:
     __slots__ = ("_ref", "token", "__weakref__")
 
     def __init__(self, fn, token: str):
-        self.token = token
-        try:
-            self._ref: Callable[[], Any] = weakref.ref(fn)
-        except TypeError:  # not weakly referenceable: held (and kept alive) as it is
-            self._ref = lambda: fn
+        self._ref, self.token = ref(fn), token
 
     @property
     def fn(self):
@@ -216,4 +198,3 @@ class _Current:
 
     def __call__(self, *args, **kwargs):
         return self._ref()(*args, **kwargs)
-

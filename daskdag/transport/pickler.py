@@ -1,17 +1,12 @@
-"""How packed values are pickled (:mod:`daskdag.transport.packing` packs with it): cloudpickle,
-with arrays out of band, the user's classes imported where they arrive or rebuilt from their
-value, ``jax.custom_vjp`` functions rebuilt from their parts, and the user's code
-(:func:`~daskdag.transport.whose.users_module`: functions, classes, modules) pickled
-by value.
+"""How packed values are pickled (:mod:`daskdag.transport.packing`): cloudpickle, arrays out of
+band, ``jax.custom_vjp`` rebuilt from its parts, and by value the user's code, by the rule of
+:mod:`daskdag.transport.whose`: functions and classes found under no installed module's name
+(the user's classes are imported where they arrive, else rebuilt from their value), the user's
+modules (``__main__`` only as far as the walk of :mod:`daskdag.transport.walk` reads it).
 
-Only daskdag's own pickler does so (:meth:`Pickler.reducer_override`), so nothing process-wide
-changes, as ``cloudpickle.register_pickle_by_value`` would for every other thread's pickling.
-
-It and :mod:`daskdag.transport.whose` (which asks whether a module was given to
-``cloudpickle.register_pickle_by_value``) are where daskdag reaches into cloudpickle's private
-names (:data:`PRIVATE`, which ``tests/test_internal_shipping.py`` checks): its reducers for a dynamic function, class, module
-or type variable, and its ``_function_getstate`` with a memoized look for submodules
-(:class:`_Submodules`).
+Only this pickler decides so (:meth:`Pickler.reducer_override`): nothing process-wide changes,
+as ``cloudpickle.register_pickle_by_value`` would for other threads' pickling. It reaches into
+cloudpickle's private names (:data:`PRIVATE`, checked by ``tests/test_internal_shipping.py``).
 """
 
 from __future__ import annotations
@@ -32,16 +27,15 @@ import cloudpickle
 import cloudpickle.cloudpickle as _cloudpickle
 import jax
 import numpy as np
-from dask.base import tokenize
 
 from daskdag.transport.scope import as_jax_array
-from daskdag.transport.whose import users, users_module
+from daskdag.transport.walk import read
+from daskdag.transport.whose import by_reference, users, users_module
 
 
 class Pickler(cloudpickle.Pickler):
     """cloudpickle's pickler, arrays out of band (into ``arrays``), the user's classes with
-    their value beside their reference (:func:`import_or_load`), ``jax.custom_vjp`` by its
-    parts."""
+    their value beside their reference (:func:`import_or_load`)."""
 
     dispatch_table = cloudpickle.Pickler.dispatch_table.new_child(
         {jax.custom_vjp: lambda f: (_custom_vjp, (f.fun, f.nondiff_argnums, f.fwd, f.bwd,
@@ -49,8 +43,12 @@ class Pickler(cloudpickle.Pickler):
 
     def __init__(self, file, arrays: list, root=None):
         super().__init__(file, protocol=5)
-        self.arrays, self.root = arrays, root
+        self.arrays, self.root, self.dumped = arrays, root, None
         _Submodules.check()
+
+    def dump(self, obj):
+        self.dumped = obj
+        return super().dump(obj)
 
     def persistent_id(self, obj):
         if _is_array(obj):
@@ -66,18 +64,17 @@ class Pickler(cloudpickle.Pickler):
             Pickler(buffer, arrays, root=obj).dump(obj)  # its value, in case the import fails
             return import_or_load, (obj.__module__, obj.__qualname__,
                                     ByValue(buffer.getvalue(), arrays))
-        # The user's code by value, decided here, for this pickler only (see the module's
-        # docstring); everything else as cloudpickle decides.
+        # The user's code by value, for this pickler only; the rest as cloudpickle decides.
         if isinstance(obj, types.FunctionType):
-            if users(obj) or not _cloudpickle._should_pickle_by_reference(obj):
+            if not by_reference(obj):
                 return (_cloudpickle._make_function, self._function_getnewargs(obj),
                         _function_state(obj), None, None, _cloudpickle._function_setstate)
         elif isinstance(obj, type):
             if users(obj):
                 return _cloudpickle._dynamic_class_reduce(obj)
         elif isinstance(obj, types.ModuleType):
-            if obj.__name__ != "__main__" and users_module(obj.__name__):
-                return _module_by_value(obj)
+            if users_module(obj.__name__):
+                return _module_by_value(obj, self.dumped)
         elif isinstance(obj, typing.TypeVar):
             if users(obj):
                 return _cloudpickle._make_typevar, _cloudpickle._decompose_typevar(obj)
@@ -101,10 +98,6 @@ def _is_array(obj) -> bool:  # (what travels out of band)
     return isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer)
 
 
-def array_token(a) -> str:
-    return tokenize(a)  # NumPy: hashes the data; JAX: Dask's token, cached per array object
-
-
 class JaxArray:
     """A JAX array on its way: NumPy frames in transit, a JAX array again on arrival."""
 
@@ -112,11 +105,7 @@ class JaxArray:
         self.value = value
 
     def __reduce__(self):
-        return _to_jax, (np.asarray(self.value),)
-
-
-def _to_jax(a):
-    return as_jax_array(a)
+        return as_jax_array, (np.asarray(self.value),)
 
 
 def travelling(arrays: list) -> list:
@@ -174,9 +163,8 @@ def import_or_load(module: str, qualname: str, by_value: ByValue):
 
 
 def _stand_in(module: str, qualname: str, cls) -> None:
-    """Put a rebuilt class in a stand-in module, where pickle looks it up by reference: the
-    classes of results Dask reports (``Future.type``) then reach the client as its own class,
-    not as cloudpickle's copy, which would reset its methods under its pytree registration."""
+    """Put a rebuilt class in a stand-in module, where pickle looks it up by reference (so that
+    the class of a result Dask reports reaches the client as its own class)."""
     if module == "__main__" or "." in qualname:
         return
     stand_in = sys.modules.get(module)
@@ -188,10 +176,9 @@ def _stand_in(module: str, qualname: str, cls) -> None:
 
 
 def _keep_rebuilt(cls, origin: tuple) -> None:
-    """Make a class rebuilt by value behave as its original when its instances travel on: they
-    pickle with a reference to ``origin`` (not cloudpickle's copy of the class), and a class
-    ``register_pytree_node_class`` registered (a decorator does not run again here) is
-    registered again."""
+    """Make a class rebuilt by value behave as its original: its instances pickle with a
+    reference to ``origin``, and a pytree class (its decorator does not run here) is registered
+    again."""
     def reduce_ex(obj, protocol):
         rv = object.__reduce_ex__(obj, protocol)
         if type(obj) is not cls:  # a subclass: not ours to redirect
@@ -199,7 +186,7 @@ def _keep_rebuilt(cls, origin: tuple) -> None:
         ref = _ClassRef(*origin)
         if rv[0] is cls:
             return (ref, *rv[1:])
-        # pickle insists that its first arg be the class itself (copyreg.__newobj__: not in typeshed)
+        # pickle insists that its first arg be the class itself (__newobj__: not in typeshed)
         if rv[0] is copyreg.__newobj__:  # type: ignore[attr-defined]
             return (_new, (ref, *rv[1][1:]), *rv[2:])
         return rv
@@ -209,7 +196,7 @@ def _keep_rebuilt(cls, origin: tuple) -> None:
     if hasattr(cls, "tree_flatten") and hasattr(cls, "tree_unflatten"):
         try:
             jax.tree_util.register_pytree_node(cls, lambda obj: obj.tree_flatten(),
-                                               lambda aux, children: cls.tree_unflatten(aux, children))
+                                               lambda aux, kids: cls.tree_unflatten(aux, kids))
         except ValueError:  # registered already
             pass
 
@@ -233,9 +220,8 @@ def _custom_vjp(fun, nondiff_argnums, fwd, bwd, symbolic_zeros, optimize_remat):
 
 
 class _Submodules:
-    """cloudpickle's ``_find_imported_submodules`` (``jnp`` for ``jax.numpy``), answered from
-    what it found before as long as no module came or went: it walks all of ``sys.modules``
-    for each package of each function."""
+    """cloudpickle's ``_find_imported_submodules`` (it scans ``sys.modules``), answered from
+    what it found before while no module came or went."""
 
     state: tuple = (None, None)  # (size of sys.modules, its last name) when memo was started
     memo: dict = {}  # (code, ids of its packages) -> its submodules
@@ -281,13 +267,21 @@ def _function_state(func) -> tuple[dict, dict]:
     return state, slotstate
 
 
-def _module_by_value(module: types.ModuleType) -> tuple:
+def _module_by_value(module: types.ModuleType, dumped) -> tuple:
+    """A module of the user's by value: all of it, but ``__main__`` (the script's namespace may
+    hold what cannot travel: a client, a lock) only the attributes that the code reached from
+    ``dumped`` may read, as a fingerprint reads them (:func:`~daskdag.transport.walk.read`)."""
     state = module.__dict__.copy()
+    if module.__name__ == "__main__":
+        names = read(dumped, module)
+        if names is None:  # (not walked: as cloudpickle, imported where it arrives)
+            return _cloudpickle.subimport, ("__main__",)
+        state = {k: state[k] for k in sorted(names) if k in state}
     state.pop("__builtins__", None)  # (as cloudpickle: it may hold what cannot be pickled)
     return _cloudpickle.dynamic_subimport, (module.__name__, state)
 
 
-# cloudpickle's private names this module uses: tests/test_internal_shipping.py checks they are there
-PRIVATE = ("_should_pickle_by_reference", "_find_imported_submodules", "_extract_code_globals", "_get_cell_contents",
+# cloudpickle's private names this module uses (tests/test_internal_shipping.py checks them)
+PRIVATE = ("_find_imported_submodules", "_extract_code_globals", "_get_cell_contents",
            "_make_function", "_function_setstate", "_dynamic_class_reduce", "dynamic_subimport",
-           "_make_typevar", "_decompose_typevar", "_is_registered_pickle_by_value")
+           "subimport", "_make_typevar", "_decompose_typevar", "_is_registered_pickle_by_value")

@@ -68,6 +68,10 @@ class JaxSettings:
         """The calling thread's values."""
         return JaxSettings(_values())
 
+    def hold(self) -> bool:
+        """Whether the calling thread's values are these."""
+        return _values() == self.values
+
     def as_dict(self) -> dict[str, Any]:
         """``{name: value}``, plain (an enumeration's value as its own)."""
         return {name: value.value if isinstance(value, enum.Enum) else value

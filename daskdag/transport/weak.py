@@ -1,13 +1,12 @@
-"""How what daskdag keeps between calls holds the user's functions: weakly.
-
-A compiled call (:mod:`daskdag.running.programs`) must not keep the user's functions alive once
-the user lets them go. Its nodes hold each as a :class:`Weak`, which calls it, pickles as it, and
-tells whoever asked when it goes (:meth:`Weak.on_gone`), so that the program goes too.
+"""How what daskdag keeps between calls holds the user's functions: weakly, so that a compiled
+call (:mod:`daskdag.running.programs`) goes when the user lets its functions go. Its nodes hold
+each as a :class:`Weak`, which calls it, pickles as it, and tells whoever asked when it goes.
 """
 
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 
@@ -58,22 +57,12 @@ def ref(obj: Any, gone: Callable[[Any], None] | None = None) -> Callable[[], Any
     try:
         return weakref.ref(obj, gone)
     except TypeError:
-        return _Held(obj)
+        return partial(_itself, obj)
 
 
 def held(fn: Any) -> Any:
     """The function a :class:`Weak` holds, or ``fn`` itself."""
     return fn.target if isinstance(fn, Weak) else fn
-
-
-class _Held:
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
 
 
 def _itself(obj: Any) -> Any:

@@ -1,23 +1,15 @@
-"""Whose code travels by value: the one rule that packing (:mod:`daskdag.transport.pickler`),
-fingerprints (:mod:`daskdag.transport.fingerprints`) and content tokens
-(:mod:`daskdag.transport.content`) follow.
+"""Whose code travels by value: the one rule that pickling (:mod:`daskdag.transport.pickler`)
+and the walk of fingerprints and content tokens (:mod:`daskdag.transport.walk`) follow.
 
-A module is *installed code*, which travels by reference (the receiving side imports it), when:
-
-- it is the standard library's, or daskdag's own (installed on every worker, even from an
-  editable checkout);
-- an installed distribution owns its top-level package (``importlib.metadata``: its
-  ``top_level.txt``, else the files its ``RECORD`` lists), wherever its files are:
-  ``site-packages``, ``PYTHONPATH``, ``pip --target``, ``/opt``, an editable install's folder;
-  except a package of that name that sits, apart from the distribution's own files, directly
-  in the working directory or the running script's folder: the user's project's ``tests``
-  where some distribution claims ``tests``;
-- or its file lies under the interpreter's library folders (``sysconfig``, ``site``), owned or
-  not.
-
-Everything else with a file is the *user's* code and travels by value: ``__main__``, the
-user's own unpackaged modules, and any module given to ``cloudpickle.register_pickle_by_value``
-(asked each time: registering can come later).
+A module is *installed code*, which travels by reference (the receiving side imports it), when
+it is the standard library's or daskdag's own; or an installed distribution owns its top-level
+package (``importlib.metadata``: ``top_level.txt``, else ``RECORD``), wherever its files are
+(``site-packages``, ``PYTHONPATH``, ``pip --target``, an editable install's folder), unless a
+package of that name sits, apart from the distribution's files, in the working directory or the
+script's folder (the user's ``tests`` where some distribution claims ``tests``); or its file
+lies under the interpreter's library folders. Everything else with a file is the *user's* code
+and travels by value: ``__main__``, the user's unpackaged modules, and any module given to
+``cloudpickle.register_pickle_by_value`` (asked each time: registering can come later).
 """
 
 from __future__ import annotations
@@ -94,7 +86,7 @@ def _installed(name: str, file: str) -> bool:
     path = os.path.realpath(file)
     if path.startswith(_library_folders()):
         return True
-    owners = _owners(tuple(sys.path)).get(top)
+    owners = _owned.setdefault(tuple(sys.path), _read_owners).get(top)
     if owners is None:
         return False
     if path.startswith(owners):  # (where the owning distribution put it)
@@ -130,13 +122,9 @@ def _users_folders() -> tuple[str, ...]:
     return tuple(os.path.realpath(f) + os.sep for f in folders)
 
 
-_owned: Cache[dict] = Cache("top-level packages of installed distributions", 4)  # by sys.path
-
-
-def _owners(path: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """Each top-level name that an installed distribution on ``path`` owns -> the folders where
-    those distributions put their files."""
-    return _owned.setdefault(path, _read_owners)
+# sys.path -> each top-level name that an installed distribution on it owns -> the folders
+# where those distributions put their files
+_owned: Cache[dict] = Cache("top-level packages of installed distributions", 4)
 
 
 def _read_owners() -> dict[str, tuple[str, ...]]:
@@ -176,14 +164,10 @@ def _tops(dist: metadata.Distribution) -> set[str]:
 
 def _editable_folder(dist: metadata.Distribution) -> str | None:
     """The folder an editable install of ``dist`` reads its files from."""
-    text = dist.read_text("direct_url.json")
-    if not text:
-        return None
     try:
-        url = json.loads(text)
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
     except ValueError:
         return None
-    if not url.get("dir_info", {}).get("editable") or not str(url.get("url", "")).startswith(
-            "file://"):
-        return None
-    return os.path.realpath(url["url"][len("file://"):]) + os.sep
+    if url.get("dir_info", {}).get("editable") and str(url.get("url", "")).startswith("file://"):
+        return os.path.realpath(url["url"][len("file://"):]) + os.sep
+    return None

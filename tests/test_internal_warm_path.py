@@ -1,0 +1,104 @@
+"""A warm call's path through daskdag (issue 59): which of its modules run code in a call
+made again with new values, counted as ``docs/design.md`` says (every function called, in every
+thread, through ``sys.settrace`` and ``threading.settrace``), and what that call still checks.
+
+A prepared all-``jit`` ``value_and_grad`` of the seed DAG runs its whole program alone: the
+freshness of what it relies on (the DAG's entries, the settings, each node function's
+fingerprint), the program, the results. It compiles nothing, agrees with ``jax.value_and_grad``
+of the composed function, and still sees each change: a global a node reads, rebound.
+"""
+
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+
+import daskdag
+from daskdag import Node
+
+from .support.numbers import assert_tree_close
+
+SCALE = 2.0
+
+
+def x_to_A(x):
+    return jnp.tanh(x) * SCALE
+
+
+def A_to_B(a):
+    return jnp.outer(a, a) + jnp.eye(a.shape[0])
+
+
+def B_to_C(b):
+    return jnp.linalg.solve(b, jnp.ones(b.shape[0]))
+
+
+def C_to_D(c):
+    return jnp.sum(c ** 2)
+
+
+def B_to_E(b):
+    return jnp.log(jnp.trace(b))
+
+
+DAG = {"A": Node(x_to_A, ["x"], jit=True), "B": Node(A_to_B, ["A"], jit=True),
+       "C": Node(B_to_C, ["B"], jit=True), "D": Node(C_to_D, ["C"], jit=True),
+       "E": Node(B_to_E, ["B"], jit=True)}
+
+
+def composed(x):
+    b = A_to_B(x_to_A(x))
+    return C_to_D(B_to_C(b)), B_to_E(b)
+
+
+COMPILED: list = []  # (XLA's compilations, as JAX reports them)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **_: COMPILED.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def modules_run(call) -> list[str]:
+    """The daskdag modules whose code runs in ``call()``, in any thread."""
+    seen = set()
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            name = frame.f_globals.get("__name__") or frame.f_code.co_filename
+            if name == "daskdag" or name.startswith(("daskdag.", "<daskdag")):
+                seen.add(name)
+
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    return sorted(seen)
+
+
+def test_a_warm_prepared_call_runs_its_program_and_its_checks_alone():
+    global SCALE
+    f = daskdag.value_and_grad(DAG, ["D", "E"])
+    x = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    for k in range(3):
+        f(x + k)
+    y = x + 0.5
+    compiled = len(COMPILED)
+    ran = modules_run(lambda: f(y))
+    assert len(COMPILED) == compiled
+    assert f.info.prepared
+    assert len(ran) <= 8, ran
+    values, grads = f(x)
+    for k, o in enumerate(("D", "E")):
+        want_value, want_grad = jax.value_and_grad(lambda x: composed(x)[k])(x)
+        assert_tree_close((values[o], grads[o]), (want_value, want_grad))
+    SCALE = 3.0  # (a global of x_to_A, rebound: the warm path sees it)
+    try:
+        values, grads = f(x)
+        assert not f.info.prepared and "node 'A'" in f.info.why
+        want_value, want_grad = jax.value_and_grad(lambda x: composed(x)[0])(x)
+        assert_tree_close((values["D"], grads["D"]), (want_value, want_grad))
+    finally:
+        SCALE = 2.0
