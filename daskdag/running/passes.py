@@ -351,7 +351,7 @@ class Derivative:
 
     def directly(self, program: Program[Compiled], x: PyTree, data: tuple, where: str) -> Any:
         """The results of a call of ``program`` from its one program in this process, with no
-        job made (a prepared call's path, where :func:`~daskdag.running.jobs.one_program_here`);
+        job made (a prepared call's path, where :func:`~daskdag.running.programs.one_program_here`);
         None where the program has none or cannot run the call (then its job runs it)."""
         passes = program.value
         lowered = passes.lowered

@@ -12,7 +12,6 @@ from the function's content.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable
 
 from daskdag.transport.walk import (CHECK_GLOBALS, DYNAMIC_ATTRIBUTES, Unwatchable, Walk,
@@ -44,10 +43,6 @@ class Fingerprint:
             except Exception:  # (what changed broke a read: a different shape of object)
                 return False
         return fingerprint(obj) == self
-
-    def digest(self) -> str:
-        """Its facts as a hash (for a token that must differ where they do)."""
-        return hashlib.sha1(repr(self.facts).encode()).hexdigest()
 
     __hash__ = None  # type: ignore[assignment]  # (equal by content; never a key)
 
