@@ -102,7 +102,7 @@ class WholeGradients:
         ``then``: a function of those results, jittable and hashable, run in the same
         program (one compiled per ``then``); its results are the call's."""
         deps = {d: values[d] for d in self.stage.deps}
-        parts = split(tuple(values[d] for d in self.stage.deps), self.active)
+        parts = split(tuple(deps.values()), self.active)
         if parts is None:
             return None
         static, traced = parts

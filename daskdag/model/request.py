@@ -68,7 +68,7 @@ def input_values(spec, x, outputs) -> dict[str, Any]:
     the input's name as a key; one that reads as given under another name is refused."""
     if len(spec.inputs) == 1:
         (name,) = spec.inputs
-        if _names_the_input(name, x):
+        if names_the_input(name, x):
             for k in x:
                 if k != name:
                     raise DAGError(f"this DAG's one free input is {name!r}; x gives a value for "
@@ -104,10 +104,10 @@ def given_values(spec, x) -> dict[str, Any]:
     if len(spec.inputs) != 1:
         return dict(x)
     (name,) = spec.inputs
-    return {name: x[name] if _names_the_input(name, x) else x}
+    return {name: x[name] if names_the_input(name, x) else x}
 
 
-def _names_the_input(name: str, x) -> bool:
+def names_the_input(name: str, x) -> bool:
     """``x`` gives the one free input ``name`` as ``{name: value}``."""
     return isinstance(x, Mapping) and name in x
 
@@ -275,7 +275,7 @@ def input_tangents(spec, values: dict, tangents, batched: bool
     ``batched``). None at a differentiable leaf is a zero tangent; other leaves take only None."""
     if len(spec.inputs) == 1:  # (read as x is)
         (name,) = spec.inputs
-        if _names_the_input(name, tangents):
+        if names_the_input(name, tangents):
             for k in tangents:
                 if k != name:
                     raise DAGError(f"this DAG's one free input is {name!r}; tangents give a "

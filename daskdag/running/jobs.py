@@ -185,7 +185,7 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     else:
         program, why, key = held.program(kind, x, data, transport)
         if why is None and one_program_here(client, local, progress):
-            if not data and local == "threads" and key is not None:
+            if not data and local == "threads" and key is not None and key not in held.entries:
                 entry = kind.entry(program, x, where)
                 if entry is not None:
                     held.hold_entry(key, entry)

@@ -44,7 +44,7 @@ from daskdag.graph.whole import fits as whole_fits
 from daskdag.model import devices
 from daskdag.model.leaves import PyTree, is_array
 from daskdag.model.plan import Plan, make_plan, ship
-from daskdag.model.request import given_values, parsed
+from daskdag.model.request import given_values, names_the_input, parsed
 from daskdag.model.spec import Spec
 from daskdag.running import log, programs
 from daskdag.running.jobs import CallInfo, Job, Spreading
@@ -144,6 +144,15 @@ class Compiled:
         return self.build({i: slot("input", i) for i in self.inputs},
                           {o: slot("cotangent", o) for o in self.plan.outputs}, place,
                           slot("stop"))
+
+    @property
+    def whole_here(self) -> WholeGradients | None:
+        """The whole program a call runs in this process (None: none, values packed, or some
+        nodes kept between calls)."""
+        if self.whole is None or self.transport.packs or self.kept is not None or \
+                self.lowered is None:
+            return None
+        return self.whole
 
     @property
     def one_task_needs(self) -> dict | None:
@@ -354,28 +363,28 @@ class Derivative:
         job made (a prepared call's path, where :func:`~daskdag.running.programs.one_program_here`);
         None where the program has none or cannot run the call (then its job runs it)."""
         passes = program.value
-        lowered = passes.lowered
-        if passes.whole is None or passes.transport.packs or passes.kept is not None or \
-                lowered is None:
+        lowered, whole = passes.lowered, passes.whole_here
+        if whole is None:
             return None
+        assert lowered is not None  # (whole_here's)
         values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
         done = partial(self.finishing(lowered), self.info(lowered, data, None, where))
-        result = _directly(passes.whole, done, values, cts, lowered.tail)
+        result = _directly(whole, done, values, cts, lowered.tail)
         if result is not None:
             log.ran_whole(self.call, lowered.plan, where)
         return result
 
     def entry(self, program: Program[Compiled], x: PyTree, where: str) -> Entry | None:
         """A later call of ``program`` in this process with inputs like ``x`` and no data, as
-        one jitted program of ``x`` (:meth:`WholeGradients.entry`) and the results made of
-        what it returns; None where the call cannot run so (no whole program, the kind's data,
-        kept nodes, a device, a leaf of ``x`` that is not an array)."""
+        its whole program (:meth:`WholeGradients.program`) and the results made of what it
+        returns; None where the call cannot run so (no whole program here, the kind's data, a
+        device, a leaf of ``x`` that is not an array)."""
         passes = program.value
-        lowered, whole = passes.lowered, passes.whole
-        if whole is None or lowered is None or passes.transport.packs or \
-                passes.kept is not None or whole.stage.device is not None or \
+        lowered, whole = passes.lowered, passes.whole_here
+        if whole is None or whole.stage.device is not None or \
                 not all(map(is_array, jax.tree.leaves(x))):
             return None
+        assert lowered is not None  # (whole_here's)
         probe = {i: None for i in lowered.spec.inputs}
         try:
             values, cts = self.inputs(lowered, probe, ())
@@ -385,7 +394,7 @@ class Derivative:
             return None
         inputs = lowered.spec.inputs
         return Entry(whole, lowered.tail, inputs,
-                     len(inputs) == 1 and isinstance(x, Mapping) and inputs[0] in x, cts,
+                     len(inputs) == 1 and names_the_input(inputs[0], x), cts,
                      partial(self.finishing(lowered), self.info(lowered, (), None, where)))
 
     def finishing(self, lowered: Lowered) -> Callable[..., Any]:

@@ -88,11 +88,11 @@ def where(client, scheduler) -> tuple[Any, str | None]:
 
 
 def alone_here() -> bool:
-    """Whether a call given neither client nor scheduler runs on this process's threads with
-    nothing watching it (:func:`where`, then :func:`one_program_here`),
-    and nothing to log (:mod:`daskdag.running.log` at INFO): as one program, if it is one."""
-    return dask.config.config.get("scheduler") is None and active_client() is None and \
-        not Callback.active and not logger.isEnabledFor(logging.INFO)
+    """Whether a call given neither client nor scheduler runs on this process's threads
+    (:func:`where`) with nothing watching it (:func:`one_program_here`) and nothing to log
+    (:mod:`daskdag.running.log` at INFO): as one program, if it is one."""
+    return _where(None, None) == (None, "threads") and \
+        one_program_here(None, "threads", False) and not logger.isEnabledFor(logging.INFO)
 
 
 def _where(client, scheduler) -> tuple[Any, str | None]:
