@@ -26,14 +26,13 @@ from daskdag.graph.assembly import Intake, TaskGraph, ident, key, token_of
 from daskdag.transport import transports
 from daskdag.transport.transports import Transport
 from daskdag.model import devices
-from daskdag.model.plan import make_plan
+from daskdag.model.plan import make_plan, ship
 from daskdag.model.leaves import PyTree, differentiable_leaves, on_differentiable
 from daskdag.rules.finite_differences import (PROJECTIONS, ROUNDING, check_node, compare,
                                               dtype_of, inner, magnitude, perturbed, unit, wide)
 from daskdag.model.request import nodes_in_wrt, prepare
 from daskdag.running.programs import where
 from daskdag.running.jobs import Job, run
-from daskdag.model.plan import ship
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -47,14 +46,10 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
                 scheduler: str | Client | None = None) -> dict[str, float]:
     """Check the VJP of every node on the way from the differentiated inputs to ``outputs``
     against central finite differences of that node alone, at the point the forward pass reached.
+    ``dag``, ``x``, ``outputs``, ``wrt``, ``client`` and ``scheduler`` are as for
+    [`daskdag.compute_grads`][daskdag.compute_grads].
 
     Args:
-        dag: as for [`daskdag.compute_grads`][daskdag.compute_grads].
-        x: as for [`daskdag.compute_grads`][daskdag.compute_grads].
-        outputs: as for [`daskdag.compute_grads`][daskdag.compute_grads].
-        wrt: as for [`daskdag.compute_grads`][daskdag.compute_grads].
-        client: as for [`daskdag.compute_grads`][daskdag.compute_grads].
-        scheduler: as for [`daskdag.compute_grads`][daskdag.compute_grads].
         eps: the finite-difference step, relative: each element of a leaf moves by about ``eps``
             times the leaf's RMS magnitude (1 for an all-zero leaf), in a random direction.
             Default ``cbrt(finfo.eps)`` of the lowest precision among the node's differentiated
@@ -116,11 +111,10 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
                  scheduler: str | Client | None = None) -> dict[str, float]:
     """Check the gradients of whole ``outputs`` (what [`compute_grads`][daskdag.compute_grads]
     gives) against central finite differences of the composed DAG, as OpenMDAO's
-    ``check_totals``.
+    ``check_totals``. ``dag``, ``x``, ``client`` and ``scheduler`` are as for
+    [`compute_grads`][daskdag.compute_grads].
 
     Args:
-        dag: as for [`compute_grads`][daskdag.compute_grads].
-        x: as for [`compute_grads`][daskdag.compute_grads].
         outputs: as for [`compute_grads`][daskdag.compute_grads]; any real or complex arrays
             or pytrees.
         wrt: as for [`compute_grads`][daskdag.compute_grads]: free inputs only.
@@ -128,8 +122,6 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
             among the differentiated inputs' leaves.
         rtol: as for [`check_grads`][daskdag.check_grads]; its default by the lowest precision
             among the differentiated inputs' leaves and the outputs' leaves.
-        client: as for [`compute_grads`][daskdag.compute_grads].
-        scheduler: as for [`compute_grads`][daskdag.compute_grads].
 
     Per projection, ``<u, J v>`` by central differences, for a random unit cotangent ``u`` of
     each output and tangent ``v`` of each input, against ``<J^T u, v>`` from ``compute_grads``
@@ -186,10 +178,9 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
     worst = {o: 0.0 for o in plan.outputs}
     failures: dict = {}
     for p in range(PROJECTIONS):
-        us = {o: unit(rng, at[0][o]) for o in plan.outputs}
-        value_of = {o: evaluated[f"0:{o}"][0] for o in plan.outputs}
-        cts = {o: on_differentiable(value_of[o], [np.conj(u).astype(dtype_of(leaf)) for u, leaf
-                                                  in zip(us[o], at[0][o])]) for o in plan.outputs}
+        cts = {o: on_differentiable(evaluated[f"0:{o}"][0], [
+            np.conj(u).astype(dtype_of(leaf)) for u, leaf in zip(unit(rng, at[0][o]), at[0][o])])
+            for o in plan.outputs}
         grads = compute_grads(dag, x, list(plan.outputs), wrt=list(plan.wrt), cotangents=cts,
                               client=client, scheduler=scheduler)
         for o in plan.outputs:

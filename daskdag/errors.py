@@ -9,6 +9,8 @@ import threading
 
 import jax
 
+from daskdag.caches import Cache
+
 _VJP = ("a node differentiated with jax.vjp gets tracers for inputs: float(), int() and "
         "np.asarray() on them fail, and so does non-JAX code; give such a node its own VJP, "
         "daskdag.Node(fwd=..., bwd=..., deps=...) or Node(fn, deps, vjp=...), and it gets NumPy "
@@ -132,27 +134,20 @@ class SolveError(RuntimeError):
 
 
 # Exceptions raised by callbacks inside compiled programs, by the message that ends JAX's error.
-_in_programs: dict[str, BaseException] = {}
-_IN_PROGRAMS = 64
-_lock = threading.Lock()
+_in_programs: Cache[BaseException] = Cache("exceptions raised inside compiled programs", 64)
 
 
 def raised_in_program(e: BaseException) -> BaseException:
     """``e``, remembered so that a node raising it from a callback inside a compiled program
     fails with ``e`` itself, not JAX's runtime error around it."""
-    with _lock:
-        _in_programs[f"{type(e).__name__}: {e}"] = e
-        while len(_in_programs) > _IN_PROGRAMS:
-            del _in_programs[next(iter(_in_programs))]
-    return e
+    return _in_programs.put(f"{type(e).__name__}: {e}", e)
 
 
 def _raised(e: BaseException) -> BaseException:
     """What a node raised: ``e``, or the exception a callback raised inside its program."""
     if isinstance(e, jax.errors.JaxRuntimeError):
         lines = str(e).strip().splitlines()
-        with _lock:
-            found = _in_programs.get(lines[-1].strip()) if lines else None
+        found = _in_programs.get(lines[-1].strip()) if lines else None
         if found is not None:
             return found
     return e
@@ -174,14 +169,9 @@ def node_errors(node: str, phase: str) -> Iterator[None]:
     except NodeError:  # already names its node (one of a fused stage's)
         raise
     except (Exception, KeyboardInterrupt, SystemExit) as e:
-        if _may_be_ctrl_c(e):
+        if (isinstance(e, KeyboardInterrupt)  # in the user's own main thread: maybe Ctrl-C's
+                and threading.current_thread() is threading.main_thread()
+                and multiprocessing.parent_process() is None):
             raise
         original = _raised(e)
         raise NodeError(node, phase, original) from original
-
-
-def _may_be_ctrl_c(e: BaseException) -> bool:
-    """A KeyboardInterrupt in the main thread of the user's process: maybe Ctrl-C's."""
-    return (isinstance(e, KeyboardInterrupt)
-            and threading.current_thread() is threading.main_thread()
-            and multiprocessing.parent_process() is None)

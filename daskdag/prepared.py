@@ -23,11 +23,10 @@ from daskdag.kinds.hessians import HVPs
 from daskdag.kinds.jacobians import Jacobian
 from daskdag.kinds.tangents import JVPs
 from daskdag.model.leaves import PyTree
-from daskdag.running.programs import Held, alone_here, held_key
+from daskdag.running.programs import Held, alone_here
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative
 from daskdag.sweeps.sweep import Interrupted
-from daskdag.transport import transports
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -52,17 +51,17 @@ class Prepared:
         self._name, self._kind, self._unpack, self._outputs = name, kind, unpack, outputs
         self._client, self._scheduler, self._progress = client, scheduler, progress
         self._last = threading.local()
-        self._held = Held()
+        self._held = Held(self._shaped)
 
     def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
         """The call for inputs ``x`` (and its data: tangents, ``v``); ``store`` as
         [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
         if store is None and not data and self._client is None and self._scheduler is None \
                 and not self._progress and alone_here():
-            key = held_key(transports.IN_PROCESS, x, data)
-            entry = self._held.entry(key) if key is not None else None
+            entry = self._held.entry(x)
             if entry is not None:  # (a warm call of one program here: its entry alone)
-                return self._unpacked(entry(x))
+                self._last.info, self._last.failed = entry.info, {}
+                return entry(x)
         return self._unpacked(now(self._kind, x, *data, client=self._client,
                                   scheduler=self._scheduler, progress=self._progress,
                                   store=store, held=self._held))
@@ -82,13 +81,17 @@ class Prepared:
         return self._unpacked(results)
 
     def _unpacked(self, results: Any) -> Any:
+        first = results if isinstance(self._outputs, str) else next(iter(results.values()))
+        self._last.info, self._last.failed = first.info, dict(first.failed) if first.failed else {}
+        return self._shaped(results)
+
+    def _shaped(self, results: Any) -> Any:
+        """A call's ``results`` as this function returns them."""
         if isinstance(self._outputs, str):
-            first, out = results, self._unpack(results)
+            out = self._unpack(results)
         else:
-            first = next(iter(results.values()))
             parts = [self._unpack(r) for r in results.values()]
             out = tuple({o: p[k] for o, p in zip(results, parts)} for k in range(len(parts[0])))
-        self._last.info, self._last.failed = first.info, dict(first.failed) if first.failed else {}
         return out[0] if len(out) == 1 else out
 
     @property

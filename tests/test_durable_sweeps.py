@@ -410,7 +410,7 @@ def test_a_zarr_store_holds_the_sweep_readable_by_zarr_one_sweep_at_a_time(tmp_p
     import zarr
     import zarr.storage
 
-    from daskdag.sweeps.keys import Keys
+    from daskdag.durable.keys import Keys
 
     m = dag_module(tmp_path, fail=(5,))
     ref = sweep(m.DAG, None, errors="collect")

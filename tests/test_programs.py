@@ -26,8 +26,7 @@ import daskdag
 from daskdag import Node
 from daskdag.graph import build as build_module
 from daskdag.graph.assembly import kind_of, runs
-from daskdag.running import resident
-from daskdag.transport import fingerprints
+from daskdag.running import programs, resident
 
 from .support.numbers import TraceLog, assert_tree_close
 
@@ -241,13 +240,15 @@ def test_a_prepared_call_checks_each_node_function_once(make, monkeypatch):
     """What a prepared call checks grows with what can change: each of the DAG's functions
     once, not the packed or lifted functions daskdag made of them."""
     f = make(seed_dag(TraceLog()))
-    f(xs()[0])
     checked = []
-    holds = fingerprints.Fingerprint.holds
-    monkeypatch.setattr(fingerprints.Fingerprint, "holds",
-                        lambda self, fn: checked.append(fn) or holds(self, fn))
+    holding = programs.holding  # (the one check of a program's functions, made at its first use)
+    monkeypatch.setattr(programs, "holding",
+                        lambda watched: checked.extend(fn for _, fn in watched) or holding(watched))
+    f(xs()[0])
     f(xs()[1])
     assert len(checked) == 6  # (the six nodes' functions)
+    f(xs()[2])
+    assert len(checked) == 6  # (made once: the next calls run it)
 
 
 # --- On a cluster ----------------------------------------------------------------------------------

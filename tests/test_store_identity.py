@@ -1,5 +1,5 @@
 """What a durable sweep's store records of its DAG's nodes (:mod:`daskdag.transport.content`,
-:func:`daskdag.sweeps.identity.node_parts`): an edit that changes nothing a node computes (a
+:func:`daskdag.durable.identity.node_parts`): an edit that changes nothing a node computes (a
 comment above it, a docstring, the script renamed or moved) resumes the stored sweep, computing
 no stored item again; a change to what it computes (a constant in its code, a global rebound,
 an array it closes over changed) is refused, naming the node and what differs. On threads, on

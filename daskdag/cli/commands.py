@@ -1,31 +1,35 @@
-"""The commands ``daskdag run``, ``daskdag sweep`` and ``daskdag certs``, their parser, and
-:func:`main`, which maps what they raise to exit codes (:mod:`daskdag.cli.usage`)."""
+"""The commands ``daskdag run``, ``daskdag sweep`` and ``daskdag certs``, their parser, the
+scheduler that ``--scheduler`` names, and :func:`main`, which maps what they raise to exit codes
+(:mod:`daskdag.cli.usage`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import textwrap
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 import numpy as np
 
 import daskdag
-from daskdag.cli.connecting import connected
 from daskdag.cli.loading import TARGET_HELP, load_dag
 from daskdag.cli.npz import NPZ_LAYOUT, load_npz, result_arrays, save, summary, to_jax
-from daskdag.cli.tls import DEFAULT_HOSTS, write_certs
+from daskdag.cli.tls import DEFAULT_HOSTS, security, write_certs
 from daskdag.cli.usage import (EXIT_CLUSTER, EXIT_CODES, EXIT_INTERRUPTED, EXIT_ITEMS_FAILED,
                                EXIT_NODE, EXIT_OK, EXIT_STORE, EXIT_USAGE, Unreachable,
                                UsageError)
 from daskdag.errors import ClusterError, DAGError, NodeError, StoreError
 from daskdag.model.spec import parse
 from daskdag.running.programs import active_client
+
+if TYPE_CHECKING:
+    import distributed
 
 
 def _names(text: str | None, option: str) -> list[str] | None:
@@ -37,20 +41,15 @@ def _names(text: str | None, option: str) -> list[str] | None:
     return names
 
 
-def _output_path(text: str) -> Path:
-    p = Path(text).expanduser()
-    if p.is_dir():
-        raise UsageError(f"--out {text!r} is a directory; name the .npz file to write")
-    if not p.parent.is_dir():
-        raise UsageError(f"--out {text!r}: no directory {str(p.parent)!r}")
-    return p
-
-
 def _prepare(args: argparse.Namespace, command: str) -> tuple:
     """What ``run`` and ``sweep`` share: ``(--out path, DAG dict, its Spec, outputs, wrt, x,
     cotangents)``, arrays as JAX's; ``UsageError`` for a bad option, module or file,
     ``DAGError`` for a malformed DAG."""
-    out = _output_path(args.out)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise UsageError(f"--out {args.out!r} is a directory; name the .npz file to write")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {args.out!r}: no directory {str(out.parent)!r}")
     dag = load_dag(args.target)
     spec = parse(dag)
     outputs: list[str] = _names(args.outputs, "--outputs")  # type: ignore[assignment]  # (required)
@@ -73,6 +72,60 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple:
                          f"daskdag {command} runs locally unless --scheduler is given: pass "
                          f"its address there, or do not start a client at import")
     return out, dag, spec, outputs, wrt, to_jax(x), cts
+
+
+@contextlib.contextmanager
+def connected(args: argparse.Namespace) -> Iterator[distributed.Client | None]:
+    """The ``distributed.Client`` that ``--scheduler`` (``--tls``, ``--timeout``) names, closed
+    on leaving, or ``None`` for Dask's local threaded scheduler."""
+    if args.scheduler is None:
+        if args.tls is not None:
+            raise UsageError("--tls needs --scheduler (the local scheduler has no connections)")
+        yield None
+        return
+    from distributed import Client
+
+    address = args.scheduler
+    sec = None
+    if args.tls is not None:
+        try:
+            sec = security(args.tls)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from e
+    is_file = address.endswith(".json")
+    if is_file:
+        path = Path(address).expanduser()
+        where, kwargs = f"the scheduler of file {address}", {"scheduler_file": str(path)}
+        named = address
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            named = json.loads(path.read_text()).get("address", "")
+    else:
+        if args.tls is not None:
+            if "://" not in address:
+                address = "tls://" + address
+            elif not address.startswith("tls://"):
+                raise UsageError(f"--tls needs a tls:// scheduler address, got {address!r}")
+        where, kwargs, named = f"the scheduler at {address}", {"address": address}, address
+    if str(named).startswith("tls://") and sec is None:
+        from distributed import Security
+
+        if Security().get_connection_args("client").get("ssl_context") is None:
+            raise UsageError(f"the scheduler at {named} speaks TLS: give --tls DIR (the files "
+                             f"`daskdag certs DIR` wrote), or set TLS in Dask's configuration")
+    try:
+        client = Client(**kwargs, security=sec, timeout=args.timeout, set_as_default=False)
+    except (OSError, TimeoutError) as e:
+        if is_file and not path.exists():
+            raise Unreachable(f"cannot reach {where}: the file does not exist "
+                              f"(waited {args.timeout:g} s for it)") from e
+        raise Unreachable(f"cannot reach {where} within {args.timeout:g} s "
+                          f"({type(e).__name__}: {e})") from e
+    except ValueError as e:
+        raise UsageError(f"bad --scheduler {address!r}: {e}") from e
+    try:
+        yield client
+    finally:
+        client.close(timeout=10)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -117,7 +170,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"daskdag sweep: {len(errors)} item{'s' if len(errors) != 1 else ''} failed "
               f"(rows of NaN; indices in <output>.failed):", file=sys.stderr)
         for item in sorted(errors)[:10]:
-            print(f"  {_one_line(errors[item])}", file=sys.stderr)
+            print(f"  {(str(errors[item]).splitlines() or [type(errors[item]).__name__])[0]}",
+                  file=sys.stderr)
         if len(errors) > 10:
             print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
         return EXIT_ITEMS_FAILED
@@ -126,18 +180,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 # The command line's word for the argument a DAGError names (DAGError.argument).
 OPTIONS = {"cotangents": "--cotangents FILE.npz, one key per output"}
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).splitlines() or [type(e).__name__]
-    return lines[0]
-
-
-def _node_message(e: BaseException) -> str:
-    """A NodeError's first line, and its hint if any."""
-    lines = str(e).splitlines()
-    hint = [ln for ln in lines[1:] if ln.startswith("Hint:")]
-    return "\n".join(lines[:1] + hint[-1:])
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -155,8 +197,10 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 def _command(commands: Any, name: str, brief: str, description: str) -> argparse.ArgumentParser:
     """The parser of ``run`` or ``sweep``, with the options they share."""
     sweep = name == "sweep"
+    first, sep, examples = description.partition("\n\n")  # (examples kept as they are)
     p = commands.add_parser(name, help=brief, formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}", description=_wrap(description))
+                            epilog=f"{NPZ_LAYOUT}\n\n{EXIT_CODES}",
+                            description=textwrap.fill(first, 79) + sep + examples)
     p.add_argument("target", metavar="MODULE[:DAG]", help=TARGET_HELP)
     p.add_argument("--inputs", required=True, metavar="FILE.npz",
                    help="input values, one key per free input of the DAG" +
@@ -180,12 +224,6 @@ def _command(commands: Any, name: str, brief: str, description: str) -> argparse
                    help="print no summary" + (" and no progress bar" if sweep else ""))
     p.add_argument("--traceback", action="store_true", help="print the traceback of errors")
     return p
-
-
-def _wrap(text: str) -> str:
-    """``text``'s first paragraph wrapped to 79 columns, the rest (examples) kept as is."""
-    first, sep, rest = text.partition("\n\n")
-    return textwrap.fill(first, 79) + sep + rest
 
 
 def parser() -> argparse.ArgumentParser:
@@ -271,9 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return (cmd_run if args.command == "run" else cmd_sweep)(args)
     except KeyboardInterrupt as e:
         return fail(EXIT_INTERRUPTED, f"interrupted: {e}" if str(e) else "interrupted", e)
-    except NodeError as e:
-        return fail(EXIT_NODE, _node_message(e) + ("" if args.traceback else
-                    "\n(run with --traceback for the full traceback)"), e)
+    except NodeError as e:  # (its first line, and its hint if any)
+        lines = str(e).splitlines()
+        hint = [ln for ln in lines[1:] if ln.startswith("Hint:")]
+        return fail(EXIT_NODE, "\n".join(lines[:1] + hint[-1:]) + (
+            "" if args.traceback else "\n(run with --traceback for the full traceback)"), e)
     except (UsageError, DAGError) as e:
         option = OPTIONS.get(getattr(e, "argument", None) or "")
         return fail(EXIT_USAGE, f"{e}" + (f" (here: {option})" if option else ""), e)

@@ -45,21 +45,19 @@ def load_npz(path: str | os.PathLike[str], names: Sequence[str], what: str,
     if single_ok and len(names) == 1 and list(arrays) == ["arr_0"]:
         arrays = {names[0]: arrays["arr_0"]}
     by_length = sorted(names, key=len, reverse=True)
-    values, extra = {}, []
+    values: dict[str, Any] = {}
+    extra = []
     for key, a in arrays.items():
         name = next((n for n in by_length if key == n or key.startswith(n + ".")), None)
         if name is None:
             extra.append(key)
             continue
+        if name in values and (key == name or not isinstance(values[name], dict)):
+            raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by leaf")
         if key == name:
-            if name in values:
-                raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by "
-                                 f"leaf")
             values[name] = a
             continue
         node = values.setdefault(name, {})
-        if not isinstance(node, dict):
-            raise UsageError(f"{what} file {str(p)!r} gives {name!r} both whole and leaf by leaf")
         *parents, leaf = key[len(name) + 1:].split(".")
         for part in parents:
             node = node.setdefault(part, {})
@@ -85,18 +83,13 @@ def to_jax(tree: Any) -> Any:
 
 def flatten(prefix: str, tree: Any) -> dict:
     """``{prefix.key.path: array}`` for the array leaves of ``tree``."""
-    def part(k: Any) -> str:  # DictKey.key, SequenceKey.idx, GetAttrKey.name, FlattenedIndexKey.key
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                return str(getattr(k, attr))
-        return str(k).strip(".[]'\"")
-
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__array__"):
             a = np.asarray(leaf)
             if a.dtype.kind in "biufc":
-                out[".".join([prefix, *map(part, path)])] = a
+                key = jax.tree_util.keystr(path, simple=True, separator=".")
+                out[f"{prefix}.{key}" if path else prefix] = a
     return out
 
 

@@ -34,12 +34,22 @@ def write_certs(directory: str | os.PathLike[str], hosts: Iterable[str] = (), da
     if existing and not force:
         raise FileExistsError(f"{', '.join(existing)} already exist; replace them with --force "
                               f"(force=True)")
+    from cryptography.hazmat.primitives import serialization
+
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca, ca_key = _certificate(start, end)
     cert, key = _certificate(start, end, (ca, ca_key), [*DEFAULT_HOSTS, *hosts])
-    _write_pems(paths, ca, cert, key)
+    pem = serialization.Encoding.PEM
+    paths["ca"].write_bytes(ca.public_bytes(pem))
+    paths["cert"].write_bytes(cert.public_bytes(pem))
+    # The key (PKCS#8, unencrypted) with mode 0600, also where the file was wider open.
+    fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    os.chmod(paths["key"], 0o600)
     return paths
 
 
@@ -90,22 +100,6 @@ def _certificate(start: datetime.datetime, end: datetime.datetime, issuer: tuple
     builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
                                     critical=False)
     return builder.sign(key if issuer is None else issuer[1], hashes.SHA256()), key
-
-
-def _write_pems(paths: dict[str, Path], ca: Any, cert: Any, key: Any) -> None:
-    """Write the three as PEM, the key (PKCS#8, unencrypted) with mode 0600, also where the
-    file existed with wider permissions."""
-    from cryptography.hazmat.primitives import serialization
-
-    pem = serialization.Encoding.PEM
-    paths["ca"].write_bytes(ca.public_bytes(pem))
-    paths["cert"].write_bytes(cert.public_bytes(pem))
-    key_bytes = key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption())
-    fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key_bytes)
-    os.chmod(paths["key"], 0o600)
 
 
 ROLES = ("scheduler", "worker", "client")

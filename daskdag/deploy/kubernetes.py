@@ -11,7 +11,6 @@ the Secret ``certs_secret`` (``ca.pem``, ``cert.pem``, ``key.pem``) mounted at `
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import os
@@ -19,10 +18,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import dask_kubernetes.operator.kubecluster.kubecluster as _kubecluster
+import dask_kubernetes.operator.networking as _networking
 from dask_kubernetes.operator import KubeCluster
 from distributed import Security
 from distributed.core import rpc
-from tornado.iostream import StreamClosedError
 
 import daskdag
 from daskdag.cli import security as _security
@@ -49,15 +48,8 @@ SCHEDULER_API_ENV = {"name": "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES",
 
 _POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
 _GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-
-
-def _tls_args() -> list[str]:
-    return ["--tls-ca-file", f"{TLS_MOUNT}/ca.pem", "--tls-cert", f"{TLS_MOUNT}/cert.pem",
-            "--tls-key", f"{TLS_MOUNT}/key.pem"]
-
-
-def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
-    return [{"name": k, "value": v} for k, v in pairs.items()]
+_TLS_ARGS = ("--tls-ca-file", f"{TLS_MOUNT}/ca.pem", "--tls-cert", f"{TLS_MOUNT}/cert.pem",
+             "--tls-key", f"{TLS_MOUNT}/key.pem")
 
 
 def _resource(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -89,14 +81,15 @@ def _worker_spec(scheduler: str, *, n_workers: int, nthreads: int, gpu: bool,
             "--nthreads", str(nthreads)]
     if gpu:
         args += ["--resources", "GPU=1"]
-    args += ["--dashboard-address", str(WORKER_DASHBOARD_PORT), *_tls_args()]
+    args += ["--dashboard-address", str(WORKER_DASHBOARD_PORT), *_TLS_ARGS]
     base_env = {"DASK_SCHEDULER_ADDRESS": scheduler,
                 "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "true"}
     base_env.update({"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if gpu
                     else {"JAX_PLATFORMS": "cpu"})
+    variables = [{"name": k, "value": v} for k, v in {**base_env, **env}.items()]
     ports = [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT, "protocol": "TCP"}]
-    return {"replicas": n_workers, "spec": _pod("worker", gpu=gpu, args=args,
-                                                env=_env({**base_env, **env}), ports=ports, **pod)}
+    return {"replicas": n_workers, "spec": _pod("worker", gpu=gpu, args=args, env=variables,
+                                                ports=ports, **pod)}
 
 
 def _scheduler_address(name: str) -> str:
@@ -131,7 +124,7 @@ def cluster_spec(name: str = "daskdag", *, image: str = IMAGE, certs_secret: str
     scheduler_pod = _pod(
         "scheduler", image=image, image_pull_policy=image_pull_policy, certs_secret=certs_secret,
         args=["dask", "scheduler", "--protocol", "tls", "--port", str(SCHEDULER_PORT),
-              "--dashboard-address", f":{DASHBOARD_PORT}", *_tls_args()],
+              "--dashboard-address", f":{DASHBOARD_PORT}", *_TLS_ARGS],
         env=sched_env,
         ports=[{"name": "tls-comm", "containerPort": SCHEDULER_PORT, "protocol": "TCP"},
                {"name": "http-dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"}],
@@ -192,37 +185,24 @@ def autoscaler(cluster: str = "daskdag", minimum: int = 1, maximum: int = 10) ->
                      {"cluster": cluster, "minimum": minimum, "maximum": maximum})
 
 
-# KubeCluster connects with its module's `rpc` and `wait_for_scheduler_comm`, without connection
-# arguments (plain TCP only). TLSKubeCluster replaces both by ones that add the connection
-# arguments of the TLSKubeCluster connecting in this coroutine, and are the originals otherwise.
+# KubeCluster connects to its scheduler with `rpc` (its module's, and its networking module's in
+# wait_for_scheduler_comm) without connection arguments: plain TCP only. _tls_comms replaces both
+# by _rpc, which adds those of the TLSKubeCluster connecting in this coroutine, if any.
 _connection_args: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "daskdag_kube_connection_args", default=None)
-_ORIGINALS = (_kubecluster.rpc, _kubecluster.wait_for_scheduler_comm)
 
 
 def _rpc(address: Any, **kwargs: Any) -> rpc:
     args = _connection_args.get()
-    if args is not None and "connection_args" not in kwargs:
-        kwargs["connection_args"] = args
-    return _ORIGINALS[0](address, **kwargs)
-
-
-async def _wait_for_scheduler_comm(address: str) -> None:
-    if _connection_args.get() is None:
-        return await _ORIGINALS[1](address)
-    while True:  # the operator's loop, through _rpc
-        try:
-            async with _rpc(address) as comm:
-                await comm.versions()
-            return
-        except (StreamClosedError, OSError):
-            await asyncio.sleep(0.1)
+    if args is not None:
+        kwargs.setdefault("connection_args", args)
+    return rpc(address, **kwargs)
 
 
 @contextlib.contextmanager
 def _tls_comms(security: Security) -> Iterator[None]:
     """Within: KubeCluster's connections from this coroutine use ``security``."""
-    _kubecluster.rpc, _kubecluster.wait_for_scheduler_comm = _rpc, _wait_for_scheduler_comm
+    _kubecluster.rpc = _networking.rpc = _rpc
     token = _connection_args.set(security.get_connection_args("client"))
     try:
         yield
@@ -243,13 +223,9 @@ class TLSKubeCluster(KubeCluster):
         address: str = await super()._get_scheduler_address()
         return "tls://" + address.split("://", 1)[-1]
 
-    async def _create_cluster(self) -> None:
+    async def _start(self) -> None:
         with _tls_comms(self.security):
-            await super()._create_cluster()
-
-    async def _connect_cluster(self) -> None:
-        with _tls_comms(self.security):
-            await super()._connect_cluster()
+            await super()._start()
 
 
 def make_cluster(name: str = "daskdag", *, certs: str | os.PathLike[str],
@@ -266,9 +242,9 @@ def make_cluster(name: str = "daskdag", *, certs: str | os.PathLike[str],
 
     Args:
         certs: the directory of ``daskdag certs`` this client connects with.
-        image, gpu_image: the CPU and GPU images, in a registry the cluster pulls from.
-        n_workers, gpu_workers: the CPU and GPU workers to start with (0 GPU workers: no GPU
+        gpu_image, gpu_workers: :func:`gpu_worker_spec`'s ``image`` and ``n_workers`` (0: no GPU
             worker group).
+        image, certs_secret, n_workers, env: :func:`cluster_spec`'s.
         namespace: the namespace; default the kubeconfig's.
         adapt: ``(minimum, maximum)``: autoscale the CPU workers from the start.
         **kwargs: more ``KubeCluster`` arguments (``resource_timeout``, ``shutdown_on_close``,

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +83,8 @@ def _with_jax_platform(prologue: list[str] | None, platform: str) -> list[str]:
 
 
 def cpu_job_options(config_name: str = "slurm", **job: Any) -> dict[str, Any]:
-    """The ``SLURMCluster`` keywords of the CPU jobs: ``job``, then :data:`CPU_JOB`'s values for
-    keys the jobqueue section ``config_name`` leaves unset (dask-jobqueue reads the others)."""
+    """The ``SLURMCluster`` keywords of the CPU jobs: ``job`` over the jobqueue section
+    ``config_name`` over :data:`CPU_JOB` (the module's "Job sizes")."""
     config = _section(config_name)
     options = {_kwarg(k): v for k, v in CPU_JOB.items() if config.get(k) is None}
     options.update(job)
@@ -93,9 +94,8 @@ def cpu_job_options(config_name: str = "slurm", **job: Any) -> dict[str, Any]:
 
 
 def gpu_job_options(config_name: str = "slurm-gpu", **job: Any) -> dict[str, Any]:
-    """The keywords of the GPU jobs: ``job``, then the jobqueue section ``config_name`` (which
-    need not exist), then :data:`GPU_JOB`; dask-jobqueue reads the keys none of them sets (null
-    counts as unset) from the CPU jobs' section."""
+    """The keywords of the GPU jobs: ``job`` over the jobqueue section ``config_name`` over
+    :data:`GPU_JOB` (the module's "Job sizes")."""
     config = {**GPU_JOB, **{k: v for k, v in _section(config_name).items() if v is not None}}
     options = {_kwarg(k): v for k, v in config.items() if k not in _CLUSTER_KEYS}
     options.update(job)
@@ -122,18 +122,13 @@ class CPUGPUCluster:
         Jobs that ended count as gone: calling it again replaces them. Stops :meth:`adapt` and
         :meth:`keep`."""
         self._stop_sizing()
-        self._rescale(cpu_jobs, gpu_jobs)
+        self._set(cpu_jobs, gpu_jobs, self.ended())
 
-    def _rescale(self, cpu_jobs: int, gpu_jobs: int) -> None:
-        self._forget(self.ended())
-        self._set(cpu_jobs, gpu_jobs)
-
-    def _forget(self, names: list[str]) -> None:
-        for name in names:
-            self.slurm.worker_spec.pop(name, None)
-
-    def _set(self, cpu_jobs: int, gpu_jobs: int) -> None:
+    def _set(self, cpu_jobs: int, gpu_jobs: int, ended: Iterable[str] = ()) -> None:
+        """Forget the jobs ``ended``, then submit or cancel jobs to run that many."""
         spec = self.slurm.worker_spec
+        for name in ended:
+            spec.pop(name, None)
         gpu = [n for n in spec if self._is_gpu(n)]
         cpu = [n for n in spec if not self._is_gpu(n)]
         for name in cpu[cpu_jobs:] + gpu[gpu_jobs:]:
@@ -173,8 +168,9 @@ class CPUGPUCluster:
         def keeping():
             while not stop.wait(every):
                 try:
-                    if self.ended() and self.slurm.loop is not None:
-                        self.slurm.loop.add_callback(self._rescale, cpu_jobs, gpu_jobs)
+                    ended = self.ended()
+                    if ended and self.slurm.loop is not None:
+                        self.slurm.loop.add_callback(self._set, cpu_jobs, gpu_jobs, ended)
                 except Exception as e:  # noqa: BLE001 (squeue hung, or closing: try again)
                     print(f"CPUGPUCluster.keep: {e!r}", file=sys.stderr)
 
@@ -257,18 +253,13 @@ class CPUGPUAdaptive(Adaptive):
         self.gpu_close_counts: defaultdict[str, int] = defaultdict(int)
         super().__init__(jobs.slurm, **kwargs)
 
+    def _cpu(self, names: Any) -> set:
+        return {n for n in names if not self.jobs._is_gpu(n)}
+
     # The CPU workers only: what distributed's rule sees of the cluster.
-    @property
-    def plan(self) -> set:
-        return {n for n in self.cluster.plan if not self.jobs._is_gpu(n)}
-
-    @property
-    def requested(self) -> set:
-        return {n for n in self.cluster.requested if not self.jobs._is_gpu(n)}
-
-    @property
-    def observed(self) -> set:
-        return {n for n in self.cluster.observed if not self.jobs._is_gpu(n)}
+    plan = property(lambda self: self._cpu(self.cluster.plan))
+    requested = property(lambda self: self._cpu(self.cluster.requested))
+    observed = property(lambda self: self._cpu(self.cluster.observed))
 
     @property
     def _scheduler(self) -> Any:  # (the Scheduler object: dask-jobqueue runs it in this process)
@@ -306,19 +297,15 @@ class CPUGPUAdaptive(Adaptive):
 
     async def adapt(self) -> None:
         """One look: forget ended jobs, size the CPU jobs, then the GPU jobs."""
-        ended = await asyncio.to_thread(self.jobs.ended)
-        self.jobs._forget(ended)
-        await super().adapt()
-        await self._adapt_gpu()
-
-    async def _adapt_gpu(self) -> None:
         spec = self.jobs.slurm.worker_spec
+        for name in await asyncio.to_thread(self.jobs.ended):
+            spec.pop(name, None)
+        await super().adapt()
         names = [n for n in spec if self.jobs._is_gpu(n)]
         target = self.gpu_target()
-        cpu = len(spec) - len(names)
         if target > len(names):
             self.gpu_close_counts.clear()
-            self.jobs._set(cpu, target)
+            self.jobs._set(len(spec) - len(names), target)
             return
         arrived = {ws.name: ws for ws in self._gpu_workers()}
         # Not yet started jobs go first, then idle workers; a busy GPU worker is kept.
@@ -353,14 +340,12 @@ def make_cluster(certs: str = CERTS, *, account: str | None = None, queue: str |
             ``walltime``, ...); they win over the config's ``jobqueue.<config_name>`` section.
         gpu_job: the same for the GPU jobs, over ``jobqueue.<gpu_config_name>``.
     """
-    sec = security(certs)
-    cert = sec.tls_scheduler_cert  # type: ignore[attr-defined]
+    sec: Any = security(certs)
     cpu = cpu_job_options(config_name, **(cpu_job or {}))
     options = {"dashboard_address": "127.0.0.1:8787", **(scheduler_options or {})}
     # The dashboard serves HTTPS with the same certificate (Dask reads this when it starts).
-    key = sec.tls_scheduler_key  # type: ignore[attr-defined]
-    with dask.config.set({"distributed.scheduler.dashboard.tls.cert": cert,
-                          "distributed.scheduler.dashboard.tls.key": key}):
+    with dask.config.set({"distributed.scheduler.dashboard.tls.cert": sec.tls_scheduler_cert,
+                          "distributed.scheduler.dashboard.tls.key": sec.tls_scheduler_key}):
         slurm = SLURMCluster(security=sec, protocol="tls://", interface=interface,
                              account=account, queue=queue, scheduler_options=options,
                              config_name=config_name, **cpu)

@@ -25,13 +25,12 @@ import cloudpickle
 import dask
 import numpy as np
 
-from daskdag.durable.identity import common, hash_tree, options
-from daskdag.durable.keys import Keys, group, is_zarr, keys_of
+from daskdag.durable.identity import common, hash_tree, options, plain
+from daskdag.durable.keys import group, is_zarr, keys_of
 from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
-from daskdag.running import log
-from daskdag.running.programs import active_client
+from daskdag.running.programs import active_client, in_words
 from daskdag.running.jobs import LAZY, Job, as_collection, on_processes, run
 from daskdag.running.lazy import Call
 from daskdag.running.passes import Derivative
@@ -82,7 +81,7 @@ def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, st
     with dask.config.set({"daskdag.fuse-chains": False}):
         program, why = kind.compile(x, data, transport=transports.for_call(client, lazy=lazy))
         job = kind.job(program, x, data, why=why,
-                       where=LAZY if lazy and local is None else log.where(client, local))
+                       where=LAZY if lazy and local is None else in_words(client, local))
     lowered = program.value.lowered
     assert lowered is not None
     return job, identity(kind, lowered.spec, lowered.plan.outputs, lowered.wrt, x, data)
@@ -97,7 +96,7 @@ def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) ->
               **options(kind)}
     for value in data:  # (compute_jvps' tangents, compute_hvps' v)
         record["tangents" if kind.call == "compute_jvps" else "directions"] = hash_tree(value)
-    return json.loads(json.dumps(record))
+    return plain(record)
 
 
 @contextlib.contextmanager
@@ -136,6 +135,8 @@ class Stages:
         return f"Stages({self.name!r})"
 
     def load(self, entry: str, inputs: tuple) -> tuple[bool, Any, str]:
+        import zarr
+
         digest = hash_tree(list(inputs))
         keys, path = keys_of(self.where), _path(entry)
         mark = keys.get_json(f"{path}/zarr.json")
@@ -143,7 +144,11 @@ class Stages:
         if (not isinstance(attributes, dict) or not {"inputs", "sha256"} <= set(attributes)
                 or attributes["inputs"] != digest):  # (none, or computed from other inputs)
             return False, None, digest
-        body = _read(keys, f"{path}/result")
+        try:
+            body = np.asarray(zarr.open_array(keys.store, path=f"{path}/result", mode="r")[:],
+                              np.uint8).tobytes()
+        except Exception:  # noqa: BLE001 (unreadable: the stage runs again)
+            body = None
         if body is None or hashlib.sha256(body).hexdigest() != attributes["sha256"]:
             keys.delete(f"{path}/zarr.json")  # (damaged: computed again, never returned)
             return False, None, digest
@@ -181,14 +186,3 @@ def _path(entry: str) -> str:
     if len(name) > 160:  # (a file name's length is limited)
         name = name[:120] + "-" + hashlib.sha256(entry.encode()).hexdigest()[:32]
     return f"stages/{name}"
-
-
-def _read(keys: Keys, path: str) -> bytes | None:
-    """The bytes of the result array at ``path``, or None where it cannot be read."""
-    import zarr
-
-    try:
-        return np.asarray(zarr.open_array(keys.store, path=path, mode="r")[:],
-                          np.uint8).tobytes()
-    except Exception:  # noqa: BLE001 (unreadable: the stage runs again)
-        return None

@@ -115,16 +115,16 @@ def differences(stored: dict, mine: dict) -> list[str]:
         a, b = stored.get(k), mine.get(k)
         if a == b:
             continue
-        if k == "dag" and isinstance(a, dict) and isinstance(b, dict):
-            nodes = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the DAG's nodes {nodes} differ ("
-                       + "; ".join(_node_differences(n, a.get(n), b.get(n)) for n in nodes) + ")")
-        elif k in ("shared", "inputs") and isinstance(a, dict) and isinstance(b, dict):
-            names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-            out.append(f"the {'shared ' if k == 'shared' else ''}inputs {names} differ")
-        elif k == "jax settings" and isinstance(a, dict) and isinstance(b, dict):
-            out.extend(f"JAX's {n} was {a.get(n)!r}, is now {b.get(n)!r}"
-                       for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n))
+        if (k in ("dag", "shared", "inputs", "jax settings") and isinstance(a, dict)
+                and isinstance(b, dict)):
+            names = sorted(n for n in {*a, *b} if a.get(n) != b.get(n))
+            if k == "dag":
+                out.append(f"the DAG's nodes {names} differ (" + "; ".join(
+                    _node_differences(n, a.get(n), b.get(n)) for n in names) + ")")
+            elif k == "jax settings":
+                out.extend(f"JAX's {n} was {a.get(n)!r}, is now {b.get(n)!r}" for n in names)
+            else:
+                out.append(f"the {'shared ' if k == 'shared' else ''}inputs {names} differ")
         elif k in ("cotangents", "tangents", "directions"):
             out.append(f"the {k} differ")
         else:

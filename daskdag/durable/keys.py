@@ -62,7 +62,7 @@ class Keys:
             return None
 
     def set_json(self, key: str, data: dict) -> None:
-        self._set(key, _json(data))
+        self._set(key, json.dumps(data).encode())
         self.synced([key])
 
     def _set(self, key: str, body: bytes, exclusive: bool = False) -> None:
@@ -110,7 +110,7 @@ class Keys:
 
     def _lease(self) -> bytes:
         """This holder's lease, lasting :data:`LEASE` seconds from now."""
-        return _json(group({"holder": self._me, "until": time.time() + self.LEASE}))
+        return json.dumps(group({"holder": self._me, "until": time.time() + self.LEASE})).encode()
 
     def release(self) -> None:
         self._stop.set()
@@ -148,7 +148,7 @@ class _Directory(Keys):
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
         try:
             with open(tmp, "wb") as f:
-                f.write(_json(data))
+                f.write(json.dumps(data).encode())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -194,10 +194,6 @@ def keys_of(location) -> Keys:
             return _Directory(Path(location.root))
         return Keys(location, str(location))
     return _Directory(Path(os.fspath(location)))
-
-
-def _json(data) -> bytes:
-    return json.dumps(data).encode()
 
 
 def _fsync(path: Path) -> None:

@@ -68,19 +68,17 @@ class DensePullback(Pullback):
         would cost more)."""
         shapes = next(j for j in self.jacobian if j is not None)  # (of each dep's zeros)
         head = next((np.shape(c[0])[:lead] for c in cts if c is not None), (0,) * lead)
-        out: list = [None] * len(shapes)
+        out: list = [None if leaves is None else [np.zeros((*head, *j.shape[1:]), j.dtype)
+                                                  for j in leaves] for leaves in shapes]
         for ct, block in zip(cts, self.jacobian):
             if ct is None or block is None:
                 continue
             flat = np.concatenate([np.reshape(np.asarray(c), (*head, -1)) for c in ct], axis=-1)
             for i, leaves in enumerate(block):
-                if leaves is None:
-                    continue
-                share = [np.tensordot(flat.astype(j.dtype, copy=False), j, axes=1) for j in leaves]
-                out[i] = share if out[i] is None else [a + b for a, b in zip(out[i], share)]
-        return tuple(None if leaves is None else tuple(
-            np.zeros((*head, *j.shape[1:]), j.dtype) for j in leaves) if o is None else tuple(o)
-                     for o, leaves in zip(out, shapes))
+                if leaves is not None:
+                    out[i] = [a + np.tensordot(flat.astype(j.dtype, copy=False), j, axes=1)
+                              for a, j in zip(out[i], leaves)]
+        return tuple(None if o is None else tuple(o) for o in out)
 
     def residual_nbytes(self) -> int:
         return sum(j.nbytes for block in self.jacobian if block is not None

@@ -9,16 +9,15 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from daskdag.errors import DAGError, node_errors
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.shapes import UNKNOWN, Traced, abstract, abstract_values
 from daskdag.rules.registry import has_rules, linearizer
 from daskdag.rules.seeds import basis
-from daskdag.rules.sparsity import jaxpr_pattern
+from daskdag.rules.sparsity import differentiable, jaxpr_pattern
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -38,16 +37,13 @@ def detect(plan: Plan, values: dict, probed: list | None = None,
     if any(avals[n] is UNKNOWN for n in (*plan.needed, *plan.wrt)):
         concrete = _forward(plan, values)
         avals = {**avals, **{n: abstract(v) for n, v in concrete.items()}}
-    sizes = {n: size(avals[n]) for n in plan.wrt}
-    width = sum(sizes.values())
-    start, depends = 0, {}
-    for name in plan.wrt:  # each wrt name's own elements: a block of the identity
-        depends[name] = sp.eye_array(sizes[name], width, k=start, dtype=np.int64, format="csr")
-        start += sizes[name]
+    starts = np.cumsum([0, *(size(avals[n]) for n in plan.wrt)]).tolist()
+    width = starts[-1]
+    depends = {name: sp.eye_array(b - a, width, k=a, dtype=np.int64, format="csr")
+               for name, a, b in zip(plan.wrt, starts, starts[1:])}  # (a block of the identity)
     for n in plan.needed:
         node = spec.nodes[n]
-        rows = size(avals[n])
-        total = sp.csr_array((rows, width), dtype=np.int64)
+        total = sp.csr_array((size(avals[n]), width), dtype=np.int64)
         active = tuple(d in depends for d in node.deps)
         if any(active):
             for pattern, d in zip(_node_pattern(n, node, avals, concrete, values, active,
@@ -78,10 +74,7 @@ def _untraced(*args):
 
 def size(aval) -> int:
     """The elements of a value's differentiable leaves (a concrete value's, or its shapes')."""
-    return sum(int(np.prod(a.shape)) if isinstance(a, jax.ShapeDtypeStruct) else int(np.size(a))
-               for a in jax.tree.leaves(aval)
-               if (jnp.issubdtype(a.dtype, jnp.inexact) if isinstance(a, jax.ShapeDtypeStruct)
-                   else is_differentiable(a)))
+    return sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(aval) if differentiable(a))
 
 
 def _node_pattern(name, node, avals, concrete, values, active, probed: list | None) -> list:
@@ -136,17 +129,12 @@ def _jacobian(name, node, args, active) -> list:
         primal, pullback = linearizer(node)(args, active)
     if primal is None:
         raise DAGError(f"node {name!r} returned None")
-    rows = basis(name, primal)
-    n = sum(int(np.size(leaf)) for leaf in differentiable_leaves(primal))
+    rows, n = basis(name, primal), size(primal)
     with node_errors(name, "backward"):
         per_row = [pullback(tuple(leaf[r] for leaf in rows), args) for r in range(n)]
-    out: list = []
-    for j, on in enumerate(active):
-        if not on:
-            out.append(None)
-            continue
-        width = sum(int(np.size(leaf)) for leaf in differentiable_leaves(args[j]))
-        out.append(np.array([np.concatenate([np.ravel(np.asarray(c)) for c in row[j]])
-                             if row[j] is not None and len(row[j]) else np.zeros(width)
-                             for row in per_row]).reshape(n, width))
-    return out
+
+    def block(j: int) -> np.ndarray:
+        return np.array([np.concatenate([np.ravel(np.asarray(c)) for c in row[j]])
+                         if row[j] is not None and len(row[j]) else np.zeros(size(args[j]))
+                         for row in per_row]).reshape(n, size(args[j]))
+    return [block(j) if on else None for j, on in enumerate(active)]

@@ -27,7 +27,7 @@ from daskdag.graph.assembly import Intake, TaskGraph, key
 from daskdag.graph.compiled import TRACED, rebuild, replay, split
 from daskdag.graph.run import Fused, identity, placed
 from daskdag.graph.stages import Stage
-from daskdag.model.leaves import is_differentiable
+from daskdag.model.leaves import is_array, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
 from daskdag.rules.seeds import basis, basis_rows, seed
@@ -102,6 +102,8 @@ class WholeGradients:
         ``then``: a function of those results, jittable and hashable, run in the same
         program (one compiled per ``then``); its results are the call's."""
         deps = {d: values[d] for d in self.stage.deps}
+        if self.stage.device is None and all(map(is_array, jax.tree.leaves(deps))):
+            return self.program(then)(deps, cotangents)  # (the common call, at once)
         parts = split(tuple(deps.values()), self.active)
         if parts is None:
             return None
@@ -164,16 +166,32 @@ class Entry:
     """A warm call in this process, start to end: its input ``x``, as given, taken apart as
     the call's first one was (``inputs``, the DAG's free inputs, and ``keyed``: a single one's
     value given under its name), the whole program run (:meth:`WholeGradients.program`) with
-    the outputs' ``cotangents``, and ``finish`` of what it returns."""
+    the outputs' ``cotangents``, and ``finish`` of what it returns: the results as the caller
+    gets them, with ``info``, the call's :class:`~daskdag.running.jobs.CallInfo`;
+    ``rearranges``: ``finish`` only rearranges what the program returns, and the first call
+    learns how (:func:`rearranged`). ``like``: the first call's input; :meth:`takes` tells an
+    input of the same signature at a glance."""
 
-    __slots__ = ("run", "deps", "single", "keyed", "cotangents", "finish")
+    __slots__ = ("run", "deps", "single", "keyed", "cotangents", "finish", "info", "_finish",
+                 "_like")
 
     def __init__(self, whole: WholeGradients, then: Callable[[dict], Any] | None,
                  inputs: tuple[str, ...], keyed: bool, cotangents: dict,
-                 finish: Callable[[dict], Any]):
+                 finish: Callable[[dict], Any], info: Any, rearranges: bool, like: Any):
         self.run, self.deps = whole.program(then), whole.stage.deps
         self.single = inputs[0] if len(inputs) == 1 else None
-        self.keyed, self.cotangents, self.finish = keyed, cotangents, finish
+        self.keyed, self.cotangents, self.info = keyed, cotangents, info
+        self._finish = finish
+        self.finish = self._learn if rearranges else finish
+        self._like = (type(like), like.shape, like.dtype, like.weak_type) \
+            if self.single is not None and not keyed and isinstance(like, jax.Array) else None
+
+    def takes(self, x: Any) -> bool:
+        """Whether ``x`` is, at a glance, an input of the signature this entry was made for (a
+        single array of the same type, shape, dtype and weak type); False: look it up."""
+        like = self._like
+        return like is not None and type(x) is like[0] and x.shape == like[1] and \
+            x.dtype == like[2] and x.weak_type == like[3]
 
     def __call__(self, x: Any) -> Any:
         if self.single is None or self.keyed:
@@ -181,6 +199,57 @@ class Entry:
         else:
             deps = {self.single: x} if self.deps else {}
         return self.finish(self.run(deps, self.cotangents))
+
+    def _learn(self, computed: Any) -> Any:
+        """The first call's finish, which learns the next calls' (:func:`rearranged`)."""
+        self.finish = rearranged(self._finish, computed) or self._finish
+        return self._finish(computed)
+
+
+class _Mark:
+    """A leaf of a program's results, by where it is among them (:func:`rearranged`)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: str):
+        self.at = at
+
+
+def rearranged(finish: Callable[[Any], Any], computed: Any) -> Callable[[Any], Any] | None:
+    """``finish`` (which only rearranges the leaves of what a program returns: it reads no
+    value) as one expression that picks ``computed``'s leaves into the dicts, tuples and lists
+    it returns, learnt from ``computed``; None where it returns anything else, or ``computed``
+    is not such (then ``finish`` itself)."""
+    paths, tree = jax.tree_util.tree_flatten_with_path(computed)
+    try:
+        at = ["c" + "".join(f"[{_literal(getattr(k, 'key', getattr(k, 'idx', None)))}]"
+                            for k in path) for path, _ in paths]
+        out = finish(tree.unflatten(map(_Mark, at)))
+        source = f"lambda c: {_expression(out)}"
+    except Exception:  # (it reads a value after all, or builds what is not plain)
+        return None
+    return eval(source, {})
+
+
+def _literal(key: Any) -> str:
+    if type(key) not in (str, int):
+        raise TypeError(f"not a plain key: {key!r}")
+    return repr(key)
+
+
+def _expression(out: Any) -> str:
+    kind = type(out)
+    if kind is _Mark:
+        return out.at
+    if out is None:
+        return "None"
+    if kind is dict:
+        return "{" + ", ".join(f"{_literal(k)}: {_expression(v)}" for k, v in out.items()) + "}"
+    if kind is tuple:
+        return "(" + "".join(f"{_expression(v)}, " for v in out) + ")"
+    if kind is list:
+        return "[" + ", ".join(_expression(v) for v in out) + "]"
+    raise TypeError(f"not plain: {kind.__name__}")
 
 
 #: Whole programs by what they compute and the identity of the functions they run.

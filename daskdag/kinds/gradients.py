@@ -64,6 +64,7 @@ class Gradients(Derivative):
     call = "compute_grads"
     sweep_call = "sweep_grads"
     call_mode = "rev"
+    rearranges = True
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)

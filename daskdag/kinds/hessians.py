@@ -12,13 +12,13 @@ from typing import Any
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for
-from daskdag.rules.lifted import OnTangent
+from daskdag.model.request import cotangents_for, one_input
+from daskdag.rules.lifted import Lift, OnTangent
 from daskdag.rules.registry import has_rules
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Lowered
 from daskdag.kinds.gradients import Gradients, per_output
-from daskdag.kinds.tangents import is_lifted, lifted, paired, unpaired
+from daskdag.kinds.tangents import lifted, paired, unpaired
 from daskdag.transport.protocol import travels, tree_size
 
 
@@ -56,6 +56,7 @@ class HVPs(Gradients):
     call = "compute_hvps"
     sweep_call = "sweep_hvps"
     call_mode = "rev-over-fwd"
+    takes_data = True
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         plan = super().lower(spec, outputs, values, data, candidates, watch).plan
@@ -71,18 +72,17 @@ class HVPs(Gradients):
 
     def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
         cts = cotangents_for(lowered.plan.outputs, self.cotangents)
-        seeds = {o: OnTangent(cts.get(o)) if is_lifted(lowered.plan.spec, o) else cts.get(o)
-                 for o in lowered.plan.outputs}
+        seeds = {o: OnTangent(cts.get(o)) if isinstance(lowered.plan.spec.nodes[o].fn, Lift)
+                 else cts.get(o) for o in lowered.plan.outputs}  # (where a tangent reaches it)
         return paired(lowered, values, data[0]), seeds
 
     def finish(self, lowered, info, computed, failed=None) -> Any:
-        inputs = list(lowered.spec.inputs)
         results = {}
         for o, (value, pairs) in computed.items():
             hvp = {i: g.primal for i, g in pairs.items()}
             grad = {i: on_differentiable(g.primal, g.tangent) for i, g in pairs.items()}
-            if list(pairs) == inputs == inputs[:1]:  # (one free input: its arrays alone)
-                hvp, grad = hvp[inputs[0]], grad[inputs[0]]
+            if one_input(lowered.spec, pairs):  # (its arrays alone)
+                hvp, grad = hvp[lowered.spec.inputs[0]], grad[lowered.spec.inputs[0]]
             value, tangent = unpaired(value, None)
             results[o] = HVPResult(value, grad, hvp, tangent, info, failed or {})
         return per_output(self.outputs, results)

@@ -5,7 +5,6 @@ layout, or is ``scipy.sparse``; from a sweep, each item's stacked.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -18,10 +17,10 @@ from daskdag.errors import DAGError
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.jacobian_layout import (dense_jacobian, dense_jacobian_of_columns, flat_rows,
-                                           float_type, jacrev_layout, joined, laid_out,
-                                           row_template)
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
+from daskdag.model.jacobian_layout import (dense_jacobian_of_columns, flat_rows, float_type,
+                                           jacrev_layout, joined, laid_out, row_template,
+                                           stacked_rows)
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_array, is_differentiable
 from daskdag.model.patterns import Colours, pattern_key, user_patterns
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import (check_chunk_size, nodes_in_wrt, one_input, parsed,
@@ -88,7 +87,11 @@ class Jacobian(Derivative):
             patterns = detected_patterns(plan, values, watch, traces)
             source = "probed" if watch.refused else "detected"
         elif self.sparsity is not None:
-            patterns = _given_patterns(plan, values, self.sparsity, self.outputs, traces)
+            avals = shapes(plan, values, traces)
+            patterns = user_patterns(  # (checked against the elements known before it runs)
+                plan, {i: size(values[i]) for i in plan.wrt if i in values},
+                {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN},
+                self.sparsity, self.outputs)
             source = "given"
         colours = Colours(patterns)
         # "auto" takes its mode from the nodes' traces, so it watches them first.
@@ -103,19 +106,15 @@ class Jacobian(Derivative):
             return Lowered(plan, tuple(values), spec, plan.wrt, rows=rows,
                             extra=Layout(plan, mode, mode_why, colours, source),
                             tail=_dense(plan, mode, patterns, self.sparse, ()))
-        templates = _templates(plan, values)
-        dtype = jnp.result_type(*(leaf for t in templates.values() for leaf in jax.tree.leaves(t)))
-        seeds = (np.eye(sum(size(t) for t in templates.values()), dtype=dtype)
-                 if patterns is None else colouring.seeds(colours.columns, dtype))
-        k, start, tangents = len(seeds), 0, {}
-        for i in plan.wrt:
-            leaves = []
-            for leaf in jax.tree.leaves(templates[i]):
-                width = int(np.prod(leaf.shape))
-                leaves.append(np.asarray(seeds[:, start:start + width].reshape(k, *leaf.shape),
-                                         leaf.dtype))
-                start += width
-            tangents[i] = tuple(leaves)
+        templates = {i: jax.tree.map(  # (each differentiable leaf's shape and dtype, else None)
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+            if is_differentiable(a) else None, values[i]) for i in plan.wrt}
+        dtype = jnp.result_type(*jax.tree.leaves(templates))
+        seeds = (np.eye(size(templates), dtype=dtype) if patterns is None
+                 else colouring.seeds(colours.columns, dtype))
+        k = len(seeds)
+        tangents = {i: tuple(jax.tree.leaves(t)) for i, t in zip(plan.wrt, stacked_rows(
+            seeds, tuple(templates[i] for i in plan.wrt)))}
         lifted_spec, where = lifted(spec, outputs, plan.wrt, True, self.chunk_size)
         flat = (jax.tree.flatten(templates[i], is_leaf=lambda t: t is None) for i in plan.wrt)
         return Lowered(make_plan(lifted_spec, outputs, ()), where.given(values), spec, plan.wrt,
@@ -141,8 +140,10 @@ class Jacobian(Derivative):
 
     def finish(self, lowered, info, computed, failed=None) -> Any:
         layout = lowered.extra
+        results = _reverse_results if layout.mode == "rev" else _forward_results
         if failed is None and lowered.tail is not None and computed and \
-                not isinstance(next(iter(computed.values())), Laid) and _arrays(computed):
+                not isinstance(next(iter(computed.values())), Laid) and \
+                all(map(is_array, jax.tree.leaves(computed))):
             computed = _laid(lowered.tail, computed)  # (where the passes' program did not)
         if computed and all(isinstance(c, Laid) for c in computed.values()):
             info = replace(info, passes=layout.directions if layout.mode == "fwd" else
@@ -158,23 +159,17 @@ class Jacobian(Derivative):
                 raise DAGError("a sweep over dask arrays gives dense Jacobians only: a sparsity "
                                "pattern's colours are recovered item by item, in memory; sweep "
                                "NumPy or JAX items, or give no sparsity", argument="sparsity")
-            items = [self._results(layout, info, jax.tree.map(lambda a, i=i: a[i], computed))
+            items = [results(layout, self.sparse, info, jax.tree.map(lambda a, i=i: a[i], computed))
                      for i in range(_items(computed))]  # (each item's, then stacked)
             return per_output(self.outputs, {o: replace(items[0][o], failed=failed, **{
                 f: jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
                 for f in ("value", "grad")}) for o in computed})
         unknown = {o: Result(None, None, failed or {}, info)  # (no item gave one, nor a trace)
                    for o, (value, _) in computed.items() if value is None}
-        results = self._results(layout, info, {o: c for o, c in computed.items()
-                                               if o not in unknown}, failed is not None)
+        known = results(layout, self.sparse, info, {o: c for o, c in computed.items()
+                                                    if o not in unknown}, failed is not None)
         return per_output(self.outputs, {**unknown, **{o: replace(r, failed=failed or {})
-                                                       for o, r in results.items()}})
-
-    def _results(self, layout: Layout, info: CallInfo, computed: dict, items: bool = False
-                 ) -> dict:
-        """``{output: Result}`` from the passes' ``computed`` (``items``: a sweep's)."""
-        results = _reverse_results if layout.mode == "rev" else _forward_results
-        return results(layout, self.sparse, info, computed, items)
+                                                       for o, r in known.items()}})
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["value", "jacobian"], meta_fields=[])
@@ -201,7 +196,8 @@ class Dense:
         out = {}
         for o, (value, per_name) in computed.items():
             if self.mode == "rev":
-                out[o] = Laid(value, dense_jacobian(self.names, self.single, value, per_name))
+                out[o] = Laid(value, joined(value, {i: jacrev_layout(value, per_name[i])
+                                                    for i in self.names}, self.single))
             else:
                 primal = getattr(value, "primal", value)
                 _real(o, primal)
@@ -219,9 +215,8 @@ def _laid(tail: Dense, computed: dict) -> dict:
 def _dense(plan: Plan, mode: str, patterns: Any, sparse: bool, templates: tuple
            ) -> Dense | None:
     """The call's :class:`Dense` tail, where its Jacobians are dense (``jax.jacrev``'s layout)."""
-    if patterns is not None or sparse:
-        return None
-    return Dense(mode, plan.wrt, one_input(plan.spec, dict.fromkeys(plan.wrt)), templates)
+    return None if patterns is not None or sparse else Dense(
+        mode, plan.wrt, one_input(plan.spec, dict.fromkeys(plan.wrt)), templates)
 
 
 def _real(output: str, value: PyTree) -> None:
@@ -252,14 +247,14 @@ def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     for o, (value, per_name) in computed.items():
         if patterns is None and not sparse:
             jacs = {i: jacrev_layout(value, r, items) for i, r in per_name.items()}
-            results[o] = Result(value, joined(plan, value, jacs), info=info)
+            results[o] = Result(value, joined(value, jacs, one_input(plan.spec, jacs)), info=info)
             continue
         flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
         full = (sp.csr_array(flat) if patterns is None else
                 colouring.from_rows(patterns[o], layout.colours.rows[o], flat,
                                     dense=not sparse))
-        results[o] = _result(plan, value, full, {i: row_template(r) for i, r in
-                                                 per_name.items()}, sparse, info)
+        templates = {i: row_template(r) for i, r in per_name.items()}
+        results[o] = Result(value, laid_out(plan, value, full, templates, sparse), info=info)
     return results
 
 
@@ -288,20 +283,9 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
                                f"{passes.shape[1]} elements", argument="sparsity")
             full = colouring.from_columns(patterns[o], layout.colours.columns, passes,
                                           dense=not sparse)
-        results[o] = _result(plan, value, full, layout.templates or {}, sparse, info, items)
+        results[o] = Result(value, laid_out(plan, value, full, layout.templates or {}, sparse,
+                                            items), info=info)
     return results
-
-
-def _arrays(*trees: PyTree) -> bool:
-    """Every leaf an array: what a program of its own lays out (:class:`Dense`)."""
-    return all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in jax.tree.leaves(trees))
-
-
-def _result(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
-            info: CallInfo, items: bool = False) -> Result:
-    """One output's ``Result`` from its Jacobian over every wrt name's elements."""
-    widths = {i: size(t) for i, t in templates.items()}
-    return Result(value, laid_out(plan, value, full, templates, widths, sparse, items), info=info)
 
 
 # -- sparsity patterns ---------------------------------------------------------------------------
@@ -334,15 +318,6 @@ def detected_patterns(plan: Plan, values: dict, watch: programs.Watch,
 
 
 # -- the mode ------------------------------------------------------------------------------------
-
-def _given_patterns(plan: Plan, values: dict, sparsity: Any, outputs: str | Sequence[str],
-                    traces: dict[str, Traced] | None = None) -> dict[str, sp.csr_array]:
-    """The patterns the user gave, checked against the inputs' and outputs' elements."""
-    widths = {i: size(values[i]) for i in plan.wrt if i in values}
-    avals = shapes(plan, values, traces)
-    elements = {o: size(avals[o]) for o in plan.outputs if avals.get(o, UNKNOWN) is not UNKNOWN}
-    return user_patterns(plan, widths, elements, sparsity, outputs)
-
 
 def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
           traces: dict[str, Traced] | None) -> tuple[str, str]:
@@ -381,14 +356,12 @@ def _mode(plan: Plan, values: dict, mode: str, colours: Colours,
     other = "rev" if taken == "fwd" else "fwd"
     against = closed[other] or (why_not(other) if taken != order[0] else [])
     if against:
-        because = (f"the only mode that can serve this call: {MODE_NAMES[other]} mode cannot: "
+        because = ("the only mode that can serve this call: "
+                   f"{'forward' if other == 'fwd' else 'reverse'} mode cannot: "
                    + "; ".join(against))
     if colours.patterns is not None:
         colours.used = "columns" if taken == "fwd" else "rows"
     return taken, because
-
-
-MODE_NAMES = {"fwd": "forward", "rev": "reverse"}
 
 
 def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
@@ -396,24 +369,19 @@ def _preferred(plan: Plan, values: dict, colours: Colours, avals: dict | None
     """The mode with fewer passes (per colour, else element), forward on a tie, and why."""
     if colours.patterns is not None:
         rev = sum(colouring.count(c) for c in colours.rows.values())
-        fwd = colouring.count(colours.columns)
-        return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "colours of columns",
-                                                      "colours of rows")
-    avals = shapes(plan, values) if avals is None else avals
-    if any(avals[o] is UNKNOWN for o in plan.outputs):
-        unknown = [n for n in plan.needed if avals[n] is UNKNOWN
-                   and all(avals[d] is not UNKNOWN for d in plan.spec.nodes[n].deps)]
-        return "rev", (f"reverse when the outputs' elements cannot be counted: node(s) {unknown} "
-                       f"cannot be traced on shapes")
-    rev = sum(size(avals[o]) for o in plan.outputs)
-    fwd = sum(size(values[i]) for i in plan.wrt)
-    return "fwd" if fwd <= rev else "rev", _fewer(fwd, rev, "input elements", "output elements")
-
-
-def _fewer(fwd: int, rev: int, columns: str, rows: str) -> str:
-    """Why auto took the mode with fewer passes: ``fwd`` passes against ``rev``."""
-    counts = f"{fwd} passes forward ({columns}) against {rev} reverse ({rows})"
-    return f"forward on a tie: {counts}" if fwd == rev else f"fewer passes: {counts}"
+        fwd, units = colouring.count(colours.columns), ("colours of columns", "colours of rows")
+    else:
+        avals = shapes(plan, values) if avals is None else avals
+        if any(avals[o] is UNKNOWN for o in plan.outputs):
+            unknown = [n for n in plan.needed if avals[n] is UNKNOWN
+                       and all(avals[d] is not UNKNOWN for d in plan.spec.nodes[n].deps)]
+            return "rev", (f"reverse when the outputs' elements cannot be counted: node(s) "
+                           f"{unknown} cannot be traced on shapes")
+        rev = sum(size(avals[o]) for o in plan.outputs)
+        fwd, units = sum(size(values[i]) for i in plan.wrt), ("input elements", "output elements")
+    counts = f"{fwd} passes forward ({units[0]}) against {rev} reverse ({units[1]})"
+    why = f"forward on a tie: {counts}" if fwd == rev else f"fewer passes: {counts}"
+    return "fwd" if fwd <= rev else "rev", why
 
 
 def _explicitly(plan: Plan) -> list[str]:
@@ -437,8 +405,3 @@ def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
             missing[n] = f"node {n!r} {why}"
     return [missing[n] for n in plan.needed if n in missing]
 
-
-def _templates(plan: Plan, values: dict) -> dict:
-    """Per wrt input, its differentiable leaves' shapes and dtypes (``None`` elsewhere)."""
-    return {i: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-                            if is_differentiable(a) else None, values[i]) for i in plan.wrt}

@@ -1,9 +1,9 @@
 """Jacobian-vector products (the lifted DAG's forward pass), and what every kind that pushes
-tangents shares: where they enter (:func:`carriers`), a call's inputs as pairs (:func:`paired`)."""
+tangents shares: where they enter (:func:`lifted`), a call's inputs as pairs (:func:`paired`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
 from daskdag.model.request import input_tangents, with_rules, wrt_names
 from daskdag.model.spec import Spec
-from daskdag.rules.lifted import Lift, Pair, lift, zeros
+from daskdag.rules.lifted import Pair, lift, zeros
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered
 from daskdag.kinds.gradients import per_output
@@ -59,8 +59,11 @@ class Carriers:
         return (*values, *self.added.values())
 
 
-def carriers(spec: Spec, wrt: Sequence[str]) -> Carriers:
-    """Where the tangents of ``wrt`` (inputs and nodes) enter a lifted DAG."""
+def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], directions: bool = False,
+           chunk: int | None = None) -> tuple[Spec, Carriers]:
+    """``spec`` lifted for tangents entering at ``wrt`` (inputs and nodes; the nodes they reach
+    checked), and where they enter."""
+    with_rules(make_plan(spec, outputs, wrt), forward=True)
     taken = set(spec.nodes) | set(spec.inputs)
     added = {}
     for n in (w for w in wrt if w in spec.nodes):
@@ -69,15 +72,8 @@ def carriers(spec: Spec, wrt: Sequence[str]) -> Carriers:
             name += "'"
         taken.add(name)
         added[n] = name
-    return Carriers(tuple(w for w in wrt if w not in spec.nodes), added)
-
-
-def lifted(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...], directions: bool = False,
-           chunk: int | None = None) -> tuple[Spec, Carriers]:
-    """``spec`` lifted for tangents entering at ``wrt`` (the nodes they reach checked)."""
-    with_rules(make_plan(spec, outputs, wrt), forward=True)
-    where = carriers(spec, wrt)
-    return lift(spec, set(where.inputs), where.added, directions, chunk), where
+    where = Carriers(tuple(w for w in wrt if w not in spec.nodes), added)
+    return lift(spec, set(where.inputs), added, directions, chunk), where
 
 
 def paired(lowered: Lowered, values: dict, tangents: Any, directions: bool = False) -> dict:
@@ -113,6 +109,7 @@ class JVPs(Derivative):
     call = "compute_jvps"
     sweep_call = "sweep_jvps"
     call_mode = "fwd"
+    takes_data = True
 
     def options(self, data: tuple) -> tuple:
         (tangents,) = data
@@ -162,8 +159,3 @@ def unpaired(value: Any, k: int | None) -> tuple[Any, Any]:
     if isinstance(value, Pair):
         return value.primal, on_differentiable(value.primal, value.tangent)
     return value, on_differentiable(value, zeros(value, k))
-
-
-def is_lifted(spec: Spec, name: str) -> bool:
-    """Node ``name`` of a lifted spec pushes a tangent."""
-    return isinstance(spec.nodes[name].fn, Lift)

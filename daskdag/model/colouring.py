@@ -34,10 +34,7 @@ def colour_rows(pattern: sp.csr_array) -> np.ndarray:
     csr.sort_indices()
     digest = hashlib.sha1(np.asarray(csr.shape).tobytes() + csr.indptr.tobytes()
                           + csr.indices.tobytes()).hexdigest()
-    found = _coloured.get(digest)
-    if found is None:
-        found = _coloured.put(digest, _greedy(csr))
-    return found.copy()
+    return _coloured.setdefault(digest, lambda: _greedy(csr)).copy()
 
 
 _coloured: Cache[np.ndarray] = Cache("colourings of sparsity patterns", 64)
@@ -90,8 +87,5 @@ def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
 
 def _filled(coo, data: np.ndarray, dense: bool) -> sp.csr_array | np.ndarray:
     import scipy.sparse as sp
-    if not dense:
-        return sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
-    out = np.zeros(coo.shape, data.dtype)
-    out[coo.row, coo.col] = data
-    return out
+    csr = sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+    return csr.toarray() if dense else csr

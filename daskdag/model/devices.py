@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -101,14 +100,9 @@ def check(nodes: dict) -> None:
             resolve(node.device, name)
 
 
-@contextlib.contextmanager
-def on(device: str | None, node: str = "") -> Iterator[None]:
+def on(device: str | None, node: str = "") -> contextlib.AbstractContextManager:
     """Eager JAX ops in this context run on ``device`` (None: wherever JAX puts them)."""
-    if device is None:
-        yield
-        return
-    with jax.default_device(resolve(device, node)):
-        yield
+    return contextlib.nullcontext() if device is None else jax.default_device(resolve(device, node))
 
 
 def put(values: Any, device: str | None, node: str = "") -> Any:

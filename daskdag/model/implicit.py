@@ -1,11 +1,9 @@
 """Implicit nodes (:class:`Implicit`: ``u`` solving ``residual(u, *deps) = 0``) and coupled
 groups (:func:`coupled`: nodes that depend on each other, solved together).
 
-A node's function is a :class:`Solve`: ``jax.lax.custom_root`` of the residual, solved by Newton's
-method (or the user's solver) and differentiated by the implicit function theorem, one linear
-solve with the residual's Jacobian in ``u``, never through the iterations; JAX derives every
-other derivative kind and ``vmap`` from that rule. The linear solves are dense up to
-:data:`DENSE_UNKNOWNS` unknowns, else GMRES on Jacobian-vector products.
+A node's function is a :class:`Solve`: ``jax.lax.custom_root`` of the residual, from whose
+implicit-function rule JAX derives every derivative kind and ``vmap``. The linear solves are dense
+up to :data:`DENSE_UNKNOWNS` unknowns, else GMRES on Jacobian-vector products.
 
 A solve that misses its tolerance raises :class:`~daskdag.errors.SolveError`. Each solve run on
 values is recorded for the call's ``info.solves``: into the call's record in this process
@@ -113,7 +111,8 @@ def coupled(nodes: Mapping[str, Any], guess: Mapping[str, Any], *,
             name: str | None = None, **options: Any) -> dict:
     """DAG entries for nodes that depend on each other (a cycle: discipline 1 needs ``y2``,
     discipline 2 needs ``y1``), solved together as one implicit node: its unknowns are the
-    nodes' values, its residual ``y_i - f_i(...)`` for each node ``i``.
+    nodes' values, its residual ``y_i - f_i(...)`` for each node ``i``. ``linear_solver``,
+    ``rtol``, ``atol`` and ``maxiter`` are as [`Implicit`][daskdag.Implicit]'s.
 
     Args:
         nodes: ``{name: (fn, [deps])}``, as in a DAG; a dep may name another node of the group
@@ -123,10 +122,6 @@ def coupled(nodes: Mapping[str, Any], guess: Mapping[str, Any], *,
             ``"gauss-seidel"`` (nonlinear block Gauss-Seidel: each node evaluated in turn on the
             newest values, until the residual meets the tolerances; its derivatives are the
             same linear solves), or a callable, as [`Implicit`][daskdag.Implicit]'s.
-        linear_solver: as [`Implicit`][daskdag.Implicit]'s.
-        rtol: as [`Implicit`][daskdag.Implicit]'s.
-        atol: as [`Implicit`][daskdag.Implicit]'s.
-        maxiter: as [`Implicit`][daskdag.Implicit]'s.
         name: the group's own node, whose value is ``{name: value}`` of its nodes (default
             ``"cycle(y1,y2)"``, its nodes' names): errors and ``info.solves`` name it.
         **options: ``jit``, ``vmap``, ``device``, ``resources``, ``remat``, as
@@ -241,7 +236,10 @@ class Solve:
         flat, _ = ravel_pytree(guess)
         default = 1e-10 if jnp.finfo(flat.dtype).bits > 32 else 1e-5
         rtol, atol = (default if t is None else t for t in (self.rtol, self.atol))
-        linear = _linear(self.linear, flat.size)
+        linear = self.linear  # (x with g(x) = y, for the linear map g: solve(g, y) -> x)
+        if not callable(linear):
+            dense = linear == "dense" or (linear == "auto" and flat.size <= DENSE_UNKNOWNS)
+            linear = _dense if dense else _gmres
 
         def f(u):
             return self.residual(u, *args)
@@ -335,15 +333,6 @@ def _iterate(f, u0, rtol, atol, maxiter, linear, iterate=None):
     return u, (jnp.asarray(i, norm.dtype), norm, jnp.asarray(tol, norm.dtype))
 
 
-def _linear(how, unknowns: int) -> Callable:
-    """``solve(g, y)``: ``x`` with ``g(x) = y``, for the linear map ``g`` (pytrees like ``y``)."""
-    if callable(how):
-        return how
-    if how == "dense" or (how == "auto" and unknowns <= DENSE_UNKNOWNS):
-        return _dense
-    return _gmres
-
-
 def _dense(g, y):
     flat, unravel = ravel_pytree(y)
     matrix = jax.jacfwd(lambda v: ravel_pytree(g(unravel(v)))[0])(jnp.zeros_like(flat))
@@ -352,14 +341,11 @@ def _dense(g, y):
 
 def _gmres(g, y):
     def solve(matvec, b):
-        return jax.scipy.sparse.linalg.gmres(matvec, b, tol=1e-12 if _wide(b) else 1e-7,
-                                             restart=50, maxiter=20)[0]
+        wide = any(jnp.finfo(leaf.dtype).bits > 32 for leaf in jax.tree.leaves(b))
+        return jax.scipy.sparse.linalg.gmres(matvec, b, tol=1e-12 if wide else 1e-7, restart=50,
+                                             maxiter=20)[0]
 
     return jax.lax.custom_linear_solve(g, y, solve, transpose_solve=solve)
-
-
-def _wide(tree) -> bool:
-    return any(jnp.finfo(leaf.dtype).bits > 32 for leaf in jax.tree.leaves(tree))
 
 
 def _check(name: str, entry: Implicit) -> None:

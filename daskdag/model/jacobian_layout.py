@@ -49,21 +49,26 @@ def _spans(widths) -> list[slice]:
     return [slice(a, b) for a, b in zip(ends, ends[1:])]
 
 
-def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, widths: dict[str, int],
-             sparse: bool, items: bool = False) -> PyTree:
-    """One output's Jacobian ``full`` (over every wrt name's elements; ``widths``: each name's
-    elements, ``templates``: its leaves' shapes and dtypes) as its result's ``grad``:
-    ``scipy.sparse`` per name, or ``jax.jacrev``'s layout. ``items``: a sweep's, dense, with a
-    leading axis of items (NumPy or dask arrays)."""
+def _width(template: PyTree) -> int:
+    """The elements of a name's leaves (its :func:`row_template`'s, ``None`` aside)."""
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(template))
+
+
+def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
+             items: bool = False) -> PyTree:
+    """One output's Jacobian ``full`` (over every wrt name's elements; ``templates``: each
+    name's leaves' shapes and dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or
+    ``jax.jacrev``'s layout. ``items``: a sweep's, dense, with a leading axis of items (NumPy
+    or dask arrays)."""
     import scipy.sparse as sp
+    widths = {i: _width(templates[i]) for i in plan.wrt}
     if sparse:
         parts = split_columns(sp.csr_array(full), plan.wrt, widths)
         return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
     dense = full if items else full.toarray() if sp.issparse(full) else np.asarray(full)
-    spans = _spans(widths[i] for i in plan.wrt)
     jacs = {i: jacrev_layout(value, stacked_rows(dense[..., s], templates[i]), items)
-            for i, s in zip(plan.wrt, spans)}
-    return joined(plan, value, jacs)
+            for i, s in zip(plan.wrt, _spans(widths.values()))}
+    return joined(value, jacs, one_input(plan.spec, jacs))
 
 
 def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:
@@ -78,14 +83,12 @@ def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:
         for leaf, s in zip(leaves, spans)])
 
 
-def joined(plan: Plan, value: PyTree, jacs: dict) -> PyTree:
-    """One name's Jacobian alone when the DAG has one free input and it is all that was
-    differentiated, else the output's structure of ``{name: ...}``."""
-    return jacs[plan.wrt[0]] if one_input(plan.spec, jacs) else by_output(value, jacs)
-
-
-def by_output(value: PyTree, jacs: dict) -> PyTree:
-    """``{input: output structure of jac}`` as the output's structure of ``{input: jac}``."""
+def joined(value: PyTree, jacs: dict, single: bool) -> PyTree:
+    """Each name's Jacobian (``jacs``) as a result's: the one name's alone where ``single``
+    (:func:`~daskdag.model.request.one_input`), else the output's structure of
+    ``{name: ...}``."""
+    if single:
+        return next(iter(jacs.values()))
     out_def = jax.tree.structure(value)
     parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
     return out_def.unflatten([None if all(p[k] is None for p in parts.values())
@@ -93,29 +96,21 @@ def by_output(value: PyTree, jacs: dict) -> PyTree:
                               for k in range(out_def.num_leaves)])
 
 
-def dense_jacobian(names: tuple[str, ...], single: bool, value: PyTree, rows: dict) -> PyTree:
-    """:func:`joined` of :func:`jacrev_layout` of each name's ``rows``, traced by JAX
-    (``single``: :func:`~daskdag.model.request.one_input`)."""
-    jacs = {i: jacrev_layout(value, rows[i]) for i in names}
-    return jacs[names[0]] if single else by_output(value, jacs)
-
-
 def dense_jacobian_of_columns(names: tuple[str, ...], single: bool, templates: tuple,
                               value: PyTree, columns: tuple) -> PyTree:
-    """:func:`dense_jacobian` of a forward pass's ``columns`` (its tangent's leaves, each
-    ``(inputs' elements, *leaf shape)``); ``templates``: each name's :func:`row_template`,
-    flattened (``(treedef, leaves)``)."""
-    widths = [sum(int(np.prod(leaf.shape)) for leaf in leaves if leaf is not None)
-              for _, leaves in templates]
+    """:func:`joined` Jacobians of a forward pass's ``columns`` (its tangent's leaves, each
+    ``(inputs' elements, *leaf shape)``), traced by JAX; ``templates``: each name's
+    :func:`row_template`, flattened (``(treedef, leaves)``)."""
+    widths = [_width(leaves) for _, leaves in templates]
     if columns:
         full = jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
     else:  # (no tangent reached the output: it reads none of the inputs, or has no float leaf)
         leaves = differentiable_leaves(value)
         full = jnp.zeros((sum(int(np.prod(np.shape(leaf))) for leaf in leaves), sum(widths)),
                          float_type(value))
-    rows = {i: stacked_rows(full[:, s], treedef.unflatten(leaves))
+    jacs = {i: jacrev_layout(value, stacked_rows(full[:, s], treedef.unflatten(leaves)))
             for i, (treedef, leaves), s in zip(names, templates, _spans(widths))}
-    return dense_jacobian(names, single, value, rows)
+    return joined(value, jacs, single)
 
 
 def to_jax(a: np.ndarray) -> jax.Array:
@@ -128,10 +123,12 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
     """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
     input's structure, each differentiable leaf stacked over the output's elements, ``None``
     elsewhere): JAX arrays, each made once from NumPy slices (each slice in JAX would be an op
-    dispatched). ``items``: a sweep's, with a leading axis of items, kept as they come."""
+    dispatched). ``items``: a sweep's, with a leading axis of items, kept as they come; so are
+    tracers."""
     lead = 1 if items else 0
     in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
-    if not items and not any(isinstance(leaf, jax.core.Tracer) for leaf in in_leaves):
+    made = not items and not any(isinstance(leaf, jax.core.Tracer) for leaf in in_leaves)
+    if made:
         in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
     out_leaves, out_def = jax.tree.flatten(value)
     per_leaf: list = []
@@ -142,13 +139,9 @@ def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
             continue
         shape = tuple(np.shape(leaf))
         n = int(np.prod(shape[lead:]))
-        per_leaf.append(in_def.unflatten([  # (a shape as one tuple: a scalar's is empty)
-            None if r is None else _made(r[(slice(None),) * lead + (slice(start, start + n),)]
-                                         .reshape((*shape, *r.shape[lead + 1:])), items)
-            for r in in_leaves]))
+        blocks = [None if r is None else r[(slice(None),) * lead + (slice(start, start + n),)]
+                  .reshape((*shape, *r.shape[lead + 1:])) for r in in_leaves]
+        per_leaf.append(in_def.unflatten([to_jax(b) if made and b is not None else b
+                                          for b in blocks]))
         start += n
     return out_def.unflatten(per_leaf)
-
-
-def _made(a, items: bool):
-    return a if items or isinstance(a, jax.core.Tracer) else to_jax(a)

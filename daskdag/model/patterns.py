@@ -14,6 +14,7 @@ import numpy as np
 from daskdag.errors import DAGError
 from daskdag.model.colouring import as_pattern, colour_columns, colour_rows, count
 from daskdag.model.plan import Plan
+from daskdag.transport.content import array_digest
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -59,20 +60,15 @@ def pattern_key(sparsity: Any) -> Any:
         return tuple((k, pattern_key(v)) for k, v in sparsity.items())
     if sp.issparse(sparsity):
         csr = sp.csr_array(sparsity)
-        parts: tuple = (csr.indptr, csr.indices, csr.data)
-        shape = csr.shape
+        parts: tuple = (np.asarray(csr.shape), csr.indptr, csr.indices, csr.data)
     else:
         try:
-            dense = np.asarray(sparsity)
+            parts = (np.asarray(sparsity),)
         except Exception:
             return ("object", id(sparsity))
-        if dense.dtype.hasobject:
+        if parts[0].dtype.hasobject:
             return ("object", id(sparsity))
-        parts, shape = (np.ascontiguousarray(dense),), dense.shape
-    digest = hashlib.sha1(repr((shape, [(p.dtype.str, p.shape) for p in parts])).encode())
-    for p in parts:
-        digest.update(np.ascontiguousarray(p).data)
-    return digest.hexdigest()
+    return hashlib.sha256(b"".join(map(array_digest, parts))).hexdigest()
 
 
 def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], sparsity: Any,

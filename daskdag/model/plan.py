@@ -31,8 +31,9 @@ class Plan:
         """The plan cut in two: ``(part, taken, rest)``: the spec of the needed nodes ``first``
         (which take nothing from the others), those of them the others take, and the spec of
         the others, which take the values of ``taken`` as inputs."""
-        first = [n for n in self.needed if n in set(first)]
-        others = [n for n in self.needed if n not in set(first)]
+        chosen = set(first)
+        first = [n for n in self.needed if n in chosen]
+        others = [n for n in self.needed if n not in chosen]
         taken = tuple(n for n in first if any(c in others for c, _ in self.spec.uses.get(n, ())))
         return self.spec.part(first), taken, self.spec.part(others)
 

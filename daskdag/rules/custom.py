@@ -79,16 +79,13 @@ class CustomPullback(Pullback):
     def residual_nbytes(self) -> int:
         return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(self.residuals))
 
-    def __reduce__(self):  # (residuals travel packed, as inputs do)
-        return _received, (self.fn, self.deps, self.active,
-                           pack((self.out_def, self.mask, self.residuals), hashed=False))
+    def __getstate__(self):  # (residuals travel packed, as inputs do)
+        return self.fn, self.deps, self.active, pack((self.out_def, self.mask, self.residuals),
+                                                     hashed=False)
 
-
-def _received(fn, deps, active, packed) -> CustomPullback:
-    pb = CustomPullback.__new__(CustomPullback)
-    pb.fn, pb.deps, pb.active = fn, deps, active
-    pb.out_def, pb.mask, pb.residuals = unpack(packed)
-    return pb
+    def __setstate__(self, state) -> None:
+        self.fn, self.deps, self.active, packed = state
+        self.out_def, self.mask, self.residuals = unpack(packed)
 
 
 def flat_leaves(rule: str, what: str, value, ct, kind: str = "cotangent") -> tuple:

@@ -68,9 +68,8 @@ def _check_node(name: str, node: Node, active: tuple[bool, ...], eps: float | No
             v = [t * size * magnitude(leaf) for t, leaf in zip(unit(rng, dep_leaves), dep_leaves)]
             plus, minus, v = perturbed(inputs[k], v, eps)
             with node_errors(name, "finite-difference"):
-                up = fn(*inputs[:k], plus, *inputs[k + 1:])
-                down = fn(*inputs[:k], minus, *inputs[k + 1:])
-                up, down = _outputs_like(primal, up), _outputs_like(primal, down)
+                up, down = (_outputs_like(primal, fn(*inputs[:k], x, *inputs[k + 1:]))
+                            for x in (plus, minus))
             jv = [(wide(a) - wide(b)) / (2 * eps) for a, b in zip(up, down)]
             fd = inner(jv, u)
             shares = pulled[k] if pulled[k] is not None else [np.zeros_like(t) for t in v]

@@ -22,15 +22,10 @@ NO_JVP = "custom_lin"
 
 
 def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-    """The node's function run once under ``jax.jvp`` (:func:`jvp_leaves`)."""
-    return jvp_leaves(node.callable(), args, tangents, active)
-
-
-def jvp_leaves(fn, args: Sequence[Any], tangents: Sequence[Any], active: tuple[bool, ...]):
-    """``(primal, tangent)``: ``jax.jvp`` of ``fn`` at ``args``, the differentiable leaves of
-    the ``active`` args moving along ``tangents`` (per arg, a flat tuple), the rest held. The
-    tangent is flat over the primal's differentiable leaves."""
-    diff, fn_of_diff, rebuild = of_leaves(fn, args, active)
+    """``(primal, tangent)``: ``jax.jvp`` of the node's function at ``args``, the differentiable
+    leaves of the ``active`` args moving along ``tangents`` (per arg, a flat tuple), the rest
+    held. The tangent is flat over the primal's differentiable leaves."""
+    diff, fn_of_diff, rebuild = of_leaves(node.callable(), args, active)
     tans = [t for on, ts in zip(active, tangents) if on for t in ts]
     primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
     return rebuild(primal_diff, held), tuple(tangent)

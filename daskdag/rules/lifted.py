@@ -61,8 +61,7 @@ class Lift:
         self.chunk, self.added = chunk, added
 
     def __call__(self, *args) -> Pair:
-        extra = args[-1] if self.added else None
-        args = args[:-1] if self.added else args
+        args, extra = (args[:-1], args[-1]) if self.added else (args, None)
         on = tuple(a and isinstance(d, Pair) for a, d in zip(self.active, args))
         primals = [d.primal if o else d for d, o in zip(args, on)]
         if not any(on):

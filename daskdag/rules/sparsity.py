@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from daskdag.model.leaves import is_differentiable, is_numeric
+from daskdag.model.leaves import is_differentiable, is_numeric, partition
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -51,23 +51,13 @@ def _csr(rows, cols, shape) -> sp.csr_array:
     return sp.csr_array((np.ones(len(rows), bool), (rows, cols)), shape=shape)
 
 
-def _broadcast(row: sp.csr_array, rows: int) -> sp.csr_array:
-    """One row (a ``(1, n)`` matrix) repeated ``rows`` times."""
-    import scipy.sparse as sp
-    return sp.csr_array(row[np.zeros(rows, np.intp)]) if rows else _empty(0, row.shape[1])
-
-
-def _union(ds) -> sp.csr_array:
-    n = ds[0].shape[1]
-    cols = np.unique(np.concatenate([d.indices for d in ds] + [np.zeros(0, np.int32)]))
-    return _csr(np.zeros(len(cols), np.intp), cols, (1, n))
-
-
 # Rules: rule(eqn, ops, n) -> one D per output; ops: per operand (D, value or None).
 
 def _fallback(eqn, ops, n):
-    row = _union([d for d, _ in ops]) if ops else _empty(1, n)
-    return [_broadcast(row, _size(v.aval)) for v in eqn.outvars]
+    """Every output element depends on all that any operand depends on."""
+    cols = np.unique(np.concatenate([d.indices for d, _ in ops] + [np.zeros(0, np.int32)]))
+    return [_csr(np.repeat(np.arange(_size(v.aval)), len(cols)), np.tile(cols, _size(v.aval)),
+                 (_size(v.aval), n)) for v in eqn.outvars]
 
 
 def _elementwise(eqn, ops, n):
@@ -264,7 +254,8 @@ def _abstract(leaf):
     return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf), weak_type=weak)
 
 
-def _differentiable(leaf) -> bool:
+def differentiable(leaf) -> bool:
+    """A differentiable leaf (:func:`~daskdag.model.leaves.is_differentiable`), or its shapes."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return _inexact(leaf.dtype)
     return is_differentiable(leaf)
@@ -275,34 +266,29 @@ def jaxpr_pattern(fn, args: Sequence[Any],
     """Per argument, the pattern of ``fn``'s Jacobian in it (None where not ``active``); None
     when ``fn`` cannot be traced with abstract arguments."""
     import scipy.sparse as sp
-    flat = [jax.tree.flatten(a) for a in args]
-    traced = [(i, j) for i, (leaves, _) in enumerate(flat) for j, leaf in enumerate(leaves)
-              if isinstance(leaf, jax.ShapeDtypeStruct) or is_numeric(leaf)]   # others: static
+    parts = [partition(a, lambda leaf: 0 if isinstance(leaf, jax.ShapeDtypeStruct)
+                       or is_numeric(leaf) else 1) for a in args]  # (others: static)
+    traced = [(i, leaf) for i, ((taken, _), _) in enumerate(parts) for leaf in taken]
 
     def flat_fn(*xs):
-        leaves = [list(ls) for ls, _ in flat]
-        for (i, j), x in zip(traced, xs):
-            leaves[i][j] = x
-        return fn(*(jax.tree.unflatten(tree, ls) for ls, (_, tree) in zip(leaves, flat)))
+        it = iter(xs)  # (shared: each argument's combine takes its own in turn)
+        return fn(*(combine(it, rest) for (_, rest), combine in parts))
 
     try:
-        closed = jax.make_jaxpr(flat_fn)(*(_abstract(flat[i][0][j]) for i, j in traced))
+        closed = jax.make_jaxpr(flat_fn)(*(_abstract(leaf) for _, leaf in traced))
     except Exception:
         return None
-    n = sum(_size(v.aval) for (i, j), v in zip(traced, closed.jaxpr.invars)
-            if active[i] and _differentiable(flat[i][0][j]))
-    columns: list[list[Any]] = [[] for _ in args]  # per argument, its columns
-    ins, k = [], 0
-    for (i, j), v in zip(traced, closed.jaxpr.invars):
-        size = _size(v.aval)
-        if active[i] and _differentiable(flat[i][0][j]):
-            columns[i].append(np.arange(k, k + size))
-            ins.append((_csr(np.arange(size), columns[i][-1], (size, n)), None))
-            k += size
-        else:
-            ins.append((_empty(size, n), None))
+    sizes = [_size(v.aval) for v in closed.jaxpr.invars]
+    moving = [active[i] and differentiable(leaf) for i, leaf in traced]
+    starts = np.cumsum([0, *(s * m for s, m in zip(sizes, moving))]).tolist()
+    n, widths = starts[-1], [0] * len(args)  # (each argument's columns, in turn)
+    for (i, _), s, m in zip(traced, sizes, moving):
+        widths[i] += s * m
+    ins = [(sp.eye_array(s, n, k=k, dtype=bool, format="csr") if m else _empty(s, n), None)
+           for s, m, k in zip(sizes, moving, starts)]
     outs = _interpret(closed.jaxpr, closed.consts, ins, n)
     rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs) if _inexact(v.aval.dtype)]
     total = sp.csr_array(sp.vstack(rows, format="csr")) if rows else _empty(0, n)
-    return [sp.csr_array(total[:, np.concatenate([*cols, np.zeros(0, np.intp)])], dtype=bool)
-            if on else None for on, cols in zip(active, columns)]
+    bounds = np.cumsum([0, *widths]).tolist()
+    return [sp.csr_array(total[:, a:b], dtype=bool) if on else None
+            for on, a, b in zip(active, bounds, bounds[1:])]

@@ -4,7 +4,6 @@ none offering a node's resources or device), workers under other versions.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 import warnings
@@ -12,6 +11,7 @@ import weakref
 
 from dask.utils import parse_timedelta
 
+from daskdag.caches import Cache
 from daskdag.errors import ClusterError, DAGError
 from daskdag.model import devices
 from daskdag.model.plan import Plan
@@ -22,11 +22,11 @@ import daskdag.config as config
 _tuned: weakref.WeakSet = weakref.WeakSet()  # clients that registered daskdag's worker plugin
 _told: weakref.WeakSet = weakref.WeakSet()  # clients whose workers registered the serializers
 _placed: weakref.WeakSet = weakref.WeakSet()  # clients whose workers set up their JAX platform
-_same_versions: set[tuple[str, str | None]] = set()  # (address, local directory) of workers checked
-_devices: dict[tuple[str, str | None], tuple[str, ...]] = {}  # a worker's devices, as above
-KNOWN_WORKERS = 4096  # the most workers _same_versions holds (then any may be asked again)
+KNOWN_WORKERS = 4096  # the most workers each cache below holds (then any may be asked again)
+# (address, local directory) of each worker whose versions are this client's -> True
+_same_versions: Cache[bool] = Cache("workers found under the same versions", KNOWN_WORKERS)
+_devices: Cache[tuple[str, ...]] = Cache("workers' devices", KNOWN_WORKERS)  # as above -> devices
 VERSIONS_WAIT = 5.0  # seconds the workers get to say their versions
-_lock = threading.Lock()
 RECHECK = 1.0  # seconds for which a client's check stands for its next calls
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> (time, workers)
 
@@ -48,11 +48,11 @@ def check(client, plan: Plan) -> dict[str, dict]:
     daskdag's worker plugins. A pass stands for :data:`RECHECK` seconds."""
     check_client(client)
     last = _checked.get(client)
-    if last is not None and time.monotonic() - last[0] < RECHECK:
-        if _unmet(plan, last[1]) is None and _no_device(plan, last[1]) is None:
-            tune_workers(client)
-            platform_on_workers(client)
-            return last[1]
+    if (last is not None and time.monotonic() - last[0] < RECHECK
+            and _unmet(plan, last[1]) is None and _no_device(plan, last[1]) is None):
+        tune_workers(client)
+        platform_on_workers(client)
+        return last[1]
     found = workers(client) or _wait_for_a_worker(client)
     found = _wait_for_resources(client, plan, found)
     _check_versions(client, found)
@@ -209,19 +209,10 @@ def _check_devices(client, plan: Plan, listed: dict[str, dict]) -> None:
     :class:`~daskdag.ClusterError` names a node whose device no worker that could run it has."""
     if all(plan.spec.nodes[n].device in (None, devices.DEFAULT) for n in plan.needed):
         return
-    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
-    ask = [a for a, k in known.items() if k not in _devices]
-    if ask:
-        try:
-            found = client.run(devices.here, workers=ask, on_error="return",
-                               callback_timeout=VERSIONS_WAIT)
-        except TimeoutError:  # (the call goes on; its tasks say what a worker lacks)
-            found = {}
-        with _lock:
-            _devices.update((known[a], tuple(d)) for a, d in found.items()
-                            if a in known and isinstance(d, (tuple, list)))
-            while len(_devices) > KNOWN_WORKERS:
-                _devices.pop(next(iter(_devices)))
+    found = _ask(client, devices.here, listed, lambda k: k not in _devices)
+    for k, d in found.items():  # (none answered: the call's tasks say what a worker lacks)
+        if isinstance(d, (tuple, list)):
+            _devices.put(k, tuple(d))
     missing = _no_device(plan, listed)
     if missing is not None:
         n, device, have = missing
@@ -233,22 +224,14 @@ def _check_devices(client, plan: Plan, listed: dict[str, dict]) -> None:
 
 
 def _check_versions(client, listed: dict[str, dict]) -> None:
-    # Each worker process once, by its address and local directory (new for each process).
-    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
-    ask = [a for a, k in known.items() if k not in _same_versions or k[1] is None]
-    if not ask:
+    found = _ask(client, versions, listed, lambda k: k not in _same_versions or k[1] is None)
+    if not found:  # (all checked already; or none answered: the next call asks again)
         return
     here = versions()
-    try:
-        found = client.run(versions, workers=ask, on_error="return", callback_timeout=VERSIONS_WAIT)
-    except TimeoutError:
-        # (a worker that died as it joined stays listed: the next call asks again)
-        return
-    with _lock:
-        _same_versions.update(known[a] for a, v in found.items() if v == here and a in known)
-        while len(_same_versions) > KNOWN_WORKERS:
-            _same_versions.pop()
-    wrong = {addr: v for addr, v in found.items()
+    for k, v in found.items():
+        if v == here:
+            _same_versions.put(k, True)
+    wrong = {addr: v for (addr, _), v in found.items()
              if v != here and not isinstance(v, (OSError, TimeoutError))}
     if wrong:
         detail = "; ".join(f"{addr}: {v if isinstance(v, dict) else f'{type(v).__name__}: {v}'}"
@@ -257,6 +240,20 @@ def _check_versions(client, listed: dict[str, dict]) -> None:
                 "cannot run daskdag as this client does")
         raise ClusterError(f"workers {what} ({here}): {detail}. Backward programs only travel "
                            f"between identical jax, jaxlib and daskdag versions")
+
+
+def _ask(client, fn, listed: dict[str, dict], asked) -> dict:
+    """``{(address, local directory): fn() there, or what it raised}`` of the ``listed`` workers
+    whose key ``asked`` says (a worker process is new where its directory is); ``{}`` where
+    none answers within :data:`VERSIONS_WAIT` (one that died as it joined stays listed)."""
+    known = {a: (a, w.get("local_directory")) for a, w in listed.items()}
+    ask = [a for a, k in known.items() if asked(k)]
+    try:
+        found = client.run(fn, workers=ask, on_error="return",
+                           callback_timeout=VERSIONS_WAIT) if ask else {}
+    except TimeoutError:
+        return {}
+    return {known[a]: v for a, v in found.items() if a in known}
 
 
 class Watch:
@@ -270,7 +267,6 @@ class Watch:
         # how long a question to the scheduler may take (a loaded one answers slowly)
         self.ask = max(self.wait, VERSIONS_WAIT)
         self.since: float | None = None  # since when the cluster cannot run the call
-        self.lost = 0  # the most workers seen meanwhile gone
 
     def check(self, found: dict | None = None, failed: Exception | None = None) -> None:
         """``found``: the workers just asked for, or ``failed``: what asking raised."""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from functools import partial
 from collections import deque
@@ -22,7 +23,7 @@ from daskdag.running import cluster, log, resident
 from daskdag.running import workers as worker_setup
 from daskdag.running.compute import compute
 from daskdag.running.lazy import Call
-from daskdag.running.programs import Held, Program, active_client, one_program_here
+from daskdag.running.programs import Held, Program, active_client, in_words, one_program_here
 from daskdag.transport import transports
 from daskdag.transport.scope import loads
 from daskdag.transport.transports import Transport
@@ -154,7 +155,7 @@ class Kind(Protocol):
     def directly(self, program: Program, x: Any, data: tuple, where: str) -> Any:
         ...
 
-    def entry(self, program: Program, x: Any, where: str) -> Any:
+    def entry(self, program: Program, x: Any, where: str, shape: Callable[[Any], Any]) -> Any:
         ...
 
 
@@ -178,15 +179,15 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
     if local == "processes":
         program, why = kind.compile(x, data, transport=transports.for_call(None, lazy=True))
         return on_processes(as_collection(kind.job(program, x, data, why=why,
-                                                   where=log.where(None, local))), progress)
-    transport, where = transports.for_call(client), log.where(client, local)
+                                                   where=in_words(None, local))), progress)
+    transport, where = transports.for_call(client), in_words(client, local)
     if held is None:
         program, why = kind.compile(x, data, transport=transport)
     else:
         program, why, key = held.program(kind, x, data, transport)
         if why is None and one_program_here(client, local, progress):
             if not data and local == "threads" and key is not None and key not in held.entries:
-                entry = kind.entry(program, x, where)
+                entry = kind.entry(program, x, where, held.shape)
                 if entry is not None:
                     held.hold_entry(key, entry)
             result = kind.directly(program, x, data, where)
@@ -254,7 +255,8 @@ def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()
         if result is not None:
-            log.ran_whole(job.kind, job.plan, log.where(client, local))
+            if log.logger.isEnabledFor(logging.INFO):
+                log.ran_whole(job.kind, job.plan, in_words(client, local))
             return result
     if client is not None:  # before anything is built or sent
         cluster.check(client, job.plan)
@@ -268,7 +270,7 @@ def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
         graph = (job.contained(place) if whole  # type: ignore[misc]
                  else job.make(place, stop) if keep is None
                  else job.stored(place, stop, keep))  # type: ignore[misc]
-        log.submitted(job.kind, job.plan, graph, log.where(client, local),
+        log.submitted(job.kind, job.plan, graph, in_words(client, local),
                       kept.sent - before if kept else None)
         computed = compute(graph, client, progress, stop, local, job.plan)
     if job.spreading is not None and not progress and keep is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import dask
 import dask.threaded
@@ -16,9 +16,6 @@ from daskdag.model.plan import Plan
 from daskdag.running.programs import is_client
 from daskdag.transport import protocol
 from daskdag.transport.scope import JaxSettings, within
-
-if TYPE_CHECKING:
-    import distributed
 
 
 class Call(DaskMethodsMixin):
@@ -40,10 +37,8 @@ class Call(DaskMethodsMixin):
     def of(cls, plan: Plan, built: dict, finish: Callable[[dict], Any], keep: Any = None
            ) -> "Call":
         """From a built graph and ``finish`` (of its results); ``keep``: what it keeps alive."""
-        keys = []
-        for value, grads in built.values():
-            keys.append(value.key)
-            keys.extend(g.key for g in grads.values())
+        keys = [k for value, grads in built.values()
+                for k in (value.key, *(g.key for g in grads.values()))]
         structure = [(o, list(grads)) for o, (_, grads) in built.items()]
         dsk = next(iter(built.values()))[0].dask  # (one graph, which they all share)
         return cls(dsk, keys, _Finish(structure, finish), plan, f"daskdag-call-{keys[0]}",
@@ -60,8 +55,8 @@ class Call(DaskMethodsMixin):
     # -- the collection protocol -------------------------------------------------------------
 
     def __dask_graph__(self) -> HighLevelGraph:
-        client = _distributed_client()
-        if client is not None:  # (distributed calls no __dask_optimize__: this is the last place)
+        client = getattr(get_scheduler(), "__self__", None)  # (the client computing now would use)
+        if is_client(client):  # (distributed calls no __dask_optimize__: this is the last place)
             protocol.with_distributed()
             cluster.check(client, self._plan)
         if isinstance(self._dask, HighLevelGraph):
@@ -125,15 +120,5 @@ class _Finish:
 
     def __call__(self, results: Iterable[Any]) -> Any:
         it = iter(results)
-        computed = {}
-        for o, names in self.structure:
-            value = next(it)
-            computed[o] = (value, {n: next(it) for n in names})
+        computed = {o: (next(it), {n: next(it) for n in names}) for o, names in self.structure}
         return within(self.settings, self.finish, computed)
-
-
-def _distributed_client() -> distributed.Client | None:
-    """The ``distributed`` client that computing now would use, if it is one."""
-    scheduler = get_scheduler()
-    client = getattr(scheduler, "__self__", None)
-    return client if is_client(client) else None

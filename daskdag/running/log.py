@@ -8,7 +8,6 @@ import jax
 
 from daskdag.graph.assembly import kind_of, runs
 from daskdag.graph.whole import OneTask
-from daskdag.running.cluster import scheduler_address
 from daskdag.running.local import Filled
 
 logger = logging.getLogger("daskdag")
@@ -51,13 +50,3 @@ def _tasks(graph) -> dict:
     for delayed in jax.tree.leaves(graph):  # (Delayed objects are leaves to JAX)
         merged.update({k: v for layer in delayed.dask.layers.values() for k, v in layer.items()})
     return merged
-
-
-def where(client, local: str | None) -> str:
-    """Where a call runs, in words."""
-    if client is None:
-        if local == "processes":
-            return "Dask's multiprocessing scheduler (processes)"
-        return f"this process ({local or 'threads'})"
-    address = scheduler_address(client)
-    return f"the cluster at {address}" if address else "a cluster"

@@ -28,6 +28,7 @@ a durable store (:attr:`~daskdag.running.jobs.Job.stored`); a lazy call
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -302,6 +303,10 @@ class Derivative:
     sweep_call: ClassVar[str]
     #: Its mode, as :class:`~daskdag.CallInfo` gives it (a kind with several: :meth:`info`).
     call_mode: ClassVar[str]
+    #: Whether its calls take data (tangents, ``v``) beside their inputs.
+    takes_data: ClassVar[bool] = False
+    #: Whether :meth:`finish` only rearranges what it is given (reads no value of it).
+    rearranges: ClassVar[bool] = False
 
     def options(self, data: tuple) -> tuple:
         """What of the kind's options and of a call's ``data`` its program depends on, as a
@@ -370,32 +375,32 @@ class Derivative:
         values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
         done = partial(self.finishing(lowered), self.info(lowered, data, None, where))
         result = _directly(whole, done, values, cts, lowered.tail)
-        if result is not None:
+        if result is not None and log.logger.isEnabledFor(logging.INFO):
             log.ran_whole(self.call, lowered.plan, where)
         return result
 
-    def entry(self, program: Program[Compiled], x: PyTree, where: str) -> Entry | None:
+    def entry(self, program: Program[Compiled], x: PyTree, where: str,
+              shape: Callable[[Any], Any]) -> Entry | None:
         """A later call of ``program`` in this process with inputs like ``x`` and no data, as
-        its whole program (:meth:`WholeGradients.program`) and the results made of what it
-        returns; None where the call cannot run so (no whole program here, the kind's data, a
-        device, a leaf of ``x`` that is not an array)."""
+        its whole program (:meth:`WholeGradients.program`) and ``shape`` of the results made of
+        what it returns; None where the call cannot run so (no whole program here, the kind's
+        data, a device, a leaf of ``x`` that is not an array)."""
         passes = program.value
         lowered, whole = passes.lowered, passes.whole_here
-        if whole is None or whole.stage.device is not None or \
+        if whole is None or whole.stage.device is not None or self.takes_data or \
                 not all(map(is_array, jax.tree.leaves(x))):
             return None
         assert lowered is not None  # (whole_here's)
         probe = {i: None for i in lowered.spec.inputs}
-        try:
-            values, cts = self.inputs(lowered, probe, ())
-        except Exception:  # (a kind whose calls take data)
-            return None
+        values, cts = self.inputs(lowered, probe, ())
         if values is not probe:  # (the kind makes its own values of the inputs)
             return None
         inputs = lowered.spec.inputs
+        info = self.info(lowered, (), None, where)
+        finish = partial(self.finishing(lowered), info)
         return Entry(whole, lowered.tail, inputs,
                      len(inputs) == 1 and names_the_input(inputs[0], x), cts,
-                     partial(self.finishing(lowered), self.info(lowered, (), None, where)))
+                     lambda computed: shape(finish(computed)), info, self.rearranges, x)
 
     def finishing(self, lowered: Lowered) -> Callable[..., Any]:
         """:meth:`finish` of ``lowered``, bound to what it needs and nothing of the user's

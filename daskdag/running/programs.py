@@ -29,7 +29,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import dask.config
@@ -45,9 +45,10 @@ from daskdag.model.shapes import signature
 from daskdag.model.implicit import Implicit
 from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
+from daskdag.running.cluster import scheduler_address
 from daskdag.running.log import logger
-from daskdag.transport import protocol
-from daskdag.transport.fingerprints import Fingerprint, fingerprint
+from daskdag.transport import protocol, transports
+from daskdag.transport.fingerprints import Fingerprint, fingerprint, holding
 from daskdag.transport.packing import Packed
 from daskdag.transport.scope import JaxSettings
 from daskdag.transport.weak import Weak
@@ -87,6 +88,16 @@ def where(client, scheduler) -> tuple[Any, str | None]:
     return found
 
 
+def in_words(client, local: str | None) -> str:
+    """Where a call runs (:func:`where`), in words."""
+    if client is None:
+        if local == "processes":
+            return "Dask's multiprocessing scheduler (processes)"
+        return f"this process ({local or 'threads'})"
+    address = scheduler_address(client)
+    return f"the cluster at {address}" if address else "a cluster"
+
+
 def alone_here() -> bool:
     """Whether a call given neither client nor scheduler runs on this process's threads
     (:func:`where`) with nothing watching it (:func:`one_program_here`) and nothing to log
@@ -99,7 +110,7 @@ def _where(client, scheduler) -> tuple[Any, str | None]:
     if scheduler is None:
         if client is not None:
             return client, None
-        setting = dask.config.get("scheduler", None)
+        setting = dask.config.config.get("scheduler")  # (as dask.config.get reads it)
         if setting is not None:
             return _setting(setting)
         client = active_client()
@@ -231,11 +242,18 @@ class Program(Generic[P]):
                 return OFF
             if self.key is None or settings() != self.key[-1]:
                 return _PARTS[5]
-        for name, fn, print_ in self.watched:
+        if self._holding():
+            return None
+        for name, fn, print_ in self.watched:  # (which changed)
             if not print_.holds(fn):
                 return (f"node {name!r}: its function changed (what it closes over, a global "
                         f"it uses, or an attribute)")
         return None
+
+    @cached_property
+    def _holding(self) -> Callable[[], bool]:
+        """Whether every watched function's fingerprint holds, as one check."""
+        return holding([(print_, fn) for _, fn, print_ in self.watched])
 
 
 def compile(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
@@ -341,13 +359,16 @@ class Held:
     """A prepared function's own programs by the signature of its call's inputs (and where it
     runs), the latest :data:`HELD`, each with its :class:`Entries`, as ``jax.jit``'s wrapper
     holds its executables, and the :class:`~daskdag.graph.whole.Entry` of those whose calls
-    run as one program here (``entries``). Unused while ``daskdag.prepared-calls`` is 0."""
+    run as one program here (``entries``), which return what ``shape`` makes of a call's
+    results (the prepared function's results). Unused while ``daskdag.prepared-calls`` is 0."""
 
-    __slots__ = ("programs", "entries", "__weakref__")
+    __slots__ = ("programs", "entries", "shape", "_latest", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Callable[[Any], Any]) -> None:
         self.programs: OrderedDict[Any, tuple[Program, Entries]] = OrderedDict()
         self.entries: dict[Any, Any] = {}
+        self.shape = shape
+        self._latest: tuple | None = None  # (the entry that ran last, as held in entries)
         _holders.add(self)
 
     def get(self, key: Any) -> tuple[Program, Entries] | None:
@@ -358,12 +379,18 @@ class Held:
             self.programs.move_to_end(key)
         return hit
 
-    def entry(self, key: Any) -> Any:
-        """The entry of the program held by ``key``, while it is fresh (else None)."""
-        try:
-            entry, program, dag = self.entries[key]
-        except (KeyError, TypeError):  # (none; inputs that cannot key one)
-            return None
+    def entry(self, x: Any) -> Any:
+        """The entry that runs a call with inputs ``x`` and no data in this process, while its
+        program is fresh (else None): the one that ran last, when it :meth:`takes` ``x``, else
+        the one held by :func:`held_key`."""
+        latest = self._latest
+        if latest is None or not latest[0].takes(x):
+            try:
+                latest = self.entries[held_key(transports.IN_PROCESS, x, ())]
+            except (KeyError, TypeError):  # (none; inputs that cannot key one)
+                return None
+            self._latest = latest
+        entry, program, dag = latest
         return entry if program.stale(dag) is None else None
 
     def hold_entry(self, key: Any, entry: Any) -> None:
@@ -392,6 +419,7 @@ class Held:
 
     def put(self, key: Any, program: Program, entries: Entries) -> None:
         self.entries.pop(key, None)
+        self._latest = None
         if not program.kept:
             self.programs.pop(key, None)
             return
@@ -401,12 +429,14 @@ class Held:
             self.entries.pop(self.programs.popitem(last=False)[0], None)
 
     def drop(self, program: Program) -> None:
+        self._latest = None
         for key, (held, _) in list(self.programs.items()):
             if held is program:
                 self.programs.pop(key, None)
                 self.entries.pop(key, None)
 
     def clear(self) -> None:
+        self._latest = None
         self.programs.clear()
         self.entries.clear()
 

@@ -97,7 +97,4 @@ def of(client) -> Resident | None:
     if config.get("keep-calls") <= 0:
         return None
     with _lock:
-        resident = _by_client.get(client)
-        if resident is None:
-            resident = _by_client[client] = Resident()
-        return resident
+        return _by_client.setdefault(client, Resident())

@@ -98,13 +98,12 @@ class Kept:
 
     def remember(self, inputs: dict, values: dict) -> dict:
         """``values``, computed for ``inputs``, kept for the next call."""
-        if sizeof(values) > dask.utils.parse_bytes(config.get("reuse-bytes")):
-            with self._lock:
-                self._last = None
-            return values
-        values = jax.tree.map(_read_only, values)
+        last = None
+        if sizeof(values) <= dask.utils.parse_bytes(config.get("reuse-bytes")):
+            values = jax.tree.map(_read_only, values)
+            last = (Seen(self._mine(inputs)), values)
         with self._lock:
-            self._last = (Seen(self._mine(inputs)), values)
+            self._last = last
         return values
 
     def _mine(self, inputs: dict) -> dict:

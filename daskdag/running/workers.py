@@ -38,22 +38,19 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def __getattr__(name: str):
-    # Each plugin class is made when first asked for: a call on threads never imports distributed.
-    if name not in _made:
-        make = {"TuneMalloc": _tune_malloc_class, "Serializers": _serializers_class,
-                "Platform": _platform_class}.get(name)
-        if make is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # The plugin classes are made when first asked for: a call on threads never imports distributed.
+    if name not in ("TuneMalloc", "Serializers", "Platform"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _made:
         from distributed import WorkerPlugin
-        _made[name] = make(WorkerPlugin)
-        _made[name].__qualname__ = name
+        _made.update(_plugin_classes(WorkerPlugin))
     return _made[name]
 
 
 _made: dict[str, type] = {}
 
 
-def _tune_malloc_class(WorkerPlugin: Any) -> type:
+def _plugin_classes(WorkerPlugin: Any) -> dict[str, type]:
     class TuneMalloc(WorkerPlugin):
         """Raise glibc's mmap and trim thresholds in a worker started by a nanny. After
         ``setup``, ``applied`` is ``{"M_MMAP_THRESHOLD": bytes, "M_TRIM_THRESHOLD": bytes}``
@@ -69,10 +66,6 @@ def _tune_malloc_class(WorkerPlugin: Any) -> type:
         def setup(self, worker=None):
             self.applied, self.reason = tune_for_good()
 
-    return TuneMalloc
-
-
-def _serializers_class(WorkerPlugin: Any) -> type:
     class Serializers(WorkerPlugin):
         """Register daskdag's serializers in the worker, if it has daskdag; after ``setup``,
         ``registered`` says whether it did."""
@@ -90,10 +83,6 @@ def _serializers_class(WorkerPlugin: Any) -> type:
                 return
             self.registered = True
 
-    return Serializers
-
-
-def _platform_class(WorkerPlugin: Any) -> type:
     class Platform(WorkerPlugin):
         """Run JAX on the worker's CPU where :func:`decide` says so under ``setting``; after
         ``setup``, ``on_cpu`` says whether it did and ``reason`` why. A worker that keeps its
@@ -139,7 +128,10 @@ def _platform_class(WorkerPlugin: Any) -> type:
                         f"resource (they run JAX on their CPU), and the client's own JAX on the "
                         f"CPU where it runs on that host (JAX_PLATFORMS=cpu)") from e
 
-    return Platform
+    made = {"TuneMalloc": TuneMalloc, "Serializers": Serializers, "Platform": Platform}
+    for name, cls in made.items():
+        cls.__qualname__ = name
+    return made
 
 
 def _here() -> tuple[str, int]:

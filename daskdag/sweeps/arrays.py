@@ -20,7 +20,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
-from dask.task_spec import DataNode, Task, TaskRef
+from dask.task_spec import Task, TaskRef
 
 import daskdag.config as config
 from daskdag.errors import DAGError, NodeError
@@ -33,7 +33,7 @@ from daskdag.running.jobs import LAZY
 from daskdag.running.programs import Watch
 from daskdag.sweeps import planning, progress
 from daskdag.sweeps.chunked import Items
-from daskdag.sweeps.engines import chunk_graph, item_key, run_chunk
+from daskdag.sweeps.engines import bound, chunk_graph, run_chunk
 from daskdag.sweeps.results import item_shapes
 from daskdag.sweeps.shared import constants_part
 from daskdag.transport import transports
@@ -311,18 +311,11 @@ def _at(e: NodeError, item: int) -> NodeError:
 
 
 def _run(tasks, key, blocks: _Blocks, shared: dict, bcast: dict, data, lo: int, hi: int):
-    graph = dict(tasks)  # a copy: the one graph serves every block this process runs
-    for k, value in shared.items():
-        graph[k] = DataNode(k, value)
-    for i, template in blocks.templates.items():
-        value = jax.tree.map(lambda a: data[a.k][lo:hi] if isinstance(a, _Slot) else a,
-                             unpack(template))
-        graph[item_key(i)] = DataNode(item_key(i), value)
-    for i, value in bcast.items():
-        value = jax.tree.map(lambda a: np.broadcast_to(a, (hi - lo, *np.shape(a)))
-                             if is_array(a) else a, value)
-        graph[item_key(i)] = DataNode(item_key(i), value)
-    return dask.get(graph, key)
+    items = {i: jax.tree.map(lambda a: data[a.k][lo:hi] if isinstance(a, _Slot) else a,
+                             unpack(template)) for i, template in blocks.templates.items()}
+    items.update({i: jax.tree.map(lambda a: np.broadcast_to(a, (hi - lo, *np.shape(a)))
+                                  if is_array(a) else a, value) for i, value in bcast.items()})
+    return dask.get(bound(tasks, shared, items), key)
 
 
 def _flat(blocks: _Blocks, computed: dict, size: int) -> list:

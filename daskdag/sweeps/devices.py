@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dask.callbacks import Callback
-from dask.task_spec import DataNode
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import daskdag.config as config
@@ -29,7 +28,7 @@ from daskdag.errors import DAGError
 from daskdag.model.leaves import is_array
 from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
 from daskdag.sweeps.chunked import own_function
-from daskdag.sweeps.engines import Done, InProcess, chunk_graph, item_key
+from daskdag.sweeps.engines import Done, InProcess, bound, chunk_graph
 from daskdag.sweeps.planning import Sweep
 from daskdag.sweeps.results import item_shapes
 
@@ -55,10 +54,6 @@ class Placement:
     def items(self) -> NamedSharding:
         """A chunk's items: their leading axis split over the devices."""
         return NamedSharding(self.mesh, PartitionSpec(AXIS))
-
-    @cached_property
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
 
     @property
     def count(self) -> int:
@@ -91,7 +86,7 @@ class Placement:
 
     def replicate(self, value):
         """A shared input, its arrays on every device."""
-        return _put(value, self.replicated)
+        return _put(value, NamedSharding(self.mesh, PartitionSpec()))
 
 
 def _put(tree, sharding, which=is_array, prepare=lambda a: a):
@@ -237,10 +232,9 @@ class Devices(InProcess):
             values = self.on.put(sweep.items(start, stop), count,
                                  self.on.padded(count, self.width))
             tasks, key = self._graph(sweep)
-            tasks = {**tasks, **{item_key(n): DataNode(item_key(n), v) for n, v in values.items()}}
             # Dask's synchronous scheduler where a Dask callback watches; else without one.
             get = dask.get if Callback.active else dask.core.get
-            done = self._run(chunk, steps, lambda: get(tasks, key))
+            done = self._run(chunk, steps, lambda: get(bound(tasks, {}, values), key))
         except Exception as e:
             future.set_exception(e)
             return future

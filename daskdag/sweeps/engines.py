@@ -189,7 +189,7 @@ class Cluster:
                 c.worker, c.cohort = self._least_busy(found), frozenset(found)
                 graph = self._graph(c.sweep)
                 # Unhashed: no one asks for the token of a chunk's items.
-                items = {item_key(n): CLUSTER.pack(f"input {n!r}", v, hashed=False)
+                items = {n: CLUSTER.pack(f"input {n!r}", v, hashed=False)
                          for n, v in c.sweep.items(*c.chunk).items()}
                 report = None if self.bar is None else [self.id, *c.chunk]
                 c.future = self.client.submit(_run_chunk, graph, shared, items, c.steps, report,
@@ -310,11 +310,9 @@ class Cluster:
         self.graph = None
         self.chunks.clear()
         self.listening.close()
-        if held:
-            try:  # cancel stops chunks still running (each at its next item) and queued ones
+        with contextlib.suppress(Exception):  # (a client already closed: nothing to cancel)
+            if held:  # stops chunks still running (each at its next item) and queued ones
                 self.client.cancel(held)
-            except Exception:  # a client already closed has nothing left to cancel
-                pass
         for fut in held:  # so that a frame or error still holding a future keeps nothing alive
             fut.release()
 
@@ -352,6 +350,13 @@ def item_key(name: str) -> str:
     return f"daskdag-items-{name}"
 
 
+def bound(tasks: dict, shared: dict, items: dict) -> dict:
+    """A copy of a chunk graph's ``tasks`` (one graph serves every chunk) with, as data, the
+    shared inputs' values by task key and the chunk's ``items`` by input."""
+    data = {**shared, **{item_key(n): v for n, v in items.items()}}
+    return {**tasks, **{k: DataNode(k, v) for k, v in data.items()}}
+
+
 def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:
     """The graph of every pinned chunk of ``sweep``: ``(tasks, key of the results)``. It refers
     to the chunk's items under :func:`item_key`, and to the shared inputs by ``shared``,
@@ -380,9 +385,6 @@ def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int,
     """A whole chunk of ``count`` items as one task on a worker: the sweep's chunk graph run by
     Dask's synchronous scheduler, the shared inputs and the chunk's packed items as data. Its
     :class:`Done` has NumPy leaves, which distributed sends as zero-copy frames."""
-    tasks, key = graph
-    tasks = dict(tasks)  # a copy: the worker's one graph serves all its chunks
-    for k, value in [*shared.items(), *((k, unpack(v)) for k, v in items.items())]:
-        tasks[k] = DataNode(k, value)
-    done = run_chunk(progress.worker_chunk(steps, report, count), lambda: dask.get(tasks, key))
+    tasks = bound(graph[0], shared, {n: unpack(v) for n, v in items.items()})
+    done = run_chunk(progress.worker_chunk(steps, report, count), lambda: dask.get(tasks, graph[1]))
     return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, done)

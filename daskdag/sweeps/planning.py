@@ -80,9 +80,10 @@ class Sweep:
                 return np.asarray(a[start:stop])
             if not is_array(a):
                 return a
-            if self.transport.remote:
-                return rows(a, start, stop)
-            # All of a JAX array: itself, where slicing would dispatch a copy.
+            if self.transport.remote and isinstance(a, jax.Array):
+                # To be packed: a view of its NumPy value, a JAX array again on arrival.
+                return JaxArray(np.asarray(a)[start:stop])
+            # All of an array: itself, where slicing a JAX array would dispatch a copy.
             return a if start == 0 and stop == len(a) else a[start:stop]
 
         def broadcast(a):
@@ -149,14 +150,6 @@ def item(value):
     """One item's stand-in: each array leaf's shape and dtype, less the item axis."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
                         if is_array(a) and a.ndim else a, value)
-
-
-def rows(a, start: int, stop: int):
-    """Rows ``start:stop`` of the array ``a``, to be packed: a JAX array's as a view of its NumPy
-    value (slicing it would dispatch a copy), a JAX array again on arrival."""
-    if isinstance(a, jax.Array):
-        return JaxArray(np.asarray(a)[start:stop])
-    return a[start:stop]
 
 
 def plan_sweep(spec: Spec, outputs, values, batched, wrt, cotangents, size, transport: Transport,

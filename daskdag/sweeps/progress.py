@@ -1,5 +1,6 @@
 """What a running sweep chunk tells the sweep (how far it got, which items failed) and asks it
-(was it cancelled?), and the bar over items.
+(was it cancelled?), and the bar over items. A failed item's error is kept without stack frames
+(:func:`detached`) and picklable (:func:`picklable`), to come back from a worker and into a store.
 
 Between two items a chunk calls :func:`checkpoint`, which counts the step and raises
 :class:`Cancelled` once the sweep stopped waiting for the chunk, so Ctrl-C does not wait for
@@ -10,8 +11,10 @@ cluster report through distributed's event log.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 import time
+import traceback
 from typing import Callable
 
 from tqdm.std import tqdm
@@ -19,7 +22,6 @@ from tqdm.std import tqdm
 from daskdag.cancel import Cancelled, dropped
 from daskdag.errors import NodeError
 from daskdag.running import events
-from daskdag.sweeps.failures import detached, picklable
 
 TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
 REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
@@ -40,8 +42,7 @@ class ChunkRun:
                  report: Callable[[float], None] | None = None, every: float = 0.0,
                  items: int | None = None):
         self.steps, self.cancelled, self.report, self.every = steps, cancelled, report, every
-        self.done, self.last = 0, time.monotonic()
-        self.items = items
+        self.done, self.last, self.items = 0, time.monotonic(), items
         self.failed: dict[int, NodeError] = {}
 
     def nothing_left(self) -> bool:
@@ -86,6 +87,36 @@ def failed_already(index: int) -> bool:
     """Whether item ``index`` of the chunk this thread runs has failed already."""
     chunk = getattr(_running, "chunk", None)
     return chunk is not None and index in chunk.failed
+
+
+def detached(e: NodeError, item: int | None) -> NodeError:
+    """``e`` for ``item``, holding no stack frames: a traceback holds every local of the calls
+    it came through (from a cluster, this sweep's own frames: its futures and arrays), which a
+    kept error would keep alive. The original's traceback stays, as text in a note."""
+    todo: list[BaseException | None]
+    seen, todo = set(), [e.original]
+    while todo:  # the original and the exceptions chained to it
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.__traceback__ is not None:
+            x.add_note("Raised at (traceback kept as text):\n"
+                       + "".join(traceback.format_tb(x.__traceback__)).rstrip())
+            x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+    return NodeError(e.node, e.phase, e.original, item=item)
+
+
+def picklable(e: NodeError) -> NodeError:
+    """``e``, or where what it holds cannot be pickled, the same error with its original
+    exception's text alone."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return NodeError(e.node, e.phase, RuntimeError(f"{type(e.original).__name__}: "
+                                                       f"{e.original}"), item=e.item)
 
 
 class NothingLeft(Exception):

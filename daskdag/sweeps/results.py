@@ -50,8 +50,8 @@ class Stacked:
         if self.tree is None and item is not None:
             self.tree = jax.tree.map(lambda a: np.empty((self.size, *a.shape), a.dtype), item)
         if self.tree is not None and not self.arrived.all():
-            missing = ~self.arrived
-            jax.tree.map(lambda a: _mark_missing(a, missing), self.tree)
+            for a in jax.tree.leaves(self.tree):
+                a[~self.arrived] = missing_value(a.dtype)
             self.arrived[:] = True
         return self.tree
 
@@ -76,8 +76,7 @@ class OnDevice:
         self.pieces.append((start, stop, tree))
         self.arrived[start:stop] = True
 
-    def forget(self, rows) -> None:
-        self.arrived[list(rows)] = False
+    forget = Stacked.forget
 
     def result(self, item):
         like = self.tree
@@ -110,10 +109,6 @@ def _blank(like, rows: int):
 def missing_value(dtype):
     """The value of a row that never arrived: NaN, or 0 where the dtype has none."""
     return np.nan if np.issubdtype(dtype, np.inexact) else 0
-
-
-def _mark_missing(a, rows):
-    a[rows] = missing_value(a.dtype)
 
 
 def item_shapes(plan, values: dict, batched: frozenset, lowered=None) -> tuple[dict, dict]:

@@ -173,8 +173,8 @@ class Through:
         the stage's exposed nodes pulled back to its deps and added to theirs: the gradients
         with respect to the sweep's ``wrt``. A Jacobian's rows (after the items) too."""
         outputs = list(computed)
-        cts = [tuple(_flat(grads.get(n)) for n in self.stage.outputs)
-               for _, grads in computed.values()]
+        cts = [tuple(tuple(jax.tree.leaves(grads.get(n))) or None for n in self.stage.outputs)
+               for _, grads in computed.values()]  # (a pullback takes leaves, or None)
         lead = next((leaf.shape[:leaf.ndim - np.ndim(v)] for c in cts
                      for ct, value in zip(c, self.values) if ct is not None
                      for leaf, v in zip(ct, differentiable_leaves(value))), (items,))
@@ -195,12 +195,6 @@ class Through:
                     grads[name] = own[name]
             results[o] = (value, grads)
         return results
-
-
-def _flat(grad) -> tuple | None:
-    """A gradient at an exposed node as a pullback takes it: its leaves, or None."""
-    leaves = () if grad is None else tuple(jax.tree.leaves(grad))
-    return leaves or None
 
 
 def _sum(like, own, share, lead: tuple):

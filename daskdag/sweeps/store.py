@@ -23,15 +23,35 @@ from urllib.parse import quote
 import jax
 import numpy as np
 
-from daskdag.durable.identity import rows_hash
+from daskdag.durable.identity import common, hash_tree, options, plain, rows_hash
 from daskdag.durable.keys import Keys, group, is_zarr, keys_of
-from daskdag.durable.rules import agree, claim, full
+from daskdag.durable.rules import SWEEP, agree, claim, full
 from daskdag.errors import NodeError, StoreError
-from daskdag.sweeps.failures import picklable
+from daskdag.sweeps.progress import picklable
 from daskdag.sweeps.results import missing_value
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
+
+
+def identity(kind, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
+             ) -> dict:
+    """What a sweep of ``kind`` is, as a store records it: what every store records
+    (:mod:`daskdag.durable.identity`), the sweep's arguments, its shared inputs and cotangents
+    by hash, and for another kind than gradients the kind and its options (a record without
+    them is a gradient sweep's)."""
+    record = {**common(kind.dag), "outputs": list(outputs), "wrt": list(wrt),
+              "batched": sorted(batched), "items": size,
+              "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
+              "cotangents": hash_tree(cotangents), "errors": errors}
+    if kind.sweep_call != "sweep_grads":
+        record.update({SWEEP: kind.sweep_call, **plain(options(kind, skip=("cotangents",)))})
+    return record
+
+
+def items_hash(values: dict[str, Any]) -> str:
+    """The hash of one chunk's input items (the batched inputs' rows)."""
+    return hash_tree({k: values[k] for k in sorted(values)})
 
 
 @dataclass(frozen=True)

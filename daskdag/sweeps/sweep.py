@@ -22,20 +22,19 @@ from daskdag.model.request import (batch_size, check_chunk_size, check_errors, c
                                    given_values)
 from daskdag.running import cluster, programs
 from daskdag.running.jobs import not_on_processes, on_processes
-from daskdag.running.log import logger, where
+from daskdag.running.log import logger
+from daskdag.running.programs import in_words
 from daskdag.running.passes import names_key
 from daskdag.running.resident import placing
 from daskdag.sweeps import arrays, devices
 from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
-from daskdag.sweeps.failures import detached
-from daskdag.sweeps.identity import identity, items_hash
 from daskdag.sweeps.planning import (Sweep, chunk_steps, default_chunk_size, is_dask_array,
                                      item_signature, prepare)
-from daskdag.sweeps.shared import share
-from daskdag.sweeps.progress import Progress
+from daskdag.sweeps.progress import Progress, detached
 from daskdag.sweeps.results import OnDevice, Stacked, item_shapes
-from daskdag.sweeps.store import Store
+from daskdag.sweeps.shared import share
+from daskdag.sweeps.store import Store, identity, items_hash
 from daskdag.transport import transports
 
 
@@ -77,7 +76,7 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
     on = devices.placement(made, client, local)
     computed, failed, chunks = sweep(made, values, cts, chunk_size, client, local, progress,
                                      errors, store=store, kind=kind, on=on)
-    info = replace(kind.info(lowered, data, why, on.where() if on else where(client, local)),
+    info = replace(kind.info(lowered, data, why, on.where() if on else in_words(client, local)),
                    call=kind.sweep_call, chunks=chunks)
     return kind.finish(lowered, info, computed, failed)
 
@@ -135,7 +134,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
         for o in sweep.plan.outputs}
     logger.info("sweep_grads: outputs %s, wrt %s: %d items in chunks of %d, %d at a time, on %s",
                 list(sweep.plan.outputs), list(sweep.plan.wrt), sweep.size, chunk_size, in_flight,
-                on.where() if on is not None else where(client, None))
+                on.where() if on is not None else in_words(client, None))
     failed: dict[int, NodeError] = {}
     chunks = 0
     if sweep.size:
@@ -146,13 +145,15 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             if bar:
                 bar.already(int(done.sum()))
 
-            def keep(chunk, computed, fails):  # written while the sweep goes on
+            def keep(chunk: tuple[int, int], computed, fails):  # written as the sweep goes on
                 devices.to_host(computed)
                 if errors == "raise" and fails:
                     # Only the items that succeeded: a resume computes the failed ones again.
                     for a, b in _between(chunk, fails) if computed is not None else ():
                         store.later(lambda a=a, b=b: store.write(
-                            a, b, chunk_hash(sweep, a, b), _rows(sweep, chunk, computed, (a, b))))
+                            a, b, chunk_hash(sweep, a, b), jax.tree.map(
+                                lambda x: x[a - chunk[0]:b - chunk[0]],
+                                _as_rows(sweep, *chunk, computed))))
                     return
                 start, stop = chunk
                 store.later(lambda: store.write(
@@ -246,7 +247,8 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
         chunks = deque((s, min(s + chunk_size, sweep.size))
                        for s in range(0, sweep.size, chunk_size))
         if done is not None:  # what a store holds is not run again
-            chunks = deque(piece for c in chunks for piece in _missing(c, done))
+            chunks = deque(piece for c in chunks
+                           for piece in _between(c, {i for i in range(*c) if done[i]}))
             if done.any() and sweep.by_item and not by_time:
                 chunks = _spread(chunks, chunk_size, in_flight)
         work = _Pieces(chunks, by_time)
@@ -341,11 +343,6 @@ def _items(chunk):
     return [(i, i + 1) for i in range(*chunk)]
 
 
-def _missing(chunk: tuple[int, int], done: np.ndarray) -> list[tuple[int, int]]:
-    """The runs of items of ``chunk`` that are not ``done``."""
-    return _between(chunk, {i for i in range(*chunk) if done[i]})
-
-
 def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
     """The runs of items of ``chunk`` between the items ``left_out``."""
     pieces, start = [], None
@@ -358,27 +355,20 @@ def _between(chunk: tuple[int, int], left_out) -> list[tuple[int, int]]:
     return pieces
 
 
-def _rows(sweep, chunk: tuple[int, int], computed: dict, piece: tuple[int, int]) -> dict:
-    """The rows of ``piece`` in a ``chunk``'s ``computed`` results (:func:`_as_rows`)."""
-    rows = _as_rows(sweep, *chunk, computed)
-    lo, hi = piece[0] - chunk[0], piece[1] - chunk[0]
-    return jax.tree.map(lambda a: a[lo:hi], rows)
-
-
 def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, keep=None
              ) -> tuple[NodeError | Lost | None, float | None]:
     """Store a finished chunk's results, and its failed items in ``failed`` (``keep`` them
     first). Returns ``(error, seconds)``: the chunk's error if it failed as a whole, else None;
     the seconds it ran, where known."""
+    start, stop = chunk
     try:
         computed, fails, seconds = engine.result(fut)
     except NodeError as e:
-        return detached(e, chunk[0] if chunk[1] - chunk[0] == 1 else None), None
+        return detached(e, start if stop - start == 1 else None), None
     except Lost as e:
         return e, None
     finally:
         engine.release(fut)
-    start, stop = chunk
     fails = {start + i: detached(e, start + i) for i, e in sorted(fails.items())}
     if len(fails) == stop - start:  # nothing to keep but the failures
         computed = None
@@ -423,10 +413,8 @@ def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=())
 
 def _finish(sweep, stacked) -> dict:
     """The stacked results; where no item gave one, NaN rows shaped like one item's."""
-    values: dict = {}
-    grads: dict = {}
-    if any(s.tree is None for v, g in stacked.values() for s in (v, *g.values())):
-        values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowered)
+    values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowered) if any(
+        s.tree is None for v, g in stacked.values() for s in (v, *g.values())) else ({}, {})
     return {o: (v.result(values.get(o)), {i: s.result(grads.get(o, {}).get(i))
                                           for i, s in g.items()})
             for o, (v, g) in stacked.items()}

@@ -48,7 +48,7 @@ def parts(fn, digests: dict | None = None) -> dict[str, str]:
 
     out = {"code": token(code, digests)}
     out.update((f"global {name}", part(namespace[name])) for name in names(code)
-               if name in namespace)  # (else a builtin, or an attribute's name)
+               if name in namespace)  # (else a builtin, or a global not yet bound)
     out.update((f"closure {name}", part(cell_contents(cell)))
                for name, cell in zip(code.co_freevars, fn.__closure__ or ()))
     out["defaults"] = part((fn.__defaults__, fn.__kwdefaults__))

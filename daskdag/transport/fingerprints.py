@@ -12,23 +12,26 @@ from the function's content.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+from typing import Any, Callable, Sequence
 
 from daskdag.transport.walk import (CHECK_GLOBALS, DYNAMIC_ATTRIBUTES, Unwatchable, Walk,
                                     attributes, names)
 from daskdag.transport.weak import Weak
 
-__all__ = ["DYNAMIC_ATTRIBUTES", "Fingerprint", "attributes", "fingerprint", "names"]
+__all__ = ["DYNAMIC_ATTRIBUTES", "Fingerprint", "attributes", "fingerprint", "holding", "names"]
 
 
 class Fingerprint:
     """What a function's behaviour depends on, at one moment. ``facts`` are compared; ``refs``
     keep alive every object whose identity is a fact."""
 
-    __slots__ = ("facts", "refs", "_check")
+    __slots__ = ("facts", "refs", "_check", "_source")
 
-    def __init__(self, facts: list, refs: list, check: Callable[[Any], bool] | None = None):
+    def __init__(self, facts: list, refs: list, check: Callable[[Any], bool] | None = None,
+                 source: tuple[str, list[str], list] | None = None):
         self.facts, self.refs, self._check = facts, refs, check
+        self._source = source  # (the check's prefix, lines and constants)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fingerprint) and self.facts == other.facts
@@ -52,12 +55,52 @@ def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
     keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it.
     ``checked``: compile the check :meth:`Fingerprint.holds` runs (worth it only for a
     fingerprint checked many times)."""
-    walk = _Fingerprinting(obj.target if isinstance(obj, Weak) else obj, checked)
+    walk = _Fingerprinting(obj.target if isinstance(obj, Weak) else obj, checked,
+                           f"f{next(_checks)}_" if checked else "")
     try:
         walk.walk()
     except (Unwatchable, RecursionError):
         return None
-    return Fingerprint(walk.facts, walk.refs, walk.compiled())
+    if walk.lines is None:
+        return Fingerprint(walk.facts, walk.refs)
+    return Fingerprint(walk.facts, walk.refs, _compiled(
+        f"def check({walk.prefix}root):\n", walk.lines, {f"{walk.prefix}K": walk.consts}),
+        (walk.prefix, walk.lines, walk.consts))
+
+
+_checks = itertools.count()  # (each compiled check's names their own: :func:`holding`)
+
+
+def holding(watched: Sequence[tuple[Fingerprint, Any]]) -> Callable[[], bool]:
+    """One check that each fingerprint of ``watched`` holds of its function (as
+    :meth:`Fingerprint.holds`), compiled into one function where they have compiled checks."""
+    lines, names = [], {}
+    for k, (print_, fn) in enumerate(watched):
+        names[f"F{k}"], names[f"P{k}"] = fn, print_
+        if print_._source is None:
+            lines.append(f"if not P{k}.holds(F{k}): return False")
+            continue
+        prefix, own, consts = print_._source
+        names[f"{prefix}K"] = consts
+        lines.append(f"{prefix}root = F{k}._ref()" if isinstance(fn, Weak) else
+                     f"{prefix}root = F{k}")
+        lines.extend(own)
+    check = _compiled("def check():\n", lines, names)
+
+    def holds() -> bool:
+        try:
+            return check()
+        except Exception:  # (what changed broke a read: a different shape of object)
+            return False
+
+    return holds
+
+
+def _compiled(head: str, lines: list[str], names: dict) -> Callable[..., bool]:
+    source = head + "".join(f"    {line}\n" for line in lines) + "    return True\n"
+    namespace = {"__name__": __name__, **CHECK_GLOBALS, **names}
+    exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)
+    return namespace["check"]
 
 
 class _Fingerprinting(Walk):
@@ -68,14 +111,14 @@ class _Fingerprinting(Walk):
     LIMIT = 200_000  # facts; beyond it, the function is unwatchable
     __slots__ = ("refs",)
 
-    def __init__(self, root, checked: bool = False):
-        super().__init__(root, checked)
+    def __init__(self, root, checked: bool = False, prefix: str = ""):
+        super().__init__(root, checked, prefix)
         self.refs: list = []  # what facts name by identity: kept with them
 
     def leaf(self, obj, at: str) -> None:
         if obj is self.root:
             self.facts.append("root")
-            self.test(f"{at} is root")
+            self.test(f"{at} is {self.prefix}root")
             return
         self.facts.append(id(obj))
         held = id(obj) not in self.weakly  # (one held weakly goes with what holds it)
@@ -85,13 +128,3 @@ class _Fingerprinting(Walk):
             self.test(f"{at} is {self.const(obj)}" if held else f"id({at}) == {id(obj)}")
 
     opened = leaf
-
-    def compiled(self) -> Callable[[Any], bool] | None:
-        if self.lines is None:
-            return None
-        source = "def check(root):\n" + "".join(f"    {line}\n" for line in self.lines) + \
-            "    return True\n"
-        namespace = {"K": self.consts, "__name__": __name__, **CHECK_GLOBALS}
-        exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)
-        check: Callable[[Any], bool] = namespace["check"]  # type: ignore[assignment]
-        return check

@@ -50,8 +50,9 @@ class Pickler(cloudpickle.Pickler):
         self.dumped = obj
         return super().dump(obj)
 
-    def persistent_id(self, obj):
-        if _is_array(obj):
+    def persistent_id(self, obj):  # (out of band: NumPy arrays of no objects, JAX's not traced)
+        if ((type(obj) is np.ndarray and not obj.dtype.hasobject)
+                or (isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer))):
             self.arrays.append(obj)
             return len(self.arrays) - 1
         return None
@@ -65,19 +66,15 @@ class Pickler(cloudpickle.Pickler):
             return import_or_load, (obj.__module__, obj.__qualname__,
                                     ByValue(buffer.getvalue(), arrays))
         # The user's code by value, for this pickler only; the rest as cloudpickle decides.
-        if isinstance(obj, types.FunctionType):
-            if not by_reference(obj):
-                return (_cloudpickle._make_function, self._function_getnewargs(obj),
-                        _function_state(obj), None, None, _cloudpickle._function_setstate)
-        elif isinstance(obj, type):
-            if users(obj):
-                return _cloudpickle._dynamic_class_reduce(obj)
-        elif isinstance(obj, types.ModuleType):
-            if users_module(obj.__name__):
-                return _module_by_value(obj, self.dumped)
-        elif isinstance(obj, typing.TypeVar):
-            if users(obj):
-                return _cloudpickle._make_typevar, _cloudpickle._decompose_typevar(obj)
+        if isinstance(obj, types.FunctionType) and not by_reference(obj):
+            return (_cloudpickle._make_function, self._function_getnewargs(obj),
+                    _function_state(obj), None, None, _cloudpickle._function_setstate)
+        if isinstance(obj, type) and users(obj):
+            return _cloudpickle._dynamic_class_reduce(obj)
+        if isinstance(obj, types.ModuleType) and users_module(obj.__name__):
+            return _module_by_value(obj, self.dumped)
+        if isinstance(obj, typing.TypeVar) and users(obj):
+            return _cloudpickle._make_typevar, _cloudpickle._decompose_typevar(obj)
         return super().reducer_override(obj)
 
 
@@ -90,12 +87,6 @@ class Unpickler(pickle.Unpickler):
 
     def persistent_load(self, index):
         return self.arrays[index]
-
-
-def _is_array(obj) -> bool:  # (what travels out of band)
-    if isinstance(obj, np.ndarray):
-        return type(obj) is np.ndarray and not obj.dtype.hasobject
-    return isinstance(obj, jax.Array) and not isinstance(obj, jax.core.Tracer)
 
 
 class JaxArray:
@@ -162,23 +153,11 @@ def import_or_load(module: str, qualname: str, by_value: ByValue):
     return cls
 
 
-def _stand_in(module: str, qualname: str, cls) -> None:
-    """Put a rebuilt class in a stand-in module, where pickle looks it up by reference (so that
-    the class of a result Dask reports reaches the client as its own class)."""
-    if module == "__main__" or "." in qualname:
-        return
-    stand_in = sys.modules.get(module)
-    if stand_in is None:
-        stand_in = sys.modules[module] = types.ModuleType(module)
-        setattr(stand_in, "__daskdag_stand_in__", True)
-    if getattr(stand_in, "__daskdag_stand_in__", False):
-        setattr(stand_in, qualname, cls)
-
-
 def _keep_rebuilt(cls, origin: tuple) -> None:
     """Make a class rebuilt by value behave as its original: its instances pickle with a
-    reference to ``origin``, and a pytree class (its decorator does not run here) is registered
-    again."""
+    reference to ``origin``, pickle finds it by reference in a stand-in module (so that the class
+    of a result Dask reports reaches the client as its own class), and a pytree class (its
+    decorator does not run here) is registered again."""
     def reduce_ex(obj, protocol):
         rv = object.__reduce_ex__(obj, protocol)
         if type(obj) is not cls:  # a subclass: not ours to redirect
@@ -192,7 +171,14 @@ def _keep_rebuilt(cls, origin: tuple) -> None:
         return rv
 
     cls.__reduce_ex__ = reduce_ex
-    _stand_in(origin[0], origin[1], cls)
+    module, qualname = origin[:2]
+    if module != "__main__" and "." not in qualname:
+        stand_in = sys.modules.get(module)
+        if stand_in is None:
+            stand_in = sys.modules[module] = types.ModuleType(module)
+            setattr(stand_in, "__daskdag_stand_in__", True)
+        if getattr(stand_in, "__daskdag_stand_in__", False):
+            setattr(stand_in, qualname, cls)
     if hasattr(cls, "tree_flatten") and hasattr(cls, "tree_unflatten"):
         try:
             jax.tree_util.register_pytree_node(cls, lambda obj: obj.tree_flatten(),

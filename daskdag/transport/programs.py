@@ -48,12 +48,9 @@ def check_versions(sender: dict[str, str]) -> None:
 
 
 def _this_process() -> str:
-    module = sys.modules.get("distributed")  # (not imported: not a worker)
-    try:
-        if module is None:
-            raise ValueError
-        return f"worker {module.get_worker().address}"
-    except ValueError:
+    try:  # (distributed not imported, or get_worker's ValueError: not a worker)
+        return f"worker {sys.modules['distributed'].get_worker().address}"
+    except (KeyError, ValueError):
         return "this process"
 
 

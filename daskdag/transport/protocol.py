@@ -64,14 +64,8 @@ def token_kept(fixed: Callable[[Any], bool] = lambda obj: True):
 
 # -- sizes ----------------------------------------------------------------------------------------
 
-@sizeof.register(jax.Array)
-def _sizeof_jax_array(a) -> int:
-    return int(a.nbytes)
-
-
-@sizeof.register(Packed)
-def _sizeof_packed(p) -> int:
-    return len(p.skeleton) + sum(int(a.nbytes) for a in p.arrays)
+sizeof.register(jax.Array)(lambda a: int(a.nbytes))
+sizeof.register(Packed)(lambda p: len(p.skeleton) + sum(int(a.nbytes) for a in p.arrays))
 
 
 # -- frames ---------------------------------------------------------------------------------------
@@ -88,16 +82,12 @@ def with_distributed() -> None:
         return
     from distributed.protocol import dask_deserialize, dask_serialize
     with _lock:
-        for family in [jax.Array, *_families]:
-            if family in _registered:
-                continue
-            if family is jax.Array:
-                dask_serialize.register(jax.Array)(_serialize_jax_array)
-                dask_deserialize.register(jax.Array)(_deserialize_jax_array)
-            else:
-                dask_serialize.register(family)(_dumps)
-                dask_deserialize.register(family)(_loads)
-            _registered.append(family)
+        for family, dumps, loads in [(jax.Array, _serialize_jax_array, _deserialize_jax_array),
+                                     *((f, _dumps, _loads) for f in _families)]:
+            if family not in _registered:
+                dask_serialize.register(family)(dumps)
+                dask_deserialize.register(family)(loads)
+                _registered.append(family)
 
 
 def _serialize_jax_array(a):

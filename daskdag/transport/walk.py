@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copyreg
 import hashlib
+import dis
 import io
 import types
 from functools import lru_cache
@@ -71,9 +72,9 @@ class Walk:
 
     LIMIT = float("inf")
     __slots__ = ("facts", "seen", "walked", "root", "weakly", "read", "modules", "anything",
-                 "lines", "consts", "names_of")
+                 "lines", "consts", "names_of", "prefix")
 
-    def __init__(self, root, checked: bool = False):
+    def __init__(self, root, checked: bool = False, prefix: str = ""):
         self.facts: list = []
         self.root = root
         self.seen: dict[int, int] = {}  # id -> its place in the order reached
@@ -86,6 +87,7 @@ class Walk:
         self.lines: list[str] | None = [] if checked else None  # the check's source
         self.consts: list = []  # the check's constants
         self.names_of: dict[int, str] = {}  # id of an object reached -> its variable
+        self.prefix = prefix  # of the check's names: ``{prefix}root``, ``{prefix}K``, variables
 
     def leaf(self, obj, at: str) -> None:
         """``obj`` reached, not walked into: a JAX array, a code object, a module, installed
@@ -109,7 +111,7 @@ class Walk:
 
     def const(self, value) -> str:
         self.consts.append(value)
-        return f"K[{len(self.consts) - 1}]"
+        return f"{self.prefix}K[{len(self.consts) - 1}]"
 
     def bind(self, expr: str) -> str:
         """A new variable of the check, holding ``expr`` (``""`` when no check is made)."""
@@ -119,14 +121,14 @@ class Walk:
         if len(lines) > CHECK_LINES:
             self.lines = None
             return ""
-        name = f"v{len(lines)}"
+        name = f"{self.prefix}v{len(lines)}"
         lines.append(f"{name} = {expr}")
         return name
 
     def walk(self) -> None:
         """The root, then the user's modules it reached, by the names its code reads, until
         neither grows (a module's attribute may read more names, or reach another module)."""
-        self(self.root, "root")
+        self(self.root, f"{self.prefix}root")
         grown = True
         while grown:
             grown = False
@@ -207,8 +209,9 @@ class Walk:
 
     def reads(self, code: types.CodeType) -> None:
         """Take the names ``code`` may read of a module of the user's."""
-        self.read.update(attributes(code))
-        if not self.anything and not DYNAMIC_ATTRIBUTES.isdisjoint(names(code)):
+        read = attributes(code)
+        self.read.update(read)
+        if not self.anything and not DYNAMIC_ATTRIBUTES.isdisjoint(read):
             self.anything = True
 
     def container(self, obj, at: str) -> None:
@@ -353,12 +356,17 @@ def array_content(a: np.ndarray) -> bytes:
 
 @lru_cache(maxsize=8192)
 def names(code: types.CodeType) -> tuple[str, ...]:
-    """The global names ``code`` (and the code nested in it: lambdas, comprehensions) may read."""
-    found = set(code.co_names)
+    """The global names ``code`` (and the code nested in it: lambdas, comprehensions) may read:
+    those its instructions look up as globals (not its attributes' names)."""
+    found = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOOKUPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             found.update(names(const))
     return tuple(sorted(found))
+
+
+_GLOBAL_LOOKUPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME",
+                             "STORE_NAME", "DELETE_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
 
 
 @lru_cache(maxsize=8192)
