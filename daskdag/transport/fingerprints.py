@@ -28,18 +28,23 @@ class Fingerprint:
 
     __slots__ = ("facts", "refs", "_check", "_source")
 
-    def __init__(self, facts: list, refs: list, check: Callable[[Any], bool] | None = None,
+    def __init__(self, facts: list, refs: list,
                  source: tuple[str, list[str], list] | None = None):
-        self.facts, self.refs, self._check = facts, refs, check
-        self._source = source  # (the check's prefix, lines and constants)
+        self.facts, self.refs = facts, refs
+        self._source = source  # (its check's prefix, lines and constants)
+        self._check: Callable[[Any], bool] | None = None  # (compiled at its first use)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fingerprint) and self.facts == other.facts
 
     def holds(self, obj: Any) -> bool:
         """Whether ``obj`` (the function this was taken of) would have this fingerprint now: by
-        the check compiled when it was taken, else by taking a new one."""
+        the check written when it was taken (compiled at its first use), else by taking a new
+        one."""
         root = obj.target if isinstance(obj, Weak) else obj
+        if self._check is None and self._source is not None:
+            prefix, lines, consts = self._source
+            self._check = _compiled(f"def check({prefix}root):\n", lines, {f"{prefix}K": consts})
         if self._check is not None:
             try:
                 return self._check(root)
@@ -53,7 +58,7 @@ class Fingerprint:
 def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
     """``obj``'s fingerprint now, or ``None`` when some object it holds cannot be read. It
     keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it.
-    ``checked``: compile the check :meth:`Fingerprint.holds` runs (worth it only for a
+    ``checked``: write the check :meth:`Fingerprint.holds` runs (worth it only for a
     fingerprint checked many times)."""
     walk = _Fingerprinting(obj.target if isinstance(obj, Weak) else obj, checked,
                            f"f{next(_checks)}_" if checked else "")
@@ -61,11 +66,8 @@ def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
         walk.walk()
     except (Unwatchable, RecursionError):
         return None
-    if walk.lines is None:
-        return Fingerprint(walk.facts, walk.refs)
-    return Fingerprint(walk.facts, walk.refs, _compiled(
-        f"def check({walk.prefix}root):\n", walk.lines, {f"{walk.prefix}K": walk.consts}),
-        (walk.prefix, walk.lines, walk.consts))
+    return Fingerprint(walk.facts, walk.refs,
+                       None if walk.lines is None else (walk.prefix, walk.lines, walk.consts))
 
 
 _checks = itertools.count()  # (each compiled check's names their own: :func:`holding`)
