@@ -50,14 +50,14 @@ class Prepared:
                  scheduler: str | Client | None, progress: bool) -> None:
         self._name, self._kind, self._unpack, self._outputs = name, kind, unpack, outputs
         self._client, self._scheduler, self._progress = client, scheduler, progress
+        self._here = client is None and scheduler is None and not progress  # (may run alone)
         self._last = threading.local()
         self._held = Held(self._shaped)
 
     def __call__(self, x: PyTree, *data: PyTree, store: Any = None) -> Any:
         """The call for inputs ``x`` (and its data: tangents, ``v``); ``store`` as
         [`compute_grads`][daskdag.compute_grads]'s ``store=``."""
-        if store is None and not data and self._client is None and self._scheduler is None \
-                and not self._progress and alone_here():
+        if store is None and not data and self._here and alone_here():
             entry = self._held.entry(x)
             if entry is not None:  # (a warm call of one program here: its entry alone)
                 self._last.info, self._last.failed = entry.info, {}

@@ -1,4 +1,4 @@
-"""What daskdag reads of Dask that Dask does not document (:mod:`daskdag.running.dask_local`,
+"""What daskdag reads of Dask that Dask does not document (in :mod:`daskdag.running.local`,
 and the prefix Dask takes of daskdag's keys): each checked against the installed Dask, so that
 a release that changes it fails here."""
 
@@ -12,7 +12,7 @@ from dask.task_spec import Task, TaskRef
 from dask.utils import key_split
 
 from daskdag.graph.assembly import key, kind_of
-from daskdag.running.dask_local import batch_tasks, running, threads_of
+from daskdag.running.local import batch_tasks, running, threads_of
 
 
 class Recording(concurrent.futures.ThreadPoolExecutor):

@@ -157,12 +157,12 @@ def test_only_the_sweeps_know_their_items():
 def test_no_module_extends_a_lower_layer_but_at_its_named_extension_points():
     """What runs back up the layers, though no import does: a module registering its own code
     into a lower layer's tables, which then calls it. Only the named extension points take
-    that: a kind of node's rules (``rules.registry.register``), a family of objects that crosses
+    that: a kind of node's rules (``rules.vjp.register``), a family of objects that crosses
     processes (``transport.protocol.travels``, ``token_kept``) and what ``clear_caches``
     empties (``caches.register``, a ``Cache``); no ``singledispatch`` of a lower layer is
     extended from above (a sweep hands the core its ``PerItem``, a lifted value its seed is
-    registered beside ``seeds``, in ``rules``)."""
-    allowed = {("daskdag.rules.registry", "register"), ("daskdag.transport.protocol", "travels"),
+    registered beside ``seed``, in ``rules``)."""
+    allowed = {("daskdag.rules.vjp", "register"), ("daskdag.transport.protocol", "travels"),
                ("daskdag.transport.protocol", "token_kept"), ("daskdag.caches", "register"),
                ("daskdag.caches", "Cache"), ("daskdag.caches", "ByObject")}
     modules, problems = _modules(), []

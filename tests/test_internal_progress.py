@@ -54,15 +54,15 @@ def _tell(topic: str, message: list) -> None:
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_events_reach_each_listener_while_it_listens(caplog):
-    """What tasks tell their client (daskdag.running.events): each listener of a topic hears
-    its events while it listens, and none after; one told when no one listens is dropped,
-    with no error logged by distributed."""
-    from daskdag.running import events
+    """What tasks tell their client (daskdag.running.compute.listening): each listener of a
+    topic hears its events while it listens, and none after; one told when no one listens is
+    dropped, with no error logged by distributed."""
+    from daskdag.running.compute import listening
 
     with local_client(1) as client, caplog.at_level(logging.INFO, logger="distributed"):
         first, second = [], []
-        with events.listening(client, "daskdag-test", first.append):
-            with events.listening(client, "daskdag-test", second.append):
+        with listening(client, "daskdag-test", first.append):
+            with listening(client, "daskdag-test", second.append):
                 client.submit(_tell, "daskdag-test", ["both"], pure=False).result()
             client.submit(_tell, "daskdag-test", ["first"], pure=False).result()
         client.submit(_tell, "daskdag-test", ["no one"], pure=False).result()

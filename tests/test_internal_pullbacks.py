@@ -16,8 +16,7 @@ from distributed.protocol import deserialize, serialize
 import daskdag
 from daskdag import ClusterError, Node
 from daskdag.model.spec import parse
-from daskdag.rules.registry import linearizer
-from daskdag.rules.vjp import linearize, received
+from daskdag.rules.vjp import linearize, linearizer, received
 from daskdag.sweeps.chunked import Chunked
 from daskdag.transport import programs
 

@@ -1,4 +1,4 @@
-"""The rule registry (daskdag.rules.registry): a rule registered for a kind of function (here,
+"""The rule registry (daskdag.rules.vjp.register): a rule registered for a kind of function (here,
 a JVP rule for NumPy code that jax.jvp cannot trace) is the one compute_jvps uses for it, once
 per call, and direction by direction when batched; without it, the node fails, named."""
 
@@ -9,7 +9,7 @@ import pytest
 
 import daskdag
 from daskdag import NodeError
-from daskdag.rules.registry import RULES, register
+from daskdag.rules.vjp import RULES, register
 
 from .support.numbers import assert_tree_close
 

@@ -220,12 +220,12 @@ def test_outputs_pulled_back_together_equal_one_at_a_time():
 @pytest.mark.parametrize("close", [True, False])
 def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, monkeypatch):
     """Every cotangent of the fused stage starts at its own outputs (E and D, scalars): its
-    forward task pulls them back too, in one program (run.gradients) that traces each node
+    forward task pulls them back too, in one program (tasks.gradients) that traces each node
     once; with daskdag.close-stages off, forward and backward are apart. Same results."""
-    from daskdag.graph import run, whole
+    from daskdag.graph import tasks, whole
     ran = []
-    real = run.gradients
-    monkeypatch.setattr(run, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
+    real = tasks.gradients
+    monkeypatch.setattr(tasks, "gradients", lambda *a: ran.append(a[0].name) or real(*a))
     called = whole.WholeGradients.__call__  # (the call, being all of the stage, runs it alone)
     monkeypatch.setattr(whole.WholeGradients, "__call__",
                         lambda self, *a: ran.append(self.stage.name) or called(self, *a))

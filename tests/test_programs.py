@@ -243,7 +243,8 @@ def test_a_prepared_call_checks_each_node_function_once(make, monkeypatch):
     checked = []
     holding = programs.holding  # (the one check of a program's functions, made at its first use)
     monkeypatch.setattr(programs, "holding",
-                        lambda watched: checked.extend(fn for _, fn in watched) or holding(watched))
+                        lambda watched, *first: checked.extend(fn for _, fn in watched)
+                        or holding(watched, *first))
     f(xs()[0])
     f(xs()[1])
     assert len(checked) == 6  # (the six nodes' functions)

@@ -16,7 +16,7 @@ from distributed.protocol import deserialize, serialize
 
 import daskdag
 from daskdag import DAGError, Node
-from daskdag.rules.remat import RematPullback
+from daskdag.rules.vjp import RematPullback
 from .support.clusters import RunLog, compute_split, local_client
 from .support.numbers import Counted, assert_tree_close
 

@@ -1,7 +1,7 @@
 """Scenario 4, portable pullbacks: the cost per node of a backward pass run in another process
 than its forward.
 
-A node's :class:`~daskdag.rules.pullback.Pullback` is normally called in the worker that ran the node's
+A node's :class:`~daskdag.rules.vjp.Pullback` is normally called in the worker that ran the node's
 forward pass. When Dask runs the backward task elsewhere, the pullback travels: daskdag exports
 its backward program (``jax.export``), ships it with the residual arrays that are not the node's
 own inputs, and the receiver compiles the program, once per program and process. This measures

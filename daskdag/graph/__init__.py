@@ -1,6 +1,6 @@
-"""Stages and the Dask graph of a call: ``stages`` (nodes grouped into tasks), ``run`` (a
-stage's forward pass and its pullback), ``compiled`` (fused stages as compiled programs),
-``dense`` (a backward pass as a dense Jacobian), ``tasks`` (the functions Dask runs),
+"""Stages and the Dask graph of a call: ``stages`` (nodes grouped into tasks), ``compiled``
+(fused stages as compiled programs), ``dense`` (a backward pass as a dense Jacobian), ``tasks``
+(the functions Dask runs: a stage's forward pass and its pullback, its backward pass, a gradient),
 ``assembly`` (task keys, ``Intake``, ``TaskGraph``), ``build`` (the graph of a call),
 ``sparsity`` (a DAG's Jacobian patterns), ``whole`` (a call as one jitted program).
 

@@ -16,7 +16,7 @@ from dask.highlevelgraph import HighLevelGraph, Layer, MaterializedLayer
 from dask.sizeof import sizeof
 from dask.task_spec import GraphNode, List, Task, TaskRef
 
-from daskdag.graph.run import identity
+from daskdag.graph.tasks import identity
 from daskdag.transport.packing import unpack
 from daskdag.transport.scope import JaxSettings, within
 from daskdag.transport.transports import Transport

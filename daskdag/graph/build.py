@@ -18,7 +18,7 @@ from daskdag.graph.assembly import (Intake, Inline, Keeper, TaskGraph, ident, is
 from daskdag.graph.stages import abbreviate, make_stages
 from daskdag.model.plan import Plan
 from daskdag.rules.lifted import Lift
-from daskdag.rules.seeds import PerItem, basis_size
+from daskdag.rules.vjp import PerItem, basis_size
 from daskdag.transport.packing import unwrap
 from daskdag.transport.transports import Transport
 

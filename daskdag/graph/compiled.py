@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from daskdag.caches import ByObject
 from daskdag.model.leaves import differentiable_leaves, is_array, is_differentiable, is_numeric
 from daskdag.model.spec import Node
-from daskdag.rules.pullback import COMPILED
-from daskdag.rules.vjp import JaxPullback, by_arg, ct_avals, diff_counts, vjp_leaves
+from daskdag.rules.vjp import COMPILED, JaxPullback, by_arg, ct_avals, diff_counts, vjp_leaves
 from daskdag.rules.vjp import linearize as vjp_linearize
 from daskdag.transport.packing import current
 

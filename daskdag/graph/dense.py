@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.model.leaves import differentiable_leaves
-from daskdag.rules.pullback import Pullback
-from daskdag.rules.seeds import basis
+from daskdag.rules.vjp import Pullback, basis
 
 MOST_ROWS = 256  # the most rows (a pullback each) a dense Jacobian is made from
 MOST_BYTES = 64 * 1024  # the largest dense Jacobian kept (assembly.INLINE_BYTES)

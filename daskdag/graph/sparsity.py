@@ -15,8 +15,7 @@ from daskdag.errors import DAGError, node_errors
 from daskdag.model.leaves import is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.shapes import UNKNOWN, Traced, abstract, abstract_values
-from daskdag.rules.registry import has_rules, linearizer
-from daskdag.rules.seeds import basis
+from daskdag.rules.vjp import basis, has_rules, linearizer
 from daskdag.rules.sparsity import differentiable, jaxpr_pattern
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import daskdag.config as config
 from daskdag.model.custom import is_custom
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
-from daskdag.rules.registry import element_of
+from daskdag.rules.vjp import element_of
 from daskdag.transport.protocol import token_kept
 
 

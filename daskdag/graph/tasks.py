@@ -1,29 +1,46 @@
 """The functions Dask runs: per stage a forward and a backward task, and one gradient task per
 (output, input). How cotangents are pulled back is a task's ``pull``: :data:`PER_OUTPUT` for
 gradients, or a Jacobian's :class:`Rows`, each cotangent a stack of rows.
+
+A stage runs in its forward task by :func:`linearize`: a fused stage as one compiled function, a
+chain of JAX nodes under one ``jax.vjp`` (each node still called once, in order), any other node
+by node under its rule; on the stage's device, if it has one (:func:`placed`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dask.sizeof import sizeof
 
-from daskdag.cancel import Cancelled, dropped
-from daskdag.graph import dense, run
+from daskdag.caches import Cache
+from daskdag.cancel import Cancelled, check, dropped
+from daskdag.errors import node_errors
+from daskdag.graph import dense
+from daskdag.graph.compiled import Jitted
 from daskdag.graph.stages import Stage
+from daskdag.model import devices
 from daskdag.model.leaves import differentiable_leaves, is_differentiable
-from daskdag.rules.seeds import PerItem, basis, basis_rows, check_scalar, seed, total
+from daskdag.model.spec import Node
+from daskdag.rules.vjp import (PerItem, Pullback, add, basis, basis_rows, check_scalar, ct_avals,
+                               element_of, forward_rule, has_rules, rules_of, seed, total)
+from daskdag.rules.vjp import linearize as vjp_linearize
+from daskdag.transport.packing import Function, current
+from daskdag.transport.weak import ref
 
 
 def forward(stage: Stage, stop, *args):
     """Run the stage on ``args`` (its ``Node`` s, then its deps' values); between two nodes it
     stops once no one waits for it (``stop``: a local call's signal, or None)."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
-    out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
+    out = linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0] if stage.value_only else out
 
 
@@ -31,7 +48,7 @@ def forward_dense(stage: Stage, stop, *args):
     """:func:`forward`, its pullback made the stage's dense Jacobian where that is small."""
     nodes, deps = args[:len(stage.nodes)], args[len(stage.nodes):]
     dropped = dropped_of(stage, stop)
-    values, pullback = run.linearize(stage, nodes, deps, dropped)
+    values, pullback = linearize(stage, nodes, deps, dropped)
     return values, dense.densify(pullback, values, deps, _pull_rows, dropped)
 
 
@@ -42,7 +59,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, pull, *args):
     if stage.fused and not pull.stacked and all(f is None or (isinstance(f, Seed) and f.ct is None)
                                             for per_output in flows for f in per_output):
         seeded = tuple(tuple(f is not None for f in per_output) for per_output in flows)
-        out = run.gradients(stage, nodes, deps, seeded)
+        out = gradients(stage, nodes, deps, seeded)
         if out is not None:
             values, cts = out
             for per_output in flows:  # the check seed() makes: each seeded output a real scalar
@@ -50,7 +67,7 @@ def forward_backward(stage: Stage, stop, flows: tuple, pull, *args):
                     if flow is not None:
                         check_scalar(value, flow.output, flow.items is not None)
             return values, cts
-    out = run.linearize(stage, nodes, deps, dropped_of(stage, stop))
+    out = linearize(stage, nodes, deps, dropped_of(stage, stop))
     return out[0], backward(stage, stop, flows, pull, out, *deps)
 
 
@@ -70,7 +87,7 @@ def backward(stage: Stage, stop, flows: tuple, pull, forward_out, *args) -> list
     ``flows[k][e]``: where output ``k``'s cotangent at exposed node ``e`` comes from (a
     :class:`Seed`, :class:`Basis`, :class:`Shares`, or ``None``)."""
     values, pullback = forward_out
-    with run.placed(stage, args) as args:
+    with placed(stage, args) as args:
         deps, sources = args[:len(stage.deps)], args[len(stage.deps):]
         pullback = pullback.materialize(deps)  # (a remat node's residuals: here, for this task)
         cts = [tuple(None if flow is None else flow.cotangent(value, sources)
@@ -251,3 +268,297 @@ def _typed(grad, leaf, rows: bool = False):
     if rows and isinstance(grad, np.ndarray):
         return grad.astype(dtype, copy=False)
     return jnp.asarray(grad, dtype)
+
+
+# -- a stage run in its forward task -------------------------------------------------------------
+
+def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
+    """The stage's exposed values, with its pullback if it has one; ``dropped()`` stops it."""
+    with placed(stage, deps) as deps:
+        return _linearize(stage, nodes, deps, dropped)
+
+
+@contextlib.contextmanager
+def placed(stage: Stage, values):
+    """``values`` put on the stage's device, where eager ops in this context run (if any)."""
+    if stage.device is None:
+        yield values
+        return
+    with devices.on(stage.device, stage.name):
+        yield devices.put(values, stage.device, stage.name)
+
+
+def _linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=None):
+    if stage.fused:
+        return _linearize_fused(stage, nodes, deps)
+    if len(nodes) > 1 and stage.has_pullback:
+        if not any(map(has_rules, nodes)):
+            return _linearize_chain(stage, nodes, deps, dropped)
+        batch = chain_of_elements(nodes)
+        if batch is not None:
+            return _linearize_chain_of_elements(stage, nodes, batch, deps, dropped)
+    return _linearize_nodes(stage, nodes, deps, dropped)
+
+
+def _linearize_nodes(stage: Stage, nodes, deps, dropped):
+    """Node by node, each under its own rule: a :class:`StagePullback`."""
+    values: list = []
+    pullbacks: list = []
+    for j, (name, node, active) in enumerate(zip(stage.nodes, nodes, stage.active)):
+        if values:
+            check(dropped, name)
+        inputs = stage.inputs(j, deps, values)
+        with node_errors(name, "forward"):
+            if any(active):
+                primal, pullback = forward_rule(node)(inputs, active)
+            else:
+                primal, pullback = node.callable()(*inputs), None
+        _not_none(name, primal)
+        values.append(primal)
+        pullbacks.append(pullback)
+    exposed = tuple(values[j] for j in stage.exposed)
+    if not stage.has_pullback:
+        return exposed
+    # Keep the values that a node's pullback may take as inputs; drop the rest now.
+    taken = {i for sources, pb in zip(stage.sources, pullbacks) if pb is not None
+             for kind, i in sources if kind == "node"}
+    kept = [v if j in taken else None for j, v in enumerate(values)]
+    return exposed, StagePullback(stage, pullbacks, kept)
+
+
+class StagePullback(Pullback):
+    """A stage run node by node's pullback: its nodes' pullbacks, and the values later nodes
+    took as inputs (a pullback that moved takes its residuals from them)."""
+
+    __slots__ = ("stage", "pullbacks", "values")
+
+    def __init__(self, stage: Stage, pullbacks: Sequence[Any], values: Sequence[Any]):
+        self.stage, self.pullbacks, self.values = stage, tuple(pullbacks), tuple(values)
+
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            return self._pull(cts, deps, dropped)
+
+    def _pull(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        # autograd's backward pass: outgrads, per node, the sum of what its consumers gave.
+        outgrads: list
+        stage, outgrads = self.stage, [None] * len(self.stage.nodes)
+        for j, ct in zip(stage.exposed, cts):
+            outgrads[j] = ct
+        out: list = [None] * len(stage.deps)
+        ran = False
+        for j in reversed(range(len(stage.nodes))):
+            if self.pullbacks[j] is None or outgrads[j] is None:  # held constant, or none flows
+                continue
+            if ran:
+                check(dropped, stage.nodes[j])
+            inputs = stage.inputs(j, deps, self.values)
+            with node_errors(stage.nodes[j], "backward"):
+                shares = self.pullbacks[j](outgrads[j], inputs)
+            ran = True
+            for (kind, i), share in zip(stage.sources[j], shares):
+                if share is not None:
+                    into = out if kind == "dep" else outgrads
+                    into[i] = share if into[i] is None else add(into[i], share)
+        return tuple(out)
+
+    def materialize(self, deps: Sequence[Any]) -> StagePullback:
+        """With each node's pullback materialized (a ``remat`` node's forward pass redone)."""
+        stage, pullbacks = self.stage, list(self.pullbacks)
+        with placed(stage, deps) as deps:
+            for j, pb in enumerate(pullbacks):
+                if pb is not None:
+                    with node_errors(stage.nodes[j], "backward"):
+                        pullbacks[j] = pb.materialize(stage.inputs(j, deps, self.values))
+        return self if all(a is b for a, b in zip(pullbacks, self.pullbacks)) else StagePullback(
+            stage, pullbacks, self.values)
+
+    @property
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
+        """Its nodes' common :attr:`~daskdag.rules.vjp.Pullback.batching`, else None."""
+        kinds = {pb.batching for pb in self.pullbacks if pb is not None}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    @property
+    def traceable(self) -> bool:  # type: ignore[override]  # (a plain attribute in Pullback)
+        """No node's pullback is the user's own code: JAX can trace it."""
+        return all(pb.traceable for pb in self.pullbacks if pb is not None)
+
+    def residual_nbytes(self) -> int:
+        """The pullbacks' residuals and the kept values."""
+        return (sum(pb.residual_nbytes() for pb in self.pullbacks if pb is not None)
+                + sum(sizeof(v) for v in self.values if v is not None))
+
+    def __reduce__(self):
+        return StagePullback, (self.stage, self.pullbacks, self.values)
+
+
+# -- several nodes as one function ----------------------------------------------------------------
+
+class Fused:
+    """A stage's nodes as one function of its deps, returning its exposed values. ``fns``: the
+    nodes' plain functions, held ``weakly`` where they can be (a cached ``Fused`` keeps none)."""
+
+    def __init__(self, stage: Stage, fns: Sequence, dropped=None, weakly: bool = False):
+        self.stage, self.dropped = stage, dropped
+        self._fns = tuple(ref(f) if weakly else partial(identity, f) for f in fns)
+
+    @property
+    def fns(self) -> tuple:
+        return tuple(f() for f in self._fns)
+
+    def __call__(self, *deps):
+        values: list = []
+        for j, (name, fn) in enumerate(zip(self.stage.nodes, self.fns)):
+            if values:
+                check(self.dropped, name)
+            with node_errors(name, "forward"):
+                values.append(fn(*self.stage.inputs(j, deps, values)))
+            _not_none(name, values[-1])
+        return tuple(values[j] for j in self.stage.exposed)
+
+    def __reduce__(self):
+        return Fused, (self.stage, self.fns)
+
+
+class FusedPullback(Pullback):
+    """A stage run as one function's pullback; ``avals``: for zero cotangents."""
+
+    __slots__ = ("stage", "pullback", "avals")
+
+    def __init__(self, stage: Stage, pullback, avals):
+        self.stage, self.pullback, self.avals = stage, pullback, avals
+
+    def __call__(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        return self._pull(cts, deps, (), self.pullback)
+
+    def rows(self, cts: tuple, deps: Sequence[Any], dropped=None) -> tuple:
+        """Each row of ``cts`` pulled back by the inner pullback's rows."""
+        n = next(len(leaf) for ct in cts if ct is not None for leaf in ct)
+        return self._pull(cts, deps, (n,), lambda c, d: self.pullback.rows(c, d, dropped))
+
+    def _pull(self, cts: tuple, deps: Sequence[Any], lead: tuple, pull) -> tuple:
+        """``pull`` of the cotangents' leaves, flat, with zeros (``lead`` rows) where none."""
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            flat = [leaf for ct, avals in zip(cts, self.avals) for leaf in (
+                ct if ct is not None else [jnp.zeros((*lead, *shape), dtype)
+                                           for shape, dtype in avals])]
+            with node_errors(self.stage.name, "backward"):
+                return pull(tuple(flat), deps)
+
+    @property
+    def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
+        return self.pullback.batching
+
+    def residual_nbytes(self) -> int:
+        return self.pullback.residual_nbytes()
+
+    def __reduce__(self):
+        return FusedPullback, (self.stage, self.pullback, self.avals)
+
+
+def _avals(values) -> list:
+    """Per exposed value, the shape and dtype of each of its differentiable leaves."""
+    return [[(a.shape, a.dtype) for a in ct_avals(differentiable_leaves(v))] for v in values]
+
+
+def _linearize_chain(stage: Stage, nodes, deps, dropped):
+    """A chain of eager JAX nodes under one ``jax.vjp`` (one fixed cost, not one per node)."""
+    fused = Fused(stage, [n.callable() for n in nodes], dropped)
+    values, pullback = vjp_linearize(Node(fused, stage.deps), deps, stage.dep_active())
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def chain_of_elements(nodes):
+    """The batch rule of a chain of nodes that map JAX elements over a batch, else None."""
+    found = [(rules_of(n), *element_of(n)) for n in nodes]
+    if all(axes is not None and not element.vmap and not has_rules(element)
+           for _, element, axes in found):
+        return found[0][0].batch  # type: ignore[union-attr]  # (an element's node has rules)
+    return None
+
+
+def _linearize_chain_of_elements(stage: Stage, nodes, batch, deps, dropped):
+    """A chain of nodes over a batch, each element under one ``jax.vjp`` of the chain."""
+    elements = [element_of(n) for n in nodes]
+    fused = Fused(stage, [element.callable() for element, _ in elements], dropped)
+    values, pullback = batch(fused, _in_axes(stage, elements), False).linearize_values(
+        deps, stage.dep_active(), len(stage.exposed))
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def _in_axes(stage: Stage, elements) -> tuple:
+    """Per dep of the stage, its batch axis as its nodes take it."""
+    in_axes = [None] * len(stage.deps)
+    for (_, axes), sources in zip(elements, stage.sources):
+        for (kind, i), axis in zip(sources, axes or ()):
+            if kind == "dep":
+                in_axes[i] = axis
+    return tuple(in_axes)
+
+
+# (stage, ids of fns, batch axes) -> (its compiled function, Fused), while its functions live
+_fused: Cache[tuple] = Cache("fused stages' functions", 1024)
+# ids of nodes -> (weak refs to the nodes, stage, its compiled function)
+_by_nodes: Cache = Cache("fused stages by their node objects", 256)
+
+
+def fused_function(stage: Stage, nodes: Sequence[Node]):
+    """The fused stage as one compiled function, the same while its node functions live."""
+    key = tuple(map(id, nodes))
+    hit = _by_nodes.get(key)
+    if hit is not None and hit[1] is stage and all(r() is n for r, n in zip(hit[0], nodes)):
+        return hit[2]
+    function = _fused_function(stage, nodes)
+    if all(isinstance(n.fn, Function) for n in nodes):  # (held weakly: no node kept alive)
+        _by_nodes.put(key, (tuple(map(weakref.ref, nodes)), stage, function))
+    return function
+
+
+def _fused_function(stage: Stage, nodes: Sequence[Node]):
+    elements = [element_of(n) for n in nodes]
+    fns = [current(element.fn) for element, _ in elements]
+    batch = next((rules_of(n).batch  # type: ignore[union-attr]
+                  for n, (_, axes) in zip(nodes, elements) if axes is not None), None)
+    in_axes = _in_axes(stage, elements)
+    # (the same functions over a batch, or over one call's values: two programs)
+    key = (stage, tuple(map(id, fns)), in_axes, batch is not None)
+    hit = _fused.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[1].fns, fns)):
+        return hit[0]
+    fused = Fused(stage, fns, weakly=True)
+    function = batch(fused, in_axes, True) if batch is not None else Jitted(fused, in_axes)
+    _fused.put(key, (function, fused))
+    for f in fns:  # the entry goes with the first of its functions to go
+        with contextlib.suppress(TypeError):
+            weakref.finalize(f, _fused.pop, key, None)
+    return function
+
+
+def _linearize_fused(stage: Stage, nodes, deps):
+    function = fused_function(stage, nodes)
+    with node_errors(stage.name, "forward"):
+        if not stage.has_pullback:
+            return function(*deps)
+        values, pullback = function.linearize(deps, stage.dep_active())
+    return values, FusedPullback(stage, pullback, _avals(values))
+
+
+def gradients(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], seeded: tuple):
+    """A closed fused stage's ``(values, cts)`` as one program (None where it cannot run so);
+    ``seeded[k]``: per exposed node, whether the ``k``-th backward pass starts there."""
+    function = fused_function(stage, nodes)
+    with placed(stage, deps) as deps, node_errors(stage.name, "forward"):
+        return function.gradients(deps, stage.dep_active(), seeded)
+
+
+def _not_none(name: str, value) -> None:
+    if value is None:  # None is an empty pytree to JAX: it would fail later, far from here
+        with node_errors(name, "forward"):
+            raise TypeError("its function returned None; a node must return its value, a JAX "
+                            "array or a pytree of arrays (is a `return` missing?)")
+
+
+def identity(x):
+    """``x`` (a task keeping a node; with ``partial``, a picklable function returning it)."""
+    return x

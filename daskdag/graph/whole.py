@@ -25,12 +25,12 @@ from daskdag.caches import Cache
 from daskdag.errors import DAGError
 from daskdag.graph.assembly import Intake, TaskGraph, key
 from daskdag.graph.compiled import TRACED, rebuild, replay, split
-from daskdag.graph.run import Fused, identity, placed
+from daskdag.graph.tasks import Fused, identity, placed
 from daskdag.graph.stages import Stage
 from daskdag.model.leaves import is_array, is_differentiable
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node
-from daskdag.rules.seeds import basis, basis_rows, seed
+from daskdag.rules.vjp import basis, basis_rows, seed
 from daskdag.rules.vjp import by_arg, diff_counts, vjp_leaves
 from daskdag.transport.packing import Function, current, unpack
 from daskdag.transport.scope import within

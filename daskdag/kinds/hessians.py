@@ -14,7 +14,7 @@ from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
 from daskdag.model.request import cotangents_for, one_input
 from daskdag.rules.lifted import Lift, OnTangent
-from daskdag.rules.registry import has_rules
+from daskdag.rules.vjp import has_rules
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Lowered
 from daskdag.kinds.gradients import Gradients, per_output

@@ -27,8 +27,7 @@ from daskdag.model.request import (check_chunk_size, nodes_in_wrt, one_input, pa
                                    rules_missing, with_rules, wrt_names)
 from daskdag.model.shapes import UNKNOWN, Traced
 from daskdag.rules.jvp import why_no_jvp
-from daskdag.rules.registry import function_of
-from daskdag.rules.vjp import why_no_vjp
+from daskdag.rules.vjp import function_of, why_no_vjp
 from daskdag.running import programs
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered, names_key

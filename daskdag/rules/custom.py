@@ -14,8 +14,7 @@ import numpy as np
 
 from daskdag.model.custom import Custom
 from daskdag.model.leaves import as_numpy, is_differentiable, is_numeric, on_differentiable
-from daskdag.rules.pullback import Pullback
-from daskdag.rules.registry import register
+from daskdag.rules.vjp import Pullback, register
 from daskdag.transport.packing import pack, unpack, unwrap
 
 

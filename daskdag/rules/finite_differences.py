@@ -14,7 +14,7 @@ import numpy as np
 from daskdag.errors import node_errors
 from daskdag.model import devices
 from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
-from daskdag.rules.registry import linearizer
+from daskdag.rules.vjp import linearizer
 
 if TYPE_CHECKING:
     from daskdag.model.spec import Node

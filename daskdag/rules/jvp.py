@@ -1,5 +1,6 @@
-"""JAX's own rule in forward mode: a node under ``jax.jvp``, leaf by leaf; any rule run for
-several directions at once; and whether a node's jaxpr can go through ``jax.jvp`` at all."""
+"""Forward mode: JAX's own rule, a node under ``jax.jvp`` leaf by leaf, or the rule registered
+for the node's kind (:func:`jvp_rule`); any rule run for several directions at once; and whether
+a node's jaxpr can go through ``jax.jvp`` at all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jax.extend import core as jcore
 from daskdag.cancel import Cancelled
 from daskdag.model.leaves import is_numeric
 from daskdag.model.spec import Node
-from daskdag.rules.vjp import in_brief, of_jaxpr, of_leaves
+from daskdag.rules.vjp import function_of, in_brief, of_jaxpr, of_leaves, rules_of
 
 #: The primitive ``jax.jvp`` leaves in a ``jax.custom_vjp`` function, which has no forward-mode
 #: rule: it fails when it runs or compiles, not when traced.
@@ -29,6 +30,14 @@ def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[
     tans = [t for on, ts in zip(active, tangents) if on for t in ts]
     primal_diff, tangent, held = jax.jvp(fn_of_diff, tuple(diff), tuple(tans), has_aux=True)
     return rebuild(primal_diff, held), tuple(tangent)
+
+
+def jvp_rule(node: Node) -> Callable:
+    """``f(args, tangents, active) -> (primal, tangent)`` for ``node``."""
+    rules = rules_of(node)
+    if rules is None or rules.push is None:
+        return partial(jvp, node)
+    return partial(rules.push, function_of(node), node)
 
 
 def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None = None):

@@ -1,5 +1,5 @@
 """Forward mode as values: a node lifted to ``(x, dx) -> (f(x), J(x) dx)`` on :class:`Pair`
-values, the tangent pushed by the node's rule (:func:`daskdag.rules.registry.jvp_rule`). Every
+values, the tangent pushed by the node's rule (:func:`daskdag.rules.jvp.jvp_rule`). Every
 call that pushes tangents (JVPs, a Jacobian's columns, Hessian-vector products) runs its DAG
 lifted, a DAG like any other; a reverse pass over it gives Hessian-vector products. A node named
 in ``wrt`` takes one more dep, the tangent added at its value.
@@ -18,8 +18,8 @@ from daskdag.errors import DAGError
 from daskdag.model.leaves import differentiable_leaves
 from daskdag.model.spec import Node, Spec
 from daskdag.rules.jvp import directions as in_directions
-from daskdag.rules.registry import jvp_rule
-from daskdag.rules.seeds import seed
+from daskdag.rules.jvp import jvp_rule
+from daskdag.rules.vjp import seed
 from daskdag.transport.packing import current
 from daskdag.transport.protocol import travels, tree_size
 

@@ -1,11 +1,18 @@
-"""JAX's own rule: a node's forward pass under ``jax.vjp``, leaf by leaf, and the
-:class:`JaxPullback` it leaves, which travels as an exported program plus its residual arrays;
-and whether a node's jaxpr can go through ``jax.vjp`` at all (:func:`why_no_vjp`)."""
+"""Reverse mode, every node's backward half. The pullback protocol (:class:`Pullback`), which
+Dask sizes and moves the same way whoever made one; one registry of rules by the type of a node's
+function (:func:`register`: the user's own, a sweep's chunk of items; a type not registered is
+JAX code); remat (:class:`RematPullback`); JAX's own rule, ``jax.vjp`` leaf by leaf, whose
+:class:`JaxPullback` travels as an exported program plus its residual arrays; whether a node's
+jaxpr can go through ``jax.vjp`` at all (:func:`why_no_vjp`); and where cotangents start and
+how they add up (:func:`seed`, :func:`basis`, :func:`total`)."""
 
 from __future__ import annotations
 
+import abc
+import math
 from collections.abc import Callable, Sequence
-from functools import partial
+from dataclasses import dataclass
+from functools import partial, reduce, singledispatch
 from typing import Any
 
 import jax
@@ -13,10 +20,167 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from daskdag.model.leaves import differentiable_leaves, is_differentiable, is_numeric, partition
+from daskdag.errors import DAGError
+from daskdag.model.colouring import count
+from daskdag.model.devices import beside
+from daskdag.model.leaves import (describe, differentiable_leaves, is_differentiable, is_numeric,
+                                  partition)
 from daskdag.model.spec import Node
-from daskdag.rules.pullback import EAGER, Batching, Pullback
-from daskdag.transport import programs
+from daskdag.transport import programs, weak
+from daskdag.transport.packing import unwrap
+from daskdag.transport.protocol import travels
+
+
+@dataclass(frozen=True)
+class Batching:
+    """When pulling several cotangents back at once under ``jax.vmap`` pays: from ``least``
+    cotangents, each of at most ``most_elements`` elements."""
+
+    least: int
+    most_elements: int | None = None
+
+    def worth(self, cts: list) -> bool:
+        """``cts``: per output, a cotangent per exposed value (flat tuples, or None)."""
+        if len(cts) < self.least:
+            return False
+        return self.most_elements is None or max(
+            sum(int(np.size(leaf)) for c in per_output if c is not None for leaf in c)
+            for per_output in cts) <= self.most_elements
+
+
+# A compiled program's batched trace is cached; vmap of an eager pullback traces it anew.
+COMPILED = Batching(2)
+EAGER = Batching(8, 2 ** 15)
+
+
+@travels(lambda pb: pb.residual_nbytes())
+class Pullback(abc.ABC):
+    """The backward half of a forward pass at one point.
+
+    Call: ``pullback(ct, inputs, dropped=None)``. ``ct``: the cotangent of what the forward
+    pass returned, flat tuples of leaves (a stage's: one per exposed node, ``None`` where none
+    flows); ``inputs``: the forward pass's, which the backward task holds anyway;
+    ``dropped()``, asked between two nodes, stops it. Returns one cotangent per input, ``None``
+    for those held constant.
+    """
+
+    #: When several cotangents are best pulled back at once; None: never (the user's code, or
+    #: the vjp of a jitted function, which ``vmap`` recompiles on every call).
+    batching: Batching | None = None
+    #: JAX can trace it (``jax.vmap`` over a Jacobian's rows).
+    traceable: bool = True
+
+    @abc.abstractmethod
+    def __call__(self, ct: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
+                 ) -> tuple:
+        ...
+
+    def rows(self, cts: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
+             ) -> tuple:
+        """The pullback of each row of ``cts`` (each leaf stacked over a Jacobian's rows), under
+        ``jax.vmap``; one that cannot be vmapped raises, and is pulled back row by row."""
+        return jax.vmap(lambda ct: self(ct, inputs, dropped))(cts)
+
+    def materialize(self, inputs: Sequence[Any]) -> Pullback:
+        """The pullback a backward task calls on these ``inputs``: itself, or for one that keeps
+        no residuals (a :class:`RematPullback`), one that recomputed them, once for the task."""
+        return self
+
+    @abc.abstractmethod
+    def residual_nbytes(self) -> int:
+        """Bytes that moving it ships: its residuals, less what the backward task holds."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How nodes of one kind are differentiated. ``linearize(fn, node, args, active) ->
+    (primal, pullback)``; ``push(fn, node, args, tangents, active) -> (primal, tangent)``;
+    ``fn``: the node's function unpacked; ``active``: per dep, whether it is differentiated."""
+
+    linearize: Callable | None = None
+    push: Callable | None = None
+    #: For a function that maps one element's node over a batch (a sweep's chunk):
+    #: ``element(fn) -> (node, in_axes)``, per dep its batch axis (0) or None;
+    #: ``batch(fn, in_axes, vectorized)``, a function of one element made to run over the batch
+    #: the same way (``vectorized``: under ``jax.vmap``, else element by element).
+    element: Callable | None = None
+    batch: Callable | None = None
+
+
+RULES: dict[type, Rules] = {}
+
+
+def register(kind: type, **rules: Callable) -> None:
+    """The rules (:class:`Rules`' fields) for functions of type ``kind`` and its subclasses."""
+    RULES[kind] = Rules(**rules)
+
+
+def function_of(node: Node):
+    """``node``'s function itself: unpacked, and not as a preparation holds it (weakly)."""
+    return weak.held(unwrap(node.fn))
+
+
+def rules_of(node: Node) -> Rules | None:
+    """The rules registered for the kind of ``node``'s function, else None (JAX code)."""
+    for kind in type(function_of(node)).__mro__:
+        if kind in RULES:
+            return RULES[kind]
+    return None
+
+
+def has_rules(node: Node) -> bool:
+    """Its function is of a registered kind (not plain JAX code)."""
+    return rules_of(node) is not None
+
+
+def linearizer(node: Node) -> Callable:
+    """``f(args, active) -> (primal, pullback)`` for ``node``."""
+    rules = rules_of(node)
+    if rules is None or rules.linearize is None:
+        return partial(linearize, node)
+    return partial(rules.linearize, function_of(node), node)
+
+
+def element_of(node: Node) -> tuple[Node, tuple | None]:
+    """``(the node one element runs, per dep its batch axis)`` for a node that maps one over a
+    batch (:attr:`Rules.element`); else ``(node, None)``."""
+    rules = rules_of(node)
+    if rules is None or rules.element is None:
+        return node, None
+    return rules.element(function_of(node))
+
+
+def forward_rule(node: Node) -> Callable:
+    """:func:`linearizer` as a forward task runs ``node``; for a ``remat`` node
+    (``Node(..., remat=True)``), its value computed undifferentiated (no residuals even for a
+    moment) and a :class:`RematPullback`."""
+    if not node.remat:
+        return linearizer(node)
+    return lambda inputs, active: (node.callable()(*inputs), RematPullback(node, tuple(active)))
+
+
+class RematPullback(Pullback):
+    """The backward half of a ``remat`` node: no residuals (the backward task holds the inputs).
+    :meth:`materialize` redoes the forward pass under the node's rule and returns its ordinary
+    pullback, as :func:`jax.checkpoint` does."""
+
+    batching = None  # (until materialized)
+    traceable = False
+
+    def __init__(self, node: Node, active: tuple[bool, ...]):
+        self.node, self.active = node, active
+
+    def materialize(self, inputs: Sequence[Any]) -> Pullback:
+        return linearizer(self.node)(list(inputs), self.active)[1]
+
+    def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
+        return self.materialize(inputs)(ct, inputs, dropped)
+
+    def residual_nbytes(self) -> int:
+        return 0
+
+    def __reduce__(self):
+        return RematPullback, (self.node, self.active)
 
 
 class JaxPullback(Pullback):
@@ -219,3 +383,120 @@ def in_brief(e: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+@singledispatch
+def seed(primal, output: str, ct, batched: bool = False) -> tuple:
+    """The cotangent an output starts from, flat: 1 for a real scalar, else the user's ``ct``
+    (the output's structure, ``None`` at leaves held constant). ``batched``: the output has a
+    leading item axis; ``ct`` is one item's, broadcast over the items."""
+    if ct is None:
+        check_scalar(primal, output, batched)
+        return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
+    leaves = jax.tree.leaves(primal)
+    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p),
+                                 jnp.result_type(p)) if is_differentiable(p) else None
+            for p in leaves]
+    ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
+    if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
+            i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
+        raise DAGError(f"cotangent for output {output!r} is {describe(ct)}, "
+                       f"but the output is {describe(primal, batched)}", argument="cotangents")
+    seeds = []
+    for c, i, p in zip(ct_leaves, item, leaves):
+        if i is None:  # a leaf held constant carries no cotangent
+            continue
+        if jnp.iscomplexobj(c) and not jnp.issubdtype(i.dtype, jnp.complexfloating):
+            raise DAGError(f"cotangent for output {output!r} is complex, but the output is real "
+                           f"({i.dtype}): its imaginary part would be dropped",
+                           argument="cotangents")
+        c = jnp.asarray(c, i.dtype)
+        seeds.append(np.broadcast_to(c, jnp.shape(p)) if batched else c)
+    return tuple(seeds)
+
+
+def check_scalar(primal, output: str, batched: bool = False) -> None:
+    """Refuse an ``output`` without a cotangent unless it is a real scalar (per item,
+    ``batched``), which starts from 1."""
+    leaves = jax.tree.leaves(primal)
+    leaf = leaves[0] if len(leaves) == 1 else None
+    shape = () if leaf is None else tuple(np.shape(leaf))
+    if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
+            and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
+        raise DAGError(f"output {output!r} is not a real scalar: it is "
+                       f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
+                       f"with ct shaped like it", argument="cotangents")
+
+
+def basis(output: str, primal, colours=None) -> tuple:
+    """The rows of the identity over the elements of ``primal``'s differentiable leaves as a
+    cotangent, one ``[rows, *leaf.shape]`` array per leaf: pulled back, row ``r`` is row ``r``
+    of the Jacobian. With ``colours`` (one per element), row ``k`` is 1 on every element of
+    colour ``k``, pulled back the sum of their gradients."""
+    leaves = differentiable_leaves(primal)
+    for leaf in leaves:
+        if jnp.iscomplexobj(leaf):
+            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                           f"Jacobian needs real outputs, as jax.jacrev does")
+    size_all = basis_size(primal)
+    if colours is not None and len(colours) != size_all:
+        raise DAGError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "
+                       f"but the output has {size_all} elements", argument="sparsity")
+    n = size_all if colours is None else basis_rows(primal, colours)
+    rows = np.arange(size_all) if colours is None else np.asarray(colours)
+    start, seeds = 0, []
+    for leaf in leaves:
+        size = math.prod(jnp.shape(leaf))
+        eye = np.zeros((n, size), jnp.result_type(leaf))
+        eye[rows[start:start + size], np.arange(size)] = 1
+        seeds.append(eye.reshape(n, *jnp.shape(leaf)))  # (NumPy: a program takes it as it is)
+        start += size
+    return tuple(seeds)
+
+
+class PerItem:
+    """How a call over a sweep's chunk seeds its outputs and gathers its gradients: values with
+    a leading item axis. A sweep that passes values item by item extends it."""
+
+    def __dask_tokenize__(self):
+        return type(self).__qualname__
+
+    def seed(self, value, output: str, ct) -> tuple:
+        """:func:`seed` of each item, ``ct`` one item's."""
+        return seed(value, output, ct, batched=True)
+
+    def basis(self, value, output: str, colours=None) -> tuple:
+        """:func:`basis` of each item, each leaf ``(rows, items, *item shape)`` (row ``r`` the
+        same for every item)."""
+        rows = basis(output, jax.tree.map(lambda a: a[0], value), colours)
+        n = len(jax.tree.leaves(value)[0])
+        return tuple(np.broadcast_to(r[:, None], (r.shape[0], n, *r.shape[1:])) for r in rows)
+
+    def rows(self, value, colours=None) -> int:
+        """:func:`basis_rows` of one item."""
+        return basis_rows(jax.tree.map(lambda a: a[0], value), colours)
+
+    def gradient(self, value, grad, rows: bool):
+        """The gradient of ``value`` over the chunk, as a sweep stacks it: its items first (a
+        Jacobian's rows after them: ``(items, rows, ...)``)."""
+        return jax.tree.map(lambda g: jnp.moveaxis(g, 0, 1), grad) if rows else grad
+
+
+def basis_rows(primal, colours=None) -> int:
+    """How many rows :func:`basis` has."""
+    return basis_size(primal) if colours is None else count(np.asarray(colours))
+
+
+def basis_size(primal) -> int:
+    """The elements of ``primal``'s differentiable leaves."""
+    return sum(math.prod(jnp.shape(leaf)) for leaf in differentiable_leaves(primal))
+
+
+def total(cts):
+    """Sum cotangents (flat tuples, one array per differentiable leaf)."""
+    return reduce(add, cts)
+
+
+def add(a: tuple, b: tuple) -> tuple:
+    """Two cotangents summed leaf by leaf, each sum on its first leaf's device."""
+    return tuple(x + beside(x, y) for x, y in zip(a, b))

@@ -1,5 +1,7 @@
 """Running one call's graph: on Dask's local scheduler or a ``distributed`` client, with an
-optional progress bar over its tasks, and leaving nothing running when interrupted.
+optional progress bar over its tasks, and leaving nothing running when interrupted; what tasks
+on workers tell their client while they run (:func:`listening`); and what daskdag logs under
+the logger ``"daskdag"``: each call and sweep at INFO, tasks at DEBUG.
 
 Ctrl-C: locally no further task starts, and the stages running stop at their next node (the
 call's ``stop`` event). On a cluster the call's futures are released, so the scheduler cancels
@@ -14,22 +16,28 @@ counts; past ``daskdag.worker-wait`` the call ends with a :class:`~daskdag.Clust
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
 
 import jax
 
-if TYPE_CHECKING:
-    pass
-
+from daskdag.graph.assembly import kind_of, runs
 from daskdag.graph.whole import OneTask
 from daskdag.model import implicit
-from daskdag.running import events
 from daskdag.running.cluster import Watch
-from daskdag.running.local import SCHEDULERS, Filled, threads
+from daskdag.running.local import FORWARD, SCHEDULERS, Filled, threads
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
+
+logger = logging.getLogger("daskdag")
+logger.addHandler(logging.NullHandler())
+
+
 def compute(graph: dict, client, progress: bool = False, stop=None, local: str | None = None,
             plan=None) -> dict:
     """``graph`` (``{output: (value, {input: grad})}`` of ``Delayed``, a prepared local call's
@@ -69,7 +77,7 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
         return _in_order(jax.tree.unflatten(structure, computed), order)
     record = implicit.recorded()
     told: list = []  # [task key, node, solve] that workers told of (implicit.TOPIC)
-    with events.listening(client, implicit.TOPIC, told.append) if record is not None \
+    with listening(client, implicit.TOPIC, told.append) if record is not None \
             else contextlib.nullcontext():  # (listening before the graph goes)
         futures = ([client.submit(graph.fn, *graph.args, key=graph.key, pure=False,
                                   resources=graph.needs or None)]
@@ -150,3 +158,81 @@ def _bar(client, futures):
     bar.start()
     yield
     bar.join(timeout=2.0)  # (a call that finished: the bar draws its last state)
+
+
+# -- what tasks on workers tell their client ------------------------------------------------------
+# Through distributed's event log: each event goes to every listener of its topic, which keeps
+# what is its own.
+
+_lock = threading.Lock()
+# (client id, topic) -> {listener id: handler(message)}, for the listeners in this process
+_listeners: dict[tuple[str, str], dict[int, Callable[[Any], None]]] = {}
+_subscribed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its topics
+
+
+@contextlib.contextmanager
+def listening(client, topic: str, handler: Callable[[Any], None]) -> Iterator[None]:
+    """Within it, ``handler(message)`` for each event of ``topic`` reaching ``client``. A client
+    stays subscribed: an event no one listens to is dropped here (distributed would log one)."""
+    where, me = (client.id, topic), object()
+    with _lock:
+        _listeners.setdefault(where, {})[id(me)] = handler
+        topics = _subscribed.setdefault(client, set())
+        if topic not in topics:
+            client.subscribe_topic(topic, partial(_heard, where))
+            topics.add(topic)
+    try:
+        yield
+    finally:
+        with _lock:
+            mine = _listeners[where]
+            mine.pop(id(me))
+            if not mine:
+                del _listeners[where]
+
+
+def _heard(where: tuple[str, str], event: tuple[float, Any]) -> None:
+    with _lock:
+        handlers = list(_listeners.get(where, {}).values())
+    for handler in handlers:
+        handler(event[1])
+
+
+# -- what is logged of each call ------------------------------------------------------------------
+
+def log_submitted(kind: str, plan, graph: dict, where: str, placed: int | None = None) -> None:
+    """Log one call's graph as it goes to ``where``, with the bytes it ``placed`` there."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    tasks = _tasks(graph)
+    stages = sum(1 for k in tasks if kind_of(k) in FORWARD)
+    logger.info("%s: outputs %s, wrt %s: %d stages, %d tasks, on %s%s", kind, list(plan.outputs),
+                list(plan.wrt), stages, len(tasks), where,
+                "" if placed is None else f"; placed {placed} bytes on the cluster")
+    if logger.isEnabledFor(logging.DEBUG):
+        for key, task in tasks.items():
+            fn = runs(task)
+            logger.debug("  task %s: %s", key, getattr(fn, "__qualname__", type(task).__name__))
+
+
+def log_whole(kind: str, plan, where: str) -> None:
+    """Log one call run as one program (:mod:`daskdag.graph.whole`) at ``where``."""
+    logger.info("%s: outputs %s, wrt %s: one program, on %s", kind, list(plan.outputs),
+                list(plan.wrt), where)
+
+
+def log_reused(kind: str, nodes) -> None:
+    """Log the nodes whose values a call took from the call before."""
+    logger.info("%s: nodes %s reused from the call before (their inputs are the same)", kind,
+                list(nodes))
+
+
+def _tasks(graph) -> dict:
+    if isinstance(graph, Filled):
+        return graph.dsk
+    if isinstance(graph, OneTask):
+        return {graph.key: graph}
+    merged = {}
+    for delayed in jax.tree.leaves(graph):  # (Delayed objects are leaves to JAX)
+        merged.update({k: v for layer in delayed.dask.layers.values() for k, v in layer.items()})
+    return merged

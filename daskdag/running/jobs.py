@@ -19,9 +19,9 @@ from daskdag.cancel import Stop
 from daskdag.errors import DAGError
 from daskdag.model import implicit
 from daskdag.model.plan import Plan
-from daskdag.running import cluster, log, resident
+from daskdag.running import cluster, resident
 from daskdag.running import workers as worker_setup
-from daskdag.running.compute import compute
+from daskdag.running.compute import compute, log_submitted, log_whole, logger
 from daskdag.running.lazy import Call
 from daskdag.running.programs import Held, Program, active_client, in_words, one_program_here
 from daskdag.transport import transports
@@ -255,8 +255,8 @@ def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
         # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
         result = job.direct()
         if result is not None:
-            if log.logger.isEnabledFor(logging.INFO):
-                log.ran_whole(job.kind, job.plan, in_words(client, local))
+            if logger.isEnabledFor(logging.INFO):
+                log_whole(job.kind, job.plan, in_words(client, local))
             return result
     if client is not None:  # before anything is built or sent
         cluster.check(client, job.plan)
@@ -270,7 +270,7 @@ def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
         graph = (job.contained(place) if whole  # type: ignore[misc]
                  else job.make(place, stop) if keep is None
                  else job.stored(place, stop, keep))  # type: ignore[misc]
-        log.submitted(job.kind, job.plan, graph, in_words(client, local),
+        log_submitted(job.kind, job.plan, graph, in_words(client, local),
                       kept.sent - before if kept else None)
         computed = compute(graph, client, progress, stop, local, job.plan)
     if job.spreading is not None and not progress and keep is None:

@@ -2,6 +2,9 @@
 calling thread when it is the only one running or known to be short (:data:`SHORT`, measured on
 recent calls), as a thread's round trip costs as much as a tiny node's work. Also a prepared
 call's graph built once (:class:`Template`), and run whole in one task (:class:`GraphInOneTask`).
+What it reads of the threaded scheduler that Dask does not document is in one place,
+:func:`batch_tasks`, :func:`running` and :func:`threads_of` (checked by
+``tests/test_internal_dask_local.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable
 
-import dask
 import dask.local
 import jax
 import dask.threaded
@@ -29,7 +31,6 @@ from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.model.custom import Custom
 from daskdag.graph.assembly import kind_of, runs
-from daskdag.running.dask_local import batch_tasks, running, threads_of
 from daskdag.transport.packing import unpack, unwrap
 from daskdag.transport.weak import held, ref
 from daskdag.model.spec import Node
@@ -219,6 +220,21 @@ class Functions:
 def _remember(functions: Functions, seconds: float) -> None:
     """Keep the last :data:`SAMPLES` durations (the shortest is what the functions take)."""
     _durations.setdefault(functions, lambda: deque(maxlen=SAMPLES)).append(seconds)
+
+
+def batch_tasks(args: tuple) -> list[tuple[Any, Any]]:
+    """``(key, task)`` of each task of the batch ``dask.local`` submitted with ``args``."""
+    return [(key, task) for key, (task, _), *_ in args[0]]
+
+
+def running(state: dict) -> int:
+    """How many tasks run now, by the threaded scheduler's ``state``."""
+    return len(state["running"])
+
+
+def threads_of(pool: concurrent.futures.ThreadPoolExecutor) -> int:
+    """The number of threads ``pool`` runs at most."""
+    return pool._max_workers
 
 
 def _pool():

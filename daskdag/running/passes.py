@@ -47,7 +47,8 @@ from daskdag.model.leaves import PyTree, is_array
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import given_values, names_the_input, parsed
 from daskdag.model.spec import Spec
-from daskdag.running import log, programs
+from daskdag.running import programs
+from daskdag.running.compute import log_reused, log_whole, logger
 from daskdag.running.jobs import CallInfo, Job, Spreading
 from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
 from daskdag.running.programs import Program
@@ -187,7 +188,7 @@ class Compiled:
             found, again = kept.values(values, client, local, progress)
             reused = kept.plan.needed if again else ()
             if reused:
-                log.reused(info.call, reused)
+                log_reused(info.call, reused)
             return rest._job({**values, **found}, cts, replace(info, reused=reused), finish,
                              keep)
 
@@ -375,8 +376,8 @@ class Derivative:
         values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
         done = partial(self.finishing(lowered), self.info(lowered, data, None, where))
         result = _directly(whole, done, values, cts, lowered.tail)
-        if result is not None and log.logger.isEnabledFor(logging.INFO):
-            log.ran_whole(self.call, lowered.plan, where)
+        if result is not None and logger.isEnabledFor(logging.INFO):
+            log_whole(self.call, lowered.plan, where)
         return result
 
     def entry(self, program: Program[Compiled], x: PyTree, where: str,

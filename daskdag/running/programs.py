@@ -46,7 +46,7 @@ from daskdag.model.implicit import Implicit
 from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
 from daskdag.running.cluster import scheduler_address
-from daskdag.running.log import logger
+from daskdag.running.compute import logger
 from daskdag.transport import protocol, transports
 from daskdag.transport.fingerprints import Fingerprint, fingerprint, holding
 from daskdag.transport.packing import Packed
@@ -101,7 +101,7 @@ def in_words(client, local: str | None) -> str:
 def alone_here() -> bool:
     """Whether a call given neither client nor scheduler runs on this process's threads
     (:func:`where`) with nothing watching it (:func:`one_program_here`) and nothing to log
-    (:mod:`daskdag.running.log` at INFO): as one program, if it is one."""
+    (:mod:`daskdag.running.compute`'s logger at INFO): as one program, if it is one."""
     return _where(None, None) == (None, "threads") and \
         one_program_here(None, "threads", False) and not logger.isEnabledFor(logging.INFO)
 
@@ -234,8 +234,13 @@ class Program(Generic[P]):
         the fingerprints, cheapest first. The one check of whether a program is fresh."""
         if not self.kept:
             return self.why
-        if entries is not None and not entries.same():
-            return entries.why()
+        if entries is not None:
+            if entries.fresh is None:
+                entries.fresh = self._fresh(entries)
+            if entries.fresh():
+                return None
+            if not entries.same():
+                return entries.why()
         ours = dask.config.config.get("daskdag", {})
         if ours != self.settings_seen or self.key is None or not self.key[-1][0].hold():
             if config.get("prepared-calls") <= 0:
@@ -254,6 +259,18 @@ class Program(Generic[P]):
     def _holding(self) -> Callable[[], bool]:
         """Whether every watched function's fingerprint holds, as one check."""
         return holding([(print_, fn) for _, fn, print_ in self.watched])
+
+    def _fresh(self, entries: Entries) -> Callable[[], bool]:
+        """:meth:`stale` with ``entries`` as one compiled check: True where it would say None,
+        having found nothing changed; False: it says why."""
+        if self.key is None:
+            return lambda: False
+        lines, names = entries.check()
+        lines.append('if d_config.config.get("daskdag", d_none) != d_seen: return False')
+        names.update(d_config=dask.config, d_none={}, d_seen=self.settings_seen)
+        jax_lines, jax_names = self.key[-1][0].check()
+        return holding([(print_, fn) for _, fn, print_ in self.watched], lines + jax_lines,
+                       {**names, **jax_names})
 
 
 def compile(kind: str, dag: Any, x: Any, options: tuple, make: Callable[[Watch], P],
@@ -307,11 +324,13 @@ class Entries:
     key, whether the DAG is the same: the same entry objects under the same names, with the
     same functions, deps and resources (lists and dicts change in place)."""
 
-    __slots__ = ("dag", "parts")
+    __slots__ = ("dag", "parts", "fresh")
 
     def __init__(self, dag: Mapping[str, Any]):
         self.dag = dag
         self.parts = tuple((name, entry, _content(entry)) for name, entry in dag.items())
+        #: whether nothing changed since its program was compiled (:meth:`Program.stale`)
+        self.fresh: Callable[[], bool] | None = None
 
     def same(self) -> bool:
         dag = self.dag
@@ -329,6 +348,24 @@ class Entries:
             elif _content(entry) != content:
                 return False
         return True
+
+    def check(self) -> tuple[list[str], dict]:
+        """:meth:`same` as lines of a compiled check, and the names they read
+        (:func:`~daskdag.transport.fingerprints.holding`)."""
+        lines, names = [f"if len(d_dag) != {len(self.parts)}: return False"], {"d_dag": self.dag}
+        for k, (name, entry, content) in enumerate(self.parts):
+            names.update({f"d_n{k}": name, f"d_e{k}": entry, f"d_c{k}": content,
+                          "d_content": _content})
+            lines.append(f"if d_dag.get(d_n{k}) is not d_e{k}: return False")
+            if type(entry) is tuple:
+                if len(entry) == 2:
+                    lines.append(f"if d_e{k}[1] != d_c{k}[1]: return False")
+            elif isinstance(entry, (Node, Implicit)):
+                lines.append(f"if d_e{k}.deps != d_c{k}[0] or d_e{k}.resources != d_c{k}[1]: "
+                             f"return False")
+            else:
+                lines.append(f"if d_content(d_e{k}) != d_c{k}: return False")
+        return lines, names
 
     def why(self) -> str:
         before = {name: (entry, content) for name, entry, content in self.parts}
@@ -391,7 +428,8 @@ class Held:
                 return None
             self._latest = latest
         entry, program, dag = latest
-        return entry if program.stale(dag) is None else None
+        return entry if (dag.fresh is not None and dag.fresh()) or program.stale(dag) is None \
+            else None
 
     def hold_entry(self, key: Any, entry: Any) -> None:
         """``entry`` runs the calls of the program held by ``key`` (:meth:`entry`)."""

@@ -1,5 +1,5 @@
 """A node over a chunk of sweep items (:class:`Chunked`), registered with
-:mod:`daskdag.rules.registry` so the core runs it as any node.
+:func:`daskdag.rules.vjp.register` so the core runs it as any node.
 
 ``Node(vmap=True)`` nodes run once per chunk as ``jax.jit(jax.vmap(fn))``; the others item by
 item, each under its own ``jax.vjp``, with a :func:`~daskdag.sweeps.progress.checkpoint` between
@@ -24,9 +24,7 @@ from daskdag.graph.compiled import Jitted
 from daskdag.model.custom import is_custom
 from daskdag.model.leaves import differentiable_leaves, is_array
 from daskdag.model.spec import Node
-from daskdag.rules.pullback import Pullback
-from daskdag.rules.registry import linearizer, register
-from daskdag.rules.seeds import PerItem, basis, basis_rows, seed
+from daskdag.rules.vjp import PerItem, Pullback, basis, basis_rows, linearizer, register, seed
 from daskdag.sweeps.progress import NothingLeft, checkpoint, fail, failed_already
 from daskdag.transport.packing import unwrap
 from daskdag.transport.protocol import travels, tree_size
@@ -116,7 +114,7 @@ class Chunked:
 
 
 def _batch(fn, in_axes, vectorized: bool) -> Chunked:
-    """A fused stage's function (:class:`daskdag.graph.run.Fused`) over a chunk."""
+    """A fused stage's function (:class:`daskdag.graph.tasks.Fused`) over a chunk."""
     stage = getattr(fn, "stage", None)
     return Chunked(Node(fn, (), vmap=vectorized), in_axes, getattr(stage, "name", None))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
-from daskdag.graph.run import chain_of_elements
+from daskdag.graph.tasks import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
 from daskdag.model.leaves import is_array
 from daskdag.model.plan import Plan, make_plan, ship

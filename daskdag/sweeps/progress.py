@@ -21,7 +21,7 @@ from tqdm.std import tqdm
 
 from daskdag.cancel import Cancelled, dropped
 from daskdag.errors import NodeError
-from daskdag.running import events
+from daskdag.running.compute import listening
 
 TOPIC = "daskdag-sweep-progress"  # one topic: the scheduler keeps a bounded log per topic
 REPORT_EVERY = 0.2  # seconds between a worker's reports for one chunk
@@ -198,4 +198,4 @@ def listen(client, sweep_id: str, report: Callable) -> contextlib.AbstractContex
         if message[0] == sweep_id:
             report((message[1], message[2]), message[3])
 
-    return events.listening(client, TOPIC, heard)
+    return listening(client, TOPIC, heard)

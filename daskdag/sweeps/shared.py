@@ -19,14 +19,12 @@ import numpy as np
 import daskdag.config as config
 from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
-from daskdag.graph.run import linearize
 from daskdag.graph.stages import Stage, one_stage, together
-from daskdag.graph.tasks import Rows
+from daskdag.graph.tasks import Rows, linearize
 from daskdag.model.leaves import differentiable_leaves, is_array, on_differentiable
 from daskdag.model.plan import Plan, make_plan
-from daskdag.rules.seeds import total
-from daskdag.running.compute import compute
-from daskdag.running.log import logger
+from daskdag.rules.vjp import total
+from daskdag.running.compute import compute, logger
 from daskdag.sweeps.chunked import chunk_of
 from daskdag.sweeps.planning import Sweep
 from daskdag.transport.packing import unpack

@@ -22,7 +22,7 @@ from daskdag.model.request import (batch_size, check_chunk_size, check_errors, c
                                    given_values)
 from daskdag.running import cluster, programs
 from daskdag.running.jobs import not_on_processes, on_processes
-from daskdag.running.log import logger
+from daskdag.running.compute import logger
 from daskdag.running.programs import in_words
 from daskdag.running.passes import names_key
 from daskdag.running.resident import placing

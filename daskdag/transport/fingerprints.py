@@ -13,6 +13,7 @@ from the function's content.
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any, Callable, Sequence
 
 from daskdag.transport.walk import (CHECK_GLOBALS, DYNAMIC_ATTRIBUTES, Unwatchable, Walk,
@@ -44,12 +45,10 @@ class Fingerprint:
         root = obj.target if isinstance(obj, Weak) else obj
         if self._check is None and self._source is not None:
             prefix, lines, consts = self._source
-            self._check = _compiled(f"def check({prefix}root):\n", lines, {f"{prefix}K": consts})
+            self._check = _compiled(f"def check({prefix}root):\n", lines, _named(prefix, consts),
+                                    guarded=True)
         if self._check is not None:
-            try:
-                return self._check(root)
-            except Exception:  # (what changed broke a read: a different shape of object)
-                return False
+            return self._check(root)
         return fingerprint(obj) == self
 
     __hash__ = None  # type: ignore[assignment]  # (equal by content; never a key)
@@ -71,35 +70,50 @@ def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
 
 
 _checks = itertools.count()  # (each compiled check's names their own: :func:`holding`)
+_ASSIGNED = re.compile(r"(\w+) = ")
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
-def holding(watched: Sequence[tuple[Fingerprint, Any]]) -> Callable[[], bool]:
+def holding(watched: Sequence[tuple[Fingerprint, Any]], first: Sequence[str] = (),
+            first_names: dict | None = None) -> Callable[[], bool]:
     """One check that each fingerprint of ``watched`` holds of its function (as
-    :meth:`Fingerprint.holds`), compiled into one function where they have compiled checks."""
-    lines, names = [], {}
+    :meth:`Fingerprint.holds`), compiled into one function where they have compiled checks,
+    after the caller's own checks ``first``: lines that ``return False`` where theirs fails,
+    which read ``first_names`` (each name starting ``d_``)."""
+    lines, names = list(first), dict(first_names or {})
     for k, (print_, fn) in enumerate(watched):
         names[f"F{k}"], names[f"P{k}"] = fn, print_
         if print_._source is None:
             lines.append(f"if not P{k}.holds(F{k}): return False")
             continue
         prefix, own, consts = print_._source
-        names[f"{prefix}K"] = consts
+        names.update(_named(prefix, consts))
         lines.append(f"{prefix}root = F{k}._ref()" if isinstance(fn, Weak) else
                      f"{prefix}root = F{k}")
         lines.extend(own)
-    check = _compiled("def check():\n", lines, names)
-
-    def holds() -> bool:
-        try:
-            return check()
-        except Exception:  # (what changed broke a read: a different shape of object)
-            return False
-
-    return holds
+    return _compiled("def check():\n", lines, names, guarded=True)
 
 
-def _compiled(head: str, lines: list[str], names: dict) -> Callable[..., bool]:
-    source = head + "".join(f"    {line}\n" for line in lines) + "    return True\n"
+def _named(prefix: str, consts: list) -> dict:
+    return {f"{prefix}k{n}": value for n, value in enumerate(consts)}
+
+
+def _compiled(head: str, lines: list[str], names: dict,
+              guarded: bool = False) -> Callable[..., bool]:
+    """The check of ``lines`` (each ``return False`` where it fails), less the variables that
+    no later line reads; ``guarded``: False, not an error, where a line fails to read (what
+    changed is a different shape of object)."""
+    kept, read = [], set()
+    for line in reversed(lines):
+        assigned = _ASSIGNED.match(line)
+        if assigned is None or assigned[1] in read:
+            kept.append(line)
+            read.update(_NAME.findall(line))
+    body = [*reversed(kept), "return True"]
+    if guarded:
+        body = ["try:", *(f"    {line}" for line in body), "except Exception:",
+                "    return False"]
+    source = head + "".join(f"    {line}\n" for line in body)
     namespace = {"__name__": __name__, **CHECK_GLOBALS, **names}
     exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)
     return namespace["check"]
@@ -120,7 +134,8 @@ class _Fingerprinting(Walk):
     def leaf(self, obj, at: str) -> None:
         if obj is self.root:
             self.facts.append("root")
-            self.test(f"{at} is {self.prefix}root")
+            if at != f"{self.prefix}root":
+                self.test(f"{at} is {self.prefix}root")
             return
         self.facts.append(id(obj))
         held = id(obj) not in self.weakly  # (one held weakly goes with what holds it)

@@ -72,6 +72,17 @@ class JaxSettings:
         """Whether the calling thread's values are these."""
         return _values() == self.values
 
+    def check(self) -> tuple[list[str], dict]:
+        """:meth:`hold` as lines of a compiled check, and the names they read
+        (:func:`~daskdag.transport.fingerprints.holding`)."""
+        lines, names = [], {}
+        for k, (state, value) in enumerate(zip(_STATES, self.values)):
+            if state is None:  # (this JAX lacks it: it cannot change)
+                continue
+            names[f"d_s{k}"], names[f"d_v{k}"] = state, value
+            lines.append(f"if d_s{k}.value != d_v{k}: return False")
+        return lines, names
+
     def as_dict(self) -> dict[str, Any]:
         """``{name: value}``, plain (an enumeration's value as its own)."""
         return {name: value.value if isinstance(value, enum.Enum) else value

@@ -87,7 +87,8 @@ class Walk:
         self.lines: list[str] | None = [] if checked else None  # the check's source
         self.consts: list = []  # the check's constants
         self.names_of: dict[int, str] = {}  # id of an object reached -> its variable
-        self.prefix = prefix  # of the check's names: ``{prefix}root``, ``{prefix}K``, variables
+        self.prefix = prefix  # of the check's names: ``{prefix}root``, constants ``{prefix}k{n}``,
+        # variables ``{prefix}v{n}``
 
     def leaf(self, obj, at: str) -> None:
         """``obj`` reached, not walked into: a JAX array, a code object, a module, installed
@@ -111,7 +112,7 @@ class Walk:
 
     def const(self, value) -> str:
         self.consts.append(value)
-        return f"{self.prefix}K[{len(self.consts) - 1}]"
+        return f"{self.prefix}k{len(self.consts) - 1}"
 
     def bind(self, expr: str) -> str:
         """A new variable of the check, holding ``expr`` (``""`` when no check is made)."""
@@ -156,7 +157,9 @@ class Walk:
             raise Unwatchable("too large")
         if kind in ATOMS:
             facts.append((kind, obj))
-            if checked:
+            if checked and (obj is None or kind is bool):  # (singletons)
+                self.test(f"{at} is {obj!r}")
+            elif checked:
                 value = self.const(obj)
                 self.test(f"type({at}) is {self.const(kind)} and ({at} is {value} or "
                           f"{at} == {value})")
@@ -255,7 +258,7 @@ class Walk:
                 self(contents, bind(f"_cell({cells}[{j}])"))
         self(fn.__defaults__, bind(f"{at}.__defaults__"))
         self(fn.__kwdefaults__, bind(f"{at}.__kwdefaults__"))
-        self.test(f"bool({at}.__dict__) is {bool(fn.__dict__)}")
+        self.test(f"{at}.__dict__" if fn.__dict__ else f"not {at}.__dict__")
         if fn.__dict__:
             self(fn.__dict__, bind(f"{at}.__dict__"))
 
