@@ -14,9 +14,8 @@ from daskdag.durable import calls as durable
 from daskdag.graph.sparsity import size as size_of
 from daskdag.kinds.gradients import Gradients, Result
 from daskdag.kinds.hessians import HVPResult, HVPs
-from daskdag.kinds.jacobians import Jacobian, jacobian_patterns
+from daskdag.kinds.jacobians import Jacobian, jacobian_patterns, split_columns
 from daskdag.kinds.tangents import JVPResult, JVPs
-from daskdag.model.jacobian_layout import split_columns
 from daskdag.model.leaves import PyTree
 from daskdag.model.request import given_values
 from daskdag.running.jobs import call, lazy

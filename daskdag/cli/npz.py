@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.cli.usage import UsageError
+from daskdag.cli import UsageError
 
 NPZ_LAYOUT = """npz layout:
   --inputs: one key per free input of the DAG, named after it. A dict-shaped input is given leaf

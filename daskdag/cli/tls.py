@@ -68,11 +68,10 @@ def _certificate(start: datetime.datetime, end: datetime.datetime, issuer: tuple
     is_ca = issuer is None
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
                                          "daskdag cluster CA" if is_ca else "daskdag")])
-    usage = dict.fromkeys(("digital_signature", "content_commitment", "key_encipherment",
-                           "data_encipherment", "key_agreement", "key_cert_sign", "crl_sign",
-                           "encipher_only", "decipher_only"), False)
-    usage.update(dict.fromkeys(("key_cert_sign", "crl_sign") if is_ca
-                               else ("digital_signature", "key_agreement"), True))
+    usage = x509.KeyUsage(digital_signature=not is_ca, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False,
+                          key_agreement=not is_ca, key_cert_sign=is_ca, crl_sign=is_ca,
+                          encipher_only=False, decipher_only=False)
     builder = (x509.CertificateBuilder()
                .subject_name(name).issuer_name(name if issuer is None else issuer[0].subject)
                .public_key(key.public_key())
@@ -80,7 +79,7 @@ def _certificate(start: datetime.datetime, end: datetime.datetime, issuer: tuple
                .not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=is_ca, path_length=0 if is_ca else None),
                               critical=True)
-               .add_extension(x509.KeyUsage(**usage), critical=True))
+               .add_extension(usage, critical=True))
     if issuer is not None:
         alt_names: list[x509.GeneralName] = []
         for h in dict.fromkeys(hosts):

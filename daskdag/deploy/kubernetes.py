@@ -30,7 +30,6 @@ __all__ = ["TLSKubeCluster", "autoscaler", "cluster_spec", "gpu_worker_spec", "m
            "worker_group"]
 
 TLS_MOUNT = "/etc/dask/tls"
-"""Where every pod mounts the TLS Secret."""
 SCHEDULER_PORT = 8786
 DASHBOARD_PORT = 8787
 WORKER_DASHBOARD_PORT = 8788

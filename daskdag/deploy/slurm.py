@@ -10,11 +10,6 @@ Job sizes: keyword arguments win over dask-jobqueue's config (``jobqueue.slurm``
 which wins over :data:`CPU_JOB` and :data:`GPU_JOB`. Unless a job's settings already say them,
 daskdag adds ``export JAX_PLATFORMS=cpu`` (or ``=cuda``) at the top of the prologue, and
 ``--resources GPU=1`` to the GPU workers (``device="gpu"`` nodes run only on workers offering it).
-
-One call needs its CPU and GPU workers on one scheduler, and a ``SLURMCluster`` submits jobs of
-one kind: :class:`CPUGPUCluster` keeps a ``SLURMCluster`` (the scheduler and the CPU job
-template) and a GPU job template. Size it with its ``scale``, ``keep`` or ``adapt``, not the
-``SLURMCluster``'s, which know one kind only.
 """
 
 from __future__ import annotations
@@ -110,7 +105,9 @@ def gpu_job_options(config_name: str = "slurm-gpu", **job: Any) -> dict[str, Any
 
 @dataclass
 class CPUGPUCluster:
-    """A Dask scheduler in this process with two kinds of Slurm jobs: CPU and GPU workers."""
+    """A Dask scheduler in this process with two kinds of Slurm jobs, CPU and GPU workers: one
+    call needs both on one scheduler, and a ``SLURMCluster`` submits jobs of one kind. Size it
+    with its ``scale``, ``keep`` or ``adapt``, not :attr:`slurm`'s, which knows one kind only."""
 
     slurm: SLURMCluster  # the scheduler, and the template of the CPU jobs
     gpu_spec: dict = field(repr=False)  # the template of the GPU jobs, for the same scheduler
@@ -213,7 +210,6 @@ class CPUGPUCluster:
             time.sleep(0.2)
 
     def _stop_sizing(self) -> None:
-        """Stop :meth:`adapt` and :meth:`keep`."""
         if self._adaptive is not None:
             self._adaptive.stop(reason="scaled by hand")
             self._adaptive = None

@@ -25,9 +25,8 @@ import cloudpickle
 import dask
 import numpy as np
 
-from daskdag.durable.identity import common, hash_tree, options, plain
+from daskdag.durable.identity import CALL, agree, claim, common, full, hash_tree, options, plain
 from daskdag.durable.keys import group, is_zarr, keys_of
-from daskdag.durable.rules import CALL, agree, claim, full
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running.programs import active_client, in_words
@@ -102,7 +101,7 @@ def identity(kind: Derivative, spec: Spec, outputs, wrt, x: Any, data: tuple) ->
 @contextlib.contextmanager
 def opened(where: str | os.PathLike | ZarrStore, mine: dict) -> Iterator[Stages]:
     """The :class:`Stages` of the store at ``where``, held for this call, whose record is
-    ``mine`` (written in a new store; else :func:`daskdag.durable.rules.agree` checks it)."""
+    ``mine`` (written in a new store; else :func:`daskdag.durable.identity.agree` checks it)."""
     import zarr
 
     keys = keys_of(where)

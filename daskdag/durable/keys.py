@@ -147,10 +147,8 @@ class _Directory(Keys):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
         try:
-            with open(tmp, "wb") as f:
-                f.write(json.dumps(data).encode())
-                f.flush()
-                os.fsync(f.fileno())
+            tmp.write_bytes(json.dumps(data).encode())
+            _fsync(tmp)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

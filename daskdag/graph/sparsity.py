@@ -12,9 +12,8 @@ import jax
 import numpy as np
 
 from daskdag.errors import DAGError, node_errors
-from daskdag.model.leaves import is_differentiable
+from daskdag.model.leaves import UNKNOWN, Traced, abstract, abstract_values, is_differentiable
 from daskdag.model.plan import Plan
-from daskdag.model.shapes import UNKNOWN, Traced, abstract, abstract_values
 from daskdag.rules.vjp import basis, has_rules, linearizer
 from daskdag.rules.sparsity import differentiable, jaxpr_pattern
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import daskdag.config as config
-from daskdag.model.custom import is_custom
 from daskdag.model.plan import Plan
-from daskdag.model.spec import Node
+from daskdag.model.spec import Node, is_custom
 from daskdag.rules.vjp import element_of
 from daskdag.transport.protocol import token_kept
 

@@ -47,15 +47,6 @@ def per_output(outputs: str | Sequence[str], results: dict) -> Any:
     return results[outputs] if isinstance(outputs, str) else results
 
 
-def results(outputs: str | Sequence[str], computed: dict[str, Any], single: str | None,
-            failed: Mapping[int, NodeError] | None = None, info: CallInfo | None = None) -> Any:
-    """``{output: Result}`` from ``{output: (value, {input: grad})}`` (``single``: the input
-    whose gradient alone is given)."""
-    return per_output(outputs, {o: Result(v, g if single is None else g[single], failed or {},
-                                          info)
-                                for o, (v, g) in computed.items()})
-
-
 @dataclass(frozen=True)
 class Gradients(Derivative):
     """[`compute_grads`][daskdag.compute_grads] as a kind, from the outputs' ``cotangents``."""
@@ -69,7 +60,7 @@ class Gradients(Derivative):
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
         cotangents_for(outputs, self.cotangents)
-        single = spec.inputs[0] if one_input(spec, dict.fromkeys(wrt)) else None
+        single = spec.inputs[0] if one_input(spec, wrt) else None
         return Lowered(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt,
                         extra=single)
 
@@ -77,4 +68,7 @@ class Gradients(Derivative):
         return values, cotangents_for(lowered.plan.outputs, self.cotangents)
 
     def finish(self, lowered, info, computed, failed=None) -> Any:
-        return results(self.outputs, computed, lowered.extra, failed, info)
+        single = lowered.extra  # (the input whose gradient alone is given, or None)
+        return per_output(self.outputs, {o: Result(v, g if single is None else g[single],
+                                                    failed or {}, info)
+                                         for o, (v, g) in computed.items()})

@@ -1,10 +1,13 @@
 """Full Jacobians, as a kind: pulled back row by row (reverse mode) or pushed forward column by
-column (forward mode), one pass per colour for a sparse one. The result has ``jax.jacrev``'s
-layout, or is ``scipy.sparse``; from a sweep, each item's stacked.
+column (forward mode), one pass per colour for a sparse one. The result is laid out from one
+matrix over every differentiated name's elements (NumPy, ``scipy.sparse``, or tracers inside a
+program) in ``jax.jacrev``'s layout (the output's structure of the inputs' structures), or as
+``scipy.sparse`` blocks per name; from a sweep, each item's stacked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -17,22 +20,19 @@ from daskdag.errors import DAGError
 from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
-from daskdag.model.jacobian_layout import (dense_jacobian_of_columns, flat_rows, float_type,
-                                           jacrev_layout, joined, laid_out, row_template,
-                                           stacked_rows)
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_array, is_differentiable
-from daskdag.model.patterns import Colours, pattern_key, user_patterns
+from daskdag.model.colouring import Colours, pattern_key, user_patterns
+from daskdag.model.leaves import (UNKNOWN, PyTree, Traced, differentiable_leaves, is_array,
+                                  is_differentiable)
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import (check_chunk_size, nodes_in_wrt, one_input, parsed,
                                    rules_missing, with_rules, wrt_names)
-from daskdag.model.shapes import UNKNOWN, Traced
 from daskdag.rules.jvp import why_no_jvp
 from daskdag.rules.vjp import function_of, why_no_vjp
 from daskdag.running import programs
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered, names_key
 from daskdag.kinds.gradients import Result, per_output
-from daskdag.kinds.tangents import lifted
+from daskdag.kinds.tangents import leading_axis, lifted
 from daskdag.rules.lifted import Pair
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class Jacobian(Derivative):
             return values, {}
         out = dict(values)
         for i, ts in (layout.tangents or {}).items():  # (a sweep's: the same for every item)
-            out[i] = Pair(values[i], tuple(np.broadcast_to(t, (_items(values[i]), *t.shape))
+            out[i] = Pair(values[i], tuple(np.broadcast_to(t, (leading_axis(values[i]) or 0, *t.shape))
                                            for t in ts) if batched and i in batched else ts)
         return out, {}
 
@@ -146,7 +146,7 @@ class Jacobian(Derivative):
             computed = _laid(lowered.tail, computed)  # (where the passes' program did not)
         if computed and all(isinstance(c, Laid) for c in computed.values()):
             info = replace(info, passes=layout.directions if layout.mode == "fwd" else
-                           sum(_per_item(c.value, False) for c in computed.values()))
+                           sum(size(c.value) for c in computed.values()))
             return per_output(self.outputs, {o: Result(c.value, c.jacobian, {}, info)
                                              for o, c in computed.items()})
         if self.sparse and failed is not None:
@@ -159,7 +159,7 @@ class Jacobian(Derivative):
                                "pattern's colours are recovered item by item, in memory; sweep "
                                "NumPy or JAX items, or give no sparsity", argument="sparsity")
             items = [results(layout, self.sparse, info, jax.tree.map(lambda a, i=i: a[i], computed))
-                     for i in range(_items(computed))]  # (each item's, then stacked)
+                     for i in range(leading_axis(computed) or 0)]  # (each item's, then stacked)
             return per_output(self.outputs, {o: replace(items[0][o], failed=failed, **{
                 f: jax.tree.map(lambda *a: np.stack(a), *(getattr(r[o], f) for r in items))
                 for f in ("value", "grad")}) for o in computed})
@@ -195,14 +195,20 @@ class Dense:
         out = {}
         for o, (value, per_name) in computed.items():
             if self.mode == "rev":
-                out[o] = Laid(value, joined(value, {i: jacrev_layout(value, per_name[i])
-                                                    for i in self.names}, self.single))
-            else:
-                primal = getattr(value, "primal", value)
-                _real(o, primal)
-                out[o] = Laid(primal, dense_jacobian_of_columns(
-                    self.names, self.single, self.templates, primal,
-                    tuple(getattr(value, "tangent", ()))))
+                jacs = {i: jacrev_layout(value, per_name[i]) for i in self.names}
+            else:  # (the columns: the tangent's leaves, each (inputs' elements, *leaf shape))
+                columns = tuple(getattr(value, "tangent", ()))
+                value = getattr(value, "primal", value)
+                _real(o, value)
+                widths = [_width(leaves) for _, leaves in self.templates]
+                if columns:
+                    full = jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
+                else:  # (no tangent reached the output: it reads no input, or has no float leaf)
+                    full = jnp.zeros((size(value), sum(widths)), float_type(value))
+                jacs = {i: jacrev_layout(value, stacked_rows(full[:, s], treedef.unflatten(rows)))
+                        for i, (treedef, rows), s in zip(self.names, self.templates,
+                                                         _spans(widths))}
+            out[o] = Laid(value, joined(value, jacs, self.single))
         return out
 
 
@@ -215,7 +221,7 @@ def _dense(plan: Plan, mode: str, patterns: Any, sparse: bool, templates: tuple
            ) -> Dense | None:
     """The call's :class:`Dense` tail, where its Jacobians are dense (``jax.jacrev``'s layout)."""
     return None if patterns is not None or sparse else Dense(
-        mode, plan.wrt, one_input(plan.spec, dict.fromkeys(plan.wrt)), templates)
+        mode, plan.wrt, one_input(plan.spec, plan.wrt), templates)
 
 
 def _real(output: str, value: PyTree) -> None:
@@ -223,11 +229,6 @@ def _real(output: str, value: PyTree) -> None:
         if jnp.iscomplexobj(leaf):
             raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
                            f"Jacobian needs real outputs, as jax.jacrev does")
-
-
-def _items(tree: Any) -> int:
-    """The number of items a sweep's value carries (its leaves' leading axis)."""
-    return next((len(leaf) for leaf in jax.tree.leaves(tree)), 0)
 
 
 def _per_item(value: PyTree, items: bool) -> int:
@@ -404,3 +405,115 @@ def _cannot(plan: Plan, traces: dict[str, Traced], forward: bool) -> list[str]:
             missing[n] = f"node {n!r} {why}"
     return [missing[n] for n in plan.needed if n in missing]
 
+
+# -- the layout ----------------------------------------------------------------------------------
+
+def flat_rows(rows: PyTree) -> np.ndarray:
+    """``(rows, elements)``: one name's stacked rows, its differentiable leaves side by side."""
+    leaves = [np.asarray(r) for r in jax.tree.leaves(rows)]
+    return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
+
+
+def float_type(value: PyTree):
+    """The dtype of ``value``'s Jacobians: its differentiable leaves' (float32 where none)."""
+    leaves = differentiable_leaves(value)
+    return jnp.result_type(*leaves) if leaves else jnp.float32
+
+
+def row_template(rows: PyTree) -> PyTree:
+    """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
+    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
+
+
+def split_columns(matrix: Any, names: Sequence[str], widths: dict[str, int]
+                  ) -> dict[str, sp.csr_array]:
+    """``matrix``'s columns, ``widths[i]`` for each of ``names`` in turn, one matrix per name."""
+    import scipy.sparse as sp
+    return {i: sp.csr_array(matrix[:, s]) for i, s in zip(names, _spans(widths[i] for i in names))}
+
+
+def _spans(widths) -> list[slice]:
+    """Consecutive slices, one of each width."""
+    ends = np.cumsum([0, *widths]).tolist()
+    return [slice(a, b) for a, b in zip(ends, ends[1:])]
+
+
+def _width(template: PyTree) -> int:
+    """The elements of a name's leaves (its :func:`row_template`'s, ``None`` aside)."""
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(template))
+
+
+def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
+             items: bool = False) -> PyTree:
+    """One output's Jacobian ``full`` (over every wrt name's elements; ``templates``: each
+    name's leaves' shapes and dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or
+    ``jax.jacrev``'s layout. ``items``: a sweep's, dense, with a leading axis of items (NumPy
+    or dask arrays)."""
+    import scipy.sparse as sp
+    widths = {i: _width(templates[i]) for i in plan.wrt}
+    if sparse:
+        parts = split_columns(sp.csr_array(full), plan.wrt, widths)
+        return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
+    dense = full if items else full.toarray() if sp.issparse(full) else np.asarray(full)
+    jacs = {i: jacrev_layout(value, stacked_rows(dense[..., s], templates[i]), items)
+            for i, s in zip(plan.wrt, _spans(widths.values()))}
+    return joined(value, jacs, one_input(plan.spec, jacs))
+
+
+def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:
+    """``block`` ``(..., output elements, name elements)`` as stacked rows in the name's
+    structure."""
+    leaves, treedef = jax.tree.flatten(template, is_leaf=lambda leaf: leaf is None)
+    spans = _spans(0 if leaf is None else int(np.prod(leaf.shape)) for leaf in leaves)
+    lead = block.shape[:-1]
+    return treedef.unflatten([
+        None if leaf is None
+        else block[..., s].reshape(*lead, *leaf.shape).astype(leaf.dtype, copy=False)
+        for leaf, s in zip(leaves, spans)])
+
+
+def joined(value: PyTree, jacs: dict, single: bool) -> PyTree:
+    """Each name's Jacobian (``jacs``) as a result's: the one name's alone where ``single``
+    (:func:`~daskdag.model.request.one_input`), else the output's structure of
+    ``{name: ...}``."""
+    if single:
+        return next(iter(jacs.values()))
+    out_def = jax.tree.structure(value)
+    parts = {i: out_def.flatten_up_to(j) for i, j in jacs.items()}
+    return out_def.unflatten([None if all(p[k] is None for p in parts.values())
+                              else {i: p[k] for i, p in parts.items()}
+                              for k in range(out_def.num_leaves)])
+
+
+def to_jax(a: np.ndarray) -> jax.Array:
+    """A JAX array of ``a`` (never changed after): a large one's buffer taken where JAX can,
+    a small one copied by the cheaper ``jnp.asarray``."""
+    return jax.device_put(a, may_alias=True) if a.nbytes > 2 ** 16 else jnp.asarray(a)
+
+
+def jacrev_layout(value: PyTree, rows: PyTree, items: bool = False) -> PyTree:
+    """One output's Jacobian for one input, laid out as ``jax.jacrev`` does, from its rows (the
+    input's structure, each differentiable leaf stacked over the output's elements, ``None``
+    elsewhere): JAX arrays, each made once from NumPy slices (each slice in JAX would be an op
+    dispatched). ``items``: a sweep's, with a leading axis of items, kept as they come; so are
+    tracers."""
+    lead = 1 if items else 0
+    in_leaves, in_def = jax.tree.flatten(rows, is_leaf=lambda leaf: leaf is None)
+    made = not items and not any(isinstance(leaf, jax.core.Tracer) for leaf in in_leaves)
+    if made:
+        in_leaves = [None if r is None else np.asarray(r) for r in in_leaves]
+    out_leaves, out_def = jax.tree.flatten(value)
+    per_leaf: list = []
+    start = 0
+    for leaf in out_leaves:
+        if not is_differentiable(leaf):
+            per_leaf.append(None)
+            continue
+        shape = tuple(np.shape(leaf))
+        n = int(np.prod(shape[lead:]))
+        blocks = [None if r is None else r[(slice(None),) * lead + (slice(start, start + n),)]
+                  .reshape((*shape, *r.shape[lead + 1:])) for r in in_leaves]
+        per_leaf.append(in_def.unflatten([to_jax(b) if made and b is not None else b
+                                          for b in blocks]))
+        start += n
+    return out_def.unflatten(per_leaf)

@@ -91,7 +91,7 @@ def paired(lowered: Lowered, values: dict, tangents: Any, directions: bool = Fal
         tangents = {i: t for i, t in tangents.items() if i not in where.added}
     flat, k = (input_tangents(lowered.spec, values, tangents, directions)
                if not (isinstance(tangents, Mapping) and not tangents)  # (nodes' alone)
-               else ({}, directions_of(nodes) if directions else None))
+               else ({}, leading_axis(nodes) if directions else None))
     out = dict(values)
     for i in where.inputs:
         if i in values:
@@ -121,7 +121,7 @@ class JVPs(Derivative):
         if self.wrt is not None:
             return wrt_names(spec, values, self.wrt, candidates=values)
         if len(spec.inputs) == 1 or not isinstance(tangents, Mapping):
-            return tuple(spec.inputs[:1]) if len(spec.inputs) == 1 else ()
+            return spec.inputs if len(spec.inputs) == 1 else ()
         return tuple(i for i, t in tangents.items() if i in values and t is not None)
 
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
@@ -139,7 +139,7 @@ class JVPs(Derivative):
 
     def info(self, lowered, data, why, where) -> CallInfo:
         (tangents,) = data
-        k = directions_of(tangents) if self.batched else None
+        k = leading_axis(tangents) if self.batched else None
         return CallInfo(self.call, self.call_mode, k or 1, prepared=why is None, why=why,
                         where=where)
 
@@ -149,9 +149,10 @@ class JVPs(Derivative):
                                          for o, (value, _) in computed.items()})
 
 
-def directions_of(tangents: Any) -> int | None:
-    """The number of directions of batched tangents (each leaf's leading axis)."""
-    return next((int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tangents)), None)
+def leading_axis(tree: Any) -> int | None:
+    """The length of the leading axis of ``tree``'s leaves (batched tangents' directions, a
+    sweep's items), or None where it has no leaf."""
+    return next((int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree)), None)
 
 
 def unpaired(value: Any, k: int | None) -> tuple[Any, Any]:

@@ -43,22 +43,16 @@ def normalised(device: Any, what: str) -> str | None:
 def resources(device: str | None) -> dict[str, float]:
     """The Dask worker resources a node on ``device`` needs: ``{"GPU": 1}`` on a GPU,
     ``{"TPU": 1}`` on a TPU, none on a CPU or the default device."""
-    if isinstance(device, jax.Device):
-        platform = device.platform
-    elif isinstance(device, str) and device != DEFAULT:
-        platform = device.partition(":")[0]
-    else:
-        return {}
+    platform = (device.platform if isinstance(device, jax.Device)
+                else device.partition(":")[0] if isinstance(device, str) else None)
     return {RESOURCES[platform]: 1} if platform in RESOURCES else {}
 
 
 def here() -> tuple[str, ...]:
     """This process's devices, as :func:`normalised` names them: its default backend's, then
     its CPUs."""
-    names: list[str] = []
-    for platform in dict.fromkeys((jax.default_backend(), "cpu")):
-        names += [f"{platform}:{k}" for k in range(len(_platform(platform)))]
-    return tuple(names)
+    return tuple(f"{platform}:{k}" for platform in dict.fromkeys((jax.default_backend(), "cpu"))
+                 for k in range(len(_platform(platform))))
 
 
 def _platform(platform: str) -> list:

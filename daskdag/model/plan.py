@@ -51,16 +51,15 @@ def make_plan(spec: Spec, outputs: tuple[str, ...], wrt: tuple[str, ...]) -> Pla
     node runs even where no output needs it."""
     needed_set = spec.ancestors((*outputs, *(w for w in wrt if w in spec.nodes)))
     needed = tuple(n for n in spec.order if n in needed_set)
-    active_set: set[str] = set()
+    active: set[str] = set()
     for n in needed:  # topological, so every dep is settled before its consumer
-        if any(d in wrt or d in active_set for d in spec.nodes[n].deps):
-            active_set.add(n)
-    active = frozenset(active_set)
+        if any(d in wrt or d in active for d in spec.nodes[n].deps):
+            active.add(n)
     backward = {}
     for o in outputs:
         on_path = spec.ancestors([o])
         backward[o] = tuple(n for n in needed if n in active and n in on_path)
-    return Plan(spec, outputs, wrt, needed, active, backward)
+    return Plan(spec, outputs, wrt, needed, frozenset(active), backward)
 
 
 def ship(plan, transport: Transport, prints: dict | None = None):

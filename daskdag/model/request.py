@@ -5,7 +5,7 @@ anything runs; else a :class:`~daskdag.DAGError` naming the input, output or nod
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +15,9 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from daskdag.errors import DAGError
-from daskdag.model.custom import Custom
 from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable, is_numeric
 from daskdag.model.plan import Plan, make_plan
-from daskdag.model.spec import Spec, parse
+from daskdag.model.spec import Custom, Spec, parse
 from daskdag.transport.packing import unwrap
 
 
@@ -355,6 +354,6 @@ def _is_lazy_array(leaf) -> bool:
     return hasattr(leaf, "chunks") and isinstance(getattr(leaf, "shape", None), tuple)
 
 
-def one_input(spec: Spec, grads: Mapping) -> bool:
-    """The DAG has one free input, all that was differentiated: its gradient alone."""
-    return len(spec.inputs) == 1 and list(grads) == list(spec.inputs)
+def one_input(spec: Spec, names: Iterable[str]) -> bool:
+    """The DAG has one free input, all that was differentiated (``names``): its gradient alone."""
+    return len(spec.inputs) == 1 and list(names) == list(spec.inputs)

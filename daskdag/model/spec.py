@@ -1,5 +1,6 @@
 """The user's DAG, ``{name: (fn, [deps])}``, ``Node(...)`` or ``Implicit(...)`` entries,
-validated into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), an order.
+validated into a :class:`Spec`: the nodes, the free inputs (deps that are no node's), an order;
+a node outside JAX as a :class:`Custom` function, whose rules :mod:`daskdag.rules.custom` runs.
 """
 
 from __future__ import annotations
@@ -10,15 +11,48 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import numpy as np
 from dask.sizeof import sizeof
 
 import daskdag.config as config
 from daskdag.errors import DAGError
 from daskdag.model import devices
-from daskdag.model.custom import Custom
 from daskdag.model.implicit import Implicit
 from daskdag.transport.packing import Function, current, pack, unwrap
 from daskdag.transport.protocol import token_kept, travels
+
+
+class Custom:
+    """One node's functions: ``fn`` (or ``fwd``) and its rules ``vjp``, ``bwd``, ``jvp``, as
+    :class:`Node` documents them. Called, it returns the node's value."""
+
+    def __init__(self, fn: Callable | None = None, vjp: Callable | None = None,
+                 fwd: Callable | None = None, bwd: Callable | None = None,
+                 jvp: Callable | None = None):
+        self.fn, self.vjp, self.fwd, self.bwd, self.jvp = fn, vjp, fwd, bwd, jvp
+
+    @property
+    def reverse(self) -> bool:
+        """It has a VJP: it can be differentiated in reverse mode."""
+        return self.vjp is not None or self.bwd is not None
+
+    def __call__(self, *args: Any) -> Any:
+        args = as_numpy(args)
+        return self.fn(*args) if self.fn is not None else self.fwd(*args)[0]  # type: ignore[misc]
+
+    def __reduce__(self) -> tuple:
+        return Custom, (self.fn, self.vjp, self.fwd, self.bwd, self.jvp)
+
+
+def as_numpy(tree: Any) -> Any:
+    """``tree`` with its JAX array leaves as NumPy arrays (zero-copy on the CPU): what the user's
+    own functions get."""
+    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def is_custom(fn: Any) -> bool:
+    """``fn`` (maybe packed) is a :class:`Custom` function."""
+    return isinstance(unwrap(fn), Custom)
 
 
 @travels(lambda node: sizeof(node.fn))
@@ -199,9 +233,7 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
             for k, v in resources.items())):
         raise DAGError(f"node {name!r}: resources must be a dict {{'NAME': positive amount}}, "
                        f"got {resources!r}")
-    remat = opts.get("remat")
-    if remat is None:
-        remat = config.get("remat")
+    remat = config.get("remat") if opts.get("remat") is None else opts["remat"]
     if not isinstance(remat, bool):
         raise DAGError(f"node {name!r}: remat must be True, False or None (daskdag.remat), "
                        f"got {remat!r}")
@@ -213,7 +245,7 @@ def _node(name: Any, entry: Any, hold: Callable[[Any], Any] | None = None) -> No
 def _function(name: str, node: Node, hold: Callable[[Any], Any] | None = None
               ) -> Callable[..., Any] | None:
     """The node's function: ``fn``, or with the user's own derivatives a checked
-    :class:`~daskdag.model.custom.Custom`."""
+    :class:`Custom`."""
     rules = {"vjp": node.vjp, "fwd": node.fwd, "bwd": node.bwd, "jvp": node.jvp}
     if all(r is None for r in rules.values()):
         return node.fn

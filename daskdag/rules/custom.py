@@ -1,4 +1,4 @@
-"""The rules of a node outside JAX (:class:`~daskdag.model.custom.Custom`: ``vjp=``,
+"""The rules of a node outside JAX (:class:`~daskdag.model.spec.Custom`: ``vjp=``,
 ``fwd=``/``bwd=``, ``jvp=``), run on NumPy values, never tracers. A cotangent handed to the
 user's rule has the output's structure, ``None`` at leaves held constant; what the rule returns
 is checked (one cotangent per dep, shaped like it; ``None``: zeros), else an error naming the
@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from daskdag.model.custom import Custom
-from daskdag.model.leaves import as_numpy, is_differentiable, is_numeric, on_differentiable
+from daskdag.model.leaves import is_differentiable, is_numeric, on_differentiable
+from daskdag.model.spec import Custom, as_numpy
 from daskdag.rules.vjp import Pullback, register
 from daskdag.transport.packing import pack, unpack, unwrap
 

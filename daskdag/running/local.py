@@ -29,11 +29,10 @@ from dask.threaded import ContextAwareThreadPoolExecutor
 from daskdag.cancel import Stop
 from daskdag.caches import Cache
 from daskdag.graph import tasks
-from daskdag.model.custom import Custom
 from daskdag.graph.assembly import kind_of, runs
 from daskdag.transport.packing import unpack, unwrap
 from daskdag.transport.weak import held, ref
-from daskdag.model.spec import Node
+from daskdag.model.spec import Custom, Node
 
 SHORT = 5e-3  # seconds: a task shorter than this gains nothing from a thread of its own
 CHEAP = (tasks.pick, tasks.cotangents_of, tasks.gradient)  # they pick or sum values: always short

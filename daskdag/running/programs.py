@@ -9,7 +9,7 @@ whose inputs a call's inputs, cotangents, tangents or directions are, never its 
 What a program relies on, and how a call checks it:
 
 - the DAG: each entry, its function and options by identity, its deps and resources by value;
-- the inputs' structure, shapes and dtypes (:func:`daskdag.model.shapes.signature`);
+- the inputs' structure, shapes and dtypes (:func:`daskdag.model.leaves.signature`);
 - the outputs and the call's options; the settings in effect (``dask.config``'s ``daskdag.*``
   and JAX's that change results, :class:`~daskdag.transport.scope.JaxSettings`);
 - the content of the node functions it packed or traced: their fingerprints
@@ -41,8 +41,8 @@ from dask.callbacks import Callback
 import daskdag.config as config
 from daskdag.caches import Cache, register
 from daskdag.errors import DAGError
-from daskdag.model.shapes import signature
 from daskdag.model.implicit import Implicit
+from daskdag.model.leaves import signature
 from daskdag.model.spec import Node
 from daskdag.rules.lifted import Lift
 from daskdag.running.cluster import scheduler_address
@@ -352,7 +352,8 @@ class Entries:
     def check(self) -> tuple[list[str], dict]:
         """:meth:`same` as lines of a compiled check, and the names they read
         (:func:`~daskdag.transport.fingerprints.holding`)."""
-        lines, names = [f"if len(d_dag) != {len(self.parts)}: return False"], {"d_dag": self.dag}
+        lines = [f"if len(d_dag) != {len(self.parts)}: return False"]
+        names: dict[str, Any] = {"d_dag": self.dag}
         for k, (name, entry, content) in enumerate(self.parts):
             names.update({f"d_n{k}": name, f"d_e{k}": entry, f"d_c{k}": content,
                           "d_content": _content})

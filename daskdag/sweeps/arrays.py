@@ -25,7 +25,6 @@ from dask.task_spec import Task, TaskRef
 import daskdag.config as config
 from daskdag.errors import DAGError, NodeError
 from daskdag.graph.assembly import key
-from daskdag.graph.build import GradientSeeding, build
 from daskdag.model.leaves import is_array
 from daskdag.model.request import batch_size, batched_names, parsed
 from daskdag.running import cluster
@@ -43,9 +42,10 @@ if TYPE_CHECKING:
     import dask.array as da
 
 
-def holds_dask(values: dict, batched) -> bool:
-    """Whether a leaf of a ``batched`` input is a dask array."""
-    return any(planning.is_dask_array(leaf) for i in batched for leaf in jax.tree.leaves(values[i]))
+def dask_leaves(values: dict, batched) -> list[tuple[str, da.Array]]:
+    """``(input, leaf)`` for each leaf of the ``batched`` inputs that is a dask array."""
+    return [(i, leaf) for i in batched for leaf in jax.tree.leaves(values[i])
+            if planning.is_dask_array(leaf)]
 
 
 def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, errors: str,
@@ -56,7 +56,8 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
     blocks (a sweep for Dask's multiprocessing scheduler)."""
     spec, _, values = parsed(kind.dag, xs, kind.outputs)
     batched = batched_names(values, batched)
-    if not holds_dask(values, batched) and every is None:
+    has_dask = bool(dask_leaves(values, batched))
+    if not has_dask and every is None:
         return None
     if errors == "collect":
         raise DAGError("errors='collect' is not supported when batched inputs are dask arrays, "
@@ -68,7 +69,7 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
         raise DAGError("progress=True is not supported when batched inputs are dask arrays "
                        "(nothing runs at sweep time): show progress where the arrays are "
                        "computed, with dask.diagnostics.ProgressBar or distributed.progress")
-    if every is not None and chunk_size is None and not holds_dask(values, batched):
+    if every is not None and chunk_size is None and not has_dask:
         chunk_size = max(1, math.ceil(batch_size(values, batched) / every))
     aligned(values, batched, chunk_size)  # its checks first
     transport = transports.for_call(client, lazy=True)
@@ -82,9 +83,7 @@ def of_kind(kind, xs, data: tuple, batched, chunk_size, client, progress: bool, 
     shapes = _shapes(planned, spec)
     split = constants_part(planned) if config.get("share-sweep-work") else None
     if split is not None:  # nodes of shared inputs alone: one task each, for every block
-        once, planned = split
-        made = build(once, {i: planned.values[i] for i in once.spec.inputs}, GradientSeeding({}),
-                     transport)
+        once, planned, made = split
         planned = replace(planned, values={**planned.values,
                                            **{n: made[n][0] for n in once.outputs}})
     computed = _block_graph(planned, inputs, chunks, shapes)
@@ -100,14 +99,11 @@ def aligned(values: dict, batched, chunk_size: int | None) -> tuple[dict, tuple,
     given, else those of the first dask array."""
     import dask.array as da
     first = None
-    for i in batched:
-        for leaf in jax.tree.leaves(values[i]):
-            if not planning.is_dask_array(leaf):
-                continue
-            if any(math.isnan(c) for c in leaf.chunks[0]):
-                raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
-                               f"unknown: call its compute_chunk_sizes() first")
-            first = first or leaf.chunks[0]
+    for i, leaf in dask_leaves(values, batched):
+        if any(math.isnan(c) for c in leaf.chunks[0]):
+            raise DAGError(f"batched input {i!r} is a dask array whose chunk sizes are "
+                           f"unknown: call its compute_chunk_sizes() first")
+        first = first or leaf.chunks[0]
     size = batch_size(values, batched)
     items = da.core.normalize_chunks((chunk_size,), (size,))[0] if chunk_size else first
 
@@ -133,7 +129,7 @@ def stand_in(tree):
 def _shapes(planned, spec) -> tuple[dict, dict]:
     """One item's :func:`~daskdag.sweeps.results.item_shapes`; a :class:`DAGError` where
     ``jax.eval_shape`` cannot find them."""
-    values, grads = item_shapes(planned.plan, planned.values, planned.batched, planned.lowered)
+    values, grads = item_shapes(planned)
     for o, v in values.items():
         if v is None:
             raise DAGError(f"the shape of output {o!r} cannot be found by tracing its nodes with "
@@ -249,9 +245,8 @@ def _as_arrays(planned, base, name: str, token: str, chunks: tuple, shapes) -> d
         k = next(flat)
         leaf = f"daskdag-{label}-{token}"
         ndim = len(aval.shape)
-        tasks: dict
-        tasks = {(leaf, b, *(0,) * ndim): Task((leaf, b, *(0,) * ndim), operator.getitem,
-                                               TaskRef((name, b)), k) for b in range(len(chunks))}
+        keys = {b: (leaf, b, *(0,) * ndim) for b in range(len(chunks))}
+        tasks: dict = {t: Task(t, operator.getitem, TaskRef((name, b)), k) for b, t in keys.items()}
         hlg = HighLevelGraph({**base.layers, leaf: tasks}, {**base.dependencies, leaf: {name}})
         return da.Array(hlg, leaf, chunks=(chunks, *((n,) for n in aval.shape)),
                         meta=np.empty((0,) * (ndim + 1), aval.dtype))
@@ -289,7 +284,7 @@ def _run_block(loaded: tuple, start: int, *args) -> list:
     if size == 0:
         return [np.empty((0, *a.shape), a.dtype) for a in blocks.leaves()]
     try:
-        done = run_chunk(progress.ChunkRun(0, lambda: False, items=size),
+        done = run_chunk(progress.ChunkRun(size, 0, lambda: False),
                          lambda: _run(tasks, key, blocks, shared, bcast, data, 0, size))
     except NodeError as e:
         if size == 1 or e.item is not None:

@@ -21,9 +21,8 @@ import numpy as np
 from daskdag.cancel import Cancelled
 from daskdag.errors import NodeError, node_errors
 from daskdag.graph.compiled import Jitted
-from daskdag.model.custom import is_custom
 from daskdag.model.leaves import differentiable_leaves, is_array
-from daskdag.model.spec import Node
+from daskdag.model.spec import Node, is_custom
 from daskdag.rules.vjp import PerItem, Pullback, basis, basis_rows, linearizer, register, seed
 from daskdag.sweeps.progress import NothingLeft, checkpoint, fail, failed_already
 from daskdag.transport.packing import unwrap
@@ -76,10 +75,8 @@ class Chunked:
             _left(args, self.in_axes)
             layout = _layout(args)
             args = tuple(map(stacked, args))
-            if is_custom(self.node.fn):
-                primal, pullback = linearizer(self.node)(args, active)
-            else:
-                primal, pullback = self.compiled.linearize(args, active)
+            run = linearizer(self.node) if is_custom(self.node.fn) else self.compiled.linearize
+            primal, pullback = run(args, active)
             return primal, (pullback if not any(layout) else _ForItems(pullback, layout))
         run = linearizer(self.node)
         done = [_then_checkpoint(_attempt(self.name, i, item, "forward",

@@ -7,7 +7,6 @@ from the calling thread, so the next chunk's items travel while one computes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from collections import deque
@@ -25,10 +24,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import daskdag.config as config
 from daskdag.caches import ByObject
 from daskdag.errors import DAGError
-from daskdag.model.leaves import is_array
-from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.model.leaves import UNKNOWN, abstract, abstract_values, is_array
 from daskdag.sweeps.chunked import own_function
-from daskdag.sweeps.engines import Done, InProcess, bound, chunk_graph
+from daskdag.sweeps.engines import Done, Here, InProcess, bound, chunk_graph
 from daskdag.sweeps.planning import Sweep
 from daskdag.sweeps.results import item_shapes
 
@@ -138,9 +136,7 @@ def chosen(setting) -> tuple | None:
                    f"not {setting!r}")
 
 
-@functools.lru_cache(maxsize=8)
-def _placement(devices: tuple) -> Placement:
-    return Placement(devices)
+_placement = functools.lru_cache(maxsize=8)(Placement)  # one mesh for the same devices
 
 
 def free_bytes(on: Placement) -> int:
@@ -171,7 +167,7 @@ def item_bytes(sweep: Sweep) -> tuple[int, int]:
     inputs = sum(_nbytes(avals[i]) for i in sweep.carried())
     values = sum(_nbytes(nodes[n]) for n in plan.needed
                  if n in sweep.carrying and nodes[n] is not UNKNOWN)
-    shapes = item_shapes(plan, sweep.values, sweep.batched, sweep.lowered)
+    shapes = item_shapes(sweep)
     results = sum(_nbytes(v) for v in shapes[0].values() if v is not None) + sum(
         _nbytes(g) for grads in shapes[1].values() for g in grads.values())
     working = inputs + max(RESIDUALS * values, 2 * inputs) + results
@@ -200,10 +196,8 @@ def chunk_size(sweep: Sweep, on: Placement, on_device: bool) -> int:
     many as :data:`DEPTH` chunks at once leave room for, in chunks of equal size."""
     working, results = item_bytes(sweep)
     budget = FRACTION * free_bytes(on) - (sweep.size * results if on_device else 0)
-    if sweep.size * working <= budget:
-        chunks = 1
-    else:
-        chunks = math.ceil(sweep.size * working * DEPTH / max(budget, 1.0))
+    chunks = 1 if sweep.size * working <= budget else \
+        math.ceil(sweep.size * working * DEPTH / max(budget, 1.0))
     per = math.ceil(sweep.size / chunks)
     return max(on.count, -(-per // on.count) * on.count)
 
@@ -225,34 +219,27 @@ class Devices(InProcess):
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         while len(self.flying) >= DEPTH:
             jax.block_until_ready(self.flying.popleft())
+        return Here().submit(self._dispatch, sweep, chunk, steps)
+
+    def _dispatch(self, sweep, chunk: tuple[int, int], steps: int) -> tuple[Done, int, frozenset]:
         start, stop = chunk
         count = stop - start
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            values = self.on.put(sweep.items(start, stop), count,
-                                 self.on.padded(count, self.width))
-            tasks, key = self._graph(sweep)
-            # Dask's synchronous scheduler where a Dask callback watches; else without one.
-            get = dask.get if Callback.active else dask.core.get
-            done = self._run(chunk, steps, lambda: get(bound(tasks, {}, values), key))
-        except Exception as e:
-            future.set_exception(e)
-            return future
+        values = self.on.put(sweep.items(start, stop), count, self.on.padded(count, self.width))
+        tasks, key = self._graph(sweep)
+        # Dask's synchronous scheduler where a Dask callback watches; else without one.
+        get = dask.get if Callback.active else dask.core.get
+        done = self._run(chunk, steps, lambda: get(bound(tasks, {}, values), key))
         if done.computed is not None:
             self.flying.append(done.computed)
             if self.host:
                 to_host(done.computed)
-        future.set_result((done, count, sweep.carrying))
-        return future
+        return done, count, sweep.carrying
 
     def _graph(self, sweep) -> tuple[dict, str]:
         """``sweep``'s chunk graph, made once, which each chunk runs with its items bound."""
         if self.graph is None or self.graph[0] is not sweep:
             self.graph = (sweep, chunk_graph(sweep, {}))
         return self.graph[1]
-
-    def wait_any(self, futures) -> set:
-        return set(futures)  # each finished as it was submitted (its device work may not be)
 
     def result(self, future) -> Done:
         """The chunk's :class:`~daskdag.sweeps.engines.Done`, its padding dropped."""

@@ -18,12 +18,12 @@ import cloudpickle
 import dask
 import dask.local
 import jax
-import numpy as np
 from dask.base import tokenize
 from dask.task_spec import DataNode, Task, TaskRef
 
 from daskdag.errors import ClusterError
 from daskdag.graph.assembly import key
+from daskdag.model.spec import as_numpy
 from daskdag.running.cluster import Watch, describe, unreachable, workers
 from daskdag.running.compute import Arrivals
 from daskdag.sweeps import progress
@@ -92,8 +92,14 @@ class InProcess:
     def _run(self, chunk: tuple[int, int], steps: int, compute) -> Done:
         bar = self.bar
         report = None if bar is None else (lambda f: bar.report(chunk, f))
-        return run_chunk(progress.ChunkRun(steps, self.stop.is_set, report,
-                                           items=chunk[1] - chunk[0]), compute)
+        return run_chunk(progress.ChunkRun(chunk[1] - chunk[0], steps, self.stop.is_set, report),
+                         compute)
+
+    def wait_any(self, futures) -> set:
+        return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
+
+    def result(self, future):
+        return future.result()
 
     def release(self, future):
         pass
@@ -113,12 +119,6 @@ class Threads(InProcess):
         graph = sweep.chunk(*chunk)
         return self.pool.submit(self._run, chunk, steps,
                                 lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
-
-    def wait_any(self, futures) -> set:
-        return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
-
-    def result(self, future):
-        return future.result()
 
     def close(self):
         self.stop.set()  # running chunks stop at their next item; this waits for that
@@ -386,5 +386,5 @@ def _run_chunk(graph: tuple[dict, str], shared: dict, items: dict, steps: int,
     Dask's synchronous scheduler, the shared inputs and the chunk's packed items as data. Its
     :class:`Done` has NumPy leaves, which distributed sends as zero-copy frames."""
     tasks = bound(graph[0], shared, {n: unpack(v) for n, v in items.items()})
-    done = run_chunk(progress.worker_chunk(steps, report, count), lambda: dask.get(tasks, graph[1]))
-    return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, done)
+    done = run_chunk(progress.worker_chunk(count, steps, report), lambda: dask.get(tasks, graph[1]))
+    return as_numpy(done)

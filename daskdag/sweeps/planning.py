@@ -18,10 +18,9 @@ import numpy as np
 from daskdag.graph.build import GradientSeeding, JacobianSeeding, build
 from daskdag.graph.tasks import chain_of_elements
 from daskdag.graph.stages import Stage, make_stages
-from daskdag.model.leaves import is_array
+from daskdag.model.leaves import is_array, signature
 from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import batch_size, batched_names, parsed
-from daskdag.model.shapes import signature
 from daskdag.model.spec import Node, Spec
 from daskdag.sweeps.chunked import CHUNK, Chunked, chunk_of
 from daskdag.transport.pickler import JaxArray

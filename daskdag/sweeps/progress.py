@@ -38,16 +38,15 @@ class ChunkRun:
     ``report(fraction)`` hears how far it got, at most every ``every`` seconds. ``failed``:
     ``{index in the chunk: NodeError}`` of its items that failed so far."""
 
-    def __init__(self, steps: int, cancelled: Callable[[], bool],
-                 report: Callable[[float], None] | None = None, every: float = 0.0,
-                 items: int | None = None):
+    def __init__(self, items: int, steps: int, cancelled: Callable[[], bool],
+                 report: Callable[[float], None] | None = None, every: float = 0.0):
         self.steps, self.cancelled, self.report, self.every = steps, cancelled, report, every
         self.done, self.last, self.items = 0, time.monotonic(), items
         self.failed: dict[int, NodeError] = {}
 
     def nothing_left(self) -> bool:
         """Every item of the chunk failed."""
-        return self.items is not None and len(self.failed) >= self.items
+        return len(self.failed) >= self.items
 
     def __enter__(self):
         self.outer, _running.chunk = getattr(_running, "chunk", None), self
@@ -126,7 +125,7 @@ class NothingLeft(Exception):
 
 # -- in a distributed worker ---------------------------------------------------------------------
 
-def worker_chunk(steps: int, report: list | None, items: int | None = None) -> ChunkRun:
+def worker_chunk(items: int, steps: int, report: list | None) -> ChunkRun:
     """The :class:`ChunkRun` of the task this worker thread runs: cancelled once the worker
     dropped the task; ``report``, ``[sweep id, start, stop]``, goes with each fraction done to
     :data:`TOPIC`."""
@@ -134,7 +133,7 @@ def worker_chunk(steps: int, report: list | None, items: int | None = None) -> C
 
     worker = distributed.get_worker()
     send = None if report is None else (lambda f: worker.log_event(TOPIC, [*report, f]))
-    return ChunkRun(steps, dropped(), send, REPORT_EVERY, items)
+    return ChunkRun(items, steps, dropped(), send, REPORT_EVERY)
 
 
 # -- in the client --------------------------------------------------------------------------------
@@ -144,11 +143,10 @@ class Progress:
     fraction of their item steps done. Reports of a chunk no longer open are ignored, so the
     final count is the exact number of items finished."""
 
-    partial: dict[tuple[int, int], float]
-
     def __init__(self, total: int):
         self.bar = tqdm(total=total, unit="item", **BAR)
-        self.done, self.partial = 0, {}  # partial: open chunk -> items done in it
+        self.done = 0
+        self.partial: dict[tuple[int, int], float] = {}  # open chunk -> items done in it
         self.lock = threading.Lock()
 
     def open(self, chunk: tuple[int, int]):

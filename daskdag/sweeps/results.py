@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from daskdag.model.shapes import UNKNOWN, abstract, abstract_values
+from daskdag.model.leaves import UNKNOWN, abstract, abstract_values
 from daskdag.sweeps.chunked import SKIPPED, Items, own_function
 
 
@@ -111,16 +111,17 @@ def missing_value(dtype):
     return np.nan if np.issubdtype(dtype, np.inexact) else 0
 
 
-def item_shapes(plan, values: dict, batched: frozenset, lowered=None) -> tuple[dict, dict]:
-    """One item's ``({output: value shape}, {output: {input: gradient shape}})`` as
+def item_shapes(sweep) -> tuple[dict, dict]:
+    """One item of ``sweep``'s ``({output: value shape}, {output: {input: gradient shape}})`` as
     ``ShapeDtypeStruct`` trees, traced abstractly. A gradient is shaped like its input's item
     (a Jacobian's after the output's rows), ``None`` on leaves that are not floating arrays; a
     value is ``None`` where a node on its way cannot be traced."""
+    plan = sweep.plan
     avals = abstract_values(plan.spec, plan.needed,
-                            {i: abstract(v, i in batched) for i, v in values.items()},
+                            {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()},
                             own_function)
     values = {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}
-    rows = getattr(lowered, "rows", None)
+    rows = getattr(sweep.lowered, "rows", None)
     grads = {o: {i: jax.tree.map(partial(_cotangent_shape, lead=() if rows is None else (
         _rows(values[o], rows.colours_of(o)),)), avals[i]) for i in plan.wrt}
         for o in plan.outputs}

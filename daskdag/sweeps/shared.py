@@ -50,9 +50,7 @@ def constants(planned: Sweep, client, local: str | None) -> Sweep:
     split = constants_part(planned)
     if split is None:
         return planned
-    plan, rest = split
-    graph = build(plan, {i: planned.values[i] for i in plan.spec.inputs}, GradientSeeding({}),
-                  planned.transport)
+    plan, rest, graph = split
     try:
         computed = compute(graph, client, False, None, local, plan)
     except NodeError:
@@ -64,18 +62,20 @@ def constants(planned: Sweep, client, local: str | None) -> Sweep:
     return replace(rest, values={**planned.values, **values})
 
 
-def constants_part(sweep: Sweep) -> tuple[Plan, Sweep] | None:
+def constants_part(sweep: Sweep) -> tuple[Plan, Sweep, dict] | None:
     """The nodes a sweep computes from its shared inputs alone through which no gradient
-    passes: ``(plan, rest)``, ``plan`` computing the values the other nodes take, ``rest`` the
-    sweep without them; None where there are none."""
+    passes: ``(plan, rest, graph)``, ``plan`` computing the values the other nodes take,
+    ``graph`` its Dask graph, ``rest`` the sweep without them; None where there are none."""
     plan = sweep.plan
     kept = set(plan.outputs) | set(plan.wrt)
     once = [n for n in plan.needed if n not in sweep.carrying and n not in kept]
     if not once:
         return None
     part, taken, rest = plan.cut(once)
-    return (make_plan(part, taken, ()),
-            replace(sweep, plan=make_plan(rest, plan.outputs, plan.wrt)))
+    made = make_plan(part, taken, ())
+    graph = build(made, {i: sweep.values[i] for i in made.spec.inputs}, GradientSeeding({}),
+                  sweep.transport)
+    return made, replace(sweep, plan=make_plan(rest, plan.outputs, plan.wrt)), graph
 
 
 def differentiated(planned: Sweep, client) -> Sweep:

@@ -23,10 +23,11 @@ from urllib.parse import quote
 import jax
 import numpy as np
 
-from daskdag.durable.identity import common, hash_tree, options, plain, rows_hash
+from daskdag.durable.identity import (SWEEP, agree, claim, common, full, hash_tree, options,
+                                      plain, rows_hash)
 from daskdag.durable.keys import Keys, group, is_zarr, keys_of
-from daskdag.durable.rules import SWEEP, agree, claim, full
 from daskdag.errors import NodeError, StoreError
+from daskdag.sweeps.planning import item
 from daskdag.sweeps.progress import picklable
 from daskdag.sweeps.results import missing_value
 
@@ -34,16 +35,16 @@ if TYPE_CHECKING:
     from zarr.abc.store import Store as ZarrStore
 
 
-def identity(kind, outputs, wrt, batched, size: int, shared: dict, cotangents, errors: str
-             ) -> dict:
-    """What a sweep of ``kind`` is, as a store records it: what every store records
-    (:mod:`daskdag.durable.identity`), the sweep's arguments, its shared inputs and cotangents
-    by hash, and for another kind than gradients the kind and its options (a record without
-    them is a gradient sweep's)."""
-    record = {**common(kind.dag), "outputs": list(outputs), "wrt": list(wrt),
-              "batched": sorted(batched), "items": size,
-              "shared": {k: hash_tree(v) for k, v in sorted(shared.items())},
-              "cotangents": hash_tree(cotangents), "errors": errors}
+def identity(kind, sweep, errors: str) -> dict:
+    """What ``sweep`` (a :class:`~daskdag.sweeps.planning.Sweep` of ``kind``) is, as a store
+    records it: what every store records (:mod:`daskdag.durable.identity`), the sweep's
+    arguments, its shared inputs and cotangents by hash, and for another kind than gradients the
+    kind and its options (a record without them is a gradient sweep's)."""
+    record = {**common(kind.dag), "outputs": list(sweep.plan.outputs),
+              "wrt": list(sweep.plan.wrt), "batched": sorted(sweep.batched), "items": sweep.size,
+              "shared": {k: hash_tree(v) for k, v in sorted(sweep.values.items())
+                         if k not in sweep.batched},
+              "cotangents": hash_tree(sweep.cotangents), "errors": errors}
     if kind.sweep_call != "sweep_grads":
         record.update({SWEEP: kind.sweep_call, **plain(options(kind, skip=("cotangents",)))})
     return record
@@ -243,7 +244,7 @@ class Store:
         arrays = None
         for o, (value, grads) in results.items():
             if o not in self.trees:
-                self._create(o, _one(value), {i: _one(g) for i, g in grads.items()})
+                self._create(o, item(value), {i: item(g) for i, g in grads.items()})
             arrays = self._arrays()
             for path, leaf in self._leaves(o, value, grads):
                 rows[path] = np.ascontiguousarray(np.asarray(leaf, arrays[path].dtype))
@@ -357,12 +358,6 @@ def _chunk_key(array, path: str, k: int) -> str:
 
 def _mark_key(start: int, stop: int) -> str:
     return f"done/{start:012d}-{stop:012d}/zarr.json"
-
-
-def _one(tree):
-    """One item's shapes in rows ``tree``."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], np.asarray(a).dtype),
-                        tree)
 
 
 def _q(name: str) -> str:

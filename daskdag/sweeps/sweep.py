@@ -58,7 +58,7 @@ def of_kind(kind, xs, data: tuple, *, batched, chunk_size, client, local: str | 
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, None, progress, errors,
                               every=4 * parallelism(None))
         return on_processes(lazy, progress)
-    if store is None and arrays.holds_dask({"": xs}, [""]):
+    if store is None and arrays.dask_leaves({"": xs}, [""]):
         lazy = arrays.of_kind(kind, xs, data, batched, chunk_size, client, progress, errors)
         if lazy is not None:
             return lazy
@@ -99,12 +99,9 @@ def sweep(planned: Sweep, values: dict, cotangents, chunk_size, client, local: s
     in_flight = devices.DEPTH if on is not None else 2 * slots if client else slots
     kept, by_time = None, False
     if store is not None:
-        shared = {i: v for i, v in values.items() if i not in planned.batched}
-        blocks = [leaf.chunks[0][0] for i in planned.batched
-                  for leaf in jax.tree.leaves(values[i]) if is_dask_array(leaf)]
-        kept = Store(store, identity(kind, planned.plan.outputs, planned.plan.wrt,
-                                     planned.batched, size, shared, planned.cotangents, errors),
-                     chunk_size, blocks[0] if blocks else default)
+        blocks = [leaf.chunks[0][0] for _, leaf in arrays.dask_leaves(values, planned.batched)]
+        kept = Store(store, identity(kind, planned, errors), chunk_size,
+                     blocks[0] if blocks else default)
         by_time = chunk_size is None and not blocks and planned.by_item
         chunk_size = kept.chunk_size
         if kept.lazy is None:  # dask-array items: the results stay in the store
@@ -161,9 +158,9 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
                     computed and _as_rows(sweep, start, stop, computed), fails))
         try:
             left = sweep.size - (int(done.sum()) if done is not None else 0)
-            chunks = _compute(share(sweep, left, chunk_size, client, local), chunk_size,
-                              client, in_flight, bar, errors, stacked, failed, workers,
-                              done, keep, by_time, local, on, on_device)
+            chunks = _run_chunks(share(sweep, left, chunk_size, client, local), chunk_size,
+                                 client, in_flight, bar, errors, stacked, failed, workers,
+                                 done, keep, by_time, local, on, on_device)
         except BaseException as e:
             if store is None:
                 raise
@@ -182,8 +179,7 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
             if bar:
                 bar.close()
     if stacked is None and store is not None:  # a lazy store's: dask arrays reading it
-        return store.view(lambda: item_shapes(sweep.plan, sweep.values, sweep.batched,
-                                              sweep.lowered)), failed, chunks
+        return store.view(lambda: item_shapes(sweep)), failed, chunks
     results = _finish(sweep, stacked)
     if on_device and on is None:
         results = jax.device_put(results)
@@ -210,28 +206,12 @@ def chunk_hash(sweep: Sweep, start: int, stop: int) -> str:
                                        sweep.values[i]) for i in sweep.batched})
 
 
-def _compute(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers, done,
-             keep, by_time=False, local=None, on=None, on_device=False) -> int:
-    """Run the chunks on an engine: the devices ``on``, this process's threads (with ``local``
-    ``"sync"``, the calling thread), or ``client``'s cluster, where the shared inputs and the
-    chunk graph stay for later calls (:func:`~daskdag.running.resident.placing`)."""
-    shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
-    with contextlib.nullcontext() if client is None else placing(client) as place:
-        engine: Threads | Cluster | devices.Devices
-        if on is not None:
-            engine = devices.Devices(on, shared, bar, chunk_size, host=not on_device)
-        elif client is None:
-            engine = Threads(in_flight, bar, here=local == "sync")
-        else:
-            pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
-            engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
-        return _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
-                           done, keep, by_time)
-
-
-def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engine,
-                done=None, keep=None, by_time=False) -> int:
-    """Chunks in order, at most ``in_flight`` at once. An item that fails inside a chunk is kept
+def _run_chunks(sweep, chunk_size, client, in_flight, bar, errors, stacked, failed, workers,
+                done, keep, by_time, local, on, on_device) -> int:
+    """Chunks in order, at most ``in_flight`` at once, on an engine: the devices ``on``, this
+    process's threads (with ``local`` ``"sync"``, the calling thread), or ``client``'s cluster,
+    where the shared inputs and the chunk graph stay for later calls
+    (:func:`~daskdag.running.resident.placing`). An item that fails inside a chunk is kept
     with the chunk's results; a chunk that fails as a whole (a ``vmap=True`` node's program, a
     chunk of task graphs), or is lost with its workers, is rerun item by item, ahead of new
     chunks, to name its failing items and keep the others. With ``errors='raise'`` no new chunk
@@ -242,7 +222,18 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
     each chunk's results and failures before they count (a store writes them). Returns how many
     chunks ran, reruns included."""
     sent = 0
-    try:
+    shared = {i: v for i, v in sweep.values.items() if sweep.shared(i)}
+    with contextlib.ExitStack() as stack:
+        place = None if client is None else stack.enter_context(placing(client))
+        engine: Threads | Cluster | devices.Devices
+        if on is not None:
+            engine = devices.Devices(on, shared, bar, chunk_size, host=not on_device)
+        elif client is None:
+            engine = Threads(in_flight, bar, here=local == "sync")
+        else:
+            pin = not any(sweep.plan.spec.nodes[n].needs for n in sweep.plan.needed)
+            engine = Cluster(client, shared, pin, bar, place, workers, sweep.plan)
+        stack.callback(engine.close)
         sweep = replace(sweep, values={**sweep.values, **engine.shared})
         chunks = deque((s, min(s + chunk_size, sweep.size))
                        for s in range(0, sweep.size, chunk_size))
@@ -284,20 +275,16 @@ def _run_chunks(sweep, chunk_size, in_flight, bar, errors, stacked, failed, engi
                     bar.close_chunk(c, c[1] - c[0] if err is None or c[1] - c[0] == 1 else 0)
                 if err is None:
                     continue
-                if isinstance(err, Lost):  # item by item, ahead of new chunks
-                    reruns.extend(_items(c))
+                if isinstance(err, Lost) or c[1] - c[0] > 1 and errors != "raise":
+                    reruns.extend(_items(c))  # item by item, ahead of new chunks
                 elif c[1] - c[0] == 1:  # an item: named
                     if keep is not None:
                         keep(c, None, {c[0]: err})
                     failed[c[0]] = err
-                elif errors == "raise":
-                    bisect.insort(broken, c)
                 else:
-                    reruns.extend(_items(c))
+                    bisect.insort(broken, c)
             if bar:
                 bar.refresh()
-    finally:
-        engine.close()
 
 
 class _Pieces:
@@ -413,7 +400,7 @@ def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=())
 
 def _finish(sweep, stacked) -> dict:
     """The stacked results; where no item gave one, NaN rows shaped like one item's."""
-    values, grads = item_shapes(sweep.plan, sweep.values, sweep.batched, sweep.lowered) if any(
+    values, grads = item_shapes(sweep) if any(
         s.tree is None for v, g in stacked.values() for s in (v, *g.values())) else ({}, {})
     return {o: (v.result(values.get(o)), {i: s.result(grads.get(o, {}).get(i))
                                           for i, s in g.items()})
