@@ -23,7 +23,7 @@ demo: $(CORE_STAMP)
 	$(PY) examples/seed_dag.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,docs,bench]'

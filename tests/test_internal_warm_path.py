@@ -138,3 +138,43 @@ def test_a_warm_eager_call_runs_few_modules():
         assert results[o].info.prepared
         want_value, want_grad = jax.value_and_grad(lambda x: composed(x)[k])(x)
         assert_tree_close((results[o].value, results[o].grad), (want_value, want_grad))
+
+
+def squares(t):
+    return jnp.sum(t ** 2)
+
+
+def test_the_one_compiled_check_sees_each_change():
+    """A warm prepared call's one compiled freshness check sees a JAX setting changed in the
+    calling thread, a DAG entry's deps changed in place and an entry replaced: each call after
+    a change is prepared anew, says why, and agrees with JAX."""
+    dag = dict(DAG)
+    f = daskdag.value_and_grad(dag, ["D", "E"])
+    x = jnp.linspace(0.1, 1.0, 5)
+    for _ in range(3):
+        f(x)
+    assert f.info.prepared
+
+    with jax.numpy_rank_promotion("warn"):  # (JAX's, in this thread)
+        f(x)
+        assert not f.info.prepared and "a setting changed" in f.info.why
+    for _ in range(2):
+        f(x)
+    assert f.info.prepared
+
+    dag["E"] = Node(B_to_E, ["B"], jit=True)  # (the same entry anew: the same program serves)
+    f(x)
+    assert f.info.prepared
+    deps = ["B"]
+    dag["E"] = Node(squares, deps, jit=True)  # (an entry replaced)
+    values, _ = f(x)
+    assert not f.info.prepared and "node 'E'" in f.info.why
+    assert_tree_close(values["E"], squares(A_to_B(x_to_A(x))))
+    for _ in range(2):
+        f(x)
+    assert f.info.prepared
+    deps[0] = "A"  # (its deps changed in place: E reads A now)
+    values, grads = f(x)
+    assert not f.info.prepared and "node 'E'" in f.info.why
+    want_value, want_grad = jax.value_and_grad(lambda x: squares(x_to_A(x)))(x)
+    assert_tree_close((values["E"], grads["E"]), (want_value, want_grad))
