@@ -429,8 +429,7 @@ class Held:
                 return None
             self._latest = latest
         entry, program, dag = latest
-        return entry if (dag.fresh is not None and dag.fresh()) or program.stale(dag) is None \
-            else None
+        return entry if program.stale(dag) is None else None
 
     def hold_entry(self, key: Any, entry: Any) -> None:
         """``entry`` runs the calls of the program held by ``key`` (:meth:`entry`)."""
