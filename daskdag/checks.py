@@ -32,7 +32,7 @@ from daskdag.rules.finite_differences import (PROJECTIONS, ROUNDING, check_node,
                                               dtype_of, inner, magnitude, perturbed, unit, wide)
 from daskdag.model.request import nodes_in_wrt, prepare
 from daskdag.running.programs import where
-from daskdag.running.jobs import Job, run
+from daskdag.running.jobs import GraphJob, run
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -96,7 +96,7 @@ def check_grads(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str],
     transport = transports.for_call(client)
     forward = ship(make_plan(spec, plan.needed, ()), transport)
     graph = partial(_graph, plan, forward, request.values, checked, eps, rtol, transport)
-    found = run(Job(forward, graph, lambda found: found, "check_grads"), client, local, False)
+    found = run(GraphJob(forward, graph, "check_grads"), client, local, False)
     failed = [n for n in checked if found[n][0][1]]
     if failed:
         first = found[failed[0]][0][1]
@@ -168,8 +168,8 @@ def check_totals(dag: Mapping[str, Any], x: PyTree, outputs: str | Sequence[str]
             points += [{**values, i: minus}, {**values, i: plus}]
     transport = transports.for_call(client)
     forward = ship(make_plan(spec, plan.outputs, ()), transport)
-    evaluated = run(Job(forward, partial(_points_graph, forward, points, transport),
-                        lambda found: found, "check_totals"), client, local, False)
+    evaluated = run(GraphJob(forward, partial(_points_graph, forward, points, transport),
+                             "check_totals"), client, local, False)
     at = [{o: differentiable_leaves(evaluated[f"{e}:{o}"][0]) for o in plan.outputs}
           for e in range(len(points))]
     machine = max([machine] + [float(jnp.finfo(dtype_of(leaf)).eps) for ls in at[0].values()

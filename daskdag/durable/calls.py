@@ -30,9 +30,9 @@ from daskdag.durable.keys import group, is_zarr, keys_of
 from daskdag.model.request import given_values
 from daskdag.model.spec import Spec
 from daskdag.running.programs import active_client, in_words
-from daskdag.running.jobs import LAZY, Job, as_collection, on_processes, run
+from daskdag.running.jobs import LAZY, as_collection, on_processes, run
 from daskdag.running.lazy import Call
-from daskdag.running.passes import Derivative
+from daskdag.running.passes import CompiledJob, Derivative
 from daskdag.transport import transports
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def call(kind: Derivative, x: Any, *data: Any, client, local: str | None, progre
     job, mine = _stored(kind, x, data, client, local, store, lazy=local == "processes")
     with opened(store, mine) as keeper:
         if local == "processes":  # (Dask's multiprocessing scheduler: the call made lazy)
-            return on_processes(as_collection(_keeping(job, keeper)), progress)
+            return on_processes(as_collection(replace(job, keeper=keeper)), progress)
         return run(job, client, local, progress, keep=keeper)
 
 
@@ -59,19 +59,11 @@ def lazy(kind: Derivative, x: Any, *data: Any, store: str | os.PathLike | ZarrSt
     job, mine = _stored(kind, x, data, active_client(), None, store, lazy=True)
     with opened(store, mine) as keeper:
         pass
-    return as_collection(_keeping(job, keeper))
-
-
-def _keeping(job: Job, keeper: Stages) -> Job:
-    """``job`` whose graph keeps its stages in ``keeper``, every node in it (a lazy call's, or
-    one computed by Dask's multiprocessing scheduler)."""
-    stored = job.stored
-    assert stored is not None  # (every kind's job keeps its stages where asked)
-    return replace(job, make=lambda place, stop: stored(place, stop, keeper), later=None)
+    return as_collection(replace(job, keeper=keeper))
 
 
 def _stored(kind: Derivative, x: Any, data: tuple, client, local: str | None, store: Any,
-            lazy: bool = False) -> tuple[Job, dict]:
+            lazy: bool = False) -> tuple[CompiledJob, dict]:
     """The job of a durable call, and what its store records of it. Its chains of nodes are not
     fused (``daskdag.fuse-chains``): each node is a stage, kept as it finishes."""
     if not isinstance(store, (str, os.PathLike)) and not is_zarr(store):

@@ -103,39 +103,70 @@ class CallInfo:
         return f"CallInfo({', '.join(parts)})"
 
 
-@dataclass(frozen=True)
 class Job:
-    """A call prepared: its ``plan``; ``make(place, stop)``, which builds its graph
-    (``{output: (value, {name: grad})}`` of ``Delayed``; ``place`` keeps values on a cluster,
-    :mod:`daskdag.running.resident`, ``stop`` a local call's stop signal); ``finish``, its
-    result from that graph computed; ``kind``, its name in the log."""
+    """A call prepared, which :func:`run` computes now and :func:`as_collection` makes a Dask
+    collection: its ``plan``; ``kind``, its name in the log; ``keep``, what a lazy call keeps
+    alive (the DAG's entries, whose functions a preparation holds only weakly:
+    :mod:`daskdag.transport.weak`); ``solves``, where the solves of its implicit nodes are
+    recorded (its :attr:`CallInfo.solves`). :meth:`graph` and :meth:`finish` are every job's;
+    the others, a compiled call's (:class:`~daskdag.running.passes.CompiledJob`), say what
+    else it can do."""
+
+    plan: Plan
+    kind: str
+    keep: Any = None
+    solves: dict | None = None
+    #: On a cluster, whether a call runs spread or in one task (:meth:`in_one_task`); None:
+    #: it always spreads.
+    spreading: Spreading | None = None
+
+    def graph(self, place: Any, stop: Any) -> Any:
+        """Its graph, as :func:`~daskdag.running.compute.compute` takes it; ``place`` keeps
+        values on a cluster (:mod:`daskdag.running.resident`), ``stop`` is a local call's stop
+        signal."""
+        raise NotImplementedError
+
+    def finish(self, computed: dict) -> Any:
+        """Its result, from its graph computed."""
+        raise NotImplementedError
+
+    def ahead(self, client: Any, local: str | None, progress: bool) -> Job:
+        """The job a call now runs: this, or, where it first computes the nodes kept between
+        calls (:mod:`daskdag.running.reuse`), the rest's. Lazy and durable calls skip it."""
+        return self
+
+    def directly(self) -> Any:
+        """Its result from one program run in this process (:mod:`daskdag.graph.whole`), or
+        None where it has none or cannot run this call (its graph runs)."""
+        return None
+
+    def in_one_task(self, place: Any) -> Any:
+        """On a cluster, the call as one task (where :attr:`spreading` says so)."""
+        raise NotImplementedError
+
+    def stored(self, place: Any, stop: Any, keep: Any) -> dict:
+        """A durable call's graph (:mod:`daskdag.durable.calls`): each stage's forward task kept
+        by ``keep`` (a :class:`~daskdag.graph.assembly.Keeper`) or read back from it."""
+        raise TypeError(f"{self.kind} cannot keep its stages")
+
+    def later(self) -> tuple[dict, Callable[[dict], Any]]:
+        """The call as a Dask collection's graph and its finish."""
+        return self.graph(None, None), self.finish
+
+
+@dataclass(frozen=True)
+class GraphJob(Job):
+    """A job whose graph ``make(place, stop)`` gives, its result that graph computed."""
 
     plan: Plan
     make: Callable[[Any, Any], dict]
-    finish: Callable[[dict], Any]
-    kind: str = "compute_grads"
-    #: What a lazy call keeps alive: the DAG's entries, whose functions a preparation holds
-    #: only weakly (:mod:`daskdag.transport.weak`).
-    keep: Any = None
-    #: The call as one program in this process (:mod:`daskdag.graph.whole`): ``direct()`` gives
-    #: the call's result, or None where it cannot this time (the graph runs).
-    direct: Callable[[], Any] | None = None
-    #: On a cluster, ``contained(place)`` (:class:`~daskdag.running.local.GraphInOneTask`), run
-    #: instead of ``make``'s graph when ``spreading`` says spreading the stages gains nothing.
-    contained: Callable[[Any], Any] | None = None
-    spreading: "Spreading | None" = None
-    #: A call now that first computes the nodes kept between calls (:mod:`daskdag.running.reuse`):
-    #: ``before(client, local, progress)`` gives the job to run. Lazy and durable calls ignore it.
-    before: Callable[[Any, str | None, bool], "Job"] | None = None
-    #: A durable call's graph (:mod:`daskdag.durable.calls`): ``stored(place, stop, keep)``, each
-    #: stage's forward task kept by ``keep`` (a :class:`~daskdag.graph.assembly.Keeper`) or read
-    #: back from it.
-    stored: Callable[[Any, Any, Any], dict] | None = None
-    #: The call as a Dask collection, where it is more than ``make``'s graph and ``finish``:
-    #: ``later() -> (graph, finish)`` (:mod:`daskdag.running.reuse`).
-    later: Callable[[], tuple[dict, Callable[[dict], Any]]] | None = None
-    #: Where the solves of the call's implicit nodes are recorded (its :attr:`CallInfo.solves`).
-    solves: dict | None = None
+    kind: str
+
+    def graph(self, place: Any, stop: Any) -> Any:
+        return self.make(place, stop)
+
+    def finish(self, computed: dict) -> Any:
+        return computed
 
 
 class Kind(Protocol):
@@ -150,9 +181,6 @@ class Kind(Protocol):
         ...
 
     def job(self, program: Program, x: Any, data: tuple, why: str | None, where: str) -> Job:
-        ...
-
-    def directly(self, program: Program, x: Any, data: tuple, where: str) -> Any:
         ...
 
     def entry(self, program: Program, x: Any, where: str, shape: Callable[[Any], Any]) -> Any:
@@ -185,14 +213,11 @@ def call(kind: Kind, x: Any, *data: Any, client, local: str | None, progress: bo
         program, why = kind.compile(x, data, transport=transport)
     else:
         program, why, key = held.program(kind, x, data, transport)
-        if why is None and one_program_here(client, local, progress):
-            if not data and local == "threads" and key is not None and key not in held.entries:
-                entry = kind.entry(program, x, where, held.shape)
-                if entry is not None:
-                    held.hold_entry(key, entry)
-            result = kind.directly(program, x, data, where)
-            if result is not None:
-                return result
+        if why is None and not data and local == "threads" and key is not None and \
+                key not in held.entries and one_program_here(client, local, progress):
+            entry = kind.entry(program, x, where, held.shape)
+            if entry is not None:
+                held.hold_entry(key, entry)
     return run(kind.job(program, x, data, why=why, where=where), client, local, progress)
 
 
@@ -237,11 +262,10 @@ def lazy(kind: Kind, x: Any, *data: Any) -> Call:
 
 def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
     """The job computed now: on a cluster, checked first, and what it keeps placed once
-    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler. ``keep``:
-    where a durable call keeps its stages (:attr:`Job.stored`): its graph then runs spread, a
-    task per stage, and ``before`` is not run."""
-    if keep is not None and job.stored is None:
-        raise TypeError(f"{job.kind} cannot keep its stages")
+    (:mod:`daskdag.running.resident`); else on this process's ``local`` scheduler, as one
+    program where it has one (:meth:`Job.directly`) and nothing watches the graph's tasks.
+    ``keep``: where a durable call keeps its stages (:meth:`Job.stored`): its graph then runs
+    spread, a task per stage, and :meth:`Job.ahead` is not run."""
     if local == "processes":
         raise DAGError(not_on_processes(job.kind if keep is None else f"{job.kind} with store="))
     with implicit.recording(job.solves):  # (on a cluster, what its workers tell: compute)
@@ -249,32 +273,31 @@ def run(job: Job, client, local: str | None, progress: bool, keep: Any = None):
 
 
 def _run(job: Job, client, local: str | None, progress: bool, keep: Any) -> Any:
-    if job.before is not None and keep is None:
-        job = job.before(client, local, progress)
-    if job.direct is not None and keep is None and one_program_here(client, local, progress):
-        # (a progress bar, or another Dask callback, watches the graph's tasks: the graph runs)
-        result = job.direct()
-        if result is not None:
-            if logger.isEnabledFor(logging.INFO):
-                log_whole(job.kind, job.plan, in_words(client, local))
-            return result
+    if keep is None:
+        job = job.ahead(client, local, progress)
+        if one_program_here(client, local, progress):
+            # (a progress bar, or another Dask callback, watches the graph's tasks: it runs)
+            result = job.directly()
+            if result is not None:
+                if logger.isEnabledFor(logging.INFO):
+                    log_whole(job.kind, job.plan, in_words(client, local))
+                return result
     if client is not None:  # before anything is built or sent
         cluster.check(client, job.plan)
     kept = resident.of(client) if client is not None else None
     stop = Stop() if client is None else None
     before = kept.sent if kept else 0
-    whole = job.contained is not None and job.spreading is not None and not progress and \
-        keep is None and job.spreading.whole()
+    spreading = job.spreading if keep is None and not progress else None
+    whole = spreading is not None and spreading.whole()
     start = time.perf_counter()
     with kept.keeping(client) if kept else contextlib.nullcontext() as place:
-        graph = (job.contained(place) if whole  # type: ignore[misc]
-                 else job.make(place, stop) if keep is None
-                 else job.stored(place, stop, keep))  # type: ignore[misc]
+        graph = (job.in_one_task(place) if whole else job.graph(place, stop) if keep is None
+                 else job.stored(place, stop, keep))
         log_submitted(job.kind, job.plan, graph, in_words(client, local),
                       kept.sent - before if kept else None)
         computed = compute(graph, client, progress, stop, local, job.plan)
-    if job.spreading is not None and not progress and keep is None:
-        job.spreading.record(whole, time.perf_counter() - start)
+    if spreading is not None:
+        spreading.record(whole, time.perf_counter() - start)
     return job.finish(computed)
 
 
@@ -318,5 +341,5 @@ class Spreading:
 
 def as_collection(job: Job) -> Call:
     """The job as a Dask collection, computed when Dask computes it."""
-    graph, finish = job.later() if job.later is not None else (job.make(None, None), job.finish)
+    graph, finish = job.later()
     return Call.of(job.plan, graph, finish, job.keep)

@@ -22,13 +22,12 @@ Everything else is written once, here and below, for every kind: the program com
 (:class:`~daskdag.running.local.Template`); the whole call as one XLA program
 (:mod:`daskdag.graph.whole`); on a cluster, spread or in one task
 (:class:`~daskdag.running.jobs.Spreading`); reuse across calls (:mod:`daskdag.running.reuse`);
-a durable store (:attr:`~daskdag.running.jobs.Job.stored`); a lazy call
+a durable store (:meth:`~daskdag.running.jobs.Job.stored`); a lazy call
 (:func:`~daskdag.running.jobs.as_collection`); sweeps (:mod:`daskdag.sweeps`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -48,7 +47,7 @@ from daskdag.model.plan import Plan, make_plan, ship
 from daskdag.model.request import given_values, names_the_input, parsed
 from daskdag.model.spec import Spec
 from daskdag.running import programs
-from daskdag.running.compute import log_reused, log_whole, logger
+from daskdag.running.compute import log_reused
 from daskdag.running.jobs import CallInfo, Job, Spreading
 from daskdag.running.local import GraphInOneTask, Template, run_graph, slot
 from daskdag.running.programs import Program
@@ -175,36 +174,11 @@ class Compiled:
         return GraphInOneTask.built(self.slotted, slots, self.one_task_needs or {})
 
     def job(self, values: dict, cts: dict, info: CallInfo, finish: Callable[[CallInfo, dict], Any],
-            keep: Any = None) -> Job:
+            keep: Any = None) -> CompiledJob:
         """The call of the input ``values`` (by name) and the outputs' cotangents ``cts``,
         whose results ``finish(info, computed)`` makes (with :attr:`kept`, its values first);
         ``keep`` as for :class:`~daskdag.running.jobs.Job`."""
-        job = self._job(values, cts, info, finish, keep)
-        if self.kept is None:
-            return job
-        kept, rest = self.kept
-
-        def before(client: Any, local: str | None, progress: bool) -> Job:
-            found, again = kept.values(values, client, local, progress)
-            reused = kept.plan.needed if again else ()
-            if reused:
-                log_reused(info.call, reused)
-            return rest._job({**values, **found}, cts, replace(info, reused=reused), finish,
-                             keep)
-
-        def later() -> tuple[dict, Callable[[dict], Any]]:
-            found = kept.last(values)
-            if found is not None:  # (the kept nodes' values go in as inputs)
-                inner = rest._job({**values, **found}, cts,
-                                  replace(info, reused=kept.plan.needed), finish, keep)
-                return inner.make(None, None), inner.finish
-            first = kept.graph(values)  # (and their values, once computed, are kept)
-            graph = rest.build({**values, **{n: TaskRef(first[n][0].key) for n in first}}, cts,
-                               base=next(iter(first.values()))[0].dask)
-            graph[KEPT] = (graph[self.plan.outputs[0]][0], {n: v for n, (v, _) in first.items()})
-            return graph, kept.lazily(values, partial(finish, info))
-
-        return replace(job, before=before, later=later)
+        return CompiledJob(self, values, cts, info, finish, keep)
 
     def build(self, values: dict, cts: dict, place: Any = None, stop: Any = None,
               keep: Any = None, base: Any = None) -> dict:
@@ -214,36 +188,103 @@ class Compiled:
         return build(self.plan, values, seeding, self.transport, place=place, stop=stop,
                      stages=self.stages, keep=keep, base=base)
 
-    def _job(self, values: dict, cts: dict, info: CallInfo,
-             finish: Callable[[CallInfo, dict], Any], keep: Any = None) -> Job:
-        plan, template, whole = self.plan, self.template, self.whole
 
-        def make(place: Any, stop: Any) -> Any:
-            if whole is not None and place is not None and whole_fits(whole.stage, values):
-                return one_task(whole, values, cts, self.transport, place)
-            if template is not None:
-                return template.fill({**{slot("input", i): v for i, v in values.items()},
-                                      **{slot("cotangent", o): cts.get(o) for o in plan.outputs},
-                                      slot("stop"): stop})
-            return stored(place, stop, None)
+@dataclass(frozen=True)
+class CompiledJob(Job):
+    """A call of a :class:`Compiled` program (:meth:`Compiled.job`), and every way it runs: its
+    input ``values`` by name, its outputs' cotangents ``cts``, its ``info``, and ``done``,
+    which makes its results (``done(info, computed)``); ``keep`` as for
+    :class:`~daskdag.running.jobs.Job`; ``keeper``: a durable call's, where every graph it
+    makes keeps its stages (:meth:`stored`)."""
 
-        def contained(place: Any) -> Any:
-            graph = self.in_one_task
-            return program_task(graph, "graph", graph.needs, run_graph,
-                                [(kind, name, values[name] if kind == "input" else cts.get(name))
-                                 for kind, name in graph.slots], self.transport, place,
-                                graph.kept)
+    compiled: Compiled
+    values: dict
+    cts: dict
+    info: CallInfo
+    done: Callable[[CallInfo, dict], Any]
+    keep: Any = None
+    keeper: Any = None
 
-        def stored(place: Any, stop: Any, keeper: Any) -> Any:
-            return self.build(values, cts, place, stop, keeper)
+    @property
+    def plan(self) -> Plan:  # type: ignore[override]
+        return self.compiled.plan
 
-        done = partial(finish, info)
-        direct = None if whole is None or self.transport.packs else partial(
-            _directly, whole, done, values, cts,
-            None if self.lowered is None else self.lowered.tail)
-        return Job(plan, make, done, info.call, keep=keep, direct=direct,
-                   contained=None if self.one_task_needs is None else contained,
-                   spreading=self.spreading, stored=stored, solves=info.solves)
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.info.call
+
+    @property
+    def solves(self) -> dict:  # type: ignore[override]
+        return self.info.solves
+
+    @property
+    def spreading(self) -> Spreading | None:  # type: ignore[override]
+        compiled = self.compiled
+        return None if compiled.one_task_needs is None or self.keeper is not None \
+            else compiled.spreading
+
+    def finish(self, computed: dict) -> Any:
+        return self.done(self.info, computed)
+
+    def graph(self, place: Any, stop: Any) -> Any:
+        compiled = self.compiled
+        if self.keeper is not None:
+            return self.stored(place, stop, self.keeper)
+        whole = compiled.whole
+        if whole is not None and place is not None and whole_fits(whole.stage, self.values):
+            return one_task(whole, self.values, self.cts, compiled.transport, place)
+        if compiled.template is not None:
+            return compiled.template.fill(
+                {**{slot("input", i): v for i, v in self.values.items()},
+                 **{slot("cotangent", o): self.cts.get(o) for o in compiled.plan.outputs},
+                 slot("stop"): stop})
+        return self.stored(place, stop, None)
+
+    def stored(self, place: Any, stop: Any, keep: Any) -> dict:
+        return self.compiled.build(self.values, self.cts, place, stop, keep)
+
+    def in_one_task(self, place: Any) -> Any:
+        compiled = self.compiled
+        graph = compiled.in_one_task
+        return program_task(graph, "graph", graph.needs, run_graph,
+                            [(kind, name, self.values[name] if kind == "input"
+                              else self.cts.get(name)) for kind, name in graph.slots],
+                            compiled.transport, place, graph.kept)
+
+    def directly(self) -> Any:
+        compiled = self.compiled
+        if compiled.whole is None or compiled.transport.packs:
+            return None
+        lowered = compiled.lowered
+        computed = compiled.whole(self.values, self.cts,
+                                  None if lowered is None else lowered.tail)
+        return None if computed is None else self.finish(computed)
+
+    def ahead(self, client: Any, local: str | None, progress: bool) -> Job:
+        if self.compiled.kept is None or self.keeper is not None:
+            return self
+        kept, rest = self.compiled.kept
+        found, again = kept.values(self.values, client, local, progress)
+        reused = kept.plan.needed if again else ()
+        if reused:
+            log_reused(self.info.call, reused)
+        return replace(self, compiled=rest, values={**self.values, **found},
+                       info=replace(self.info, reused=reused))
+
+    def later(self) -> tuple[dict, Callable[[dict], Any]]:
+        if self.compiled.kept is None or self.keeper is not None:
+            return super().later()
+        kept, rest = self.compiled.kept
+        found = kept.last(self.values)
+        if found is not None:  # (the kept nodes' values go in as inputs)
+            inner = replace(self, compiled=rest, values={**self.values, **found},
+                            info=replace(self.info, reused=kept.plan.needed))
+            return inner.graph(None, None), inner.finish
+        first = kept.graph(self.values)  # (and their values, once computed, are kept)
+        graph = rest.build({**self.values, **{n: TaskRef(first[n][0].key) for n in first}},
+                           self.cts, base=next(iter(first.values()))[0].dask)
+        graph[KEPT] = (graph[self.plan.outputs[0]][0], {n: v for n, (v, _) in first.items()})
+        return graph, kept.lazily(self.values, partial(self.done, self.info))
 
 
 def _on_one_device(finish: Callable[..., Any], info: CallInfo, computed: dict, *args: Any
@@ -251,13 +292,6 @@ def _on_one_device(finish: Callable[..., Any], info: CallInfo, computed: dict, *
     """``finish(info, computed, *args)``, the computed values put on JAX's default device first
     (nodes on several devices computed them)."""
     return finish(info, devices.put(computed, devices.DEFAULT), *args)
-
-
-def _directly(whole: WholeGradients, finish: Callable[[dict], Any], values: dict,
-              cts: dict, tail: Callable[[dict], Any] | None) -> Any:
-    """The call's result from its one program (and its ``tail``), or None where it cannot run it."""
-    computed = whole(values, cts, tail)
-    return None if computed is None else finish(computed)
 
 
 def watched(plan: Plan, transport: Transport, watch: programs.Watch) -> dict[int, Any]:
@@ -353,7 +387,7 @@ class Derivative:
         return Compiled.make(lowered, transport, watch)
 
     def job(self, program: Program[Compiled], x: PyTree, data: tuple, why: str | None,
-            where: str) -> Job:
+            where: str) -> CompiledJob:
         """The call of ``program`` for inputs ``x`` and ``data``; ``why`` it was compiled (None:
         an earlier call's served), ``where`` it runs, in words."""
         passes = program.value
@@ -363,22 +397,6 @@ class Derivative:
         info = self.info(lowered, data, why, where)
         return passes.job(values, cts, info, self.finishing(lowered),
                           keep=tuple(self.dag.values()))
-
-    def directly(self, program: Program[Compiled], x: PyTree, data: tuple, where: str) -> Any:
-        """The results of a call of ``program`` from its one program in this process, with no
-        job made (a prepared call's path, where :func:`~daskdag.running.programs.one_program_here`);
-        None where the program has none or cannot run the call (then its job runs it)."""
-        passes = program.value
-        lowered, whole = passes.lowered, passes.whole_here
-        if whole is None:
-            return None
-        assert lowered is not None  # (whole_here's)
-        values, cts = self.inputs(lowered, given_values(lowered.spec, x), data)
-        done = partial(self.finishing(lowered), self.info(lowered, data, None, where))
-        result = _directly(whole, done, values, cts, lowered.tail)
-        if result is not None and logger.isEnabledFor(logging.INFO):
-            log_whole(self.call, lowered.plan, where)
-        return result
 
     def entry(self, program: Program[Compiled], x: PyTree, where: str,
               shape: Callable[[Any], Any]) -> Entry | None:

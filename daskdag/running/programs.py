@@ -177,9 +177,9 @@ def active_client() -> distributed.Client | None:
 
 
 def one_program_here(client, local: str | None, progress: bool) -> bool:
-    """Whether a call may run as one program in this process (:attr:`Job.direct`): no cluster,
-    not Dask's multiprocessing scheduler, and nothing watching its graph's tasks (a progress
-    bar, another Dask callback)."""
+    """Whether a call may run as one program in this process
+    (:meth:`~daskdag.running.jobs.Job.directly`): no cluster, not Dask's multiprocessing
+    scheduler, and nothing watching its graph's tasks (a progress bar, another Dask callback)."""
     return client is None and local != "processes" and not progress and not Callback.active
 
 
@@ -324,33 +324,25 @@ class Entries:
     key, whether the DAG is the same: the same entry objects under the same names, with the
     same functions, deps and resources (lists and dicts change in place)."""
 
-    __slots__ = ("dag", "parts", "fresh")
+    __slots__ = ("dag", "parts", "fresh", "_same")
 
     def __init__(self, dag: Mapping[str, Any]):
         self.dag = dag
         self.parts = tuple((name, entry, _content(entry)) for name, entry in dag.items())
         #: whether nothing changed since its program was compiled (:meth:`Program.stale`)
         self.fresh: Callable[[], bool] | None = None
+        self._same: Callable[[], bool] | None = None
 
     def same(self) -> bool:
-        dag = self.dag
-        if len(dag) != len(self.parts):
-            return False
-        for name, entry, content in self.parts:  # (compared in place: no copies made)
-            if dag.get(name) is not entry:
-                return False
-            if type(entry) is tuple:
-                if len(entry) == 2 and entry[1] != content[1]:
-                    return False
-            elif isinstance(entry, (Node, Implicit)):
-                if entry.deps != content[0] or entry.resources != content[1]:
-                    return False
-            elif _content(entry) != content:
-                return False
-        return True
+        """Whether the DAG holds the same entries, their deps and resources as they were
+        (:meth:`check`, compiled once)."""
+        if self._same is None:
+            self._same = holding((), *self.check())
+        return self._same()
 
     def check(self) -> tuple[list[str], dict]:
-        """:meth:`same` as lines of a compiled check, and the names they read
+        """Whether the DAG is the same (the same entry objects under the same names, with the
+        same deps and resources), as lines of a compiled check, and the names they read
         (:func:`~daskdag.transport.fingerprints.holding`)."""
         lines = [f"if len(d_dag) != {len(self.parts)}: return False"]
         names: dict[str, Any] = {"d_dag": self.dag}
@@ -369,14 +361,10 @@ class Entries:
         return lines, names
 
     def why(self) -> str:
-        before = {name: (entry, content) for name, entry, content in self.parts}
-        for name, entry in self.dag.items():
-            if name not in before:
-                return f"the DAG changed: node {name!r} was added"
-            if entry is not before[name][0] or _content(entry) != before[name][1]:
-                return f"the DAG changed: node {name!r} was replaced or its deps changed"
-        gone = [name for name in before if name not in self.dag]
-        return f"the DAG changed: node(s) {gone} removed"
+        """What changed in the DAG since (:meth:`same` is False)."""
+        return _dag_changed({name: (id(entry), content) for name, entry, content in self.parts},
+                            {name: (id(entry), _content(entry))
+                             for name, entry in self.dag.items()})
 
 
 def _content(entry) -> tuple:
@@ -593,18 +581,19 @@ def _why_new(kind: str, dag: Any, key: tuple) -> str:
         return "first call"
     for k, (old, new) in enumerate(zip(last[0], key)):
         if old != new and k == 1:
-            return _entry_changed(old, new)
+            return _dag_changed({p[0]: p for p in old}, {p[0]: p for p in new})
         if old != new:
             return _PARTS[k]
     return "first call"
 
 
-def _entry_changed(old: tuple, new: tuple) -> str:
-    before = {p[0]: p for p in old}
-    for part in new:
-        if part[0] not in before:
-            return f"the DAG changed: node {part[0]!r} was added"
-        if before[part[0]] != part:
-            return f"the DAG changed: node {part[0]!r} was replaced or its deps changed"
-    gone = [name for name in before if name not in {p[0] for p in new}]
+def _dag_changed(before: Mapping, after: Mapping) -> str:
+    """What changed in a DAG whose entries were ``before`` and are ``after`` (by name, each
+    compared as a value)."""
+    for name, entry in after.items():
+        if name not in before:
+            return f"the DAG changed: node {name!r} was added"
+        if before[name] != entry:
+            return f"the DAG changed: node {name!r} was replaced or its deps changed"
+    gone = [name for name in before if name not in after]
     return f"the DAG changed: node(s) {gone} removed" if gone else "the DAG changed"
