@@ -9,7 +9,7 @@ from typing import Any
 from daskdag.errors import NodeError
 from daskdag.model.leaves import PyTree
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, one_input, with_rules, wrt_names
+from daskdag.model.request import alone, cotangents_for, with_rules, wrt_names
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered
 from daskdag.transport.protocol import travels, tree_size
@@ -60,15 +60,11 @@ class Gradients(Derivative):
     def lower(self, spec, outputs, values, data, candidates, watch) -> Lowered:
         wrt = wrt_names(spec, values, self.wrt, candidates=candidates)
         cotangents_for(outputs, self.cotangents)
-        single = spec.inputs[0] if one_input(spec, wrt) else None
-        return Lowered(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt,
-                        extra=single)
+        return Lowered(with_rules(make_plan(spec, outputs, wrt)), tuple(values), spec, wrt)
 
     def inputs(self, lowered, values, data, batched=None) -> tuple[dict, dict]:
         return values, cotangents_for(lowered.plan.outputs, self.cotangents)
 
     def finish(self, lowered, info, computed, failed=None) -> Any:
-        single = lowered.extra  # (the input whose gradient alone is given, or None)
-        return per_output(self.outputs, {o: Result(v, g if single is None else g[single],
-                                                    failed or {}, info)
+        return per_output(self.outputs, {o: Result(v, alone(lowered.spec, g), failed or {}, info)
                                          for o, (v, g) in computed.items()})

@@ -12,7 +12,7 @@ from typing import Any
 from daskdag.errors import DAGError, NodeError
 from daskdag.model.leaves import on_differentiable
 from daskdag.model.plan import make_plan
-from daskdag.model.request import cotangents_for, one_input
+from daskdag.model.request import alone, cotangents_for
 from daskdag.rules.lifted import Lift, OnTangent
 from daskdag.rules.vjp import has_rules
 from daskdag.running.jobs import CallInfo
@@ -79,10 +79,9 @@ class HVPs(Gradients):
     def finish(self, lowered, info, computed, failed=None) -> Any:
         results = {}
         for o, (value, pairs) in computed.items():
-            hvp = {i: g.primal for i, g in pairs.items()}
-            grad = {i: on_differentiable(g.primal, g.tangent) for i, g in pairs.items()}
-            if one_input(lowered.spec, pairs):  # (its arrays alone)
-                hvp, grad = hvp[lowered.spec.inputs[0]], grad[lowered.spec.inputs[0]]
+            hvp = alone(lowered.spec, {i: g.primal for i, g in pairs.items()})
+            grad = alone(lowered.spec, {i: on_differentiable(g.primal, g.tangent)
+                                        for i, g in pairs.items()})
             value, tangent = unpaired(value, None)
             results[o] = HVPResult(value, grad, hvp, tangent, info, failed or {})
         return per_output(self.outputs, results)

@@ -21,13 +21,13 @@ from daskdag.graph.sparsity import detect, shapes, size
 from daskdag.graph.tasks import Rows
 from daskdag.model import colouring
 from daskdag.model.colouring import Colours, pattern_key, user_patterns
-from daskdag.model.leaves import (UNKNOWN, PyTree, Traced, differentiable_leaves, is_array,
+from daskdag.model.leaves import (UNKNOWN, PyTree, Traced, aval, differentiable_leaves, is_array,
                                   is_differentiable)
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.request import (check_chunk_size, nodes_in_wrt, one_input, parsed,
                                    rules_missing, with_rules, wrt_names)
 from daskdag.rules.jvp import why_no_jvp
-from daskdag.rules.vjp import function_of, why_no_vjp
+from daskdag.rules.vjp import check_real, function_of, why_no_vjp
 from daskdag.running import programs
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered, names_key
@@ -106,8 +106,7 @@ class Jacobian(Derivative):
                             extra=Layout(plan, mode, mode_why, colours, source),
                             tail=_dense(plan, mode, patterns, self.sparse, ()))
         templates = {i: jax.tree.map(  # (each differentiable leaf's shape and dtype, else None)
-            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-            if is_differentiable(a) else None, values[i]) for i in plan.wrt}
+            lambda a: aval(a) if is_differentiable(a) else None, values[i]) for i in plan.wrt}
         dtype = jnp.result_type(*jax.tree.leaves(templates))
         seeds = (np.eye(size(templates), dtype=dtype) if patterns is None
                  else colouring.seeds(colours.columns, dtype))
@@ -195,20 +194,14 @@ class Dense:
         out = {}
         for o, (value, per_name) in computed.items():
             if self.mode == "rev":
-                jacs = {i: jacrev_layout(value, per_name[i]) for i in self.names}
-            else:  # (the columns: the tangent's leaves, each (inputs' elements, *leaf shape))
-                columns = tuple(getattr(value, "tangent", ()))
-                value = getattr(value, "primal", value)
-                _real(o, value)
-                widths = [_width(leaves) for _, leaves in self.templates]
-                if columns:
-                    full = jnp.concatenate([c.reshape(c.shape[0], -1) for c in columns], axis=-1).T
-                else:  # (no tangent reached the output: it reads no input, or has no float leaf)
-                    full = jnp.zeros((size(value), sum(widths)), float_type(value))
-                jacs = {i: jacrev_layout(value, stacked_rows(full[:, s], treedef.unflatten(rows)))
-                        for i, (treedef, rows), s in zip(self.names, self.templates,
-                                                         _spans(widths))}
-            out[o] = Laid(value, joined(value, jacs, self.single))
+                out[o] = Laid(value, _jacrev(value, {i: per_name[i] for i in self.names},
+                                             self.single))
+                continue
+            templates = {i: treedef.unflatten(rows)
+                         for i, (treedef, rows) in zip(self.names, self.templates)}
+            value, passes = _pushed(o, value, size(templates), xp=jnp)
+            out[o] = Laid(value, laid_out(self.names, self.single, value, passes.T, templates,
+                                          False))
         return out
 
 
@@ -224,13 +217,6 @@ def _dense(plan: Plan, mode: str, patterns: Any, sparse: bool, templates: tuple
         mode, plan.wrt, one_input(plan.spec, plan.wrt), templates)
 
 
-def _real(output: str, value: PyTree) -> None:
-    for leaf in differentiable_leaves(value):
-        if jnp.iscomplexobj(leaf):
-            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
-                           f"Jacobian needs real outputs, as jax.jacrev does")
-
-
 def _per_item(value: PyTree, items: bool) -> int:
     """The elements of one item's differentiable leaves (a sweep's ``value``, ``items``)."""
     return sum(int(np.prod(np.shape(leaf)[1 if items else 0:]))
@@ -244,17 +230,19 @@ def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     info = replace(info, passes=info.colours or 0 if patterns is not None else
                    sum(_per_item(value, items) for value, _ in computed.values()))
     results = {}
+    single = one_input(plan.spec, plan.wrt)
     for o, (value, per_name) in computed.items():
         if patterns is None and not sparse:
-            jacs = {i: jacrev_layout(value, r, items) for i, r in per_name.items()}
-            results[o] = Result(value, joined(value, jacs, one_input(plan.spec, jacs)), info=info)
+            results[o] = Result(value, _jacrev(value, per_name, one_input(plan.spec, per_name),
+                                               items), info=info)
             continue
         flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
         full = (sp.csr_array(flat) if patterns is None else
-                colouring.from_rows(patterns[o], layout.colours.rows[o], flat,
-                                    dense=not sparse))
+                colouring.from_passes(patterns[o], layout.colours.rows[o], flat, False,
+                                      dense=not sparse))
         templates = {i: row_template(r) for i, r in per_name.items()}
-        results[o] = Result(value, laid_out(plan, value, full, templates, sparse), info=info)
+        results[o] = Result(value, laid_out(plan.wrt, single, value, full, templates, sparse),
+                            info=info)
     return results
 
 
@@ -263,29 +251,42 @@ def _forward_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     plan, patterns, k = layout.plan, layout.colours.patterns, layout.directions
     info = replace(info, passes=k)
     results = {}
+    single = one_input(plan.spec, plan.wrt)
     for o, (lifted_value, _) in computed.items():
-        value = getattr(lifted_value, "primal", lifted_value)
-        _real(o, value)
-        lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
-        pushed = [leaf.reshape(*lead, k, int(np.prod(np.shape(leaf)[len(lead) + 1:])))
-                  for leaf in getattr(lifted_value, "tangent", ())]
-        # (a sweep's jax.Arrays, on the devices that computed them, stay there)
-        xp = jnp if items and pushed and all(isinstance(p, jax.Array) for p in pushed) else np
-        passes = (xp.concatenate(pushed, axis=-1) if pushed else
-                  np.zeros((*lead, k, _per_item(value, items)),  # (each leaf's elements)
-                           float_type(value)))
+        value, passes = _pushed(o, lifted_value, k, items)
         if patterns is None:
-            full = xp.swapaxes(passes, -1, -2)
+            full = passes.swapaxes(-1, -2)
         else:
-            if patterns[o].shape[0] != passes.shape[1]:
-                raise DAGError(f"the sparsity pattern of output {o!r} has "
-                               f"{patterns[o].shape[0]} rows, but the output has "
-                               f"{passes.shape[1]} elements", argument="sparsity")
-            full = colouring.from_columns(patterns[o], layout.colours.columns, passes,
-                                          dense=not sparse)
-        results[o] = Result(value, laid_out(plan, value, full, layout.templates or {}, sparse,
-                                            items), info=info)
+            colouring.check_rows(o, patterns[o].shape[0], passes.shape[1])
+            full = colouring.from_passes(patterns[o], layout.colours.columns, passes, True,
+                                         dense=not sparse)
+        results[o] = Result(value, laid_out(plan.wrt, single, value, full,
+                                            layout.templates or {}, sparse, items), info=info)
     return results
+
+
+def _pushed(output: str, lifted: Any, k: int, items: bool = False, xp: Any = None
+            ) -> tuple[PyTree, Any]:
+    """An output's value and its ``k`` forward passes, ``(*items, k, its elements)``, from its
+    lifted value (zeros where no tangent reached it: it reads no input, or has no float leaf).
+    ``xp``: the arrays' module (default: JAX for a sweep's JAX arrays, which stay on the devices
+    that computed them; else NumPy)."""
+    value = getattr(lifted, "primal", lifted)
+    leaves = check_real(output, value)
+    lead = tuple(np.shape(jax.tree.leaves(value)[0])[:1]) if items else ()
+    pushed = [leaf.reshape(*lead, k, int(np.prod(np.shape(leaf)[len(lead) + 1:])))
+              for leaf in getattr(lifted, "tangent", ())]
+    if xp is None:
+        xp = jnp if items and pushed and all(isinstance(p, jax.Array) for p in pushed) else np
+    return value, (xp.concatenate(pushed, axis=-1) if pushed else  # (in the leaves' dtype)
+                   xp.zeros((*lead, k, _per_item(value, items)),
+                            jnp.result_type(*leaves) if leaves else jnp.float32))
+
+
+def _jacrev(value: PyTree, per_name: dict, single: bool, items: bool = False) -> PyTree:
+    """One output's dense Jacobian from each name's rows, in ``jax.jacrev``'s layout
+    (:func:`jacrev_layout`, :func:`joined`)."""
+    return joined(value, {i: jacrev_layout(value, r, items) for i, r in per_name.items()}, single)
 
 
 # -- sparsity patterns ---------------------------------------------------------------------------
@@ -414,12 +415,6 @@ def flat_rows(rows: PyTree) -> np.ndarray:
     return np.hstack([r.reshape(len(r), -1) for r in leaves]) if leaves else np.zeros((0, 0))
 
 
-def float_type(value: PyTree):
-    """The dtype of ``value``'s Jacobians: its differentiable leaves' (float32 where none)."""
-    leaves = differentiable_leaves(value)
-    return jnp.result_type(*leaves) if leaves else jnp.float32
-
-
 def row_template(rows: PyTree) -> PyTree:
     """A name's structure from its stacked rows: each differentiable leaf's shape and dtype."""
     return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), rows)
@@ -438,26 +433,21 @@ def _spans(widths) -> list[slice]:
     return [slice(a, b) for a, b in zip(ends, ends[1:])]
 
 
-def _width(template: PyTree) -> int:
-    """The elements of a name's leaves (its :func:`row_template`'s, ``None`` aside)."""
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(template))
-
-
-def laid_out(plan: Plan, value: PyTree, full: Any, templates: dict, sparse: bool,
-             items: bool = False) -> PyTree:
-    """One output's Jacobian ``full`` (over every wrt name's elements; ``templates``: each
-    name's leaves' shapes and dtypes) as its result's ``grad``: ``scipy.sparse`` per name, or
-    ``jax.jacrev``'s layout. ``items``: a sweep's, dense, with a leading axis of items (NumPy
-    or dask arrays)."""
+def laid_out(names: Sequence[str], single: bool, value: PyTree, full: Any, templates: dict,
+             sparse: bool, items: bool = False) -> PyTree:
+    """One output's Jacobian ``full`` (over the elements of every differentiated name of
+    ``names``; ``templates``: each name's leaves' shapes and dtypes) as its result's ``grad``:
+    ``scipy.sparse`` per name, or ``jax.jacrev``'s layout; the one name's alone where
+    ``single`` (:func:`~daskdag.model.request.one_input`). ``items``: a sweep's, dense, with a
+    leading axis of items (NumPy or dask arrays)."""
     import scipy.sparse as sp
-    widths = {i: _width(templates[i]) for i in plan.wrt}
+    widths = {i: size(templates[i]) for i in names}
     if sparse:
-        parts = split_columns(sp.csr_array(full), plan.wrt, widths)
-        return parts[plan.wrt[0]] if one_input(plan.spec, parts) else parts
-    dense = full if items else full.toarray() if sp.issparse(full) else np.asarray(full)
-    jacs = {i: jacrev_layout(value, stacked_rows(dense[..., s], templates[i]), items)
-            for i, s in zip(plan.wrt, _spans(widths.values()))}
-    return joined(value, jacs, one_input(plan.spec, jacs))
+        parts = split_columns(sp.csr_array(full), names, widths)
+        return parts[names[0]] if single else parts
+    dense = full.toarray() if sp.issparse(full) else full
+    return _jacrev(value, {i: stacked_rows(dense[..., s], templates[i])
+                           for i, s in zip(names, _spans(widths.values()))}, single, items)
 
 
 def stacked_rows(block: np.ndarray | jax.Array, template: PyTree) -> PyTree:

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.leaves import on_differentiable
+from daskdag.model.leaves import on_differentiable, zeros
 from daskdag.model.plan import make_plan
 from daskdag.model.request import input_tangents, with_rules, wrt_names
 from daskdag.model.spec import Spec
-from daskdag.rules.lifted import Pair, lift, zeros
+from daskdag.rules.lifted import Pair, lift
 from daskdag.running.jobs import CallInfo
 from daskdag.running.passes import Derivative, Lowered
 from daskdag.kinds.gradients import per_output

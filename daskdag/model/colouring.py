@@ -75,24 +75,16 @@ def seeds(colours: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def from_rows(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
-              dense: bool = False) -> sp.csr_array | np.ndarray:
-    """The Jacobian from reverse passes: entry ``(r, c)`` is ``passes[colours[r], c]``.
-    ``dense``: as a NumPy array."""
-    coo = as_pattern(pattern).tocoo()
-    return _filled(coo, np.asarray(passes)[colours[coo.row], coo.col], dense)
-
-
-def from_columns(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
-                 dense: bool = False) -> sp.csr_array | np.ndarray:
-    """The Jacobian from forward passes: entry ``(r, c)`` is ``passes[colours[c], r]``."""
-    coo = as_pattern(pattern).tocoo()
-    return _filled(coo, np.asarray(passes)[colours[coo.col], coo.row], dense)
-
-
-def _filled(coo, data: np.ndarray, dense: bool) -> sp.csr_array | np.ndarray:
+def from_passes(pattern: sp.csr_array, colours: np.ndarray, passes: np.ndarray,
+                forward: bool, dense: bool = False) -> sp.csr_array | np.ndarray:
+    """The Jacobian from one pass per colour: entry ``(r, c)`` is ``passes[colours[r], c]``
+    from reverse passes (rows coloured), ``passes[colours[c], r]`` from ``forward`` ones
+    (columns coloured). ``dense``: as a NumPy array."""
     import scipy.sparse as sp
-    csr = sp.csr_array((data, (coo.row, coo.col)), shape=coo.shape)
+    coo = as_pattern(pattern).tocoo()
+    coloured, other = (coo.col, coo.row) if forward else (coo.row, coo.col)
+    csr = sp.csr_array((np.asarray(passes)[colours[coloured], other], (coo.row, coo.col)),
+                       shape=coo.shape)
     return csr.toarray() if dense else csr
 
 
@@ -170,11 +162,17 @@ def user_patterns(plan: Plan, widths: dict[str, int], elements: dict[str, int], 
         if len(rows) > 1:
             raise DAGError(f"sparsity for output {o!r}: the patterns disagree on its number of "
                            f"elements: {[p.shape[0] for p in parts]}", argument="sparsity")
-        if o in elements and rows != {elements[o]}:
-            raise DAGError(f"the sparsity pattern of output {o!r} has {rows.pop()} rows, but the "
-                           f"output has {elements[o]} elements", argument="sparsity")
+        if o in elements and rows:
+            check_rows(o, rows.pop(), elements[o])
         out[o] = sp.hstack(parts, format="csr")
     return out
+
+
+def check_rows(output: str, rows: int, elements: int) -> None:
+    """Refuse a pattern of ``output`` whose ``rows`` are not the output's ``elements``."""
+    if rows != elements:
+        raise DAGError(f"the sparsity pattern of output {output!r} has {rows} rows, but the "
+                       f"output has {elements} elements", argument="sparsity")
 
 
 def _blocks(plan: Plan, output: str, given: Any, one: bool) -> Mapping:

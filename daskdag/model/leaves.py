@@ -118,13 +118,21 @@ def abstract_values(spec: Spec, names, avals: dict, call: Callable[[Node], Calla
 def abstract(value, batched: bool = False):
     """The shapes of ``value`` (of one item of it, ``batched``: without the leading item axis);
     leaves that are not arrays stay as they are."""
-    def leaf(a):
-        if not is_numeric(a):
-            return a
-        shape = np.shape(a)
-        return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(a))
+    return jax.tree.map(lambda a: aval(a, batched) if is_numeric(a) else a, value)
 
-    return jax.tree.map(leaf, value)
+
+def aval(leaf, batched: bool = False) -> jax.ShapeDtypeStruct:
+    """A numeric leaf's shape and JAX dtype (``batched``: less its leading item axis)."""
+    shape = np.shape(leaf)
+    return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(leaf))
+
+
+def zeros(value, k: int | None = None) -> tuple:
+    """A zero tangent of ``value``, flat over its differentiable leaves (with ``k`` directions:
+    each leaf's leading axis)."""
+    lead = () if k is None else (k,)
+    return tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+                 for leaf in differentiable_leaves(value))
 
 
 def trace(fn, args, jaxpr: bool = False) -> tuple[Any, Traced | None]:

@@ -15,7 +15,8 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from daskdag.errors import DAGError
-from daskdag.model.leaves import describe, differentiable_leaves, is_differentiable, is_numeric
+from daskdag.model.leaves import (describe, differentiable_leaves, is_differentiable, is_numeric,
+                                  zeros)
 from daskdag.model.plan import Plan, make_plan
 from daskdag.model.spec import Custom, Spec, parse
 from daskdag.transport.packing import unwrap
@@ -304,8 +305,7 @@ def input_tangents(spec, values: dict, tangents, batched: bool
             raise DAGError("batched=True, but no tangent has an array to give the number of "
                            "directions (the leading axis)")
         (k,) = sizes
-    lead = () if k is None else (k,)
-    return {i: tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf)) if t is None
+    return {i: tuple(zeros(leaf, k)[0] if t is None
                      else t if _is_lazy_array(t) else jnp.asarray(t, jnp.result_type(leaf))
                      for leaf, t in pairs)
             for i, pairs in checked.items() if pairs}, k
@@ -357,3 +357,9 @@ def _is_lazy_array(leaf) -> bool:
 def one_input(spec: Spec, names: Iterable[str]) -> bool:
     """The DAG has one free input, all that was differentiated (``names``): its gradient alone."""
     return len(spec.inputs) == 1 and list(names) == list(spec.inputs)
+
+
+def alone(spec: Spec, per_name: dict) -> Any:
+    """``per_name`` (``{name: ...}`` over the names differentiated) as a result gives it: the
+    one free input's alone where :func:`one_input`."""
+    return per_name[spec.inputs[0]] if one_input(spec, per_name) else per_name

@@ -13,7 +13,7 @@ import numpy as np
 
 from daskdag.errors import node_errors
 from daskdag.model import devices
-from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable
+from daskdag.model.leaves import PyTree, differentiable_leaves, is_differentiable, partition
 from daskdag.rules.vjp import linearizer
 
 if TYPE_CHECKING:
@@ -131,21 +131,16 @@ def perturbed(tree: PyTree, v: list[np.ndarray], eps: float) -> tuple[PyTree, Py
     """``tree`` at ``+eps v`` and ``-eps v`` on its differentiable leaves, each in the leaf's own
     dtype and kind; and the step that really happened, ``(plus - minus) / (2 eps)`` (rounding
     included), in float64."""
-    leaves, treedef = jax.tree.flatten(tree)
-    steps = iter(v)
+    (held, diff), combine = partition(tree, is_differentiable)
     plus, minus, happened = [], [], []
-    for leaf in leaves:
-        if not is_differentiable(leaf):
-            plus.append(leaf)
-            minus.append(leaf)
-            continue
+    for leaf, direction in zip(diff, v):
         dtype = dtype_of(leaf)
-        x, step = np.asarray(leaf, dtype), np.asarray(eps * next(steps)).astype(dtype)
+        x, step = np.asarray(leaf, dtype), np.asarray(eps * direction).astype(dtype)
         up, down = x + step, x - step
         happened.append((wide(up) - wide(down)) / (2 * eps))
         plus.append(_like(leaf, up))
         minus.append(_like(leaf, down))
-    return treedef.unflatten(plus), treedef.unflatten(minus), happened
+    return combine(held, plus), combine(held, minus), happened
 
 
 def _like(leaf: Any, a: np.ndarray) -> Any:

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from daskdag.cancel import Cancelled
-from daskdag.model.leaves import is_numeric
+from daskdag.model.leaves import is_numeric, partition
 from daskdag.model.spec import Node
-from daskdag.rules.vjp import function_of, in_brief, of_jaxpr, of_leaves, rules_of
+from daskdag.rules.vjp import in_brief, of_jaxpr, of_leaves, rule_for
 
 #: The primitive ``jax.jvp`` leaves in a ``jax.custom_vjp`` function, which has no forward-mode
 #: rule: it fails when it runs or compiles, not when traced.
@@ -34,10 +34,7 @@ def jvp(node: Node, args: Sequence[Any], tangents: Sequence[Any], active: tuple[
 
 def jvp_rule(node: Node) -> Callable:
     """``f(args, tangents, active) -> (primal, tangent)`` for ``node``."""
-    rules = rules_of(node)
-    if rules is None or rules.push is None:
-        return partial(jvp, node)
-    return partial(rules.push, function_of(node), node)
+    return rule_for(node, "push", jvp)
 
 
 def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None = None):
@@ -51,9 +48,8 @@ def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None
 
     def one(t):
         primal, tangent = rule(args, t, active)
-        leaves, box["treedef"] = jax.tree.flatten(primal)
-        box["static"] = [None if is_numeric(leaf) else leaf for leaf in leaves]
-        return [leaf for leaf in leaves if is_numeric(leaf)], tuple(tangent)
+        (numeric, box["static"]), box["combine"] = partition(primal, lambda a: not is_numeric(a))
+        return numeric, tuple(tangent)
 
     try:
         numeric, tangent = jax.vmap(one, out_axes=(None, 0), axis_size=k)(tuple(tangents))
@@ -62,9 +58,7 @@ def directions(rule: Callable, args, tangents, active, k: int, chunk: int | None
     except Exception:  # not vmappable: direction by direction (a node's own error raises there)
         per = [rule(args, jax.tree.map(lambda a: a[j], tuple(tangents)), active) for j in range(k)]
         return per[0][0], tuple(jnp.stack(leaves) for leaves in zip(*(t for _, t in per)))
-    it = iter(numeric)
-    return (box["treedef"].unflatten([next(it) if s is None else s for s in box["static"]]),
-            tangent)
+    return box["combine"](numeric, box["static"]), tangent
 
 
 def why_no_jvp(closed, active: Sequence[bool]) -> str | None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from daskdag.caches import Cache
 from daskdag.errors import DAGError
-from daskdag.model.leaves import differentiable_leaves
+from daskdag.model.leaves import differentiable_leaves, zeros
 from daskdag.model.spec import Node, Spec
 from daskdag.rules.jvp import directions as in_directions
 from daskdag.rules.jvp import jvp_rule
@@ -46,8 +46,8 @@ class OnTangent:
 
 @seed.register
 def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
-    zeros = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
-    return zeros + seed(value.primal, output, ct.ct, batched)
+    on_primal = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
+    return on_primal + seed(value.primal, output, ct.ct, batched)
 
 
 class Lift:
@@ -104,13 +104,6 @@ def _check_added(primal: Any, added: tuple, directions: bool) -> None:
                        f"value's floating-point leaves are shaped {want}"
                        + (" (with batched=True, after the directions' axis)" if directions
                           else ""))
-
-
-def zeros(value: Any, k: int | None) -> tuple:
-    """A zero tangent of ``value`` (with ``k`` directions: each leaf's leading axis)."""
-    lead = () if k is None else (k,)
-    return tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
-                 for leaf in differentiable_leaves(value))
 
 
 # a lift -> the first equal one made, so that caches keyed by a function's identity hit

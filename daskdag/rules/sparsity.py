@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from daskdag.model.leaves import is_differentiable, is_numeric, partition
+from daskdag.model.leaves import is_differentiable, is_numeric, trace
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -248,8 +248,7 @@ def _interpret(jaxpr, consts, ins, n):
 
 
 def _abstract(leaf):
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf
+    """A numeric leaf's shape and dtype, a Python number's weakly typed, as JAX traces it."""
     weak = isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
     return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf), weak_type=weak)
 
@@ -266,23 +265,17 @@ def jaxpr_pattern(fn, args: Sequence[Any],
     """Per argument, the pattern of ``fn``'s Jacobian in it (None where not ``active``); None
     when ``fn`` cannot be traced with abstract arguments."""
     import scipy.sparse as sp
-    parts = [partition(a, lambda leaf: 0 if isinstance(leaf, jax.ShapeDtypeStruct)
-                       or is_numeric(leaf) else 1) for a in args]  # (others: static)
-    traced = [(i, leaf) for i, ((taken, _), _) in enumerate(parts) for leaf in taken]
-
-    def flat_fn(*xs):
-        it = iter(xs)  # (shared: each argument's combine takes its own in turn)
-        return fn(*(combine(it, rest) for (_, rest), combine in parts))
-
-    try:
-        closed = jax.make_jaxpr(flat_fn)(*(_abstract(leaf) for _, leaf in traced))
-    except Exception:
+    abstract = [jax.tree.map(lambda leaf: _abstract(leaf) if is_numeric(leaf) else leaf, a)
+                for a in args]  # (other leaves are static)
+    _, traced = trace(fn, abstract, jaxpr=True)
+    if traced is None:
         return None
-    sizes = [_size(v.aval) for v in closed.jaxpr.invars]
-    moving = [active[i] and differentiable(leaf) for i, leaf in traced]
+    closed, invars = traced.jaxpr, traced.jaxpr.jaxpr.invars
+    sizes = [_size(v.aval) for v in invars]
+    moving = [active[i] and _inexact(v.aval.dtype) for i, v in zip(traced.deps, invars)]
     starts = np.cumsum([0, *(s * m for s, m in zip(sizes, moving))]).tolist()
     n, widths = starts[-1], [0] * len(args)  # (each argument's columns, in turn)
-    for (i, _), s, m in zip(traced, sizes, moving):
+    for i, s, m in zip(traced.deps, sizes, moving):
         widths[i] += s * m
     ins = [(sp.eye_array(s, n, k=k, dtype=bool, format="csr") if m else _empty(s, n), None)
            for s, m, k in zip(sizes, moving, starts)]

@@ -21,10 +21,10 @@ import numpy as np
 from jax.extend import core as jcore
 
 from daskdag.errors import DAGError
-from daskdag.model.colouring import count
+from daskdag.model.colouring import check_rows, count
 from daskdag.model.devices import beside
-from daskdag.model.leaves import (describe, differentiable_leaves, is_differentiable, is_numeric,
-                                  partition)
+from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable,
+                                  is_numeric, partition)
 from daskdag.model.spec import Node
 from daskdag.transport import programs, weak
 from daskdag.transport.packing import unwrap
@@ -135,10 +135,15 @@ def has_rules(node: Node) -> bool:
 
 def linearizer(node: Node) -> Callable:
     """``f(args, active) -> (primal, pullback)`` for ``node``."""
+    return rule_for(node, "linearize", linearize)
+
+
+def rule_for(node: Node, rule: str, jax_rule: Callable) -> Callable:
+    """The ``rule`` (a :class:`Rules` field) registered for ``node``'s kind, on its function,
+    else ``jax_rule`` (JAX's own), each taking ``node`` first."""
     rules = rules_of(node)
-    if rules is None or rules.linearize is None:
-        return partial(linearize, node)
-    return partial(rules.linearize, function_of(node), node)
+    own = None if rules is None else getattr(rules, rule)
+    return partial(jax_rule, node) if own is None else partial(own, function_of(node), node)
 
 
 def element_of(node: Node) -> tuple[Node, tuple | None]:
@@ -342,7 +347,7 @@ def diff_counts(args: Sequence[Any], active: tuple[bool, ...]) -> tuple[int, ...
 
 
 def ct_avals(primal_diff) -> list:
-    return [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primal_diff]
+    return list(map(aval, primal_diff))
 
 
 def of_jaxpr(closed, active: Sequence[bool]) -> tuple[list, list, Callable]:
@@ -394,9 +399,7 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
         check_scalar(primal, output, batched)
         return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
     leaves = jax.tree.leaves(primal)
-    item = [jax.ShapeDtypeStruct(jnp.shape(p)[1:] if batched else jnp.shape(p),
-                                 jnp.result_type(p)) if is_differentiable(p) else None
-            for p in leaves]
+    item = [aval(p, batched) if is_differentiable(p) else None for p in leaves]
     ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
     if ct_def != jax.tree.structure(primal, is_leaf=lambda c: c is None) or any(
             i is not None and jnp.shape(c) != i.shape for c, i in zip(ct_leaves, item)):
@@ -433,15 +436,10 @@ def basis(output: str, primal, colours=None) -> tuple:
     cotangent, one ``[rows, *leaf.shape]`` array per leaf: pulled back, row ``r`` is row ``r``
     of the Jacobian. With ``colours`` (one per element), row ``k`` is 1 on every element of
     colour ``k``, pulled back the sum of their gradients."""
-    leaves = differentiable_leaves(primal)
-    for leaf in leaves:
-        if jnp.iscomplexobj(leaf):
-            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
-                           f"Jacobian needs real outputs, as jax.jacrev does")
+    leaves = check_real(output, primal)
     size_all = basis_size(primal)
-    if colours is not None and len(colours) != size_all:
-        raise DAGError(f"the sparsity pattern of output {output!r} has {len(colours)} rows, "
-                       f"but the output has {size_all} elements", argument="sparsity")
+    if colours is not None:
+        check_rows(output, len(colours), size_all)
     n = size_all if colours is None else basis_rows(primal, colours)
     rows = np.arange(size_all) if colours is None else np.asarray(colours)
     start, seeds = 0, []
@@ -452,6 +450,16 @@ def basis(output: str, primal, colours=None) -> tuple:
         seeds.append(eye.reshape(n, *jnp.shape(leaf)))  # (NumPy: a program takes it as it is)
         start += size
     return tuple(seeds)
+
+
+def check_real(output: str, value) -> list:
+    """``value``'s differentiable leaves, refused where complex: a Jacobian needs real outputs."""
+    leaves = differentiable_leaves(value)
+    for leaf in leaves:
+        if jnp.iscomplexobj(leaf):
+            raise DAGError(f"output {output!r} is complex ({jnp.result_type(leaf)}): a "
+                           f"Jacobian needs real outputs, as jax.jacrev does")
+    return leaves
 
 
 class PerItem:

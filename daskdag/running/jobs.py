@@ -150,8 +150,9 @@ class Job:
         raise TypeError(f"{self.kind} cannot keep its stages")
 
     def later(self) -> tuple[dict, Callable[[dict], Any]]:
-        """The call as a Dask collection's graph and its finish."""
-        return self.graph(None, None), self.finish
+        """The call as a Dask collection's graph and its finish, which travels to where Dask
+        finishes it (it holds nothing of the user's code)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

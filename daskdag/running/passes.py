@@ -272,14 +272,16 @@ class CompiledJob(Job):
                        info=replace(self.info, reused=reused))
 
     def later(self) -> tuple[dict, Callable[[dict], Any]]:
+        # (its finish travels to where Dask finishes the call: the kind's, bound to the info
+        # alone, never this job, which holds the user's code)
         if self.compiled.kept is None or self.keeper is not None:
-            return super().later()
+            return self.graph(None, None), partial(self.done, self.info)
         kept, rest = self.compiled.kept
         found = kept.last(self.values)
         if found is not None:  # (the kept nodes' values go in as inputs)
-            inner = replace(self, compiled=rest, values={**self.values, **found},
-                            info=replace(self.info, reused=kept.plan.needed))
-            return inner.graph(None, None), inner.finish
+            info = replace(self.info, reused=kept.plan.needed)
+            inner = replace(self, compiled=rest, values={**self.values, **found}, info=info)
+            return inner.graph(None, None), partial(self.done, info)
         first = kept.graph(self.values)  # (and their values, once computed, are kept)
         graph = rest.build({**self.values, **{n: TaskRef(first[n][0].key) for n in first}},
                            self.cts, base=next(iter(first.values()))[0].dask)

@@ -31,7 +31,7 @@ from daskdag.running import cluster
 from daskdag.running.jobs import LAZY
 from daskdag.running.programs import Watch
 from daskdag.sweeps import planning, progress
-from daskdag.sweeps.chunked import Items
+from daskdag.sweeps.chunked import stacked
 from daskdag.sweeps.engines import bound, chunk_graph, run_chunk
 from daskdag.sweeps.results import item_shapes
 from daskdag.sweeps.shared import constants_part
@@ -326,9 +326,7 @@ def _flat(blocks: _Blocks, computed: dict, size: int) -> list:
 def _leaves(what: str, tree, avals: list, size: int) -> list:
     """``tree``'s leaves as NumPy arrays of ``size`` rows, checked against one item's ``avals``:
     :class:`~daskdag.sweeps.chunked.Items` stacked, a value the same for every item broadcast."""
-    if isinstance(tree, Items):
-        tree = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *tree)
-    leaves = jax.tree.leaves(tree)
+    leaves = jax.tree.leaves(stacked(tree, numpy=True))
     if len(leaves) != len(avals):
         raise DAGError(f"{what} has {len(leaves)} array leaves, but jax.eval_shape gave it "
                        f"{len(avals)}")

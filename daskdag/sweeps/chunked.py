@@ -58,30 +58,35 @@ class Chunked:
 
     def __call__(self, *args):
         if self.node.vmap:
-            _left(args, self.in_axes)
-            args = tuple(map(stacked, args))
+            args, _ = self._stacked(args)
             if is_custom(self.node.fn):  # the user's own code takes the stacked chunk
                 return self.node.callable()(*args)
             return self.compiled(*args)
         fn = self.node.callable()
-        return Items(_then_checkpoint(_attempt(self.name, i, item, "forward",
-                                               lambda: fn(*item)))  # noqa: B023 (called here)
-                     for i, item in enumerate(item_args(args, self.in_axes)))
+        return Items(self._per_item(args, lambda item: fn(*item)))
+
+    def _stacked(self, args: Sequence[Any]) -> tuple[tuple, tuple]:
+        """The args stacked (:func:`_left` first), and their :func:`_layout`."""
+        _left(args, self.in_axes)
+        return tuple(map(stacked, args)), _layout(args)
+
+    def _per_item(self, args: Sequence[Any], call) -> list:
+        """``call(item's args)`` for each item, or :data:`SKIPPED` (:func:`_attempt`), with a
+        :func:`~daskdag.sweeps.progress.checkpoint` after each."""
+        return [_then_checkpoint(_attempt(self.name, i, item, "forward",
+                                          lambda: call(item)))  # noqa: B023 (called here)
+                for i, item in enumerate(item_args(args, self.in_axes))]
 
     def linearize(self, args: Sequence[Any], active: tuple[bool, ...]):
         """``(primal, pullback)``: with ``vmap`` the primal stacked, else one ``jax.vjp`` per
         item and the primal as :class:`Items`."""
         if self.node.vmap:
-            _left(args, self.in_axes)
-            layout = _layout(args)
-            args = tuple(map(stacked, args))
+            args, layout = self._stacked(args)
             run = linearizer(self.node) if is_custom(self.node.fn) else self.compiled.linearize
             primal, pullback = run(args, active)
             return primal, (pullback if not any(layout) else _ForItems(pullback, layout))
         run = linearizer(self.node)
-        done = [_then_checkpoint(_attempt(self.name, i, item, "forward",
-                                          lambda: run(item, active)))  # noqa: B023 (called here)
-                for i, item in enumerate(item_args(args, self.in_axes))]
+        done = self._per_item(args, lambda item: run(item, active))
         primals = [SKIPPED if d is SKIPPED else d[0] for d in done]
         pullbacks = [None if d is SKIPPED else d[1] for d in done]
         return Items(primals), ItemPullbacks(pullbacks, self.in_axes, active, self.name,
@@ -101,9 +106,8 @@ class Chunked:
     def gradients(self, args: Sequence[Any], active: tuple[bool, ...], seeded: tuple):
         """:meth:`~daskdag.graph.compiled.Jitted.gradients` over the chunk, the cotangents of
         :class:`Items` args per item; None where it cannot be compiled."""
-        _left(args, self.in_axes)
-        layout = _layout(args)
-        out = self.compiled.gradients(tuple(map(stacked, args)), active, seeded)
+        args, layout = self._stacked(args)
+        out = self.compiled.gradients(args, active, seeded)
         if out is None:
             return None
         primal, cts = out
@@ -202,9 +206,10 @@ class Chunk(PerItem):
 CHUNK = Chunk()
 
 
-def stacked(value):
+def stacked(value, numpy: bool = False):
     """``value`` with a leading item axis: :class:`Items` stacked, another item standing in
-    for each failed one (:data:`SKIPPED`; its rows are dropped)."""
+    for each failed one (:data:`SKIPPED`; its rows are dropped). ``numpy``: every leaf stacked
+    as a NumPy array, numbers too (else JAX arrays, and the first item's other leaves)."""
     if not isinstance(value, Items):
         return value
     items = list(value)
@@ -213,6 +218,8 @@ def stacked(value):
         if other is None:
             raise NothingLeft("every item of the chunk failed")
         items = [other if v is SKIPPED else v for v in items]
+    if numpy:
+        return jax.tree.map(lambda *leaves: np.stack([np.asarray(a) for a in leaves]), *items)
     return stack(items)
 
 

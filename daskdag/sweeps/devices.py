@@ -13,22 +13,18 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
-import dask
-import dask.core
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dask.callbacks import Callback
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import daskdag.config as config
 from daskdag.caches import ByObject
 from daskdag.errors import DAGError
-from daskdag.model.leaves import UNKNOWN, abstract, abstract_values, is_array
-from daskdag.sweeps.chunked import own_function
-from daskdag.sweeps.engines import Done, Here, InProcess, bound, chunk_graph
+from daskdag.model.leaves import UNKNOWN, is_array
+from daskdag.sweeps.engines import Done, Here, InProcess
 from daskdag.sweeps.planning import Sweep
-from daskdag.sweeps.results import item_shapes
+from daskdag.sweeps.results import item_avals, item_shapes
 
 AXIS = "items"  # the mesh axis a chunk's items are sharded along
 DEPTH = 2  # chunks in flight at once: one computing, the next one's items on their way
@@ -162,12 +158,11 @@ def item_bytes(sweep: Sweep) -> tuple[int, int]:
     if hit is not None:
         return hit
     plan = sweep.plan
-    avals = {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()}
-    nodes = abstract_values(plan.spec, plan.needed, avals, own_function)
+    avals = item_avals(sweep)
     inputs = sum(_nbytes(avals[i]) for i in sweep.carried())
-    values = sum(_nbytes(nodes[n]) for n in plan.needed
-                 if n in sweep.carrying and nodes[n] is not UNKNOWN)
-    shapes = item_shapes(sweep)
+    values = sum(_nbytes(avals[n]) for n in plan.needed
+                 if n in sweep.carrying and avals[n] is not UNKNOWN)
+    shapes = item_shapes(sweep, avals)
     results = sum(_nbytes(v) for v in shapes[0].values() if v is not None) + sum(
         _nbytes(g) for grads in shapes[1].values() for g in grads.values())
     working = inputs + max(RESIDUALS * values, 2 * inputs) + results
@@ -214,7 +209,6 @@ class Devices(InProcess):
         self.width = -(-width // on.count) * on.count
         self.shared = {name: on.replicate(value) for name, value in shared.items()}
         self.flying: deque = deque()  # the results of the chunks in flight, oldest first
-        self.graph: tuple | None = None  # (sweep, its chunk graph: engines.chunk_graph)
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         while len(self.flying) >= DEPTH:
@@ -225,21 +219,12 @@ class Devices(InProcess):
         start, stop = chunk
         count = stop - start
         values = self.on.put(sweep.items(start, stop), count, self.on.padded(count, self.width))
-        tasks, key = self._graph(sweep)
-        # Dask's synchronous scheduler where a Dask callback watches; else without one.
-        get = dask.get if Callback.active else dask.core.get
-        done = self._run(chunk, steps, lambda: get(bound(tasks, {}, values), key))
+        done = self._run(chunk, steps, self._graph(sweep), values)
         if done.computed is not None:
             self.flying.append(done.computed)
             if self.host:
                 to_host(done.computed)
         return done, count, sweep.carrying
-
-    def _graph(self, sweep) -> tuple[dict, str]:
-        """``sweep``'s chunk graph, made once, which each chunk runs with its items bound."""
-        if self.graph is None or self.graph[0] is not sweep:
-            self.graph = (sweep, chunk_graph(sweep, {}))
-        return self.graph[1]
 
     def result(self, future) -> Done:
         """The chunk's :class:`~daskdag.sweeps.engines.Done`, its padding dropped."""

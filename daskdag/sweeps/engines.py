@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
-import dask.local
+import dask.core
 import jax
 from dask.base import tokenize
+from dask.callbacks import Callback
 from dask.task_spec import DataNode, Task, TaskRef
 
 from daskdag.errors import ClusterError
@@ -76,11 +77,13 @@ def run_chunk(run: progress.ChunkRun, compute) -> Done:
 
 
 class InProcess:
-    """What the engines of this process share: each chunk run in a thread of it
-    (:meth:`_run`), stopping at its next item once ``stop`` is set; nothing to release."""
+    """What the engines of this process share: each chunk's items bound into the sweep's chunk
+    graph, made once (:meth:`_graph`), and run in a thread of it (:meth:`_run`), stopping at its
+    next item once ``stop`` is set; nothing to release."""
 
     def __init__(self, bar: progress.Progress | None):
         self.bar, self.stop = bar, threading.Event()
+        self.graph: tuple | None = None  # (sweep, its chunk graph: chunk_graph)
 
     def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
         """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
@@ -89,11 +92,22 @@ class InProcess:
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         raise NotImplementedError
 
-    def _run(self, chunk: tuple[int, int], steps: int, compute) -> Done:
+    def _graph(self, sweep) -> tuple[dict, str]:
+        """``sweep``'s chunk graph, made once, which each chunk runs with its items bound."""
+        if self.graph is None or self.graph[0] is not sweep:
+            self.graph = (sweep, chunk_graph(sweep, {}))
+        return self.graph[1]
+
+    def _run(self, chunk: tuple[int, int], steps: int, graph: tuple[dict, str], items: dict
+             ) -> Done:
+        """The chunk run in this thread: ``graph`` (:meth:`_graph`) with its ``items`` bound, by
+        Dask's synchronous scheduler where a Dask callback watches, else without one."""
         bar = self.bar
         report = None if bar is None else (lambda f: bar.report(chunk, f))
+        get = dask.get if Callback.active else dask.core.get
+        tasks, key = graph
         return run_chunk(progress.ChunkRun(chunk[1] - chunk[0], steps, self.stop.is_set, report),
-                         compute)
+                         lambda: get(bound(tasks, {}, items), key))
 
     def wait_any(self, futures) -> set:
         return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
@@ -116,9 +130,7 @@ class Threads(InProcess):
         self.shared: dict = {}
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
-        graph = sweep.chunk(*chunk)
-        return self.pool.submit(self._run, chunk, steps,
-                                lambda: dask.compute(graph, scheduler=dask.local.get_sync)[0])
+        return self.pool.submit(self._run, chunk, steps, self._graph(sweep), sweep.items(*chunk))
 
     def close(self):
         self.stop.set()  # running chunks stop at their next item; this waits for that
@@ -179,7 +191,8 @@ class Cluster:
             raise self._scheduler_gone(e) from e
         if not found:  # task graphs, or no worker yet: the scheduler places them
             for c in sent:
-                c.future, c.pinned = self.client.compute(c.sweep.chunk(*c.chunk)), False
+                graph = c.sweep.graph(c.sweep.items(*c.chunk))  # the items inside it
+                c.future, c.pinned = self.client.compute(graph), False
                 self.arrivals.add(c.future)
             return
         shared = {f.key: f for f in self.shared.values()}

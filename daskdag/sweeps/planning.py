@@ -91,10 +91,6 @@ class Sweep:
         return {i: jax.tree.map(part if i in self.batched else broadcast, self.values[i])
                 for i in self.carried()}
 
-    def chunk(self, start: int, stop: int):
-        """The Dask graph of items ``start:stop``, their values inside it."""
-        return self.graph(self.items(start, stop))
-
     def graph(self, values: dict):
         """The Dask graph ``{output: (value, {input: grad})}`` of a chunk whose :meth:`carried`
         inputs (and any others given) are ``values``, or references (``TaskRef``) to them.

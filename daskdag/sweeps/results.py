@@ -10,26 +10,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from daskdag.model.leaves import UNKNOWN, abstract, abstract_values
-from daskdag.sweeps.chunked import SKIPPED, Items, own_function
+from daskdag.sweeps.chunked import Items, own_function, stacked
 
 
 class Stacked:
-    """One output's values, or one gradient, stacked over all items as chunks arrive. ``None``
-    leaves (not differentiated) stay ``None``; rows of items that never arrived (failed) are
-    NaN, or 0 where the dtype has none."""
+    """One output's values, or one gradient, stacked over all items in NumPy as chunks arrive.
+    ``None`` leaves (not differentiated) stay ``None``; rows of items that never arrived
+    (failed) are NaN, or 0 where the dtype has none."""
+
+    xp = np  # the arrays a value the same for every item is broadcast as
 
     def __init__(self, size: int):
         self.size, self.tree, self.arrived = size, None, np.zeros(size, bool)
 
     def put(self, start: int, stop: int, tree, carries_items: bool):
-        if isinstance(tree, Items):  # one item at a time, straight into its row
-            for i, item in enumerate(tree):
-                if item is not SKIPPED:  # a failed item's row stays as never arrived
-                    row = jax.tree.map(lambda a: np.asarray(a)[None], item)
-                    self.put(start + i, start + i + 1, row, True)
-            return
-        if not carries_items:  # the same for every item
-            tree = jax.tree.map(lambda a: np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
+        """Items ``start:stop``'s ``tree`` (as :func:`rows` lays it out)."""
+        self._put(start, stop, rows(tree, stop - start, carries_items, self.xp))
+        self.arrived[start:stop] = True
+
+    def _put(self, start: int, stop: int, tree):
         if self.tree is None:  # uninitialised: result() fills the rows that never arrive
             self.tree = jax.tree.map(
                 lambda a: np.empty((self.size, *np.shape(a)[1:]), np.asarray(a).dtype), tree)
@@ -38,7 +37,6 @@ class Stacked:
             dst[start:stop] = np.asarray(src)
 
         jax.tree.map(copy, self.tree, tree)
-        self.arrived[start:stop] = True
 
     def forget(self, rows) -> None:
         """Rows (items) that failed: as if never arrived, whatever was put there."""
@@ -56,27 +54,20 @@ class Stacked:
         return self.tree
 
 
-class OnDevice:
+class OnDevice(Stacked):
     """:class:`Stacked`'s twin for results left on the devices that computed them: each chunk's
-    ``jax.Array`` trees kept as they come, joined once, in :meth:`result`."""
+    ``jax.Array`` trees kept as they come (``tree``: the first, or None before any arrived),
+    joined once, in :meth:`result`."""
+
+    xp = jnp
 
     def __init__(self, size: int):
-        self.size, self.arrived = size, np.zeros(size, bool)
+        super().__init__(size)
         self.pieces: list[tuple[int, int, object]] = []  # (start, stop, tree), as they came
 
-    @property
-    def tree(self):
-        """A piece's tree, or None before any arrived."""
-        return self.pieces[0][2] if self.pieces else None
-
-    def put(self, start: int, stop: int, tree, carries_items: bool):
-        if not carries_items:  # the same for every item
-            tree = jax.tree.map(lambda a: jnp.broadcast_to(a, (stop - start, *jnp.shape(a))),
-                                tree)
+    def _put(self, start: int, stop: int, tree):
+        self.tree = tree if self.tree is None else self.tree
         self.pieces.append((start, stop, tree))
-        self.arrived[start:stop] = True
-
-    forget = Stacked.forget
 
     def result(self, item):
         like = self.tree
@@ -100,6 +91,17 @@ class OnDevice:
         return joined
 
 
+def rows(tree, count: int, carries_items: bool, xp=np):
+    """``tree``, a chunk's value or gradient, with a row per item of the chunk's ``count``:
+    :class:`~daskdag.sweeps.chunked.Items` stacked in NumPy (a failed item's row another's), a
+    value the same for every item (not ``carries_items``) broadcast as ``xp`` arrays."""
+    if isinstance(tree, Items):
+        return stacked(tree, numpy=True)
+    if carries_items:
+        return tree
+    return jax.tree.map(lambda a: xp.broadcast_to(a, (count, *np.shape(a))), tree)
+
+
 def _blank(like, rows: int):
     """``rows`` rows shaped as ``like``'s, never arrived."""
     return jax.tree.map(lambda a: np.full((rows, *np.shape(a)[1:]), missing_value(a.dtype),
@@ -111,15 +113,21 @@ def missing_value(dtype):
     return np.nan if np.issubdtype(dtype, np.inexact) else 0
 
 
-def item_shapes(sweep) -> tuple[dict, dict]:
+def item_avals(sweep) -> dict:
+    """One item's shape of each input and needed node of ``sweep``
+    (:func:`~daskdag.model.leaves.abstract_values`), traced abstractly."""
+    return abstract_values(sweep.plan.spec, sweep.plan.needed,
+                           {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()},
+                           own_function)
+
+
+def item_shapes(sweep, avals: dict | None = None) -> tuple[dict, dict]:
     """One item of ``sweep``'s ``({output: value shape}, {output: {input: gradient shape}})`` as
-    ``ShapeDtypeStruct`` trees, traced abstractly. A gradient is shaped like its input's item
-    (a Jacobian's after the output's rows), ``None`` on leaves that are not floating arrays; a
-    value is ``None`` where a node on its way cannot be traced."""
+    ``ShapeDtypeStruct`` trees, from ``avals`` (by default :func:`item_avals`'). A gradient is
+    shaped like its input's item (a Jacobian's after the output's rows), ``None`` on leaves that
+    are not floating arrays; a value is ``None`` where a node on its way cannot be traced."""
     plan = sweep.plan
-    avals = abstract_values(plan.spec, plan.needed,
-                            {i: abstract(v, i in sweep.batched) for i, v in sweep.values.items()},
-                            own_function)
+    avals = item_avals(sweep) if avals is None else avals
     values = {o: None if avals[o] is UNKNOWN else avals[o] for o in plan.outputs}
     rows = getattr(sweep.lowered, "rows", None)
     grads = {o: {i: jax.tree.map(partial(_cotangent_shape, lead=() if rows is None else (

@@ -21,7 +21,7 @@ from daskdag.errors import NodeError
 from daskdag.graph.build import GradientSeeding, build
 from daskdag.graph.stages import Stage, one_stage, together
 from daskdag.graph.tasks import Rows, linearize
-from daskdag.model.leaves import differentiable_leaves, is_array, on_differentiable
+from daskdag.model.leaves import differentiable_leaves, is_numeric, on_differentiable
 from daskdag.model.plan import Plan, make_plan
 from daskdag.rules.vjp import total
 from daskdag.running.compute import compute, logger
@@ -55,11 +55,7 @@ def constants(planned: Sweep, client, local: str | None) -> Sweep:
         computed = compute(graph, client, False, None, local, plan)
     except NodeError:
         return planned
-    values = {n: computed[n][0] for n in plan.outputs}
-    if planned.transport.remote and not _travels(values):
-        return planned
-    logger.info("sweep_grads: nodes %s computed once for every item", list(plan.needed))
-    return replace(rest, values={**planned.values, **values})
+    return _once(planned, rest, {n: computed[n][0] for n in plan.outputs}, plan.needed, "")
 
 
 def constants_part(sweep: Sweep) -> tuple[Plan, Sweep, dict] | None:
@@ -103,13 +99,19 @@ def differentiated(planned: Sweep, client) -> Sweep:
                 future.release()
     except NodeError:
         return planned
-    exposed = dict(zip(stage.outputs, values))
-    if planned.transport.remote and not _travels(exposed):
-        return planned
-    logger.info("sweep_grads: nodes %s computed once for every item, their pullback kept for "
-                "each item's gradients", list(stage.nodes))
     through = Through(stage, pullback, deps, tuple(values), tuple(planned.plan.wrt))
-    return replace(rest, values={**planned.values, **exposed}, through=through)
+    return _once(planned, rest, dict(zip(stage.outputs, values)), stage.nodes,
+                 ", their pullback kept for each item's gradients", through=through)
+
+
+def _once(planned: Sweep, rest: Sweep, values: dict, nodes, why: str, **more) -> Sweep:
+    """``rest``, the sweep without ``nodes``, taking their ``values`` (and ``more`` fields),
+    computed once; ``planned`` where, on a cluster, a value is not made of arrays and numbers
+    (which may travel from one worker to all). ``why`` ends the log line."""
+    if planned.transport.remote and not all(map(is_numeric, jax.tree.leaves(values))):
+        return planned
+    logger.info("sweep_grads: nodes %s computed once for every item%s", list(nodes), why)
+    return replace(rest, values={**planned.values, **values}, **more)
 
 
 def differentiated_part(sweep: Sweep) -> tuple[Plan, Stage, Sweep] | None:
@@ -206,9 +208,3 @@ def _sum(like, own, share, lead: tuple):
         np.zeros((*lead, *np.shape(x)), jnp.result_type(x)) for x in leaves)
     return on_differentiable(like, [jnp.asarray(g, jnp.result_type(x))
                                     for g, x in zip(flat, leaves)])
-
-
-def _travels(values: dict) -> bool:
-    """Every leaf is an array or a number: it may travel from one worker to all."""
-    return all(is_array(leaf) or isinstance(leaf, (bool, int, float, complex))
-               for leaf in jax.tree.leaves(values))

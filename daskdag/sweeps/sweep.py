@@ -27,12 +27,11 @@ from daskdag.running.programs import in_words
 from daskdag.running.passes import names_key
 from daskdag.running.resident import placing
 from daskdag.sweeps import arrays, devices
-from daskdag.sweeps.chunked import Items, stacked as stack_items
 from daskdag.sweeps.engines import Cluster, Lost, Threads
 from daskdag.sweeps.planning import (Sweep, chunk_steps, default_chunk_size, is_dask_array,
                                      item_signature, prepare)
 from daskdag.sweeps.progress import Progress, detached
-from daskdag.sweeps.results import OnDevice, Stacked, item_shapes
+from daskdag.sweeps.results import OnDevice, Stacked, item_shapes, rows
 from daskdag.sweeps.shared import share
 from daskdag.sweeps.store import Store, identity, items_hash
 from daskdag.transport import transports
@@ -144,18 +143,18 @@ def run(sweep: Sweep, chunk_size: int, client, in_flight: int, progress: bool, e
 
             def keep(chunk: tuple[int, int], computed, fails):  # written as the sweep goes on
                 devices.to_host(computed)
+                pieces = [chunk]
                 if errors == "raise" and fails:
                     # Only the items that succeeded: a resume computes the failed ones again.
-                    for a, b in _between(chunk, fails) if computed is not None else ():
-                        store.later(lambda a=a, b=b: store.write(
-                            a, b, chunk_hash(sweep, a, b), jax.tree.map(
-                                lambda x: x[a - chunk[0]:b - chunk[0]],
-                                _as_rows(sweep, *chunk, computed))))
-                    return
-                start, stop = chunk
-                store.later(lambda: store.write(
-                    start, stop, chunk_hash(sweep, start, stop),
-                    computed and _as_rows(sweep, start, stop, computed), fails))
+                    pieces, fails = _between(chunk, fails) if computed is not None else [], None
+
+                def write(a: int, b: int):
+                    held = computed and jax.tree.map(lambda x: x[a - chunk[0]:b - chunk[0]],
+                                                  _as_rows(sweep, *chunk, computed))
+                    store.write(a, b, chunk_hash(sweep, a, b), held, fails)
+
+                for piece in pieces:
+                    store.later(partial(write, *piece))
         try:
             left = sweep.size - (int(done.sum()) if done is not None else 0)
             chunks = _run_chunks(share(sweep, left, chunk_size, client, local), chunk_size,
@@ -193,7 +192,7 @@ def _resume(store: Store, sweep: Sweep, stacked: dict | None, failed: dict) -> n
     for start, stop, computed, fails in store.complete(lambda a, b: chunk_hash(sweep, a, b),
                                                        read=stacked is not None):
         if computed:
-            _store(stacked, sweep, start, stop, computed, rows=True, failed=fails)
+            _store(stacked, sweep, start, stop, computed, every_row=True, failed=fails)
         failed.update(fails)
         done[start:stop] = True
     return done
@@ -373,23 +372,20 @@ def _collect(engine, fut, sweep, chunk: tuple[int, int], stacked, failed: dict, 
 
 
 def _as_rows(sweep, start: int, stop: int, computed: dict) -> dict:
-    """A chunk's ``computed`` results as one row per item."""
-    def rows_of(tree, carries: bool):
-        if isinstance(tree, Items):
-            return jax.tree.map(np.asarray, stack_items(tree))
-        return jax.tree.map(lambda a: np.asarray(a) if carries else
-                            np.broadcast_to(a, (stop - start, *np.shape(a))), tree)
-    return {o: (rows_of(v, o in sweep.carrying), {i: rows_of(g, True) for i, g in grads.items()})
-            for o, (v, grads) in computed.items()}
+    """A chunk's ``computed`` results as NumPy arrays, one row per item (:func:`rows`)."""
+    return jax.tree.map(np.asarray, {
+        o: (rows(v, stop - start, o in sweep.carrying), {i: rows(g, stop - start, True)
+                                                         for i, g in grads.items()})
+        for o, (v, grads) in computed.items()})
 
 
-def _store(stacked, sweep, start, stop, computed, rows: bool = False, failed=()):
+def _store(stacked, sweep, start, stop, computed, every_row: bool = False, failed=()):
     """A chunk's results into ``stacked`` (unless None), but for its items that ``failed``.
-    ``rows``: every value has a row per item (:func:`_as_rows`), as a store's have."""
+    ``every_row``: every value has a row per item (:func:`_as_rows`), as a store's have."""
     if stacked is None:
         return
     for o, (value, grads) in computed.items():
-        stacked[o][0].put(start, stop, value, rows or o in sweep.carrying)
+        stacked[o][0].put(start, stop, value, every_row or o in sweep.carrying)
         for i, g in grads.items():
             stacked[o][1][i].put(start, stop, g, True)
     if failed:

@@ -16,11 +16,8 @@ import itertools
 import re
 from typing import Any, Callable, Sequence
 
-from daskdag.transport.walk import (CHECK_GLOBALS, DYNAMIC_ATTRIBUTES, Unwatchable, Walk,
-                                    attributes, names)
-from daskdag.transport.weak import Weak
-
-__all__ = ["DYNAMIC_ATTRIBUTES", "Fingerprint", "attributes", "fingerprint", "holding", "names"]
+from daskdag.transport.walk import CHECK_GLOBALS, Unwatchable, Walk
+from daskdag.transport.weak import Weak, held
 
 
 class Fingerprint:
@@ -29,10 +26,9 @@ class Fingerprint:
 
     __slots__ = ("facts", "refs", "_check", "_source")
 
-    def __init__(self, facts: list, refs: list,
-                 source: tuple[str, list[str], list] | None = None):
+    def __init__(self, facts: list, refs: list, source: tuple[str, list[str], dict] | None):
         self.facts, self.refs = facts, refs
-        self._source = source  # (its check's prefix, lines and constants)
+        self._source = source  # (its check's prefix, lines and constants by name)
         self._check: Callable[[Any], bool] | None = None  # (compiled at its first use)
 
     def __eq__(self, other: object) -> bool:
@@ -45,8 +41,7 @@ class Fingerprint:
         root = obj.target if isinstance(obj, Weak) else obj
         if self._check is None and self._source is not None:
             prefix, lines, consts = self._source
-            self._check = _compiled(f"def check({prefix}root):\n", lines, _named(prefix, consts),
-                                    guarded=True)
+            self._check = _compiled(f"def check({prefix}root):\n", lines, consts)
         if self._check is not None:
             return self._check(root)
         return fingerprint(obj) == self
@@ -59,8 +54,7 @@ def fingerprint(obj: Any, checked: bool = False) -> Fingerprint | None:
     keeps alive what it holds by identity, but not ``obj`` itself: its holder knows it.
     ``checked``: write the check :meth:`Fingerprint.holds` runs (worth it only for a
     fingerprint checked many times)."""
-    walk = _Fingerprinting(obj.target if isinstance(obj, Weak) else obj, checked,
-                           f"f{next(_checks)}_" if checked else "")
+    walk = _Fingerprinting(held(obj), checked, f"f{next(_checks)}_" if checked else "")
     try:
         walk.walk()
     except (Unwatchable, RecursionError):
@@ -87,32 +81,25 @@ def holding(watched: Sequence[tuple[Fingerprint, Any]], first: Sequence[str] = (
             lines.append(f"if not P{k}.holds(F{k}): return False")
             continue
         prefix, own, consts = print_._source
-        names.update(_named(prefix, consts))
+        names.update(consts)
         lines.append(f"{prefix}root = F{k}._ref()" if isinstance(fn, Weak) else
                      f"{prefix}root = F{k}")
         lines.extend(own)
-    return _compiled("def check():\n", lines, names, guarded=True)
+    return _compiled("def check():\n", lines, names)
 
 
-def _named(prefix: str, consts: list) -> dict:
-    return {f"{prefix}k{n}": value for n, value in enumerate(consts)}
-
-
-def _compiled(head: str, lines: list[str], names: dict,
-              guarded: bool = False) -> Callable[..., bool]:
+def _compiled(head: str, lines: list[str], names: dict) -> Callable[..., bool]:
     """The check of ``lines`` (each ``return False`` where it fails), less the variables that
-    no later line reads; ``guarded``: False, not an error, where a line fails to read (what
-    changed is a different shape of object)."""
+    no later line reads; False, not an error, where a line fails to read (what changed is a
+    different shape of object)."""
     kept, read = [], set()
     for line in reversed(lines):
         assigned = _ASSIGNED.match(line)
         if assigned is None or assigned[1] in read:
             kept.append(line)
             read.update(_NAME.findall(line))
-    body = [*reversed(kept), "return True"]
-    if guarded:
-        body = ["try:", *(f"    {line}" for line in body), "except Exception:",
-                "    return False"]
+    body = ["try:", *(f"    {line}" for line in reversed(kept)), "    return True",
+            "except Exception:", "    return False"]
     source = head + "".join(f"    {line}\n" for line in body)
     namespace = {"__name__": __name__, **CHECK_GLOBALS, **names}
     exec(compile(source, "<daskdag fingerprint check>", "exec"), namespace)

@@ -13,15 +13,13 @@ once per worker, not once per call.
 
 from __future__ import annotations
 
-import io
-
 from dask.base import tokenize
 
 import daskdag.config as config
 from daskdag.caches import ByObject, Cache
 from daskdag.errors import DAGError
 from daskdag.transport.fingerprints import fingerprint
-from daskdag.transport.pickler import Pickler, Unpickler, travelling
+from daskdag.transport.pickler import dumps, loads, travelling
 from daskdag.transport.weak import Weak, held, ref
 
 RECEIVED_FUNCTIONS = 256  # the most functions a process keeps for reuse, oldest out first
@@ -50,7 +48,7 @@ class Packed:
     def load(self):
         if self._value is _UNSET or (isinstance(self._value, Weak) and self._value.target is None):
             # (held weakly by a preparation, and gone: a lazy call's graph outlives its DAG)
-            self._value = Unpickler(io.BytesIO(self.skeleton), self.arrays).load()
+            self._value = loads(self.skeleton, self.arrays)
         return self._value
 
     def __reduce__(self):
@@ -91,10 +89,7 @@ def pack(obj, as_function: bool = False, hashed: bool = True, tokens: dict | Non
     ``hashed=False`` leaves the token to be computed when first asked for (values that travel
     under keys of their own, whose arrays then need no hashing). ``tokens``: array tokens by
     ``id`` already computed in this call, added to."""
-    arrays: list = []
-    buffer = io.BytesIO()
-    Pickler(buffer, arrays).dump(obj)  # (the user's code by value: this pickler's alone)
-    skeleton = buffer.getvalue()
+    skeleton, arrays = dumps(obj)  # (the user's code by value: this pickler's alone)
     token = _content_token(skeleton, arrays, {} if tokens is None else tokens) if hashed else None
     return (Function if as_function else Packed)(token, skeleton, arrays, obj)
 
@@ -144,20 +139,20 @@ def pack_function(what: str, fn, strict: bool, tokens: dict | None = None,
     target = held(fn)
     keeping = config.get("prepared-calls") > 0  # (0: nothing prepared is kept: packed anew too)
     hit = _packed_functions.get(target) if keeping else None
-    if hit is not None and hit[0].holds(target):
-        token, skeleton, arrays = hit[1]
-        return Function(token, skeleton, arrays, fn)
-    prints = {} if prints is None else prints
-    if id(fn) not in prints:
-        prints[id(fn)] = fingerprint(fn, checked=keeping)
-    fp = prints[id(fn)] if keeping else None
-    packed = pack_for(what, target, strict, as_function=True, tokens=tokens)
-    if not isinstance(packed, Function):
-        return fn
-    if fp is not None:  # (a copy that holds no function: see ByObject)
-        _packed_functions.put(target, (fp, (packed.token, packed.skeleton, packed.arrays)))
+    if hit is None or not hit[0].holds(target):
+        prints = {} if prints is None else prints
+        if id(fn) not in prints:
+            prints[id(fn)] = fingerprint(fn, checked=keeping)
+        fp = prints[id(fn)] if keeping else None
+        packed = pack_for(what, target, strict, as_function=True, tokens=tokens)
+        if not isinstance(packed, Function):
+            return fn
+        hit = (fp, (packed.token, packed.skeleton, packed.arrays))
+        if fp is not None:  # (a copy that holds no function: see ByObject)
+            _packed_functions.put(target, hit)
     # (held as given: weakly, by a preparation, see daskdag.transport.weak)
-    return Function(packed.token, packed.skeleton, packed.arrays, fn)
+    token, skeleton, arrays = hit[1]
+    return Function(token, skeleton, arrays, fn)
 
 
 def unwrap(fn):

@@ -21,7 +21,6 @@ import sys
 import threading
 import types
 import typing
-from typing import Any
 
 import cloudpickle
 import cloudpickle.cloudpickle as _cloudpickle
@@ -60,11 +59,8 @@ class Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, type) and obj is not self.root and users_module(obj.__module__) \
                 and "<locals>" not in obj.__qualname__:
-            arrays: list[Any]
-            buffer, arrays = io.BytesIO(), []
-            Pickler(buffer, arrays, root=obj).dump(obj)  # its value, in case the import fails
-            return import_or_load, (obj.__module__, obj.__qualname__,
-                                    ByValue(buffer.getvalue(), arrays))
+            # (its value, in case the import fails)
+            return import_or_load, (obj.__module__, obj.__qualname__, ByValue(*dumps(obj, obj)))
         # The user's code by value, for this pickler only; the rest as cloudpickle decides.
         if isinstance(obj, types.FunctionType) and not by_reference(obj):
             return (_cloudpickle._make_function, self._function_getnewargs(obj),
@@ -78,9 +74,21 @@ class Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-class Unpickler(pickle.Unpickler):
-    """The other half of :class:`Pickler`: arrays from ``arrays``."""
+def dumps(obj, root=None) -> tuple[bytes, list]:
+    """``obj`` pickled by :class:`Pickler` (``root``: a class of the user's pickled by value,
+    not by reference): its bytes, and its arrays out of band."""
+    arrays: list = []
+    buffer = io.BytesIO()
+    Pickler(buffer, arrays, root).dump(obj)
+    return buffer.getvalue(), arrays
 
+
+def loads(skeleton: bytes, arrays: list):
+    """What :func:`dumps` pickled."""
+    return _Unpickler(io.BytesIO(skeleton), arrays).load()
+
+
+class _Unpickler(pickle.Unpickler):
     def __init__(self, file, arrays: list):
         super().__init__(file)
         self.arrays = arrays
@@ -118,7 +126,7 @@ class ByValue:
         self.skeleton, self.arrays = skeleton, arrays
 
     def load(self):
-        return Unpickler(io.BytesIO(self.skeleton), self.arrays).load()
+        return loads(self.skeleton, self.arrays)
 
     def __reduce__(self):
         return ByValue, (self.skeleton, travelling(self.arrays))

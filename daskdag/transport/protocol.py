@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -20,24 +19,23 @@ import numpy as np
 from dask.base import normalize_token, tokenize
 from dask.sizeof import sizeof
 
+from daskdag.caches import ByObject
 from daskdag.transport.packing import Packed
 from daskdag.transport.scope import as_jax_array, lossless
 
 # -- tokens ---------------------------------------------------------------------------------------
 
-_jax_tokens: dict[int, tuple[weakref.ref, str]] = {}  # id(array) -> (weakref to it, its token)
+JAX_TOKENS = 65_536  # the most JAX arrays whose tokens a process keeps
+_jax_tokens: ByObject[str] = ByObject("JAX arrays' tokens", JAX_TOKENS)  # an array -> its token
 
 
 @normalize_token.register(jax.Array)
 def _normalize_jax_array(a):
     """A JAX array's token, hashed once per array (JAX arrays are immutable); an entry leaves
     with its array."""
-    hit = _jax_tokens.get(id(a))
-    if hit is not None and hit[0]() is a:
-        return "jax.Array", hit[1]
-    token = tokenize(np.asarray(a))  # Dask's fallback would pickle the array, twice
-    key = id(a)
-    _jax_tokens[key] = (weakref.ref(a, lambda _: _jax_tokens.pop(key, None)), token)
+    token = _jax_tokens.get(a)
+    if token is None:  # (Dask's fallback would pickle the array, twice)
+        token = _jax_tokens.put(a, tokenize(np.asarray(a)))
     return "jax.Array", token
 
 

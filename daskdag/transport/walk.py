@@ -85,7 +85,7 @@ class Walk:
         # id -> (a user's module reached, its expression, the names taken of it, its place)
         self.modules: dict[int, tuple] = {}
         self.lines: list[str] | None = [] if checked else None  # the check's source
-        self.consts: list = []  # the check's constants
+        self.consts: dict[str, Any] = {}  # the check's constants, by name
         self.names_of: dict[int, str] = {}  # id of an object reached -> its variable
         self.prefix = prefix  # of the check's names: ``{prefix}root``, constants ``{prefix}k{n}``,
         # variables ``{prefix}v{n}``
@@ -111,8 +111,9 @@ class Walk:
             self.lines.append(f"if not ({condition}): return False")
 
     def const(self, value) -> str:
-        self.consts.append(value)
-        return f"{self.prefix}k{len(self.consts) - 1}"
+        name = f"{self.prefix}k{len(self.consts)}"
+        self.consts[name] = value
+        return name
 
     def bind(self, expr: str) -> str:
         """A new variable of the check, holding ``expr`` (``""`` when no check is made)."""
