@@ -233,8 +233,7 @@ def _reverse_results(layout: Layout, sparse: bool, info: CallInfo, computed: dic
     single = one_input(plan.spec, plan.wrt)
     for o, (value, per_name) in computed.items():
         if patterns is None and not sparse:
-            results[o] = Result(value, _jacrev(value, per_name, one_input(plan.spec, per_name),
-                                               items), info=info)
+            results[o] = Result(value, _jacrev(value, per_name, single, items), info=info)
             continue
         flat = np.hstack([flat_rows(per_name[i]) for i in plan.wrt])
         full = (sp.csr_array(flat) if patterns is None else
