@@ -5,7 +5,7 @@ CORE_STAMP := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test docs bench bench-test clean certs
+.PHONY: demo test test-fast coverage docs bench bench-test clean certs
 
 # daskdag and what it needs, and the dashboard of the clusters the docs start: all `make demo` takes.
 $(CORE_STAMP): pyproject.toml
@@ -22,8 +22,22 @@ $(STAMP): $(CORE_STAMP)
 demo: $(CORE_STAMP)
 	$(PY) examples/seed_dag.py
 
+# The whole suite on WORKERS processes (pytest-xdist), file by file, the longest files first
+# (tests/support/selection.py).
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest $(XDIST) -q --durations=25
+
+# The inner loop: the tests that start no cluster and no other process (markers `cluster`,
+# `subprocess`, `bench`), a few minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest $(XDIST) -q -m "not cluster and not subprocess and not bench"
+
+# The whole suite with line coverage of daskdag/ (in the test processes), in htmlcov/.
+coverage: $(STAMP)
+	$(PY) -m pytest $(XDIST) -q --cov=daskdag --cov-report=term --cov-report=html
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,docs,bench]'

@@ -6,12 +6,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-pytest.register_assert_rewrite("tests.support")
-
-from .support import hangs  # noqa: E402
-from .support.clusters import DaskCLI, local_cluster  # noqa: E402
-from .support.faults import watching_distributed  # noqa: E402
-from .support.numbers import Counted, seed_functions  # noqa: E402
+from .support import hangs
+from .support.clusters import DaskCLI, local_cluster
+from .support.faults import watching_distributed
+from .support.numbers import Counted, seed_functions
 
 
 @pytest.hookimpl(optionalhook=True, wrapper=True)
@@ -94,6 +92,30 @@ def cli_client(cli_cluster):
     with Client(cli_cluster, set_as_default=False, timeout=60) as client:
         client.wait_for_workers(2, timeout=60)
         yield client
+
+
+@pytest.fixture(autouse=True)
+def _spawned_workers(request):
+    """A test marked ``spawn`` starts its clusters' workers as a user's are started, spawned,
+    not forked from the tests' forkserver (:func:`.support.clusters.fork_workers`)."""
+    if request.node.get_closest_marker("spawn") is None:
+        yield
+        return
+    import dask
+
+    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+        yield
+
+
+@pytest.fixture
+def one_task_in_reach(monkeypatch):
+    """A call on a cluster tries one task once a spread call took less than
+    ``Spreading.TRY_WHOLE`` (a quarter second); on a loaded machine (two test processes on two
+    cores) a call of microsecond stages may take longer. Tests that wait for the switch raise
+    the threshold; the rule's other half, the faster way wins, is as it is."""
+    from daskdag.running.jobs import Spreading
+
+    monkeypatch.setattr(Spreading, "TRY_WHOLE", 5.0)
 
 
 @pytest.fixture

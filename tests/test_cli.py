@@ -197,6 +197,7 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.subprocess
 def test_dag_module_that_starts_a_client_at_import_is_refused(launched):
     command, d = launched["client_at_import"]
     code, _, err = command.finish()
@@ -577,6 +578,7 @@ def _computed(d: Path) -> int:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.subprocess
 def test_ctrl_c_while_a_node_sleeps_is_exit_130(slow_dag):
     command = Command("run", "slow_dag.py", "--inputs", "in.npz", "--outputs", "Z", "--out",
                       "res.npz", cwd=slow_dag, interruptible=True)
@@ -593,6 +595,7 @@ def test_ctrl_c_while_a_node_sleeps_is_exit_130(slow_dag):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.subprocess
 def test_ctrl_c_says_what_is_stored_and_the_resumed_sweeps_bar_counts_it(slow_dag):
     """A sweep with --store, SIGINT once a piece of it is saved: exit 130 saying how many items
     the store holds. The same command again computes only the others, its bar counting the
@@ -652,6 +655,7 @@ STORED_DAG = textwrap.dedent('''
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.subprocess
 def test_run_with_a_store_killed_resumes_from_its_finished_nodes(tmp_path):
     """``daskdag run --store``, SIGKILLed while its second node waits, its first stored: the
     same command again runs only the second (the first one's log has one line), and writes

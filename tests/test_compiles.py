@@ -52,6 +52,7 @@ def _env(pythonpath: Path | None = None, **settings: str) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("where", ["site-packages", "PYTHONPATH"])
 @pytest.mark.parametrize("prepared", ["kept", "none kept"])
+@pytest.mark.subprocess
 def test_no_compilation_after_the_first_round(where, prepared, jax_on_pythonpath, tmp_path):
     path = jax_on_pythonpath if where == "PYTHONPATH" else None
     settings = {"DASK_DASKDAG__PREPARED_CALLS": "0"} if prepared == "none kept" else {}
@@ -92,6 +93,7 @@ def _distribution(folder: Path, name: str, top: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.subprocess
 def test_which_modules_travel_by_value(jax_on_pythonpath, tmp_path):
     """Installed code travels by reference wherever its files are (a copy of jax first on
     PYTHONPATH; a ``pip --target`` folder); the user's own modules, ``__main__`` and what is

@@ -111,6 +111,7 @@ def _pid_dag(log: RunLog):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_the_processes_setting_runs_eager_calls_in_other_processes(tmp_path):
     log = RunLog(tmp_path / "runs")
     with dask.config.set(scheduler="processes", num_workers=2):
@@ -121,6 +122,7 @@ def test_the_processes_setting_runs_eager_calls_in_other_processes(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_the_processes_setting_runs_sweeps_and_prepared_calls_and_refuses_what_cannot_run_there(
         tmp_path):
     log = RunLog(tmp_path / "runs")
@@ -176,6 +178,7 @@ def test_a_local_clusters_dashboard_answers():
 # -- what a call imports ----------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
 def test_import_and_a_call_on_threads_leave_distributed_unimported():
     code = ("import sys, jax.numpy as jnp, daskdag\n"
             "print('distributed' in sys.modules, 'jax' in sys.modules)\n"
@@ -193,6 +196,7 @@ def test_import_and_a_call_on_threads_leave_distributed_unimported():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
 def test_a_daskdag_setting_set_before_the_first_call_leaves_the_others_in_place():
     """``with dask.config.set({"daskdag.reuse": ...})`` around a program's first call: on leaving
     it, Dask restores what it found, which must include daskdag's defaults (they join Dask's
@@ -212,6 +216,7 @@ def test_a_daskdag_setting_set_before_the_first_call_leaves_the_others_in_place(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
 def test_daskdag_version():
     for args in (["--version"], ["-V"]):
         out = subprocess.run([sys.executable, "-m", "daskdag.cli", *args], capture_output=True,

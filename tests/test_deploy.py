@@ -27,6 +27,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.request
@@ -231,6 +232,7 @@ def _container_env(site: Path, extra=None) -> dict[str, str]:
     return env
 
 
+@pytest.mark.subprocess
 def test_the_entrypoint_installs_extra_packages_within_the_pins_and_fails_loudly(wheels, tmp_path):
     """deploy/prepare.sh as the images run it: EXTRA_PIP_PACKAGES installed with the image's
     constraints, then the command in its place, its arguments untouched; a package pip cannot
@@ -641,6 +643,7 @@ def _localized_args(args, mount, certs):
     return [str(certs) + a[len(mount):] if a.startswith(mount + "/") else a for a in args]
 
 
+@pytest.mark.subprocess
 def test_kubernetes_manifests_give_the_operator_what_it_needs(certs):
     docs = _manifests()
     kinds = {d["kind"]: d for d in docs}
@@ -764,6 +767,7 @@ def test_the_python_route_builds_the_manifests(certs):
     assert env["DASK_SCHEDULER_ADDRESS"] == "tls://mine-scheduler:8786"
 
 
+@pytest.mark.subprocess
 def test_only_the_kubernetes_module_imports_dask_kubernetes():
     """dask-kubernetes (and kopf, kr8s, the Kubernetes clients) load for a user who asks for
     daskdag.deploy.kubernetes, not with daskdag or daskdag.deploy."""
@@ -1050,6 +1054,7 @@ def test_make_cluster_and_from_name_connect_over_tls(certs, monkeypatch):
     assert kc.rpc is original_rpc or kc.rpc("tcp://127.0.0.1:1").connection_args == {}
 
 
+@pytest.mark.subprocess
 def test_kustomize_builds_the_manifests():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -1138,6 +1143,8 @@ def test_slurm_job_scripts_start_workers_with_their_resources(certs, tmp_path):
         cluster.close()
 
 
+@pytest.mark.cluster  # (a Dask scheduler in this process)
+@pytest.mark.timeout(120)
 def test_slurm_scale_keeps_cpu_and_gpu_jobs_apart(certs, monkeypatch):
     """scale(cpu, gpu) sets each kind's number of jobs (submission itself is stubbed out)."""
     slurm = _import_slurm()
@@ -1185,11 +1192,14 @@ jobqueue:
 
 @pytest.fixture
 def dask_config():
-    """Dask's config as it was, restored after the test (which may refresh it from files)."""
+    """Dask's config as it was, restored after the test (which may refresh it from files);
+    dask-jobqueue imported first, so that what it adds to the config at its import is kept
+    (the first test to import it would take it away from the later ones)."""
     import copy
 
     import dask
 
+    _import_slurm()
     before = copy.deepcopy(dask.config.config)
     yield dask.config
     dask.config.config.clear()
@@ -1424,7 +1434,10 @@ def slurm_daemons(tmp_path, monkeypatch):
             pytest.skip(f"{t} cannot run here: {e}")
         if version.returncode:
             pytest.skip(f"{t} cannot run here: {t} -V says {version.stderr.strip()[-300:]}")
-    d = tmp_path / "slurm"
+    # Slurm's sockets live in its folders, and a socket's path is 108 bytes at most: a folder
+    # of its own under the temporary directory (pytest's, under xdist, is too deep), its logs
+    # copied to the test's tmp_path at the end.
+    d = Path(tempfile.mkdtemp(prefix="slurm-"))
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
     conf = d / "slurm.conf"
@@ -1472,6 +1485,10 @@ def slurm_daemons(tmp_path, monkeypatch):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        (tmp_path / "slurm").mkdir()
+        for log in d.glob("*.log"):
+            shutil.copy(log, tmp_path / "slurm" / log.name)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 SLURM_SWEEP_DAG = '''

@@ -38,6 +38,7 @@ def _missing_docs_packages() -> list[str]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.subprocess
 def test_site_builds_strict(tmp_path):
     missing = _missing_docs_packages()
     if missing:
@@ -67,6 +68,7 @@ def test_site_builds_strict(tmp_path):
     assert "fonts.googleapis" not in "".join(pages.values()) + bundle
 
 
+@pytest.mark.subprocess
 def test_diagrams_are_their_dot_sources_drawn():
     """Each diagram of the docs is an SVG committed beside its graphviz source; drawn again
     (where ``dot`` is installed), it holds the same labels."""
@@ -119,6 +121,7 @@ def test_api_page_lists_every_public_name():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.subprocess
 def test_a_fence_that_draws_is_skipped_where_dot_is_missing():
     """On a machine without graphviz's ``dot`` (a fresh one, following README's Quick start),
     the docs' fences that draw a graph are skipped, saying why, as the tests that draw are:
@@ -199,6 +202,7 @@ def _numbers(text: str) -> list[float]:
 
 @pytest.mark.parametrize("page, line, code, shown", _shown_outputs(),
                          ids=[f"{p}:{n}" for p, n, _, _ in _shown_outputs()])
+@pytest.mark.subprocess
 def test_front_pages_show_what_their_example_prints(page, line, code, shown, tmp_path):
     """README, the home page and Getting started share one DAG (examples/seed_dag.py's), and
     each shows what its example prints."""
@@ -236,6 +240,7 @@ def _layout(line: str) -> str:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.subprocess
 def test_make_demo_prints_what_the_front_pages_show():
     """``make demo`` runs examples/seed_dag.py as a script; what it prints starts with the lines
     each front page shows its example printing, laid out the same, with the same numbers."""
@@ -272,6 +277,7 @@ def _named_results() -> list:
 
 @pytest.mark.parametrize("page, code, spans", _named_results(),
                          ids=[p for p, _, _ in _named_results()])
+@pytest.mark.subprocess
 def test_front_pages_name_what_their_example_returns(page, code, spans, tmp_path):
     """Each ``res...`` expression a front page's prose names (``res["D"].info``) evaluates
     after its example: ``compute_grads`` of a list of outputs returns a dict, so ``res.info``

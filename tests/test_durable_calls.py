@@ -135,7 +135,7 @@ def test_a_stored_call_is_the_call_and_runs_again_nothing(tmp_path):
     assert_same(again, ref)
 
 
-@pytest.mark.parametrize("where", ["threads", "cluster"])
+@pytest.mark.parametrize("where", ["threads", pytest.param("cluster", marks=pytest.mark.cluster)])
 @pytest.mark.timeout(240)
 def test_only_the_stages_the_store_lacks_run_again(tmp_path, where):
     """Stages missing (never written) or whose group was never completed (a crash between
@@ -280,6 +280,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path, small_disk):
     m = dag_module(tmp_path)
     x = np.linspace(-1.0, 1.0, 4).astype(np.float32)

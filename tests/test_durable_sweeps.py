@@ -248,6 +248,7 @@ def test_a_location_that_holds_something_else_is_refused_and_left_as_it_was(tmp_
     assert content() == before and counted(tmp_path) == []
 
 
+@pytest.mark.subprocess
 def test_a_store_in_use_refuses_a_second_sweep(tmp_path):
     m = dag_module(tmp_path)
     store = tmp_path / "store"
@@ -483,6 +484,7 @@ np.savez({out!r}, value=np.asarray(res.value), grad=np.asarray(res.grad["x"]))
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.subprocess
 def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
     """SIGKILL at random moments into a sweep in another process; run again until it ends.
     The result is the uninterrupted sweep's, bit for bit, and no chunk complete when the client
@@ -540,6 +542,7 @@ def test_a_client_killed_mid_sweep_then_run_again(tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.subprocess
 def test_the_command_line_resumes_from_its_store(tmp_path):
     m = dag_module(tmp_path)
     root = Path(__file__).resolve().parent.parent
@@ -577,6 +580,7 @@ def test_the_command_line_resumes_from_its_store(tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.subprocess
 def test_the_command_line_interrupted_says_what_is_saved_and_resumes(tmp_path):
     """Ctrl-C (SIGINT) once the first piece is saved: exit 130, and the error line says how
     many items the store holds; the same command then computes the others alone."""
@@ -622,6 +626,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_a_full_disk_is_a_clear_error_and_what_was_written_stays_usable(tmp_path, small_disk):
     m = dag_module(tmp_path)
     big = np.random.default_rng(2).uniform(0.1, 1.5, (64, 2048)).astype(np.float32)

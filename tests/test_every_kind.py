@@ -290,6 +290,7 @@ def test_swept_over_eight_items(kind, form, placed, tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.subprocess
 def test_stored_resumed_after_a_kill(kind, form, placed, tmp_path):
     """The call, in a child process, is SIGKILLed once its store holds the trunk's stage;
     the same call here resumes: the trunk does not run again, and the results are JAX's."""

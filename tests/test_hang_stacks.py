@@ -107,6 +107,7 @@ def test_a_cluster_test_that_times_out_shows_the_stacks_of_every_process(tmp_pat
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.subprocess
 def test_the_dump_names_what_it_cannot_signal_and_never_raises(tmp_path):
     """A process gone, one without the preload (SIGUSR1 would end it: it is not signalled), a
     cluster whose processes cannot be listed: each a line; a preloaded process: its stacks."""

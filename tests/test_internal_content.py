@@ -89,6 +89,7 @@ def test_what_it_computes_counts_in_the_part_that_changed(edit, part):
     assert changed(first.f, second.f) == {part}
 
 
+@pytest.mark.subprocess
 def test_tokens_are_the_same_in_every_process():
     """String hashing differs between processes (sets of strings iterate in another order)."""
     script = textwrap.dedent(f"""

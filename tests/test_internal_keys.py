@@ -202,6 +202,7 @@ def test_debug_log_names_the_closed_stage_and_the_gradient_task(caplog):
 
 @pytest.mark.skipif(shutil.which("dot") is None,
                     reason="graphviz's `dot` program is not installed (apt-get install graphviz)")
+@pytest.mark.subprocess
 def test_visualize_labels_tasks_by_kind_and_stage(tmp_path, x5):
     call = daskdag.grads(_seed_dag(), x5, ["D", "E"])
     out = tmp_path / "seed.svg"

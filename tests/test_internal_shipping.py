@@ -426,6 +426,7 @@ def test_other_pickling_meanwhile_keeps_the_users_module_by_reference(importable
 
 
 @pytest.mark.cluster
+@pytest.mark.spawn  # (the worker imports the module from the PYTHONPATH it starts with)
 @pytest.mark.timeout(240)
 def test_client_submit_meanwhile_pickles_the_users_module_by_reference(importable_module):
     """``client.submit`` of a task that calls a function of an importable module of the user's

@@ -17,6 +17,9 @@ from daskdag.transport import malloc
 from .support.clusters import DaskCLI, local_client
 from .support.numbers import assert_tree_close
 
+# Workers started as a user's are: their environment, malloc and imports read at their start.
+pytestmark = pytest.mark.spawn
+
 X = jnp.linspace(-1.0, 1.0, 5)
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 EXPECTED = {"M_MMAP_THRESHOLD": malloc.MMAP_THRESHOLD,

@@ -28,6 +28,7 @@ X5 = jnp.linspace(-1.0, 1.0, 5)
 # -- Ctrl-C stops a sweep ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
+@pytest.mark.subprocess
 def test_ctrl_c_stops_a_threaded_sweep():
     child = start_sweep_child()
     try:
@@ -67,6 +68,7 @@ def test_ctrl_c_stops_a_sweep_on_a_cluster():
 # -- Ctrl-C in a sweep with a store: what is saved ----------------------------------------------------
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_ctrl_c_in_a_stored_sweep_says_how_much_is_saved(tmp_path):
     child = start_stored_sweep_child(tmp_path / "store", tmp_path / "log")
     try:
@@ -92,6 +94,7 @@ def test_ctrl_c_in_a_stored_sweep_on_a_cluster_says_how_much_is_saved(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scheduler", ["threads", "sync"])
 @pytest.mark.parametrize("progress", [False, True], ids=["", "progress"])
+@pytest.mark.subprocess
 def test_ctrl_c_stops_at_the_next_node(tmp_path, scheduler, progress):
     # The scheduler is given only as Dask's setting (ctrl_c_child.py), where the nodes run here.
     ctrl_c = interrupt(scheduler, tmp_path, progress)

@@ -67,6 +67,7 @@ def test_two_calls_and_a_dask_array_in_one_compute_share_forward_tasks():
         assert_tree_close(res_j[o].grad, grad, rtol=1e-5)  # a scalar's Jacobian is its gradient
 
 
+@pytest.mark.subprocess
 def test_scheduler_names_a_local_scheduler_or_a_client():
     dag, _ = seed_dag()
     with pytest.raises(DAGError, match="scheduler must be one of .*'sync'.*'threads'.* or a "
@@ -149,6 +150,7 @@ def test_version_is_the_projects():
 
 @pytest.mark.skipif(__import__("shutil").which("dot") is None,
                     reason="graphviz's `dot` program is not installed (apt-get install graphviz)")
+@pytest.mark.subprocess
 def test_visualize_draws_each_task_labelled_by_its_key(tmp_path):
     dag, _ = seed_dag()
     call = daskdag.grads(dag, X, ["D", "E"])

@@ -18,6 +18,7 @@ DAG = {"A": (jnp.sin, ["x"]), "B": (jnp.cumsum, ["A"]), "L": (jnp.sum, ["B"])}
 X = jnp.arange(3.0)
 
 
+@pytest.mark.subprocess
 def test_silent_by_default():
     code = textwrap.dedent("""
         import jax.numpy as jnp, daskdag

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import multiprocessing
+from collections.abc import Callable
 
 import dask
 import jax
@@ -125,14 +126,16 @@ def processes():
         yield {"scheduler": "processes", "pool": pool}
 
 
-def _where(name: str, request) -> tuple[dict, contextlib.AbstractContextManager]:
-    """A call's keyword and the context it runs in, for the scheduler ``name``."""
+def _where(name: str, request) -> tuple[dict, Callable[[], contextlib.AbstractContextManager]]:
+    """A call's keyword, and what makes the context it runs in (anew for each ``with``: a
+    ``dask.config.set`` sets at its creation, and its exit undoes it), for the scheduler
+    ``name``."""
     if name == "threads":
-        return {"scheduler": "threads"}, contextlib.nullcontext()
+        return {"scheduler": "threads"}, contextlib.nullcontext
     if name == "processes":
         p = request.getfixturevalue("processes")
-        return {"scheduler": "processes"}, dask.config.set(pool=p["pool"])
-    return {"client": request.getfixturevalue("client")}, contextlib.nullcontext()
+        return {"scheduler": "processes"}, lambda: dask.config.set(pool=p["pool"])
+    return {"client": request.getfixturevalue("client")}, contextlib.nullcontext
 
 
 SCHEDULERS = ["processes", pytest.param("cluster", marks=pytest.mark.cluster)]
@@ -151,6 +154,7 @@ def reference(kind: str, form: str) -> tuple:
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @pytest.mark.parametrize("form", ["call", "sweep"])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.subprocess
 def test_every_kind_the_same_on_every_scheduler(scheduler, form, x64, request):
     where, context = _where(scheduler, request)
     run = call if form == "call" else sweep
@@ -159,7 +163,7 @@ def test_every_kind_the_same_on_every_scheduler(scheduler, form, x64, request):
             want = run(kind, {"scheduler": "threads"})
             assert np.asarray(want[-1]).dtype == (np.float64 if x64 else np.float32), kind
             same(want, reference(kind, form), x64, f"{form} of {kind} on threads")
-            with context:
+            with context():
                 got = run(kind, where)
             same(got, want, x64, f"{form} of {kind} on {scheduler}")
 
@@ -178,7 +182,7 @@ def test_prepared_and_lazy_calls_take_the_settings_of_the_calling_thread(schedul
     with settings(True):
         want = call("value_and_grad", {"scheduler": "threads"})
         lazy = daskdag.grads(make_dag(), x, "L", wrt="p")
-    with context:
+    with context():
         with settings(True):
             value, grad = f(x)
         same((value, grad["p"]), want, True, f"prepared, x64, on {scheduler}")

@@ -371,7 +371,8 @@ def _tasks_per_call(client, f, inputs):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_a_loop_of_short_eager_stages_runs_in_one_task_with_values_from_jax(cli_client):
+def test_a_loop_of_short_eager_stages_runs_in_one_task_with_values_from_jax(cli_client,
+                                                                          one_task_in_reach):
     """Eager nodes, on a cluster started by the ``dask`` CLI (the workers cannot import this
     module): a loop's first calls spread a task per stage; once the calls have measured that
     one task is faster (the stages are microseconds long), each call is one task, and sends
@@ -434,7 +435,7 @@ def test_long_eager_stages_side_by_side_stay_spread(client):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_a_node_failing_inside_the_one_task_is_named(client):
+def test_a_node_failing_inside_the_one_task_is_named(client, one_task_in_reach):
     """Once the calls run in one task, a node that raises is a NodeError naming it, as when
     the stages spread; and the next call with good inputs computes as before."""
     def checked(x, n):

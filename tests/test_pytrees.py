@@ -50,7 +50,7 @@ def _mlp_dag():
             "L": (lambda y: jnp.mean(y ** 2), ["Y"])}
 
 
-@pytest.mark.parametrize("where", ["threads", "cluster"])
+@pytest.mark.parametrize("where", ["threads", pytest.param("cluster", marks=pytest.mark.cluster)])
 @pytest.mark.timeout(180)
 def test_equinox_mlp_as_input(where, request):
     client = request.getfixturevalue("cli_client") if where == "cluster" else None
@@ -81,7 +81,7 @@ class _Flax(nn.Module):
         return nn.Dense(2)(nn.tanh(nn.Dense(8)(x)))
 
 
-@pytest.mark.parametrize("where", ["threads", "cluster"])
+@pytest.mark.parametrize("where", ["threads", pytest.param("cluster", marks=pytest.mark.cluster)])
 @pytest.mark.timeout(180)
 def test_flax_variables_and_an_optax_loss(where, request):
     client = request.getfixturevalue("cli_client") if where == "cluster" else None

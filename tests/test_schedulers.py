@@ -145,7 +145,7 @@ def _tasks_by_kind(keys) -> dict:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
-def test_the_scheduler_runs_about_one_task_per_node(cluster):
+def test_the_scheduler_runs_about_one_task_per_node(cluster, one_task_in_reach):
     """What the scheduler ran for a call, counted: a stage's nodes share its tasks, and a closed
     stage's forward task runs its backward pass too, so a fan-out of 50 tiny nodes costs one task
     a node and three for the call, a chain of 12 four tasks in all, and a call of the same chain
@@ -206,6 +206,7 @@ def test_node_error_travels_back_from_a_worker(cluster):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_dask_multiprocessing_scheduler_pickles_pullbacks(tmp_path):
     # Every task result travels back to the parent process by pickle: pullbacks included.
     log = RunLog(tmp_path / "runs")

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.subprocess
 def test_mypy_is_clean():
     pytest.importorskip("mypy")
     done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,

@@ -28,6 +28,9 @@ from daskdag.running.workers import decide
 from .support.clusters import local_client
 from .support.numbers import assert_tree_close
 
+# Workers started as a user's are: their environment read, and JAX not imported, at their start.
+pytestmark = pytest.mark.spawn
+
 X = jnp.linspace(0.1, 1.0, 4)
 
 
@@ -78,6 +81,7 @@ def user_initializer():  # (a module's function: the child process imports it)
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.subprocess
 def test_processes_scheduler_children_run_jax_on_their_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # (the children's environment is this one's)
     markers = tmp_path / "markers"

@@ -1,11 +1,12 @@
 """Accelerator check: daskdag on one host with an accelerator (a TPU chip or a GPU), in one
 process, each figure beside plain JAX in the same run.
 
-    python benchmarks/tools/accelerator_check.py [--quick] [--json OUT]
+    python benchmarks/tools/accelerator_check.py [--quick] [--kinds KIND ...] [--json OUT]
 
 Needs ``pytest`` importable (it reuses the every-kind matrix's helpers, tests/test_every_kind.py),
 and runs from the repository's root. ``--quick``: small sizes, for a CPU (the test suite runs it
-so). It prints, and with ``--json`` writes:
+so); ``--kinds``: the matrix's cells of those kinds alone. It prints, and with ``--json``
+writes:
 
 1. ``compiles``: XLA compilations over three rounds of a hybrid DAG's calls (a jitted trunk, an
    eager gate with Python control flow, jitted heads), every kind: none after the first.
@@ -150,11 +151,12 @@ def close(got, want, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
         np.allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol) for g, w in zip(got, want))
 
 
-def matrix(work: Path) -> dict:
+def matrix(work: Path, kinds: list[str] | None = None) -> dict:
+    """The matrix's cells of ``kinds`` (None: every kind)."""
     from tests import test_every_kind as m
 
     cells: dict[str, bool] = {}
-    for kind in m.KINDS:
+    for kind in kinds or m.KINDS:
         for form in m.FORMS:
             count = work / f"runs-{kind}-{form}"
             try:
@@ -312,6 +314,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--only", nargs="*", default=["compiles", "matrix", "ratios"])
+    parser.add_argument("--kinds", nargs="*", help="the matrix's kinds (default: every kind)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # (tests/, for the matrix's helpers)
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -325,7 +328,7 @@ def main() -> int:
             out["compiles"] = check_compiles(args.quick)
             print("compiles", json.dumps(out["compiles"]), flush=True)
         if "matrix" in args.only:
-            out["matrix"] = matrix(work)
+            out["matrix"] = matrix(work, args.kinds)
             bad = [c for c, ok in out["matrix"]["cells"].items() if not ok]
             print(f"matrix: {out['matrix']['count']} cells, failed: {bad}", flush=True)
         if "ratios" in args.only:

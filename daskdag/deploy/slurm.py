@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dask_jobqueue import SLURMCluster
-from distributed import Client, Security
+from distributed import Client, Security, Status
 from distributed.deploy.adaptive import Adaptive
 
 import daskdag
@@ -122,7 +122,11 @@ class CPUGPUCluster:
         self._set(cpu_jobs, gpu_jobs, self.ended())
 
     def _set(self, cpu_jobs: int, gpu_jobs: int, ended: Iterable[str] = ()) -> None:
-        """Forget the jobs ``ended``, then submit or cancel jobs to run that many."""
+        """Forget the jobs ``ended``, then submit or cancel jobs to run that many; nothing once
+        the cluster closes (a look of :meth:`adapt` or :meth:`keep` still under way then would
+        submit jobs that its close has already passed)."""
+        if self.slurm.status in (Status.closing, Status.closed):
+            return
         spec = self.slurm.worker_spec
         for name in ended:
             spec.pop(name, None)
