@@ -59,7 +59,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) *.egg-info site
+	rm -rf $(VENV) *.egg-info site .jax-cache
 
 # TLS certificates for the cluster recipes in deploy/ (docs/guides/deployment.md).
 certs: $(STAMP)

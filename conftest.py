@@ -2,7 +2,8 @@
 CPU devices; a fence that needs a program this machine lacks is skipped, saying which, as the
 tests that need it are; the markers and xdist groups of ``tests/support/selection.py``, and a
 test that starts a process unmarked fails; distributed's profiler and event-loop watch slowed
-in every process the tests start (:data:`QUIET`)."""
+in every process the tests start (:data:`QUIET`), and one JAX compilation cache shared by them
+(:data:`COMPILATION_CACHE`)."""
 
 import os
 import shutil
@@ -28,6 +29,19 @@ if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
 QUIET = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
          "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s"}
 for _name, _value in QUIET.items():
+    os.environ.setdefault(_name, _value)
+
+# One JAX persistent compilation cache for the test run, in .jax-cache/ (what ``make clean``
+# removes), every program in it however quick its compilation: each process the tests start
+# (xdist workers, cluster workers, fresh interpreters) loads what another one compiled, and a
+# later run what this one did. A program is found by its HLO, options and JAX version, so a
+# change of code compiles anew. Set for this process and, through the environment, every process
+# the tests start (before JAX reads it).
+COMPILATION_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(Path(__file__).resolve().parent / ".jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+for _name, _value in COMPILATION_CACHE.items():
     os.environ.setdefault(_name, _value)
 
 # program -> what a fence that needs it calls

@@ -170,6 +170,7 @@ def test_every_kind_the_same_on_every_scheduler(scheduler, form, x64, request):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.subprocess
 def test_prepared_and_lazy_calls_take_the_settings_of_the_calling_thread(scheduler, request):
     """A prepared function computes under the settings of the thread that calls it, each call
     (a change prepares it anew); a lazy call under those of the thread that made it, computed
