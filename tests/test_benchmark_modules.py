@@ -41,7 +41,7 @@ def test_runner_help():
 def test_accelerator_check_runs_on_a_cpu(tmp_path):
     """``benchmarks/tools/accelerator_check.py --quick``, as it runs on an accelerator host but
     at small sizes: no compilation after the first round, the matrix's cells right, the ratios
-    measured (the figures themselves are for an accelerator: not checked here). The matrix of
+    and the multi_head scenario measured (the figures themselves are for an accelerator: not checked here). The matrix of
     one kind, its 12 cells (3 forms x plain, reused, swept, stored): on a CPU the other kinds'
     cells are the same calls as tests/test_every_kind.py's threads cells."""
     out = tmp_path / "check.json"
@@ -54,3 +54,5 @@ def test_accelerator_check_runs_on_a_cpu(tmp_path):
     assert got["matrix"]["count"] == 12 and all(got["matrix"]["cells"].values())
     assert got["hybrid"]["right"] and got["sweep"]["right"]
     assert {p["n"] for p in got["prepared"]} == {64, 256}
+    # (each method checked against jax.jit before it is timed: a wrong one raises)
+    assert [c["case"] for c in got["multi_head"]["cases"]] == ["gradients", "training step"]

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
-             "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat", "durable_sweeps",
-             "repeat_calls", "shared_work", "durable_calls", "import_time"}
+SCENARIOS = {"k_heads", "multi_head", "overhead", "sweeps", "large_sweep", "portable",
+             "jacobians", "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat",
+             "durable_sweeps", "repeat_calls", "shared_work", "durable_calls", "implicit",
+             "import_time"}
 
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(1800),  # the first test runs the runner
               pytest.mark.skipif(not os.environ.get("DASKDAG_BENCH"),

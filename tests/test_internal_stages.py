@@ -244,3 +244,34 @@ def test_a_closed_fused_stage_runs_forward_and_backward_as_one_program(close, mo
         with pytest.raises(ValueError, match="output 'C' is not a real scalar"):
             daskdag.compute_grads(dag, x, ["E", "C"])
     assert ran == (["A+3more+E"] * 3 if close else [])
+
+
+def test_jittable_siblings_after_an_eager_node_run_as_one_program():
+    """K jitted heads that read one eager gate (and inputs of their own) are one fused stage: one
+    forward task and program for all of them; a jitted node that also reads another stage, or
+    an eager sibling, stays apart."""
+    def gate(t):  # eager: Python control flow on a value
+        return t * (0.5 if jnp.mean(jnp.abs(t)) > 1.0 else 1.0)
+
+    dag = {"t": Node(lambda x, w: jnp.tanh(x @ w), ["x", "w"], jit=True), "g": (gate, ["t"]),
+           "u": (jnp.cos, ["t"])}
+    dag.update({f"L{k}": Node(lambda g, v, k=k: jnp.sum((g @ v - k) ** 2), ["g", f"v{k}"],
+                              jit=True) for k in range(3)})
+    dag["M"] = Node(lambda g, u: jnp.sum(g * u), ["g", "u"], jit=True)  # reads u's stage too
+    dag["E"] = (lambda g: jnp.sum(g ** 3), ["g"])  # an eager sibling
+    outputs = ["L0", "L1", "L2", "M", "E"]
+    values = {"x": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "w": jnp.eye(3) * 2.0,
+              **{f"v{k}": jnp.full((3, 2), 0.1 * (k + 1)) for k in range(3)}}
+    assert _fwd_stages(_keys(dag, values, outputs)) == ["E", "L0+L1+L2", "M", "g", "t", "u"]
+    res = daskdag.compute_grads(dag, values, outputs)
+
+    def composed(values):
+        t = jnp.tanh(values["x"] @ values["w"])
+        g, u = gate(t), jnp.cos(t)
+        return {**{f"L{k}": jnp.sum((g @ values[f"v{k}"] - k) ** 2) for k in range(3)},
+                "M": jnp.sum(g * u), "E": jnp.sum(g ** 3)}
+
+    for o in outputs:
+        value, grad = jax.value_and_grad(lambda v: composed(v)[o])(values)
+        assert_tree_close(res[o].value, value)
+        assert_tree_close(res[o].grad, grad)

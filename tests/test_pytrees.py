@@ -1,7 +1,8 @@
 """Leaf-level differentiation of any pytree input (equinox's filter_vjp rule): floating-point
 array leaves are differentiated, every other leaf is held constant and gets ``None``; real
 libraries' pytrees (equinox modules, flax variable dicts, optax losses), on threads and on a
-cluster, with pullbacks moved between workers."""
+cluster, with pullbacks moved between workers; and every call's results as JAX pytrees
+(``jax.block_until_ready``, ``jax.tree.map``, ``jax.device_get`` reach their arrays)."""
 
 import equinox as eqx
 import flax.linen as nn
@@ -110,3 +111,38 @@ def test_sweep_with_shared_equinox_model_differentiated_per_item():
     assert res.grad["model"].activation is None
     assert_tree_close(jax.tree.leaves(res.grad["model"]), jax.tree.leaves(ref), rtol=1e-4)
     assert np.shape(res.grad["model"].layers[0].weight) == (6, 8, 3)
+
+
+# -- results as pytrees (issue 68) ----------------------------------------------------------------
+
+SEED = {"A": (jnp.sin, ["x"]), "B": (lambda a: jnp.sum(a ** 2), ["A"]),
+        "C": (lambda a: a * 3.0, ["A"])}
+
+
+def test_a_result_is_a_pytree_of_its_arrays_with_the_call_info_kept():
+    x = jnp.arange(3.0)
+    res = daskdag.compute_grads(SEED, x, ["B", "C"], cotangents={"C": jnp.ones(3)})
+    assert jax.block_until_ready(res) is res  # (every leaf waited for, the tree returned)
+    leaves = jax.tree.leaves(res)
+    assert len(leaves) == 4 and all(isinstance(a, jax.Array) for a in leaves)
+    doubled = jax.tree.map(lambda a: 2 * a, res["B"])
+    assert isinstance(doubled, daskdag.Result) and doubled.info == res["B"].info
+    assert_tree_close(doubled.grad, 2 * res["B"].grad)
+    on_host = jax.device_get(res["B"])
+    assert isinstance(on_host.value, np.ndarray) and isinstance(on_host.grad, np.ndarray)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(res["B"])[0]]
+    assert paths == [".value", ".grad"]
+
+
+def test_jvp_hvp_and_sweep_results_are_pytrees_too():
+    x, v = jnp.arange(3.0), jnp.ones(3)
+    jvp = daskdag.compute_jvps(SEED, x, v, "B")
+    hvp = daskdag.compute_hvps(SEED, x, v, "B")
+    swept = daskdag.sweep_grads(SEED, jnp.stack([x, x + 1]), "B", progress=False)
+    assert len(jax.tree.leaves(jvp)) == 2 and len(jax.tree.leaves(hvp)) == 4
+    assert jax.tree.structure(jax.tree.map(jnp.negative, hvp)) == jax.tree.structure(hvp)
+    assert_tree_close(jax.tree.map(jnp.negative, jvp).tangent, -jvp.tangent)
+    assert jax.tree.leaves(jax.block_until_ready(swept))[0].shape == (2,)
+    failed = daskdag.Result(1.0, 2.0, {0: ValueError("x")})  # (a dict among its call's data)
+    assert jax.tree.map(lambda a: a, failed).failed == failed.failed
+    hash(jax.tree.structure(failed))

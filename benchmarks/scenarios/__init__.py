@@ -28,7 +28,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-NAMES = ("k_heads", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
+NAMES = ("k_heads", "multi_head", "overhead", "sweeps", "large_sweep", "portable", "jacobians",
          "sparse_jacobians", "custom_nodes", "tiny_nodes", "scale_out", "remat",
          "repeat_calls", "durable_sweeps", "shared_work", "durable_calls", "implicit",
          "import_time")

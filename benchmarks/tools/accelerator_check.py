@@ -25,6 +25,9 @@ writes:
      input) in a loop against ``jax.jit`` of the composed function's, at n=64 and n=2048;
    - ``sweep``: ``sweep_grads`` of ``vmap=True`` nodes over 16,384 items of 256 floats against
      ``jax.jit(jax.vmap(jax.value_and_grad(f)))``.
+4. ``multi_head``: the benchmark scenario ``multi_head`` (K=8 jitted heads on a 4-layer jitted
+   trunk behind one eager gate; ``benchmarks/scenarios/multi_head.py``) at its ``DEVICE`` sizes
+   (2048 wide, batch 1024; ``--quick``: its ``QUICK`` ones), its cases and targets.
 
 Only one process at a time can hold a TPU chip: the child it starts runs with
 ``JAX_PLATFORMS=cpu``.
@@ -313,7 +316,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU)")
     parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--only", nargs="*", default=["compiles", "matrix", "ratios"])
+    parser.add_argument("--only", nargs="*",
+                        default=["compiles", "matrix", "ratios", "multi_head"])
     parser.add_argument("--kinds", nargs="*", help="the matrix's kinds (default: every kind)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # (tests/, for the matrix's helpers)
@@ -341,6 +345,12 @@ def main() -> int:
             print("prepared", json.dumps(out["prepared"]), flush=True)
             out["sweep"] = ratio_sweep(args.quick)
             print("sweep", json.dumps(out["sweep"]), flush=True)
+        if "multi_head" in args.only:
+            from benchmarks.scenarios import multi_head
+            out["multi_head"] = multi_head.run(
+                args.quick, {}, multi_head.QUICK if args.quick else multi_head.DEVICE)
+            print("multi_head", json.dumps({c["case"]: c["ratios"]
+                                            for c in out["multi_head"]["cases"]}), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

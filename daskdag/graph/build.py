@@ -6,7 +6,6 @@ E), and ``grad:D[x]-<token>``, x's gradient for D. Outputs share forward keys: n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
 
 from dask.delayed import Delayed
 from dask.task_spec import Task, TaskRef
@@ -30,7 +29,11 @@ class GradientSeeding:
 
     cotangents: dict = field(default_factory=dict)
     items: PerItem | None = None
-    pull: ClassVar[Any] = tasks.PER_OUTPUT
+
+    @property
+    def pull(self) -> tasks.PerOutput:
+        """(``daskdag.batch-cotangents`` as the call is built)"""
+        return tasks.PerOutput(config.get("batch-cotangents"))
 
     def seed(self, output: str) -> tasks.Seed | Task:
         ct = self.cotangents.get(output)

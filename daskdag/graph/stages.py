@@ -1,7 +1,8 @@
 """Stages: a plan's needed nodes grouped into units of one forward and one backward task. A
 stage is a **chain** of eager nodes, each but the last feeding only the next and no output
 (fan-out ends a chain, fan-in starts one, so both keep their parallelism), or a **fused** group
-of connected jittable nodes, one XLA program. A stage's nodes share resources and device; a
+of jittable nodes, one XLA program: connected ones, and siblings that take values from the same
+other stages alone (the heads that read one eager node, ready together). A stage's nodes share resources and device; a
 ``remat`` node is a stage of its own, and so is every node without ``daskdag.fuse-chains``.
 """
 
@@ -109,6 +110,8 @@ class _Grouping:
         joined = None
         if self.fuse and not node.remat:
             joined = self._fused(n, deps) if kind else self._chain(n, deps)
+            if joined is None and kind:
+                joined = self._sibling(n, deps)
         if joined is None:
             joined = len(self.groups)
             self.groups.append([])
@@ -137,6 +140,18 @@ class _Grouping:
                 if not self.fan_in:
                     break
         return self._merge(members) if members else None
+
+    def _sibling(self, n: str, deps: list[str]) -> int | None:
+        """The jittable group that takes values from the same groups as jittable ``n``, and from
+        no other (siblings, ready together after the same eager nodes: one program)."""
+        taken = {self.group_of[d] for d in deps}
+        if not taken:
+            return None
+        for g in range(len(self.groups) - 1, -1, -1):
+            if (self.groups[g] and self.jittable[g] and self.takes[g] == taken
+                    and self._fusable(g, n, deps)):
+                return g
+        return None
 
     def _chain(self, n: str, deps: list[str]) -> int | None:
         """The chain eager node ``n`` follows: its dep's, ending with it, no output and only

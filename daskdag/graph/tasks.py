@@ -1,5 +1,5 @@
 """The functions Dask runs: per stage a forward and a backward task, and one gradient task per
-(output, input). How cotangents are pulled back is a task's ``pull``: :data:`PER_OUTPUT` for
+(output, input). How cotangents are pulled back is a task's ``pull``: a :class:`PerOutput` for
 gradients, or a Jacobian's :class:`Rows`, each cotangent a stack of rows.
 
 A stage runs in its forward task by :func:`linearize`: a fused stage as one compiled function, a
@@ -144,26 +144,62 @@ class Shares:
 
 @dataclass(frozen=True)
 class PerOutput:
-    """One cotangent per output, pulled back together under ``jax.vmap`` where that pays."""
+    """One cotangent per output, pulled back together under ``jax.vmap`` where that pays
+    (``batch``: the setting ``daskdag.batch-cotangents``, ``"auto"``, ``"always"`` or
+    ``"never"``), in calls of as many outputs as :func:`rows_per_call` allows."""
 
+    batch: str = "auto"
     stacked: ClassVar[bool] = False
 
     def pull(self, pullback, cts: list, values, deps, dropped) -> list:
         """Per output, its cotangents (``cts[k]``, per exposed node) pulled back to the deps."""
-        if pullback.batching is not None and pullback.batching.worth(cts):
+        batching = pullback.batching
+        if self.batch != "never" and batching is not None and len(cts) > 1 and batching.worth(
+                cts, any_size=self.batch == "always" or _on_accelerator(cts)):
             return _batched(pullback, cts, values, deps, dropped)
         return [pullback(c, deps, dropped) for c in cts]
 
 
-PER_OUTPUT = PerOutput()
+
+def _leaves(cts: list):
+    return (leaf for per_output in cts for c in per_output if c is not None for leaf in c)
+
+
+def _on_accelerator(cts: list) -> bool:
+    """Some cotangent is a JAX array on a device other than a CPU."""
+    leaf = next((leaf for leaf in _leaves(cts) if isinstance(leaf, jax.Array)), None)
+    return leaf is not None and any(d.platform != "cpu" for d in leaf.devices())
+
+
+#: The share of a device's free memory that one batched call's stacked cotangents may take: the
+#: pullback's intermediates are each as large again, several alive at once.
+BATCH_MEMORY = 1 / 16
+
+
+def rows_per_call(cts: list) -> int | None:
+    """How many outputs' cotangents one batched pullback call takes: as many as fit in
+    :data:`BATCH_MEMORY` of the free memory of their device (JAX's ``memory_stats``, which an
+    accelerator reports); None, all of them (a device that reports none: the host's CPU)."""
+    leaf = next((leaf for leaf in _leaves(cts) if isinstance(leaf, jax.Array)), None)
+    if leaf is None:
+        return None
+    stats = next(iter(leaf.devices())).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    row = max(sum(a.nbytes for c in per_output if c is not None for a in c)
+              for per_output in cts)
+    return max(1, int(free * BATCH_MEMORY) // max(row, 1))
 
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
-    """``[pullback(c, deps) for c in cts]`` as one call under ``jax.vmap``."""
+    """``[pullback(c, deps) for c in cts]`` as calls under ``jax.vmap``, of as many outputs as
+    :func:`rows_per_call` allows."""
     rows = [tuple(None if c is None else tuple(leaf[None] for leaf in c) for c in per_output)
             for per_output in cts]
     return [tuple(None if d is None else tuple(leaf[0] for leaf in d) for d in out)
-            for out in _pull_rows(pullback, rows, values, deps, dropped)]
+            for out in _pull_rows(pullback, rows, values, deps, dropped, rows_per_call(cts),
+                                  least=2)]
 
 
 @dataclass(frozen=True)
@@ -183,9 +219,11 @@ class Rows:
         return _pull_rows(pullback, cts, values, deps, dropped, self.chunk)
 
 
-def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
+def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None,
+               least: int | None = None) -> list:
     """Per output, ``pullback`` of each row of its stacked cotangents: all outputs' rows in one
-    stack, ``chunk`` at a time under ``jax.vmap``, or row by row where that fails."""
+    stack, ``chunk`` at a time under ``jax.vmap`` (from ``least`` rows in all, default its
+    batching's), or row by row where that fails."""
     counts = [next((len(leaf) for c in per_output if c is not None for leaf in c[:1]), 0)
               for per_output in cts]
     stacked: list = []
@@ -205,8 +243,9 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     step = chunk or total_rows
     # (User code on NumPy values cannot be vmapped; and below its `least`, vmap of a pullback
     # costs more than a loop: an eager pullback's is traced anew on every call.)
-    traceable = pullback.traceable and (pullback.batching is None
-                                        or total_rows >= pullback.batching.least)
+    if least is None:
+        least = 0 if pullback.batching is None else pullback.batching.least
+    traceable = pullback.traceable and total_rows >= least
     pieces = []
     for start in range(0, total_rows, step):
         part = tuple(stacked) if step >= total_rows else jax.tree.map(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdag.errors import NodeError
-from daskdag.model.leaves import PyTree
+from daskdag.model.leaves import PyTree, result_pytree
 from daskdag.model.plan import make_plan
 from daskdag.model.request import alone, cotangents_for, with_rules, wrt_names
 from daskdag.running.jobs import CallInfo
@@ -15,6 +15,7 @@ from daskdag.running.passes import Derivative, Lowered
 from daskdag.transport.protocol import travels, tree_size
 
 
+@result_pytree("value", "grad")
 @travels(lambda r: tree_size((r.value, r.grad)))
 @dataclass(frozen=True, repr=False)
 class Result:

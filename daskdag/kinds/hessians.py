@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.leaves import on_differentiable
+from daskdag.model.leaves import on_differentiable, result_pytree
 from daskdag.model.plan import make_plan
 from daskdag.model.request import alone, cotangents_for
 from daskdag.rules.lifted import Lift, OnTangent
@@ -22,6 +22,7 @@ from daskdag.kinds.tangents import lifted, paired, unpaired
 from daskdag.transport.protocol import travels, tree_size
 
 
+@result_pytree("value", "grad", "hvp", "tangent")
 @travels(lambda r: tree_size((r.value, r.grad, r.hvp)))
 @dataclass(frozen=True)
 class HVPResult:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from daskdag.errors import DAGError, NodeError
-from daskdag.model.leaves import on_differentiable, zeros
+from daskdag.model.leaves import on_differentiable, result_pytree, zeros
 from daskdag.model.plan import make_plan
 from daskdag.model.request import input_tangents, with_rules, wrt_names
 from daskdag.model.spec import Spec
@@ -22,6 +22,7 @@ from daskdag.kinds.gradients import per_output
 from daskdag.transport.protocol import travels, tree_size
 
 
+@result_pytree("value", "tangent")
 @travels(lambda r: tree_size((r.value, r.tangent)))
 @dataclass(frozen=True)
 class JVPResult:

@@ -7,6 +7,7 @@ value's cotangent (or tangent) is a flat tuple, one array per differentiable lea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -183,3 +184,43 @@ def _leaf_signature(leaf) -> tuple:
     except TypeError:
         return kind, id(leaf)
     return kind, leaf
+
+
+def result_pytree(*children: str) -> Callable[[type], type]:
+    """A class decorator: its instances (frozen dataclasses) are JAX pytrees whose children are
+    the fields ``children`` (the arrays: ``jax.block_until_ready``, ``jax.tree.map`` and
+    ``jax.device_get`` reach them) and whose auxiliary data is every other field (how the call
+    was computed), kept as it is and compared by value."""
+
+    def register(cls: type) -> type:
+        rest = tuple(f.name for f in dataclasses.fields(cls) if f.name not in children)
+        keys = tuple(jax.tree_util.GetAttrKey(name) for name in children)
+
+        def flatten_with_keys(obj):
+            return ([(key, getattr(obj, name)) for key, name in zip(keys, children)],
+                    _Aux(tuple(getattr(obj, name) for name in rest)))
+
+        def unflatten(aux, values):
+            return cls(**dict(zip(children, values)), **dict(zip(rest, aux.values)))
+
+        jax.tree_util.register_pytree_with_keys(
+            cls, flatten_with_keys, unflatten,
+            lambda obj: ([getattr(obj, name) for name in children],
+                         _Aux(tuple(getattr(obj, name) for name in rest))))
+        return cls
+
+    return register
+
+
+@dataclass(frozen=True, eq=False)
+class _Aux:
+    """A result's fields that are not arrays, as a pytree's auxiliary data: equal when they are
+    equal, hashed by what can be hashed (a dict of failed items cannot)."""
+
+    values: tuple
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Aux) and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash(tuple(v for v in self.values if getattr(v, "__hash__", None) is not None))

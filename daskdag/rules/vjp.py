@@ -33,14 +33,19 @@ from daskdag.transport.protocol import travels
 
 @dataclass(frozen=True)
 class Batching:
-    """When pulling several cotangents back at once under ``jax.vmap`` pays: from ``least``
-    cotangents, each of at most ``most_elements`` elements."""
+    """When pulling several cotangents back at once under ``jax.vmap`` pays, where dispatching
+    each op costs more than its arithmetic (small cotangents, on the CPU): from ``least``
+    cotangents, each of at most ``most_elements`` elements. On an accelerator, and with
+    ``daskdag.batch-cotangents: always``, from two cotangents of any size."""
 
     least: int
     most_elements: int | None = None
 
-    def worth(self, cts: list) -> bool:
-        """``cts``: per output, a cotangent per exposed value (flat tuples, or None)."""
+    def worth(self, cts: list, any_size: bool = False) -> bool:
+        """``cts``: per output, a cotangent per exposed value (flat tuples, or None);
+        ``any_size``: from two cotangents, whatever their size."""
+        if any_size:
+            return len(cts) >= 2
         if len(cts) < self.least:
             return False
         return self.most_elements is None or max(
@@ -48,8 +53,10 @@ class Batching:
             for per_output in cts) <= self.most_elements
 
 
-# A compiled program's batched trace is cached; vmap of an eager pullback traces it anew.
-COMPILED = Batching(2)
+# A compiled program's batched trace is cached; vmap of an eager pullback traces it anew. On the
+# CPU a loop over large cotangents runs faster, without stacking them (XLA's CPU matmuls over a
+# batch axis take longer than the same matmuls one by one).
+COMPILED = Batching(2, 2 ** 15)
 EAGER = Batching(8, 2 ** 15)
 
 
