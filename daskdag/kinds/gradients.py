@@ -20,7 +20,9 @@ from daskdag.transport.protocol import travels, tree_size
 @dataclass(frozen=True, repr=False)
 class Result:
     """One output's ``value`` and ``grad``, from [`compute_grads`][daskdag.compute_grads],
-    [`jacobian`][daskdag.jacobian] or their sweeps.
+    [`jacobian`][daskdag.jacobian] or their sweeps. A JAX pytree of ``value`` and ``grad``
+    (``failed`` and ``info`` ride along as auxiliary data): ``jax.block_until_ready(results)``
+    waits for every array of a call's results, ``jax.device_get`` brings them to the host.
 
     Attributes:
         value: the output's value; from a sweep, stacked over the items.

@@ -39,7 +39,8 @@ class HVPResult:
         info: how the call was computed ([`CallInfo`][daskdag.CallInfo]).
         failed: as [`Result`][daskdag.Result]'s ``failed``.
 
-    From a sweep, each is stacked over the items.
+    From a sweep, each is stacked over the items. A JAX pytree of ``value``, ``grad``, ``hvp``
+    and ``tangent``, as [`Result`][daskdag.Result] is of its arrays.
     """
 
     value: Any

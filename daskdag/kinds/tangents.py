@@ -27,7 +27,8 @@ from daskdag.transport.protocol import travels, tree_size
 @dataclass(frozen=True)
 class JVPResult:
     """One output's ``value`` and ``tangent``, from [`compute_jvps`][daskdag.compute_jvps] or
-    [`sweep_jvps`][daskdag.sweep_jvps].
+    [`sweep_jvps`][daskdag.sweep_jvps]. A JAX pytree of ``value`` and ``tangent``, as
+    [`Result`][daskdag.Result] is of its arrays.
 
     Attributes:
         value: the output's value; from a sweep, stacked over the items.
