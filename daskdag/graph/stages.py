@@ -2,8 +2,9 @@
 stage is a **chain** of eager nodes, each but the last feeding only the next and no output
 (fan-out ends a chain, fan-in starts one, so both keep their parallelism), or a **fused** group
 of jittable nodes, one XLA program: connected ones, and siblings that take values from the same
-other stages alone (the heads that read one eager node, ready together). A stage's nodes share resources and device; a
-``remat`` node is a stage of its own, and so is every node without ``daskdag.fuse-chains``.
+other stages alone (the heads that read one eager node, ready together). A stage's nodes share
+resources and device; a ``remat`` node is a stage of its own, and so is every node without
+``daskdag.fuse-chains``.
 """
 
 from __future__ import annotations
@@ -145,11 +146,11 @@ class _Grouping:
         """The jittable group that takes values from the same groups as jittable ``n``, and from
         no other (siblings, ready together after the same eager nodes: one program)."""
         taken = {self.group_of[d] for d in deps}
-        if not taken:
-            return None
-        for g in range(len(self.groups) - 1, -1, -1):
-            if (self.groups[g] and self.jittable[g] and self.takes[g] == taken
-                    and self._fusable(g, n, deps)):
+        # (the groups that take from one of those: their nodes read one of the groups' nodes)
+        readers = {self.group_of[c] for t in taken for m in self.groups[t]
+                   for c, _ in self.spec.uses.get(m, ()) if c in self.group_of}
+        for g in sorted(readers, reverse=True):
+            if self.jittable[g] and self.takes[g] == taken and self._fusable(g, n, deps):
                 return g
         return None
 

@@ -160,15 +160,17 @@ class PerOutput:
         return [pullback(c, deps, dropped) for c in cts]
 
 
-
-def _leaves(cts: list):
-    return (leaf for per_output in cts for c in per_output if c is not None for leaf in c)
+def _device_of(cts: list) -> jax.Device | None:
+    """A device the cotangents are on: the first JAX array's; None where none is one."""
+    leaves = (leaf for per_output in cts for c in per_output if c is not None for leaf in c)
+    first = next((leaf for leaf in leaves if isinstance(leaf, jax.Array)), None)
+    return None if first is None else next(iter(first.devices()))
 
 
 def _on_accelerator(cts: list) -> bool:
-    """Some cotangent is a JAX array on a device other than a CPU."""
-    leaf = next((leaf for leaf in _leaves(cts) if isinstance(leaf, jax.Array)), None)
-    return leaf is not None and any(d.platform != "cpu" for d in leaf.devices())
+    """The cotangents are JAX arrays on a device other than a CPU."""
+    device = _device_of(cts)
+    return device is not None and device.platform != "cpu"
 
 
 #: The share of a device's free memory that one batched call's stacked cotangents may take: the
@@ -180,13 +182,10 @@ def rows_per_call(cts: list) -> int | None:
     """How many outputs' cotangents one batched pullback call takes: as many as fit in
     :data:`BATCH_MEMORY` of the free memory of their device (JAX's ``memory_stats``, which an
     accelerator reports); None, all of them (a device that reports none: the host's CPU)."""
-    leaf = next((leaf for leaf in _leaves(cts) if isinstance(leaf, jax.Array)), None)
-    if leaf is None:
+    device = _device_of(cts)
+    free = None if device is None else devices.free_memory(device)
+    if free is None:
         return None
-    stats = next(iter(leaf.devices())).memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     row = max(sum(a.nbytes for c in per_output if c is not None for a in c)
               for per_output in cts)
     return max(1, int(free * BATCH_MEMORY) // max(row, 1))

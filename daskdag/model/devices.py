@@ -131,3 +131,12 @@ def beside(x: Any, y: Any) -> Any:
             and x.committed and y.committed and x.sharding != y.sharding):
         return jax.device_put(y, x.sharding)
     return y
+
+
+def free_memory(device: jax.Device) -> int | None:
+    """``device``'s free memory as its ``memory_stats()`` says (an accelerator's); None where
+    it says none (the host's CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return max(0, stats["bytes_limit"] - stats.get("bytes_in_use", 0))

@@ -196,17 +196,18 @@ def result_pytree(*children: str) -> Callable[[type], type]:
         rest = tuple(f.name for f in dataclasses.fields(cls) if f.name not in children)
         keys = tuple(jax.tree_util.GetAttrKey(name) for name in children)
 
-        def flatten_with_keys(obj):
-            return ([(key, getattr(obj, name)) for key, name in zip(keys, children)],
+        def flatten(obj):
+            return ([getattr(obj, name) for name in children],
                     _Aux(tuple(getattr(obj, name) for name in rest)))
+
+        def flatten_with_keys(obj):
+            values, aux = flatten(obj)
+            return list(zip(keys, values)), aux
 
         def unflatten(aux, values):
             return cls(**dict(zip(children, values)), **dict(zip(rest, aux.values)))
 
-        jax.tree_util.register_pytree_with_keys(
-            cls, flatten_with_keys, unflatten,
-            lambda obj: ([getattr(obj, name) for name in children],
-                         _Aux(tuple(getattr(obj, name) for name in rest))))
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
         return cls
 
     return register

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import daskdag.config as config
 from daskdag.caches import ByObject
 from daskdag.errors import DAGError
+from daskdag.model.devices import free_memory
 from daskdag.model.leaves import UNKNOWN, is_array
 from daskdag.sweeps.engines import Done, Here, InProcess
 from daskdag.sweeps.planning import Sweep
@@ -138,9 +139,9 @@ _placement = functools.lru_cache(maxsize=8)(Placement)  # one mesh for the same 
 def free_bytes(on: Placement) -> int:
     """The devices' free memory, together, as ``Device.memory_stats()`` says; where it does
     not, on CPU the host's available memory, else :data:`FALLBACK_BYTES` a device."""
-    stats = [d.memory_stats() for d in on.devices]
-    if all(s and "bytes_limit" in s for s in stats):
-        return sum(max(0, s["bytes_limit"] - s.get("bytes_in_use", 0)) for s in stats)
+    free = [free_memory(d) for d in on.devices]
+    if all(f is not None for f in free):
+        return sum(free)
     if not on.accelerator:
         import psutil  # (distributed's requirement)
         return int(psutil.virtual_memory().available)
