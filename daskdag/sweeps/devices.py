@@ -139,8 +139,8 @@ _placement = functools.lru_cache(maxsize=8)(Placement)  # one mesh for the same 
 def free_bytes(on: Placement) -> int:
     """The devices' free memory, together, as ``Device.memory_stats()`` says; where it does
     not, on CPU the host's available memory, else :data:`FALLBACK_BYTES` a device."""
-    free = [free_memory(d) for d in on.devices]
-    if all(f is not None for f in free):
+    free = [f for f in map(free_memory, on.devices) if f is not None]
+    if len(free) == len(on.devices):
         return sum(free)
     if not on.accelerator:
         import psutil  # (distributed's requirement)
