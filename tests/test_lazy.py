@@ -84,6 +84,29 @@ def test_scheduler_names_a_local_scheduler_or_a_client():
                       jax.grad(lambda x: composed(x)["D"])(X), rtol=1e-5)
 
 
+SERIALIZERS_LATE = """
+import daskdag, jax.numpy as jnp, numpy as np
+dag = {"y": (lambda x: (x ** 2).sum(), ["x"])}
+call = daskdag.grads(dag, jnp.arange(3.0), "y")
+from distributed.protocol import deserialize, serialize  # a client made after daskdag's import
+call.__dask_graph__()  # what client.compute(call) asks of it, whichever client it is
+header, frames = serialize(daskdag.compute_grads(dag, jnp.arange(3.0), "y"))
+assert header["serializer"] == "dask", header
+np.testing.assert_array_equal(deserialize(header, frames).grad, [0.0, 2.0, 4.0])
+"""
+
+
+@pytest.mark.subprocess
+def test_a_client_made_after_daskdag_was_imported_reads_its_results(tmp_path):
+    # (distributed imported after daskdag, a client not the default: the results' classes
+    # must still be registered with distributed's serializers where they arrive)
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", SERIALIZERS_LATE], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def default_client(cluster):  # (cluster: conftest's, one for the module)
     with Client(cluster) as client:  # the default client

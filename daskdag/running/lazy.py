@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -55,9 +56,10 @@ class Call(DaskMethodsMixin):
     # -- the collection protocol -------------------------------------------------------------
 
     def __dask_graph__(self) -> HighLevelGraph:
+        if "distributed.protocol" in sys.modules:  # (any client may compute it, not only the
+            protocol.with_distributed()  # default: its results' classes are deserialized here)
         client = getattr(get_scheduler(), "__self__", None)  # (the client computing now would use)
         if is_client(client):  # (distributed calls no __dask_optimize__: this is the last place)
-            protocol.with_distributed()
             cluster.check(client, self._plan)
         if isinstance(self._dask, HighLevelGraph):
             return self._dask
