@@ -117,3 +117,26 @@ def test_a_change_of_the_setting_is_seen_by_a_prepared_call():
         with dask.config.set({"daskdag.batch-cotangents": setting}):
             f(values)
         assert BACKWARD == want, setting
+
+
+def test_gradients_of_outputs_that_do_not_read_an_input_are_made_by_one_program():
+    from dask.callbacks import Callback
+    k, values = 4, inputs(4, 3)
+    ran: list = []
+
+    class Recorded(Callback):
+        def _pretask(self, key, dsk, state):
+            ran.append(str(key))
+
+    with Recorded(), dask.config.set(scheduler="sync"):
+        res = daskdag.compute_grads(dag(k), values, [f"L{j}" for j in range(k)],
+                                    wrt=["w", *(f"v{j}" for j in range(k))])
+    assert len([key for key in ran if key.startswith("zeros:")]) == 1, ran
+    zero = [res[f"L{j}"].grad[f"v{i}"] for j in range(k) for i in range(k) if i != j]
+    for grad in zero:
+        assert isinstance(grad, jax.Array) and grad.dtype == jnp.float32 and grad.shape == (4, 2)
+        assert not np.asarray(grad).any()
+    # each its own buffer (a user may donate one to an update)
+    assert len({grad.unsafe_buffer_pointer() for grad in zero}) == len(zero) == k * (k - 1)
+    # every output's gradients in one order, zeros or not
+    assert len({tuple(res[f"L{j}"].grad) for j in range(k)}) == 1

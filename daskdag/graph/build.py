@@ -195,8 +195,9 @@ class _Wiring:
         return tasks.Shares(locations) if locations else None
 
     def gradients(self) -> dict:
-        """``{output: (value, {name: grad})}``, each grad a task summing its shares."""
-        results = {}
+        """``{output: (value, {name: grad})}``, each grad a task summing its shares; those of
+        outputs that do not depend on the name picked from one task making every such zero."""
+        results, zero = {}, []
         for o in self.plan.outputs:
             grads = {}
             output = self.val[o] if self.pull.stacked else None  # (a Jacobian's zeros need rows)
@@ -206,12 +207,24 @@ class _Wiring:
                 own = self.seeds[o] if i == o else None
                 k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources),
                                     locations, own, self.pull)
+                if not (locations or own or self.pull.stacked or self.items):
+                    zero.append((o, i, k))
+                    continue
                 basis = self.seeds[o] if self.pull.stacked else None
                 grads[i] = self.g.task(k, None, tasks.gradient,
                                        tuple((k, p) for _, k, p in locations), self.val[i], output,
                                        basis, own, self.items,
                                        *(self.sources[src] for src in sources))
             results[o] = (self.val[o], grads)
+        if zero:
+            label = abbreviate(list(dict.fromkeys(i for _, i, _ in zero)))
+            made = self.g.task(self.intake.key("zeros", label, [k for _, _, k in zero]), None,
+                               tasks.zero_gradients, *(self.val[i] for _, i, _ in zero))
+            for n, (o, i, k) in enumerate(zero):
+                results[o][1][i] = self.g.task(k, None, tasks.pick, made, False, n,
+                                               computes=False)
+            for o, (value, grads) in results.items():  # (in the order of wrt)
+                results[o] = (value, {i: grads[i] for i in self.plan.wrt})
         return results
 
     def _shares(self, name: str, output: str, sources: dict, within=None) -> tuple:

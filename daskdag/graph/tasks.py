@@ -27,7 +27,7 @@ from daskdag.graph import dense
 from daskdag.graph.compiled import Jitted
 from daskdag.graph.stages import Stage
 from daskdag.model import devices
-from daskdag.model.leaves import differentiable_leaves, is_differentiable
+from daskdag.model.leaves import differentiable_leaves, is_differentiable, many_zeros, zeros_of
 from daskdag.model.spec import Node
 from daskdag.rules.vjp import (PerItem, Pullback, add, basis, basis_rows, check_scalar, ct_avals,
                                element_of, forward_rule, has_rules, rules_of, seed, total)
@@ -193,12 +193,47 @@ def rows_per_call(cts: list) -> int | None:
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
     """``[pullback(c, deps) for c in cts]`` as calls under ``jax.vmap``, of as many outputs as
-    :func:`rows_per_call` allows."""
-    rows = [tuple(None if c is None else tuple(leaf[None] for leaf in c) for c in per_output)
-            for per_output in cts]
-    return [tuple(None if d is None else tuple(leaf[0] for leaf in d) for d in out)
-            for out in _pull_rows(pullback, rows, values, deps, dropped, rows_per_call(cts),
-                                  least=2)]
+    :func:`rows_per_call` allows: each call's cotangents stacked by one program, its results
+    split by one (not an op per output and leaf), a loop where the pullback cannot be vmapped."""
+    avals = tuple(tuple(leaves) for leaves in _avals(values))
+    if not pullback.traceable or not any(avals):
+        return [pullback(c, deps, dropped) for c in cts]
+    step = rows_per_call(cts) or len(cts)
+    out: list = []
+    for start in range(0, len(cts), step):
+        part = tuple(cts[start:start + step])
+        if len(part) > 1:
+            try:
+                out.extend(_split(pullback.rows(_stack(part, avals), deps, dropped), len(part)))
+                continue
+            except Cancelled:
+                raise
+            except Exception:  # not vmappable: one by one (a node's own error raises again)
+                pass
+        out.extend(pullback(c, deps, dropped) for c in part)
+    return out
+
+
+@partial(jax.jit, static_argnums=1)
+def _stack(cts: tuple, avals: tuple) -> tuple:
+    """Per exposed value, its cotangents over the outputs stacked leaf by leaf (zeros of
+    ``avals`` for an output where none flows; None where none flows for any)."""
+    stacked: list = []
+    for e, leaves in enumerate(avals):
+        column = [c[e] for c in cts]
+        if all(c is None for c in column):
+            stacked.append(None)
+            continue
+        stacked.append(tuple(
+            jnp.stack([jnp.zeros(shape, dtype) if c is None else c[i] for c in column])
+            for i, (shape, dtype) in enumerate(leaves)))
+    return tuple(stacked)
+
+
+@partial(jax.jit, static_argnums=1)
+def _split(stacked, count: int) -> list:
+    """A pytree of stacks over ``count`` outputs as ``count`` pytrees."""
+    return [jax.tree.map(lambda a: a[k], stacked) for k in range(count)]
 
 
 @dataclass(frozen=True)
@@ -291,11 +326,21 @@ def gradient(locations: tuple, x, output, basis, own, items, *sources):
     shares = [s[k][i] for s, (k, i) in zip(sources, locations)]
     shares += [own.cotangent(x, ())] if own else []
     flat = iter(total(shares) if shares else
-                [jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+                [zeros_of((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in leaves if is_differentiable(leaf)])
     grad = treedef.unflatten([_typed(next(flat), leaf, rows=output is not None)
                               if is_differentiable(leaf) else None for leaf in leaves])
     return grad if items is None else items.gradient(x, grad, rows=output is not None)
+
+
+def zero_gradients(*xs) -> tuple:
+    """Per value in ``xs``, the gradient of an output that does not depend on it: zeros shaped
+    like it (``None`` on leaves held constant), each its own buffer, made by one program."""
+    flat = [jax.tree.flatten(x) for x in xs]
+    made = iter(many_zeros([(jnp.shape(leaf), jnp.result_type(leaf))
+                            for leaves, _ in flat for leaf in leaves if is_differentiable(leaf)]))
+    return tuple(treedef.unflatten([next(made) if is_differentiable(leaf) else None
+                                    for leaf in leaves]) for leaves, treedef in flat)
 
 
 def _typed(grad, leaf, rows: bool = False):
@@ -479,7 +524,7 @@ class FusedPullback(Pullback):
         """``pull`` of the cotangents' leaves, flat, with zeros (``lead`` rows) where none."""
         with placed(self.stage, (cts, deps)) as (cts, deps):
             flat = [leaf for ct, avals in zip(cts, self.avals) for leaf in (
-                ct if ct is not None else [jnp.zeros((*lead, *shape), dtype)
+                ct if ct is not None else [zeros_of((*lead, *shape), dtype)
                                            for shape, dtype in avals])]
             with node_errors(self.stage.name, "backward"):
                 return pull(tuple(flat), deps)

@@ -132,8 +132,27 @@ def zeros(value, k: int | None = None) -> tuple:
     """A zero tangent of ``value``, flat over its differentiable leaves (with ``k`` directions:
     each leaf's leading axis)."""
     lead = () if k is None else (k,)
-    return tuple(jnp.zeros((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+    return tuple(zeros_of((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                  for leaf in differentiable_leaves(value))
+
+
+def zeros_of(shape: tuple, dtype) -> jax.Array:
+    """``jnp.zeros(shape, dtype)``, as :func:`many_zeros` makes it."""
+    return many_zeros([(shape, dtype)])[0]
+
+
+def many_zeros(avals) -> tuple:
+    """Zero arrays of these ``(shape, dtype)`` s, each its own buffer, on the default device, as
+    one compiled program per list of shapes: one dispatch, and no value sent from the host
+    (``jnp.zeros`` dispatches two ops and sends its fill value)."""
+    return _zeros(tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in avals))
+
+
+_zeros = jax.jit(lambda avals: tuple(jnp.zeros(s, d) for s, d in avals), static_argnums=0)
+#: ``jnp.ones_like`` and ``jnp.zeros_like`` as compiled programs: one dispatch, on the leaf's
+#: device, and no value sent from the host.
+ones_like = jax.jit(jnp.ones_like)
+zeros_like = jax.jit(jnp.zeros_like)
 
 
 def trace(fn, args, jaxpr: bool = False) -> tuple[Any, Traced | None]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from daskdag.caches import Cache
 from daskdag.errors import DAGError
-from daskdag.model.leaves import differentiable_leaves, zeros
+from daskdag.model.leaves import differentiable_leaves, zeros, zeros_like
 from daskdag.model.spec import Node, Spec
 from daskdag.rules.jvp import directions as in_directions
 from daskdag.rules.jvp import jvp_rule
@@ -46,7 +46,7 @@ class OnTangent:
 
 @seed.register
 def _(value: Pair, output: str, ct: OnTangent, batched: bool = False) -> tuple:
-    on_primal = tuple(jnp.zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
+    on_primal = tuple(zeros_like(leaf) for leaf in differentiable_leaves(value.primal))
     return on_primal + seed(value.primal, output, ct.ct, batched)
 
 

@@ -23,7 +23,7 @@ from jax.extend import core as jcore
 from daskdag.errors import DAGError
 from daskdag.model.colouring import check_rows, count
 from daskdag.model.devices import beside
-from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable,
+from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable, ones_like,
                                   is_numeric, partition)
 from daskdag.model.spec import Node
 from daskdag.transport import programs, weak
@@ -404,7 +404,7 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     leading item axis; ``ct`` is one item's, broadcast over the items."""
     if ct is None:
         check_scalar(primal, output, batched)
-        return (jnp.ones_like(jax.tree.leaves(primal)[0]),)
+        return (ones_like(jax.tree.leaves(primal)[0]),)
     leaves = jax.tree.leaves(primal)
     item = [aval(p, batched) if is_differentiable(p) else None for p in leaves]
     ct_leaves, ct_def = jax.tree.flatten(ct, is_leaf=lambda c: c is None)
