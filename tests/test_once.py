@@ -74,3 +74,24 @@ def test_chains_fuse_but_fan_out_keeps_its_tasks():
     f = lambda x: jnp.cos(jnp.sin(x))
     assert jnp.allclose(res["D"].grad, jax.grad(lambda x: jnp.sum(f(x)))(x))
     assert jnp.allclose(res["E"].grad, jax.grad(lambda x: jnp.sum(jnp.tanh(f(x))))(x))
+
+
+def test_a_callback_in_a_jitted_node_runs_once_a_call():
+    # (a jitted DAG runs as one program: its nodes traced for the output's vjp alone, not
+    # once more for the values; jax.debug.callback is a side effect XLA keeps per trace)
+    runs = []
+
+    def logged(x):
+        jax.debug.callback(lambda v: runs.append(1), x)
+        return jnp.sin(x)
+
+    x = jnp.arange(3.0)
+    for dag in ({"y": daskdag.Node(lambda x: jnp.sum(logged(x)), ["x"], jit=True)},
+                {"h": daskdag.Node(logged, ["x"], jit=True),
+                 "y": daskdag.Node(jnp.sum, ["h"], jit=True)}):
+        for _ in range(2):
+            runs.clear()
+            res = daskdag.compute_grads(dag, x, "y")
+            jax.effects_barrier()
+            assert len(runs) == 1, list(dag)
+            assert jnp.allclose(res.grad, jnp.cos(x))

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import daskdag.config as config
+from daskdag.model.implicit import Solve
 from daskdag.model.plan import Plan
 from daskdag.model.spec import Node, is_custom
-from daskdag.rules.vjp import element_of
+from daskdag.rules.vjp import element_of, has_rules
+from daskdag.transport.packing import unwrap
 from daskdag.transport.protocol import token_kept
 
 
@@ -123,10 +125,15 @@ class _Grouping:
         self.takes[joined] |= {self.group_of[e] for e in deps} - {joined}
 
     def ordered(self):
-        """``(nodes, fused)`` of each group, ordered by what they take from each other."""
+        """``(nodes, fused)`` of each group, ordered by what they take from each other: a
+        jittable group is one program, one jitted node too where its function is plain JAX
+        (compiled forward and backward programs, called without tracing; a node of a registered
+        kind keeps its rule, an implicit node its own compiled solve)."""
         for g in graphlib.TopologicalSorter(self.takes).static_order():
-            if self.groups[g]:
-                yield self.groups[g], self.jittable[g] and len(self.groups[g]) > 1
+            nodes = self.groups[g]
+            if nodes:
+                plain = len(nodes) > 1 or _plain(self.spec.nodes[nodes[0]])
+                yield nodes, self.jittable[g] and plain
 
     def _fused(self, n: str, deps: list[str]) -> int | None:
         """The jittable group ``n`` joins without a cycle (with ``fan_in``, all such merged)."""
@@ -217,6 +224,11 @@ class _Grouping:
 def one_stage(plan: Plan) -> Stage:
     """All of the plan's needed nodes as one stage, run node by node."""
     return _stage(plan, plan.needed, False, lambda d: ())
+
+
+def _plain(node: Node) -> bool:
+    """A node whose function is the user's JAX code: not of a registered kind, not a solve."""
+    return not has_rules(node) and not isinstance(unwrap(node.fn), Solve)
 
 
 def _jittable(node: Node) -> bool:

@@ -142,23 +142,24 @@ class WholeGradients:
         treedef, consts = static
         args = rebuild(treedef, consts, traced)
         fn = replay(self.fused, treedef, consts, traced)  # (the user's Python code runs once)
-        values = fn(*args)
+        # (an output reached is its vjp's primal: the nodes traced once per output, so that a
+        # callback in them runs once a call where one output is asked)
+        values = None if self.wrt and all(r for _, _, r in self.outputs) else fn(*args)
         out = []
         for (o, e, reached), ct in zip(self.outputs, cotangents):
             if not self.wrt:
                 out.append((values[e], ()))
                 continue
             colours = dict(self.colours).get(o)
-            lead = (basis_rows(values[e], colours),) if self.rows else ()
             if reached:
-                _, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
-                pulled = (jax.vmap(lambda c: vjp_fn(list(c)))(basis(o, values[e], colours))
-                          if self.rows else vjp_fn(list(seed(values[e], o, ct))))
+                value, _, vjp_fn = vjp_leaves(lambda *a, e=e: fn(*a)[e], args, self.active)
+                pulled = (jax.vmap(lambda c: vjp_fn(list(c)))(basis(o, value, colours))
+                          if self.rows else vjp_fn(list(seed(value, o, ct))))
                 shares = by_arg(pulled, self.active, diff_counts(args, self.active))
             else:  # (no differentiated input reaches it: zeros, as the graph's gradient tasks)
-                shares = (None,) * len(args)
-            out.append((values[e], tuple(_laid_out(args[d], shares[d], lead)
-                                         for _, d in self.wrt)))
+                value, shares = values[e], (None,) * len(args)
+            lead = (basis_rows(value, colours),) if self.rows else ()
+            out.append((value, tuple(_laid_out(args[d], shares[d], lead) for _, d in self.wrt)))
         return tuple(out)
 
 

@@ -23,8 +23,8 @@ from jax.extend import core as jcore
 from daskdag.errors import DAGError
 from daskdag.model.colouring import check_rows, count
 from daskdag.model.devices import beside
-from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable, ones_like,
-                                  is_numeric, partition)
+from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable,
+                                  is_numeric, ones_like, partition)
 from daskdag.model.spec import Node
 from daskdag.transport import programs, weak
 from daskdag.transport.packing import unwrap
