@@ -2,7 +2,8 @@
 stage is a **chain** of eager nodes, each but the last feeding only the next and no output
 (fan-out ends a chain, fan-in starts one, so both keep their parallelism), or a **fused** group
 of jittable nodes, one XLA program: connected ones, and siblings that take values from the same
-other stages alone (the heads that read one eager node, ready together). A stage's nodes share
+other stages alone (the heads that read one eager node, ready together); a lone jitted node of
+plain JAX code is one too. A stage's nodes share
 resources and device; a ``remat`` node is a stage of its own, and so is every node without
 ``daskdag.fuse-chains``.
 """

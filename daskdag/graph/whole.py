@@ -144,7 +144,7 @@ class WholeGradients:
         fn = replay(self.fused, treedef, consts, traced)  # (the user's Python code runs once)
         # (an output reached is its vjp's primal: the nodes traced once per output, so that a
         # callback in them runs once a call where one output is asked)
-        values = None if self.wrt and all(r for _, _, r in self.outputs) else fn(*args)
+        values = () if self.wrt and all(r for _, _, r in self.outputs) else fn(*args)
         out = []
         for (o, e, reached), ct in zip(self.outputs, cotangents):
             if not self.wrt:
