@@ -195,9 +195,11 @@ class _Wiring:
         return tasks.Shares(locations) if locations else None
 
     def gradients(self) -> dict:
-        """``{output: (value, {name: grad})}``, each grad a task summing its shares; those of
-        outputs that do not depend on the name picked from one task making every such zero."""
+        """``{output: (value, {name: grad})}``, each grad a task summing its shares; in this
+        process, those of outputs that do not depend on the name picked from one task making
+        every such zero (elsewhere each is its own, run where the name's value is)."""
         results, zero = {}, []
+        together = not self.intake.transport.packs
         for o in self.plan.outputs:
             grads = {}
             output = self.val[o] if self.pull.stacked else None  # (a Jacobian's zeros need rows)
@@ -207,7 +209,7 @@ class _Wiring:
                 own = self.seeds[o] if i == o else None
                 k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources),
                                     locations, own, self.pull)
-                if not (locations or own or self.pull.stacked or self.items):
+                if together and not (locations or own or self.pull.stacked or self.items):
                     zero.append((o, i, k))
                     continue
                 basis = self.seeds[o] if self.pull.stacked else None
