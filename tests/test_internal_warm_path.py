@@ -12,6 +12,7 @@ import sys
 import threading
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 import daskdag
@@ -104,23 +105,30 @@ def test_a_warm_prepared_call_runs_its_program_and_its_checks_alone():
         SCALE = 2.0
 
 
-def test_entries_of_two_signatures_alternate():
-    """The entry that ran last answers a call it takes at a glance; one of another signature is
-    looked up by its key; each gives JAX's values, and nothing compiles once both are warm."""
+@pytest.mark.parametrize("keyed", [False, True], ids=["array", "dict"])
+def test_entries_of_two_signatures_alternate(keyed):
+    """The entry that ran last answers a call it takes at a glance (an array, or a dict of
+    arrays by name); one of another signature (shape, dtype, weak type) is looked up by its
+    key; each gives JAX's values, and nothing compiles once all are warm."""
     f = daskdag.value_and_grad(DAG, ["D", "E"])
-    xs = [jnp.linspace(0.1, 1.0, 5), jnp.linspace(0.2, 0.9, 6), jnp.linspace(0.1, 1.0, 5) + 1]
+    x5 = jnp.linspace(0.1, 1.0, 5)
+    xs = [x5, jnp.linspace(0.2, 0.9, 6), x5 + 1, x5.astype(jnp.bfloat16),
+          jax.lax.convert_element_type(x5, jnp.float32)]  # (weakly typed as jnp.linspace is not)
     want = [[jax.value_and_grad(lambda x: composed(x)[k])(x) for k in range(2)] for x in xs]
-    for x in xs * 2:
+    given = [{"x": x} if keyed else x for x in xs]
+    for x in given * 2:
         f(x)
     compiled = len(COMPILED)
     got = []
-    for x in xs * 2:
+    for x in given * 2:
         got.append(f(x))
         assert f.info.prepared
     assert len(COMPILED) == compiled
-    for (values, grads), wanted in zip(got, want * 2):
+    for (values, grads), wanted, x in zip(got, want * 2, xs * 2):
         for (want_value, want_grad), o in zip(wanted, ("D", "E")):
-            assert_tree_close((values[o], grads[o]), (want_value, want_grad))
+            assert values[o].dtype == want_value.dtype and grads[o].dtype == x.dtype
+            rtol = 5e-2 if x.dtype == jnp.bfloat16 else 1e-5  # (bfloat16: rounded per node)
+            assert_tree_close((values[o], grads[o]), (want_value, want_grad), rtol=rtol)
 
 
 def test_a_warm_eager_call_runs_few_modules():
@@ -178,3 +186,24 @@ def test_the_one_compiled_check_sees_each_change():
     assert not f.info.prepared and "node 'E'" in f.info.why
     want_value, want_grad = jax.value_and_grad(lambda x: squares(x_to_A(x)))(x)
     assert_tree_close((values["E"], grads["E"]), (want_value, want_grad))
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["array", "dict"])
+def test_a_call_like_the_last_finds_its_entry_without_a_key(keyed, monkeypatch):
+    """A call whose input is, at a glance, the last call's signature (an array; a dict of
+    arrays by name) runs the last entry without computing a key; another is looked up."""
+    from daskdag.running import programs
+    f = daskdag.value_and_grad(DAG, ["D", "E"])
+    x = jnp.linspace(0.1, 1.0, 5)
+    wrap = (lambda v: {"x": v}) if keyed else (lambda v: v)
+    f(wrap(x))
+    f(wrap(x))
+    keyed_calls = []
+    held_key = programs.held_key
+    monkeypatch.setattr(programs, "held_key", lambda *a: keyed_calls.append(1) or held_key(*a))
+    values, grads = f(wrap(x + 1))
+    assert f.info.prepared and keyed_calls == []
+    want_value, want_grad = jax.value_and_grad(lambda x: composed(x)[0])(x + 1)
+    assert_tree_close((values["D"], grads["D"]), (want_value, want_grad))
+    f(wrap(jnp.linspace(0.1, 1.0, 6)))  # another shape: looked up by its key
+    assert keyed_calls

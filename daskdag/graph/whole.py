@@ -184,15 +184,20 @@ class Entry:
         self.keyed, self.cotangents, self.info = keyed, cotangents, info
         self._finish = finish
         self.finish = self._learn if rearranges else finish
-        self._like = (type(like), like.shape, like.dtype, like.weak_type) \
-            if self.single is not None and not keyed and isinstance(like, jax.Array) else None
+        self._like = _glance(like) if isinstance(like, dict) or (
+            self.single is not None and not keyed) else None
 
     def takes(self, x: Any) -> bool:
         """Whether ``x`` is, at a glance, an input of the signature this entry was made for (a
-        single array of the same type, shape, dtype and weak type); False: look it up."""
+        single array, or a dict of arrays by the same names, each of the same
+        type, shape, dtype and weak type); False: look it up."""
         like = self._like
-        return like is not None and type(x) is like[0] and x.shape == like[1] and \
-            x.dtype == like[2] and x.weak_type == like[3]
+        if like is None:
+            return False
+        if type(like) is dict:
+            return type(x) is dict and len(x) == len(like) and all(
+                _glance(x.get(name)) == one for name, one in like.items())
+        return _glance(x) == like if type(x) is like[0] else False
 
     def __call__(self, x: Any) -> Any:
         if self.single is None or self.keyed:
@@ -214,6 +219,16 @@ class _Mark:
 
     def __init__(self, at: str):
         self.at = at
+
+
+def _glance(x: Any) -> Any:
+    """What :meth:`Entry.takes` compares: a JAX array's type, shape, dtype and weak type; a
+    dict's, per name, where every value is a JAX array; else None."""
+    if isinstance(x, jax.Array):
+        return type(x), x.shape, x.dtype, x.weak_type
+    if type(x) is dict and x and all(isinstance(v, jax.Array) for v in x.values()):
+        return {name: _glance(v) for name, v in x.items()}
+    return None
 
 
 def rearranged(finish: Callable[[Any], Any], computed: Any) -> Callable[[Any], Any] | None:
