@@ -253,11 +253,10 @@ class Rows:
         return _pull_rows(pullback, cts, values, deps, dropped, self.chunk)
 
 
-def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None,
-               least: int | None = None) -> list:
+def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = None) -> list:
     """Per output, ``pullback`` of each row of its stacked cotangents: all outputs' rows in one
-    stack, ``chunk`` at a time under ``jax.vmap`` (from ``least`` rows in all, default its
-    batching's), or row by row where that fails."""
+    stack, ``chunk`` at a time under ``jax.vmap`` (from its batching's ``least`` rows in all),
+    or row by row where that fails."""
     counts = [next((len(leaf) for c in per_output if c is not None for leaf in c[:1]), 0)
               for per_output in cts]
     stacked: list = []
@@ -277,8 +276,7 @@ def _pull_rows(pullback, cts: list, values, deps, dropped, chunk: int | None = N
     step = chunk or total_rows
     # (User code on NumPy values cannot be vmapped; and below its `least`, vmap of a pullback
     # costs more than a loop: an eager pullback's is traced anew on every call.)
-    if least is None:
-        least = 0 if pullback.batching is None else pullback.batching.least
+    least = 0 if pullback.batching is None else pullback.batching.least
     traceable = pullback.traceable and total_rows >= least
     pieces = []
     for start in range(0, total_rows, step):
