@@ -201,7 +201,7 @@ class _Wiring:
         results, zero = {}, []
         together = not self.intake.transport.packs
         for o in self.plan.outputs:
-            grads = {}
+            grads: dict[str, TaskRef | None] = {}
             output = self.val[o] if self.pull.stacked else None  # (a Jacobian's zeros need rows)
             for i in self.plan.wrt:  # inputs, and nodes (the output itself starts from its seed)
                 sources: dict = {}
@@ -210,6 +210,7 @@ class _Wiring:
                 k = self.intake.key("grad", f"{o}[{i}]", ident(self.val[i]), list(sources),
                                     locations, own, self.pull)
                 if together and not (locations or own or self.pull.stacked or self.items):
+                    grads[i] = None  # (its place, in the order of wrt: filled below)
                     zero.append((o, i, k))
                     continue
                 basis = self.seeds[o] if self.pull.stacked else None
@@ -225,8 +226,6 @@ class _Wiring:
             for n, (o, i, k) in enumerate(zero):
                 results[o][1][i] = self.g.task(k, None, tasks.pick, made, False, n,
                                                computes=False)
-            for o, (value, grads) in results.items():  # (in the order of wrt)
-                results[o] = (value, {i: grads[i] for i in self.plan.wrt})
         return results
 
     def _shares(self, name: str, output: str, sources: dict, within=None) -> tuple:

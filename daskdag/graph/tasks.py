@@ -323,19 +323,21 @@ def gradient(locations: tuple, x, output, basis, own, items, *sources):
     lead = () if output is None else (basis.rows(output),)
     shares = [s[k][i] for s, (k, i) in zip(sources, locations)]
     shares += [own.cotangent(x, ())] if own else []
-    flat = iter(total(shares) if shares else
-                [zeros_of((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
-                 for leaf in leaves if is_differentiable(leaf)])
-    grad = treedef.unflatten([_typed(next(flat), leaf, rows=output is not None)
-                              if is_differentiable(leaf) else None for leaf in leaves])
+    if shares:
+        flat = iter(total(shares))
+        grad = treedef.unflatten([_typed(next(flat), leaf, rows=output is not None)
+                                  if is_differentiable(leaf) else None for leaf in leaves])
+    else:
+        (grad,) = zero_gradients(x, lead=lead)
     return grad if items is None else items.gradient(x, grad, rows=output is not None)
 
 
-def zero_gradients(*xs) -> tuple:
+def zero_gradients(*xs, lead: tuple = ()) -> tuple:
     """Per value in ``xs``, the gradient of an output that does not depend on it: zeros shaped
-    like it (``None`` on leaves held constant), each its own buffer, made by one program."""
+    like it (``lead`` axes first; ``None`` on leaves held constant), each its own buffer, made
+    by one program."""
     flat = [jax.tree.flatten(x) for x in xs]
-    made = iter(many_zeros([(jnp.shape(leaf), jnp.result_type(leaf))
+    made = iter(many_zeros([((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
                             for leaves, _ in flat for leaf in leaves if is_differentiable(leaf)]))
     return tuple(treedef.unflatten([next(made) if is_differentiable(leaf) else None
                                     for leaf in leaves]) for leaves, treedef in flat)
