@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 import multiprocessing
 import threading
 
@@ -159,19 +157,32 @@ class StoreError(RuntimeError):
     Nothing in it was changed."""
 
 
-@contextlib.contextmanager
-def node_errors(node: str, phase: str) -> Iterator[None]:
-    """Whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises becomes a
-    :class:`NodeError` naming it, KeyboardInterrupt and SystemExit too (but for Ctrl-C in the
-    user's own process)."""
-    try:
-        yield
-    except NodeError:  # already names its node (one of a fused stage's)
-        raise
-    except (Exception, KeyboardInterrupt, SystemExit) as e:
+def node_errors(node: str, phase: str) -> "_NodeErrors":
+    """A context manager: whatever the node's ``phase`` (``'forward'``, ``'backward'``) raises
+    in its block becomes a :class:`NodeError` naming it, KeyboardInterrupt and SystemExit too
+    (but for Ctrl-C in the user's own process)."""
+    return _NodeErrors(node, phase)
+
+
+class _NodeErrors:
+    """:func:`node_errors`' context manager (a class: it is entered for every node's work)."""
+
+    __slots__ = ("node", "phase")
+
+    def __init__(self, node: str, phase: str):
+        self.node, self.phase = node, phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, traceback) -> bool:
+        if e is None or isinstance(e, NodeError):  # (a NodeError names its node already)
+            return False
+        if not isinstance(e, (Exception, KeyboardInterrupt, SystemExit)):
+            return False
         if (isinstance(e, KeyboardInterrupt)  # in the user's own main thread: maybe Ctrl-C's
                 and threading.current_thread() is threading.main_thread()
                 and multiprocessing.parent_process() is None):
-            raise
+            return False
         original = _raised(e)
-        raise NodeError(node, phase, original) from original
+        raise NodeError(self.node, self.phase, original) from original

@@ -361,12 +361,16 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
         return _linearize(stage, nodes, deps, dropped)
 
 
-@contextlib.contextmanager
 def placed(stage: Stage, values):
-    """``values`` put on the stage's device, where eager ops in this context run (if any)."""
+    """A context manager: ``values`` put on the stage's device, where eager ops in its block
+    run (if it has one)."""
     if stage.device is None:
-        yield values
-        return
+        return contextlib.nullcontext(values)
+    return _on_device(stage, values)
+
+
+@contextlib.contextmanager
+def _on_device(stage: Stage, values):
     with devices.on(stage.device, stage.name):
         yield devices.put(values, stage.device, stage.name)
 

@@ -8,6 +8,7 @@ value's cotangent (or tangent) is a flat tuple, one array per differentiable lea
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -25,8 +26,13 @@ PyTree: TypeAlias = Any  # (the public API's annotations name pytrees so)
 def is_differentiable(leaf) -> bool:
     """A floating-point or complex array (NumPy, JAX or dask) or scalar: differentiated."""
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "chunks"):
-        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+        return _inexact(leaf.dtype)
     return isinstance(leaf, (float, complex))
+
+
+@functools.lru_cache(maxsize=None)
+def _inexact(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def is_array(leaf) -> bool:
@@ -124,8 +130,11 @@ def abstract(value, batched: bool = False):
 
 def aval(leaf, batched: bool = False) -> jax.ShapeDtypeStruct:
     """A numeric leaf's shape and JAX dtype (``batched``: less its leading item axis)."""
-    shape = np.shape(leaf)
-    return jax.ShapeDtypeStruct(shape[1:] if batched else shape, jnp.result_type(leaf))
+    if isinstance(leaf, jax.Array):  # (its dtype is JAX's already)
+        shape, dtype = leaf.shape, leaf.dtype
+    else:
+        shape, dtype = np.shape(leaf), jnp.result_type(leaf)
+    return jax.ShapeDtypeStruct(shape[1:] if batched else shape, dtype)
 
 
 def zeros(value, k: int | None = None) -> tuple:

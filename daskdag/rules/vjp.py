@@ -12,7 +12,7 @@ import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial, reduce, singledispatch
+from functools import lru_cache, partial, reduce, singledispatch
 from typing import Any
 
 import jax
@@ -425,6 +425,11 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     return tuple(seeds)
 
 
+@lru_cache(maxsize=None)
+def _floating(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def check_scalar(primal, output: str, batched: bool = False) -> None:
     """Refuse an ``output`` without a cotangent unless it is a real scalar (per item,
     ``batched``), which starts from 1."""
@@ -432,7 +437,7 @@ def check_scalar(primal, output: str, batched: bool = False) -> None:
     leaf = leaves[0] if len(leaves) == 1 else None
     shape = () if leaf is None else tuple(np.shape(leaf))
     if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
-            and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
+            and _floating(leaf.dtype if isinstance(leaf, jax.Array) else jnp.result_type(leaf))):
         raise DAGError(f"output {output!r} is not a real scalar: it is "
                        f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
                        f"with ct shaped like it", argument="cotangents")

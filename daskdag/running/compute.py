@@ -30,7 +30,7 @@ from daskdag.graph.assembly import kind_of, runs
 from daskdag.graph.whole import OneTask
 from daskdag.model import implicit
 from daskdag.running.cluster import Watch
-from daskdag.running.local import FORWARD, SCHEDULERS, Filled, threads
+from daskdag.running.local import FORWARD, SCHEDULERS, Filled, FullCollectionsHeld
 
 POLL = 1.0  # seconds between two looks at the cluster while a call waits on it
 
@@ -49,11 +49,10 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
     nodes that its tasks tell of go into the record of the call this thread runs
     (:func:`daskdag.model.implicit.recording`)."""
     dsk: dict = {}
-    known: dict = {}
     # (jax.tree sorts a dict's keys: the results go back in the order the call named them)
     order = list(graph) if isinstance(graph, dict) else plan.outputs if plan is not None else ()
     if isinstance(graph, Filled):  # a prepared local call's graph (local.Template)
-        dsk, keys, structure, known = graph.dsk, graph.keys, graph.structure, graph.functions
+        keys, structure = graph.keys, graph.structure
     elif isinstance(graph, OneTask):  # (a cluster's call, as distributed's own submit)
         keys, structure = [graph], jax.tree.structure(0)
     else:
@@ -66,9 +65,10 @@ def compute(graph: dict, client, progress: bool = False, stop=None, local: str |
         # optimizations would cost for nothing.
         try:
             from dask.diagnostics import ProgressBar  # (only for a bar: its import is slow)
-            with ProgressBar() if progress else contextlib.nullcontext():
+            with ProgressBar() if progress else contextlib.nullcontext(), \
+                    FullCollectionsHeld():
                 run: Any = SCHEDULERS[local or "threads"]
-                computed = (run(dsk, keys, functions=known) if run is threads else
+                computed = (run(None, keys, filled=graph) if isinstance(graph, Filled) else
                             run(dsk, keys))
         except BaseException:  # Ctrl-C, or a failed node: running stages stop at their next node
             if stop is not None:

@@ -1,7 +1,9 @@
 """Running a call's graph in this process, on Dask's threaded scheduler: a task runs in the
 calling thread when it is the only one running or known to be short (:data:`SHORT`, measured on
 recent calls), as a thread's round trip costs as much as a tiny node's work. Also a prepared
-call's graph built once (:class:`Template`), and run whole in one task (:class:`GraphInOneTask`).
+call's graph built once (:class:`Template`), run in order by its :class:`Schedule`, and run
+whole in one task (:class:`GraphInOneTask`); Python's full garbage collections held off while a
+call runs here (:class:`FullCollectionsHeld`).
 What it reads of the threaded scheduler that Dask does not document is in one place,
 :func:`batch_tasks`, :func:`running` and :func:`threads_of` (checked by
 ``tests/test_internal_dask_local.py``).
@@ -12,10 +14,11 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import functools
+import gc
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import dask.local
 import jax
@@ -23,7 +26,7 @@ import dask.threaded
 from dask.base import tokenize
 from dask.callbacks import Callback
 from dask.system import CPU_COUNT
-from dask.task_spec import DataNode, TaskRef
+from dask.task_spec import DataNode, GraphNode, Task, TaskRef
 from dask.threaded import ContextAwareThreadPoolExecutor
 
 from daskdag.cancel import Stop
@@ -31,6 +34,7 @@ from daskdag.caches import Cache
 from daskdag.graph import tasks
 from daskdag.graph.assembly import kind_of, runs
 from daskdag.transport.packing import unpack, unwrap
+from daskdag.transport.scope import within
 from daskdag.transport.weak import held, ref
 from daskdag.model.spec import Custom, Node
 
@@ -45,17 +49,37 @@ _durations: Cache[deque] = Cache("learned durations of local tasks", KNOWN)
 _threads: list = []  # the pool, once made
 
 
-def threads(dsk: dict, keys: list, functions: dict | None = None, **kwargs):
+def threads(dsk: dict, keys: list, functions: dict | None = None,
+            filled: "Filled | None" = None, **kwargs):
     """``dask.threaded.get`` of ``dsk`` through an :class:`Inline` pool, or :func:`in_order`
-    where every forward task but one at most is short; ``functions``: known ones'."""
-    if threading.current_thread() is not threading.main_thread():
-        return dask.threaded.get(dsk, keys, **kwargs)
+    where every forward task but one at most is short; ``functions``: known ones'. A prepared
+    call gives its ``filled`` graph instead, which runs in order by its :class:`Schedule`."""
+    if filled is not None:
+        keys, functions = filled.keys, filled.functions
+    main = threading.current_thread() is threading.main_thread()
     timer = _Timer(keys[0], functions or {})
-    if not Callback.active and sum(not _known_short(timer.functions(key, task))
-                                   for key, task in dsk.items() if kind_of(key) in FORWARD) <= 1:
-        return in_order(dsk, keys, timer)  # (a progress bar, a Dask callback, needs Dask's)
+    if main and not Callback.active:  # (a progress bar, a Dask callback, needs Dask's)
+        forward = (functions.values() if filled is not None else  # type: ignore[union-attr]
+                   [timer.functions(k, t) for k, t in dsk.items() if kind_of(k) in FORWARD])
+        if sum(not _known_short(f) for f in forward) <= 1:
+            return filled.run(timer) if filled is not None else in_order(dsk, keys, timer)
+    if filled is not None:
+        dsk = filled.dsk
+    if not main:
+        return dask.threaded.get(dsk, keys, **kwargs)
     with Callback(start_state=timer.watch):
         return dask.threaded.get(dsk, keys, pool=Inline(_pool(), timer), **kwargs)
+
+
+def sync(dsk: dict, keys: list, filled: "Filled | None" = None, **kwargs):
+    """``dask.local.get_sync`` of ``dsk``; a prepared call's ``filled`` graph runs in order by
+    its :class:`Schedule` (the same tasks in this thread, without Dask's bookkeeping), unless a
+    Dask callback watches."""
+    if filled is not None:
+        if not Callback.active:
+            return filled.run()
+        dsk, keys = filled.dsk, filled.keys
+    return dask.local.get_sync(dsk, keys, **kwargs)
 
 
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
@@ -75,7 +99,132 @@ def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
     return [values[k] for k in keys]
 
 
-SCHEDULERS = {"threads": threads, "sync": dask.local.get_sync}
+class Schedule:
+    """A graph's tasks as plain calls, to run in order in one thread: each task's function with
+    its arguments looked up among the values before it, each value let go after its last
+    taker. Where every task is wrapped in :func:`~daskdag.transport.scope.within` with the same
+    settings, the wrapper is entered once for the whole run, not once per task; what a task
+    computes is the same as under Dask's own schedulers (``tests/test_internal_schedule.py``).
+    ``graph``: the tasks, in an order that runs each after its dependencies (a :class:`Template`'s
+    is), without the values a run is given; ``forward``: the keys of its forward tasks, which a
+    run's timer times.
+    """
+
+    def __init__(self, graph: dict, keys: list, forward: Iterable = ()):
+        settings = {t.args[0] for t in graph.values() if _wrapped(t)}
+        self.settings = settings.pop() if len(settings) == 1 and all(
+            map(_wrapped, graph.values())) else None
+        self.keys, forward = list(keys), set(forward)
+        takers = Counter(d for task in graph.values() for d in task.dependencies)
+        wanted = set(keys)
+        self.steps = []
+        for key, task in graph.items():
+            frees = []
+            for d in task.dependencies:
+                takers[d] -= 1
+                if not takers[d] and d not in wanted:
+                    frees.append(d)
+            self.steps.append((key, self._call(task), tuple(frees), key in forward))
+
+    def _call(self, arg) -> Callable[[dict], Any]:
+        """``arg`` (a task, or one of its arguments) as a function of the values before it."""
+        if isinstance(arg, TaskRef):
+            key = arg.key
+            return lambda values: values[key]
+        if not isinstance(arg, Task):  # (data, or a node Dask evaluates in its own way)
+            deps = tuple(arg.dependencies) if isinstance(arg, GraphNode) else None
+            return (lambda values: arg) if deps is None else (
+                lambda values: arg({d: values[d] for d in deps}))
+        fn, args, kwargs = arg.func, list(arg.args), dict(arg.kwargs)
+        if fn is within and self.settings is not None and args[0] == self.settings:
+            # (entered once, for the whole run)
+            fn, args = args[1], args[2:]
+        refs, calls = [], []  # (position, key), (position, function of the values)
+        for i, a in enumerate(args):
+            if isinstance(a, TaskRef):
+                refs.append((i, a.key))
+            elif isinstance(a, DataNode):
+                args[i] = a.value
+            elif isinstance(a, GraphNode):
+                calls.append((i, self._call(a)))
+        if any(isinstance(v, (TaskRef, GraphNode)) for v in kwargs.values()):
+            kwarg_calls = {k: self._call(v) for k, v in kwargs.items()}
+            return lambda values: fn(*_filled(args, refs, calls, values),
+                                     **{k: c(values) for k, c in kwarg_calls.items()})
+        if not calls and not kwargs:  # (the common task: values and constants)
+            return lambda values: fn(*_filled(args, refs, (), values))
+        return lambda values: fn(*_filled(args, refs, calls, values), **kwargs)
+
+    def run(self, slots: dict, timer: "_Timer | None" = None) -> list:
+        """The values of the graph's keys, with ``slots`` (``{key: value}``) filled in."""
+        if self.settings is None:
+            return self._run(dict(slots), timer)
+        return within(self.settings, self._run, dict(slots), timer)
+
+    def _run(self, values: dict, timer: "_Timer | None") -> list:
+        for key, call, frees, forward in self.steps:
+            if forward and timer is not None:
+                start = time.perf_counter()
+                values[key] = call(values)
+                timer.record_known(key, time.perf_counter() - start)
+            else:
+                values[key] = call(values)
+            for d in frees:
+                del values[d]
+        return [values[k] for k in self.keys]
+
+
+def _filled(args: list, refs: list, calls, values: dict) -> list:
+    """``args`` with the ``values`` of ``refs`` and what ``calls`` make of them in place."""
+    args = args.copy()
+    for i, key in refs:
+        args[i] = values[key]
+    for i, call in calls:
+        args[i] = call(values)
+    return args
+
+
+def _wrapped(task) -> bool:
+    """Whether ``task`` is one of daskdag's, wrapped in ``within``."""
+    return isinstance(task, Task) and task.func is within
+
+
+class FullCollectionsHeld:
+    """A context manager: Python's full garbage collections (of its oldest generation) held off
+    while a call runs its graph in this process, as Mercurial's ``nogc`` does for its large
+    builds, but with the young generations still collected. A full collection walks every
+    object of the process (JAX's own included) while a call keeps each node's values and
+    pullback alive until its backward pass, so one during a call finds nothing to free, and a
+    call of many small nodes grows the generations enough to make several. The oldest
+    generation's threshold is back once the last call running here ends (unless it was set
+    meanwhile); what the call left for a full collection is collected after it."""
+
+    _lock = threading.Lock()
+    _running = 0
+    _threshold = 0  # the oldest generation's threshold before the first of them
+
+    def __enter__(self) -> None:
+        with self._lock:
+            cls = FullCollectionsHeld
+            if cls._running == 0:
+                young, middle, cls._threshold = gc.get_threshold()
+                gc.set_threshold(young, middle, HELD)
+            cls._running += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            cls = FullCollectionsHeld
+            cls._running -= 1
+            if cls._running == 0:
+                young, middle, oldest = gc.get_threshold()
+                if oldest == HELD:  # (else someone set it since: theirs stays)
+                    gc.set_threshold(young, middle, cls._threshold)
+
+
+HELD = 2 ** 30  # the oldest generation's threshold while calls run: no full collection
+
+
+SCHEDULERS = {"threads": threads, "sync": sync}
 FORWARD = ("fwd", "jvp")
 
 
@@ -94,23 +243,51 @@ class Template:
         self.keys = [d.key for d in leaves]
         self.functions = {k: functions_of(t) for k, t in self.dsk.items() if kind_of(k) in FORWARD}
 
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """Its tasks as they run in order (made at the first call that runs them so)."""
+        return Schedule(self.dsk, self.keys, self.functions)
+
     def __getstate__(self) -> dict:  # (where it is sent, it runs in order: untimed)
-        return {**self.__dict__, "functions": {}}
+        state = {**self.__dict__, "functions": {}}
+        state.pop("schedule", None)  # (its calls are closures: made again where it arrives)
+        return state
 
     def fill(self, values: dict[TaskRef, Any]) -> "Filled":
         """The graph of one call, ``values`` in their slots (``{slot: value}``)."""
-        dsk = {ref.key: DataNode(ref.key, value) for ref, value in values.items()}
-        dsk.update(self.dsk)  # (after the slots: in_order runs a graph in its order)
-        return Filled(dsk, self.keys, self.structure, self.functions)
+        return Filled(self, {ref.key: value for ref, value in values.items()})
 
 
 class Filled:
-    """A :class:`Template` filled for one call."""
+    """A :class:`Template` filled for one call: its ``values`` (``{slot key: value}``)."""
 
-    __slots__ = ("dsk", "keys", "structure", "functions")
+    __slots__ = ("template", "values")
 
-    def __init__(self, dsk: dict, keys: list, structure, functions: dict) -> None:
-        self.dsk, self.keys, self.structure, self.functions = dsk, keys, structure, functions
+    def __init__(self, template: Template, values: dict) -> None:
+        self.template, self.values = template, values
+
+    @property
+    def dsk(self) -> dict:
+        """The call's graph for Dask: the slots' values as data, then the template's tasks."""
+        dsk = {key: DataNode(key, value) for key, value in self.values.items()}
+        dsk.update(self.template.dsk)  # (after the slots: in_order runs a graph in its order)
+        return dsk
+
+    @property
+    def keys(self) -> list:
+        return self.template.keys
+
+    @property
+    def structure(self):
+        return self.template.structure
+
+    @property
+    def functions(self) -> dict:
+        return self.template.functions
+
+    def run(self, timer: "_Timer | None" = None) -> list:
+        """The values of its keys, run in order here (:class:`Schedule`)."""
+        return self.template.schedule.run(self.values, timer)
 
 
 class _Timer:
@@ -131,6 +308,11 @@ class _Timer:
     def record(self, key, task, seconds: float) -> None:
         self.took[key] = seconds
         _remember(self.functions(key, task), seconds)
+
+    def record_known(self, key, seconds: float) -> None:
+        """:meth:`record` of a task whose functions are known."""
+        self.took[key] = seconds
+        _remember(self.known[key], seconds)
 
 
 class Inline:
@@ -280,7 +462,7 @@ class GraphInOneTask:
         filled = self.template.fill({**{slot(*s): v for s, v in zip(self.slots, values[:n])},
                                      **{TaskRef(k): v for k, v in zip(self.kept_keys, values[n:])},
                                      slot("stop"): Stop()})
-        return jax.tree.unflatten(filled.structure, in_order(filled.dsk, filled.keys))
+        return jax.tree.unflatten(filled.structure, filled.run())
 
 
 _graphs: Cache[GraphInOneTask] = Cache("graphs received to run in one task", 32)
