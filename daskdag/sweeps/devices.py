@@ -220,7 +220,8 @@ class Devices(InProcess):
         start, stop = chunk
         count = stop - start
         values = self.on.put(sweep.items(start, stop), count, self.on.padded(count, self.width))
-        done = self._run(chunk, steps, self._graph(sweep), values)
+        graph = self._graph(sweep)
+        done = self._run(chunk, steps, graph, graph.values(sweep, values))
         if done.computed is not None:
             self.flying.append(done.computed)
             if self.host:

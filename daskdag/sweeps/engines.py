@@ -12,11 +12,12 @@ import threading
 import time
 import uuid
 import warnings
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import dask
-import dask.core
 import jax
 from dask.base import tokenize
 from dask.callbacks import Callback
@@ -27,6 +28,7 @@ from daskdag.graph.assembly import key
 from daskdag.model.spec import as_numpy
 from daskdag.running.cluster import Watch, describe, unreachable, workers
 from daskdag.running.compute import Arrivals
+from daskdag.running.local import Schedule
 from daskdag.sweeps import progress
 from daskdag.transport.packing import unpack
 from daskdag.transport.protocol import travels, tree_size
@@ -92,22 +94,26 @@ class InProcess:
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         raise NotImplementedError
 
-    def _graph(self, sweep) -> tuple[dict, str]:
-        """``sweep``'s chunk graph, made once, which each chunk runs with its items bound."""
+    def _graph(self, sweep) -> ChunkGraph:
+        """``sweep``'s chunk graph (:func:`kept_chunk_graph`), which each chunk runs with its
+        values bound."""
         if self.graph is None or self.graph[0] is not sweep:
-            self.graph = (sweep, chunk_graph(sweep, {}))
+            self.graph = (sweep, kept_chunk_graph(sweep))
         return self.graph[1]
 
-    def _run(self, chunk: tuple[int, int], steps: int, graph: tuple[dict, str], items: dict
+    def _run(self, chunk: tuple[int, int], steps: int, graph: ChunkGraph, values: dict
              ) -> Done:
-        """The chunk run in this thread: ``graph`` (:meth:`_graph`) with its ``items`` bound, by
-        Dask's synchronous scheduler where a Dask callback watches, else without one."""
+        """The chunk run in this thread: ``graph`` (:meth:`_graph`) with its slots' ``values``
+        (:meth:`ChunkGraph.values`), by Dask's synchronous scheduler where a Dask callback
+        watches, else in order by the graph's :class:`~daskdag.running.local.Schedule`."""
         bar = self.bar
         report = None if bar is None else (lambda f: bar.report(chunk, f))
-        get = dask.get if Callback.active else dask.core.get
-        tasks, key = graph
+        if Callback.active:
+            compute = partial(dask.get, bound(graph.tasks, values, {}), graph.key)
+        else:
+            compute = partial(graph.run, values)
         return run_chunk(progress.ChunkRun(chunk[1] - chunk[0], steps, self.stop.is_set, report),
-                         lambda: get(bound(tasks, {}, items), key))
+                         compute)
 
     def wait_any(self, futures) -> set:
         return concurrent.futures.wait(futures, WAIT, return_when="FIRST_COMPLETED").done
@@ -120,21 +126,53 @@ class InProcess:
 
 
 class Threads(InProcess):
-    """Each chunk synchronously on one of ``in_flight`` threads of this process; ``here``: in
-    the calling thread, as it is submitted (Dask's ``"sync"`` scheduler, for a debugger)."""
+    """Each chunk synchronously on one of ``in_flight`` threads of this process: a pool kept
+    for the sweeps of the process (:func:`sweep_pool`), or the sweep's own where it runs
+    inside a chunk of another; ``here``: in the calling thread, as it is submitted (Dask's
+    ``"sync"`` scheduler, for a debugger)."""
 
     def __init__(self, in_flight: int, bar: progress.Progress | None, here: bool = False):
         super().__init__(bar)
-        self.pool: Any = (Here() if here else concurrent.futures.ThreadPoolExecutor(
-            in_flight, thread_name_prefix="daskdag-sweep"))
+        inner = threading.current_thread().name.startswith(POOL_PREFIX)
+        self.own = here or inner  # (a chunk's sweep waiting on the pool its chunk holds: a
+        self.pool: Any = (Here() if here else  # deadlock, so it has a pool of its own)
+                          concurrent.futures.ThreadPoolExecutor(
+                              in_flight, thread_name_prefix=POOL_PREFIX) if inner else
+                          sweep_pool(in_flight))
+        self.futures: list[concurrent.futures.Future] = []
         self.shared: dict = {}
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
-        return self.pool.submit(self._run, chunk, steps, self._graph(sweep), sweep.items(*chunk))
+        graph = self._graph(sweep)
+        future = self.pool.submit(self._run, chunk, steps, graph,
+                                  graph.values(sweep, sweep.items(*chunk)))
+        self.futures.append(future)
+        return future
 
     def close(self):
         self.stop.set()  # running chunks stop at their next item; this waits for that
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.own:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            return
+        for future in self.futures:
+            future.cancel()
+        concurrent.futures.wait(self.futures)
+
+
+POOL_PREFIX = "daskdag-sweep"
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def sweep_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of ``threads`` threads kept for this process's sweeps (starting a thread costs
+    as much as a small chunk's work); the sweeps that run at once share it."""
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix=POOL_PREFIX)
+        return pool
 
 
 class Here:
@@ -368,6 +406,52 @@ def bound(tasks: dict, shared: dict, items: dict) -> dict:
     shared inputs' values by task key and the chunk's ``items`` by input."""
     data = {**shared, **{item_key(n): v for n, v in items.items()}}
     return {**tasks, **{k: DataNode(k, v) for k, v in data.items()}}
+
+
+class ChunkGraph:
+    """A sweep's chunk graph made in this process, whose slots a chunk fills (:meth:`values`):
+    its shared inputs (``shared``, their names), its outputs' cotangents and its items;
+    ``key``: its results' task; ``run``: it run in order (by its
+    :class:`~daskdag.running.local.Schedule`)."""
+
+    def __init__(self, tasks: dict, key: str, shared: tuple[str, ...]):
+        self.tasks, self.key, self.shared = tasks, key, shared
+        self._schedule = Schedule(tasks, [key])
+
+    def values(self, sweep, items: dict) -> dict:
+        """The slots' values for a chunk of ``sweep`` whose carried inputs are ``items``."""
+        return {**{shared_key(n): sweep.values[n] for n in self.shared},
+                **{cotangent_key(o): ct for o, ct in sweep.cotangents.items()},
+                **{item_key(n): v for n, v in items.items()}}
+
+    def run(self, values: dict) -> Any:
+        return self._schedule.run(values)[0]
+
+
+def kept_chunk_graph(sweep) -> ChunkGraph:
+    """``sweep``'s chunk graph with its shared inputs and cotangents as slots, made once per
+    preparation and plan (a sweep whose shared work ran once has a plan of its own) and kept
+    with the preparation for its next calls."""
+    shared = tuple(sorted(i for i in sweep.values if sweep.shared(i)))
+    which = (shared, tuple(sweep.cotangents), tuple(sorted(sweep.carried())))
+    kept = sweep.kept.get(which)
+    if kept is not None and kept[0] is sweep.plan:
+        return kept[1]
+    slotted = replace(sweep, cotangents={o: TaskRef(cotangent_key(o)) for o in sweep.cotangents})
+    graph = ChunkGraph(*chunk_graph(slotted, {n: TaskRef(shared_key(n)) for n in shared}),
+                       shared)
+    sweep.kept[which] = (sweep.plan, graph)
+    return graph
+
+
+def shared_key(name: str) -> str:
+    """The key under which a chunk graph made here refers to shared input ``name``."""
+    return f"daskdag-shared-{name}"
+
+
+def cotangent_key(output: str) -> str:
+    """The key under which a chunk graph made here refers to ``output``'s cotangent."""
+    return f"daskdag-cotangent-{output}"
 
 
 def chunk_graph(sweep, shared: dict) -> tuple[dict, str]:

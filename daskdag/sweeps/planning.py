@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -47,6 +47,9 @@ class Sweep:
     transport: Transport  # how chunk graphs take in their values
     through: Any = None  # nodes of shared inputs differentiated per item, run once (shared.py)
     lowered: Any = None  # the kind of call lowered (daskdag.running.passes.Lowered)
+    # chunk graphs made in this process, kept for the next calls of the same preparation
+    # (daskdag.sweeps.engines.kept_chunk_graph)
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _vmap(self) -> list[bool]:
         """Per node that carries items, whether it is ``vmap=True``."""
@@ -189,15 +192,24 @@ def default_chunk_size(sweep: Sweep, parallelism: int) -> int:
 VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk, at least / at most
 
 
-def chunk_steps(plan: Plan, items: int) -> int:
-    """Item steps of a chunk of ``items``: each stage's forward pass, and its backward pass
-    where a gradient passes through it."""
+def chunk_steps(sweep: Sweep, items: int) -> int:
+    """Item steps of a chunk of ``items`` of ``sweep`` (:func:`item_steps` of its plan, kept
+    with its preparation while its plan is the same)."""
+    kept = sweep.kept.get("item steps")
+    if kept is None or kept[0] is not sweep.plan:
+        kept = sweep.kept["item steps"] = (sweep.plan, item_steps(sweep.plan))
+    return items * kept[1]
+
+
+def item_steps(plan: Plan) -> int:
+    """Steps a chunk takes per item: each stage's forward pass, and its backward pass where a
+    gradient passes through it."""
     steps = 0
     for s in make_stages(plan):
         per_item = steps_per_item(s, [plan.spec.nodes[n] for n in s.nodes])
         backward = any(set(s.nodes) & set(plan.backward[o]) for o in plan.outputs)
         steps += per_item * (2 if backward else 1)
-    return items * steps
+    return steps
 
 
 def steps_per_item(stage: Stage, nodes) -> int:

@@ -257,7 +257,7 @@ def _run_chunks(sweep, chunk_size, client, in_flight, bar, errors, stacked, fail
             batch = [source.popleft()  # type: ignore[union-attr]  # never the empty tuple
                      for _ in range(min(len(source), in_flight - len(pending)))]
             if batch:
-                futures = engine.submit(sweep, [(c, chunk_steps(sweep.plan, c[1] - c[0]))
+                futures = engine.submit(sweep, [(c, chunk_steps(sweep, c[1] - c[0]))
                                                 for c in batch])
                 sent += len(batch)
                 pending.update(zip(futures, batch))
