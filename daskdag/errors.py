@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from typing import Any
 
 import jax
 
@@ -175,14 +176,14 @@ class _NodeErrors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, e, traceback) -> bool:
+    def __exit__(self, kind: Any, e: BaseException | None, traceback: Any) -> None:
         if e is None or isinstance(e, NodeError):  # (a NodeError names its node already)
-            return False
+            return None
         if not isinstance(e, (Exception, KeyboardInterrupt, SystemExit)):
-            return False
+            return None
         if (isinstance(e, KeyboardInterrupt)  # in the user's own main thread: maybe Ctrl-C's
                 and threading.current_thread() is threading.main_thread()
                 and multiprocessing.parent_process() is None):
-            return False
+            return None
         original = _raised(e)
         raise NodeError(self.node, self.phase, original) from original

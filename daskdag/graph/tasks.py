@@ -13,7 +13,7 @@ import contextlib
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, ContextManager, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -361,7 +361,7 @@ def linearize(stage: Stage, nodes: Sequence[Node], deps: Sequence[Any], dropped=
         return _linearize(stage, nodes, deps, dropped)
 
 
-def placed(stage: Stage, values):
+def placed(stage: Stage, values) -> ContextManager[Any]:
     """A context manager: ``values`` put on the stage's device, where eager ops in its block
     run (if it has one)."""
     if stage.device is None:
