@@ -72,19 +72,30 @@ def test_a_value_is_let_go_after_its_last_taker_unless_asked_for():
 
 
 def test_a_prepared_call_enters_the_tasks_wrapper_once(monkeypatch):
-    """Each task is wrapped in ``scope.within`` (the call's JAX settings, malloc); run in order
-    here, a prepared call enters it once, not once per task; on the threaded and the sync
-    scheduler alike, with the same values."""
+    """Each task that computes is wrapped in ``scope.within`` (the call's JAX settings,
+    malloc); run in order here, a prepared call enters it once, not once per task; on the
+    threaded and the sync scheduler alike, with the same values; with gradients that are zeros
+    (E does not read y: tasks that pick them apart, not wrapped) too."""
     entered = []
     applied = scope.JaxSettings.applied
     monkeypatch.setattr(scope.JaxSettings, "applied",
                         lambda self: entered.append(1) or applied(self))
+    scaled = {**DAG, "D": (lambda c, y: jnp.sum(jnp.log(c)) * y, ["C", "y"])}
+    y = jnp.float32(2.0)
     for scheduler in ("threads", "sync"):
         for _ in range(3):  # (a call like the last is a prepared one: its graph is a template)
             entered.clear()
             res = daskdag.compute_grads(DAG, X, ["D", "E"], scheduler=scheduler)
         check(res)
         assert len(entered) == 1, (scheduler, len(entered))
+        for _ in range(3):
+            entered.clear()
+            res = daskdag.compute_grads(scaled, {"x": X, "y": y}, ["D", "E"],
+                                        scheduler=scheduler)
+        assert len(entered) == 1, (scheduler, len(entered))
+        assert_tree_close(res["E"].grad["y"], jnp.zeros_like(y))
+        assert_tree_close(res["D"].grad["y"], composed(X)["D"])
+        assert_tree_close(res["D"].value, composed(X)["D"] * y)
 
 
 def test_a_dask_callback_still_sees_a_prepared_calls_tasks():

@@ -27,7 +27,8 @@ from daskdag.graph import dense
 from daskdag.graph.compiled import Jitted
 from daskdag.graph.stages import Stage
 from daskdag.model import devices
-from daskdag.model.leaves import differentiable_leaves, is_differentiable, many_zeros, zeros_of
+from daskdag.model.leaves import (differentiable_leaves, dtype_of, is_differentiable, many_zeros,
+                                  zeros_of)
 from daskdag.model.spec import Node
 from daskdag.rules.vjp import (PerItem, Pullback, add, basis, basis_rows, check_scalar, ct_avals,
                                element_of, forward_rule, has_rules, rules_of, seed, total)
@@ -337,7 +338,7 @@ def zero_gradients(*xs, lead: tuple = ()) -> tuple:
     like it (``lead`` axes first; ``None`` on leaves held constant), each its own buffer, made
     by one program."""
     flat = [jax.tree.flatten(x) for x in xs]
-    made = iter(many_zeros([((*lead, *jnp.shape(leaf)), jnp.result_type(leaf))
+    made = iter(many_zeros([((*lead, *jnp.shape(leaf)), dtype_of(leaf))
                             for leaves, _ in flat for leaf in leaves if is_differentiable(leaf)]))
     return tuple(treedef.unflatten([next(made) if is_differentiable(leaf) else None
                                     for leaf in leaves]) for leaves, treedef in flat)
@@ -345,7 +346,7 @@ def zero_gradients(*xs, lead: tuple = ()) -> tuple:
 
 def _typed(grad, leaf, rows: bool = False):
     """``grad`` as a JAX array of ``leaf``'s dtype (a Jacobian's NumPy ``rows`` stay NumPy)."""
-    dtype = jnp.result_type(leaf)
+    dtype = dtype_of(leaf)
     if isinstance(grad, jax.Array) and grad.dtype == dtype:
         return grad
     if rows and isinstance(grad, np.ndarray):

@@ -130,11 +130,13 @@ def abstract(value, batched: bool = False):
 
 def aval(leaf, batched: bool = False) -> jax.ShapeDtypeStruct:
     """A numeric leaf's shape and JAX dtype (``batched``: less its leading item axis)."""
-    if isinstance(leaf, jax.Array):  # (its dtype is JAX's already)
-        shape, dtype = leaf.shape, leaf.dtype
-    else:
-        shape, dtype = np.shape(leaf), jnp.result_type(leaf)
-    return jax.ShapeDtypeStruct(shape[1:] if batched else shape, dtype)
+    shape = leaf.shape if isinstance(leaf, jax.Array) else np.shape(leaf)
+    return jax.ShapeDtypeStruct(shape[1:] if batched else shape, dtype_of(leaf))
+
+
+def dtype_of(leaf) -> np.dtype:
+    """A numeric leaf's JAX dtype (``jnp.result_type``; a JAX array's own, at once)."""
+    return leaf.dtype if isinstance(leaf, jax.Array) else jnp.result_type(leaf)
 
 
 def zeros(value, k: int | None = None) -> tuple:

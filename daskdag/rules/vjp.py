@@ -23,7 +23,7 @@ from jax.extend import core as jcore
 from daskdag.errors import DAGError
 from daskdag.model.colouring import check_rows, count
 from daskdag.model.devices import beside
-from daskdag.model.leaves import (aval, describe, differentiable_leaves, is_differentiable,
+from daskdag.model.leaves import (aval, describe, differentiable_leaves, dtype_of, is_differentiable,
                                   is_numeric, ones_like, partition)
 from daskdag.model.spec import Node
 from daskdag.transport import programs, weak
@@ -437,7 +437,7 @@ def check_scalar(primal, output: str, batched: bool = False) -> None:
     leaf = leaves[0] if len(leaves) == 1 else None
     shape = () if leaf is None else tuple(np.shape(leaf))
     if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
-            and _floating(leaf.dtype if isinstance(leaf, jax.Array) else jnp.result_type(leaf))):
+            and _floating(dtype_of(leaf))):
         raise DAGError(f"output {output!r} is not a real scalar: it is "
                        f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
                        f"with ct shaped like it", argument="cotangents")

@@ -102,9 +102,10 @@ def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
 class Schedule:
     """A graph's tasks as plain calls, to run in order in one thread: each task's function with
     its arguments looked up among the values before it, each value let go after its last
-    taker. Where every task is wrapped in :func:`~daskdag.transport.scope.within` with the same
-    settings, the wrapper is entered once for the whole run, not once per task; what a task
-    computes is the same as under Dask's own schedulers (``tests/test_internal_schedule.py``).
+    taker. Where the tasks wrapped in :func:`~daskdag.transport.scope.within` all have the same
+    settings, the wrapper is entered once for the whole run, not once per task (the others, which
+    pick values apart, run in it as they are); what a task computes is the same as under Dask's
+    own schedulers (``tests/test_internal_schedule.py``).
     ``graph``: the tasks, in an order that runs each after its dependencies (a :class:`Template`'s
     is), without the values a run is given; ``forward``: the keys of its forward tasks, which a
     run's timer times.
@@ -112,8 +113,7 @@ class Schedule:
 
     def __init__(self, graph: dict, keys: list, forward: Iterable = ()):
         settings = {t.args[0] for t in graph.values() if _wrapped(t)}
-        self.settings = settings.pop() if len(settings) == 1 and all(
-            map(_wrapped, graph.values())) else None
+        self.settings = settings.pop() if len(settings) == 1 else None
         self.keys, forward = list(keys), set(forward)
         takers = Counter(d for task in graph.values() for d in task.dependencies)
         wanted = set(keys)
