@@ -133,9 +133,10 @@ class Threads(InProcess):
 
     def __init__(self, in_flight: int, bar: progress.Progress | None, here: bool = False):
         super().__init__(bar)
+        # A sweep inside a chunk would wait on the pool that chunk holds: it has its own.
         inner = threading.current_thread().name.startswith(POOL_PREFIX)
-        self.own = here or inner  # (a chunk's sweep waiting on the pool its chunk holds: a
-        self.pool: Any = (Here() if here else  # deadlock, so it has a pool of its own)
+        self.own = here or inner
+        self.pool: Any = (Here() if here else
                           concurrent.futures.ThreadPoolExecutor(
                               in_flight, thread_name_prefix=POOL_PREFIX) if inner else
                           sweep_pool(in_flight))
