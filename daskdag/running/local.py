@@ -83,20 +83,8 @@ def sync(dsk: dict, keys: list, filled: "Filled | None" = None, **kwargs):
 
 
 def in_order(dsk: dict, keys: list, timer: "_Timer | None" = None) -> list:
-    """The values of ``keys``, ``dsk``'s tasks run here in order, each let go once unused."""
-    takers = Counter(d for task in dsk.values() for d in task.dependencies)
-    values: dict[Any, Any]
-    wanted, values = set(keys), {}
-    for key, task in dsk.items():
-        start = time.perf_counter()
-        values[key] = task({d: values[d] for d in task.dependencies})
-        if timer is not None and kind_of(key) in FORWARD:
-            timer.record(key, task, time.perf_counter() - start)
-        for d in task.dependencies:
-            takers[d] -= 1
-            if not takers[d] and d not in wanted:
-                del values[d]
-    return [values[k] for k in keys]
+    """The values of ``keys``, ``dsk``'s tasks run here in order (a :class:`Schedule` of it)."""
+    return Schedule(dsk, keys, [k for k in dsk if kind_of(k) in FORWARD]).run({}, timer)
 
 
 class Schedule:
@@ -114,7 +102,7 @@ class Schedule:
     def __init__(self, graph: dict, keys: list, forward: Iterable = ()):
         settings = {t.args[0] for t in graph.values() if _wrapped(t)}
         self.settings = settings.pop() if len(settings) == 1 else None
-        self.keys, forward = list(keys), set(forward)
+        self.keys, self.tasks, forward = list(keys), graph, set(forward)
         takers = Counter(d for task in graph.values() for d in task.dependencies)
         wanted = set(keys)
         self.steps = []
@@ -166,7 +154,7 @@ class Schedule:
             if forward and timer is not None:
                 start = time.perf_counter()
                 values[key] = call(values)
-                timer.record_known(key, time.perf_counter() - start)
+                timer.record(key, self.tasks[key], time.perf_counter() - start)
             else:
                 values[key] = call(values)
             for d in frees:
@@ -308,11 +296,6 @@ class _Timer:
     def record(self, key, task, seconds: float) -> None:
         self.took[key] = seconds
         _remember(self.functions(key, task), seconds)
-
-    def record_known(self, key, seconds: float) -> None:
-        """:meth:`record` of a task whose functions are known."""
-        self.took[key] = seconds
-        _remember(self.known[key], seconds)
 
 
 class Inline:
