@@ -5,7 +5,9 @@ here (:class:`daskdag.running.local.FullCollectionsHeld`)."""
 
 import gc
 import operator
+import os
 import threading
+import warnings
 
 import dask
 import jax
@@ -166,3 +168,25 @@ def test_full_collections_come_back_when_the_last_of_several_calls_ends():
         assert gc.get_threshold() == (700, 10, 77)  # (the user's, set during the call)
     finally:
         gc.set_threshold(*before)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_a_process_forked_during_a_call_has_its_full_collections_back():
+    read, write = os.pipe()
+    before = gc.get_threshold()
+
+    def forks(b):
+        # JAX warns of a fork in a threaded process: the child only reads its threshold, exits.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pid = os.fork()
+        if pid == 0:
+            os.write(write, str(gc.get_threshold()[2]).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        return jnp.sum(b)
+
+    daskdag.compute_grads({**DAG, "E": (forks, ["B"])}, X, "E")
+    os.close(write)
+    with os.fdopen(read) as f:
+        assert int(f.read()) == before[2] != HELD

@@ -15,6 +15,7 @@ import atexit
 import concurrent.futures
 import functools
 import gc
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -185,7 +186,8 @@ class FullCollectionsHeld:
     pullback alive until its backward pass, so one during a call finds nothing to free, and a
     call of many small nodes grows the generations enough to make several. The oldest
     generation's threshold is back once the last call running here ends (unless it was set
-    meanwhile); what the call left for a full collection is collected after it."""
+    meanwhile), and in a process forked meanwhile, where no call runs; what the call left for a
+    full collection is collected after it."""
 
     _lock = threading.Lock()
     _running = 0
@@ -208,8 +210,19 @@ class FullCollectionsHeld:
                 if oldest == HELD:  # (else someone set it since: theirs stays)
                     gc.set_threshold(young, middle, cls._threshold)
 
+    @classmethod
+    def forked(cls) -> None:
+        """In a process just forked: no call runs here, so the threshold is back."""
+        cls._lock = threading.Lock()
+        if cls._running:
+            cls._running = 0
+            young, middle, oldest = gc.get_threshold()
+            if oldest == HELD:
+                gc.set_threshold(young, middle, cls._threshold)
+
 
 HELD = 2 ** 30  # the oldest generation's threshold while calls run: no full collection
+os.register_at_fork(after_in_child=FullCollectionsHeld.forked)
 
 
 SCHEDULERS = {"threads": threads, "sync": sync}
