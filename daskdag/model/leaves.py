@@ -26,13 +26,15 @@ PyTree: TypeAlias = Any  # (the public API's annotations name pytrees so)
 def is_differentiable(leaf) -> bool:
     """A floating-point or complex array (NumPy, JAX or dask) or scalar: differentiated."""
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "chunks"):
-        return _inexact(leaf.dtype)
+        return dtype_is(leaf.dtype, jnp.inexact)
     return isinstance(leaf, (float, complex))
 
 
 @functools.lru_cache(maxsize=None)
-def _inexact(dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+def dtype_is(dtype, kind) -> bool:
+    """``jnp.issubdtype(dtype, kind)`` (``kind``: ``jnp.inexact``, ``jnp.floating``...),
+    remembered: it is asked of every leaf a call takes apart."""
+    return bool(jnp.issubdtype(dtype, kind))
 
 
 def is_array(leaf) -> bool:

@@ -24,17 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from daskdag.model.leaves import is_differentiable, is_numeric, trace
+from daskdag.model.leaves import dtype_is, is_differentiable, is_numeric, trace
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
 
 #: Above this many (output, lhs, rhs) triples, dot_general takes the sound fallback.
 MAX_TRIPLES = 2**25
-
-
-def _inexact(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _size(aval) -> int:
@@ -226,7 +222,7 @@ def _equation(eqn, ops, n):
             except Exception:                 # a rule that could not apply: the sound one
                 ds = _fallback(eqn, ops, n)
         results = list(zip(ds, values))
-    return [(d if _inexact(v.aval.dtype) else _empty(_size(v.aval), n), value)
+    return [(d if dtype_is(v.aval.dtype, jnp.inexact) else _empty(_size(v.aval), n), value)
             for v, (d, value) in zip(eqn.outvars, results)]
 
 
@@ -256,7 +252,7 @@ def _abstract(leaf):
 def differentiable(leaf) -> bool:
     """A differentiable leaf (:func:`~daskdag.model.leaves.is_differentiable`), or its shapes."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return _inexact(leaf.dtype)
+        return dtype_is(leaf.dtype, jnp.inexact)
     return is_differentiable(leaf)
 
 
@@ -272,7 +268,8 @@ def jaxpr_pattern(fn, args: Sequence[Any],
         return None
     closed, invars = traced.jaxpr, traced.jaxpr.jaxpr.invars
     sizes = [_size(v.aval) for v in invars]
-    moving = [active[i] and _inexact(v.aval.dtype) for i, v in zip(traced.deps, invars)]
+    moving = [active[i] and dtype_is(v.aval.dtype, jnp.inexact)
+              for i, v in zip(traced.deps, invars)]
     starts = np.cumsum([0, *(s * m for s, m in zip(sizes, moving))]).tolist()
     n, widths = starts[-1], [0] * len(args)  # (each argument's columns, in turn)
     for i, s, m in zip(traced.deps, sizes, moving):
@@ -280,7 +277,8 @@ def jaxpr_pattern(fn, args: Sequence[Any],
     ins = [(sp.eye_array(s, n, k=k, dtype=bool, format="csr") if m else _empty(s, n), None)
            for s, m, k in zip(sizes, moving, starts)]
     outs = _interpret(closed.jaxpr, closed.consts, ins, n)
-    rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs) if _inexact(v.aval.dtype)]
+    rows = [d for v, (d, _) in zip(closed.jaxpr.outvars, outs)
+            if dtype_is(v.aval.dtype, jnp.inexact)]
     total = sp.csr_array(sp.vstack(rows, format="csr")) if rows else _empty(0, n)
     bounds = np.cumsum([0, *widths]).tolist()
     return [sp.csr_array(total[:, a:b], dtype=bool) if on else None

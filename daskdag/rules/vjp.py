@@ -12,7 +12,7 @@ import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial, reduce, singledispatch
+from functools import partial, reduce, singledispatch
 from typing import Any
 
 import jax
@@ -23,8 +23,8 @@ from jax.extend import core as jcore
 from daskdag.errors import DAGError
 from daskdag.model.colouring import check_rows, count
 from daskdag.model.devices import beside
-from daskdag.model.leaves import (aval, describe, differentiable_leaves, dtype_of, is_differentiable,
-                                  is_numeric, ones_like, partition)
+from daskdag.model.leaves import (aval, describe, differentiable_leaves, dtype_is, dtype_of,
+                                  is_differentiable, is_numeric, ones_like, partition)
 from daskdag.model.spec import Node
 from daskdag.transport import programs, weak
 from daskdag.transport.packing import unwrap
@@ -425,11 +425,6 @@ def seed(primal, output: str, ct, batched: bool = False) -> tuple:
     return tuple(seeds)
 
 
-@lru_cache(maxsize=None)
-def _floating(dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
 def check_scalar(primal, output: str, batched: bool = False) -> None:
     """Refuse an ``output`` without a cotangent unless it is a real scalar (per item,
     ``batched``), which starts from 1."""
@@ -437,7 +432,7 @@ def check_scalar(primal, output: str, batched: bool = False) -> None:
     leaf = leaves[0] if len(leaves) == 1 else None
     shape = () if leaf is None else tuple(np.shape(leaf))
     if not (leaf is not None and leaf is primal and (shape[1:] if batched else shape) == ()
-            and _floating(dtype_of(leaf))):
+            and dtype_is(dtype_of(leaf), jnp.floating)):
         raise DAGError(f"output {output!r} is not a real scalar: it is "
                        f"{describe(primal, batched)}; pass cotangents={{{output!r}: ct}} "
                        f"with ct shaped like it", argument="cotangents")

@@ -203,12 +203,9 @@ class FullCollectionsHeld:
 
     def __exit__(self, *exc) -> None:
         with self._lock:
-            cls = FullCollectionsHeld
-            cls._running -= 1
-            if cls._running == 0:
-                young, middle, oldest = gc.get_threshold()
-                if oldest == HELD:  # (else someone set it since: theirs stays)
-                    gc.set_threshold(young, middle, cls._threshold)
+            FullCollectionsHeld._running -= 1
+            if FullCollectionsHeld._running == 0:
+                self._back()
 
     @classmethod
     def forked(cls) -> None:
@@ -216,9 +213,13 @@ class FullCollectionsHeld:
         cls._lock = threading.Lock()
         if cls._running:
             cls._running = 0
-            young, middle, oldest = gc.get_threshold()
-            if oldest == HELD:
-                gc.set_threshold(young, middle, cls._threshold)
+            cls._back()
+
+    @classmethod
+    def _back(cls) -> None:
+        young, middle, oldest = gc.get_threshold()
+        if oldest == HELD:  # (else someone set it since: theirs stays)
+            gc.set_threshold(young, middle, cls._threshold)
 
 
 HELD = 2 ** 30  # the oldest generation's threshold while calls run: no full collection

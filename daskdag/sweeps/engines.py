@@ -431,18 +431,16 @@ class ChunkGraph:
 
 def kept_chunk_graph(sweep) -> ChunkGraph:
     """``sweep``'s chunk graph with its shared inputs and cotangents as slots, made once per
-    preparation and plan (a sweep whose shared work ran once has a plan of its own) and kept
-    with the preparation for its next calls."""
+    preparation and plan (:meth:`~daskdag.sweeps.planning.Sweep.per_plan`)."""
     shared = tuple(sorted(i for i in sweep.values if sweep.shared(i)))
-    which = (shared, tuple(sweep.cotangents), tuple(sorted(sweep.carried())))
-    kept = sweep.kept.get(which)
-    if kept is not None and kept[0] is sweep.plan:
-        return kept[1]
-    slotted = replace(sweep, cotangents={o: TaskRef(cotangent_key(o)) for o in sweep.cotangents})
-    graph = ChunkGraph(*chunk_graph(slotted, {n: TaskRef(shared_key(n)) for n in shared}),
-                       shared)
-    sweep.kept[which] = (sweep.plan, graph)
-    return graph
+
+    def make() -> ChunkGraph:
+        slotted = replace(sweep, cotangents={o: TaskRef(cotangent_key(o))
+                                             for o in sweep.cotangents})
+        return ChunkGraph(*chunk_graph(slotted, {n: TaskRef(shared_key(n)) for n in shared}),
+                          shared)
+
+    return sweep.per_plan((shared, tuple(sweep.cotangents), tuple(sorted(sweep.carried()))), make)
 
 
 def shared_key(name: str) -> str:

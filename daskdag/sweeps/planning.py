@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,7 @@ class Sweep:
     transport: Transport  # how chunk graphs take in their values
     through: Any = None  # nodes of shared inputs differentiated per item, run once (shared.py)
     lowered: Any = None  # the kind of call lowered (daskdag.running.passes.Lowered)
-    # chunk graphs made in this process, kept for the next calls of the same preparation
-    # (daskdag.sweeps.engines.kept_chunk_graph)
+    # what the calls of the same preparation share while the plan is the same (:meth:`per_plan`)
     kept: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _vmap(self) -> list[bool]:
@@ -66,6 +65,14 @@ class Sweep:
         """No node that carries items is ``vmap=True``: a chunk cut into pieces gives the
         numbers it would have whole."""
         return not any(self._vmap())
+
+    def per_plan(self, which, make: Callable[[], Any]) -> Any:
+        """``make()``, made once while the plan is this one and kept with the preparation (a
+        sweep whose shared work ran once has a plan of its own) under ``which``."""
+        hit = self.kept.get(which)
+        if hit is None or hit[0] is not self.plan:
+            hit = self.kept[which] = (self.plan, make())
+        return hit[1]
 
     def shared(self, name: str) -> bool:
         return name not in self.batched and name not in self.broadcast
@@ -193,12 +200,8 @@ VECTOR_CHUNK_BYTES = (16 * 2 ** 20, 64 * 2 ** 20)  # items per vectorized chunk,
 
 
 def chunk_steps(sweep: Sweep, items: int) -> int:
-    """Item steps of a chunk of ``items`` of ``sweep`` (:func:`item_steps` of its plan, kept
-    with its preparation while its plan is the same)."""
-    kept = sweep.kept.get("item steps")
-    if kept is None or kept[0] is not sweep.plan:
-        kept = sweep.kept["item steps"] = (sweep.plan, item_steps(sweep.plan))
-    return items * kept[1]
+    """Item steps of a chunk of ``items`` of ``sweep`` (:func:`item_steps` of its plan)."""
+    return items * sweep.per_plan("item steps", lambda: item_steps(sweep.plan))
 
 
 def item_steps(plan: Plan) -> int:
