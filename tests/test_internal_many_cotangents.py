@@ -140,3 +140,76 @@ def test_gradients_of_outputs_that_do_not_read_an_input_are_made_by_one_program(
     assert len({grad.unsafe_buffer_pointer() for grad in zero}) == len(zero) == k * (k - 1)
     # every output's gradients in one order, zeros or not
     assert len({tuple(res[f"L{j}"].grad) for j in range(k)}) == 1
+
+
+# -- through a jitted stage: one program pulls each output's cotangent back apart ------------------
+
+COMPILES: list = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **_: COMPILES.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def jitted_dag(k: int) -> dict:
+    """A jitted trunk of two nodes (one fused stage), the eager gate, k jitted heads."""
+    d = {"t": daskdag.Node(trunk, ["x", "w"], jit=True),
+         "u": daskdag.Node(trunk, ["t", "w2"], jit=True), "g": (gate, ["u"])}
+    d.update({f"L{j}": daskdag.Node(loss, ["g", f"v{j}"], jit=True) for j in range(k)})
+    return d
+
+
+def jitted_composed(values: dict, j: int):
+    return loss(gate(trunk(trunk(values["x"], values["w"]), values["w2"])), values[f"v{j}"])
+
+
+@pytest.fixture
+def each_calls(monkeypatch):
+    """Per call of a compiled pullback's ``each``, how many outputs it took."""
+    from daskdag.rules import vjp
+    calls: list = []
+    real = vjp.JaxPullback.each
+
+    def counted(self, cts, inputs, dropped=None):
+        if self.apart:
+            calls.append(len(cts))
+        return real(self, cts, inputs, dropped)
+
+    monkeypatch.setattr(vjp.JaxPullback, "each", counted)
+    return calls
+
+
+@pytest.mark.parametrize("k, want", [(2, [2]), (8, [8]), (11, [6, 5]), (17, [6, 6, 5])])
+@pytest.mark.parametrize("setting", ["auto", "always"])
+def test_a_jitted_stage_pulls_every_output_back_in_one_program_of_at_most_eight(
+        k, want, setting, each_calls):
+    values = {**inputs(k, rows=3), "w2": jnp.asarray(np.eye(4, dtype=np.float32) * 0.5)}
+    wrt = ["w", "w2", *(f"v{j}" for j in range(k))]
+    with dask.config.set({"daskdag.batch-cotangents": setting}):
+        res = daskdag.compute_grads(jitted_dag(k), values, [f"L{j}" for j in range(k)], wrt=wrt)
+        assert each_calls == want
+        each_calls.clear()
+        compiled = len(COMPILES)
+        again = daskdag.compute_grads(jitted_dag(k), values, [f"L{j}" for j in range(k)],
+                                      wrt=wrt)
+        assert len(COMPILES) == compiled  # (each count's program compiled once)
+        assert each_calls == want
+    for j in range(k):
+        value, grad = jax.value_and_grad(jitted_composed)(values, j)
+        for r in (res, again):
+            assert_tree_close(r[f"L{j}"].value, value)
+            for name in ("w", "w2", f"v{j}"):
+                assert_tree_close(r[f"L{j}"].grad[name], grad[name])
+
+
+def test_a_jitted_stage_under_never_pulls_each_output_back_alone(each_calls):
+    values = {**inputs(4, rows=3), "w2": jnp.asarray(np.eye(4, dtype=np.float32))}
+    with dask.config.set({"daskdag.batch-cotangents": "never"}):
+        daskdag.compute_grads(jitted_dag(4), values, [f"L{j}" for j in range(4)], wrt=["w"])
+    assert each_calls == []
+
+
+def test_a_jitted_stages_calls_are_split_where_memory_allows_fewer(monkeypatch, each_calls):
+    monkeypatch.setattr(tasks, "rows_per_call", lambda cts: 3)
+    values = {**inputs(8, rows=3), "w2": jnp.asarray(np.eye(4, dtype=np.float32))}
+    daskdag.compute_grads(jitted_dag(8), values, [f"L{j}" for j in range(8)], wrt=["w"])
+    assert each_calls == [3, 3, 2]

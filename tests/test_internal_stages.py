@@ -189,15 +189,24 @@ def test_tasks_grow_like_trunk_plus_heads_and_outputs_pull_back_together():
 
 
 def test_outputs_pulled_back_together_equal_one_at_a_time():
-    """tasks.backward with several outputs (vmapped) against each output alone, for a chain
-    stage (some outputs giving no cotangent to one exposed node) and a fused one."""
+    """tasks.backward with several outputs (``batch-cotangents: always``) against each output
+    alone, for a chain stage (vmapped) and a fused one (its program that pulls each apart), some outputs giving no
+    cotangent to one exposed node."""
     from daskdag.graph import tasks
     x = jnp.linspace(-1.0, 1.0, 4)
-    for dag in ({"A": (jnp.sin, ["x"]), "B": (jnp.cos, ["A"]), "P": (jnp.sum, ["B"]),
-                 "Q": (lambda b, a: jnp.sum(b * a), ["B", "A"])},
-                {"A": Node(jnp.sin, ["x"], jit=True), "B": Node(jnp.cos, ["A"], jit=True),
-                 "P": (jnp.sum, ["B"]), "Q": (lambda b, a: jnp.sum(b * a), ["B", "A"])}):
-        together = daskdag.compute_grads(dag, x, ["P", "Q"])
+    for dag, way in (({"A": (jnp.sin, ["x"]), "B": (jnp.cos, ["A"]), "P": (jnp.sum, ["B"]),
+                       "Q": (lambda b, a: jnp.sum(b * a), ["B", "A"])}, "_batched"),
+                     ({"A": Node(jnp.sin, ["x"], jit=True), "B": Node(jnp.cos, ["A"], jit=True),
+                       "P": (jnp.sum, ["B"]), "Q": (lambda b, a: jnp.sum(b * a), ["B", "A"])},
+                      "_each")):
+        calls = []
+        real = getattr(tasks, way)
+        # (it ran, and did not fall back)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tasks, way, lambda *a: calls.append(1) or real(*a))
+            with dask.config.set({"daskdag.batch-cotangents": "always"}):
+                together = daskdag.compute_grads(dag, x, ["P", "Q"])
+        assert calls, way
         for o in ("P", "Q"):
             alone = daskdag.compute_grads(dag, x, o)
             assert_tree_close(together[o].grad, alone.grad)
@@ -207,14 +216,6 @@ def test_outputs_pulled_back_together_equal_one_at_a_time():
             value, grad = jax.value_and_grad(f)(x)
             assert_tree_close(together[o].value, value, rtol=1e-6)
             assert_tree_close(together[o].grad, grad, rtol=1e-6)
-    calls = []
-    real = tasks._batched
-    tasks._batched = lambda *a: calls.append(1) or real(*a)  # it ran, and did not fall back
-    try:
-        daskdag.compute_grads(dag, x, ["P", "Q"])
-    finally:
-        tasks._batched = real
-    assert calls
 
 
 @pytest.mark.parametrize("close", [True, False])

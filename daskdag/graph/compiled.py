@@ -53,7 +53,7 @@ class Jitted:
         parts = split(args, active)
         if parts is None:
             return None
-        forward, backward, kept, _, rows = _programs(self)
+        forward, backward, kept, _, rows, each = _programs(self)
         static, traced = (*parts[0], self.in_axes, active), parts[1]
         out = forward(static, traced)
         if active is None:
@@ -67,7 +67,7 @@ class Jitted:
         pullback = JaxPullback(Node(self.fn, ()), active, diff_counts(args, active),
                                jax.tree_util.Partial(backward, vjp_fn), tuple(args),
                                ct_avals(differentiable_leaves(primal)), batching=COMPILED,
-                               rows=rows)
+                               rows=rows, each=each)
         return primal, pullback
 
 
@@ -97,7 +97,8 @@ _cache: ByObject[tuple] = ByObject("compiled programs of fused stages and jit no
 
 
 def _programs(compiled: Jitted) -> tuple:
-    """The jitted ``(forward, backward, kept, gradients, rows)`` of a function, while it lives."""
+    """The jitted ``(forward, backward, kept, gradients, rows, each)`` of a function, while it
+    lives."""
     fn = current(compiled.fn)
     for owner in (fn, compiled):
         hit = _cache.get(owner)
@@ -142,10 +143,13 @@ def _make_programs(fn_of) -> tuple:
             out.append(vjp_fn([jnp.ones_like(leaf) for leaf in diff]))
         return fn(*args), out
 
-    # (rows: a Jacobian's stacked cotangents, each pulled back, as one program compiled once)
+    # rows: a Jacobian's stacked cotangents, each pulled back, as one program compiled once;
+    # each: several outputs' cotangents, each pulled back apart, one program per count (XLA
+    # runs each pass's ops on that pass's arrays: no stacked copies in or out)
     return (jax.jit(forward, static_argnums=0), jax.jit(lambda vjp_fn, ct: vjp_fn(ct)), kept,
             jax.jit(gradients, static_argnums=0),
-            jax.jit(jax.vmap(lambda vjp_fn, ct: vjp_fn(ct), in_axes=(None, 0))))
+            jax.jit(jax.vmap(lambda vjp_fn, ct: vjp_fn(ct), in_axes=(None, 0))),
+            jax.jit(lambda vjp_fn, cts: [vjp_fn(ct) for ct in cts]))
 
 
 def rebuild(treedef, consts, dynamic):

@@ -145,19 +145,24 @@ class Shares:
 
 @dataclass(frozen=True)
 class PerOutput:
-    """One cotangent per output, pulled back together under ``jax.vmap`` where that pays
-    (``batch``: the setting ``daskdag.batch-cotangents``, ``"auto"``, ``"always"`` or
-    ``"never"``), in calls of as many outputs as :func:`rows_per_call` allows."""
+    """One cotangent per output, pulled back together (``batch``: the setting
+    ``daskdag.batch-cotangents``, ``"auto"``, ``"always"`` or ``"never"``): through a compiled
+    stage by its program that pulls each back apart (:func:`_each`), through any other under
+    ``jax.vmap`` where that pays (:func:`_batched`); in calls of as many outputs as
+    :func:`rows_per_call` allows."""
 
     batch: str = "auto"
     stacked: ClassVar[bool] = False
 
     def pull(self, pullback, cts: list, values, deps, dropped) -> list:
         """Per output, its cotangents (``cts[k]``, per exposed node) pulled back to the deps."""
-        batching = pullback.batching
-        if self.batch != "never" and batching is not None and len(cts) > 1 and batching.worth(
-                cts, any_size=self.batch == "always" or _on_accelerator(cts)):
-            return _batched(pullback, cts, values, deps, dropped)
+        if self.batch != "never" and len(cts) > 1:
+            if pullback.apart:
+                return _each(pullback, cts, deps, dropped)
+            batching = pullback.batching
+            if batching is not None and batching.worth(
+                    cts, any_size=self.batch == "always" or _on_accelerator(cts)):
+                return _batched(pullback, cts, values, deps, dropped)
         return [pullback(c, deps, dropped) for c in cts]
 
 
@@ -190,6 +195,24 @@ def rows_per_call(cts: list) -> int | None:
     row = max(sum(a.nbytes for c in per_output if c is not None for a in c)
               for per_output in cts)
     return max(1, int(free * BATCH_MEMORY) // max(row, 1))
+
+
+#: The most outputs one program of :meth:`~daskdag.rules.vjp.Pullback.each` takes: it holds one
+#: copy of the backward pass per output, compiled once per count.
+EACH_AT_ONCE = 8
+
+
+def _each(pullback, cts: list, deps, dropped) -> list:
+    """``[pullback(c, deps) for c in cts]`` by the pullback's
+    :meth:`~daskdag.rules.vjp.Pullback.each`, in calls of equal counts (differing by one at
+    most) of at most :data:`EACH_AT_ONCE` outputs and :func:`rows_per_call`."""
+    most = min(EACH_AT_ONCE, rows_per_call(cts) or EACH_AT_ONCE)
+    calls = -(-len(cts) // most)
+    size, extra = divmod(len(cts), calls)
+    out: list = []
+    for k in range(calls):
+        out.extend(pullback.each(cts[len(out):len(out) + size + (k < extra)], deps, dropped))
+    return out
 
 
 def _batched(pullback, cts: list, values, deps, dropped) -> list:
@@ -525,18 +548,34 @@ class FusedPullback(Pullback):
         n = next(len(leaf) for ct in cts if ct is not None for leaf in ct)
         return self._pull(cts, deps, (n,), lambda c, d: self.pullback.rows(c, d, dropped))
 
+    def each(self, cts: Sequence[Any], deps: Sequence[Any], dropped=None) -> list:
+        """Each of ``cts`` pulled back by the inner pullback's :meth:`each`."""
+        with placed(self.stage, (cts, deps)) as (cts, deps):
+            flat = [self._flat(ct, ()) for ct in cts]
+            with node_errors(self.stage.name, "backward"):
+                return self.pullback.each(flat, deps, dropped)
+
     def _pull(self, cts: tuple, deps: Sequence[Any], lead: tuple, pull) -> tuple:
         """``pull`` of the cotangents' leaves, flat, with zeros (``lead`` rows) where none."""
         with placed(self.stage, (cts, deps)) as (cts, deps):
-            flat = [leaf for ct, avals in zip(cts, self.avals) for leaf in (
-                ct if ct is not None else [zeros_of((*lead, *shape), dtype)
-                                           for shape, dtype in avals])]
+            flat = self._flat(cts, lead)
             with node_errors(self.stage.name, "backward"):
-                return pull(tuple(flat), deps)
+                return pull(flat, deps)
+
+    def _flat(self, cts: tuple, lead: tuple) -> tuple:
+        """The leaves of ``cts`` (one per exposed value), with zeros (``lead`` rows) where none
+        flows."""
+        return tuple(leaf for ct, avals in zip(cts, self.avals) for leaf in (
+            ct if ct is not None else [zeros_of((*lead, *shape), dtype)
+                                       for shape, dtype in avals]))
 
     @property
     def batching(self):  # type: ignore[override]  # (a plain attribute in Pullback)
         return self.pullback.batching
+
+    @property
+    def apart(self) -> bool:  # type: ignore[override]  # (a plain attribute in Pullback)
+        return self.pullback.apart
 
     def residual_nbytes(self) -> int:
         return self.pullback.residual_nbytes()

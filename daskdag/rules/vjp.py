@@ -76,6 +76,9 @@ class Pullback(abc.ABC):
     batching: Batching | None = None
     #: JAX can trace it (``jax.vmap`` over a Jacobian's rows).
     traceable: bool = True
+    #: :meth:`each` pulls several outputs' cotangents back as one compiled program, each apart
+    #: (no stacking before nor splitting after).
+    apart: bool = False
 
     @abc.abstractmethod
     def __call__(self, ct: Any, inputs: Sequence[Any], dropped: Callable[[], bool] | None = None
@@ -87,6 +90,11 @@ class Pullback(abc.ABC):
         """The pullback of each row of ``cts`` (each leaf stacked over a Jacobian's rows), under
         ``jax.vmap``; one that cannot be vmapped raises, and is pulled back row by row."""
         return jax.vmap(lambda ct: self(ct, inputs, dropped))(cts)
+
+    def each(self, cts: Sequence[Any], inputs: Sequence[Any], dropped=None) -> list:
+        """The pullback of each of ``cts`` (several outputs' cotangents): where :attr:`apart`,
+        as one pass that keeps them apart, else one call each."""
+        return [self(ct, inputs, dropped) for ct in cts]
 
     def materialize(self, inputs: Sequence[Any]) -> Pullback:
         """The pullback a backward task calls on these ``inputs``: itself, or for one that keeps
@@ -201,14 +209,16 @@ class JaxPullback(Pullback):
     or where its program cannot be exported (a host callback inside) a :class:`RedonePullback`.
     """
 
-    __slots__ = ("active", "counts", "batching", "_node", "_vjp", "_args", "_ct_avals", "_rows")
+    __slots__ = ("active", "counts", "batching", "apart", "_node", "_vjp", "_args", "_ct_avals",
+                 "_rows", "_each")
 
     def __init__(self, node: Node, active: tuple[bool, ...], counts: tuple[int, ...], vjp_fn,
-                 args, ct_avals, batching: Batching | None = None, rows=None):
+                 args, ct_avals, batching: Batching | None = None, rows=None, each=None):
         self._node, self.active, self.counts = node, active, counts
         self._vjp, self._args, self._ct_avals = vjp_fn, args, ct_avals
         self.batching = batching if batching is not None or node.jit else EAGER
-        self._rows = rows  # (a compiled program's own: ``rows(vjp_fn, cts)``)
+        # (a compiled program's own: ``rows(vjp_fn, cts)``, ``each(vjp_fn, [ct, ...])``)
+        self._rows, self._each, self.apart = rows, each, each is not None
 
     def __call__(self, ct: tuple, inputs: Sequence[Any], dropped=None) -> tuple:
         return by_arg(self._vjp(list(ct)), self.active, self.counts)
@@ -217,6 +227,12 @@ class JaxPullback(Pullback):
         if self._rows is None:
             return super().rows(cts, inputs, dropped)
         return by_arg(self._rows(self._vjp, list(cts)), self.active, self.counts)
+
+    def each(self, cts: Sequence[Any], inputs: Sequence[Any], dropped=None) -> list:
+        if self._each is None:
+            return super().each(cts, inputs, dropped)
+        return [by_arg(flat, self.active, self.counts)
+                for flat in self._each(self._vjp, [list(ct) for ct in cts])]
 
     def residual_nbytes(self) -> int:
         inputs = {id(leaf) for leaf in jax.tree.leaves(self._args)}
