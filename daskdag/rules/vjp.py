@@ -55,7 +55,8 @@ class Batching:
 
 # A compiled program's batched trace is cached; vmap of an eager pullback traces it anew. On the
 # CPU a loop over large cotangents runs faster, without stacking them (XLA's CPU matmuls over a
-# batch axis take longer than the same matmuls one by one).
+# batch axis take longer than the same matmuls one by one). (A compiled stage's own pullback is
+# :attr:`Pullback.apart`: its ``each`` takes several cotangents of any size, unstacked.)
 COMPILED = Batching(2, 2 ** 15)
 EAGER = Batching(8, 2 ** 15)
 
