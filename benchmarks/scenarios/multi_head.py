@@ -29,7 +29,7 @@ jax_jit:          one ``jax.jit`` of everything (the gate as ``jnp.where``, the 
 And a training step (``train``): SGD on the summed loss (a node ``L`` that sums the heads),
 ``daskdag.value_and_grad(dag, "L")`` prepared once and called at each step, against
 ``jax.jit(jax.value_and_grad)`` of the composed function with the ``jnp.where`` gate; the
-update itself is the same jitted function for both.
+update itself is the same jitted function for every method.
 
 Each method runs once first, checked against ``jax_jit`` (``RTOL`` of each result's largest
 entry) with float32 matmuls (``highest`` precision: a TPU's default multiplies in bfloat16), then

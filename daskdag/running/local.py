@@ -194,18 +194,19 @@ class FullCollectionsHeld:
     _threshold = 0  # the oldest generation's threshold before the first of them
 
     def __enter__(self) -> None:
-        with self._lock:
-            cls = FullCollectionsHeld
+        cls = FullCollectionsHeld  # (the count is the process's, not one instance's)
+        with cls._lock:
             if cls._running == 0:
                 young, middle, cls._threshold = gc.get_threshold()
                 gc.set_threshold(young, middle, HELD)
             cls._running += 1
 
     def __exit__(self, *exc) -> None:
-        with self._lock:
-            FullCollectionsHeld._running -= 1
-            if FullCollectionsHeld._running == 0:
-                self._back()
+        cls = FullCollectionsHeld
+        with cls._lock:
+            cls._running -= 1
+            if cls._running == 0:
+                cls._back()
 
     @classmethod
     def forked(cls) -> None:

@@ -23,7 +23,7 @@ from daskdag.caches import ByObject
 from daskdag.errors import DAGError
 from daskdag.model.devices import free_memory
 from daskdag.model.leaves import UNKNOWN, is_array
-from daskdag.sweeps.engines import Done, Here, InProcess
+from daskdag.sweeps.engines import Done, Here, InProcess, kept_chunk_graph
 from daskdag.sweeps.planning import Sweep
 from daskdag.sweeps.results import item_avals, item_shapes
 
@@ -220,7 +220,7 @@ class Devices(InProcess):
         start, stop = chunk
         count = stop - start
         values = self.on.put(sweep.items(start, stop), count, self.on.padded(count, self.width))
-        graph = self._graph(sweep)
+        graph = kept_chunk_graph(sweep)
         done = self._run(chunk, steps, graph, graph.values(sweep, values))
         if done.computed is not None:
             self.flying.append(done.computed)

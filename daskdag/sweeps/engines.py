@@ -79,13 +79,12 @@ def run_chunk(run: progress.ChunkRun, compute) -> Done:
 
 
 class InProcess:
-    """What the engines of this process share: each chunk's items bound into the sweep's chunk
-    graph, made once (:meth:`_graph`), and run in a thread of it (:meth:`_run`), stopping at its
-    next item once ``stop`` is set; nothing to release."""
+    """What the engines of this process share: each chunk's values bound into the sweep's chunk
+    graph, made once (:func:`kept_chunk_graph`), and run in a thread of it (:meth:`_run`),
+    stopping at its next item once ``stop`` is set; nothing to release."""
 
     def __init__(self, bar: progress.Progress | None):
         self.bar, self.stop = bar, threading.Event()
-        self.graph: tuple | None = None  # (sweep, its chunk graph: chunk_graph)
 
     def submit(self, sweep, chunks: list[tuple[tuple[int, int], int]]) -> list:
         """``chunks``: ``[((start, stop), steps)]``; returns a future for each."""
@@ -94,18 +93,11 @@ class InProcess:
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
         raise NotImplementedError
 
-    def _graph(self, sweep) -> ChunkGraph:
-        """``sweep``'s chunk graph (:func:`kept_chunk_graph`), which each chunk runs with its
-        values bound."""
-        if self.graph is None or self.graph[0] is not sweep:
-            self.graph = (sweep, kept_chunk_graph(sweep))
-        return self.graph[1]
-
     def _run(self, chunk: tuple[int, int], steps: int, graph: ChunkGraph, values: dict
              ) -> Done:
-        """The chunk run in this thread: ``graph`` (:meth:`_graph`) with its slots' ``values``
-        (:meth:`ChunkGraph.values`), by Dask's synchronous scheduler where a Dask callback
-        watches, else in order by the graph's :class:`~daskdag.running.local.Schedule`."""
+        """The chunk run in this thread: ``graph`` (:func:`kept_chunk_graph`) with its slots'
+        ``values`` (:meth:`ChunkGraph.values`), by Dask's synchronous scheduler where a Dask
+        callback watches, else in order by the graph's :class:`~daskdag.running.local.Schedule`."""
         bar = self.bar
         report = None if bar is None else (lambda f: bar.report(chunk, f))
         if Callback.active:
@@ -144,7 +136,7 @@ class Threads(InProcess):
         self.shared: dict = {}
 
     def _submit(self, sweep, chunk: tuple[int, int], steps: int):
-        graph = self._graph(sweep)
+        graph = kept_chunk_graph(sweep)
         future = self.pool.submit(self._run, chunk, steps, graph,
                                   graph.values(sweep, sweep.items(*chunk)))
         self.futures.append(future)
